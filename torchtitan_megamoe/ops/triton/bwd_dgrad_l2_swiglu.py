@@ -1,0 +1,163 @@
+"""Backward kernel A: dgrad of linear 2 fused with the SwiGLU backward and d(topk_weights).
+
+Per (row tile, H tile) of the plan's expert-grouped row space, with e the tile's expert, x_r and
+dy_r the rows of the row's token (read by indirection, no permute copy) and w_r its routing
+weight:
+
+    a1 = x_r @ w1[e]^T,  a3 = x_r @ w3[e]^T          (recomputed, fp32 accumulators)
+    dh = dy_r @ w2[e]                               (unweighted, fp32 accumulator)
+    h  = silu(a1) * a3
+    da1 = w_r * dh * a3 * silu'(a1),  da3 = w_r * dh * silu(a1)
+    hw  = w_r * h                                   (the A-operand of dw2, weight folded in)
+    dtw_part[n_tile, r] = sum over the tile's H columns of dh * h
+
+d(topk_weights)[t,k] = <dy[t], y_slot> = <dy[t], h_r @ w2[e]^T> = <dh_r, h_r>, so it needs no
+second GEMM: each H tile stores its partial dot and the combine kernel sums the partials in fixed
+order (deterministic, no atomics).
+
+Tiles: BLOCK_M rows (== the plan's block_m, so a tile has one expert) x BLOCK_N columns of H,
+K-loop over D in BLOCK_K. Three fp32 accumulators of BLOCK_M x BLOCK_N. Program ids run H tiles
+fastest, so the programs in flight share a row tile's x/dy rows and one expert's weights in L2.
+Waits on: nothing (stream order after the plan). Signals: nothing (stream order).
+
+Outputs, rows of tiles past the used rows are left untouched (never read):
+    da   [R_max, 2H] bf16: da1 in columns [0, H), da3 in [H, 2H)
+    hw   [R_max, H]  bf16
+    dtw_part [cdiv(H, BLOCK_N), R_max] fp32
+Padding rows load zeros, so they store zeros.
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+from torchtitan_megamoe.ops.triton.bwd_common import interpreting, mma
+from torchtitan_megamoe.ops.triton.plan import Plan
+
+
+@triton.jit
+def _dgrad_l2_swiglu_kernel(
+    x_ptr, dy_ptr, tw_ptr, w1_ptr, w2_ptr, w3_ptr,
+    row_slot_ptr, tile_expert_ptr,
+    da_ptr, hw_ptr, part_ptr,
+    H, D, TOPK, R_MAX,
+    s_x, s_dy,
+    s_w1e, s_w1h, s_w1d,
+    s_w2e, s_w2d, s_w2h,
+    s_w3e, s_w3h, s_w3d,
+    s_da, s_hw,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    num_n = tl.cdiv(H, BLOCK_N)
+    pid_m = pid // num_n
+    pid_n = pid % num_n
+    e = tl.load(tile_expert_ptr + pid_m)
+    if e < 0:
+        return
+    e = e.to(tl.int64)
+
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rk = tl.arange(0, BLOCK_K)
+    n_ok = rn < H
+
+    slot = tl.load(row_slot_ptr + rm)
+    valid = slot >= 0
+    tok = tl.where(valid, slot // TOPK, 0).to(tl.int64)
+
+    x_rows = x_ptr + tok[:, None] * s_x
+    dy_rows = dy_ptr + tok[:, None] * s_dy
+    w1_cols = w1_ptr + e * s_w1e + rn[None, :].to(tl.int64) * s_w1h
+    w3_cols = w3_ptr + e * s_w3e + rn[None, :].to(tl.int64) * s_w3h
+    w2_cols = w2_ptr + e * s_w2e + rn[None, :].to(tl.int64) * s_w2h
+
+    a1 = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    a3 = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    dh = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    for k0 in range(0, D, BLOCK_K):
+        kk = k0 + rk
+        k_ok = kk < D
+        row_mask = valid[:, None] & k_ok[None, :]
+        w_mask = k_ok[:, None] & n_ok[None, :]
+        xa = tl.load(x_rows + kk[None, :], mask=row_mask, other=0.0)
+        dya = tl.load(dy_rows + kk[None, :], mask=row_mask, other=0.0)
+        # Weight tiles as [BLOCK_K, BLOCK_N] views of w1[e]^T, w3[e]^T and w2[e].
+        w1t = tl.load(w1_cols + kk[:, None].to(tl.int64) * s_w1d, mask=w_mask, other=0.0)
+        w3t = tl.load(w3_cols + kk[:, None].to(tl.int64) * s_w3d, mask=w_mask, other=0.0)
+        w2t = tl.load(w2_cols + kk[:, None].to(tl.int64) * s_w2d, mask=w_mask, other=0.0)
+        a1 = mma(xa, w1t, a1, UPCAST)
+        a3 = mma(xa, w3t, a3, UPCAST)
+        dh = mma(dya, w2t, dh, UPCAST)
+
+    tw = tl.load(tw_ptr + slot, mask=valid, other=0.0).to(tl.float32)
+    sig = tl.sigmoid(a1)
+    silu = a1 * sig
+    h = silu * a3
+    # Columns past H hold zeros in every accumulator, so they add nothing to the partial dot.
+    tl.store(part_ptr + pid_n.to(tl.int64) * R_MAX + rm, tl.sum(dh * h, axis=1))
+
+    g = dh * tw[:, None]
+    da3 = g * silu
+    da1 = g * a3 * (sig * (1.0 + a1 * (1.0 - sig)))
+    out_mask = n_ok[None, :]
+    da_rows = da_ptr + rm[:, None].to(tl.int64) * s_da
+    tl.store(da_rows + rn[None, :], da1.to(da_ptr.dtype.element_ty), mask=out_mask)
+    tl.store(da_rows + H + rn[None, :], da3.to(da_ptr.dtype.element_ty), mask=out_mask)
+    hw_rows = hw_ptr + rm[:, None].to(tl.int64) * s_hw
+    tl.store(hw_rows + rn[None, :], (h * tw[:, None]).to(hw_ptr.dtype.element_ty), mask=out_mask)
+
+
+def dgrad_l2_swiglu(
+    dy: torch.Tensor,
+    x: torch.Tensor,
+    topk_weights: torch.Tensor,
+    w1: torch.Tensor,
+    w2: torch.Tensor,
+    w3: torch.Tensor,
+    plan: Plan,
+    *,
+    block_n: int = 64,
+    block_k: int = 64,
+    num_warps: int = 8,
+    num_stages: int = 3,
+    out: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Launch kernel A. Returns (da [R_max, 2H], hw [R_max, H], dtw_part [n_h_tiles, R_max]).
+
+    dy, x: [T, D] (rows contiguous in D); topk_weights: [T, K]; w1, w3: [E, H, D]; w2: [E, D, H].
+    ``out`` optionally supplies the three buffers (tests poison them to prove every read row
+    is written)."""
+    T, D = x.shape
+    E, H, _ = w1.shape
+    R = plan.max_rows
+    n_tiles_h = triton.cdiv(H, block_n)
+    if out is None:
+        da = torch.empty(R, 2 * H, dtype=x.dtype, device=x.device)
+        hw = torch.empty(R, H, dtype=x.dtype, device=x.device)
+        part = torch.empty(n_tiles_h, R, dtype=torch.float32, device=x.device)
+    else:
+        da, hw, part = out
+    for name, t in (("x", x), ("dy", dy), ("da", da), ("hw", hw)):
+        if t.stride(-1) != 1:
+            raise ValueError(f"{name} must have contiguous rows (stride(-1) == 1); call .contiguous()")
+    if part.shape != (n_tiles_h, R) or not part.is_contiguous():
+        raise ValueError(f"dtw_part must be a contiguous [{n_tiles_h}, {R}] buffer")
+    tw = topk_weights.reshape(-1)
+    if not tw.is_contiguous():
+        tw = tw.contiguous()
+    grid = (plan.num_tiles * n_tiles_h,)
+    _dgrad_l2_swiglu_kernel[grid](
+        x, dy, tw, w1, w2, w3,
+        plan.row_slot, plan.tile_expert,
+        da, hw, part,
+        H, D, plan.top_k, R,
+        x.stride(0), dy.stride(0),
+        *w1.stride(), *w2.stride(), *w3.stride(),
+        da.stride(0), hw.stride(0),
+        BLOCK_M=plan.block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+        UPCAST=interpreting(),
+        num_warps=num_warps, num_stages=num_stages,
+    )
+    return da, hw, part
