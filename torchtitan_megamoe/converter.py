@@ -1,0 +1,273 @@
+"""The ``megamoe`` model converter: swaps every stock MoE block for ``MegaMoE``.
+
+TorchTitan builds the model on the meta device, runs ``convert(model)``, then parallelizes
+(TP -> EP -> AC -> compile -> FSDP), materializes (``to_empty``) and calls ``init_weights``. The
+swap therefore reuses the stock block's (meta) Parameters, buffers and submodules: nothing is
+allocated, and names, dtypes and init order stay stock's, so checkpoints interchange both ways.
+
+Everything the fused path does not support is rejected here, before any device work, with an
+error naming the setting and what to change.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from torchtitan.config import JobConfig
+from torchtitan.distributed import ParallelDims
+from torchtitan.models.moe.moe import GroupedExperts, MoE
+from torchtitan.protocols.model_converter import register_model_converter
+from torchtitan.tools.logging import logger
+
+from torchtitan_megamoe.config import MegaMoE as MegaMoEConfig
+from torchtitan_megamoe.moe import MegaExperts, MegaMoE
+from torchtitan_megamoe.parallel import install_ep_routing
+
+BACKENDS = ("auto", "triton", "reference")
+PRECISIONS = ("bf16", "fp8", "fp8_bwd")
+
+# Modules holding a module-level ``_op_sac_save_list`` used by their parallelize function.
+_SAC_LIST_MODULES = (
+    "torchtitan.models.qwen3.infra.parallelize",
+    "torchtitan.models.llama4.infra.parallelize",
+    "torchtitan.models.deepseek_v3.infra.parallelize",
+)
+
+
+def triton_shape_error(dim: int, hidden_dim: int) -> str | None:
+    """Why the Triton kernels cannot take this expert shape, or None if they can.
+
+    ``dim``: model hidden size (D); ``hidden_dim``: expert intermediate size (H). Kept small and
+    standalone so the kernels' owner can tighten it as the kernels' tiling requires.
+    """
+    problems = []
+    if dim % 128 != 0:
+        problems.append(f"hidden size dim={dim} is not a multiple of 128")
+    if hidden_dim % 128 != 0:
+        problems.append(f"expert intermediate size moe_inter_dim={hidden_dim} is not a multiple of 128")
+    return "; ".join(problems) or None
+
+
+def validate_settings(cfg: MegaMoEConfig) -> None:
+    """Check the ``[megamoe]`` values (TOML/CLI strings are not checked against Literal types)."""
+    if cfg.backend not in BACKENDS:
+        raise ValueError(
+            f"[megamoe] backend={cfg.backend!r} is not one of {BACKENDS}; "
+            "use 'auto' unless you need to force an implementation."
+        )
+    if cfg.precision not in PRECISIONS:
+        raise ValueError(
+            f"[megamoe] precision={cfg.precision!r} is not one of {PRECISIONS}."
+        )
+    if not cfg.capacity_factor > 0:
+        raise ValueError(
+            f"[megamoe] capacity_factor={cfg.capacity_factor} must be > 0 (2.0 is the default)."
+        )
+    if cfg.max_tokens_per_rank < 0:
+        raise ValueError(
+            f"[megamoe] max_tokens_per_rank={cfg.max_tokens_per_rank} must be >= 0 "
+            "(0 derives it from the batch size and sequence length)."
+        )
+    if cfg.comm_sms < 0:
+        raise ValueError(
+            f"[megamoe] comm_sms={cfg.comm_sms} must be >= 0 (0 lets the kernels pick)."
+        )
+    if cfg.save_for_backward != "inputs":
+        raise ValueError(
+            f"[megamoe] save_for_backward={cfg.save_for_backward!r}: only 'inputs' is supported."
+        )
+
+
+def _degrees(job_config: JobConfig, parallel_dims: ParallelDims | None) -> dict[str, int]:
+    if parallel_dims is not None:
+        return {
+            "tp": parallel_dims.tp,
+            "etp": parallel_dims.etp,
+            "pp": parallel_dims.pp,
+            "cp": parallel_dims.cp,
+            "ep": parallel_dims.ep,
+        }
+    p = job_config.parallelism
+    return {
+        "tp": p.tensor_parallel_degree,
+        "etp": p.expert_tensor_parallel_degree,
+        "pp": p.pipeline_parallel_degree,
+        "cp": p.context_parallel_degree,
+        "ep": p.expert_parallel_degree,
+    }
+
+
+def validate_job(job_config: JobConfig, parallel_dims: ParallelDims | None) -> None:
+    """Reject parallelism and converter combinations the fused path does not support."""
+    d = _degrees(job_config, parallel_dims)
+    if d["tp"] > 1:
+        raise NotImplementedError(
+            f"megamoe: tensor_parallel_degree={d['tp']} is not supported (the MoE input would "
+            "be replicated over TP ranks and the experts TP-sharded). Set "
+            "parallelism.tensor_parallel_degree=1 (use FSDP/EP instead), or drop 'megamoe' "
+            "from model.converters."
+        )
+    if d["etp"] > 1:
+        raise NotImplementedError(
+            f"megamoe: expert_tensor_parallel_degree={d['etp']} is not supported (experts are "
+            "only split whole over EP ranks). Set parallelism.expert_tensor_parallel_degree=1."
+        )
+    if d["pp"] > 1:
+        raise NotImplementedError(
+            f"megamoe: pipeline_parallel_degree={d['pp']} is not supported yet (not validated "
+            "with the fused op). Set parallelism.pipeline_parallel_degree=1 or drop 'megamoe'."
+        )
+    if d["cp"] > 1:
+        raise NotImplementedError(
+            f"megamoe: context_parallel_degree={d['cp']} is not supported yet (not validated "
+            "with the fused op). Set parallelism.context_parallel_degree=1 or drop 'megamoe'."
+        )
+    if job_config.parallelism.expert_parallel_comm_backend != "standard":
+        raise NotImplementedError(
+            "megamoe: parallelism.expert_parallel_comm_backend="
+            f"{job_config.parallelism.expert_parallel_comm_backend!r} (DeepEP MoE) cannot be "
+            "combined with the fused op, which does its own dispatch/combine. Set it to "
+            "'standard'."
+        )
+    for name in job_config.model.converters:
+        if name.startswith("quantize.grouped_mm"):
+            raise NotImplementedError(
+                f"megamoe: model.converters contains {name!r}, which replaces the experts' "
+                "grouped GEMMs that megamoe fuses. Remove it and use [megamoe] precision "
+                "('fp8' / 'fp8_bwd') for low-precision experts."
+            )
+
+
+def validate_moe(
+    fqn: str, moe: nn.Module, cfg: MegaMoEConfig, ep_degree: int = 1
+) -> None:
+    """Reject an MoE block the fused op cannot compute exactly like stock."""
+    where = f"megamoe: MoE block '{fqn}'"
+    if type(moe) is not MoE:
+        raise NotImplementedError(
+            f"{where} is a {type(moe).__name__}, not a stock torchtitan MoE (DeepEP MoE and "
+            "other MoE variants are not supported). Use moe_impl / expert_parallel_comm_backend "
+            "'standard', or drop 'megamoe' from model.converters."
+        )
+    if moe.score_before_experts:
+        raise NotImplementedError(
+            f"{where} has score_before_experts=True; the fused op applies routing weights to "
+            "the expert outputs (score_before_experts=False, as in Qwen3). Set "
+            "moe_args.score_before_experts=False or drop 'megamoe' from model.converters."
+        )
+    experts = moe.experts
+    if type(experts) is not GroupedExperts:
+        raise NotImplementedError(
+            f"{where} has experts of type {type(experts).__name__}; only stock GroupedExperts "
+            "(SwiGLU: w2 @ (silu(w1 x) * w3 x)) is supported. Apply 'megamoe' before any "
+            "converter that replaces the experts, or drop it."
+        )
+    e, h, dim = experts.w1.shape
+    if tuple(experts.w3.shape) != (e, h, dim) or tuple(experts.w2.shape) != (e, dim, h):
+        raise ValueError(
+            f"{where}: expert weights w1 {tuple(experts.w1.shape)}, w2 "
+            f"{tuple(experts.w2.shape)}, w3 {tuple(experts.w3.shape)} are not the SwiGLU "
+            "layout [E, H, D], [E, D, H], [E, H, D]."
+        )
+    if e % ep_degree != 0:
+        raise ValueError(
+            f"{where}: num_experts={e} is not divisible by expert_parallel_degree={ep_degree}; "
+            "choose an EP degree that divides the expert count."
+        )
+    if cfg.backend == "triton":
+        problem = triton_shape_error(dim, h)
+        if problem is not None:
+            raise ValueError(
+                f"{where}: backend='triton' cannot run this shape: {problem}. Use "
+                "[megamoe] backend='auto' or 'reference', or change the model shape."
+            )
+
+
+def add_op_to_sac_save_list() -> bool:
+    """Put the fused op in the per-op selective-AC save lists, so recompute does not repeat
+    its communication. No-op (False) if the op is not registered."""
+    import importlib
+
+    try:
+        op = torch.ops.megamoe.mega_moe.default
+    except (AttributeError, RuntimeError):
+        return False
+    for mod_name in _SAC_LIST_MODULES:
+        try:
+            mod = importlib.import_module(mod_name)
+        except ImportError:
+            continue
+        save_list = getattr(mod, "_op_sac_save_list", None)
+        if isinstance(save_list, set):
+            save_list.add(op)
+    return True
+
+
+def convert_moe_blocks(model: nn.Module, cfg: MegaMoEConfig, ep_degree: int = 1) -> list[str]:
+    """Validate every stock MoE block of ``model``, then swap each for ``MegaMoE`` in place.
+    Already converted blocks are left alone. Returns the converted module names."""
+    found = [
+        (fqn, m)
+        for fqn, m in model.named_modules()
+        if isinstance(m, MoE) and not isinstance(m, MegaMoE)
+    ]
+    for fqn, m in found:
+        validate_moe(fqn, m, cfg, ep_degree)
+    for fqn, m in found:
+        if not fqn:
+            raise ValueError("megamoe: convert() needs a model containing MoE blocks, not an MoE.")
+        parent_name, _, child = fqn.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        setattr(
+            parent,
+            child,
+            MegaMoE.from_moe(m, backend=cfg.backend, precision=cfg.precision),
+        )
+    return [fqn for fqn, _ in found]
+
+
+class MegaMoEConverter:
+    """ModelConverter ``megamoe`` (``[model] converters = ["megamoe"]``)."""
+
+    def __init__(self, job_config: JobConfig, parallel_dims: ParallelDims):
+        cfg = getattr(job_config, "megamoe", None)
+        if cfg is None:
+            logger.warning(
+                "megamoe: job config has no [megamoe] section (set [job] custom_config_module = "
+                "'torchtitan_megamoe.config'); using the defaults."
+            )
+            cfg = MegaMoEConfig()
+        validate_settings(cfg)
+        validate_job(job_config, parallel_dims)
+        self.cfg = cfg
+        self.ep_degree = _degrees(job_config, parallel_dims)["ep"]
+
+    def convert(self, model: nn.Module) -> None:
+        converted = convert_moe_blocks(model, self.cfg, self.ep_degree)
+        if not converted:
+            raise ValueError(
+                "megamoe: the model has no torchtitan MoE blocks to convert (is it an MoE "
+                "flavor, e.g. qwen3 '30B-A3B'?). Drop 'megamoe' from model.converters."
+            )
+        install_ep_routing()
+        add_op_to_sac_save_list()
+        logger.info(
+            f"megamoe: converted {len(converted)} MoE blocks (backend={self.cfg.backend}, "
+            f"precision={self.cfg.precision}, ep={self.ep_degree})"
+        )
+
+    def post_optimizer_hook(self, model: nn.Module | list[nn.Module]) -> None:
+        return
+
+
+def _register() -> None:
+    from torchtitan.protocols import model_converter
+
+    # Registration asserts on duplicates; a module reload must not break it.
+    if model_converter._registry_model_converter_cls.get("megamoe") is not MegaMoEConverter:
+        model_converter._registry_model_converter_cls.pop("megamoe", None)
+        register_model_converter(MegaMoEConverter, "megamoe")
+
+
+_register()
