@@ -1,0 +1,84 @@
+"""Backend ``triton`` of mega_moe: Hopper (SM90) kernels, BF16.
+
+Forward (EP=1): device-side plan (plan.py), grouped GEMM 1 + SwiGLU (gemm1_swiglu.py), grouped
+GEMM 2 storing rows into combine slots (gemm2_scatter.py), fp32 combine (combine.py).
+Backward: backward.py (BF16). EP > 1 is not implemented here yet: use backend="reference".
+"""
+
+import importlib.util
+
+import torch
+
+from torchtitan_megamoe.ops.triton.forward import forward_ep1, interpreting, min_multiple
+
+_SUPPORTED_DTYPES = (torch.bfloat16,)
+
+
+def _ep_size(group) -> int:
+    if group is None:
+        return 1
+    import torch.distributed as dist
+
+    return dist.get_world_size(group)
+
+
+def supports(x: torch.Tensor, group) -> bool:
+    """Whether backend="auto" may pick these kernels for ``x`` (weights are checked in forward)."""
+    if _ep_size(group) != 1 or x.dtype not in _SUPPORTED_DTYPES:
+        return False
+    if not x.is_cuda or torch.cuda.get_device_capability(x.device)[0] != 9:
+        return False
+    return x.dim() == 2 and x.shape[1] % min_multiple() == 0
+
+
+def check_inputs(x, w1, group, precision) -> None:
+    """Raise, naming the fix, for inputs these kernels cannot take."""
+    if _ep_size(group) != 1:
+        raise NotImplementedError(
+            "mega_moe backend='triton' does not implement expert parallelism (EP > 1) yet; "
+            "use backend='reference' (or backend='auto', which falls back to it) with an EP group"
+        )
+    if precision == "fp8":
+        raise NotImplementedError(
+            "mega_moe backend='triton' has no FP8 forward yet; use precision='bf16' or "
+            "backend='reference'"
+        )
+    if x.dtype not in _SUPPORTED_DTYPES:
+        raise TypeError(
+            f"mega_moe backend='triton' needs bfloat16 tensors, got {x.dtype}; cast x and the "
+            "weights to torch.bfloat16 or use backend='reference'"
+        )
+    if not interpreting():
+        if not x.is_cuda:
+            raise ValueError(
+                "mega_moe backend='triton' needs CUDA tensors; use backend='reference' on CPU"
+            )
+        major, minor = torch.cuda.get_device_capability(x.device)
+        if major != 9:
+            raise ValueError(
+                f"mega_moe backend='triton' targets Hopper (SM90), this GPU is SM{major}{minor}; "
+                "use backend='reference'"
+            )
+    m = min_multiple()
+    E, H, D = w1.shape
+    if D % m or H % m:
+        raise ValueError(
+            f"mega_moe backend='triton' needs dim and hidden to be multiples of {m}, got "
+            f"dim={D}, hidden={H}; pad them or use backend='reference'"
+        )
+
+
+def forward(x, topk_ids, topk_weights, w1, w2, w3, group, precision):
+    check_inputs(x, w1, group, precision)
+    return forward_ep1(x, topk_ids, topk_weights, w1, w2, w3)
+
+
+def backward(grad_out, x, topk_ids, topk_weights, w1, w2, w3, group, precision):
+    if importlib.util.find_spec("torchtitan_megamoe.ops.triton.backward") is None:
+        raise NotImplementedError(
+            "mega_moe backend='triton' has no backward yet (ops/triton/backward.py is missing); "
+            "use backend='reference' for training"
+        )
+    from torchtitan_megamoe.ops.triton.backward import backward as _backward
+
+    return _backward(grad_out, x, topk_ids, topk_weights, w1, w2, w3, group, precision)

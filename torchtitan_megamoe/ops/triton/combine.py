@@ -1,0 +1,73 @@
+"""Combine: out[t] = sum_k w[t,k] * ybuf[t*K+k] in fp32, k in fixed order (deterministic).
+
+Tiles: BLOCK_T tokens x BLOCK_D columns per program; K is unrolled. A slot with
+slot_row == -1 (dropped, or expert not local) contributes exactly 0: its ybuf row is never
+loaded (it was never written and may hold NaN).
+
+Waits on: nothing inside the launch (ybuf is complete when GEMM 2's launch is).
+Signals: nothing.
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _combine_kernel(
+    y_ptr,
+    w_ptr,
+    slot_row_ptr,
+    out_ptr,
+    T,
+    D,
+    stride_y,
+    stride_w,
+    stride_out,
+    TOP_K: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    toks = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    in_t = toks < T
+    in_d = cols < D
+    acc = tl.zeros((BLOCK_T, BLOCK_D), dtype=tl.float32)
+    for k in tl.static_range(TOP_K):
+        slot = toks.to(tl.int64) * TOP_K + k
+        live = in_t & (tl.load(slot_row_ptr + slot, mask=in_t, other=-1) >= 0)
+        w = tl.load(w_ptr + toks.to(tl.int64) * stride_w + k, mask=live, other=0.0).to(tl.float32)
+        y = tl.load(
+            y_ptr + slot[:, None] * stride_y + cols[None, :],
+            mask=live[:, None] & in_d[None, :],
+            other=0.0,
+        ).to(tl.float32)
+        acc += w[:, None] * y
+    out_ptrs = out_ptr + toks[:, None].to(tl.int64) * stride_out + cols[None, :]
+    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=in_t[:, None] & in_d[None, :])
+
+
+def combine(
+    ybuf: torch.Tensor,
+    topk_weights: torch.Tensor,
+    slot_row: torch.Tensor,
+    out_dtype: torch.dtype,
+    block_t: int = 4,
+    block_d: int = 512,
+) -> torch.Tensor:
+    """out [T, D] in out_dtype from the per-slot rows ybuf [T*K, D]."""
+    T, K = topk_weights.shape
+    D = ybuf.shape[1]
+    assert ybuf.shape[0] == T * K and ybuf.stride(1) == 1 and topk_weights.stride(1) == 1
+    out = torch.empty((T, D), dtype=out_dtype, device=ybuf.device)
+    if T == 0:
+        return out
+    block_d = min(block_d, triton.next_power_of_2(D))
+    grid = (triton.cdiv(T, block_t), triton.cdiv(D, block_d))
+    _combine_kernel[grid](
+        ybuf, topk_weights, slot_row, out,
+        T, D, ybuf.stride(0), topk_weights.stride(0), out.stride(0),
+        TOP_K=K, BLOCK_T=block_t, BLOCK_D=block_d,
+        num_warps=4,
+    )
+    return out

@@ -1,0 +1,57 @@
+"""EP=1 forward: plan -> GEMM 1 + SwiGLU -> GEMM 2 into combine slots -> combine.
+
+Workspace per call (freed by the caching allocator afterwards): h [R_max, H] and
+ybuf [T*K, D] in x.dtype, plus O(T*K) int32 plan vectors. R_max = T*K + E*(block_m-1) rounded up
+to block_m, an exact static bound, so no routing can overflow at EP=1.
+"""
+
+import os
+
+import torch
+
+from torchtitan_megamoe.ops.triton.combine import combine
+from torchtitan_megamoe.ops.triton.gemm1_swiglu import gemm1_swiglu
+from torchtitan_megamoe.ops.triton.gemm2_scatter import gemm2_scatter
+from torchtitan_megamoe.ops.triton.plan import build_plan
+
+BLOCK_M = 128
+"""Plan tile height on the GPU; every GEMM candidate's BLOCK_M divides it."""
+
+# The CPU interpreter runs numpy per program: small tiles keep tests quick and still cover
+# several tiles per expert.
+INTERPRET_BLOCK_M = 16
+INTERPRET_GEMM_CONFIG = dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=16, GROUP_M=2, num_warps=1, num_stages=1)
+
+
+def interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def min_multiple() -> int:
+    """What D and H must be multiples of (the smallest BLOCK_N / BLOCK_K the kernels use)."""
+    return INTERPRET_GEMM_CONFIG["BLOCK_K"] if interpreting() else 64
+
+
+def forward_ep1(
+    x: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    w1: torch.Tensor,
+    w2: torch.Tensor,
+    w3: torch.Tensor,
+    block_m: int | None = None,
+    gemm1_config: dict | None = None,
+    gemm2_config: dict | None = None,
+    ybuf_dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    if interpreting():
+        block_m = block_m or INTERPRET_BLOCK_M
+        gemm1_config = gemm1_config or INTERPRET_GEMM_CONFIG
+        gemm2_config = gemm2_config or INTERPRET_GEMM_CONFIG
+    block_m = block_m or BLOCK_M
+    x = x.contiguous()
+    w1, w2, w3 = w1.contiguous(), w2.contiguous(), w3.contiguous()
+    plan = build_plan(topk_ids, w1.shape[0], block_m)
+    h = gemm1_swiglu(x, w1, w3, plan, config=gemm1_config)
+    ybuf = gemm2_scatter(h, w2, plan, out_dtype=ybuf_dtype, config=gemm2_config)
+    return combine(ybuf, topk_weights.contiguous(), plan.slot_row, x.dtype)

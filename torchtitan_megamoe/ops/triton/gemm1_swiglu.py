@@ -1,0 +1,119 @@
+"""Grouped GEMM 1 with SwiGLU in the epilogue: h[r] = silu(x_r @ w1[e]^T) * (x_r @ w3[e]^T).
+
+Tiles: BLOCK_M rows x BLOCK_N hidden columns; the K loop walks D in BLOCK_K steps and feeds two
+fp32 accumulators (w1 and w3 share the A tile, so x is read once for both). Row r reads its
+token x[row_slot[r] // top_k] by indirection (no permuted copy of x); padding rows (slot -1)
+load zeros, so their h is exactly 0. Each tile belongs to one expert (segments are padded to
+the plan's block_m, a multiple of BLOCK_M); tiles past the used rows exit at once.
+
+Waits on: nothing inside the launch (EP=1; inputs are ready when it starts).
+Signals: nothing; h [R_max, H] bf16 is complete when the launch is.
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+from torchtitan_megamoe.ops.triton.plan import Plan
+from torchtitan_megamoe.ops.triton.tune import interpreter_needs_f32_dot, pick_config
+
+
+@triton.jit
+def _gemm1_swiglu_kernel(
+    x_ptr,
+    w1_ptr,
+    w3_ptr,
+    h_ptr,
+    row_slot_ptr,
+    tile_expert_ptr,
+    num_m_tiles,
+    H,
+    D,
+    stride_x,
+    stride_we,
+    stride_wh,
+    stride_h,
+    TOP_K: tl.constexpr,
+    PLAN_BM: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    F32_DOT: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    num_n = H // BLOCK_N
+    # GROUP_M consecutive M tiles sweep one N tile together so an expert's weight tile is read
+    # from L2 rather than HBM by all of them, and each A tile is reused across N from L2.
+    per_group = GROUP_M * num_n
+    first_m = (pid // per_group) * GROUP_M
+    group_size = min(num_m_tiles - first_m, GROUP_M)
+    pid_m = first_m + (pid % per_group) % group_size
+    pid_n = (pid % per_group) // group_size
+
+    expert = tl.load(tile_expert_ptr + (pid_m * BLOCK_M) // PLAN_BM)
+    if expert < 0:
+        return
+
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    slot = tl.load(row_slot_ptr + rows)
+    has_row = slot >= 0
+    tok = tl.where(has_row, slot // TOP_K, 0).to(tl.int64)
+    offs_k = tl.arange(0, BLOCK_K)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+
+    a_ptrs = x_ptr + tok[:, None] * stride_x + offs_k[None, :]
+    w_off = expert.to(tl.int64) * stride_we + offs_n[None, :].to(tl.int64) * stride_wh + offs_k[:, None]
+    acc1 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc3 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for _ in range(0, D, BLOCK_K):
+        a = tl.load(a_ptrs, mask=has_row[:, None], other=0.0)
+        b1 = tl.load(w1_ptr + w_off)
+        b3 = tl.load(w3_ptr + w_off)
+        if F32_DOT:
+            a, b1, b3 = a.to(tl.float32), b1.to(tl.float32), b3.to(tl.float32)
+        acc1 = tl.dot(a, b1, acc1)
+        acc3 = tl.dot(a, b3, acc3)
+        a_ptrs += BLOCK_K
+        w_off += BLOCK_K
+
+    h = acc1 * tl.sigmoid(acc1) * acc3
+    h_ptrs = h_ptr + rows[:, None].to(tl.int64) * stride_h + offs_n[None, :]
+    tl.store(h_ptrs, h.to(h_ptr.dtype.element_ty))
+
+
+# Hopper candidates; the tuner times them once per shape. Two accumulators double the register
+# footprint of a plain GEMM tile, hence BLOCK_N <= 128.
+GPU_CONFIGS = [
+    dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=3),
+    dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=4),
+    dict(BLOCK_M=128, BLOCK_N=64, BLOCK_K=64, GROUP_M=8, num_warps=4, num_stages=4),
+    dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=4, num_stages=4),
+]
+
+
+def gemm1_swiglu(
+    x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, plan: Plan, config: dict | None = None
+) -> torch.Tensor:
+    """h [R_max, H] in x.dtype for the rows of ``plan`` (padding rows are 0)."""
+    E, H, D = w1.shape
+    assert x.is_contiguous() and w1.is_contiguous() and w3.is_contiguous()
+    R = plan.max_rows
+    h = torch.empty((R, H), dtype=x.dtype, device=x.device)
+
+    def launch(cfg):
+        bm, bn, bk = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
+        assert plan.block_m % bm == 0 and H % bn == 0 and D % bk == 0, (cfg, H, D)
+        num_m = R // bm
+        grid = (num_m * (H // bn),)
+        _gemm1_swiglu_kernel[grid](
+            x, w1, w3, h, plan.row_slot, plan.tile_expert,
+            num_m, H, D,
+            x.stride(0), w1.stride(0), w1.stride(1), h.stride(0),
+            TOP_K=plan.top_k, PLAN_BM=plan.block_m, F32_DOT=interpreter_needs_f32_dot(),
+            **cfg,
+        )
+
+    cands = [config] if config is not None else GPU_CONFIGS
+    launch(pick_config("gemm1_swiglu", (R, H, D, E, plan.block_m), cands, launch))
+    return h

@@ -1,0 +1,117 @@
+"""Grouped GEMM 2 whose epilogue stores each row into its combine slot: ybuf[slot] = h_r @ w2[e]^T.
+
+Tiles: BLOCK_M rows x BLOCK_N output columns (of D); the K loop walks H in BLOCK_K steps into
+one fp32 accumulator. A rows are read contiguously from h; the store goes to
+ybuf[row_slot[r]] (T*K rows, slot order), skipping padding rows, so slots of dropped or
+non-local experts are never written (the combine masks them instead of reading them).
+
+Waits on: nothing inside the launch (h is complete when GEMM 1's launch is).
+Signals: nothing; ybuf is complete when the launch is.
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+from torchtitan_megamoe.ops.triton.plan import Plan
+from torchtitan_megamoe.ops.triton.tune import interpreter_needs_f32_dot, pick_config
+
+
+@triton.jit
+def _gemm2_scatter_kernel(
+    h_ptr,
+    w2_ptr,
+    y_ptr,
+    row_slot_ptr,
+    tile_expert_ptr,
+    num_m_tiles,
+    D,
+    H,
+    stride_h,
+    stride_we,
+    stride_wd,
+    stride_y,
+    PLAN_BM: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    F32_DOT: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    num_n = D // BLOCK_N
+    per_group = GROUP_M * num_n
+    first_m = (pid // per_group) * GROUP_M
+    group_size = min(num_m_tiles - first_m, GROUP_M)
+    pid_m = first_m + (pid % per_group) % group_size
+    pid_n = (pid % per_group) // group_size
+
+    expert = tl.load(tile_expert_ptr + (pid_m * BLOCK_M) // PLAN_BM)
+    if expert < 0:
+        return
+
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_k = tl.arange(0, BLOCK_K)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    a_ptrs = h_ptr + rows[:, None].to(tl.int64) * stride_h + offs_k[None, :]
+    w_ptrs = (
+        w2_ptr
+        + expert.to(tl.int64) * stride_we
+        + offs_n[None, :].to(tl.int64) * stride_wd
+        + offs_k[:, None]
+    )
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for _ in range(0, H, BLOCK_K):
+        a = tl.load(a_ptrs)
+        b = tl.load(w_ptrs)
+        if F32_DOT:
+            a, b = a.to(tl.float32), b.to(tl.float32)
+        acc = tl.dot(a, b, acc)
+        a_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+
+    slot = tl.load(row_slot_ptr + rows)
+    y_ptrs = y_ptr + slot[:, None].to(tl.int64) * stride_y + offs_n[None, :]
+    tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=(slot >= 0)[:, None])
+
+
+GPU_CONFIGS = [
+    dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=3),
+    dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=4),
+    dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=4, num_stages=4),
+    dict(BLOCK_M=64, BLOCK_N=256, BLOCK_K=64, GROUP_M=8, num_warps=4, num_stages=4),
+]
+
+
+def gemm2_scatter(
+    h: torch.Tensor,
+    w2: torch.Tensor,
+    plan: Plan,
+    out_dtype: torch.dtype | None = None,
+    config: dict | None = None,
+) -> torch.Tensor:
+    """ybuf [T*K, D]: row slot s holds expert output of slot s; rows of dropped / non-local slots
+    are left unwritten (garbage) and must be masked by the reader."""
+    E, D, H = w2.shape
+    assert h.is_contiguous() and w2.is_contiguous() and h.shape == (plan.max_rows, H)
+    R = plan.max_rows
+    y = torch.empty(
+        (plan.num_tokens * plan.top_k, D), dtype=out_dtype or h.dtype, device=h.device
+    )
+
+    def launch(cfg):
+        bm, bn, bk = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
+        assert plan.block_m % bm == 0 and D % bn == 0 and H % bk == 0, (cfg, D, H)
+        num_m = R // bm
+        grid = (num_m * (D // bn),)
+        _gemm2_scatter_kernel[grid](
+            h, w2, y, plan.row_slot, plan.tile_expert,
+            num_m, D, H,
+            h.stride(0), w2.stride(0), w2.stride(1), y.stride(0),
+            PLAN_BM=plan.block_m, F32_DOT=interpreter_needs_f32_dot(),
+            **cfg,
+        )
+
+    cands = [config] if config is not None else GPU_CONFIGS
+    launch(pick_config("gemm2_scatter", (R, H, D, E, plan.block_m), cands, launch))
+    return y
