@@ -1,0 +1,186 @@
+"""The reference backend of mega_moe against an independent, obviously-right implementation.
+
+The oracle below is a per-token, per-slot Python loop in float64 (slow, but each line is the
+formula of DESIGN §1); its gradients come from autograd through that loop. The op is run on fresh
+random float64 inputs so every comparison is tight (1e-10 relative), and on fp32 inputs against
+the same oracle at fp32 tolerance.
+"""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from torchtitan_megamoe import mega_moe
+from torchtitan_megamoe.ops import reference
+
+
+def oracle(x, ids, w, w1, w2, w3):
+    out = []
+    for t in range(x.shape[0]):
+        acc = torch.zeros(x.shape[1], dtype=torch.float64)
+        for k in range(ids.shape[1]):
+            e = int(ids[t, k])
+            if e < 0:
+                continue
+            xt = x[t].double()
+            h = F.silu(w1[e].double() @ xt) * (w3[e].double() @ xt)
+            acc = acc + w[t, k].double() * (w2[e].double() @ h)
+        out.append(acc)
+    return torch.stack(out)
+
+
+def rel(a, b):
+    return ((a.double() - b.double()).norm() / b.double().norm().clamp(min=1e-30)).item()
+
+
+ROUTINGS = ["random", "dropped", "one_expert", "empty_experts", "all_dropped_but_one"]
+
+
+def make_inputs(T, K, E, D, H, routing, dtype=torch.float64, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(T, D, generator=g, dtype=dtype)
+    w1 = torch.randn(E, H, D, generator=g, dtype=dtype) / D**0.5
+    w3 = torch.randn(E, H, D, generator=g, dtype=dtype) / D**0.5
+    w2 = torch.randn(E, D, H, generator=g, dtype=dtype) / H**0.5
+    w = torch.rand(T, K, generator=g, dtype=dtype) + 0.1
+    # distinct experts per token, as top-k gives
+    ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)])
+    if routing == "dropped":
+        ids[torch.rand(T, K, generator=g) < 0.3] = -1
+    elif routing == "one_expert":
+        ids[:, 0] = E - 1
+        ids[:, 1:] = -1
+    elif routing == "empty_experts":
+        ids = ids % 2  # experts >= 2 get nothing
+        ids[:, 1:] = (ids[:, :1] + 1) % 2 if K > 1 else ids[:, 1:]
+        ids[:, 2:] = -1
+    elif routing == "all_dropped_but_one":
+        ids[:] = -1
+        ids[T // 2, 0] = 1
+    return x, ids, w, w1, w2, w3
+
+
+@pytest.mark.parametrize("routing", ROUTINGS)
+@pytest.mark.parametrize("T", [1, 7, 33])
+def test_forward_and_grads_match_oracle_fp64(routing, T):
+    K, E, D, H = 3, 5, 12, 10
+    x, ids, w, w1, w2, w3 = make_inputs(T, K, E, D, H, routing, seed=T)
+    leaves = [t.clone().requires_grad_() for t in (x, w, w1, w2, w3)]
+    out = mega_moe(leaves[0], ids, *leaves[1:], backend="reference")
+    oleaves = [t.clone().requires_grad_() for t in (x, w, w1, w2, w3)]
+    ref = oracle(oleaves[0], ids, *oleaves[1:])
+    assert out.dtype == torch.float64 and out.shape == (T, D)
+    if ref.norm() > 0:
+        assert rel(out, ref) < 1e-12
+    dy = torch.randn_like(ref)
+    out.backward(dy)
+    ref.backward(dy)
+    for name, a, b in zip(("x", "topk_weights", "w1", "w2", "w3"), leaves, oleaves):
+        if b.grad is None or b.grad.norm() == 0:
+            assert a.grad is None or a.grad.abs().max() == 0, name
+        else:
+            assert rel(a.grad, b.grad) < 1e-12, name
+
+
+def test_fp32_inputs_fp32_output():
+    x, ids, w, w1, w2, w3 = make_inputs(64, 4, 8, 32, 16, "dropped", dtype=torch.float32)
+    out = mega_moe(x, ids, w, w1, w2, w3, backend="reference")
+    assert out.dtype == torch.float32
+    assert rel(out, oracle(x, ids, w, w1, w2, w3)) < 1e-6
+
+
+def test_dropped_slots_are_ignored_not_zero_weighted():
+    # a dropped slot whose id would point at a NaN expert must not poison the output
+    x, ids, w, w1, w2, w3 = make_inputs(9, 2, 4, 8, 8, "random")
+    ids[:, 1] = -1
+    w[:, 1] = float("nan")
+    out = mega_moe(x, ids, w, w1, w2, w3, backend="reference")
+    assert torch.isfinite(out).all()
+    assert rel(out, oracle(x, ids, w, w1, w2, w3)) < 1e-12
+
+
+def test_deterministic():
+    x, ids, w, w1, w2, w3 = make_inputs(40, 4, 6, 16, 8, "dropped", dtype=torch.float32)
+    runs = []
+    for _ in range(2):
+        leaves = [t.clone().requires_grad_() for t in (x, w, w1, w2, w3)]
+        out = mega_moe(leaves[0], ids, *leaves[1:], backend="reference")
+        out.backward(torch.ones_like(out))
+        runs.append([out] + [t.grad for t in leaves])
+    for a, b in zip(*runs):
+        assert torch.equal(a, b)
+
+
+def test_fp8_emulation_close_to_exact_and_not_identical():
+    x, ids, w, w1, w2, w3 = make_inputs(48, 2, 4, 128, 128, "dropped", dtype=torch.float32)
+    exact = mega_moe(x, ids, w, w1, w2, w3, backend="reference")
+    fp8 = mega_moe(x, ids, w, w1, w2, w3, backend="reference", precision="fp8")
+    fp8_bwd = mega_moe(x, ids, w, w1, w2, w3, backend="reference", precision="fp8_bwd")
+    assert torch.equal(fp8_bwd, exact)  # fp8_bwd: the forward is the bf16/exact path
+    err = rel(fp8, exact)
+    assert 1e-4 < err < 0.1  # e4m3 has a 3-bit mantissa: a few % per GEMM, never exact
+
+    leaves = [t.clone().requires_grad_() for t in (x, w, w1, w2, w3)]
+    mega_moe(leaves[0], ids, *leaves[1:], backend="reference", precision="fp8_bwd").sum().backward()
+    exact_leaves = [t.clone().requires_grad_() for t in (x, w, w1, w2, w3)]
+    mega_moe(exact_leaves[0], ids, *exact_leaves[1:], backend="reference").sum().backward()
+    for a, b in zip(leaves, exact_leaves):
+        assert 0 < rel(a.grad, b.grad) < 0.15
+
+
+def test_quantize_dequantize_blocks():
+    t = torch.randn(3, 256)
+    t[0, :128] *= 1000  # one block with a large amax must not change the other blocks' scale
+    q = reference.quantize_dequantize_fp8(t, (1, 128))
+    assert rel(q[0, 128:], t[0, 128:]) < 0.1
+    assert rel(q[1:], t[1:]) < 0.1
+    # values exactly representable after scaling survive unchanged
+    exact = torch.tensor([[448.0, -448.0, 0.0, 1.75] + [0.0] * 124])
+    assert torch.equal(reference.quantize_dequantize_fp8(exact, (1, 128)), exact)
+
+
+def test_torch_compile_sees_one_op():
+    x, ids, w, w1, w2, w3 = make_inputs(16, 2, 4, 8, 8, "dropped", dtype=torch.float32)
+
+    def f(x, w, w1, w2, w3):
+        return mega_moe(x, ids, w, w1, w2, w3, backend="reference") * 2
+
+    leaves = [t.clone().requires_grad_() for t in (x, w, w1, w2, w3)]
+    out = torch.compile(f, backend="aot_eager", fullgraph=True)(*leaves)
+    out.sum().backward()
+    ref_leaves = [t.clone().requires_grad_() for t in (x, w, w1, w2, w3)]
+    f(*ref_leaves).sum().backward()
+    assert torch.allclose(out, f(x, w, w1, w2, w3))
+    for a, b in zip(leaves, ref_leaves):
+        assert torch.allclose(a.grad, b.grad)
+
+
+def test_opcheck():
+    x, ids, w, w1, w2, w3 = make_inputs(8, 2, 3, 8, 8, "dropped", dtype=torch.float64)
+    args = (x.requires_grad_(), ids, w.requires_grad_(), w1, w2, w3, "", "reference", "bf16")
+    torch.library.opcheck(torch.ops.megamoe.mega_moe.default, args)
+
+
+@pytest.mark.parametrize(
+    "mutate, exc, match",
+    [
+        (lambda a: a.update(x=a["x"].view(1, *a["x"].shape)), ValueError, r"x must be \[tokens, dim\]"),
+        (lambda a: a.update(topk_ids=a["topk_ids"].float()), TypeError, "topk_ids must be int32 or int64"),
+        (lambda a: a.update(topk_ids=a["topk_ids"][:-1]), ValueError, "topk_ids must be"),
+        (lambda a: a.update(topk_weights=a["topk_weights"][:, :1]), ValueError, "topk_weights shape"),
+        (lambda a: a.update(w1=a["w1"].float()), TypeError, "w1 dtype .* differs from x dtype"),
+        (lambda a: a.update(w2=a["w2"].transpose(1, 2)), ValueError, r"w2 shape .* must be \[E, D, H\]"),
+        (lambda a: a.update(w3=a["w3"][:2]), ValueError, "w3 shape"),
+        (lambda a: a["topk_ids"].__setitem__((0, 0), 99), ValueError, r"topk_ids must lie in \[-1, 4\)"),
+        (lambda a: a["topk_ids"].__setitem__((0, 0), -2), ValueError, r"topk_ids must lie in \[-1, 4\)"),
+        (lambda a: a.update(precision="int4"), ValueError, "unknown precision"),
+        (lambda a: a.update(backend="cuda"), ValueError, "unknown backend"),
+        (lambda a: a.update(precision="fp8"), ValueError, r"dim and hidden % 128 == 0"),
+    ],
+)
+def test_bad_arguments_raise_clear_errors(mutate, exc, match):
+    x, ids, w, w1, w2, w3 = make_inputs(4, 2, 4, 8, 16, "random")
+    args = dict(x=x, topk_ids=ids, topk_weights=w, w1=w1, w2=w2, w3=w3, backend="reference", precision="bf16")
+    mutate(args)
+    with pytest.raises(exc, match=match):
+        mega_moe(**args)

@@ -1,0 +1,263 @@
+"""``mega_moe``: the public functional op, its argument checks and its torch.library registration.
+
+The op is registered as ``torch.ops.megamoe.mega_moe`` (forward) and
+``torch.ops.megamoe.mega_moe_backward`` so that torch.compile and selective activation
+checkpointing see one opaque op each, not a graph of collectives and GEMMs. Autograd saves only
+the op's inputs; the backward re-dispatches and recomputes what it needs (see the backends).
+
+Backends are modules with ``forward(x, topk_ids, topk_weights, w1, w2, w3, group, precision)``
+and ``backward(grad_out, x, topk_ids, topk_weights, w1, w2, w3, group, precision)``.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+import torch
+import torch.distributed as dist
+
+BACKENDS = ("auto", "triton", "reference")
+PRECISIONS = ("bf16", "fp8", "fp8_bwd")
+
+_BACKEND_MODULES = {
+    "reference": "torchtitan_megamoe.ops.reference",
+    "triton": "torchtitan_megamoe.ops.triton",
+}
+
+
+def mega_moe(
+    x: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    w1: torch.Tensor,
+    w2: torch.Tensor,
+    w3: torch.Tensor,
+    *,
+    group: dist.ProcessGroup | None = None,
+    backend: str = "auto",
+    precision: str = "bf16",
+) -> torch.Tensor:
+    """Fused MoE layer: dispatch, expert SwiGLU MLPs, weighted combine.
+
+    ``out[t] = sum_k topk_weights[t,k] * w2[e] @ (silu(w1[e] @ x[t]) * (w3[e] @ x[t]))`` with
+    ``e = topk_ids[t,k]`` (``-1`` drops the slot), fp32 accumulation, ``out`` in ``x.dtype``.
+
+    Args:
+        x: ``[T, D]`` tokens of this rank.
+        topk_ids: ``[T, K]`` integer global expert ids in ``[-1, E_local * group_size)``.
+        topk_weights: ``[T, K]`` floating routing weights.
+        w1, w3: ``[E_local, H, D]``; w2: ``[E_local, D, H]`` (TorchTitan GroupedExperts layout).
+        group: expert-parallel process group; rank ``r`` owns global experts
+            ``[r * E_local, (r + 1) * E_local)``. Every rank of the group must call the op.
+            ``None``: one rank owns all experts.
+        backend: ``auto`` (Triton kernels on SM90 GPUs, else reference), ``triton`` or
+            ``reference``.
+        precision: ``bf16``, ``fp8`` (blockwise FP8 forward and backward) or ``fp8_bwd``
+            (BF16 forward, FP8 backward).
+    """
+    check_args(x, topk_ids, topk_weights, w1, w2, w3, group=group, precision=precision)
+    backend = resolve_backend(backend, x, group)
+    group_name = "" if group is None else group.group_name
+    return torch.ops.megamoe.mega_moe(
+        x, topk_ids, topk_weights, w1, w2, w3, group_name, backend, precision
+    )
+
+
+def resolve_backend(backend: str, x: torch.Tensor, group: dist.ProcessGroup | None) -> str:
+    if backend not in BACKENDS:
+        raise ValueError(
+            f"mega_moe: unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}"
+        )
+    if backend != "auto":
+        return backend
+    if x.is_cuda and torch.cuda.get_device_capability(x.device) == (9, 0):
+        triton_backend = backend_module("triton")
+        if triton_backend.supports(x, group):
+            return "triton"
+    return "reference"
+
+
+def backend_module(name: str):
+    return importlib.import_module(_BACKEND_MODULES[name])
+
+
+def group_size(group: dist.ProcessGroup | None) -> int:
+    return 1 if group is None else dist.get_world_size(group)
+
+
+def check_args(
+    x: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    w1: torch.Tensor,
+    w2: torch.Tensor,
+    w3: torch.Tensor,
+    *,
+    group: dist.ProcessGroup | None = None,
+    precision: str = "bf16",
+) -> None:
+    """Raise early, with the fix in the message, on anything the op cannot compute correctly."""
+    if precision not in PRECISIONS:
+        raise ValueError(
+            f"mega_moe: unknown precision {precision!r}; choose one of {', '.join(PRECISIONS)}"
+        )
+    if x.dim() != 2:
+        raise ValueError(
+            f"mega_moe: x must be [tokens, dim], got shape {tuple(x.shape)}; "
+            "flatten batch and sequence first (x.view(-1, dim))"
+        )
+    if not x.is_floating_point():
+        raise TypeError(f"mega_moe: x must be a floating tensor, got {x.dtype}")
+    T, D = x.shape
+    if topk_ids.dim() != 2 or topk_ids.shape[0] != T:
+        raise ValueError(
+            f"mega_moe: topk_ids must be [tokens={T}, top_k], got shape {tuple(topk_ids.shape)}"
+        )
+    if topk_ids.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"mega_moe: topk_ids must be int32 or int64, got {topk_ids.dtype}")
+    if tuple(topk_weights.shape) != tuple(topk_ids.shape):
+        raise ValueError(
+            f"mega_moe: topk_weights shape {tuple(topk_weights.shape)} must equal topk_ids "
+            f"shape {tuple(topk_ids.shape)}"
+        )
+    if not topk_weights.is_floating_point():
+        raise TypeError(f"mega_moe: topk_weights must be floating, got {topk_weights.dtype}")
+    for name, w in (("w1", w1), ("w2", w2), ("w3", w3)):
+        if w.dim() != 3:
+            raise ValueError(
+                f"mega_moe: {name} must be 3-D [experts, ...], got shape {tuple(w.shape)}"
+            )
+        if w.dtype != x.dtype:
+            raise TypeError(
+                f"mega_moe: {name} dtype {w.dtype} differs from x dtype {x.dtype}; cast them to "
+                "one dtype (TorchTitan's FSDP mixed precision does this for you)"
+            )
+    E, H, D1 = w1.shape
+    if D1 != D:
+        raise ValueError(f"mega_moe: w1 is [E, H, D={D1}] but x has dim {D}")
+    if tuple(w3.shape) != (E, H, D):
+        raise ValueError(f"mega_moe: w3 shape {tuple(w3.shape)} must equal w1 shape {(E, H, D)}")
+    if tuple(w2.shape) != (E, D, H):
+        raise ValueError(
+            f"mega_moe: w2 shape {tuple(w2.shape)} must be [E, D, H] = {(E, D, H)} "
+            "(TorchTitan GroupedExperts layout)"
+        )
+    devices = {t.device for t in (x, topk_ids, topk_weights, w1, w2, w3)}
+    if len(devices) != 1:
+        raise ValueError(f"mega_moe: all tensors must be on one device, got {sorted(map(str, devices))}")
+    if precision in ("fp8", "fp8_bwd") and (D % 128 or H % 128):
+        raise ValueError(
+            f"mega_moe: precision={precision!r} uses 128-wide scaling blocks and needs dim and "
+            f"hidden % 128 == 0, got dim={D}, hidden={H}; use precision='bf16'"
+        )
+    num_experts = E * group_size(group)
+    _check_ids(topk_ids, num_experts, group)
+
+
+def _check_ids(topk_ids: torch.Tensor, num_experts: int, group) -> None:
+    if topk_ids.numel() == 0:
+        return
+    bad = (topk_ids < -1) | (topk_ids >= num_experts)
+    msg = (
+        f"mega_moe: topk_ids must lie in [-1, {num_experts}) (-1 drops a slot; "
+        f"{num_experts} = local experts x group size {group_size(group)})"
+    )
+    if topk_ids.is_cuda or torch.compiler.is_compiling():
+        # A host-side check would sync the stream every layer (and break a compiled graph);
+        # the async assert fails on the device instead, with this message.
+        torch._assert_async(~bad.any(), msg)
+    elif bool(bad.any()):
+        first = topk_ids[bad][:4].tolist()
+        raise ValueError(f"{msg}; got e.g. {first}")
+
+
+# --------------------------------------------------------------------------- torch.library
+
+
+def _group_from_name(group_name: str):
+    if not group_name:
+        return None
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    return _resolve_process_group(group_name)
+
+
+@torch.library.custom_op("megamoe::mega_moe", mutates_args=())
+def _mega_moe_op(
+    x: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    w1: torch.Tensor,
+    w2: torch.Tensor,
+    w3: torch.Tensor,
+    group_name: str,
+    backend: str,
+    precision: str,
+) -> torch.Tensor:
+    impl = backend_module(backend)
+    return impl.forward(
+        x, topk_ids, topk_weights, w1, w2, w3, _group_from_name(group_name), precision
+    )
+
+
+@_mega_moe_op.register_fake
+def _mega_moe_fake(x, topk_ids, topk_weights, w1, w2, w3, group_name, backend, precision):
+    return torch.empty_like(x)
+
+
+@torch.library.custom_op("megamoe::mega_moe_backward", mutates_args=())
+def _mega_moe_backward_op(
+    grad_out: torch.Tensor,
+    x: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    w1: torch.Tensor,
+    w2: torch.Tensor,
+    w3: torch.Tensor,
+    group_name: str,
+    backend: str,
+    precision: str,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    impl = backend_module(backend)
+    grads = impl.backward(
+        grad_out.contiguous(),
+        x,
+        topk_ids,
+        topk_weights,
+        w1,
+        w2,
+        w3,
+        _group_from_name(group_name),
+        precision,
+    )
+    return tuple(g.contiguous() for g in grads)
+
+
+@_mega_moe_backward_op.register_fake
+def _mega_moe_backward_fake(
+    grad_out, x, topk_ids, topk_weights, w1, w2, w3, group_name, backend, precision
+):
+    return (
+        torch.empty_like(x),
+        torch.empty_like(topk_weights),
+        torch.empty_like(w1),
+        torch.empty_like(w2),
+        torch.empty_like(w3),
+    )
+
+
+def _setup_context(ctx, inputs, output):
+    x, topk_ids, topk_weights, w1, w2, w3, group_name, backend, precision = inputs
+    ctx.save_for_backward(x, topk_ids, topk_weights, w1, w2, w3)
+    ctx.config = (group_name, backend, precision)
+
+
+def _backward(ctx, grad_out):
+    x, topk_ids, topk_weights, w1, w2, w3 = ctx.saved_tensors
+    dx, dweights, dw1, dw2, dw3 = torch.ops.megamoe.mega_moe_backward(
+        grad_out, x, topk_ids, topk_weights, w1, w2, w3, *ctx.config
+    )
+    return dx, None, dweights, dw1, dw2, dw3, None, None, None
+
+
+_mega_moe_op.register_autograd(_backward, setup_context=_setup_context)
