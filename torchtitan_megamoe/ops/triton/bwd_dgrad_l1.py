@@ -1,0 +1,110 @@
+"""Backward kernel C: dgrad of linear 1, dx rows stored into their (token, k) slots.
+
+Per (row tile, D tile) of the plan's row space, e the tile's expert:
+
+    dx_slot[row_slot[r]] = da1_r @ w1[e] + da3_r @ w3[e]        ([BLOCK_M, BLOCK_N] of [.., D])
+
+K-loop over H twice (the da1 half against w1[e], then the da3 half against w3[e]) into one fp32
+accumulator. Rows are stored straight into the slot buffer dx_slot [T*K, D] (the combine kernel
+sums each token's K slots in fixed order), so no un-permute copy is needed. Padding rows and
+tiles past the used rows store nothing; slots that are dropped are never written and never read.
+Program ids run D tiles fastest, so the programs in flight share a row tile's da rows in L2.
+Waits on: kernel A's da (stream order). Signals: nothing.
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+from torchtitan_megamoe.ops.triton.bwd_common import interpreting, mma
+from torchtitan_megamoe.ops.triton.plan import Plan
+
+
+@triton.jit
+def _dgrad_l1_kernel(
+    da_ptr, w1_ptr, w3_ptr, out_ptr,
+    row_slot_ptr, tile_expert_ptr,
+    H, D,
+    s_da,
+    s_w1e, s_w1h, s_w1d,
+    s_w3e, s_w3h, s_w3d,
+    s_out,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    num_n = tl.cdiv(D, BLOCK_N)
+    pid_m = pid // num_n
+    pid_n = pid % num_n
+    e = tl.load(tile_expert_ptr + pid_m)
+    if e < 0:
+        return
+    e = e.to(tl.int64)
+
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rk = tl.arange(0, BLOCK_K)
+    n_ok = rn < D
+    da_rows = da_ptr + rm[:, None].to(tl.int64) * s_da
+    w1_cols = w1_ptr + e * s_w1e + rn[None, :].to(tl.int64) * s_w1d
+    w3_cols = w3_ptr + e * s_w3e + rn[None, :].to(tl.int64) * s_w3d
+
+    acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    for k0 in range(0, H, BLOCK_K):
+        kk = k0 + rk
+        k_ok = kk < H
+        a = tl.load(da_rows + kk[None, :], mask=k_ok[None, :], other=0.0)
+        w = tl.load(w1_cols + kk[:, None].to(tl.int64) * s_w1h,
+                    mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+        acc = mma(a, w, acc, UPCAST)
+    for k0 in range(0, H, BLOCK_K):
+        kk = k0 + rk
+        k_ok = kk < H
+        a = tl.load(da_rows + H + kk[None, :], mask=k_ok[None, :], other=0.0)
+        w = tl.load(w3_cols + kk[:, None].to(tl.int64) * s_w3h,
+                    mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+        acc = mma(a, w, acc, UPCAST)
+
+    slot = tl.load(row_slot_ptr + rm)
+    valid = slot >= 0
+    out = out_ptr + tl.where(valid, slot, 0).to(tl.int64)[:, None] * s_out + rn[None, :]
+    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=valid[:, None] & n_ok[None, :])
+
+
+def dgrad_l1(
+    da: torch.Tensor,
+    w1: torch.Tensor,
+    w3: torch.Tensor,
+    plan: Plan,
+    *,
+    out_dtype: torch.dtype = torch.bfloat16,
+    block_n: int = 128,
+    block_k: int = 64,
+    num_warps: int = 8,
+    num_stages: int = 3,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Launch kernel C. da: [R_max, 2H] from kernel A; w1, w3: [E, H, D].
+    Returns dx_slot [T*K, D] (rows of dropped slots left unwritten)."""
+    E, H, D = w1.shape
+    R = plan.max_rows
+    if da.shape != (R, 2 * H) or da.stride(-1) != 1:
+        raise ValueError(f"da must be [{R}, {2 * H}] with contiguous rows, got {tuple(da.shape)}")
+    S = plan.num_tokens * plan.top_k
+    if out is None:
+        out = torch.empty(S, D, dtype=out_dtype, device=da.device)
+    if out.shape != (S, D) or out.stride(-1) != 1:
+        raise ValueError(f"dx_slot must be [{S}, {D}] with contiguous rows")
+    grid = (plan.num_tiles * triton.cdiv(D, block_n),)
+    _dgrad_l1_kernel[grid](
+        da, w1, w3, out,
+        plan.row_slot, plan.tile_expert,
+        H, D,
+        da.stride(0),
+        *w1.stride(), *w3.stride(),
+        out.stride(0),
+        BLOCK_M=plan.block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+        UPCAST=interpreting(),
+        num_warps=num_warps, num_stages=num_stages,
+    )
+    return out
