@@ -1,0 +1,56 @@
+# Two commands do all the set-up on a fresh CPU machine (see README.md):
+#   make smoke   -- the main job: CPU smoke training with the megamoe converter (torchrun)
+#   make test    -- the test suite (what CI runs through .ci/run)
+# Both create .venv and install everything first.
+
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.megamoe-installed
+ASSETS := outputs/assets/megamoe_tiny
+CPU_ENV := MEGAMOE_CPU=1 HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 HF_HOME=$(CURDIR)/outputs/hf_home
+NPROC ?= 1
+SMOKE_TOML := train_configs/qwen3_moe_tiny_cpu.toml
+
+.PHONY: setup smoke test test-fast ab ab-ep2 bench gpu-check clean
+
+# torch is pinned to the CPU build that the machine image carries (a plain `torch` from PyPI
+# would pull a multi-GB CUDA build onto a machine with no GPU).
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[test]'
+	touch $@
+
+setup: $(STAMP)
+
+$(ASSETS)/.megamoe_assets.json: $(STAMP)
+	$(PY) -m torchtitan_megamoe.assets --out $(ASSETS)
+
+# The main job: real TorchTitan training through stock torchrun with the converter on.
+smoke: setup $(ASSETS)/.megamoe_assets.json
+	$(CPU_ENV) $(VENV)/bin/torchrun --nproc_per_node $(NPROC) -m torchtitan.train \
+		--job.config_file $(SMOKE_TOML)
+
+test: setup $(ASSETS)/.megamoe_assets.json
+	$(CPU_ENV) $(PY) -m pytest -q -rs tests
+
+test-fast: setup
+	$(PY) -m pytest -q -rs tests -m "not slow"
+
+# Stock vs converter on the tiny config: 1 rank, then 2 ranks with FSDP + EP=2 (gloo).
+ab: setup $(ASSETS)/.megamoe_assets.json
+	$(CPU_ENV) $(PY) -m torchtitan_megamoe.ab --config $(SMOKE_TOML) --nproc 1 --out outputs/ab_1rank
+ab-ep2: setup $(ASSETS)/.megamoe_assets.json
+	$(CPU_ENV) $(PY) -m torchtitan_megamoe.ab --config $(SMOKE_TOML) --nproc 2 --out outputs/ab_ep2 \
+		-- --parallelism.expert_parallel_degree 2
+
+# GPU only (run on the device machine): layer benchmark, and the one-stop GPU script.
+bench:
+	$(PYTHON) -m torchtitan_megamoe.bench
+gpu-check:
+	bash scripts/gpu_check.sh
+
+clean:
+	rm -rf outputs
