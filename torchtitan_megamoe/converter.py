@@ -175,6 +175,12 @@ def validate_moe(
             f"{where}: num_experts={e} is not divisible by expert_parallel_degree={ep_degree}; "
             "choose an EP degree that divides the expert count."
         )
+    if cfg.precision in ("fp8", "fp8_bwd") and (dim % 128 or h % 128):
+        raise ValueError(
+            f"{where}: precision={cfg.precision!r} uses 128-wide scaling blocks and needs dim "
+            f"and moe_inter_dim to be multiples of 128, got dim={dim}, moe_inter_dim={h}. Use "
+            "[megamoe] precision='bf16' for this model."
+        )
     if cfg.backend == "triton":
         problem = triton_shape_error(dim, h)
         if problem is not None:
@@ -245,7 +251,7 @@ class MegaMoEConverter:
 
     def convert(self, model: nn.Module) -> None:
         converted = convert_moe_blocks(model, self.cfg, self.ep_degree)
-        if not converted:
+        if not any(isinstance(m, MegaMoE) for m in model.modules()):
             raise ValueError(
                 "megamoe: the model has no torchtitan MoE blocks to convert (is it an MoE "
                 "flavor, e.g. qwen3 '30B-A3B'?). Drop 'megamoe' from model.converters."

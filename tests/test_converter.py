@@ -1,0 +1,422 @@
+"""The megamoe converter on real (tiny) TorchTitan Qwen3-MoE models, CPU, reference backend.
+
+Stock and converted models are built the way TorchTitan's trainer builds them (meta device,
+convert, to_empty, init_weights) and compared: state-dict layout, init values, forward values,
+gradients, load-balance accounting; then every validation error; then TorchTitan's
+parallelize-time hooks (EP routing, SAC save list, compile wrapping).
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+
+import pytest
+import torch
+from torch import nn
+
+from torchtitan.config import ConfigManager
+from torchtitan.models.moe.moe import GroupedExperts, MoE
+from torchtitan.models.qwen3 import Qwen3Model
+from torchtitan.protocols.model_converter import (
+    _registry_model_converter_cls,
+    build_model_converters,
+)
+
+from torchtitan_megamoe import converter as conv_mod
+from torchtitan_megamoe.converter import MegaMoEConverter, triton_shape_error
+from torchtitan_megamoe.moe import KeepDtype, MegaExperts, MegaMoE
+from torchtitan_megamoe.parallel import install_ep_routing
+
+from _integration_helpers import (
+    build_converted,
+    build_stock,
+    cpu_histc,
+    job_config,
+    rel_err,
+    tiny_args,
+    with_parallelism,
+)
+
+
+@pytest.fixture(autouse=True)
+def _histc():
+    with cpu_histc():
+        yield
+
+
+VARIANTS = {
+    "qwen3": {},
+    "shared_sigmoid_bias": dict(
+        num_shared_experts=1, score_func="sigmoid", route_norm=False, route_scale=2.5
+    ),
+    "node_limited": dict(num_expert_groups=4, num_limited_groups=2, top_k=3),
+    "no_load_balance": dict(load_balance_coeff=None),
+}
+
+
+# --------------------------------------------------------------------------- registration
+
+
+def test_toml_section_and_registration():
+    jc = ConfigManager().parse_args(
+        [
+            "--job.custom_config_module",
+            "torchtitan_megamoe.config",
+            "--model.converters",
+            "megamoe",
+            "--megamoe.backend",
+            "reference",
+            "--megamoe.precision",
+            "fp8_bwd",
+        ]
+    )
+    assert _registry_model_converter_cls["megamoe"] is MegaMoEConverter
+    assert (jc.megamoe.backend, jc.megamoe.precision) == ("reference", "fp8_bwd")
+    with torch.device("meta"):
+        model = Qwen3Model(tiny_args(dim=128, moe_inter_dim=128))  # fp8 needs 128-multiples
+    build_model_converters(jc, None).convert(model)
+    moes = [b.moe for b in model.layers.values()]
+    assert all(type(m) is MegaMoE for m in moes)
+    assert all(
+        (m.experts.backend, m.experts.precision) == ("reference", "fp8_bwd") for m in moes
+    )
+
+
+# --------------------------------------------------------------------------- layout and init
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_state_dict_layout_matches_stock(variant):
+    args = tiny_args(**VARIANTS[variant])
+    with torch.device("meta"):
+        stock, converted = Qwen3Model(args), Qwen3Model(args)
+    MegaMoEConverter(job_config(), None).convert(converted)
+
+    def layout(m):
+        sd = m.state_dict()
+        return [(k, tuple(v.shape), v.dtype) for k, v in sd.items()]
+
+    assert layout(converted) == layout(stock)
+    # Non-persistent buffers too (tokens_per_expert is read by the load-balancing hook).
+    assert [(n, b.dtype) for n, b in converted.named_buffers()] == [
+        (n, b.dtype) for n, b in stock.named_buffers()
+    ]
+    moe = converted.layers["0"].moe
+    assert isinstance(moe, MoE) and isinstance(moe.experts, GroupedExperts)
+    assert type(moe.router.gate) is nn.Linear  # op-level SAC looks the router gate up by type
+
+
+def test_convert_on_meta_reuses_parameters_and_allocates_nothing():
+    # Real Qwen3-30B-A3B layer shapes: one real copy of one layer's experts would be 2.4 GB.
+    from torchtitan.models.qwen3 import qwen3_args
+
+    args = copy.deepcopy(qwen3_args["30B-A3B"])
+    args.n_layers = 2
+    with torch.device("meta"):
+        model = Qwen3Model(args)
+    before = {n: p for n, p in model.named_parameters()}
+    before_buffers = {n: b for n, b in model.named_buffers()}
+
+    seen_devices = set()
+
+    class RecordDevices(torch.utils._python_dispatch.TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for t in torch.utils._pytree.tree_leaves(out):
+                if isinstance(t, torch.Tensor):
+                    seen_devices.add(t.device.type)
+            return out
+
+    with RecordDevices():
+        MegaMoEConverter(job_config(backend="auto"), None).convert(model)
+
+    assert seen_devices <= {"meta"}, f"convert() created tensors on {seen_devices}"
+    after = dict(model.named_parameters())
+    assert after.keys() == before.keys()
+    assert all(after[n] is before[n] for n in before), "parameters must be reused, not copied"
+    assert all(p.is_meta for p in after.values())
+    after_buffers = dict(model.named_buffers())
+    assert all(after_buffers[n] is before_buffers[n] for n in before_buffers)
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_init_weights_match_stock(variant):
+    args = tiny_args(**VARIANTS[variant])
+    stock, converted = build_stock(args, seed=3), build_converted(args, seed=3)
+    sd_s, sd_c = stock.state_dict(), converted.state_dict()
+    assert list(sd_s) == list(sd_c)
+    for k in sd_s:
+        assert torch.equal(sd_s[k], sd_c[k]), k
+    # A different seed must give different weights (the comparison above can fail).
+    other = build_converted(args, seed=4).state_dict()
+    assert not torch.equal(other["layers.0.moe.experts.w1"], sd_s["layers.0.moe.experts.w1"])
+
+
+# --------------------------------------------------------------------------- numerics
+
+
+def _fwd_bwd(model, tokens, seed=11):
+    out = model(tokens)
+    g = torch.randn(out.shape, generator=torch.Generator().manual_seed(seed))
+    (out * g).sum().backward()
+    return out.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_forward_backward_match_stock_fp32(variant):
+    args = tiny_args(**VARIANTS[variant])
+    stock, converted = build_stock(args, seed=1), build_converted(args, seed=1)
+    # A non-zero expert_bias changes routing: both must honour it identically.
+    for block_s, block_c in zip(stock.layers.values(), converted.layers.values()):
+        if block_s.moe.expert_bias is not None:
+            bias = torch.linspace(-0.2, 0.2, block_s.moe.expert_bias.numel())
+            block_s.moe.expert_bias.copy_(bias)
+            block_c.moe.expert_bias.copy_(bias)
+    tokens = torch.randint(0, args.vocab_size, (2, 24), generator=torch.Generator().manual_seed(5))
+
+    out_s, grads_s = _fwd_bwd(stock, tokens)
+    out_c, grads_c = _fwd_bwd(converted, tokens)
+
+    assert out_c.dtype == out_s.dtype and out_c.shape == out_s.shape
+    assert rel_err(out_c, out_s) < 1e-6
+    assert grads_c.keys() == grads_s.keys()
+    for n in grads_s:
+        assert rel_err(grads_c[n], grads_s[n]) < 1e-5, n
+    for (n, b_s), (_, b_c) in zip(stock.named_buffers(), converted.named_buffers()):
+        assert torch.equal(b_s, b_c), n
+    counts = converted.layers["0"].moe.tokens_per_expert
+    assert counts.sum().item() == tokens.numel() * args.moe_args.top_k
+
+
+def test_bf16_model_output_dtype_and_closeness():
+    args = tiny_args()
+    stock = build_stock(args, seed=2).to(torch.bfloat16)
+    converted = build_converted(args, seed=2).to(torch.bfloat16)
+    tokens = torch.randint(0, args.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        out_s, out_c = stock(tokens), converted(tokens)
+    assert out_c.dtype == out_s.dtype == torch.bfloat16
+    # Stock rounds each expert output to bf16 before combining; the op accumulates in fp32.
+    assert rel_err(out_c, out_s) < 3e-2
+
+
+def test_moe_block_calls_op_through_experts_call():
+    # FSDP's unshard/reduce-scatter hooks sit on moe.experts.__call__; the op must run there.
+    args = tiny_args(n_layers=1)
+    model = build_converted(args)
+    experts = model.layers["0"].moe.experts
+    calls = []
+    experts.register_forward_pre_hook(lambda mod, inp: calls.append(inp))
+    x = torch.randn(2, 5, args.dim)
+    model.layers["0"].moe(x)
+    assert len(calls) == 1
+    xs, ids, w = calls[0]
+    assert xs.shape == (10, args.dim) and ids.shape == (10, 2)
+    assert isinstance(w, KeepDtype) and w.tensor.dtype == torch.float32
+
+
+def test_routing_weights_survive_fsdp_input_cast():
+    # FSDP (mixed precision) casts every floating tensor argument of moe.experts to bf16;
+    # stock applies fp32 routing weights outside the experts, so ours must stay fp32.
+    from torch.distributed.utils import _apply_to_tensors
+
+    x = torch.randn(3, 4)
+    w = torch.rand(3, 2)
+    cast = _apply_to_tensors(lambda t: t.to(torch.bfloat16), (x, KeepDtype(w)))
+    assert cast[0].dtype == torch.bfloat16
+    assert cast[1].tensor is w
+
+
+# --------------------------------------------------------------------------- validation
+
+
+def _meta_model(args=None):
+    with torch.device("meta"):
+        return Qwen3Model(args or tiny_args())
+
+
+@pytest.mark.parametrize(
+    "settings, match",
+    [
+        (dict(backend="cuda"), r"backend='cuda' is not one of"),
+        (dict(precision="fp16"), r"precision='fp16' is not one of"),
+        (dict(capacity_factor=0.0), r"capacity_factor=0.0 must be > 0"),
+        (dict(max_tokens_per_rank=-1), r"max_tokens_per_rank=-1 must be >= 0"),
+        (dict(comm_sms=-2), r"comm_sms=-2 must be >= 0"),
+        (dict(save_for_backward="all"), r"save_for_backward='all': only 'inputs'"),
+    ],
+)
+def test_rejects_bad_settings(settings, match):
+    with pytest.raises(ValueError, match=match):
+        MegaMoEConverter(job_config(**settings), None)
+
+
+@pytest.mark.parametrize(
+    "degrees, match",
+    [
+        (dict(tensor_parallel_degree=2), r"tensor_parallel_degree=2 is not supported"),
+        (
+            dict(expert_parallel_degree=2, expert_tensor_parallel_degree=2),
+            r"expert_tensor_parallel_degree=2 is not supported",
+        ),
+        (dict(pipeline_parallel_degree=2), r"pipeline_parallel_degree=2 is not supported"),
+        (dict(context_parallel_degree=2), r"context_parallel_degree=2 is not supported"),
+        (dict(expert_parallel_comm_backend="deepep"), r"'deepep' \(DeepEP MoE\)"),
+    ],
+)
+def test_rejects_unsupported_parallelism(degrees, match):
+    with pytest.raises(NotImplementedError, match=match):
+        MegaMoEConverter(with_parallelism(job_config(), **degrees), None)
+
+
+def test_rejects_grouped_mm_quantization_converter():
+    jc = job_config(converters=("quantize.grouped_mm.float8", "megamoe"))
+    with pytest.raises(NotImplementedError, match=r"'quantize.grouped_mm.float8'.*precision"):
+        MegaMoEConverter(jc, None)
+
+
+def test_parallel_dims_take_precedence_over_job_config():
+    from torchtitan.distributed import ParallelDims
+
+    pd = ParallelDims(
+        dp_replicate=1, dp_shard=1, cp=1, tp=2, pp=1, ep=1, etp=1, world_size=2
+    )
+    with pytest.raises(NotImplementedError, match=r"tensor_parallel_degree=2"):
+        MegaMoEConverter(job_config(), pd)
+
+
+@pytest.mark.parametrize(
+    "args, jc, exc, match",
+    [
+        (
+            tiny_args(score_before_experts=True),
+            job_config(),
+            NotImplementedError,
+            r"layers.0.moe' has score_before_experts=True.*score_before_experts=False",
+        ),
+        (
+            tiny_args(),
+            with_parallelism(job_config(), expert_parallel_degree=3),
+            ValueError,
+            r"num_experts=8 is not divisible by expert_parallel_degree=3",
+        ),
+        (
+            tiny_args(),
+            job_config(backend="triton"),
+            ValueError,
+            r"backend='triton' cannot run this shape: hidden size dim=64 is not a multiple of "
+            r"128; expert intermediate size moe_inter_dim=32",
+        ),
+        (
+            tiny_args(),
+            job_config(precision="fp8"),
+            ValueError,
+            r"precision='fp8' uses 128-wide scaling blocks.*dim=64, moe_inter_dim=32",
+        ),
+    ],
+)
+def test_rejects_unsupported_moe(args, jc, exc, match):
+    model = _meta_model(args)
+    with pytest.raises(exc, match=match):
+        MegaMoEConverter(jc, None).convert(model)
+    # Validation runs before any swap: a rejected model is left stock.
+    assert all(type(b.moe) is MoE for b in model.layers.values())
+
+
+def test_triton_shapes_accepted_when_aligned():
+    assert triton_shape_error(2048, 768) is None
+    assert triton_shape_error(4096, 1536) is None
+    model = _meta_model(tiny_args(dim=128, moe_inter_dim=128))
+    MegaMoEConverter(job_config(backend="triton", precision="fp8"), None).convert(model)
+    assert all(type(b.moe) is MegaMoE for b in model.layers.values())
+
+
+def test_rejects_non_grouped_experts():
+    class MyExperts(GroupedExperts):
+        pass
+
+    model = _meta_model()
+    old = model.layers["1"].moe.experts
+    with torch.device("meta"):
+        model.layers["1"].moe.experts = MyExperts(64, 32, 8, use_grouped_mm=False)
+    with pytest.raises(NotImplementedError, match=r"layers.1.moe' has experts of type MyExperts"):
+        MegaMoEConverter(job_config(), None).convert(model)
+    assert type(model.layers["0"].moe) is MoE and old is not None
+
+
+def test_rejects_moe_subclasses():
+    class OtherMoE(MoE):  # e.g. DeepEPMoE
+        pass
+
+    model = _meta_model()
+    with torch.device("meta"):
+        model.layers["0"].moe = OtherMoE(tiny_args().moe_args, dim=64, hidden_dim=32)
+    with pytest.raises(NotImplementedError, match=r"is a OtherMoE, not a stock torchtitan MoE"):
+        MegaMoEConverter(job_config(), None).convert(model)
+
+
+def test_rejects_dense_model_and_is_idempotent():
+    dense = dataclasses.replace(tiny_args(), moe_enabled=False)
+    with pytest.raises(ValueError, match=r"no torchtitan MoE blocks to convert"):
+        MegaMoEConverter(job_config(), None).convert(_meta_model(dense))
+    model = _meta_model()
+    converter = MegaMoEConverter(job_config(), None)
+    converter.convert(model)
+    first = [b.moe for b in model.layers.values()]
+    converter.convert(model)
+    assert [b.moe for b in model.layers.values()] == first
+
+
+def test_megamoe_direct_construction_rejects_score_before_experts():
+    with pytest.raises(ValueError, match=r"score_before_experts=True is not supported"):
+        MegaMoE(tiny_args(score_before_experts=True).moe_args, dim=64, hidden_dim=32)
+    moe = MegaMoE(tiny_args().moe_args, dim=64, hidden_dim=32, backend="reference")
+    assert isinstance(moe.experts, MegaExperts) and not hasattr(moe, "reorderer")
+
+
+# --------------------------------------------------------------------------- TorchTitan hooks
+
+
+def test_sac_save_list_and_ep_routing_installed():
+    import torchtitan.models.llama4.infra.parallelize as llama4_par
+    import torchtitan.models.qwen3.infra.parallelize as qwen3_par
+
+    MegaMoEConverter(job_config(), None).convert(_meta_model())
+    op = torch.ops.megamoe.mega_moe.default
+    assert op in qwen3_par._op_sac_save_list
+    assert op in llama4_par._op_sac_save_list
+    wrapped = qwen3_par.apply_moe_ep_tp
+    assert hasattr(wrapped, "_megamoe_stock")
+    # Idempotent: a second install neither re-wraps nor reports anything patched.
+    assert install_ep_routing() == []
+    assert qwen3_par.apply_moe_ep_tp is wrapped
+    assert not hasattr(wrapped._megamoe_stock, "_megamoe_stock")
+
+
+def test_ep_routing_rejects_tp_for_converted_blocks():
+    import torchtitan.models.qwen3.infra.parallelize as qwen3_par
+
+    model = _meta_model()
+    MegaMoEConverter(job_config(), None).convert(model)
+    with pytest.raises(NotImplementedError, match=r"tensor parallelism / expert tensor"):
+        qwen3_par.apply_moe_ep_tp(
+            model, tp_mesh=object(), ep_mesh=None, etp_mesh=None, ep_etp_mesh=None
+        )
+
+
+def test_stock_apply_compile_wraps_router_not_experts():
+    from torchtitan.config.job_config import Compile
+    from torchtitan.models.llama4.infra.parallelize import apply_compile
+
+    args = tiny_args(num_shared_experts=1)
+    converted = build_converted(args, seed=0)
+    reference = build_converted(args, seed=0)
+    apply_compile(converted, Compile(enable=True, backend="eager"), ep_enabled=False)
+    moe = converted.layers["0"].moe
+    assert isinstance(moe.router, torch._dynamo.eval_frame.OptimizedModule)
+    assert isinstance(moe.shared_experts, torch._dynamo.eval_frame.OptimizedModule)
+    assert type(moe.experts) is MegaExperts  # left eager: FSDP hooks live on its __call__
+    tokens = torch.randint(0, args.vocab_size, (1, 8), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert rel_err(converted(tokens), reference(tokens)) < 1e-6
