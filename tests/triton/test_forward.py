@@ -92,3 +92,29 @@ def test_forward_real_shape_vs_reference(shape):
     err = rel_err(out.float(), ref.float())
     assert err <= 1e-2, err
     assert torch.equal(out, tb.forward(x, ids, w, w1, w2, w3, None, "bf16"))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_every_tuner_candidate_is_correct():
+    """The tuner may pick any candidate, so each one (TMA or not) must be right on its own."""
+    from torchtitan_megamoe.ops.triton import gemm1_swiglu, gemm2_scatter
+    from torchtitan_megamoe.ops.triton.forward import forward_ep1
+
+    D_, H_, T_, K_, E_ = 2048, 768, 3000, 8, 16
+    dev = "cuda"
+    torch.manual_seed(1)
+    x = torch.randn(T_, D_, device=dev, dtype=torch.bfloat16)
+    w1 = (torch.randn(E_, H_, D_, device=dev) / D_**0.5).bfloat16()
+    w3 = (torch.randn(E_, H_, D_, device=dev) / D_**0.5).bfloat16()
+    w2 = (torch.randn(E_, D_, H_, device=dev) / H_**0.5).bfloat16()
+    ids = torch.stack([torch.randperm(E_, device=dev)[:K_] for _ in range(T_)])
+    ids[ids == 3] = -1  # an empty expert and dropped slots
+    w = torch.rand(T_, K_, device=dev)
+    ref = reference.forward(x, ids, w, w1, w2, w3, None, "bf16").float()
+    c1s, c2s = gemm1_swiglu.GPU_CONFIGS, gemm2_scatter.GPU_CONFIGS
+    for i in range(max(len(c1s), len(c2s))):
+        c1, c2 = c1s[i % len(c1s)], c2s[i % len(c2s)]
+        out = forward_ep1(x, ids, w, w1, w2, w3, gemm1_config=c1, gemm2_config=c2)
+        err = rel_err(out.float(), ref)
+        assert err <= 1e-2, (c1, c2, err)

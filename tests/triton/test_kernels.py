@@ -12,6 +12,8 @@ from torchtitan_megamoe.ops.triton import gemm2_scatter as g2
 from torchtitan_megamoe.ops.triton.plan import build_plan
 
 CFG = dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=16, GROUP_M=2, num_warps=1, num_stages=1)
+# the bulk-tensor-copy (TMA descriptor) path, and a BLOCK_M smaller than the plan's tile height
+CFG_TMA = dict(CFG, BLOCK_M=8, USE_TMA=True)
 T, K, E, D, H, BM = 13, 2, 4, 32, 48, 16
 
 
@@ -32,11 +34,12 @@ def _poison_empty(monkeypatch):
 
 
 @pytest.mark.parametrize("name,ids", list(routings(T, K, E)), ids=lambda v: v if isinstance(v, str) else "")
-def test_gemm1_swiglu(name, ids):
+@pytest.mark.parametrize("cfg", [CFG, CFG_TMA], ids=["ptr", "tma"])
+def test_gemm1_swiglu(name, ids, cfg):
     w1, w2, w3 = make_weights(E, D, H)
     x = torch.randn(ids.shape[0], D).to(torch.bfloat16)
     plan = build_plan(ids, E, BM)
-    h = g1.gemm1_swiglu(x, w1, w3, plan, config=CFG)
+    h = g1.gemm1_swiglu(x, w1, w3, plan, config=cfg)
     exp_e = plan.tile_expert.repeat_interleave(BM).long()
     for r, s in enumerate(plan.row_slot.tolist()):
         if exp_e[r] < 0:
@@ -51,11 +54,12 @@ def test_gemm1_swiglu(name, ids):
 
 
 @pytest.mark.parametrize("name,ids", list(routings(T, K, E)), ids=lambda v: v if isinstance(v, str) else "")
-def test_gemm2_scatter(name, ids):
+@pytest.mark.parametrize("cfg", [CFG, CFG_TMA], ids=["ptr", "tma"])
+def test_gemm2_scatter(name, ids, cfg):
     w1, w2, w3 = make_weights(E, D, H)
     plan = build_plan(ids, E, BM)
     h = torch.randn(plan.max_rows, H).to(torch.bfloat16)
-    y = g2.gemm2_scatter(h, w2, plan, config=CFG)
+    y = g2.gemm2_scatter(h, w2, plan, config=cfg)
     slot_row = plan.slot_row.tolist()
     for s, r in enumerate(slot_row):
         if r < 0:

@@ -13,6 +13,7 @@ Signals: nothing; h [R_max, H] bf16 is complete when the launch is.
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from torchtitan_megamoe.ops.triton.plan import Plan
 from torchtitan_megamoe.ops.triton.tune import interpreter_needs_f32_dot, pick_config
@@ -23,6 +24,8 @@ def _gemm1_swiglu_kernel(
     x_ptr,
     w1_ptr,
     w3_ptr,
+    w1_desc,
+    w3_desc,
     h_ptr,
     row_slot_ptr,
     tile_expert_ptr,
@@ -40,6 +43,7 @@ def _gemm1_swiglu_kernel(
     BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
     F32_DOT: tl.constexpr,
+    USE_TMA: tl.constexpr,
 ):
     pid = tl.program_id(0)
     num_n = H // BLOCK_N
@@ -64,12 +68,19 @@ def _gemm1_swiglu_kernel(
 
     a_ptrs = x_ptr + tok[:, None] * stride_x + offs_k[None, :]
     w_off = expert.to(tl.int64) * stride_we + offs_n[None, :].to(tl.int64) * stride_wh + offs_k[:, None]
+    w_row = expert * H + pid_n * BLOCK_N  # row of the [E*H, D] weight view (TMA path)
     acc1 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc3 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for _ in range(0, D, BLOCK_K):
+    for k in range(0, D, BLOCK_K):
         a = tl.load(a_ptrs, mask=has_row[:, None], other=0.0)
-        b1 = tl.load(w1_ptr + w_off)
-        b3 = tl.load(w3_ptr + w_off)
+        if USE_TMA:
+            # bulk tensor copies of the weight tiles; A rows are gathered, so they stay
+            # pointer loads (Hopper's TMA has no row gather)
+            b1 = w1_desc.load([w_row, k]).T
+            b3 = w3_desc.load([w_row, k]).T
+        else:
+            b1 = tl.load(w1_ptr + w_off)
+            b3 = tl.load(w3_ptr + w_off)
         if F32_DOT:
             a, b1, b3 = a.to(tl.float32), b1.to(tl.float32), b3.to(tl.float32)
         acc1 = tl.dot(a, b1, acc1)
@@ -85,10 +96,12 @@ def _gemm1_swiglu_kernel(
 # Hopper candidates; the tuner times them once per shape. Two accumulators double the register
 # footprint of a plain GEMM tile, hence BLOCK_N <= 128.
 GPU_CONFIGS = [
-    dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=3),
-    dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=4),
-    dict(BLOCK_M=128, BLOCK_N=64, BLOCK_K=64, GROUP_M=8, num_warps=4, num_stages=4),
-    dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=4, num_stages=4),
+    dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=3, USE_TMA=False),
+    dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=4, USE_TMA=False),
+    dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=3, USE_TMA=True),
+    dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=4, USE_TMA=True),
+    dict(BLOCK_M=128, BLOCK_N=64, BLOCK_K=64, GROUP_M=8, num_warps=4, num_stages=4, USE_TMA=True),
+    dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=4, num_stages=4, USE_TMA=False),
 ]
 
 
@@ -106,8 +119,15 @@ def gemm1_swiglu(
         assert plan.block_m % bm == 0 and H % bn == 0 and D % bk == 0, (cfg, H, D)
         num_m = R // bm
         grid = (num_m * (H // bn),)
+        cfg = dict(cfg)
+        cfg.setdefault("USE_TMA", False)
+        if cfg["USE_TMA"]:
+            d1 = TensorDescriptor.from_tensor(w1.view(E * H, D), [bn, bk])
+            d3 = TensorDescriptor.from_tensor(w3.view(E * H, D), [bn, bk])
+        else:
+            d1, d3 = w1, w3
         _gemm1_swiglu_kernel[grid](
-            x, w1, w3, h, plan.row_slot, plan.tile_expert,
+            x, w1, w3, d1, d3, h, plan.row_slot, plan.tile_expert,
             num_m, H, D,
             x.stride(0), w1.stride(0), w1.stride(1), h.stride(0),
             TOP_K=plan.top_k, PLAN_BM=plan.block_m, F32_DOT=interpreter_needs_f32_dot(),

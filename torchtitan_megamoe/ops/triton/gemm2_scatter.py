@@ -12,6 +12,7 @@ Signals: nothing; ybuf is complete when the launch is.
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from torchtitan_megamoe.ops.triton.plan import Plan
 from torchtitan_megamoe.ops.triton.tune import interpreter_needs_f32_dot, pick_config
@@ -21,6 +22,8 @@ from torchtitan_megamoe.ops.triton.tune import interpreter_needs_f32_dot, pick_c
 def _gemm2_scatter_kernel(
     h_ptr,
     w2_ptr,
+    h_desc,
+    w2_desc,
     y_ptr,
     row_slot_ptr,
     tile_expert_ptr,
@@ -37,6 +40,7 @@ def _gemm2_scatter_kernel(
     BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
     F32_DOT: tl.constexpr,
+    USE_TMA: tl.constexpr,
 ):
     pid = tl.program_id(0)
     num_n = D // BLOCK_N
@@ -60,10 +64,15 @@ def _gemm2_scatter_kernel(
         + offs_n[None, :].to(tl.int64) * stride_wd
         + offs_k[:, None]
     )
+    w_row = expert * D + pid_n * BLOCK_N  # row of the [E*D, H] weight view (TMA path)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for _ in range(0, H, BLOCK_K):
-        a = tl.load(a_ptrs)
-        b = tl.load(w_ptrs)
+    for k in range(0, H, BLOCK_K):
+        if USE_TMA:
+            a = h_desc.load([pid_m * BLOCK_M, k])
+            b = w2_desc.load([w_row, k]).T
+        else:
+            a = tl.load(a_ptrs)
+            b = tl.load(w_ptrs)
         if F32_DOT:
             a, b = a.to(tl.float32), b.to(tl.float32)
         acc = tl.dot(a, b, acc)
@@ -76,10 +85,12 @@ def _gemm2_scatter_kernel(
 
 
 GPU_CONFIGS = [
-    dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=3),
-    dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=4),
-    dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=4, num_stages=4),
-    dict(BLOCK_M=64, BLOCK_N=256, BLOCK_K=64, GROUP_M=8, num_warps=4, num_stages=4),
+    dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=3, USE_TMA=False),
+    dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=4, USE_TMA=False),
+    dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=3, USE_TMA=True),
+    dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=4, USE_TMA=True),
+    dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=4, USE_TMA=True),
+    dict(BLOCK_M=64, BLOCK_N=256, BLOCK_K=64, GROUP_M=8, num_warps=4, num_stages=4, USE_TMA=True),
 ]
 
 
@@ -104,8 +115,15 @@ def gemm2_scatter(
         assert plan.block_m % bm == 0 and D % bn == 0 and H % bk == 0, (cfg, D, H)
         num_m = R // bm
         grid = (num_m * (D // bn),)
+        cfg = dict(cfg)
+        cfg.setdefault("USE_TMA", False)
+        if cfg["USE_TMA"]:
+            dh = TensorDescriptor.from_tensor(h, [bm, bk])
+            dw = TensorDescriptor.from_tensor(w2.view(E * D, H), [bn, bk])
+        else:
+            dh, dw = h, w2
         _gemm2_scatter_kernel[grid](
-            h, w2, y, plan.row_slot, plan.tile_expert,
+            h, w2, dh, dw, y, plan.row_slot, plan.tile_expert,
             num_m, D, H,
             h.stride(0), w2.stride(0), w2.stride(1), y.stride(0),
             PLAN_BM=plan.block_m, F32_DOT=interpreter_needs_f32_dot(),

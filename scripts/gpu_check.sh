@@ -1,0 +1,51 @@
+#!/usr/bin/env bash
+# One call on the GPU machine: install carried wheels, run the GPU tests and the layer benchmark.
+#
+#   run(command="bash scripts/gpu_check.sh", carry=[".whl"], kind="nvidia-h200")
+#
+# .whl holds torchtitan==0.2.2 and the pure-Python deps the device image lacks (tyro,
+# docstring-parser, typeguard); make them here with:
+#   pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+#     --platform manylinux2014_x86_64 -d .whl torchtitan==0.2.2 tyro==1.0.17 \
+#     docstring-parser==0.18.0 typeguard==4.6.1
+# Env knobs: BENCH_ARGS (extra bench.py args), PYTEST_ARGS (default "-m gpu tests"),
+# SKIP_TESTS=1, SKIP_BENCH=1. Logs and bench.json go to $OUT (or ./.out when run by hand).
+set -uo pipefail
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export PYTHONUNBUFFERED=1
+OUT=${OUT:-$PWD/.out}
+mkdir -p "$OUT"
+cd "$(dirname "$0")/.."
+
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site .whl/*.whl || { echo "wheel install failed"; exit 1; }
+  export PYTHONPATH="$PWD:/tmp/site"
+else
+  export PYTHONPATH="$PWD"
+fi
+
+{
+  nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,temperature.gpu,power.draw \
+    --format=csv
+  python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__, "gpus", torch.cuda.device_count())'
+  git log -1 --format='commit %H %s' 2>/dev/null || true
+} 2>&1 | tee "$OUT/env.log"
+
+rc=0
+if [ "${SKIP_TESTS:-0}" != 1 ]; then
+  # shellcheck disable=SC2086
+  timeout 200 python3 -m pytest -q -rs --continue-on-collection-errors ${PYTEST_ARGS:--m gpu tests} \
+    2>&1 | tee "$OUT/pytest.log" | tail -40
+  rc=${PIPESTATUS[0]}
+  echo "pytest exit: $rc"
+fi
+if [ "${SKIP_BENCH:-0}" != 1 ]; then
+  # shellcheck disable=SC2086
+  timeout 360 python3 -m torchtitan_megamoe.bench --json "$OUT/bench.json" ${BENCH_ARGS:-} \
+    2>&1 | tee "$OUT/bench.log" | grep -v '^{'
+  brc=${PIPESTATUS[0]}
+  echo "bench exit: $brc"
+  [ "$brc" != 0 ] && rc=$brc
+fi
+exit $rc

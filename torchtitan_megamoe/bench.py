@@ -1,0 +1,243 @@
+"""MoE layer benchmark: stock TorchTitan MoE vs mega_moe on the same weights and routing.
+
+    python -m torchtitan_megamoe.bench [--shapes 30b,235b] [--tokens 16384] [--json out.json]
+
+For each Qwen3 shape it builds stock ``torchtitan.models.moe.MoE`` with Qwen3's MoEArgs (softmax,
+route_norm, no shared experts, score_before_experts=False) in bf16 on one GPU, then times:
+
+- stock: the module's forward (router + permute + grouped GEMMs + unpermute + combine);
+- ours: the same module's router, then ``mega_moe`` on its routing and expert weights (the
+  layer the converter builds); also the op alone and its stages (plan, GEMM1, GEMM2, combine);
+- with --backward (default on): forward + backward of both, when the backend has a backward.
+
+Timing: CUDA events around each call after warm-up (which also runs the kernels' tuner), the
+median of --iters calls. Flops: 6*T*K*D*H forward (three GEMMs), 3x that forward + backward;
+the floor is those flops at --peak-tflops (765: dense bf16 GEMM measured on the H200, DESIGN §5).
+EP > 1 (--nproc) needs the EP path of the Triton backend, which does not exist yet.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+
+import torch
+
+SHAPES = {
+    "tiny": dict(name="tiny (smoke)", dim=128, hidden=64, experts=8, top_k=2),
+    "30b": dict(name="Qwen3-30B-A3B", dim=2048, hidden=768, experts=128, top_k=8),
+    "235b": dict(name="Qwen3-235B-A22B", dim=4096, hidden=1536, experts=128, top_k=8),
+}
+
+
+def _time_ms(fn, iters: int, warmup: int) -> float:
+    for _ in range(warmup):
+        fn()
+    if not torch.cuda.is_available():  # CPU smoke runs of this script only
+        times = []
+        for _ in range(iters):
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
+        return statistics.median(times)
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        start = torch.cuda.Event(enable_timing=True)
+        end = torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def build_stock_moe(shape: dict, device: torch.device):
+    from torchtitan.models.moe import MoE, MoEArgs
+
+    args = MoEArgs(
+        num_experts=shape["experts"],
+        num_shared_experts=0,
+        top_k=shape["top_k"],
+        score_func="softmax",
+        route_norm=True,
+        route_scale=1.0,
+        score_before_experts=False,
+        # the stock grouped-mm path permutes with a Triton kernel that needs a GPU; the CPU
+        # smoke run of this script takes the stock for-loop path instead
+        use_grouped_mm=device.type == "cuda",
+    )
+    with torch.device(device):
+        moe = MoE(args, dim=shape["dim"], hidden_dim=shape["hidden"])
+    with torch.no_grad():
+        moe.init_weights(init_std=0.02, buffer_device=device)
+    # Parameters in bf16 (what FSDP mixed precision computes with); router buffers stay fp32.
+    for p in moe.parameters():
+        p.data = p.data.to(torch.bfloat16)
+    return moe
+
+
+def _stage_times(x, ids, w, w1, w2, w3, iters, warmup):
+    from torchtitan_megamoe.ops.triton.combine import combine
+    from torchtitan_megamoe.ops.triton.forward import BLOCK_M
+    from torchtitan_megamoe.ops.triton.gemm1_swiglu import gemm1_swiglu
+    from torchtitan_megamoe.ops.triton.gemm2_scatter import gemm2_scatter
+    from torchtitan_megamoe.ops.triton.plan import build_plan
+
+    plan = build_plan(ids, w1.shape[0], BLOCK_M)
+    h = gemm1_swiglu(x, w1, w3, plan)
+    y = gemm2_scatter(h, w2, plan)
+    return {
+        "plan": _time_ms(lambda: build_plan(ids, w1.shape[0], BLOCK_M), iters, warmup),
+        "gemm1_swiglu": _time_ms(lambda: gemm1_swiglu(x, w1, w3, plan), iters, warmup),
+        "gemm2_scatter": _time_ms(lambda: gemm2_scatter(h, w2, plan), iters, warmup),
+        "combine": _time_ms(lambda: combine(y, w, plan.slot_row, x.dtype), iters, warmup),
+        "rows_used": int(plan.num_rows_used),
+        "max_rows": plan.max_rows,
+        "workspace_bytes": plan.max_rows * w1.shape[1] * x.element_size()
+        + y.numel() * y.element_size(),
+    }
+
+
+def bench_shape(key: str, tokens: int, iters: int, warmup: int, backward: bool, backend: str,
+                peak_tflops: float) -> dict:
+    from torchtitan_megamoe import mega_moe
+
+    shape = SHAPES[key]
+    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    torch.manual_seed(0)
+    moe = build_stock_moe(shape, dev)
+    T, D, H, K = tokens, shape["dim"], shape["hidden"], shape["top_k"]
+    x = torch.randn(1, T, D, device=dev, dtype=torch.bfloat16)
+    x2 = x.view(T, D)
+    ex = moe.experts
+
+    def ours_layer(inp):
+        scores, ids, _ = moe.router(inp.view(T, D), moe.expert_bias)
+        out = mega_moe(inp.view(T, D), ids, scores, ex.w1, ex.w2, ex.w3, backend=backend)
+        return out.view(1, T, D)
+
+    with torch.no_grad():
+        scores, ids, _ = moe.router(x2, moe.expert_bias)
+        ref = moe(x).float()
+        got = ours_layer(x).float()
+        rel = float((got - ref).norm() / ref.norm())
+        res = {
+            "shape": shape["name"], "tokens": T, "dim": D, "hidden": H,
+            "experts": shape["experts"], "top_k": K, "backend": backend,
+            "rel_err_vs_stock": rel,
+            "stock_fwd_ms": _time_ms(lambda: moe(x), iters, warmup),
+            "ours_fwd_ms": _time_ms(lambda: ours_layer(x), iters, warmup),
+            "ours_op_fwd_ms": _time_ms(
+                lambda: mega_moe(x2, ids, scores, ex.w1, ex.w2, ex.w3, backend=backend),
+                iters, warmup,
+            ),
+            "router_ms": _time_ms(lambda: moe.router(x2, moe.expert_bias), iters, warmup),
+        }
+        if backend == "triton":
+            res["stages_ms"] = _stage_times(x2, ids, scores, ex.w1, ex.w2, ex.w3, iters, warmup)
+
+    flops_fwd = 6 * T * K * D * H
+    res["flops_fwd"] = flops_fwd
+    res["floor_fwd_ms"] = flops_fwd / (peak_tflops * 1e12) * 1e3
+    if backward:
+        xg = x.detach().clone().requires_grad_(True)
+        grad = torch.randn_like(x)
+
+        def stock_step():
+            moe(xg).backward(grad)
+
+        def ours_step():
+            ours_layer(xg).backward(grad)
+
+        res["stock_fwdbwd_ms"] = _time_ms(stock_step, iters, warmup)
+        try:
+            ours_step()
+            res["ours_fwdbwd_ms"] = _time_ms(ours_step, iters, warmup)
+        except NotImplementedError as err:
+            res["ours_fwdbwd_ms"] = None
+            res["ours_fwdbwd_note"] = str(err)
+        res["floor_fwdbwd_ms"] = 3 * res["floor_fwd_ms"]
+        moe.zero_grad(set_to_none=True)
+    from torchtitan_megamoe.ops.triton import tune
+
+    res["tuned"] = {
+        f"{name}{list(k)}": [{"config": c, "ms": ms, "err": e} for c, ms, e in v]
+        for (name, k), v in tune.TIMINGS.items()
+    }
+    del moe
+    torch.cuda.empty_cache()
+    return res
+
+
+def table(results: list[dict]) -> str:
+    lines = [
+        "| shape | pass | stock ms | ours ms | speedup | ours TFLOP/s | floor ms | floor/ours |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for r in results:
+        for tag, mult in (("fwd", 1), ("fwdbwd", 3)):
+            stock, ours = r.get(f"stock_{tag}_ms"), r.get(f"ours_{tag}_ms")
+            if stock is None:
+                continue
+            floor = r[f"floor_{tag}_ms"]
+            if ours:
+                tflops = mult * r["flops_fwd"] / (ours * 1e-3) / 1e12
+                cells = f"{ours:.3f} | {stock / ours:.2f}x | {tflops:.0f} | {floor:.2f} | {floor / ours:.2f}"
+            else:
+                cells = f"n/a | n/a | n/a | {floor:.2f} | n/a"
+            lines.append(f"| {r['shape']} | {tag} | {stock:.3f} | {cells} |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--shapes", default="30b,235b", help="comma list of: " + ",".join(SHAPES))
+    p.add_argument("--tokens", type=int, default=16384, help="tokens per GPU")
+    p.add_argument("--iters", type=int, default=30)
+    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--no-backward", dest="backward", action="store_false")
+    p.add_argument("--backend", default="triton", choices=["triton", "reference", "auto"])
+    p.add_argument("--peak-tflops", type=float, default=765.0)
+    p.add_argument("--nproc", type=int, default=1, help="EP degree (GPUs); 1 only for now")
+    p.add_argument("--json", default=None, help="write results here")
+    args = p.parse_args(argv)
+    if args.nproc != 1:
+        print(
+            "bench: --nproc > 1 needs the EP path of the triton backend, which is not "
+            "implemented yet (mega_moe raises NotImplementedError for EP groups); "
+            "run with --nproc 1",
+            file=sys.stderr,
+        )
+        return 2
+    if not torch.cuda.is_available() and args.backend != "reference":
+        print("bench: needs a CUDA GPU (on CPU only --backend reference runs, as a smoke test)",
+              file=sys.stderr)
+        return 2
+    results = []
+    for key in args.shapes.split(","):
+        t0 = time.time()
+        r = bench_shape(key, args.tokens, args.iters, args.warmup, args.backward, args.backend,
+                        args.peak_tflops)
+        r["wall_s"] = round(time.time() - t0, 1)
+        results.append(r)
+        print(json.dumps({k: v for k, v in r.items() if k != "tuned"}), flush=True)
+    meta = {
+        "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+        "torch": torch.__version__,
+        "date_utc": time.strftime("%Y-%m-%d %H:%M", time.gmtime()),
+        "argv": sys.argv,
+    }
+    print(table(results))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"meta": meta, "results": results}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
