@@ -5,10 +5,11 @@ GEMM 2 storing rows into combine slots (gemm2_scatter.py), fp32 combine (combine
 Backward: backward.py (BF16). EP > 1 is not implemented here yet: use backend="reference".
 """
 
-import importlib.util
-
 import torch
 
+# backward.py must be imported here, before `def backward` below: importing a submodule sets the
+# package attribute of the same name, so a lazy import would replace the function by the module.
+from torchtitan_megamoe.ops.triton.backward import backward as _backward_ep1
 from torchtitan_megamoe.ops.triton.forward import forward_ep1, interpreting, min_multiple
 
 _SUPPORTED_DTYPES = (torch.bfloat16,)
@@ -74,11 +75,4 @@ def forward(x, topk_ids, topk_weights, w1, w2, w3, group, precision):
 
 
 def backward(grad_out, x, topk_ids, topk_weights, w1, w2, w3, group, precision):
-    if importlib.util.find_spec("torchtitan_megamoe.ops.triton.backward") is None:
-        raise NotImplementedError(
-            "mega_moe backend='triton' has no backward yet (ops/triton/backward.py is missing); "
-            "use backend='reference' for training"
-        )
-    from torchtitan_megamoe.ops.triton.backward import backward as _backward
-
-    return _backward(grad_out, x, topk_ids, topk_weights, w1, w2, w3, group, precision)
+    return _backward_ep1(grad_out, x, topk_ids, topk_weights, w1, w2, w3, group, precision)

@@ -1,0 +1,167 @@
+"""BF16 backward of backend ``triton`` (EP=1): four kernels over the forward's row layout.
+
+    plan      build_plan(topk_ids) again (device-side, no host sync)
+    kernel A  bwd_dgrad_l2_swiglu: recompute a1 = x@w1^T, a3 = x@w3^T; dh = dy@w2; SwiGLU
+              backward with the routing weight -> da = [da1 | da3], hw = w*h, and per-H-tile
+              partials of d(topk_weights) = <dh, h> (no second GEMM for <dy, y>)
+    kernel B  bwd_wgrad x3: dw2[e] = sum_r dy_r^T hw_r, dw1[e] = sum_r da1_r^T x_r,
+              dw3[e] = sum_r da3_r^T x_r (fp32 accumulate, fixed row order, param dtype/layout)
+    kernel C  bwd_dgrad_l1: dx_slot[slot] = da1_r @ w1[e] + da3_r @ w3[e]
+    combine   bwd_combine: dx[t] = sum_k dx_slot[t*K+k], dtopk_weights from the partials
+x and dy rows are read by indirection (row -> token); nothing is permuted. Every reduction has a
+fixed order and no atomics, so two runs on the same inputs are bitwise identical.
+
+Saved vs recomputed. The op saves only its inputs (x, topk_ids, topk_weights, weights), which
+autograd keeps alive anyway, so the op adds NO activation memory between forward and backward.
+Stock TorchTitan keeps its routed activations per layer instead (at least the permuted input and
+a1, a3, h: T*K*(D + 3H) bf16, 1.1 GiB per layer at the 30B shape). The price is recomputing
+GEMM 1 (2*T*K*D*2H flops: one third of the forward, a fifth of the backward's GEMM work) and
+re-running the plan (one sort of T*K keys).
+
+Transient memory inside one backward call (R_max = T*K + E*(block_m-1) rounded up to block_m,
+block_m = 128), freed when the call returns:
+    da       [R_max, 2H] bf16        live from kernel A to kernel C
+    hw       [R_max, H]  bf16        live from kernel A to the dw2 launch (freed before C)
+    part     [H/64, R_max] fp32      live from kernel A to the combine
+    dx_slot  [T*K, D]    bf16        live from kernel C to the combine
+    peak = da + max(hw, dx_slot) + part, plus the gradients themselves (dx, dw1, dw2, dw3,
+    dtopk_weights: what any backward returns).
+At T = 16384 tokens, K = 8, E = 128 (R_max = 147,328):
+    30B  (D=2048, H=768):  da 432 MiB, hw 216 MiB, part 6.7 MiB, dx_slot 512 MiB -> peak 0.93 GiB
+    235B (D=4096, H=1536): da 864 MiB, hw 432 MiB, part 13.5 MiB, dx_slot 1 GiB -> peak 1.86 GiB
+
+Not implemented here: EP > 1 (use backend="reference"), FP8 backward (precision "fp8" /
+"fp8_bwd": use backend="reference"), and overlap of kernel C with the weight-gradient launches
+on a second stream.
+"""
+
+import torch
+
+from torchtitan_megamoe.ops.triton.bwd_combine import bwd_combine
+from torchtitan_megamoe.ops.triton.bwd_common import interpreting
+from torchtitan_megamoe.ops.triton.bwd_dgrad_l1 import dgrad_l1
+from torchtitan_megamoe.ops.triton.bwd_dgrad_l2_swiglu import dgrad_l2_swiglu
+from torchtitan_megamoe.ops.triton.bwd_wgrad import wgrad
+from torchtitan_megamoe.ops.triton.plan import build_plan
+from torchtitan_megamoe.ops.triton.tune import pick_config
+
+BLOCK_M = 128
+"""Plan tile height on the GPU (row tile of kernels A and C)."""
+
+# Hopper candidates, timed once per shape by tune.pick_config (first one under the interpreter,
+# during graph capture or with MEGAMOE_TRITON_TUNE=0). Kernel A holds three fp32 accumulators,
+# so its H tile stays at 64 columns.
+A_CANDIDATES = [
+    dict(block_n=64, block_k=64, num_warps=8, num_stages=3),
+    dict(block_n=64, block_k=64, num_warps=4, num_stages=4),
+    dict(block_n=64, block_k=32, num_warps=8, num_stages=4),
+]
+B_CANDIDATES = [
+    dict(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=3),
+    dict(block_m=128, block_n=128, block_k=32, num_warps=8, num_stages=4),
+    dict(block_m=128, block_n=64, block_k=64, num_warps=4, num_stages=4),
+]
+C_CANDIDATES = [
+    dict(block_n=128, block_k=64, num_warps=8, num_stages=3),
+    dict(block_n=128, block_k=64, num_warps=4, num_stages=4),
+    dict(block_n=256, block_k=64, num_warps=8, num_stages=3),
+]
+
+# The CPU interpreter runs numpy per program: small tiles keep CI quick and still cover several
+# tiles per expert and partial tiles.
+INTERPRET_BLOCK_M = 16
+INTERPRET_A = dict(block_n=16, block_k=32, num_warps=1, num_stages=1)
+INTERPRET_B = dict(block_m=32, block_n=32, block_k=16, num_warps=1, num_stages=1)
+INTERPRET_C = dict(block_n=32, block_k=32, num_warps=1, num_stages=1)
+
+
+def check_backward_inputs(grad_out, x, w1, group, precision) -> None:
+    """Raise, naming the fix, for what these kernels do not compute."""
+    if group is not None:
+        import torch.distributed as dist
+
+        if dist.get_world_size(group) != 1:
+            raise NotImplementedError(
+                "mega_moe backend='triton' has no expert-parallel (EP > 1) backward yet; "
+                "use backend='reference' for training with an EP group"
+            )
+    if precision != "bf16":
+        raise NotImplementedError(
+            f"mega_moe backend='triton' has no {precision!r} backward yet; use "
+            "precision='bf16' or backend='reference'"
+        )
+    for name, t in (("grad_out", grad_out), ("x", x), ("w1", w1)):
+        if t.dtype != torch.bfloat16:
+            raise TypeError(
+                f"mega_moe backend='triton' backward needs bfloat16 tensors, {name} is "
+                f"{t.dtype}; cast to torch.bfloat16 or use backend='reference'"
+            )
+    if grad_out.shape != x.shape:
+        raise ValueError(
+            f"grad_out shape {tuple(grad_out.shape)} must equal x shape {tuple(x.shape)}"
+        )
+    if not interpreting() and not x.is_cuda:
+        raise ValueError(
+            "mega_moe backend='triton' needs CUDA tensors; use backend='reference' on CPU"
+        )
+
+
+def backward(grad_out, x, topk_ids, topk_weights, w1, w2, w3, group, precision):
+    """(dx, dtopk_weights, dw1, dw2, dw3) of mega_moe for grad_out, EP=1, BF16."""
+    check_backward_inputs(grad_out, x, w1, group, precision)
+    if interpreting():
+        block_m, a_cands, b_cands, c_cands = (
+            INTERPRET_BLOCK_M, [INTERPRET_A], [INTERPRET_B], [INTERPRET_C]
+        )
+    else:
+        block_m, a_cands, b_cands, c_cands = BLOCK_M, A_CANDIDATES, B_CANDIDATES, C_CANDIDATES
+    # Gradients take the parameters' own layout; the kernels read contiguous copies.
+    dw1, dw2, dw3 = torch.empty_like(w1), torch.empty_like(w2), torch.empty_like(w3)
+    dy = grad_out.contiguous()
+    x = x.contiguous()
+    w1, w2, w3 = w1.contiguous(), w2.contiguous(), w3.contiguous()
+    T, D = x.shape
+    E, H, _ = w1.shape
+    plan = build_plan(topk_ids, E, block_m)
+    R = plan.max_rows
+    key = (R, D, H, E, block_m)
+
+    # Kernel A. Buffers are allocated once so that tuning candidates write the same outputs.
+    a_bufs = {}
+
+    def launch_a(cfg):
+        n_h = -(-H // cfg["block_n"])
+        if a_bufs.get("n_h") != n_h:
+            a_bufs.update(n_h=n_h, out=(
+                torch.empty(R, 2 * H, dtype=x.dtype, device=x.device),
+                torch.empty(R, H, dtype=x.dtype, device=x.device),
+                torch.empty(n_h, R, dtype=torch.float32, device=x.device),
+            ))
+        return dgrad_l2_swiglu(dy, x, topk_weights, w1, w2, w3, plan, out=a_bufs["out"], **cfg)
+
+    da, hw, part = launch_a(pick_config("bwd_dgrad_l2_swiglu", key, a_cands, launch_a))
+    del a_bufs
+
+    # Kernel B: dw2 first so hw is freed before kernel C allocates dx_slot.
+    _wgrad(dy, hw, dw2, plan, True, False, b_cands, ("dw2",) + key)
+    del hw
+    _wgrad(da[:, :H], x, dw1, plan, False, True, b_cands, ("dw13",) + key)
+    _wgrad(da[:, H:], x, dw3, plan, False, True, b_cands, ("dw13",) + key)
+
+    # Kernel C, then the combine.
+    dx_slot = torch.empty(T * topk_ids.shape[1], D, dtype=x.dtype, device=x.device)
+
+    def launch_c(cfg):
+        return dgrad_l1(da, w1, w3, plan, out=dx_slot, **cfg)
+
+    launch_c(pick_config("bwd_dgrad_l1", key, c_cands, launch_c))
+    del da
+    dx, dtw = bwd_combine(dx_slot, part, plan, dx_dtype=x.dtype, dtw_dtype=topk_weights.dtype)
+    return dx, dtw, dw1, dw2, dw3
+
+
+def _wgrad(a, b, out, plan, a_gather, b_gather, cands, key):
+    def launch(cfg):
+        return wgrad(a, b, out, plan, a_gather=a_gather, b_gather=b_gather, **cfg)
+
+    launch(pick_config("bwd_wgrad", key, cands, launch))
