@@ -16,7 +16,7 @@ from torchtitan_megamoe.ops.triton.bwd_dgrad_l2_swiglu import dgrad_l2_swiglu  #
 BN, BK = 16, 16
 
 
-def _run(inp, plan, H):
+def _run(inp, plan, H, block_m=None):
     R = plan.max_rows
     n_h = -(-H // BN)
     out = (
@@ -26,14 +26,14 @@ def _run(inp, plan, H):
     )
     return dgrad_l2_swiglu(
         inp["dy"], inp["x"], inp["topk_weights"], inp["w1"], inp["w2"], inp["w3"], plan,
-        block_n=BN, block_k=BK, out=out,
+        block_m=block_m, block_n=BN, block_k=BK, out=out,
     )
 
 
-def _check(T, K, E, D, H, ids, seed=0):
+def _check(T, K, E, D, H, ids, seed=0, block_m=None):
     inp = make_inputs(T, K, E, D, H, ids, seed=seed)
     plan = plan_for(inp["topk_ids"], E)
-    da, hw, part = _run(inp, plan, H)
+    da, hw, part = _run(inp, plan, H, block_m)
     ref = per_slot64(inp)
     used = int(plan.num_rows_used)
     row_slot = plan.row_slot[:used].long()
@@ -54,6 +54,12 @@ def test_dgrad_l2_swiglu_routings(case):
     T, K, E, D, H = SMALL["T"], SMALL["K"], SMALL["E"], SMALL["D"], SMALL["H"]
     ids = dict(routings(T, K, E))[case]
     _check(T, K, E, D, H, ids)
+
+
+def test_dgrad_l2_swiglu_row_subtiles():
+    """Row tiles smaller than the plan's tile (block_m=4 inside plan tiles of 8)."""
+    T, K, E, D, H = SMALL["T"], SMALL["K"], SMALL["E"], SMALL["D"], SMALL["H"]
+    _check(T, K, E, D, H, dict(routings(T, K, E, seed=6))["uneven"], seed=6, block_m=4)
 
 
 def test_dgrad_l2_swiglu_single_token():

@@ -22,7 +22,7 @@ Transient memory inside one backward call (R_max = T*K + E*(block_m-1) rounded u
 block_m = 128), freed when the call returns:
     da       [R_max, 2H] bf16        live from kernel A to kernel C
     hw       [R_max, H]  bf16        live from kernel A to the dw2 launch (freed before C)
-    part     [H/64, R_max] fp32      live from kernel A to the combine
+    part     [H/block_n, R_max] fp32 live from kernel A to the combine (block_n = 64)
     dx_slot  [T*K, D]    bf16        live from kernel C to the combine
     peak = da + max(hw, dx_slot) + part, plus the gradients themselves (dx, dw1, dw2, dw3,
     dtopk_weights: what any backward returns).
@@ -49,12 +49,14 @@ BLOCK_M = 128
 """Plan tile height on the GPU (row tile of kernels A and C)."""
 
 # Hopper candidates, timed once per shape by tune.pick_config (first one under the interpreter,
-# during graph capture or with MEGAMOE_TRITON_TUNE=0). Kernel A holds three fp32 accumulators,
-# so its H tile stays at 64 columns.
+# during graph capture or with MEGAMOE_TRITON_TUNE=0). Kernel A holds three fp32 accumulators;
+# offline sm_90a compiles (Triton 3.9 ptxas -v) show 255 registers and small spills for all of
+# these, large spills with 4 warps at 128 rows, so those are left out.
 A_CANDIDATES = [
-    dict(block_n=64, block_k=64, num_warps=8, num_stages=3),
-    dict(block_n=64, block_k=64, num_warps=4, num_stages=4),
-    dict(block_n=64, block_k=32, num_warps=8, num_stages=4),
+    dict(block_m=128, block_n=64, block_k=64, num_warps=8, num_stages=3),
+    dict(block_m=64, block_n=64, block_k=64, num_warps=8, num_stages=3),
+    dict(block_m=128, block_n=64, block_k=32, num_warps=8, num_stages=4),
+    dict(block_m=64, block_n=128, block_k=64, num_warps=8, num_stages=3),
 ]
 B_CANDIDATES = [
     dict(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=3),
@@ -70,7 +72,7 @@ C_CANDIDATES = [
 # The CPU interpreter runs numpy per program: small tiles keep CI quick and still cover several
 # tiles per expert and partial tiles.
 INTERPRET_BLOCK_M = 16
-INTERPRET_A = dict(block_n=16, block_k=32, num_warps=1, num_stages=1)
+INTERPRET_A = dict(block_m=16, block_n=16, block_k=32, num_warps=1, num_stages=1)
 INTERPRET_B = dict(block_m=32, block_n=32, block_k=16, num_warps=1, num_stages=1)
 INTERPRET_C = dict(block_n=32, block_k=32, num_warps=1, num_stages=1)
 

@@ -62,7 +62,7 @@ def bwd_combine(
     *,
     dx_dtype: torch.dtype,
     dtw_dtype: torch.dtype,
-    block_t: int = 16,
+    block_t: int = 8,
     block_d: int = 256,
     num_warps: int = 4,
 ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -15,7 +15,7 @@ d(topk_weights)[t,k] = <dy[t], y_slot> = <dy[t], h_r @ w2[e]^T> = <dh_r, h_r>, s
 second GEMM: each H tile stores its partial dot and the combine kernel sums the partials in fixed
 order (deterministic, no atomics).
 
-Tiles: BLOCK_M rows (== the plan's block_m, so a tile has one expert) x BLOCK_N columns of H,
+Tiles: BLOCK_M rows (a divisor of the plan's block_m, so a tile has one expert) x BLOCK_N columns of H,
 K-loop over D in BLOCK_K. Three fp32 accumulators of BLOCK_M x BLOCK_N. Program ids run H tiles
 fastest, so the programs in flight share a row tile's x/dy rows and one expert's weights in L2.
 Waits on: nothing (stream order after the plan). Signals: nothing (stream order).
@@ -46,14 +46,15 @@ def _dgrad_l2_swiglu_kernel(
     s_w2e, s_w2d, s_w2h,
     s_w3e, s_w3h, s_w3d,
     s_da, s_hw,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    PLAN_BM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     UPCAST: tl.constexpr,
 ):
     pid = tl.program_id(0)
     num_n = tl.cdiv(H, BLOCK_N)
     pid_m = pid // num_n
     pid_n = pid % num_n
-    e = tl.load(tile_expert_ptr + pid_m)
+    # BLOCK_M divides the plan's tile height, so a row tile lies inside one plan tile.
+    e = tl.load(tile_expert_ptr + (pid_m * BLOCK_M) // PLAN_BM)
     if e < 0:
         return
     e = e.to(tl.int64)
@@ -91,22 +92,23 @@ def _dgrad_l2_swiglu_kernel(
         a3 = mma(xa, w3t, a3, UPCAST)
         dh = mma(dya, w2t, dh, UPCAST)
 
-    tw = tl.load(tw_ptr + slot, mask=valid, other=0.0).to(tl.float32)
+    # Epilogue ordered so that each result is stored as soon as it exists (register pressure:
+    # three BLOCK_M x BLOCK_N fp32 accumulators are live on entry).
+    tw = tl.load(tw_ptr + slot, mask=valid, other=0.0).to(tl.float32)[:, None]
+    out_mask = n_ok[None, :]
+    row_off = rm[:, None].to(tl.int64)
     sig = tl.sigmoid(a1)
     silu = a1 * sig
     h = silu * a3
     # Columns past H hold zeros in every accumulator, so they add nothing to the partial dot.
     tl.store(part_ptr + pid_n.to(tl.int64) * R_MAX + rm, tl.sum(dh * h, axis=1))
-
-    g = dh * tw[:, None]
-    da3 = g * silu
+    tl.store(hw_ptr + row_off * s_hw + rn[None, :], (h * tw).to(hw_ptr.dtype.element_ty),
+             mask=out_mask)
+    g = dh * tw
+    da_rows = da_ptr + row_off * s_da + rn[None, :]
+    tl.store(da_rows + H, (g * silu).to(da_ptr.dtype.element_ty), mask=out_mask)
     da1 = g * a3 * (sig * (1.0 + a1 * (1.0 - sig)))
-    out_mask = n_ok[None, :]
-    da_rows = da_ptr + rm[:, None].to(tl.int64) * s_da
-    tl.store(da_rows + rn[None, :], da1.to(da_ptr.dtype.element_ty), mask=out_mask)
-    tl.store(da_rows + H + rn[None, :], da3.to(da_ptr.dtype.element_ty), mask=out_mask)
-    hw_rows = hw_ptr + rm[:, None].to(tl.int64) * s_hw
-    tl.store(hw_rows + rn[None, :], (h * tw[:, None]).to(hw_ptr.dtype.element_ty), mask=out_mask)
+    tl.store(da_rows, da1.to(da_ptr.dtype.element_ty), mask=out_mask)
 
 
 def dgrad_l2_swiglu(
@@ -118,6 +120,7 @@ def dgrad_l2_swiglu(
     w3: torch.Tensor,
     plan: Plan,
     *,
+    block_m: int | None = None,
     block_n: int = 64,
     block_k: int = 64,
     num_warps: int = 8,
@@ -127,7 +130,7 @@ def dgrad_l2_swiglu(
     """Launch kernel A. Returns (da [R_max, 2H], hw [R_max, H], dtw_part [n_h_tiles, R_max]).
 
     dy, x: [T, D] (rows contiguous in D); topk_weights: [T, K]; w1, w3: [E, H, D]; w2: [E, D, H].
-    ``out`` optionally supplies the three buffers (tests poison them to prove every read row
+    block_m (default: the plan's) must divide plan.block_m. ``out`` optionally supplies the three buffers (tests poison them to prove every read row
     is written)."""
     T, D = x.shape
     E, H, _ = w1.shape
@@ -147,7 +150,10 @@ def dgrad_l2_swiglu(
     tw = topk_weights.reshape(-1)
     if not tw.is_contiguous():
         tw = tw.contiguous()
-    grid = (plan.num_tiles * n_tiles_h,)
+    block_m = block_m or plan.block_m
+    if plan.block_m % block_m:
+        raise ValueError(f"block_m {block_m} must divide the plan's block_m {plan.block_m}")
+    grid = (R // block_m * n_tiles_h,)
     _dgrad_l2_swiglu_kernel[grid](
         x, dy, tw, w1, w2, w3,
         plan.row_slot, plan.tile_expert,
@@ -156,7 +162,7 @@ def dgrad_l2_swiglu(
         x.stride(0), dy.stride(0),
         *w1.stride(), *w2.stride(), *w3.stride(),
         da.stride(0), hw.stride(0),
-        BLOCK_M=plan.block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+        PLAN_BM=plan.block_m, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
         UPCAST=interpreting(),
         num_warps=num_warps, num_stages=num_stages,
     )
