@@ -4,10 +4,10 @@
 #   run(command="bash scripts/gpu_check.sh", carry=[".whl"], kind="nvidia-h200")
 #
 # .whl holds torchtitan==0.2.2 and the pure-Python deps the device image lacks (tyro,
-# docstring-parser, typeguard); make them here with:
+# docstring-parser, typeguard, torchdata); make them here with:
 #   pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
 #     --platform manylinux2014_x86_64 -d .whl torchtitan==0.2.2 tyro==1.0.17 \
-#     docstring-parser==0.18.0 typeguard==4.6.1
+#     docstring-parser==0.18.0 typeguard==4.6.1 torchdata==0.11.0
 # Env knobs: BENCH_ARGS (extra bench.py args), PYTEST_ARGS (default "-m gpu tests"),
 # SKIP_TESTS=1, SKIP_BENCH=1. Logs and bench.json go to $OUT (or ./.out when run by hand).
 set -uo pipefail
@@ -31,6 +31,18 @@ fi
   python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__, "gpus", torch.cuda.device_count())'
   git log -1 --format='commit %H %s' 2>/dev/null || true
 } 2>&1 | tee "$OUT/env.log"
+
+# Warp-specialized GEMM candidates only where a throwaway process shows they compile and are
+# right (a failing Triton WS pass can abort the process).
+ws=""
+for k in gemm1_swiglu gemm2_scatter; do
+  if timeout 120 python3 -m torchtitan_megamoe.ops.triton.ws_probe "$k" >"$OUT/ws_probe_$k.log" 2>&1; then
+    ws="$ws${ws:+,}$k"
+  fi
+  tail -2 "$OUT/ws_probe_$k.log"
+done
+export MEGAMOE_TRITON_WS="$ws"
+echo "MEGAMOE_TRITON_WS=$ws"
 
 rc=0
 if [ "${SKIP_TESTS:-0}" != 1 ]; then

@@ -75,11 +75,14 @@ def build_plan(
     block_m: int,
     rank: int = 0,
     ep_size: int = 1,
+    use_kernels: bool = False,
 ) -> Plan:
     """Lay out the slots of ``topk_ids`` [T, K] (global expert ids, -1 = dropped) that belong to
     this rank's experts [rank*E_local, (rank+1)*E_local), grouped by local expert.
 
     Everything runs on ``topk_ids.device`` with fixed output shapes; no host synchronization.
+    CUDA inputs (or ``use_kernels=True``, e.g. under TRITON_INTERPRET=1) take the Triton path
+    (plan_kernels.py); CPU inputs the torch-op path. Both give identical tensors.
     """
     if topk_ids.dim() != 2:
         raise ValueError(f"topk_ids must be [T, K], got shape {tuple(topk_ids.shape)}")
@@ -95,8 +98,22 @@ def build_plan(
     T, K = topk_ids.shape
     E = num_local_experts
     S = T * K
-    dev = topk_ids.device
     R_max = max_rows(S, E, block_m)
+    if topk_ids.is_cuda or use_kernels:
+        # Same layout from three Triton launches: the ~25 torch ops below cost the host ~1 ms
+        # to issue on the H200 machine, time the GPU spent idle.
+        from torchtitan_megamoe.ops.triton.plan_kernels import plan_tensors
+
+        row_slot, slot_row, tile_expert, seg_start, count = plan_tensors(
+            topk_ids.contiguous(), E, block_m, rank, R_max
+        )
+        return Plan(
+            row_slot=row_slot, slot_row=slot_row, tile_expert=tile_expert,
+            seg_start=seg_start, count=count, num_rows_used=seg_start[E],
+            num_tokens=T, top_k=K, num_local_experts=E, block_m=block_m,
+        )
+
+    dev = topk_ids.device
     num_tiles = R_max // block_m
 
     local = topk_ids.reshape(-1).to(torch.int64) - rank * E

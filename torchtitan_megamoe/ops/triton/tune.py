@@ -29,7 +29,19 @@ def _tuning_enabled() -> bool:
     return not torch.cuda.is_current_stream_capturing()
 
 
+def warp_spec_allowed(name: str) -> bool:
+    """Warp-specialized candidates only for kernels named in MEGAMOE_TRITON_WS (comma list).
+
+    Triton's Hopper warp-specialization pass can fail with a C++ assertion that aborts the whole
+    process instead of raising, so the GPU check script first compiles each kernel's
+    warp-specialized config in a throwaway process (ws_probe.py) and lists the ones that survive.
+    """
+    return name in os.environ.get("MEGAMOE_TRITON_WS", "").split(",")
+
+
 def pick_config(name: str, key: tuple, candidates: list, launch) -> dict:
+    if len(candidates) > 1:
+        candidates = [c for c in candidates if not c.get("WARP_SPEC") or warp_spec_allowed(name)]
     if len(candidates) == 1 or not _tuning_enabled():
         return candidates[0]
     k = (name, key)
