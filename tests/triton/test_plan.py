@@ -99,3 +99,17 @@ def test_plan_kernels_many_chunks_and_experts():
     b = build_plan(ids, E, 8, use_kernels=True)
     for f in ("row_slot", "slot_row", "tile_expert", "seg_start", "count"):
         assert torch.equal(getattr(a, f), getattr(b, f)), f
+
+
+def test_plan_kernels_sub_blocks(monkeypatch):
+    # each chunk walks several sub-blocks (SUB > 1), the last one partly past the end
+    from torchtitan_megamoe.ops.triton import plan_kernels
+
+    monkeypatch.setattr(plan_kernels, "TARGET_CHUNKS", 2)
+    g = torch.Generator().manual_seed(4)
+    E = 8
+    ids = torch.randint(-1, E, (171, 5), generator=g)
+    a = build_plan(ids, E, 16)
+    b = build_plan(ids, E, 16, use_kernels=True)
+    for f in ("row_slot", "slot_row", "tile_expert", "seg_start", "count"):
+        assert torch.equal(getattr(a, f), getattr(b, f)), f

@@ -58,7 +58,7 @@ def pick_config(name: str, key: tuple, candidates: list, launch) -> dict:
         start = torch.cuda.Event(enable_timing=True)
         end = torch.cuda.Event(enable_timing=True)
         times = []
-        for _ in range(5):
+        for _ in range(10):
             start.record()
             launch(cfg)
             end.record()
