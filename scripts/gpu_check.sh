@@ -4,10 +4,11 @@
 #   run(command="bash scripts/gpu_check.sh", carry=[".whl"], kind="nvidia-h200")
 #
 # .whl holds torchtitan==0.2.2 and the pure-Python deps the device image lacks (tyro,
-# docstring-parser, typeguard, torchdata); make them here with:
+# docstring-parser, typeguard, torchdata, datasets, dill, multiprocess); make them here with:
 #   pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
 #     --platform manylinux2014_x86_64 -d .whl torchtitan==0.2.2 tyro==1.0.17 \
-#     docstring-parser==0.18.0 typeguard==4.6.1 torchdata==0.11.0
+#     docstring-parser==0.18.0 typeguard==4.6.1 torchdata==0.11.0 \
+#     datasets==5.2.0 dill==0.4.1 multiprocess==0.70.19
 # Env knobs: BENCH_ARGS (extra bench.py args), PYTEST_ARGS (default "-m gpu tests"),
 # SKIP_TESTS=1, SKIP_BENCH=1. Logs and bench.json go to $OUT (or ./.out when run by hand).
 set -uo pipefail
