@@ -420,3 +420,22 @@ def test_stock_apply_compile_wraps_router_not_experts():
     tokens = torch.randint(0, args.vocab_size, (1, 8), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         assert rel_err(converted(tokens), reference(tokens)) < 1e-6
+
+
+# --------------------------------------------------------------------------- EP=2 (gloo, 2 ranks)
+
+
+def _spawn(worker, tmp_path):
+    import torch.multiprocessing as mp
+
+    mp.spawn(worker, args=(2, str(tmp_path / "pg_init")), nprocs=2, join=True)
+
+
+def test_ep2_matches_stock_ep2(tmp_path):
+    """Two gloo ranks, EP=2: (1) stock apply_moe_ep_tp (ExpertParallel) vs converted
+    (MegaExpertParallel + the op with the ep group), outputs and gradients, plus stock EP vs the
+    single-rank model; (2) TorchTitan's parallelize_qwen3 with EP=2 + FSDP + full AC, stock vs
+    converted loss and gradients (see _integration_helpers.ep_worker*)."""
+    from _integration_helpers import ep_worker
+
+    _spawn(ep_worker, tmp_path)
