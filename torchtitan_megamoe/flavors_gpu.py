@@ -142,6 +142,13 @@ def _layer_params(a: Qwen3ModelArgs) -> tuple[int, int]:
     return attention + router + norms, experts
 
 
+def param_count(a: Qwen3ModelArgs) -> int:
+    """Parameters of flavor ``a`` (buffers excluded), as TorchTitan's Qwen3 model builds it."""
+    dense_layer, experts_layer = _layer_params(a)
+    embed = a.vocab_size * a.dim * (1 if a.enable_weight_tying else 2)
+    return embed + a.dim + a.n_layers * (dense_layer + experts_layer)
+
+
 def estimate_peak_gib(
     a: Qwen3ModelArgs, world: int, ep: int, tokens: int, ac: str = "op"
 ) -> MemoryEstimate:
@@ -152,9 +159,7 @@ def estimate_peak_gib(
     if ac not in AC_MODES:
         raise ValueError(f"ac={ac!r}: choose one of {AC_MODES}")
     dense_layer, experts_layer = _layer_params(a)
-    embed = a.vocab_size * a.dim * (1 if a.enable_weight_tying else 2)
-    total = embed + a.dim + a.n_layers * (dense_layer + experts_layer)
-    states = 16 * total / world
+    states = 16 * param_count(a) / world
 
     t, d = tokens, a.dim
     q = a.n_heads * a.head_dim
