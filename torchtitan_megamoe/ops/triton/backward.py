@@ -1,4 +1,4 @@
-"""BF16 backward of backend ``triton`` (EP=1): four kernels over the forward's row layout.
+"""BF16 backward of backend ``triton``: four kernels over the forward's row layout.
 
     plan      build_plan(topk_ids) again (device-side, no host sync)
     kernel A  bwd_dgrad_l2_swiglu: recompute a1 = x@w1^T, a3 = x@w3^T; dh = dy@w2; SwiGLU
@@ -14,9 +14,9 @@ fixed order and no atomics, so two runs on the same inputs are bitwise identical
 Saved vs recomputed. The op saves only its inputs (x, topk_ids, topk_weights, weights), which
 autograd keeps alive anyway, so the op adds NO activation memory between forward and backward.
 Stock TorchTitan keeps its routed activations per layer instead (at least the permuted input and
-a1, a3, h: T*K*(D + 3H) bf16, 1.1 GiB per layer at the 30B shape). The price is recomputing
-GEMM 1 (2*T*K*D*2H flops: one third of the forward, a fifth of the backward's GEMM work) and
-re-running the plan (one sort of T*K keys).
+a1, a3, h: T*K*(D + 3H) bf16, 1.06 GiB per layer at the 30B shape). The price is recomputing
+GEMM 1 (4*T*K*D*H flops: two thirds of the forward, a quarter of this backward's 16*T*K*D*H) and
+re-running the plan.
 
 Transient memory inside one backward call (R_max = T*K + E*(block_m-1) rounded up to block_m,
 block_m = 128), freed when the call returns:
@@ -30,17 +30,23 @@ At T = 16384 tokens, K = 8, E = 128 (R_max = 147,328):
     30B  (D=2048, H=768):  da 432 MiB, hw 216 MiB, part 6.7 MiB, dx_slot 512 MiB -> peak 0.93 GiB
     235B (D=4096, H=1536): da 864 MiB, hw 432 MiB, part 13.5 MiB, dx_slot 1 GiB -> peak 1.86 GiB
 
-Not implemented here: EP > 1 (use backend="reference"), FP8 backward (precision "fp8" /
-"fp8_bwd": use backend="reference"), and overlap of kernel C with the weight-gradient launches
-on a second stream.
+EP > 1 (bwd_ep.py): x and dy rows are re-dispatched to the experts' owners with all_to_all (one
+host sync for the split sizes, no overlap with the GEMMs), the EP=1 kernels run on the received
+rows (K = 1), and dx rows / d(topk_weights) return to their source slots.
+
+Not implemented here: FP8 backward (precision "fp8" / "fp8_bwd": use backend="reference"),
+overlap of the EP exchange with the GEMMs, and overlap of kernel C with the weight-gradient
+launches on a second stream.
 """
 
 import torch
+import torch.distributed as dist
 
 from torchtitan_megamoe.ops.triton.bwd_combine import bwd_combine
 from torchtitan_megamoe.ops.triton.bwd_common import interpreting
 from torchtitan_megamoe.ops.triton.bwd_dgrad_l1 import dgrad_l1
 from torchtitan_megamoe.ops.triton.bwd_dgrad_l2_swiglu import dgrad_l2_swiglu
+from torchtitan_megamoe.ops.triton.bwd_ep import backward_ep
 from torchtitan_megamoe.ops.triton.bwd_wgrad import wgrad
 from torchtitan_megamoe.ops.triton.plan import build_plan
 from torchtitan_megamoe.ops.triton.tune import pick_config
@@ -75,16 +81,8 @@ INTERPRET_B = dict(block_m=32, block_n=32, block_k=16, num_warps=1, num_stages=1
 INTERPRET_C = dict(block_n=32, block_k=32, num_warps=1, num_stages=1)
 
 
-def check_backward_inputs(grad_out, x, w1, group, precision) -> None:
+def check_backward_inputs(grad_out, x, w1, precision) -> None:
     """Raise, naming the fix, for what these kernels do not compute."""
-    if group is not None:
-        import torch.distributed as dist
-
-        if dist.get_world_size(group) != 1:
-            raise NotImplementedError(
-                "mega_moe backend='triton' has no expert-parallel (EP > 1) backward yet; "
-                "use backend='reference' for training with an EP group"
-            )
     if precision != "bf16":
         raise NotImplementedError(
             f"mega_moe backend='triton' has no {precision!r} backward yet; use "
@@ -107,8 +105,16 @@ def check_backward_inputs(grad_out, x, w1, group, precision) -> None:
 
 
 def backward(grad_out, x, topk_ids, topk_weights, w1, w2, w3, group, precision):
-    """(dx, dtopk_weights, dw1, dw2, dw3) of mega_moe for grad_out, EP=1, BF16."""
-    check_backward_inputs(grad_out, x, w1, group, precision)
+    """(dx, dtopk_weights, dw1, dw2, dw3) of mega_moe for grad_out, BF16; with an EP group of
+    more than one rank, rows are exchanged around the EP=1 kernels (bwd_ep.py)."""
+    check_backward_inputs(grad_out, x, w1, precision)
+    if group is not None and dist.get_world_size(group) > 1:
+        return backward_ep(grad_out, x, topk_ids, topk_weights, w1, w2, w3, group, backward_local)
+    return backward_local(grad_out, x, topk_ids, topk_weights, w1, w2, w3)
+
+
+def backward_local(grad_out, x, topk_ids, topk_weights, w1, w2, w3):
+    """EP=1 backward: every expert of topk_ids is in w1/w2/w3."""
     if interpreting():
         block_m, a_cands, b_cands, c_cands = (
             INTERPRET_BLOCK_M, [INTERPRET_A], [INTERPRET_B], [INTERPRET_C]
@@ -117,10 +123,14 @@ def backward(grad_out, x, topk_ids, topk_weights, w1, w2, w3, group, precision):
         block_m, a_cands, b_cands, c_cands = BLOCK_M, A_CANDIDATES, B_CANDIDATES, C_CANDIDATES
     # Gradients take the parameters' own layout; the kernels read contiguous copies.
     dw1, dw2, dw3 = torch.empty_like(w1), torch.empty_like(w2), torch.empty_like(w3)
+    T, D = x.shape
+    if T == 0:  # e.g. an EP rank that receives no rows
+        for dw in (dw1, dw2, dw3):
+            dw.zero_()
+        return torch.empty_like(x), torch.empty_like(topk_weights), dw1, dw2, dw3
     dy = grad_out.contiguous()
     x = x.contiguous()
     w1, w2, w3 = w1.contiguous(), w2.contiguous(), w3.contiguous()
-    T, D = x.shape
     E, H, _ = w1.shape
     plan = build_plan(topk_ids, E, block_m)
     R = plan.max_rows
