@@ -14,6 +14,8 @@ from torchtitan_megamoe.ops.triton.plan import build_plan
 CFG = dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=16, GROUP_M=2, num_warps=1, num_stages=1)
 # the bulk-tensor-copy (TMA descriptor) path, and a BLOCK_M smaller than the plan's tile height
 CFG_TMA = dict(CFG, BLOCK_M=8, USE_TMA=True)
+# persistent grid: a few programs loop over the used tiles only
+CFG_PERSIST = dict(CFG_TMA, PERSISTENT=True)
 T, K, E, D, H, BM = 13, 2, 4, 32, 48, 16
 
 
@@ -34,7 +36,7 @@ def _poison_empty(monkeypatch):
 
 
 @pytest.mark.parametrize("name,ids", list(routings(T, K, E)), ids=lambda v: v if isinstance(v, str) else "")
-@pytest.mark.parametrize("cfg", [CFG, CFG_TMA], ids=["ptr", "tma"])
+@pytest.mark.parametrize("cfg", [CFG, CFG_TMA, CFG_PERSIST], ids=["ptr", "tma", "persistent"])
 def test_gemm1_swiglu(name, ids, cfg):
     w1, w2, w3 = make_weights(E, D, H)
     x = torch.randn(ids.shape[0], D).to(torch.bfloat16)
@@ -54,7 +56,7 @@ def test_gemm1_swiglu(name, ids, cfg):
 
 
 @pytest.mark.parametrize("name,ids", list(routings(T, K, E)), ids=lambda v: v if isinstance(v, str) else "")
-@pytest.mark.parametrize("cfg", [CFG, CFG_TMA], ids=["ptr", "tma"])
+@pytest.mark.parametrize("cfg", [CFG, CFG_TMA, CFG_PERSIST], ids=["ptr", "tma", "persistent"])
 def test_gemm2_scatter(name, ids, cfg):
     w1, w2, w3 = make_weights(E, D, H)
     plan = build_plan(ids, E, BM)

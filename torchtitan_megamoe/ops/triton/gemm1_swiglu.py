@@ -4,7 +4,8 @@ Tiles: BLOCK_M rows x BLOCK_N hidden columns; the K loop walks D in BLOCK_K step
 fp32 accumulators (w1 and w3 share the A tile, so x is read once for both). Row r reads its
 token x[row_slot[r] // top_k] by indirection (no permuted copy of x); padding rows (slot -1)
 load zeros, so their h is exactly 0. Each tile belongs to one expert (segments are padded to
-the plan's block_m, a multiple of BLOCK_M); tiles past the used rows exit at once.
+the plan's block_m, a multiple of BLOCK_M); tiles past the used rows exit at once. PERSISTENT:
+one program per SM loops over the tiles of the used rows (count read on device).
 
 Waits on: nothing inside the launch (EP=1; inputs are ready when it starts).
 Signals: nothing; h [R_max, H] bf16 is complete when the launch is.
@@ -16,50 +17,18 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from torchtitan_megamoe.ops.triton.plan import Plan
+from torchtitan_megamoe.ops.triton.tiling import grouped_tile, persistent_programs
 from torchtitan_megamoe.ops.triton.tune import interpreter_needs_f32_dot, pick_config
 
 
 @triton.jit
-def _gemm1_swiglu_kernel(
-    x_ptr,
-    w1_ptr,
-    w3_ptr,
-    w1_desc,
-    w3_desc,
-    h_ptr,
-    row_slot_ptr,
-    tile_expert_ptr,
-    num_m_tiles,
-    H,
-    D,
-    stride_x,
-    stride_we,
-    stride_wh,
-    stride_h,
-    TOP_K: tl.constexpr,
-    PLAN_BM: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    GROUP_M: tl.constexpr,
-    F32_DOT: tl.constexpr,
-    USE_TMA: tl.constexpr,
-    WARP_SPEC: tl.constexpr,
+def _gemm1_tile(
+    pid_m, pid_n, expert,
+    x_ptr, w1_ptr, w3_ptr, w1_desc, w3_desc, h_ptr, row_slot_ptr,
+    H, D, stride_x, stride_we, stride_wh, stride_h,
+    TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    F32_DOT: tl.constexpr, USE_TMA: tl.constexpr, WARP_SPEC: tl.constexpr,
 ):
-    pid = tl.program_id(0)
-    num_n = H // BLOCK_N
-    # GROUP_M consecutive M tiles sweep one N tile together so an expert's weight tile is read
-    # from L2 rather than HBM by all of them, and each A tile is reused across N from L2.
-    per_group = GROUP_M * num_n
-    first_m = (pid // per_group) * GROUP_M
-    group_size = min(num_m_tiles - first_m, GROUP_M)
-    pid_m = first_m + (pid % per_group) % group_size
-    pid_n = (pid % per_group) // group_size
-
-    expert = tl.load(tile_expert_ptr + (pid_m * BLOCK_M) // PLAN_BM)
-    if expert < 0:
-        return
-
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     slot = tl.load(row_slot_ptr + rows)
     has_row = slot >= 0
@@ -94,6 +63,38 @@ def _gemm1_swiglu_kernel(
     tl.store(h_ptrs, h.to(h_ptr.dtype.element_ty))
 
 
+@triton.jit
+def _gemm1_swiglu_kernel(
+    x_ptr, w1_ptr, w3_ptr, w1_desc, w3_desc, h_ptr, row_slot_ptr, tile_expert_ptr,
+    num_rows_used_ptr, num_m_tiles, H, D, stride_x, stride_we, stride_wh, stride_h,
+    TOP_K: tl.constexpr, PLAN_BM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, F32_DOT: tl.constexpr,
+    USE_TMA: tl.constexpr, WARP_SPEC: tl.constexpr, PERSISTENT: tl.constexpr,
+):
+    num_n = H // BLOCK_N
+    if PERSISTENT:
+        # one program per SM walks the tiles of the USED rows only (read on device), so tiles
+        # past the end cost nothing and the next tile's loads overlap this tile's epilogue
+        num_m = tl.load(num_rows_used_ptr) // BLOCK_M
+        for t in tl.range(tl.program_id(0), num_m * num_n, tl.num_programs(0), flatten=True):
+            pid_m, pid_n = grouped_tile(t, num_m, num_n, GROUP_M)
+            expert = tl.load(tile_expert_ptr + (pid_m * BLOCK_M) // PLAN_BM)
+            _gemm1_tile(
+                pid_m, pid_n, expert, x_ptr, w1_ptr, w3_ptr, w1_desc, w3_desc, h_ptr,
+                row_slot_ptr, H, D, stride_x, stride_we, stride_wh, stride_h,
+                TOP_K, BLOCK_M, BLOCK_N, BLOCK_K, F32_DOT, USE_TMA, WARP_SPEC,
+            )
+    else:
+        pid_m, pid_n = grouped_tile(tl.program_id(0), num_m_tiles, num_n, GROUP_M)
+        expert = tl.load(tile_expert_ptr + (pid_m * BLOCK_M) // PLAN_BM)
+        if expert >= 0:  # tiles past the used rows exit at once
+            _gemm1_tile(
+                pid_m, pid_n, expert, x_ptr, w1_ptr, w3_ptr, w1_desc, w3_desc, h_ptr,
+                row_slot_ptr, H, D, stride_x, stride_we, stride_wh, stride_h,
+                TOP_K, BLOCK_M, BLOCK_N, BLOCK_K, F32_DOT, USE_TMA, WARP_SPEC,
+            )
+
+
 # Hopper candidates; the tuner times them once per shape. Two accumulators double the register
 # footprint of a plain GEMM tile, hence BLOCK_N <= 128.
 GPU_CONFIGS = [
@@ -105,7 +106,9 @@ GPU_CONFIGS = [
     # producer/consumer warp specialization of the K loop (compiler-dependent; a config the
     # compiler rejects is skipped by the tuner)
     dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=3, USE_TMA=True, WARP_SPEC=True),
-    dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, GROUP_M=8, num_warps=8, num_stages=2, USE_TMA=True),
+    # persistent grid (one program per SM over the used tiles)
+    dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=3, USE_TMA=True, PERSISTENT=True),
+    dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=16, num_warps=8, num_stages=3, USE_TMA=True, PERSISTENT=True),
 ]
 
 
@@ -122,10 +125,14 @@ def gemm1_swiglu(
         bm, bn, bk = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
         assert plan.block_m % bm == 0 and H % bn == 0 and D % bk == 0, (cfg, H, D)
         num_m = R // bm
-        grid = (num_m * (H // bn),)
         cfg = dict(cfg)
         cfg.setdefault("USE_TMA", False)
         cfg.setdefault("WARP_SPEC", False)
+        cfg.setdefault("PERSISTENT", False)
+        if cfg["PERSISTENT"]:
+            grid = (persistent_programs(x.device),)
+        else:
+            grid = (num_m * (H // bn),)
         if cfg["USE_TMA"]:
             d1 = TensorDescriptor.from_tensor(w1.view(E * H, D), [bn, bk])
             d3 = TensorDescriptor.from_tensor(w3.view(E * H, D), [bn, bk])
@@ -133,7 +140,7 @@ def gemm1_swiglu(
             d1, d3 = w1, w3
         _gemm1_swiglu_kernel[grid](
             x, w1, w3, d1, d3, h, plan.row_slot, plan.tile_expert,
-            num_m, H, D,
+            plan.num_rows_used, num_m, H, D,
             x.stride(0), w1.stride(0), w1.stride(1), h.stride(0),
             TOP_K=plan.top_k, PLAN_BM=plan.block_m, F32_DOT=interpreter_needs_f32_dot(),
             **cfg,

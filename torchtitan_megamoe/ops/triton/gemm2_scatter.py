@@ -4,6 +4,7 @@ Tiles: BLOCK_M rows x BLOCK_N output columns (of D); the K loop walks H in BLOCK
 one fp32 accumulator. A rows are read contiguously from h; the store goes to
 ybuf[row_slot[r]] (T*K rows, slot order), skipping padding rows, so slots of dropped or
 non-local experts are never written (the combine masks them instead of reading them).
+PERSISTENT: one program per SM loops over the tiles of the used rows (count read on device).
 
 Waits on: nothing inside the launch (h is complete when GEMM 1's launch is).
 Signals: nothing; ybuf is complete when the launch is.
@@ -15,46 +16,18 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from torchtitan_megamoe.ops.triton.plan import Plan
+from torchtitan_megamoe.ops.triton.tiling import grouped_tile, persistent_programs
 from torchtitan_megamoe.ops.triton.tune import interpreter_needs_f32_dot, pick_config
 
 
 @triton.jit
-def _gemm2_scatter_kernel(
-    h_ptr,
-    w2_ptr,
-    h_desc,
-    w2_desc,
-    y_ptr,
-    row_slot_ptr,
-    tile_expert_ptr,
-    num_m_tiles,
-    D,
-    H,
-    stride_h,
-    stride_we,
-    stride_wd,
-    stride_y,
-    PLAN_BM: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    GROUP_M: tl.constexpr,
-    F32_DOT: tl.constexpr,
-    USE_TMA: tl.constexpr,
-    WARP_SPEC: tl.constexpr,
+def _gemm2_tile(
+    pid_m, pid_n, expert,
+    h_ptr, w2_ptr, h_desc, w2_desc, y_ptr, row_slot_ptr,
+    D, H, stride_h, stride_we, stride_wd, stride_y,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    F32_DOT: tl.constexpr, USE_TMA: tl.constexpr, WARP_SPEC: tl.constexpr,
 ):
-    pid = tl.program_id(0)
-    num_n = D // BLOCK_N
-    per_group = GROUP_M * num_n
-    first_m = (pid // per_group) * GROUP_M
-    group_size = min(num_m_tiles - first_m, GROUP_M)
-    pid_m = first_m + (pid % per_group) % group_size
-    pid_n = (pid % per_group) // group_size
-
-    expert = tl.load(tile_expert_ptr + (pid_m * BLOCK_M) // PLAN_BM)
-    if expert < 0:
-        return
-
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_k = tl.arange(0, BLOCK_K)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -85,6 +58,36 @@ def _gemm2_scatter_kernel(
     tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=(slot >= 0)[:, None])
 
 
+@triton.jit
+def _gemm2_scatter_kernel(
+    h_ptr, w2_ptr, h_desc, w2_desc, y_ptr, row_slot_ptr, tile_expert_ptr, num_rows_used_ptr,
+    num_m_tiles, D, H, stride_h, stride_we, stride_wd, stride_y,
+    PLAN_BM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr, F32_DOT: tl.constexpr, USE_TMA: tl.constexpr,
+    WARP_SPEC: tl.constexpr, PERSISTENT: tl.constexpr,
+):
+    num_n = D // BLOCK_N
+    if PERSISTENT:
+        num_m = tl.load(num_rows_used_ptr) // BLOCK_M
+        for t in tl.range(tl.program_id(0), num_m * num_n, tl.num_programs(0), flatten=True):
+            pid_m, pid_n = grouped_tile(t, num_m, num_n, GROUP_M)
+            expert = tl.load(tile_expert_ptr + (pid_m * BLOCK_M) // PLAN_BM)
+            _gemm2_tile(
+                pid_m, pid_n, expert, h_ptr, w2_ptr, h_desc, w2_desc, y_ptr, row_slot_ptr,
+                D, H, stride_h, stride_we, stride_wd, stride_y,
+                BLOCK_M, BLOCK_N, BLOCK_K, F32_DOT, USE_TMA, WARP_SPEC,
+            )
+    else:
+        pid_m, pid_n = grouped_tile(tl.program_id(0), num_m_tiles, num_n, GROUP_M)
+        expert = tl.load(tile_expert_ptr + (pid_m * BLOCK_M) // PLAN_BM)
+        if expert >= 0:  # tiles past the used rows exit at once
+            _gemm2_tile(
+                pid_m, pid_n, expert, h_ptr, w2_ptr, h_desc, w2_desc, y_ptr, row_slot_ptr,
+                D, H, stride_h, stride_we, stride_wd, stride_y,
+                BLOCK_M, BLOCK_N, BLOCK_K, F32_DOT, USE_TMA, WARP_SPEC,
+            )
+
+
 GPU_CONFIGS = [
     # H200 runs 1-2: 128x256 TMA tiles won (30B 0.82-0.87 ms; 235B 3.09 ms, warp-specialized
     # about as fast); pointer loads 5-15% slower, 128x128x64 tiles ~15% slower
@@ -92,7 +95,9 @@ GPU_CONFIGS = [
     dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=4, USE_TMA=True),
     dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, GROUP_M=16, num_warps=8, num_stages=3, USE_TMA=True),
     dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=3, USE_TMA=True, WARP_SPEC=True),
-    dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, GROUP_M=8, num_warps=8, num_stages=3, USE_TMA=True),
+    # persistent grid (one program per SM over the used tiles)
+    dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=3, USE_TMA=True, PERSISTENT=True),
+    dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=4, USE_TMA=True, PERSISTENT=True),
 ]
 
 
@@ -116,17 +121,21 @@ def gemm2_scatter(
         bm, bn, bk = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
         assert plan.block_m % bm == 0 and D % bn == 0 and H % bk == 0, (cfg, D, H)
         num_m = R // bm
-        grid = (num_m * (D // bn),)
         cfg = dict(cfg)
         cfg.setdefault("USE_TMA", False)
         cfg.setdefault("WARP_SPEC", False)
+        cfg.setdefault("PERSISTENT", False)
+        if cfg["PERSISTENT"]:
+            grid = (persistent_programs(h.device),)
+        else:
+            grid = (num_m * (D // bn),)
         if cfg["USE_TMA"]:
             dh = TensorDescriptor.from_tensor(h, [bm, bk])
             dw = TensorDescriptor.from_tensor(w2.view(E * D, H), [bn, bk])
         else:
             dh, dw = h, w2
         _gemm2_scatter_kernel[grid](
-            h, w2, dh, dw, y, plan.row_slot, plan.tile_expert,
+            h, w2, dh, dw, y, plan.row_slot, plan.tile_expert, plan.num_rows_used,
             num_m, D, H,
             h.stride(0), w2.stride(0), w2.stride(1), y.stride(0),
             PLAN_BM=plan.block_m, F32_DOT=interpreter_needs_f32_dot(),
