@@ -97,6 +97,9 @@ def test_report_and_plot(tmp_path):
     text = ab.render_report(stock, conv, cmp, {"config": "x.toml", "nproc": 2, "extra_args": []})
     assert "**FAIL**" in text and "step 2" in text
     assert "| 2 | 5.50000 | 5.50010 | 1.0e-04 |" in text
+    assert "moe_force_load_balance" in text  # the routing near-tie hint on failure
+    fixed = {"config": "x.toml", "nproc": 2, "extra_args": ["--debug.moe_force_load_balance"]}
+    assert "Hint" not in ab.render_report(stock, conv, cmp, fixed)
     # mean step time excludes step 1: (20 + 30) / 2 ms; tokens/s likewise (2000 + 3000) / 2.
     assert "| step time ms (mean, step 2+) | 25.0 | 25.0 |" in text
     assert "| tokens/s per device (mean, step 2+) | 2,500 | 2,500 |" in text

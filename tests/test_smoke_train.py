@@ -75,8 +75,14 @@ def _check_trained(res, logs):
 @pytest.mark.slow
 def test_one_rank_stock_vs_converter(tiny_assets, tmp_path, cpu_env):
     # Routing fixed (round-robin) so that no near-tied top-k choice can flip between the runs:
-    # then the fp32 losses must agree to the printed digit (see ab.DEFAULT_RTOL).
-    res, logs = _ab(tiny_assets, tmp_path / "ab", 1, ["--debug.moe_force_load_balance"])
+    # then the fp32 losses must agree to the printed digit (see ab.DEFAULT_RTOL). Op-level
+    # selective activation checkpointing on, so the op's recompute in backward is covered too.
+    extra = [
+        "--debug.moe_force_load_balance",
+        "--activation_checkpoint.mode", "selective",
+        "--activation_checkpoint.selective_ac_option", "op",
+    ]
+    res, logs = _ab(tiny_assets, tmp_path / "ab", 1, extra)
     _check_trained(res, logs)
     assert res.comparison.max_rel_diff <= ab.DEFAULT_RTOL
 

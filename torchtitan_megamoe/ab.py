@@ -249,6 +249,15 @@ def render_report(
     ]
     if cmp.problems:
         lines += ["Problems:", ""] + [f"- {p}" for p in cmp.problems] + [""]
+        extra = meta.get("extra_args", [])
+        if stock.steps and conv.steps and "--debug.moe_force_load_balance" not in extra:
+            lines += [
+                "Hint: with learned routing, a token whose router scores tie to ~1e-7 can pick "
+                "another expert in one run; that moves a single step's loss by ~1/(tokens per "
+                "step) while the steps around it agree. Rerun with "
+                "`-- --debug.moe_force_load_balance` (fixed routing) for an exact check.",
+                "",
+            ]
     lines += [
         "| | stock | megamoe |",
         "| --- | ---: | ---: |",
