@@ -5,6 +5,7 @@ FSDP + EP=2 on gloo. Plus fast checks of the pieces these runs stand on (assets,
 The slow tests take ~30 s each on 2 CPU cores (two short trainings apiece).
 """
 
+import json
 import os
 import re
 import subprocess
@@ -126,8 +127,8 @@ def test_assets_are_deterministic_idempotent_and_fit_the_flavor(tmp_path, tiny_a
     assert assets.make_assets(out) is True
     assert assets.make_assets(out) is False  # second call: nothing to do
     for rel in ("tokenizer/tokenizer.json", "dataset/train.jsonl"):
-        with open(os.path.join(out, rel), "rb") as a, open(os.path.join(tiny_assets, rel), "rb") as b:
-            assert a.read() == b.read(), f"{rel} differs between two generations"
+        with open(os.path.join(out, rel), "rb") as mine, open(os.path.join(tiny_assets, rel), "rb") as ref:
+            assert mine.read() == ref.read(), f"{rel} differs between two generations"
     tok = HuggingFaceTokenizer(assets.tokenizer_dir(out))
     assert tok.get_vocab_size() <= flavors.TINY_VOCAB_SIZE == assets.DEFAULT_VOCAB_SIZE
     ids = tok.encode("The tiny model learns.", add_bos=True, add_eos=True)
@@ -170,8 +171,6 @@ def _probe(env_value):
         [sys.executable, "-c", _SHIM_PROBE], env=env, capture_output=True, text=True, timeout=120
     )
     assert out.returncode == 0, out.stderr[-3000:]
-    import json
-
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
