@@ -1,0 +1,20 @@
+"""The backward's per-stage benchmark runs end to end (tiny shape under the interpreter)."""
+
+import torch
+
+from torchtitan_megamoe.ops.triton.backward import (
+    INTERPRET_A, INTERPRET_B, INTERPRET_BLOCK_M, INTERPRET_C,
+)
+from torchtitan_megamoe.ops.triton.bwd_bench import bench_shape
+
+
+def test_bwd_bench_reports_every_stage():
+    if torch.cuda.is_available():
+        res = bench_shape("30b", 2048, 2)
+    else:
+        res = bench_shape("tiny", 9, 1, shape=(32, 16, 3, 2), device="cpu",
+                          block_m=INTERPRET_BLOCK_M,
+                          candidates=([INTERPRET_A], [INTERPRET_B], [INTERPRET_C]))
+    for stage in ("plan", "A_dgrad_l2_swiglu", "B_dw2", "B_dw1", "B_dw3", "C_dgrad_l1", "combine"):
+        assert res[f"{stage}_ms"] > 0, stage
+    assert res["total_ms"] > 0 and res["configs"]["A"]
