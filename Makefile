@@ -33,18 +33,22 @@ smoke: setup $(ASSETS)/.megamoe_assets.json
 	$(CPU_ENV) $(VENV)/bin/torchrun --nproc_per_node $(NPROC) -m torchtitan.train \
 		--job.config_file $(SMOKE_TOML)
 
+# No MEGAMOE_CPU here: the tests that train set it in their own torchrun children; exported to
+# pytest it would patch TorchTitan in the test process itself.
 test: setup $(ASSETS)/.megamoe_assets.json
-	$(CPU_ENV) $(PY) -m pytest -q -rs tests
+	HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 $(PY) -m pytest -q -rs tests
 
 test-fast: setup
 	$(PY) -m pytest -q -rs tests -m "not slow"
 
-# Stock vs converter on the tiny config: 1 rank, then 2 ranks with FSDP + EP=2 (gloo).
-ab: setup $(ASSETS)/.megamoe_assets.json
-	$(CPU_ENV) $(PY) -m torchtitan_megamoe.ab --config $(SMOKE_TOML) --nproc 1 --out outputs/ab_1rank
-ab-ep2: setup $(ASSETS)/.megamoe_assets.json
-	$(CPU_ENV) $(PY) -m torchtitan_megamoe.ab --config $(SMOKE_TOML) --nproc 2 --out outputs/ab_ep2 \
-		-- --parallelism.expert_parallel_degree 2
+# Stock vs converter on the tiny config: 1 rank, then 2 ranks with FSDP + EP=2 (gloo). The EP=2
+# run forces round-robin routing: with learned routing, near-tied router scores flip between
+# summation orders (stock EP=2 vs stock FSDP-only shows the same single-step jumps).
+ab: setup
+	$(PY) -m torchtitan_megamoe.ab --config $(SMOKE_TOML) --nproc 1 --out outputs/ab_1rank
+ab-ep2: setup
+	$(PY) -m torchtitan_megamoe.ab --config $(SMOKE_TOML) --nproc 2 --out outputs/ab_ep2 \
+		-- --parallelism.expert_parallel_degree 2 --debug.moe_force_load_balance
 
 # GPU only (run on the device machine): layer benchmark, and the one-stop GPU script.
 bench:
