@@ -194,7 +194,7 @@ def ep_worker_experts_only(rank: int, world: int, init_file: str) -> None:
 
 def ep_worker_parallelize_qwen3(rank: int, world: int, init_file: str) -> None:
     """TorchTitan's own path: meta build -> (convert) -> parallelize_qwen3 with EP=2 + FSDP +
-    full AC -> to_empty -> load the same full weights; stock vs converted loss and
+    activation checkpointing -> to_empty -> load the same full weights; stock vs converted loss and
     gradients on one step. A fused op that bypassed moe.experts.__call__ (FSDP's unshard hook)
     or mis-assigned expert shards would show here."""
     import torch.distributed as dist
@@ -215,7 +215,7 @@ def ep_worker_parallelize_qwen3(rank: int, world: int, init_file: str) -> None:
             dp_replicate=1, dp_shard=-1, cp=1, tp=1, pp=1, ep=world, etp=1, world_size=world
         )
         pd.build_mesh()
-        args = tiny_args(num_shared_experts=1)
+        args = tiny_args()
         full_sd = build_stock(args, seed=0).state_dict()
 
         def build(convert: bool):
@@ -224,11 +224,14 @@ def ep_worker_parallelize_qwen3(rank: int, world: int, init_file: str) -> None:
             jc.training = dataclasses.replace(
                 jc.training, seq_len=16, mixed_precision_param="float32"
             )
-            # Full AC: the fused op is recomputed in backward (a second collective call that
-            # every rank makes in the same order). Per-op SAC with EP + FSDP fails torch's
-            # recompute check on CPU for stock and converted alike (FSDP's record_function ops
-            # on moe.experts inside the checkpointed region), so it is not exercised here.
-            jc.activation_checkpoint = dataclasses.replace(jc.activation_checkpoint, mode="full")
+            # Converted: per-op SAC, with the fused op on the save list (not recomputed). Stock:
+            # full AC (same numerics), because stock + per-op SAC + EP + FSDP trips torch
+            # 2.13's SAC recompute check ("record_function_enter_new invocation index ... not
+            # found in storage": FSDP's hooks on moe.experts run more record_function ops in
+            # the recompute than in the forward). Ours trips it too when shared experts
+            # follow the routed experts, hence Qwen3's num_shared_experts=0 here.
+            ac = dict(mode="selective", selective_ac_option="op") if convert else dict(mode="full")
+            jc.activation_checkpoint = dataclasses.replace(jc.activation_checkpoint, **ac)
             with torch.device("meta"):
                 model = Qwen3Model(copy.deepcopy(args))
             if convert:

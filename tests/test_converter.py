@@ -434,8 +434,8 @@ def _spawn(worker, tmp_path):
 def test_ep2_matches_stock_ep2(tmp_path):
     """Two gloo ranks, EP=2: (1) stock apply_moe_ep_tp (ExpertParallel) vs converted
     (MegaExpertParallel + the op with the ep group), outputs and gradients, plus stock EP vs the
-    single-rank model; (2) TorchTitan's parallelize_qwen3 with EP=2 + FSDP + full AC, stock vs
-    converted loss and gradients (see _integration_helpers.ep_worker*)."""
+    single-rank model; (2) TorchTitan's parallelize_qwen3 with EP=2 + FSDP + AC (per-op SAC for
+    ours), stock vs converted loss and gradients (see _integration_helpers.ep_worker*)."""
     from _integration_helpers import ep_worker
 
     _spawn(ep_worker, tmp_path)
