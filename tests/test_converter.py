@@ -422,6 +422,41 @@ def test_stock_apply_compile_wraps_router_not_experts():
         assert rel_err(converted(tokens), reference(tokens)) < 1e-6
 
 
+
+@pytest.mark.parametrize("saved", [True, False])
+def test_per_op_sac_saves_the_fused_op(saved, monkeypatch, tmp_path):
+    # With the op on the save list, the checkpointed recompute must not run it again (with EP
+    # that would repeat its communication); without it, it is recomputed (the check can fail).
+    import torchtitan.models.qwen3.infra.parallelize as qwen3_par
+    from torchtitan.config.job_config import ActivationCheckpoint
+    from torchtitan.distributed.activation_checkpoint import apply_ac
+    from torchtitan_megamoe.ops import reference
+
+    args = tiny_args()
+    model = build_converted(args, seed=0)
+    save_list = set(qwen3_par._op_sac_save_list)
+    op = torch.ops.megamoe.mega_moe.default
+    assert op in save_list
+    if not saved:
+        save_list.discard(op)
+    apply_ac(
+        model,
+        ActivationCheckpoint(mode="selective", selective_ac_option="op"),
+        model_compile_enabled=False,
+        op_sac_save_list=save_list,
+        base_folder=str(tmp_path),
+    )
+    calls = []
+    original = reference.forward
+    monkeypatch.setattr(
+        reference, "forward", lambda *a, **k: calls.append(1) or original(*a, **k)
+    )
+    tokens = torch.randint(0, args.vocab_size, (2, 8), generator=torch.Generator().manual_seed(0))
+    out = model(tokens)
+    assert len(calls) == args.n_layers
+    out.float().pow(2).mean().backward()
+    assert len(calls) == (args.n_layers if saved else 2 * args.n_layers)
+
 # --------------------------------------------------------------------------- EP=2 (gloo, 2 ranks)
 
 

@@ -256,6 +256,19 @@ class MegaMoEConverter:
                 "megamoe: the model has no torchtitan MoE blocks to convert (is it an MoE "
                 "flavor, e.g. qwen3 '30B-A3B'?). Drop 'megamoe' from model.converters."
             )
+        if self.cfg.backend == "auto":
+            shapes = {
+                (m.experts.w1.shape[2], m.experts.w1.shape[1])
+                for m in model.modules()
+                if isinstance(m, MegaMoE)
+            }
+            for dim, hidden in sorted(shapes):
+                problem = triton_shape_error(dim, hidden)
+                if problem is not None:
+                    logger.warning(
+                        f"megamoe: backend='auto' will use the slow PyTorch reference on GPUs "
+                        f"too for this model: {problem}."
+                    )
         install_ep_routing()
         add_op_to_sac_save_list()
         logger.info(
