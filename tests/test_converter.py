@@ -405,9 +405,14 @@ def test_ep_routing_rejects_tp_for_converted_blocks():
         )
 
 
-def test_stock_apply_compile_wraps_router_not_experts():
+def test_stock_apply_compile_wraps_router_not_experts(monkeypatch):
     from torchtitan.config.job_config import Compile
     from torchtitan.models.llama4.infra.parallelize import apply_compile
+    from torchtitan.models.moe import moe as moe_module
+
+    # apply_compile patches these process-wide; restore them for the tests that follow.
+    monkeypatch.setattr(moe_module, "_run_experts_grouped_mm", moe_module._run_experts_grouped_mm)
+    monkeypatch.setattr(torch._dynamo.config, "capture_scalar_outputs", False)
 
     args = tiny_args(num_shared_experts=1)
     converted = build_converted(args, seed=0)
