@@ -26,12 +26,12 @@ def _inputs(plan, E, H, D, seed=0):
     return da, w1, w3
 
 
-def _run_and_check(ids, E, H, D, seed=0):
+def _run_and_check(ids, E, H, D, seed=0, use_tma=False):
     T, K = ids.shape
     plan = plan_for(ids, E)
     da, w1, w3 = _inputs(plan, E, H, D, seed)
     out = torch.full((T * K, D), POISON, dtype=torch.bfloat16)
-    dgrad_l1(da, w1, w3, plan, out=out, **BLK)
+    dgrad_l1(da, w1, w3, plan, out=out, use_tma=use_tma, **BLK)
     ref = torch.full((T * K, D), float("nan"), dtype=torch.float64)
     flat = ids.reshape(-1)
     rows = plan.slot_row.long()
@@ -49,6 +49,13 @@ def _run_and_check(ids, E, H, D, seed=0):
 def test_dgrad_l1_routings(case):
     T, K, E, D, H = SMALL["T"], SMALL["K"], SMALL["E"], SMALL["D"], SMALL["H"]
     _run_and_check(dict(routings(T, K, E))[case], E, H, D)
+
+
+@pytest.mark.parametrize("use_tma", [False, True], ids=["pointers", "tma"])
+def test_dgrad_l1_even_shapes(use_tma):
+    """D and H multiples of the tiles: the unmasked (EVEN) path, and TMA weight loads."""
+    T, K, E = SMALL["T"], SMALL["K"], SMALL["E"]
+    _run_and_check(dict(routings(T, K, E, seed=9))["uneven"], E, 32, 32, seed=9, use_tma=use_tma)
 
 
 def test_dgrad_l1_single_token():

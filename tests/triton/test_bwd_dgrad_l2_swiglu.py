@@ -16,7 +16,7 @@ from torchtitan_megamoe.ops.triton.bwd_dgrad_l2_swiglu import dgrad_l2_swiglu  #
 BN, BK = 16, 16
 
 
-def _run(inp, plan, H, block_m=None):
+def _run(inp, plan, H, block_m=None, use_tma=False):
     R = plan.max_rows
     n_h = -(-H // BN)
     out = (
@@ -26,14 +26,14 @@ def _run(inp, plan, H, block_m=None):
     )
     return dgrad_l2_swiglu(
         inp["dy"], inp["x"], inp["topk_weights"], inp["w1"], inp["w2"], inp["w3"], plan,
-        block_m=block_m, block_n=BN, block_k=BK, out=out,
+        block_m=block_m, block_n=BN, block_k=BK, use_tma=use_tma, out=out,
     )
 
 
-def _check(T, K, E, D, H, ids, seed=0, block_m=None):
+def _check(T, K, E, D, H, ids, seed=0, block_m=None, use_tma=False):
     inp = make_inputs(T, K, E, D, H, ids, seed=seed)
     plan = plan_for(inp["topk_ids"], E)
-    da, hw, part = _run(inp, plan, H, block_m)
+    da, hw, part = _run(inp, plan, H, block_m, use_tma)
     ref = per_slot64(inp)
     used = int(plan.num_rows_used)
     row_slot = plan.row_slot[:used].long()
@@ -60,6 +60,13 @@ def test_dgrad_l2_swiglu_row_subtiles():
     """Row tiles smaller than the plan's tile (block_m=4 inside plan tiles of 8)."""
     T, K, E, D, H = SMALL["T"], SMALL["K"], SMALL["E"], SMALL["D"], SMALL["H"]
     _check(T, K, E, D, H, dict(routings(T, K, E, seed=6))["uneven"], seed=6, block_m=4)
+
+
+@pytest.mark.parametrize("use_tma", [False, True], ids=["pointers", "tma"])
+def test_dgrad_l2_swiglu_even_shapes(use_tma):
+    """D and H multiples of the tiles: the unmasked (EVEN) path, and TMA weight loads."""
+    T, K, E = SMALL["T"], SMALL["K"], SMALL["E"]
+    _check(T, K, E, 32, 32, dict(routings(T, K, E, seed=8))["uneven"], seed=8, use_tma=use_tma)
 
 
 def test_dgrad_l2_swiglu_single_token():

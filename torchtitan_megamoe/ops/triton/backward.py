@@ -54,31 +54,34 @@ from torchtitan_megamoe.ops.triton.tune import pick_config
 BLOCK_M = 128
 """Plan tile height on the GPU (row tile of kernels A and C)."""
 
-# Hopper candidates, timed once per shape by tune.pick_config (first one under the interpreter,
-# during graph capture or with MEGAMOE_TRITON_TUNE=0). Kernel A holds three fp32 accumulators;
-# offline sm_90a compiles (Triton 3.9 ptxas -v) show 255 registers and small spills for all of
-# these, large spills with 4 warps at 128 rows, so those are left out. Few candidates: each
-# one is a compile on first use.
+# Hopper candidates, timed once per shape by tune.pick_config (the first one is used as is under
+# the interpreter, during graph capture or with MEGAMOE_TRITON_TUNE=0). Offline sm_90a compiles
+# with Triton 3.6 (ptxas -v): with TMA weight loads kernel A spills 0-40 bytes, with pointer
+# loads 120-700 bytes (its three fp32 accumulators plus 64-bit pointer tensors), 128x128 tiles
+# spill kilobytes. TMA applies only when the tiles divide D and H; otherwise the same config
+# runs with pointer loads. Few candidates: each one is a compile on first use.
 A_CANDIDATES = [
-    dict(block_m=128, block_n=64, block_k=64, num_warps=8, num_stages=3),
-    dict(block_m=64, block_n=64, block_k=64, num_warps=8, num_stages=3),
-    dict(block_m=128, block_n=64, block_k=32, num_warps=8, num_stages=4),
+    dict(block_m=128, block_n=64, block_k=64, num_warps=8, num_stages=3, use_tma=True),
+    dict(block_m=64, block_n=64, block_k=64, num_warps=8, num_stages=3, use_tma=True),
+    dict(block_m=64, block_n=128, block_k=64, num_warps=8, num_stages=3, use_tma=True),
+    dict(block_m=128, block_n=64, block_k=32, num_warps=8, num_stages=4, use_tma=False),
 ]
 B_CANDIDATES = [
     dict(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=3),
     dict(block_m=128, block_n=128, block_k=32, num_warps=8, num_stages=4),
 ]
 C_CANDIDATES = [
-    dict(block_n=128, block_k=64, num_warps=8, num_stages=3),
-    dict(block_n=128, block_k=32, num_warps=8, num_stages=4),
+    dict(block_n=128, block_k=64, num_warps=8, num_stages=3, use_tma=True),
+    dict(block_n=256, block_k=64, num_warps=8, num_stages=3, use_tma=True),
+    dict(block_n=128, block_k=32, num_warps=8, num_stages=4, use_tma=False),
 ]
 
 # The CPU interpreter runs numpy per program: small tiles keep CI quick and still cover several
-# tiles per expert and partial tiles.
+# tiles per expert and partial tiles; shapes the tiles divide take the TMA path.
 INTERPRET_BLOCK_M = 16
-INTERPRET_A = dict(block_m=16, block_n=16, block_k=32, num_warps=1, num_stages=1)
+INTERPRET_A = dict(block_m=16, block_n=16, block_k=32, num_warps=1, num_stages=1, use_tma=True)
 INTERPRET_B = dict(block_m=32, block_n=32, block_k=16, num_warps=1, num_stages=1)
-INTERPRET_C = dict(block_n=32, block_k=32, num_warps=1, num_stages=1)
+INTERPRET_C = dict(block_n=32, block_k=16, num_warps=1, num_stages=1, use_tma=True)
 
 
 def check_backward_inputs(grad_out, x, w1, precision) -> None:

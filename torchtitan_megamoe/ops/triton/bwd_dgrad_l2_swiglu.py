@@ -30,6 +30,7 @@ Padding rows load zeros, so they store zeros.
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from torchtitan_megamoe.ops.triton.bwd_common import interpreting, mma
 from torchtitan_megamoe.ops.triton.plan import Plan
@@ -37,7 +38,7 @@ from torchtitan_megamoe.ops.triton.plan import Plan
 
 @triton.jit
 def _dgrad_l2_swiglu_kernel(
-    x_ptr, dy_ptr, tw_ptr, w1_ptr, w2_ptr, w3_ptr,
+    x_ptr, dy_ptr, tw_ptr, w1_ptr, w2_ptr, w3_ptr, w1_desc, w2_desc, w3_desc,
     row_slot_ptr, tile_expert_ptr,
     da_ptr, hw_ptr, part_ptr,
     H, D, TOPK, R_MAX,
@@ -47,7 +48,7 @@ def _dgrad_l2_swiglu_kernel(
     s_w3e, s_w3h, s_w3d,
     s_da, s_hw,
     PLAN_BM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    UPCAST: tl.constexpr,
+    EVEN: tl.constexpr, USE_TMA: tl.constexpr, UPCAST: tl.constexpr,
 ):
     pid = tl.program_id(0)
     num_n = tl.cdiv(H, BLOCK_N)
@@ -77,17 +78,32 @@ def _dgrad_l2_swiglu_kernel(
     a1 = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
     a3 = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
     dh = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    # Rows of the [E*H, D] / [E*D, H] weight views that this tile reads (TMA path).
+    w13_row = (e * H + pid_n * BLOCK_N).to(tl.int32)
+    w2_row = (e * D).to(tl.int32)
     for k0 in range(0, D, BLOCK_K):
         kk = k0 + rk
-        k_ok = kk < D
-        row_mask = valid[:, None] & k_ok[None, :]
-        w_mask = k_ok[:, None] & n_ok[None, :]
+        if EVEN:  # D % BLOCK_K == 0 and H % BLOCK_N == 0: only padding rows need a mask
+            row_mask = valid[:, None]
+        else:
+            k_ok = kk < D
+            row_mask = valid[:, None] & k_ok[None, :]
+            w_mask = k_ok[:, None] & n_ok[None, :]
         xa = tl.load(x_rows + kk[None, :], mask=row_mask, other=0.0)
         dya = tl.load(dy_rows + kk[None, :], mask=row_mask, other=0.0)
         # Weight tiles as [BLOCK_K, BLOCK_N] views of w1[e]^T, w3[e]^T and w2[e].
-        w1t = tl.load(w1_cols + kk[:, None].to(tl.int64) * s_w1d, mask=w_mask, other=0.0)
-        w3t = tl.load(w3_cols + kk[:, None].to(tl.int64) * s_w3d, mask=w_mask, other=0.0)
-        w2t = tl.load(w2_cols + kk[:, None].to(tl.int64) * s_w2d, mask=w_mask, other=0.0)
+        if USE_TMA:  # bulk tensor copies; only with EVEN, so a tile never crosses experts
+            w1t = w1_desc.load([w13_row, k0]).T
+            w3t = w3_desc.load([w13_row, k0]).T
+            w2t = w2_desc.load([w2_row + k0, pid_n * BLOCK_N])
+        elif EVEN:
+            w1t = tl.load(w1_cols + kk[:, None].to(tl.int64) * s_w1d)
+            w3t = tl.load(w3_cols + kk[:, None].to(tl.int64) * s_w3d)
+            w2t = tl.load(w2_cols + kk[:, None].to(tl.int64) * s_w2d)
+        else:
+            w1t = tl.load(w1_cols + kk[:, None].to(tl.int64) * s_w1d, mask=w_mask, other=0.0)
+            w3t = tl.load(w3_cols + kk[:, None].to(tl.int64) * s_w3d, mask=w_mask, other=0.0)
+            w2t = tl.load(w2_cols + kk[:, None].to(tl.int64) * s_w2d, mask=w_mask, other=0.0)
         a1 = mma(xa, w1t, a1, UPCAST)
         a3 = mma(xa, w3t, a3, UPCAST)
         dh = mma(dya, w2t, dh, UPCAST)
@@ -95,7 +111,7 @@ def _dgrad_l2_swiglu_kernel(
     # Epilogue ordered so that each result is stored as soon as it exists (register pressure:
     # three BLOCK_M x BLOCK_N fp32 accumulators are live on entry).
     tw = tl.load(tw_ptr + slot, mask=valid, other=0.0).to(tl.float32)[:, None]
-    out_mask = n_ok[None, :]
+    out_mask = None if EVEN else n_ok[None, :]
     row_off = rm[:, None].to(tl.int64)
     sig = tl.sigmoid(a1)
     silu = a1 * sig
@@ -125,13 +141,16 @@ def dgrad_l2_swiglu(
     block_k: int = 64,
     num_warps: int = 8,
     num_stages: int = 3,
+    use_tma: bool = False,
     out: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Launch kernel A. Returns (da [R_max, 2H], hw [R_max, H], dtw_part [n_h_tiles, R_max]).
 
     dy, x: [T, D] (rows contiguous in D); topk_weights: [T, K]; w1, w3: [E, H, D]; w2: [E, D, H].
-    block_m (default: the plan's) must divide plan.block_m. ``out`` optionally supplies the three buffers (tests poison them to prove every read row
-    is written)."""
+    block_m (default: the plan's) must divide plan.block_m. use_tma loads the weight tiles with
+    TMA descriptors; it applies only when D % block_k == H % block_n == 0 and the weights are
+    contiguous (else pointer loads). ``out`` optionally supplies the three buffers (tests poison
+    them to prove every read row is written)."""
     T, D = x.shape
     E, H, _ = w1.shape
     R = plan.max_rows
@@ -153,9 +172,17 @@ def dgrad_l2_swiglu(
     block_m = block_m or plan.block_m
     if plan.block_m % block_m:
         raise ValueError(f"block_m {block_m} must divide the plan's block_m {plan.block_m}")
+    even = D % block_k == 0 and H % block_n == 0
+    use_tma = use_tma and even and all(w.is_contiguous() for w in (w1, w2, w3))
+    if use_tma:
+        d1 = TensorDescriptor.from_tensor(w1.view(E * H, D), [block_n, block_k])
+        d3 = TensorDescriptor.from_tensor(w3.view(E * H, D), [block_n, block_k])
+        d2 = TensorDescriptor.from_tensor(w2.view(E * D, H), [block_k, block_n])
+    else:
+        d1, d2, d3 = w1, w2, w3
     grid = (R // block_m * n_tiles_h,)
     _dgrad_l2_swiglu_kernel[grid](
-        x, dy, tw, w1, w2, w3,
+        x, dy, tw, w1, w2, w3, d1, d2, d3,
         plan.row_slot, plan.tile_expert,
         da, hw, part,
         H, D, plan.top_k, R,
@@ -163,7 +190,7 @@ def dgrad_l2_swiglu(
         *w1.stride(), *w2.stride(), *w3.stride(),
         da.stride(0), hw.stride(0),
         PLAN_BM=plan.block_m, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-        UPCAST=interpreting(),
+        EVEN=even, USE_TMA=use_tma, UPCAST=interpreting(),
         num_warps=num_warps, num_stages=num_stages,
     )
     return da, hw, part
