@@ -180,7 +180,9 @@ def ep_worker_experts_only(rank: int, world: int, init_file: str) -> None:
                 (out * gout).sum().backward()
                 outs[name] = (out.detach(), _grads(model))
             _check_close("stock EP vs single-rank output", outs["stock"][0], outs["full"][0], 1e-6)
-            _check_close("converted EP vs stock EP output", outs["converted"][0], outs["stock"][0], 1e-6)
+            _check_close(
+                "converted EP vs stock EP output", outs["converted"][0], outs["stock"][0], 1e-6
+            )
             g_s, g_c = outs["stock"][1], outs["converted"][1]
             assert g_s.keys() == g_c.keys()
             for n in g_s:

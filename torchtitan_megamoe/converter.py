@@ -45,7 +45,9 @@ def triton_shape_error(dim: int, hidden_dim: int) -> str | None:
     if dim % 128 != 0:
         problems.append(f"hidden size dim={dim} is not a multiple of 128")
     if hidden_dim % 128 != 0:
-        problems.append(f"expert intermediate size moe_inter_dim={hidden_dim} is not a multiple of 128")
+        problems.append(
+            f"expert intermediate size moe_inter_dim={hidden_dim} is not a multiple of 128"
+        )
     return "; ".join(problems) or None
 
 
