@@ -10,7 +10,7 @@
 #     docstring-parser==0.18.0 typeguard==4.6.1 torchdata==0.11.0 \
 #     datasets==5.2.0 dill==0.4.1 multiprocess==0.70.19
 # Env knobs: BENCH_ARGS (extra bench.py args), PYTEST_ARGS (default "-m gpu tests"),
-# SKIP_TESTS=1, SKIP_BENCH=1. Logs and bench.json go to $OUT (or ./.out when run by hand).
+# SKIP_TESTS=1, SKIP_BENCH=1, SKIP_WS_PROBE=1 (no warp-specialized candidates). Logs and bench.json go to $OUT (or ./.out when run by hand).
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export PYTHONUNBUFFERED=1
@@ -36,7 +36,8 @@ fi
 # Warp-specialized GEMM candidates only where a throwaway process shows they compile and are
 # right (a failing Triton WS pass can abort the process).
 ws=""
-for k in gemm1_swiglu gemm2_scatter; do
+[ "${SKIP_WS_PROBE:-0}" = 1 ] && probe_kernels="" || probe_kernels="gemm1_swiglu gemm2_scatter"
+for k in $probe_kernels; do
   if timeout 120 python3 -m torchtitan_megamoe.ops.triton.ws_probe "$k" >"$OUT/ws_probe_$k.log" 2>&1; then
     ws="$ws${ws:+,}$k"
   fi

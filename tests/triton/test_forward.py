@@ -49,21 +49,6 @@ def test_forward_rejects_what_kernels_cannot_take():
         tb.forward(x, ids, w, w1o, w2o, w3o, None, "bf16")
 
 
-class _FakeGroup:
-    pass
-
-
-def test_ep_group_raises_with_workaround(monkeypatch):
-    import torch.distributed as dist
-
-    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
-    w1, w2, w3 = make_weights(E, D, H)
-    x = torch.randn(4, D).to(torch.bfloat16)
-    with pytest.raises(NotImplementedError, match="backend='reference'"):
-        tb.forward(x, torch.zeros(4, K, dtype=torch.long), torch.rand(4, K), w1, w2, w3, _FakeGroup(), "bf16")
-    assert not tb.supports(x, _FakeGroup())
-
-
 # ----------------------------------------------------------------------------- GPU, real shapes
 
 SHAPES = {"qwen3_30b_a3b": (2048, 768), "qwen3_235b_a22b": (4096, 1536)}

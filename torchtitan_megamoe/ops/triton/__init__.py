@@ -2,7 +2,8 @@
 
 Forward (EP=1): device-side plan (plan.py), grouped GEMM 1 + SwiGLU (gemm1_swiglu.py), grouped
 GEMM 2 storing rows into combine slots (gemm2_scatter.py), fp32 combine (combine.py).
-Backward: backward.py (BF16). EP > 1 is not implemented here yet: use backend="reference".
+Backward: backward.py (BF16). EP > 1 (ep_forward.py, bwd_ep.py): rows are exchanged with
+all_to_all around the EP=1 kernels (functional, not yet overlapped with the GEMMs).
 """
 
 import torch
@@ -10,7 +11,13 @@ import torch
 # backward.py must be imported here, before `def backward` below: importing a submodule sets the
 # package attribute of the same name, so a lazy import would replace the function by the module.
 from torchtitan_megamoe.ops.triton.backward import backward as _backward_ep1
-from torchtitan_megamoe.ops.triton.forward import forward_ep1, interpreting, min_multiple
+from torchtitan_megamoe.ops.triton.ep_forward import forward_ep
+from torchtitan_megamoe.ops.triton.forward import (
+    forward_ep1,
+    interpret_defaults,
+    interpreting,
+    min_multiple,
+)
 
 _SUPPORTED_DTYPES = (torch.bfloat16,)
 
@@ -25,7 +32,7 @@ def _ep_size(group) -> int:
 
 def supports(x: torch.Tensor, group) -> bool:
     """Whether backend="auto" may pick these kernels for ``x`` (weights are checked in forward)."""
-    if _ep_size(group) != 1 or x.dtype not in _SUPPORTED_DTYPES:
+    if x.dtype not in _SUPPORTED_DTYPES:
         return False
     if not x.is_cuda or torch.cuda.get_device_capability(x.device)[0] != 9:
         return False
@@ -34,11 +41,6 @@ def supports(x: torch.Tensor, group) -> bool:
 
 def check_inputs(x, w1, group, precision) -> None:
     """Raise, naming the fix, for inputs these kernels cannot take."""
-    if _ep_size(group) != 1:
-        raise NotImplementedError(
-            "mega_moe backend='triton' does not implement expert parallelism (EP > 1) yet; "
-            "use backend='reference' (or backend='auto', which falls back to it) with an EP group"
-        )
     if precision == "fp8":
         raise NotImplementedError(
             "mega_moe backend='triton' has no FP8 forward yet; use precision='bf16' or "
@@ -71,6 +73,9 @@ def check_inputs(x, w1, group, precision) -> None:
 
 def forward(x, topk_ids, topk_weights, w1, w2, w3, group, precision):
     check_inputs(x, w1, group, precision)
+    if _ep_size(group) > 1:
+        block_m, c1, c2 = interpret_defaults(None, None, None)
+        return forward_ep(x, topk_ids, topk_weights, w1, w2, w3, group, block_m, c1, c2)
     return forward_ep1(x, topk_ids, topk_weights, w1, w2, w3)
 
 

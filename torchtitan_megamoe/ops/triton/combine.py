@@ -12,6 +12,9 @@ import torch
 import triton
 import triton.language as tl
 
+from torchtitan_megamoe.ops.triton.tiling import cast_out
+from torchtitan_megamoe.ops.triton.tune import interpreter_needs_f32_dot
+
 
 @triton.jit
 def _combine_kernel(
@@ -27,6 +30,7 @@ def _combine_kernel(
     TOP_K: tl.constexpr,
     BLOCK_T: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    EMULATE_RTNE: tl.constexpr,
 ):
     toks = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
@@ -44,7 +48,8 @@ def _combine_kernel(
         ).to(tl.float32)
         acc += w[:, None] * y
     out_ptrs = out_ptr + toks[:, None].to(tl.int64) * stride_out + cols[None, :]
-    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=in_t[:, None] & in_d[None, :])
+    tl.store(out_ptrs, cast_out(acc, out_ptr.dtype.element_ty, EMULATE_RTNE),
+             mask=in_t[:, None] & in_d[None, :])
 
 
 def combine(
@@ -67,7 +72,7 @@ def combine(
     _combine_kernel[grid](
         ybuf, topk_weights, slot_row, out,
         T, D, ybuf.stride(0), topk_weights.stride(0), out.stride(0),
-        TOP_K=K, BLOCK_T=block_t, BLOCK_D=block_d,
+        TOP_K=K, BLOCK_T=block_t, BLOCK_D=block_d, EMULATE_RTNE=interpreter_needs_f32_dot(),
         num_warps=4,
     )
     return out

@@ -32,6 +32,14 @@ def min_multiple() -> int:
     return INTERPRET_GEMM_CONFIG["BLOCK_K"] if interpreting() else 64
 
 
+def interpret_defaults(block_m, gemm1_config, gemm2_config):
+    if interpreting():
+        block_m = block_m or INTERPRET_BLOCK_M
+        gemm1_config = gemm1_config or INTERPRET_GEMM_CONFIG
+        gemm2_config = gemm2_config or INTERPRET_GEMM_CONFIG
+    return block_m or BLOCK_M, gemm1_config, gemm2_config
+
+
 def forward_ep1(
     x: torch.Tensor,
     topk_ids: torch.Tensor,
@@ -44,11 +52,7 @@ def forward_ep1(
     gemm2_config: dict | None = None,
     ybuf_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
-    if interpreting():
-        block_m = block_m or INTERPRET_BLOCK_M
-        gemm1_config = gemm1_config or INTERPRET_GEMM_CONFIG
-        gemm2_config = gemm2_config or INTERPRET_GEMM_CONFIG
-    block_m = block_m or BLOCK_M
+    block_m, gemm1_config, gemm2_config = interpret_defaults(block_m, gemm1_config, gemm2_config)
     x = x.contiguous()
     w1, w2, w3 = w1.contiguous(), w2.contiguous(), w3.contiguous()
     plan = build_plan(topk_ids, w1.shape[0], block_m)

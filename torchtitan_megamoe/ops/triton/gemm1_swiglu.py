@@ -17,7 +17,7 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from torchtitan_megamoe.ops.triton.plan import Plan
-from torchtitan_megamoe.ops.triton.tiling import grouped_tile, persistent_programs
+from torchtitan_megamoe.ops.triton.tiling import cast_out, grouped_tile, persistent_programs
 from torchtitan_megamoe.ops.triton.tune import interpreter_needs_f32_dot, pick_config
 
 
@@ -60,7 +60,7 @@ def _gemm1_tile(
 
     h = acc1 * tl.sigmoid(acc1) * acc3
     h_ptrs = h_ptr + rows[:, None].to(tl.int64) * stride_h + offs_n[None, :]
-    tl.store(h_ptrs, h.to(h_ptr.dtype.element_ty))
+    tl.store(h_ptrs, cast_out(h, h_ptr.dtype.element_ty, F32_DOT))
 
 
 @triton.jit

@@ -16,7 +16,7 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from torchtitan_megamoe.ops.triton.plan import Plan
-from torchtitan_megamoe.ops.triton.tiling import grouped_tile, persistent_programs
+from torchtitan_megamoe.ops.triton.tiling import cast_out, grouped_tile, persistent_programs
 from torchtitan_megamoe.ops.triton.tune import interpreter_needs_f32_dot, pick_config
 
 
@@ -55,7 +55,7 @@ def _gemm2_tile(
 
     slot = tl.load(row_slot_ptr + rows)
     y_ptrs = y_ptr + slot[:, None].to(tl.int64) * stride_y + offs_n[None, :]
-    tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=(slot >= 0)[:, None])
+    tl.store(y_ptrs, cast_out(acc, y_ptr.dtype.element_ty, F32_DOT), mask=(slot >= 0)[:, None])
 
 
 @triton.jit
