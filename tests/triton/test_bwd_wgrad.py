@@ -16,17 +16,20 @@ from torchtitan_megamoe.ops.triton.bwd_wgrad import wgrad  # noqa: E402
 BLK = dict(block_m=16, block_n=16, block_k=8)
 
 
-def _operands(plan, T, M, N, a_gather, b_gather, seed=0):
-    """a, b operands; row-space buffers get NaN in every row that is not a real row, so a read
-    of a padding row or of a row past the used ones shows up in the result."""
+def _operands(plan, T, M, N, a_gather, b_gather, seed=0, pad=POISON):
+    """a, b operands; row-space buffers get NaN in every row past the used ones and ``pad`` in
+    the padding rows of segments (NaN: proves they are not read; a large finite value, for the
+    TMA path that reads them: proves they contribute nothing)."""
     g = torch.Generator().manual_seed(seed)
     real = plan.row_slot >= 0
+    used = torch.arange(plan.max_rows) < int(plan.num_rows_used)
 
     def make(cols, gather):
         if gather:
             return torch.randn(T, cols, generator=g).bfloat16()
         t = torch.randn(plan.max_rows, cols, generator=g).bfloat16()
-        t[~real] = POISON
+        t[~real] = pad
+        t[~used] = POISON
         return t
 
     return make(M, a_gather), make(N, b_gather)
@@ -61,6 +64,20 @@ def test_wgrad_routings(case, gather):
     assert_close(out, ref, name=case)
     empty = plan.count == 0
     assert (out[empty] == 0).all(), "experts without rows must get zero gradients"
+
+
+@pytest.mark.parametrize("use_tma", [False, True], ids=["pointers", "tma"])
+@pytest.mark.parametrize("gather", [(True, False), (False, True)], ids=["dw2", "dw13"])
+def test_wgrad_even_shapes(gather, use_tma):
+    """M, N multiples of the tiles (no column masks); TMA for the row-space operand."""
+    T, K, E = SMALL["T"], SMALL["K"], SMALL["E"]
+    M, N = 32, 16
+    ids = dict(routings(T, K, E, seed=5))["uneven"]
+    plan = plan_for(ids, E)
+    a, b = _operands(plan, T, M, N, *gather, seed=5, pad=1e4 if use_tma else POISON)
+    out = torch.full((E, M, N), POISON, dtype=torch.bfloat16)
+    wgrad(a, b, out, plan, a_gather=gather[0], b_gather=gather[1], use_tma=use_tma, **BLK)
+    assert_close(out, _expected(plan, a, b, *gather, E))
 
 
 def test_wgrad_layout_dtype_and_single_token():

@@ -58,7 +58,8 @@ BLOCK_M = 128
 # the interpreter, during graph capture or with MEGAMOE_TRITON_TUNE=0). Offline sm_90a compiles
 # with Triton 3.6 (ptxas -v): with TMA weight loads kernel A spills 0-40 bytes, with pointer
 # loads 120-700 bytes (its three fp32 accumulators plus 64-bit pointer tensors), 128x128 tiles
-# spill kilobytes. TMA applies only when the tiles divide D and H; otherwise the same config
+# spill kilobytes; kernels B and C spill nothing at these tiles (B at 128x256: dw2 4 bytes,
+# dw1/dw3 800 bytes; the tuner keeps what runs fastest). TMA applies only when the tiles divide D and H; otherwise the same config
 # runs with pointer loads. Few candidates: each one is a compile on first use.
 A_CANDIDATES = [
     dict(block_m=128, block_n=64, block_k=64, num_warps=8, num_stages=3, use_tma=True),
@@ -67,8 +68,9 @@ A_CANDIDATES = [
     dict(block_m=128, block_n=64, block_k=32, num_warps=8, num_stages=4, use_tma=False),
 ]
 B_CANDIDATES = [
-    dict(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=3),
-    dict(block_m=128, block_n=128, block_k=32, num_warps=8, num_stages=4),
+    dict(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=3, use_tma=True),
+    dict(block_m=128, block_n=256, block_k=64, num_warps=8, num_stages=3, use_tma=True),
+    dict(block_m=128, block_n=128, block_k=32, num_warps=8, num_stages=4, use_tma=False),
 ]
 C_CANDIDATES = [
     dict(block_n=128, block_k=64, num_warps=8, num_stages=3, use_tma=True),
@@ -80,7 +82,7 @@ C_CANDIDATES = [
 # tiles per expert and partial tiles; shapes the tiles divide take the TMA path.
 INTERPRET_BLOCK_M = 16
 INTERPRET_A = dict(block_m=16, block_n=16, block_k=32, num_warps=1, num_stages=1, use_tma=True)
-INTERPRET_B = dict(block_m=32, block_n=32, block_k=16, num_warps=1, num_stages=1)
+INTERPRET_B = dict(block_m=32, block_n=32, block_k=16, num_warps=1, num_stages=1, use_tma=True)
 INTERPRET_C = dict(block_n=32, block_k=16, num_warps=1, num_stages=1, use_tma=True)
 
 

@@ -7,6 +7,10 @@ One kernel serves all three weight gradients (three launches):
 "Gathered" operands are read by indirection, row r -> token row_slot[r] // K, so neither dy nor
 x is ever permuted into the row space.
 
+Row-space operands can come by TMA (whole [BLOCK_K, BLOCK_C] tiles of the padded segment);
+gathered ones are pointer loads (Hopper's TMA has no row gather). Tiles that divide M and N
+drop the column masks (EVEN).
+
 Tiles: one program per (expert, BLOCK_M x BLOCK_N tile of out[e]); program ids run an expert's
 tiles consecutively so they share its rows in L2. K-loop over the expert's real rows
 [seg_start[e], seg_start[e] + count[e]) in BLOCK_K steps, in increasing row order, fp32
@@ -19,14 +23,21 @@ Waits on: kernel A's da / hw (stream order). Signals: nothing.
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from torchtitan_megamoe.ops.triton.bwd_common import interpreting, mma
 from torchtitan_megamoe.ops.triton.plan import Plan
 
 
 @triton.jit
-def _load_rows(ptr, stride, r, r_ok, cols, col_ok, row_slot_ptr, TOPK, GATHER: tl.constexpr):
-    """[BLOCK_K, BLOCK_C] tile of rows r: row-space rows, or token rows by indirection."""
+def _load_rows(ptr, desc, stride, r0, r, r_ok, c0, cols, col_ok, row_slot_ptr, TOPK,
+               GATHER: tl.constexpr, TMA: tl.constexpr, EVEN: tl.constexpr):
+    """[BLOCK_K, BLOCK_C] tile of rows r = r0 + arange: row-space rows (pointer loads or TMA),
+    or token rows by indirection."""
+    if TMA:
+        # Whole tile of the row-space buffer: rows past the expert's count are padding rows of
+        # its segment (finite zeros from kernel A) and meet zeros of the gathered operand.
+        return desc.load([r0, c0])
     if GATHER:
         slot = tl.load(row_slot_ptr + r, mask=r_ok, other=-1)
         ok = slot >= 0
@@ -34,20 +45,23 @@ def _load_rows(ptr, stride, r, r_ok, cols, col_ok, row_slot_ptr, TOPK, GATHER: t
     else:
         ok = r_ok
         idx = r.to(tl.int64)
-    return tl.load(ptr + idx[:, None] * stride + cols[None, :],
-                   mask=ok[:, None] & col_ok[None, :], other=0.0)
+    if EVEN:
+        mask = ok[:, None]
+    else:
+        mask = ok[:, None] & col_ok[None, :]
+    return tl.load(ptr + idx[:, None] * stride + cols[None, :], mask=mask, other=0.0)
 
 
 @triton.jit
 def _wgrad_kernel(
-    a_ptr, b_ptr, out_ptr,
+    a_ptr, b_ptr, a_desc, b_desc, out_ptr,
     seg_start_ptr, count_ptr, row_slot_ptr,
     M, N, TOPK,
     s_a, s_b,
     s_oe, s_om, s_on,
-    A_GATHER: tl.constexpr, B_GATHER: tl.constexpr,
+    A_GATHER: tl.constexpr, B_GATHER: tl.constexpr, A_TMA: tl.constexpr, B_TMA: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    UPCAST: tl.constexpr,
+    EVEN: tl.constexpr, UPCAST: tl.constexpr,
 ):
     pid = tl.program_id(0)
     num_m = tl.cdiv(M, BLOCK_M)
@@ -68,10 +82,13 @@ def _wgrad_kernel(
 
     acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
     for k0 in range(0, n_rows, BLOCK_K):
-        r = start + k0 + rk
+        r0 = start + k0
+        r = r0 + rk
         r_ok = k0 + rk < n_rows
-        a = _load_rows(a_ptr, s_a, r, r_ok, rm, m_ok, row_slot_ptr, TOPK, A_GATHER)
-        b = _load_rows(b_ptr, s_b, r, r_ok, rn, n_ok, row_slot_ptr, TOPK, B_GATHER)
+        a = _load_rows(a_ptr, a_desc, s_a, r0, r, r_ok, pid_m * BLOCK_M, rm, m_ok,
+                       row_slot_ptr, TOPK, A_GATHER, A_TMA, EVEN)
+        b = _load_rows(b_ptr, b_desc, s_b, r0, r, r_ok, pid_n * BLOCK_N, rn, n_ok,
+                       row_slot_ptr, TOPK, B_GATHER, B_TMA, EVEN)
         acc = mma(tl.trans(a), b, acc, UPCAST)
 
     out = (out_ptr + e.to(tl.int64) * s_oe
@@ -92,12 +109,16 @@ def wgrad(
     block_k: int = 64,
     num_warps: int = 8,
     num_stages: int = 3,
+    use_tma: bool = False,
 ) -> torch.Tensor:
     """Launch kernel B: out[e] = sum over expert e's rows of a_r^T b_r, for every local expert.
 
     a: [rows, M], b: [rows, N] with rows contiguous in the last dim; a "gathered" operand is a
     [T, C] token tensor read through the plan, otherwise a [R_max, C] row-space buffer (column
     slices of a larger buffer are fine). out: [E, M, N], written in its own dtype and strides.
+    use_tma loads the row-space operand with a TMA descriptor when block_k divides the plan's
+    block_m (so a tile never leaves the expert's padded segment); that path reads the padding
+    rows of the segment, which must be finite (kernel A stores zeros there).
     """
     E, M, N = out.shape
     if E != plan.num_local_experts:
@@ -108,16 +129,31 @@ def wgrad(
         rows = plan.num_tokens if gather else plan.max_rows
         if t.shape != (rows, cols):
             raise ValueError(f"{name} has shape {tuple(t.shape)}, expected ({rows}, {cols})")
+    tma_ok = use_tma and plan.block_m % block_k == 0
+    descs = []
+    for t, gather, cols in ((a, a_gather, block_m), (b, b_gather, block_n)):
+        if tma_ok and not gather and _tma_compatible(t):
+            descs.append(TensorDescriptor.from_tensor(t, [block_k, cols]))
+        else:
+            descs.append(None)
+    a_desc, b_desc = descs
     grid = (E * triton.cdiv(M, block_m) * triton.cdiv(N, block_n),)
     _wgrad_kernel[grid](
-        a, b, out,
+        a, b, a if a_desc is None else a_desc, b if b_desc is None else b_desc, out,
         plan.seg_start, plan.count, plan.row_slot,
         M, N, plan.top_k,
         a.stride(0), b.stride(0),
         *out.stride(),
         A_GATHER=a_gather, B_GATHER=b_gather,
+        A_TMA=a_desc is not None, B_TMA=b_desc is not None,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-        UPCAST=interpreting(),
+        EVEN=M % block_m == 0 and N % block_n == 0, UPCAST=interpreting(),
         num_warps=num_warps, num_stages=num_stages,
     )
     return out
+
+
+def _tma_compatible(t: torch.Tensor) -> bool:
+    """TMA needs a 16-byte aligned base and row stride (and a unit last stride)."""
+    es = t.element_size()
+    return t.stride(-1) == 1 and (t.data_ptr() % 16 == 0) and (t.stride(0) * es) % 16 == 0
