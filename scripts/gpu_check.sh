@@ -10,7 +10,8 @@
 #     docstring-parser==0.18.0 typeguard==4.6.1 torchdata==0.11.0 \
 #     datasets==5.2.0 dill==0.4.1 multiprocess==0.70.19
 # Env knobs: BENCH_ARGS (extra bench.py args), PYTEST_ARGS (default "-m gpu tests"),
-# SKIP_TESTS=1, SKIP_BENCH=1, SKIP_WS_PROBE=1 (no warp-specialized candidates). Logs and bench.json go to $OUT (or ./.out when run by hand).
+# SKIP_TESTS=1, SKIP_BENCH=1, SKIP_WS_PROBE=1 (no warp-specialized candidates), BENCH_NPROC=2
+# (EP=2 bench under torchrun, on kind nvidia-h200-x2). Logs and bench.json go to $OUT (or ./.out when run by hand).
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export PYTHONUNBUFFERED=1
@@ -56,8 +57,14 @@ if [ "${SKIP_TESTS:-0}" != 1 ]; then
 fi
 if [ "${SKIP_BENCH:-0}" != 1 ]; then
   # shellcheck disable=SC2086
-  timeout 360 python3 -m torchtitan_megamoe.bench --json "$OUT/bench.json" ${BENCH_ARGS:-} \
-    2>&1 | tee "$OUT/bench.log" | grep -v '^{'
+  n=${BENCH_NPROC:-1}
+  if [ "$n" -gt 1 ]; then
+    launch=(python3 -m torch.distributed.run --nproc_per_node "$n" -m torchtitan_megamoe.bench --nproc "$n")
+  else
+    launch=(python3 -m torchtitan_megamoe.bench)
+  fi
+  timeout 360 "${launch[@]}" --json "$OUT/bench_ep$n.json" ${BENCH_ARGS:-} \
+    2>&1 | tee "$OUT/bench_ep$n.log" | grep -v '^{'
   brc=${PIPESTATUS[0]}
   echo "bench exit: $brc"
   [ "$brc" != 0 ] && rc=$brc

@@ -13,7 +13,10 @@ route_norm, no shared experts, score_before_experts=False) in bf16 on one GPU, t
 Timing: CUDA events around each call after warm-up (which also runs the kernels' tuner), the
 median of --iters calls. Flops: 6*T*K*D*H forward (three GEMMs), 3x that forward + backward;
 the floor is those flops at --peak-tflops (765: dense bf16 GEMM measured on the H200, DESIGN §5).
-EP > 1 (--nproc) needs the EP path of the Triton backend, which does not exist yet.
+EP > 1: ``torchrun --nproc_per_node N -m torchtitan_megamoe.bench --nproc N`` times our layer
+with experts split over the N ranks (16384 tokens per GPU, all_to_all EP path of the Triton
+backend) and checks it against the reference backend's EP path; stock TorchTitan's EP layer
+needs its ExpertParallel/DeviceMesh wiring and is not timed by this script (DESIGN §5 has it).
 """
 
 from __future__ import annotations
@@ -174,6 +177,94 @@ def bench_shape(key: str, tokens: int, iters: int, warmup: int, backward: bool, 
     return res
 
 
+def bench_shape_ep(key: str, tokens: int, iters: int, warmup: int, backward: bool,
+                   peak_tflops: float) -> dict:
+    """Our layer with experts split over the torchrun world (one process per GPU)."""
+    import torch.distributed as dist
+
+    from torchtitan_megamoe import mega_moe
+
+    shape = SHAPES[key]
+    rank, world = dist.get_rank(), dist.get_world_size()
+    dev = torch.device("cuda", torch.cuda.current_device())
+    torch.manual_seed(0)  # same router and experts on every rank; each keeps its expert slice
+    moe = build_stock_moe(shape, dev)
+    T, D, H, K = tokens, shape["dim"], shape["hidden"], shape["top_k"]
+    E_local = shape["experts"] // world
+    mine = slice(rank * E_local, (rank + 1) * E_local)
+    w1, w2, w3 = (getattr(moe.experts, n).detach()[mine].contiguous() for n in ("w1", "w2", "w3"))
+    torch.manual_seed(1 + rank)
+    x = torch.randn(T, D, device=dev, dtype=torch.bfloat16)
+    group = dist.group.WORLD
+
+    def ours_layer(inp, backend="triton"):
+        scores, ids, _ = moe.router(inp, moe.expert_bias)
+        return mega_moe(inp, ids, scores, w1, w2, w3, group=group, backend=backend)
+
+    with torch.no_grad():
+        got = ours_layer(x).float()
+        ref = ours_layer(x, "reference").float()
+        res = {
+            "shape": shape["name"], "tokens": T, "ep": world, "dim": D, "hidden": H,
+            "rel_err_vs_reference": float((got - ref).norm() / ref.norm()),
+            "ours_fwd_ms": _time_ms(lambda: ours_layer(x), iters, warmup),
+        }
+    flops_fwd = 6 * T * K * D * H
+    res["flops_fwd"] = flops_fwd
+    res["floor_fwd_ms"] = flops_fwd / (peak_tflops * 1e12) * 1e3
+    if backward:
+        w1.requires_grad_(True), w2.requires_grad_(True), w3.requires_grad_(True)
+        xg = x.detach().clone().requires_grad_(True)
+        grad = torch.randn_like(x)
+        res["ours_fwdbwd_ms"] = _time_ms(lambda: ours_layer(xg).backward(grad), iters, warmup)
+        res["floor_fwdbwd_ms"] = 3 * res["floor_fwd_ms"]
+    del moe
+    torch.cuda.empty_cache()
+    return res
+
+
+def main_ep(args) -> int:
+    import os
+
+    import torch.distributed as dist
+
+    if "RANK" not in os.environ:
+        print(f"bench: --nproc {args.nproc} runs under torchrun: torchrun --nproc_per_node "
+              f"{args.nproc} -m torchtitan_megamoe.bench --nproc {args.nproc}", file=sys.stderr)
+        return 2
+    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    dist.init_process_group("nccl")
+    if dist.get_world_size() != args.nproc:
+        print(f"bench: world size {dist.get_world_size()} != --nproc {args.nproc}", file=sys.stderr)
+        return 2
+    results = []
+    for key in args.shapes.split(","):
+        r = bench_shape_ep(key, args.tokens, args.iters, args.warmup, args.backward,
+                           args.peak_tflops)
+        results.append(r)
+        if dist.get_rank() == 0:
+            print(json.dumps(r), flush=True)
+    if dist.get_rank() == 0:
+        print("| shape | EP | pass | ours ms (rank 0) | ours TFLOP/s per GPU | floor/ours |")
+        print("| --- | --- | --- | --- | --- | --- |")
+        for r in results:
+            for tag, mult in (("fwd", 1), ("fwdbwd", 3)):
+                ms = r.get(f"ours_{tag}_ms")
+                if ms:
+                    tf = mult * r["flops_fwd"] / (ms * 1e-3) / 1e12
+                    print(f"| {r['shape']} | {r['ep']} | {tag} | {ms:.3f} | {tf:.0f} | "
+                          f"{r[f'floor_{tag}_ms'] / ms:.2f} |")
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"meta": {"device": torch.cuda.get_device_name(),
+                                    "torch": torch.__version__,
+                                    "date_utc": time.strftime("%Y-%m-%d %H:%M", time.gmtime()),
+                                    "argv": sys.argv},
+                           "results": results}, f, indent=1)
+    dist.destroy_process_group()
+    return 0
+
+
 def table(results: list[dict]) -> str:
     lines = [
         "| shape | pass | stock ms | ours ms | speedup | ours TFLOP/s | floor ms | floor/ours |",
@@ -203,17 +294,12 @@ def main(argv=None) -> int:
     p.add_argument("--no-backward", dest="backward", action="store_false")
     p.add_argument("--backend", default="triton", choices=["triton", "reference", "auto"])
     p.add_argument("--peak-tflops", type=float, default=765.0)
-    p.add_argument("--nproc", type=int, default=1, help="EP degree (GPUs); 1 only for now")
+    p.add_argument("--nproc", type=int, default=1,
+                   help="EP degree (GPUs); > 1 runs under torchrun, ours only")
     p.add_argument("--json", default=None, help="write results here")
     args = p.parse_args(argv)
     if args.nproc != 1:
-        print(
-            "bench: --nproc > 1 needs the EP path of the triton backend, which is not "
-            "implemented yet (mega_moe raises NotImplementedError for EP groups); "
-            "run with --nproc 1",
-            file=sys.stderr,
-        )
-        return 2
+        return main_ep(args)
     if not torch.cuda.is_available() and args.backend != "reference":
         print("bench: needs a CUDA GPU (on CPU only --backend reference runs, as a smoke test)",
               file=sys.stderr)

@@ -18,6 +18,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from torchtitan_megamoe.ops.triton.plan import Plan
 from torchtitan_megamoe.ops.triton.tiling import cast_out, grouped_tile, persistent_programs
+from torchtitan_megamoe.ops.triton.tune import bucket as _bucket
 from torchtitan_megamoe.ops.triton.tune import interpreter_needs_f32_dot, pick_config
 
 
@@ -147,5 +148,5 @@ def gemm1_swiglu(
         )
 
     cands = [config] if config is not None else GPU_CONFIGS
-    launch(pick_config("gemm1_swiglu", (R, H, D, E, plan.block_m), cands, launch))
+    launch(pick_config("gemm1_swiglu", (_bucket(R), H, D, E, plan.block_m), cands, launch))
     return h

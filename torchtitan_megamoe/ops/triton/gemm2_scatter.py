@@ -17,6 +17,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from torchtitan_megamoe.ops.triton.plan import Plan
 from torchtitan_megamoe.ops.triton.tiling import cast_out, grouped_tile, persistent_programs
+from torchtitan_megamoe.ops.triton.tune import bucket as _bucket
 from torchtitan_megamoe.ops.triton.tune import interpreter_needs_f32_dot, pick_config
 
 
@@ -143,5 +144,5 @@ def gemm2_scatter(
         )
 
     cands = [config] if config is not None else GPU_CONFIGS
-    launch(pick_config("gemm2_scatter", (R, H, D, E, plan.block_m), cands, launch))
+    launch(pick_config("gemm2_scatter", (_bucket(R), H, D, E, plan.block_m), cands, launch))
     return y

@@ -72,3 +72,9 @@ def pick_config(name: str, key: tuple, candidates: list, launch) -> dict:
     TIMINGS[k] = results
     _CHOSEN[k] = best[0]
     return best[0]
+
+
+def bucket(rows: int) -> int:
+    """Tuning key for a row count: the next power of two. Under EP the received row count
+    changes every step; keying on it exactly would re-time every candidate each step."""
+    return 1 << max(0, rows - 1).bit_length()
