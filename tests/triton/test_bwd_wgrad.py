@@ -11,7 +11,7 @@ from test_bwd_oracle import (  # noqa: E402
     POISON, SMALL, assert_close, plan_for, routings, same_bits,
 )
 
-from torchtitan_megamoe.ops.triton.bwd_wgrad import wgrad  # noqa: E402
+from torchtitan_megamoe.ops.triton.bwd_wgrad import longest_first, wgrad  # noqa: E402
 
 BLK = dict(block_m=16, block_n=16, block_k=8)
 
@@ -107,3 +107,18 @@ def test_wgrad_rejects_bad_shapes():
     b = torch.zeros(3, 4, dtype=torch.bfloat16)  # T is 1
     with pytest.raises(ValueError, match="expected"):
         wgrad(a, b, torch.empty(2, 4, 4), plan, a_gather=False, b_gather=True)
+
+
+def test_wgrad_expert_order_does_not_change_results():
+    """Launch order of the experts' tiles (largest first by default) leaves every bit as is."""
+    T, K, E = SMALL["T"], SMALL["K"], SMALL["E"]
+    ids = dict(routings(T, K, E, seed=6))["uneven"]
+    plan = plan_for(ids, E)
+    order = longest_first(plan)
+    counts = plan.count[order.long()]
+    assert sorted(order.tolist()) == list(range(E)) and (counts[:-1] >= counts[1:]).all()
+    a, b = _operands(plan, T, 24, 40, False, True, seed=6)
+    outs = [wgrad(a, b, torch.empty(E, 24, 40, dtype=torch.bfloat16), plan, a_gather=False,
+                  b_gather=True, expert_order=o, **BLK)
+            for o in (order, torch.arange(E, dtype=torch.int32))]
+    assert same_bits(*outs)

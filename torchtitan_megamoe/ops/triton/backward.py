@@ -47,7 +47,7 @@ from torchtitan_megamoe.ops.triton.bwd_common import interpreting
 from torchtitan_megamoe.ops.triton.bwd_dgrad_l1 import dgrad_l1
 from torchtitan_megamoe.ops.triton.bwd_dgrad_l2_swiglu import dgrad_l2_swiglu
 from torchtitan_megamoe.ops.triton.bwd_ep import backward_ep
-from torchtitan_megamoe.ops.triton.bwd_wgrad import wgrad
+from torchtitan_megamoe.ops.triton.bwd_wgrad import longest_first, wgrad
 from torchtitan_megamoe.ops.triton.plan import build_plan
 from torchtitan_megamoe.ops.triton.tune import pick_config
 
@@ -158,10 +158,11 @@ def backward_local(grad_out, x, topk_ids, topk_weights, w1, w2, w3):
     del a_bufs
 
     # Kernel B: dw2 first so hw is freed before kernel C allocates dx_slot.
-    _wgrad(dy, hw, dw2, plan, True, False, b_cands, ("dw2",) + key)
+    order = longest_first(plan)
+    _wgrad(dy, hw, dw2, plan, order, True, False, b_cands, ("dw2",) + key)
     del hw
-    _wgrad(da[:, :H], x, dw1, plan, False, True, b_cands, ("dw13",) + key)
-    _wgrad(da[:, H:], x, dw3, plan, False, True, b_cands, ("dw13",) + key)
+    _wgrad(da[:, :H], x, dw1, plan, order, False, True, b_cands, ("dw13",) + key)
+    _wgrad(da[:, H:], x, dw3, plan, order, False, True, b_cands, ("dw13",) + key)
 
     # Kernel C, then the combine.
     dx_slot = torch.empty(T * topk_ids.shape[1], D, dtype=x.dtype, device=x.device)
@@ -175,8 +176,9 @@ def backward_local(grad_out, x, topk_ids, topk_weights, w1, w2, w3):
     return dx, dtw, dw1, dw2, dw3
 
 
-def _wgrad(a, b, out, plan, a_gather, b_gather, cands, key):
+def _wgrad(a, b, out, plan, order, a_gather, b_gather, cands, key):
     def launch(cfg):
-        return wgrad(a, b, out, plan, a_gather=a_gather, b_gather=b_gather, **cfg)
+        return wgrad(a, b, out, plan, a_gather=a_gather, b_gather=b_gather,
+                     expert_order=order, **cfg)
 
     launch(pick_config("bwd_wgrad", key, cands, launch))

@@ -12,7 +12,8 @@ gathered ones are pointer loads (Hopper's TMA has no row gather). Tiles that div
 drop the column masks (EVEN).
 
 Tiles: one program per (expert, BLOCK_M x BLOCK_N tile of out[e]); program ids run an expert's
-tiles consecutively so they share its rows in L2. K-loop over the expert's real rows
+tiles consecutively so they share its rows in L2, experts largest first (skewed routing would
+otherwise leave a heavy expert's long K-loops running alone at the end of the grid). K-loop over the expert's real rows
 [seg_start[e], seg_start[e] + count[e]) in BLOCK_K steps, in increasing row order, fp32
 accumulator, one store: no atomics and a fixed reduction order, so results are bitwise
 deterministic. An expert without rows stores zeros. Output in the out tensor's dtype (the
@@ -55,7 +56,7 @@ def _load_rows(ptr, desc, stride, r0, r, r_ok, c0, cols, col_ok, row_slot_ptr, T
 @triton.jit
 def _wgrad_kernel(
     a_ptr, b_ptr, a_desc, b_desc, out_ptr,
-    seg_start_ptr, count_ptr, row_slot_ptr,
+    seg_start_ptr, count_ptr, row_slot_ptr, order_ptr,
     M, N, TOPK,
     s_a, s_b,
     s_oe, s_om, s_on,
@@ -67,7 +68,9 @@ def _wgrad_kernel(
     num_m = tl.cdiv(M, BLOCK_M)
     num_n = tl.cdiv(N, BLOCK_N)
     per_e = num_m * num_n
-    e = pid // per_e
+    # Experts in order_ptr's order (largest first): the longest K-loops start first instead of
+    # running alone at the end of the grid. Each tile's result does not depend on the order.
+    e = tl.load(order_ptr + pid // per_e)
     t = pid % per_e
     pid_m = t // num_n
     pid_n = t % num_n
@@ -110,6 +113,7 @@ def wgrad(
     num_warps: int = 8,
     num_stages: int = 3,
     use_tma: bool = False,
+    expert_order: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Launch kernel B: out[e] = sum over expert e's rows of a_r^T b_r, for every local expert.
 
@@ -118,7 +122,9 @@ def wgrad(
     slices of a larger buffer are fine). out: [E, M, N], written in its own dtype and strides.
     use_tma loads the row-space operand with a TMA descriptor when block_k divides the plan's
     block_m (so a tile never leaves the expert's padded segment); that path reads the padding
-    rows of the segment, which must be finite (kernel A stores zeros there).
+    rows of the segment, which must be finite (kernel A stores zeros there). expert_order
+    ([E] int32, a permutation; default ``expert_order(plan)``) is the order in which experts'
+    tiles are launched.
     """
     E, M, N = out.shape
     if E != plan.num_local_experts:
@@ -137,10 +143,12 @@ def wgrad(
         else:
             descs.append(None)
     a_desc, b_desc = descs
+    if expert_order is None:
+        expert_order = longest_first(plan)
     grid = (E * triton.cdiv(M, block_m) * triton.cdiv(N, block_n),)
     _wgrad_kernel[grid](
         a, b, a if a_desc is None else a_desc, b if b_desc is None else b_desc, out,
-        plan.seg_start, plan.count, plan.row_slot,
+        plan.seg_start, plan.count, plan.row_slot, expert_order,
         M, N, plan.top_k,
         a.stride(0), b.stride(0),
         *out.stride(),
@@ -151,6 +159,11 @@ def wgrad(
         num_warps=num_warps, num_stages=num_stages,
     )
     return out
+
+
+def longest_first(plan: Plan) -> torch.Tensor:
+    """Experts by decreasing row count (ties by id), on the device, no host sync."""
+    return torch.argsort(plan.count, descending=True, stable=True).to(torch.int32)
 
 
 def _tma_compatible(t: torch.Tensor) -> bool:
