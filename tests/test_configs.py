@@ -202,8 +202,12 @@ def test_reduced_flavors_are_independent_copies():
 def test_cli_cannot_empty_converters():
     # The documented reason why the stock run needs `converters = []` in a TOML (or the A/B
     # tool's rewritten copy) rather than a CLI flag.
+    from torchtitan.protocols.model_converter import build_model_converters
+
     cfg = _parse("qwen3_30b_a3b.toml", "--model.converters", "")
     assert cfg.model.converters == [""]
+    with pytest.raises(KeyError):
+        build_model_converters(cfg, None)
 
 
 # --------------------------------------------------------------------------------------------
