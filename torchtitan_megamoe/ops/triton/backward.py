@@ -8,8 +8,10 @@
               dw3[e] = sum_r da3_r^T x_r (fp32 accumulate, fixed row order, param dtype/layout)
     kernel C  bwd_dgrad_l1: dx_slot[slot] = da1_r @ w1[e] + da3_r @ w3[e]
     combine   bwd_combine: dx[t] = sum_k dx_slot[t*K+k], dtopk_weights from the partials
-x and dy rows are read by indirection (row -> token); nothing is permuted. Every reduction has a
-fixed order and no atomics, so two runs on the same inputs are bitwise identical.
+x and dy rows are read by indirection (row -> token); nothing is permuted. Weight tiles (A, C)
+and row-space tiles (B) come by TMA when the tiles divide D and H. Every reduction has a fixed
+order and no atomics, so two runs on the same inputs are bitwise identical. Per-stage GPU
+timings: bwd_bench.py; offline register/spill check without a GPU: bwd_compile_check.py.
 
 Saved vs recomputed. The op saves only its inputs (x, topk_ids, topk_weights, weights), which
 autograd keeps alive anyway, so the op adds NO activation memory between forward and backward.
