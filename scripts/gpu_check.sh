@@ -59,7 +59,7 @@ if [ "${SKIP_BENCH:-0}" != 1 ]; then
   # shellcheck disable=SC2086
   n=${BENCH_NPROC:-1}
   if [ "$n" -gt 1 ]; then
-    launch=(python3 -m torch.distributed.run --nproc_per_node "$n" -m torchtitan_megamoe.bench --nproc "$n")
+    launch=(python3 -m torch.distributed.run --nproc_per_node "$n" -m torchtitan_megamoe.bench --ep "$n")
   else
     launch=(python3 -m torchtitan_megamoe.bench)
   fi

@@ -13,7 +13,7 @@ route_norm, no shared experts, score_before_experts=False) in bf16 on one GPU, t
 Timing: CUDA events around each call after warm-up (which also runs the kernels' tuner), the
 median of --iters calls. Flops: 6*T*K*D*H forward (three GEMMs), 3x that forward + backward;
 the floor is those flops at --peak-tflops (765: dense bf16 GEMM measured on the H200, DESIGN §5).
-EP > 1: ``torchrun --nproc_per_node N -m torchtitan_megamoe.bench --nproc N`` times our layer
+EP > 1: ``torchrun --nproc_per_node N -m torchtitan_megamoe.bench --ep N`` times our layer
 with experts split over the N ranks (16384 tokens per GPU, all_to_all EP path of the Triton
 backend) and checks it against the reference backend's EP path; stock TorchTitan's EP layer
 needs its ExpertParallel/DeviceMesh wiring and is not timed by this script (DESIGN §5 has it).
@@ -229,13 +229,13 @@ def main_ep(args) -> int:
     import torch.distributed as dist
 
     if "RANK" not in os.environ:
-        print(f"bench: --nproc {args.nproc} runs under torchrun: torchrun --nproc_per_node "
-              f"{args.nproc} -m torchtitan_megamoe.bench --nproc {args.nproc}", file=sys.stderr)
+        print(f"bench: --ep {args.ep} runs under torchrun: torchrun --nproc_per_node "
+              f"{args.ep} -m torchtitan_megamoe.bench --ep {args.ep}", file=sys.stderr)
         return 2
     torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     dist.init_process_group("nccl")
-    if dist.get_world_size() != args.nproc:
-        print(f"bench: world size {dist.get_world_size()} != --nproc {args.nproc}", file=sys.stderr)
+    if dist.get_world_size() != args.ep:
+        print(f"bench: world size {dist.get_world_size()} != --ep {args.ep}", file=sys.stderr)
         return 2
     results = []
     for key in args.shapes.split(","):
@@ -294,11 +294,11 @@ def main(argv=None) -> int:
     p.add_argument("--no-backward", dest="backward", action="store_false")
     p.add_argument("--backend", default="triton", choices=["triton", "reference", "auto"])
     p.add_argument("--peak-tflops", type=float, default=765.0)
-    p.add_argument("--nproc", type=int, default=1,
+    p.add_argument("--ep", type=int, default=1,
                    help="EP degree (GPUs); > 1 runs under torchrun, ours only")
     p.add_argument("--json", default=None, help="write results here")
     args = p.parse_args(argv)
-    if args.nproc != 1:
+    if args.ep != 1:
         return main_ep(args)
     if not torch.cuda.is_available() and args.backend != "reference":
         print("bench: needs a CUDA GPU (on CPU only --backend reference runs, as a smoke test)",
