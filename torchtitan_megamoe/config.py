@@ -53,7 +53,7 @@ class JobConfig:
 def _register() -> None:
     # Registration by import, as TorchTitan's own converters do; the import is deferred to here so
     # that `import torchtitan_megamoe.config` alone is enough for a TOML to use the converter.
-    from torchtitan_megamoe import cpu, flavors  # noqa: F401  (opt-in CPU shims; tiny flavors)
+    from torchtitan_megamoe import cpu, flavors, flavors_gpu  # noqa: F401  (CPU shims; flavors)
     from torchtitan_megamoe import converter  # noqa: F401
 
 
