@@ -107,3 +107,22 @@ def test_every_tuner_candidate_is_correct():
         out = forward_ep1(x, ids, w, w1, w2, w3, gemm1_config=c1, gemm2_config=c2)
         err = rel_err(out.float(), ref)
         assert err <= 1e-2, (c1, c2, err)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_dims_that_are_only_multiples_of_64():
+    """Tiles of the tuned candidates need D % 256 / H % 128; other multiples of 64 must still
+    run (on the fallback candidate)."""
+    D_, H_, T_, K_, E_ = 320, 192, 500, 4, 8
+    dev = "cuda"
+    torch.manual_seed(2)
+    x = torch.randn(T_, D_, device=dev, dtype=torch.bfloat16)
+    w1 = (torch.randn(E_, H_, D_, device=dev) / D_**0.5).bfloat16()
+    w3 = (torch.randn(E_, H_, D_, device=dev) / D_**0.5).bfloat16()
+    w2 = (torch.randn(E_, D_, H_, device=dev) / H_**0.5).bfloat16()
+    ids = torch.randint(0, E_, (T_, K_), device=dev)
+    w = torch.rand(T_, K_, device=dev)
+    out = tb.forward(x, ids, w, w1, w2, w3, None, "bf16")
+    ref = reference.forward(x, ids, w, w1, w2, w3, None, "bf16")
+    assert rel_err(out.float(), ref.float()) <= 1e-2

@@ -99,6 +99,8 @@ GPU_CONFIGS = [
     # persistent grid (one program per SM over the used tiles)
     dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=3, USE_TMA=True, PERSISTENT=True),
     dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=4, USE_TMA=True, PERSISTENT=True),
+    # any dim/hidden that are multiples of 64 (the shapes above need multiples of their tiles)
+    dict(BLOCK_M=128, BLOCK_N=64, BLOCK_K=64, GROUP_M=8, num_warps=4, num_stages=4),
 ]
 
 
@@ -143,6 +145,8 @@ def gemm2_scatter(
             **cfg,
         )
 
-    cands = [config] if config is not None else GPU_CONFIGS
+    cands = [config] if config is not None else [
+        c for c in GPU_CONFIGS if D % c["BLOCK_N"] == 0 and H % c["BLOCK_K"] == 0
+    ]
     launch(pick_config("gemm2_scatter", (_bucket(R), H, D, E, plan.block_m), cands, launch))
     return y
