@@ -51,7 +51,7 @@ from torchtitan_megamoe.ops.triton.bwd_dgrad_l2_swiglu import dgrad_l2_swiglu
 from torchtitan_megamoe.ops.triton.bwd_ep import backward_ep
 from torchtitan_megamoe.ops.triton.bwd_wgrad import longest_first, wgrad
 from torchtitan_megamoe.ops.triton.plan import build_plan
-from torchtitan_megamoe.ops.triton.tune import pick_config
+from torchtitan_megamoe.ops.triton.tune import bucket, pick_config
 
 BLOCK_M = 128
 """Plan tile height on the GPU (row tile of kernels A and C)."""
@@ -141,7 +141,7 @@ def backward_local(grad_out, x, topk_ids, topk_weights, w1, w2, w3):
     E, H, _ = w1.shape
     plan = build_plan(topk_ids, E, block_m)
     R = plan.max_rows
-    key = (R, D, H, E, block_m)
+    key = (bucket(R), D, H, E, block_m)  # bucketed: under EP, R changes every step
 
     # Kernel A. Buffers are allocated once so that tuning candidates write the same outputs.
     a_bufs = {}
