@@ -26,8 +26,9 @@ arithmetic of the FP8 kernels so they can be tested against it.
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
+
+from torchtitan_megamoe.ops.route import AllToAllRoute, slot_rows
 
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 FP8_BLOCK = 128
@@ -39,8 +40,8 @@ def supports(x: torch.Tensor, group) -> bool:
 
 def forward(x, topk_ids, topk_weights, w1, w2, w3, group, precision):
     T, K = topk_ids.shape
-    route = _Route(topk_ids, w1.shape[0], group)
-    rows = route.dispatch(_slot_rows(x, K, route.slots))
+    route = AllToAllRoute(topk_ids, w1.shape[0], group)
+    rows = route.dispatch(slot_rows(x, K, route.slots))
     y = route.combine(_experts_forward(rows, route.local_expert, w1, w2, w3, precision == "fp8"))
     y_slots = route.to_slots(y, T * K)
     # a dropped slot contributes nothing, whatever its weight holds (even NaN)
@@ -50,9 +51,9 @@ def forward(x, topk_ids, topk_weights, w1, w2, w3, group, precision):
 
 def backward(grad_out, x, topk_ids, topk_weights, w1, w2, w3, group, precision):
     T, K = topk_ids.shape
-    route = _Route(topk_ids, w1.shape[0], group)
-    rows = route.dispatch(_slot_rows(x, K, route.slots))
-    grad_rows = route.dispatch(_slot_rows(grad_out, K, route.slots))
+    route = AllToAllRoute(topk_ids, w1.shape[0], group)
+    rows = route.dispatch(slot_rows(x, K, route.slots))
+    grad_rows = route.dispatch(slot_rows(grad_out, K, route.slots))
     row_weights = route.dispatch(topk_weights.reshape(-1)[route.slots].unsqueeze(1))
     dx_rows, dweight_rows, dw1, dw2, dw3 = _experts_backward(
         rows, grad_rows, row_weights, route.local_expert, w1, w2, w3,
@@ -68,62 +69,6 @@ def backward(grad_out, x, topk_ids, topk_weights, w1, w2, w3, group, precision):
         dw2.to(w2.dtype),
         dw3.to(w3.dtype),
     )
-
-
-# --------------------------------------------------------------------------- routing
-
-
-def _slot_rows(t, K, slots):
-    """Row of ``t`` ([T, D]) for each slot (t, k), without materializing [T*K, D]."""
-    return t[torch.div(slots, K, rounding_mode="floor")]
-
-
-class _Route:
-    """Where each valid slot goes: destination rank and local expert, and the exchanges.
-
-    Slots are sorted by global expert id (stable): grouped by destination rank, then by local
-    expert, and within an expert in increasing slot order, so the whole op is deterministic."""
-
-    def __init__(self, topk_ids, num_local_experts, group):
-        flat = topk_ids.reshape(-1).long()
-        slots = torch.nonzero(flat >= 0).squeeze(1)
-        slots = slots[torch.argsort(flat[slots], stable=True)]
-        expert = flat[slots]
-        self.slots = slots
-        self.group = group
-        self.R = 1 if group is None else dist.get_world_size(group)
-        local_expert = expert % num_local_experts
-        if self.R > 1:
-            send = torch.bincount(expert // num_local_experts, minlength=self.R)
-            recv = torch.empty_like(send)
-            dist.all_to_all_single(recv, send, group=group)
-            # the reference syncs with the host for the split sizes; the kernels do not
-            self.send_splits, self.recv_splits = send.tolist(), recv.tolist()
-            local_expert = self.dispatch(local_expert)
-        self.local_expert = local_expert
-
-    def dispatch(self, rows):
-        """Rows in slot order -> rows on the ranks that own their experts."""
-        if self.R == 1:
-            return rows
-        return _all_to_all(rows, self.recv_splits, self.send_splits, self.group)
-
-    def combine(self, rows):
-        """The reverse of dispatch: expert-side rows back to their source ranks, slot order."""
-        if self.R == 1:
-            return rows
-        return _all_to_all(rows, self.send_splits, self.recv_splits, self.group)
-
-    def to_slots(self, rows, num_slots):
-        """[valid slots, ...] -> [num_slots, ...] with zeros for dropped slots (unique indices)."""
-        out = rows.new_zeros((num_slots,) + tuple(rows.shape[1:]))
-        return out.index_put((self.slots,), rows)
-
-
-def _all_to_all(rows, out_splits, in_splits, group):
-    out = rows.new_empty((sum(out_splits),) + tuple(rows.shape[1:]))
-    dist.all_to_all_single(out, rows.contiguous(), out_splits, in_splits, group=group)
-    return out
 
 
 # --------------------------------------------------------------------------- expert math

@@ -19,47 +19,28 @@ T = N_recv, K = 1.
 """
 
 import torch
-import torch.distributed as dist
 
-
-def _exchange(t: torch.Tensor, out_splits: list[int], in_splits: list[int], group) -> torch.Tensor:
-    out = t.new_empty((sum(out_splits),) + tuple(t.shape[1:]))
-    dist.all_to_all_single(out, t.contiguous(), out_splits, in_splits, group=group)
-    return out
+from torchtitan_megamoe.ops.route import AllToAllRoute, slot_rows
 
 
 def backward_ep(grad_out, x, topk_ids, topk_weights, w1, w2, w3, group, local_backward):
     """(dx, dtopk_weights, dw1, dw2, dw3) for an EP group; ``local_backward`` is the EP=1
     backward (same signature minus group/precision) run on the received rows."""
-    R = dist.get_world_size(group)
     E_local = w1.shape[0]
     T, K = topk_ids.shape
     D = x.shape[1]
 
-    flat = topk_ids.reshape(-1).long()
-    slots = torch.nonzero(flat >= 0).squeeze(1)
-    slots = slots[torch.argsort(flat[slots], stable=True)]
-    expert = flat[slots]
-    send_counts = torch.bincount(expert // E_local, minlength=R)
-    recv_counts = torch.empty_like(send_counts)
-    dist.all_to_all_single(recv_counts, send_counts, group=group)
-    send_splits, recv_splits = send_counts.tolist(), recv_counts.tolist()
-
-    tok = slots // K
-    recv_x = _exchange(x[tok], recv_splits, send_splits, group)
-    recv_dy = _exchange(grad_out[tok], recv_splits, send_splits, group)
-    recv_w = _exchange(topk_weights.reshape(-1)[slots], recv_splits, send_splits, group)
-    recv_e = _exchange(expert % E_local, recv_splits, send_splits, group)
+    route = AllToAllRoute(topk_ids, E_local, group)
+    recv_x = route.dispatch(slot_rows(x, K, route.slots))
+    recv_dy = route.dispatch(slot_rows(grad_out, K, route.slots))
+    recv_w = route.dispatch(topk_weights.reshape(-1)[route.slots])
+    recv_e = route.local_expert
 
     dx_rows, dw_rows, dw1, dw2, dw3 = local_backward(
         recv_dy, recv_x, recv_e.unsqueeze(1), recv_w.unsqueeze(1), w1, w2, w3
     )
 
-    back_dx = _exchange(dx_rows, send_splits, recv_splits, group)
-    back_dw = _exchange(dw_rows.reshape(-1), send_splits, recv_splits, group)
-    dx_slot = torch.zeros(T * K, D, dtype=torch.float32, device=x.device)
-    dx_slot.index_copy_(0, slots, back_dx.float())
+    dx_slot = route.to_slots(route.combine(dx_rows).float(), T * K)
     dx = dx_slot.view(T, K, D).sum(1).to(x.dtype)
-    dtw = torch.zeros(T * K, dtype=topk_weights.dtype, device=x.device)
-    dtw.index_copy_(0, slots, back_dw.to(topk_weights.dtype))
+    dtw = route.to_slots(route.combine(dw_rows.reshape(-1)).to(topk_weights.dtype), T * K)
     return dx, dtw.view(T, K), dw1, dw2, dw3

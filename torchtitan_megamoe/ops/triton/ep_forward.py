@@ -18,18 +18,12 @@ EP=1 workspace for T = N_recv, K = 1; on the source, [T*K, D] slot rows.
 """
 
 import torch
-import torch.distributed as dist
 
+from torchtitan_megamoe.ops.route import AllToAllRoute, slot_rows
 from torchtitan_megamoe.ops.triton.combine import combine
 from torchtitan_megamoe.ops.triton.gemm1_swiglu import gemm1_swiglu
 from torchtitan_megamoe.ops.triton.gemm2_scatter import gemm2_scatter
 from torchtitan_megamoe.ops.triton.plan import build_plan
-
-
-def _exchange(t: torch.Tensor, out_splits: list[int], in_splits: list[int], group) -> torch.Tensor:
-    out = t.new_empty((sum(out_splits),) + tuple(t.shape[1:]))
-    dist.all_to_all_single(out, t.contiguous(), out_splits, in_splits, group=group)
-    return out
 
 
 def expert_rows(x, local_ids, w1, w2, w3, block_m, gemm1_config=None, gemm2_config=None):
@@ -44,28 +38,18 @@ def expert_rows(x, local_ids, w1, w2, w3, block_m, gemm1_config=None, gemm2_conf
 
 def forward_ep(x, topk_ids, topk_weights, w1, w2, w3, group, block_m, gemm1_config=None,
                gemm2_config=None):
-    R = dist.get_world_size(group)
     E_local = w1.shape[0]
     T, K = topk_ids.shape
     D = x.shape[1]
     w1, w2, w3 = w1.contiguous(), w2.contiguous(), w3.contiguous()
 
-    flat = topk_ids.reshape(-1).long()
-    slots = torch.nonzero(flat >= 0).squeeze(1)
-    slots = slots[torch.argsort(flat[slots], stable=True)]
-    expert = flat[slots]
-    send_counts = torch.bincount(expert // E_local, minlength=R)
-    recv_counts = torch.empty_like(send_counts)
-    dist.all_to_all_single(recv_counts, send_counts, group=group)
-    send_splits, recv_splits = send_counts.tolist(), recv_counts.tolist()
-
-    recv_x = _exchange(x[slots // K], recv_splits, send_splits, group)
-    recv_e = _exchange(expert % E_local, recv_splits, send_splits, group)
-    y_rows = expert_rows(recv_x, recv_e, w1, w2, w3, block_m, gemm1_config, gemm2_config)
-    back = _exchange(y_rows, send_splits, recv_splits, group)
+    route = AllToAllRoute(topk_ids, E_local, group)
+    recv_x = route.dispatch(slot_rows(x, K, route.slots))
+    y_rows = expert_rows(recv_x, route.local_expert, w1, w2, w3, block_m, gemm1_config, gemm2_config)
+    back = route.combine(y_rows)
 
     # Slot rows of dropped slots stay unwritten; the combine skips them by the -1 marker.
     ybuf = torch.empty((T * K, D), dtype=x.dtype, device=x.device)
-    ybuf.index_copy_(0, slots, back)
-    live = torch.where(flat >= 0, 0, -1).to(torch.int32)
+    ybuf.index_copy_(0, route.slots, back)
+    live = torch.where(topk_ids.reshape(-1) >= 0, 0, -1).to(torch.int32)
     return combine(ybuf, topk_weights.contiguous(), live, x.dtype)
