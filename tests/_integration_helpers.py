@@ -14,24 +14,13 @@ from torchtitan.models.qwen3 import Qwen3Model, Qwen3ModelArgs
 
 from torchtitan_megamoe.config import MegaMoE as MegaMoEConfig
 from torchtitan_megamoe.converter import MegaMoEConverter
+from torchtitan_megamoe.flavors import QWEN3_TINY_MOE_ARGS
 
 
 def tiny_args(n_layers: int = 2, dim: int = 64, moe_inter_dim: int = 32, **moe) -> Qwen3ModelArgs:
-    """Qwen3-MoE semantics at toy size; ``moe`` overrides MoEArgs fields.
-
-    use_grouped_mm=False: stock's grouped-mm path runs its GEMMs in bf16 whatever the param
-    dtype, so only the fp32 for-loop path can be compared with the fused op at fp32 tolerance.
-    """
-    moe_args = dict(
-        num_experts=8,
-        num_shared_experts=0,
-        top_k=2,
-        score_func="softmax",
-        route_norm=True,
-        route_scale=1.0,
-        score_before_experts=False,
-        use_grouped_mm=False,
-    )
+    """Qwen3-MoE semantics at toy size (flavors.QWEN3_TINY_MOE_ARGS); ``moe`` overrides
+    MoEArgs fields."""
+    moe_args = dict(QWEN3_TINY_MOE_ARGS)
     moe_args.update(moe)
     return Qwen3ModelArgs(
         vocab_size=128,

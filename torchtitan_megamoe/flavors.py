@@ -18,6 +18,22 @@ TINY_EOS_ID = 1
 """Id of ``<|eos|>`` in the generated tokenizer (special tokens come first: bos 0, eos 1)."""
 
 
+QWEN3_TINY_MOE_ARGS = dict(
+    num_experts=8,
+    num_shared_experts=0,
+    top_k=2,
+    score_func="softmax",
+    route_norm=True,
+    route_scale=1.0,
+    score_before_experts=False,
+    # stock's grouped-mm path runs its GEMMs in bf16 whatever the param dtype; only the fp32
+    # for-loop path can be compared with the fused op at fp32 tolerance
+    use_grouped_mm=False,
+)
+"""Qwen3's MoE semantics (softmax, route_norm, no shared experts, scores after the experts) at
+toy size: the tiny flavor's and the CPU tests' MoEArgs."""
+
+
 def _tiny() -> Qwen3ModelArgs:
     # Small enough for a CPU step in well under a second on 2 cores (debugmodel_moe takes ~20 s),
     # but with the Qwen3-MoE semantics the converter must reproduce: softmax routing in fp32,
@@ -39,16 +55,7 @@ def _tiny() -> Qwen3ModelArgs:
         eos_id=TINY_EOS_ID,
         moe_enabled=True,
         moe_inter_dim=32,
-        moe_args=MoEArgs(
-            num_experts=8,
-            num_shared_experts=0,
-            top_k=2,
-            score_func="softmax",
-            route_norm=True,
-            route_scale=1.0,
-            score_before_experts=False,
-            use_grouped_mm=False,
-        ),
+        moe_args=MoEArgs(**QWEN3_TINY_MOE_ARGS),
     )
 
 
@@ -56,16 +63,20 @@ FLAVORS: dict[str, Qwen3ModelArgs] = {"megamoe_tiny": _tiny()}
 """Flavors this module adds to ``torchtitan.models.qwen3.qwen3_args``."""
 
 
-def register() -> None:
-    """Add :data:`FLAVORS` to Qwen3's flavor table (idempotent; never replaces a stock one)."""
-    for name, args in FLAVORS.items():
+def add_flavors(flavors: dict[str, Qwen3ModelArgs], source: str) -> None:
+    """Add ``flavors`` to Qwen3's flavor table (idempotent; never replaces a foreign one)."""
+    for name, args in flavors.items():
         existing = qwen3_args.get(name)
         if existing is not None and existing is not args:
             raise ValueError(
                 f"Qwen3 flavor {name!r} already exists and is not torchtitan_megamoe's; rename "
-                f"the flavor in torchtitan_megamoe/flavors.py."
+                f"it in {source}."
             )
         qwen3_args[name] = args
+
+
+def register() -> None:
+    add_flavors(FLAVORS, "torchtitan_megamoe/flavors.py")
 
 
 register()

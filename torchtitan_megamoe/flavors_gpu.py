@@ -22,6 +22,8 @@ from dataclasses import dataclass
 
 from torchtitan.models.qwen3 import qwen3_args, Qwen3ModelArgs
 
+from torchtitan_megamoe.flavors import add_flavors
+
 BASE_FLAVORS = ("30B-A3B", "235B-A22B")
 """Production flavors that get reduced-depth variants."""
 
@@ -73,15 +75,7 @@ FLAVORS: dict[str, Qwen3ModelArgs] = _flavors()
 
 
 def register() -> None:
-    """Add :data:`FLAVORS` to Qwen3's flavor table (idempotent; never replaces a foreign one)."""
-    for name, args in FLAVORS.items():
-        existing = qwen3_args.get(name)
-        if existing is not None and existing is not args:
-            raise ValueError(
-                f"Qwen3 flavor {name!r} already exists and is not torchtitan_megamoe's; rename "
-                "it in torchtitan_megamoe/flavors_gpu.py."
-            )
-        qwen3_args[name] = args
+    add_flavors(FLAVORS, "torchtitan_megamoe/flavors_gpu.py")
 
 
 register()
