@@ -46,6 +46,9 @@ import torch.distributed as dist
 
 from torchtitan_megamoe.ops.triton.bwd_combine import bwd_combine
 from torchtitan_megamoe.ops.triton.bwd_common import interpreting
+from torchtitan_megamoe.ops.triton.bwd_cublas import (
+    bwd_impl, dgrad_l1_cublas, is_cublas, stage_candidates, wgrad_dw13_cublas, wgrad_dw2_cublas,
+)
 from torchtitan_megamoe.ops.triton.bwd_dgrad_l1 import dgrad_l1
 from torchtitan_megamoe.ops.triton.bwd_dgrad_l2_swiglu import dgrad_l2_swiglu
 from torchtitan_megamoe.ops.triton.bwd_ep import backward_ep
@@ -141,7 +144,9 @@ def backward_local(grad_out, x, topk_ids, topk_weights, w1, w2, w3):
     E, H, _ = w1.shape
     plan = build_plan(topk_ids, E, block_m)
     R = plan.max_rows
-    key = (bucket(R), D, H, E, block_m)  # bucketed: under EP, R changes every step
+    # Bucketed: under EP, R changes every step. The forced side is part of the key, so a
+    # forced run never reuses what auto picked (or the reverse).
+    key = (bucket(R), D, H, E, block_m, bwd_impl())
 
     # Kernel A. Buffers are allocated once so that tuning candidates write the same outputs.
     a_bufs = {}
@@ -159,28 +164,36 @@ def backward_local(grad_out, x, topk_ids, topk_weights, w1, w2, w3):
     da, hw, part = launch_a(pick_config("bwd_dgrad_l2_swiglu", key, a_cands, launch_a))
     del a_bufs
 
-    # Kernel B: dw2 first so hw is freed before kernel C allocates dx_slot.
+    # Weight gradients (kernel B or _grouped_mm): dw2 first so hw is freed before kernel C
+    # allocates dx_slot.
     order = longest_first(plan)
-    _wgrad(dy, hw, dw2, plan, order, True, False, b_cands, ("dw2",) + key)
-    del hw
-    _wgrad(da[:, :H], x, dw1, plan, order, False, True, b_cands, ("dw13",) + key)
-    _wgrad(da[:, H:], x, dw3, plan, order, False, True, b_cands, ("dw13",) + key)
 
-    # Kernel C, then the combine.
+    def launch_dw2(cfg):
+        if is_cublas(cfg):
+            return wgrad_dw2_cublas(dy, hw, plan, dw2)
+        return wgrad(dy, hw, dw2, plan, a_gather=True, b_gather=False, expert_order=order,
+                     **cfg)
+
+    def launch_dw13(cfg):
+        if is_cublas(cfg):
+            return wgrad_dw13_cublas(da, x, plan, dw1, dw3)
+        return tuple(wgrad(a, x, dw, plan, a_gather=False, b_gather=True, expert_order=order,
+                           **cfg) for a, dw in ((da[:, :H], dw1), (da[:, H:], dw3)))
+
+    b_stage = stage_candidates(b_cands, D, H)
+    dw2 = launch_dw2(pick_config("bwd_wgrad_dw2", key, b_stage, launch_dw2))
+    del hw
+    dw1, dw3 = launch_dw13(pick_config("bwd_wgrad_dw13", key, b_stage, launch_dw13))
+
+    # Kernel C (or _grouped_mm), then the combine.
     dx_slot = torch.empty(T * topk_ids.shape[1], D, dtype=x.dtype, device=x.device)
 
     def launch_c(cfg):
+        if is_cublas(cfg):
+            return dgrad_l1_cublas(da, w1, w3, plan, out=dx_slot)
         return dgrad_l1(da, w1, w3, plan, out=dx_slot, **cfg)
 
-    launch_c(pick_config("bwd_dgrad_l1", key, c_cands, launch_c))
+    launch_c(pick_config("bwd_dgrad_l1", key, stage_candidates(c_cands, D, H), launch_c))
     del da
     dx, dtw = bwd_combine(dx_slot, part, plan, dx_dtype=x.dtype, dtw_dtype=topk_weights.dtype)
     return dx, dtw, dw1, dw2, dw3
-
-
-def _wgrad(a, b, out, plan, order, a_gather, b_gather, cands, key):
-    def launch(cfg):
-        return wgrad(a, b, out, plan, a_gather=a_gather, b_gather=b_gather,
-                     expert_order=order, **cfg)
-
-    launch(pick_config("bwd_wgrad", key, cands, launch))

@@ -1,0 +1,188 @@
+"""cuBLAS-side (``torch._grouped_mm``) candidates for two backward stages, next to the Triton kernels.
+
+The tuner (tune.pick_config) times these against the Triton kernels on the first call per shape
+and keeps the faster one per stage; MEGAMOE_BWD_IMPL=triton|cublas|auto forces a side (tests).
+
+    wgrad   dw2[e] = dy_rows[seg e]^T @ hw[seg e]           K-grouped: _grouped_mm(A.t(), B, offs)
+            dw1[e] = da1[seg e]^T @ x_rows[seg e]           over the plan's padded segments
+            dw3[e] = da3[seg e]^T @ x_rows[seg e]           (x_rows gathered once for dw1 and dw3)
+    dgrad   dx_rows = da1 @ w1[e] + da3 @ w3[e]             M-grouped, twice, summed in bf16;
+                                                            rows -> slots by a gather so the
+                                                            combine kernel reads dx_slot unchanged
+
+The Triton kernels read x and dy through the plan's row -> token indirection; _grouped_mm needs
+the rows materialized, so ``gather_rows`` builds x_rows / dy_rows [R_max, D] with ZERO padding
+rows (one small Triton kernel; a torch index op on CPU without the interpreter). Each candidate's
+timed launch includes its gathers and copies, so the tuner compares whole stages.
+
+_grouped_mm facts relied on (torch/_meta_registrations.py of torch 2.13, which mirrors the
+checks of aten/src/ATen/native/cuda/Blas.cpp): bf16 operands only; output bf16; offs int32, 1-D,
+cumulative group ENDS (rows past offs[-1] take part in no group: for M-grouped outputs they are
+left unwritten); each 2-D operand row- or column-major with its leading stride a multiple of 16
+bytes (so D and H multiples of 8 here; the column slices da[:, :H] and da[:, H:] and the
+transposed views are fine); 2-D x 2-D gives [G, M, N], 2-D x 3-D gives [rows, N]. Group sizes
+are multiples of the plan's block_m (128 on the GPU), which meets the kernels' 16-element
+alignment. Empty groups give zero gradients on Hopper (pytorch/pytorch#172439 reports the
+Blackwell path getting this wrong; the GPU test checks an unrouted expert's gradients are 0).
+
+Determinism: both GEMMs run without split-K and the gathers are plain copies, so two calls give
+bitwise-equal results (tested).
+"""
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from torchtitan_megamoe.ops.triton.bwd_common import interpreting
+from torchtitan_megamoe.ops.triton.plan import Plan
+
+IMPL_ENV = "MEGAMOE_BWD_IMPL"
+IMPLS = ("auto", "triton", "cublas")
+
+CUBLAS = dict(impl="cublas")
+"""The candidate config of a cuBLAS stage (Triton configs carry no "impl" key)."""
+
+
+def bwd_impl() -> str:
+    """MEGAMOE_BWD_IMPL: auto (default: the tuner picks per stage), triton or cublas (forced)."""
+    impl = os.environ.get(IMPL_ENV, "auto").strip().lower() or "auto"
+    if impl not in IMPLS:
+        raise ValueError(f"{IMPL_ENV}={impl!r} is not one of {IMPLS}; unset it or pick one of them")
+    return impl
+
+
+def is_cublas(cfg: dict) -> bool:
+    return cfg.get("impl") == "cublas"
+
+
+def cublas_unsupported_reason(D: int, H: int) -> str | None:
+    """Why the _grouped_mm stages cannot run for these dims (None: they can)."""
+    if not hasattr(torch, "_grouped_mm"):
+        return f"torch {torch.__version__} has no torch._grouped_mm"
+    if D % 8 or H % 8:
+        return f"torch._grouped_mm needs D and H multiples of 8 (16-byte strides), got D={D}, H={H}"
+    return None
+
+
+def stage_candidates(triton_cands: list, D: int, H: int) -> list:
+    """Candidates of one stage under MEGAMOE_BWD_IMPL. Under auto the Triton configs come first,
+    so whatever runs untuned (interpreter, graph capture, MEGAMOE_TRITON_TUNE=0) stays Triton."""
+    impl = bwd_impl()
+    reason = cublas_unsupported_reason(D, H)
+    if impl == "triton" or (impl == "auto" and reason):
+        return triton_cands
+    if impl == "cublas":
+        if reason:
+            raise ValueError(f"{IMPL_ENV}=cublas: {reason}; set {IMPL_ENV}=triton or auto")
+        return [CUBLAS]
+    return triton_cands + [CUBLAS]
+
+
+# ---------------------------------------------------------------------------- row gather
+
+
+@triton.jit
+def _gather_rows_kernel(
+    src_ptr, dst_ptr, row_slot_ptr, used_ptr,
+    R, C, TOPK, s_src, s_dst,
+    BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
+):
+    pid_r = tl.program_id(0)
+    pid_c = tl.program_id(1)
+    # Rows past the used ones belong to no group (offs end there): leave them unwritten.
+    if pid_r * BLOCK_R >= tl.load(used_ptr):
+        return
+    r = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
+    c = pid_c * BLOCK_C + tl.arange(0, BLOCK_C)
+    r_ok = r < R
+    c_ok = c < C
+    slot = tl.load(row_slot_ptr + r, mask=r_ok, other=-1)
+    ok = slot >= 0
+    tok = tl.where(ok, slot // TOPK, 0).to(tl.int64)
+    v = tl.load(src_ptr + tok[:, None] * s_src + c[None, :], mask=ok[:, None] & c_ok[None, :],
+                other=0.0)  # padding rows of a segment: zeros
+    tl.store(dst_ptr + r[:, None].to(tl.int64) * s_dst + c[None, :], v,
+             mask=r_ok[:, None] & c_ok[None, :])
+
+
+def gather_rows(src: torch.Tensor, plan: Plan, block_r: int = 16, block_c: int = 256,
+                num_warps: int = 4) -> torch.Tensor:
+    """rows[r] = src[row_slot[r] // K] for the plan's rows, zeros in segment padding rows.
+
+    src: [T, C] token rows. Returns [R_max, C] in src's dtype; rows past the used ones are not
+    written (no grouped GEMM group reaches them).
+    """
+    T, C = src.shape
+    if T != plan.num_tokens or src.stride(-1) != 1:
+        raise ValueError(f"src must be [{plan.num_tokens}, C] with contiguous rows, "
+                         f"got {tuple(src.shape)}")
+    R = plan.max_rows
+    if not (src.is_cuda or interpreting()):
+        # CPU without Triton: the same rows by torch indexing.
+        slot = plan.row_slot.long()
+        rows = src.index_select(0, slot.clamp(min=0) // plan.top_k)
+        return rows.masked_fill_((slot < 0)[:, None], 0)
+    dst = torch.empty(R, C, dtype=src.dtype, device=src.device)
+    block_c = min(block_c, triton.next_power_of_2(C))
+    grid = (triton.cdiv(R, block_r), triton.cdiv(C, block_c))
+    _gather_rows_kernel[grid](
+        src, dst, plan.row_slot, plan.num_rows_used,
+        R, C, plan.top_k, src.stride(0), dst.stride(0),
+        BLOCK_R=block_r, BLOCK_C=block_c, num_warps=num_warps,
+    )
+    return dst
+
+
+# ---------------------------------------------------------------------------- stages
+
+
+def segment_ends(plan: Plan) -> torch.Tensor:
+    """offs for _grouped_mm: cumulative ends of the padded expert segments, int32 [E]."""
+    return plan.seg_start[1:]
+
+
+def _into(res: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """res as the gradient: itself when it already has out's dtype and strides (no copy),
+    else copied into out (the parameter's layout)."""
+    if res.dtype == out.dtype and res.stride() == out.stride():
+        return res
+    return out.copy_(res)
+
+
+def grouped_wgrad(a_rows: torch.Tensor, b_rows: torch.Tensor, plan: Plan,
+                  out: torch.Tensor) -> torch.Tensor:
+    """out[e] = a_rows[seg e]^T @ b_rows[seg e] for [R_max, M] / [R_max, N] row-space operands
+    whose segment padding rows are zero (or finite against zeros). Returns the gradient (out or
+    _grouped_mm's own tensor when the layouts match)."""
+    res = torch._grouped_mm(a_rows.t(), b_rows, offs=segment_ends(plan))
+    return _into(res, out)
+
+
+def wgrad_dw2_cublas(dy: torch.Tensor, hw: torch.Tensor, plan: Plan,
+                     dw2: torch.Tensor) -> torch.Tensor:
+    """dw2[e] = sum_r dy_r^T hw_r: gathers dy rows (freed on return), one K-grouped GEMM."""
+    return grouped_wgrad(gather_rows(dy, plan), hw, plan, dw2)
+
+
+def wgrad_dw13_cublas(da: torch.Tensor, x: torch.Tensor, plan: Plan, dw1: torch.Tensor,
+                      dw3: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """dw1, dw3 from da = [da1 | da3]: x rows gathered ONCE for both K-grouped GEMMs."""
+    H = da.shape[1] // 2
+    x_rows = gather_rows(x, plan)
+    return (grouped_wgrad(da[:, :H], x_rows, plan, dw1),
+            grouped_wgrad(da[:, H:], x_rows, plan, dw3))
+
+
+def dgrad_l1_cublas(da: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, plan: Plan,
+                    out: torch.Tensor) -> torch.Tensor:
+    """dx_slot[slot] = da1_r @ w1[e] + da3_r @ w3[e] via two M-grouped GEMMs over the row space,
+    then rows -> slots by a gather into out [T*K, D] (dropped slots' rows hold junk that the
+    combine never reads, as with kernel C)."""
+    H = w1.shape[1]
+    ends = segment_ends(plan)
+    dx_rows = torch._grouped_mm(da[:, :H], w1, offs=ends)
+    dx_rows += torch._grouped_mm(da[:, H:], w3, offs=ends)
+    torch.index_select(dx_rows, 0, plan.slot_row.clamp(min=0), out=out)
+    return out
