@@ -431,16 +431,79 @@ def torchrun_command(config_path: str, nproc: int, dump: str, extra: list[str]) 
     ]
 
 
+def _proc_table() -> dict[int, tuple[int, str]]:
+    """pid -> (parent pid, start time) from Linux /proc; empty elsewhere."""
+    table = {}
+    try:
+        entries = os.listdir("/proc")
+    except OSError:
+        return table
+    for entry in entries:
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            table[int(entry)] = (int(fields[1]), fields[19])
+        except (OSError, ValueError, IndexError):
+            continue
+    return table
+
+
+def _descendants(pid: int) -> list[tuple[int, str]]:
+    """(pid, start time) of every process below ``pid``."""
+    table = _proc_table()
+    children: dict[int, list[int]] = {}
+    for p, (ppid, _) in table.items():
+        children.setdefault(ppid, []).append(p)
+    out, todo = [], [pid]
+    while todo:
+        for c in children.get(todo.pop(), []):
+            out.append((c, table[c][1]))
+            todo.append(c)
+    return out
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    # SIGTERM lets torchrun stop its workers. Each worker runs in a session of its own, so a
+    # signal to torchrun's group does not reach them: whatever is still alive after the grace
+    # period is killed by pid (checked against its start time), so that no worker keeps holding
+    # the GPUs and NCCL ports into the next run.
+    import signal
+
+    workers = _descendants(proc.pid)
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=45)
+    except (ProcessLookupError, subprocess.TimeoutExpired):
+        pass
+    if proc.poll() is None:
+        proc.kill()
+    table = _proc_table()
+    for pid, started in workers:
+        if pid in table and table[pid][1] == started:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    proc.wait()
+
+
 def run_one(cmd: list[str], log_path: str, env: dict[str, str], timeout: float) -> int:
     with open(log_path, "w") as log:
+        # Own session: a timeout (or an interrupted ab) ends torchrun and all its workers.
+        proc = subprocess.Popen(
+            cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
+        )
         try:
-            proc = subprocess.run(
-                cmd, stdout=log, stderr=subprocess.STDOUT, env=env, timeout=timeout
-            )
+            return proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
+            _kill_group(proc)
             log.write(f"\n[megamoe.ab] timed out after {timeout:.0f} s\n")
             return 124
-    return proc.returncode
+        except BaseException:
+            _kill_group(proc)
+            raise
 
 
 @dataclass
@@ -548,6 +611,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--atol", type=float, default=DEFAULT_ATOL, help="absolute loss tolerance")
     p.add_argument("--timeout", type=float, default=1800.0, help="seconds per run")
     args = p.parse_args(argv)
+    # A SIGTERM (e.g. from `timeout`) becomes SystemExit, so the running torchrun is stopped too.
+    import signal
+
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     res = run_ab(args.config, args.nproc, args.out, extra, args.rtol, args.atol, args.timeout)
     with open(os.path.join(args.out, "report.md")) as f:
         print(f.read())

@@ -1,0 +1,209 @@
+#!/usr/bin/env bash
+# One call on the 2-GPU machine: train stock TorchTitan and the megamoe converter on the same
+# config and seed (torchrun -m torchtitan.train, via python -m torchtitan_megamoe.ab) in two
+# parallel setups, and compare losses, tokens/s and peak memory.
+#
+#   run(command="bash scripts/gpu_train_check.sh", carry=[".whl"], kind="nvidia-h200-x2")
+#
+# .whl: the wheels of scripts/gpu_check.sh (torchtitan 0.2.2 and pure-Python deps).
+# Setups (both on train_configs/qwen3_30b_a3b_gpu_smoke.toml: 30B-A3B layer shapes, 2 layers,
+# 4096 tokens per GPU, 20 steps, bf16 params, fp32 reduce):
+#   a: FSDP + EP=2 + per-op selective AC + --compile.enable   (the production combination)
+#   b: FSDP only (EP=1) + full AC
+# If the stock run of (a) fails (torch 2.13 on CPU trips its SAC recompute check with stock
+# EP + per-op SAC), a stock run of (a) with full AC is trained instead as the reference of the
+# converter's (a) run (AC does not change the math), so (a) stays informative.
+#
+# Tolerance: losses must agree within RTOL (1e-2) relative at every step; see summary.md.
+# Env knobs: SETUPS ("a b"), RTOL, ATOL, RUN_TIMEOUT_S (per torchrun, default 120),
+# BUDGET_S (whole script, default 540: later runs get shorter timeouts), EXTRA_ARGS (appended to
+# every run, e.g. a tiny CPU flavor), CONFIG, NPROC, WHEELS=0 (use the current env, not .whl),
+# PYTHON (default python3), MEGAMOE_TRITON_TUNE (default 0: the first,
+# default kernel config, no per-shape timing or extra compiles; 1 times every candidate).
+# Output ($OUT, or ./.out by hand): summary.md, train_check.tar.gz (per setup: report.md,
+# ab.png, summary.json, both logs and TOMLs), env.log.
+# Exit status: 0 every setup agrees, 1 a setup disagrees, 2 a run failed or logged no steps.
+set -uo pipefail
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export PYTHONUNBUFFERED=1
+START=$SECONDS
+OUT=${OUT:-$PWD/.out}
+mkdir -p "$OUT"
+OUT=$(cd "$OUT" && pwd)
+cd "$(dirname "$0")/.."
+
+if [ "${WHEELS:-1}" = 1 ] && ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site .whl/*.whl || { echo "wheel install failed"; exit 2; }
+  export PYTHONPATH="$PWD:/tmp/site"
+else
+  export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+fi
+PY=${PYTHON:-python3}
+
+# No network on the GPU hosts: the dataset's Arrow cache goes to scratch, nothing goes online.
+export HF_HOME=${HF_HOME:-/tmp/megamoe_hf_home}
+export HF_DATASETS_CACHE=$HF_HOME/datasets HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1
+export TRANSFORMERS_OFFLINE=1
+export MEGAMOE_TRITON_TUNE=${MEGAMOE_TRITON_TUNE:-0}
+
+CONFIG=${CONFIG:-train_configs/qwen3_30b_a3b_gpu_smoke.toml}
+NPROC=${NPROC:-2}
+RTOL=${RTOL:-1e-2}
+ATOL=${ATOL:-1e-5}
+RUN_TIMEOUT_S=${RUN_TIMEOUT_S:-120}
+BUDGET_S=${BUDGET_S:-540}
+SETUPS=${SETUPS:-a b}
+EXTRA_ARGS=${EXTRA_ARGS:-}
+WORK=${WORK:-/tmp/megamoe_train_check}
+rm -rf "$WORK"
+mkdir -p "$WORK"
+
+{
+  nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv 2>/dev/null || echo "no nvidia-smi"
+  $PY -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__, "gpus", torch.cuda.device_count())'
+  $PY -c 'import torchtitan, importlib.metadata as m; print("torchtitan", m.version("torchtitan"))'
+  command -v cc gcc || echo "no C compiler (Inductor/Triton need one)"
+  git log -1 --format='commit %H %s' 2>/dev/null || true
+  echo "config $CONFIG nproc $NPROC rtol $RTOL atol $ATOL tune $MEGAMOE_TRITON_TUNE extra: $EXTRA_ARGS"
+} 2>&1 | tee "$OUT/env.log"
+
+setup_args() {
+  case $1 in
+    a) echo "--parallelism.expert_parallel_degree 2 --activation_checkpoint.mode selective --activation_checkpoint.selective_ac_option op --compile.enable" ;;
+    b) echo "--parallelism.expert_parallel_degree 1 --activation_checkpoint.mode full" ;;
+    *) echo "unknown setup $1" >&2; return 1 ;;
+  esac
+}
+
+# Seconds a run may take: RUN_TIMEOUT_S, less when the remaining budget must cover `runs` runs.
+run_timeout() {
+  local runs=$1 left=$((BUDGET_S - (SECONDS - START) - 25))
+  local t=$((left / runs))
+  [ "$t" -gt "$RUN_TIMEOUT_S" ] && t=$RUN_TIMEOUT_S
+  [ "$t" -lt 20 ] && t=20
+  echo "$t"
+}
+
+count_setups() { echo $#; }
+remaining=$(count_setups $SETUPS)
+rc=0
+for s in $SETUPS; do
+  args=$(setup_args "$s") || { rc=2; continue; }
+  t=$(run_timeout $((2 * remaining)))
+  remaining=$((remaining - 1))
+  echo "=== setup $s: $args $EXTRA_ARGS (timeout ${t} s per run, $((SECONDS - START)) s elapsed)"
+  # shellcheck disable=SC2086
+  timeout -k 15 $((2 * t + 60)) $PY -m torchtitan_megamoe.ab --config "$CONFIG" --nproc "$NPROC" \
+    --out "$WORK/$s" --rtol "$RTOL" --atol "$ATOL" --timeout "$t" -- $args $EXTRA_ARGS \
+    >"$WORK/ab_$s.out" 2>&1
+  src=$?
+  grep '^\[megamoe.ab\]\|verdict\|max |loss' "$WORK/ab_$s.out"
+  echo "setup $s: ab exit $src"
+  [ "$src" -gt "$rc" ] && rc=$src
+  # Stock failed (no step logged): train stock with full AC as the reference for the converter.
+  if [ "$s" = a ] && [ -f "$WORK/a/stock.log" ] && ! grep -q 'step: *1 ' "$WORK/a/stock.log"; then
+    t=$(run_timeout $((1 + 2 * remaining)))
+    echo "=== setup a: stock logged no step; stock with full AC as the reference (timeout ${t} s)"
+    tail -5 "$WORK/a/stock.log"
+    mkdir -p "$WORK/a_stock_fullac"
+    # ab's runner: on timeout it stops torchrun and every worker it started.
+    # shellcheck disable=SC2086
+    $PY - "$t" "$WORK" "$NPROC" $args $EXTRA_ARGS --activation_checkpoint.mode full <<'EOF'
+import os, sys
+from torchtitan_megamoe.ab import run_one, torchrun_command
+t, work, nproc, extra = float(sys.argv[1]), sys.argv[2], int(sys.argv[3]), sys.argv[4:]
+d = os.path.join(work, "a_stock_fullac")
+cmd = torchrun_command(os.path.join(work, "a", "stock.toml"), nproc, os.path.join(d, "dump"), extra)
+print(" ".join(cmd))
+sys.exit(run_one(cmd, os.path.join(d, "stock.log"), dict(os.environ), t))
+EOF
+    echo "setup a, stock with full AC: exit $?"
+  fi
+done
+
+# Summary: one table, per-step losses, the tolerance's reasoning; into $OUT/summary.md.
+$PY - "$WORK" "$RTOL" "$ATOL" "$SETUPS" <<'EOF' | tee "$OUT/summary.md"
+import json, math, os, sys
+from torchtitan_megamoe.ab import compare, parse_log, run_stats
+
+work, rtol, atol, setups = sys.argv[1], float(sys.argv[2]), float(sys.argv[3]), sys.argv[4].split()
+desc = {
+    "a": "FSDP + EP=2 + per-op SAC + compile",
+    "b": "FSDP (EP=1) + full AC",
+    "a*": "(a), stock with full AC as reference",
+}
+
+def load(path):
+    try:
+        with open(path, errors="replace") as f:
+            return parse_log(f.read())
+    except OSError:
+        return parse_log("")
+
+def fmt(x, spec):
+    return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, spec)
+
+rows, details = [], []
+for s in setups:
+    d = os.path.join(work, s)
+    pairs = [(s, load(os.path.join(d, "stock.log")), load(os.path.join(d, "megamoe.log")))]
+    alt = os.path.join(work, "a_stock_fullac", "stock.log")
+    if s == "a" and os.path.exists(alt):
+        pairs.append(("a*", load(alt), pairs[0][2]))
+    try:
+        with open(os.path.join(d, "summary.json")) as f:
+            codes = json.load(f)["returncodes"]
+    except (OSError, ValueError, KeyError):
+        codes = {}
+    for name, st, cv in pairs:
+        c = compare(st, cv, rtol, atol)
+        a, b = run_stats(st), run_stats(cv)
+        sa, sb = st.by_step(), cv.by_step()
+        g1 = (abs(sa[1].grad_norm - sb[1].grad_norm) / max(abs(sa[1].grad_norm), 1e-12)
+              if 1 in sa and 1 in sb else None)
+        verdict = "PASS" if c.ok else ("NO-RUN" if not (st.steps and cv.steps) else "FAIL")
+        rows.append(
+            f"| {name} | {desc[name]} | {verdict} | {len(c.steps)} | {fmt(c.max_abs_diff, '.2e')} "
+            f"| {fmt(c.max_rel_diff, '.2e')} | {fmt(c.abs_diff[0] if c.abs_diff else None, '.1e')} "
+            f"| {fmt(g1, '.1e')} | {fmt(a['mean_tps'], ',.0f')} / {fmt(b['mean_tps'], ',.0f')} "
+            f"| {fmt(a['mean_step_time_s'] * 1e3, '.0f')} / {fmt(b['mean_step_time_s'] * 1e3, '.0f')} "
+            f"| {fmt(a['peak_memory_gib'], '.2f')} / {fmt(b['peak_memory_gib'], '.2f')} |"
+        )
+        lines = [f"### setup {name}: {desc[name]}", ""]
+        if name != "a*":
+            lines.append(f"exit codes {codes or '(ab did not finish)'}; report {d}/report.md")
+        lines += [f"- {p}" for p in c.problems[:6]] + [""]
+        lines += ["| step | loss stock | loss megamoe | abs diff | gnorm stock | gnorm megamoe |",
+                  "| ---: | ---: | ---: | ---: | ---: | ---: |"]
+        for k in sorted(set(sa) | set(sb)):
+            x, y = sa.get(k), sb.get(k)
+            lines.append(
+                f"| {k} | {fmt(x and x.loss, '.5f')} | {fmt(y and y.loss, '.5f')} | "
+                f"{fmt(x and y and abs(x.loss - y.loss), '.1e')} | "
+                f"{fmt(x and x.grad_norm, '.4f')} | {fmt(y and y.grad_norm, '.4f')} |"
+            )
+        details += lines + [""]
+
+print("# GPU training check: stock TorchTitan vs megamoe converter\n")
+print(f"Tolerance: |loss diff| <= {atol:g} + {rtol:g} * |loss| at every step (bf16 noise: the two "
+      "runs round bf16 at different points, e.g. the expert intermediates, so step 1's loss "
+      "differs by ~1e-3 relative; bf16 router scores tie often among 128 experts and a flipped "
+      "top-8 choice changes a token's output; AdamW normalises updates, which amplifies tiny "
+      "gradient differences of small-gradient weights, so the gap grows over steps. A wrong "
+      "gradient or stale expert shard moves the loss by far more within a few steps.) "
+      "Step-1 loss diff = forward only (same weights); step-1 grad-norm rel diff = backward.\n")
+print("| setup | what | verdict | steps | max abs diff | max rel diff | step-1 loss diff "
+      "| step-1 gnorm rel diff | tok/s/GPU stock / ours | ms/step stock / ours "
+      "| peak reserved GiB stock / ours |")
+print("| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+print("\n".join(rows))
+print()
+print("\n".join(details))
+EOF
+
+# Everything else in one archive (the dump folders hold nothing needed: no checkpoints).
+tar -czf "$OUT/train_check.tar.gz" -C "$WORK" --exclude='*/dump' --exclude='*/stock' \
+  --exclude='*/megamoe' --exclude='*/hf_home' . 2>/dev/null
+echo "total $((SECONDS - START)) s; exit $rc; files in $OUT: $(ls "$OUT" | tr '\n' ' ')"
+exit $rc
