@@ -108,23 +108,27 @@ def _gather_rows_kernel(
 
 
 def gather_rows(src: torch.Tensor, plan: Plan, block_r: int = 16, block_c: int = 256,
-                num_warps: int = 4) -> torch.Tensor:
+                num_warps: int = 4, out: torch.Tensor | None = None) -> torch.Tensor:
     """rows[r] = src[row_slot[r] // K] for the plan's rows, zeros in segment padding rows.
 
-    src: [T, C] token rows. Returns [R_max, C] in src's dtype; rows past the used ones are not
-    written (no grouped GEMM group reaches them).
+    src: [T, C] token rows. Returns [R_max, C] in src's dtype (``out`` if given, contiguous);
+    rows past the used ones are not written (no grouped GEMM group reaches them).
     """
     T, C = src.shape
     if T != plan.num_tokens or src.stride(-1) != 1:
         raise ValueError(f"src must be [{plan.num_tokens}, C] with contiguous rows, "
                          f"got {tuple(src.shape)}")
     R = plan.max_rows
+    if out is None:
+        out = torch.empty(R, C, dtype=src.dtype, device=src.device)
+    elif out.shape != (R, C) or not out.is_contiguous() or out.dtype != src.dtype:
+        raise ValueError(f"out must be a contiguous [{R}, {C}] {src.dtype} tensor")
     if not (src.is_cuda or interpreting()):
         # CPU without Triton: the same rows by torch indexing.
         slot = plan.row_slot.long()
-        rows = src.index_select(0, slot.clamp(min=0) // plan.top_k)
-        return rows.masked_fill_((slot < 0)[:, None], 0)
-    dst = torch.empty(R, C, dtype=src.dtype, device=src.device)
+        torch.index_select(src, 0, slot.clamp(min=0) // plan.top_k, out=out)
+        return out.masked_fill_((slot < 0)[:, None], 0)
+    dst = out
     block_c = min(block_c, triton.next_power_of_2(C))
     grid = (triton.cdiv(R, block_r), triton.cdiv(C, block_c))
     _gather_rows_kernel[grid](
