@@ -1,31 +1,44 @@
 """MoE layer benchmark: stock TorchTitan MoE vs mega_moe on the same weights and routing.
 
     python -m torchtitan_megamoe.bench [--shapes 30b,235b] [--tokens 16384] [--json out.json]
+    torchrun --nproc_per_node 2 -m torchtitan_megamoe.bench --ep 2 [--json out.json]
 
 For each Qwen3 shape it builds stock ``torchtitan.models.moe.MoE`` with Qwen3's MoEArgs (softmax,
-route_norm, no shared experts, score_before_experts=False) in bf16 on one GPU, then times:
+route_norm, no shared experts, score_before_experts=False) in bf16, then times:
 
 - stock: the module's forward (router + permute + grouped GEMMs + unpermute + combine);
 - ours: the same module's router, then ``mega_moe`` on its routing and expert weights (the
-  layer the converter builds); also the op alone and its stages (plan, GEMM1, GEMM2, combine);
-- with --backward (default on): forward + backward of both, when the backend has a backward.
+  layer the converter builds); at EP=1 also the op alone and its forward stages (plan, GEMM1,
+  GEMM2, combine);
+- with --backward (default on): forward + backward of both, when the backend has a backward;
+  at EP=1 with the triton backend also the backward's stages (kernel A: dgrad of layer 2 +
+  SwiGLU with GEMM 1 recomputed, the three weight gradients, kernel C: dgrad of layer 1, the
+  combine), timed by ``ops/triton/bwd_bench.py`` on its own random routing of the same shape.
+
+EP > 1 (under torchrun, one process per GPU, each with --tokens tokens): stock is TorchTitan's
+own EP layer, its experts sharded by ``ExpertParallel`` on a 1-D DeviceMesh named "ep" exactly
+as ``apply_moe_ep_tp`` does in training (all_to_all dispatch, per-expert padding to
+TOKEN_GROUP_ALIGN_SIZE_M, grouped GEMMs, all_to_all combine); ours is ``mega_moe`` with the
+mesh's group on the same rank's expert shard and routing; ours at EP=1 (every expert on each
+GPU, same tokens) is timed in the same run for the EP=N / EP=1 ratio. Rank 0's times are
+reported; output errors are the max over ranks.
 
 Timing: CUDA events around each call after warm-up (which also runs the kernels' tuner), the
 median of --iters calls. Flops: 6*T*K*D*H forward (three GEMMs), 3x that forward + backward;
 the floor is those flops at --peak-tflops (765: dense bf16 GEMM measured on the H200, DESIGN §5).
-EP > 1: ``torchrun --nproc_per_node N -m torchtitan_megamoe.bench --ep N`` times our layer
-with experts split over the N ranks (16384 tokens per GPU, all_to_all EP path of the Triton
-backend) and checks it against the reference backend's EP path; stock TorchTitan's EP layer
-needs its ExpertParallel/DeviceMesh wiring and is not timed by this script (DESIGN §5 has it).
+On a machine without CUDA only --backend reference runs (a smoke test of the code path, with
+wall-clock times, under gloo for --ep > 1).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
+import traceback
 
 import torch
 
@@ -33,6 +46,17 @@ SHAPES = {
     "tiny": dict(name="tiny (smoke)", dim=128, hidden=64, experts=8, top_k=2),
     "30b": dict(name="Qwen3-30B-A3B", dim=2048, hidden=768, experts=128, top_k=8),
     "235b": dict(name="Qwen3-235B-A22B", dim=4096, hidden=1536, experts=128, top_k=8),
+}
+
+# ops/triton/bwd_bench.py's stage keys, in backward order, with what each one is
+BWD_STAGES = {
+    "plan": "plan (routing -> row space)",
+    "A_dgrad_l2_swiglu": "A: dgrad L2 + SwiGLU (GEMM 1 recomputed)",
+    "B_dw2": "wgrad dw2",
+    "B_dw1": "wgrad dw1",
+    "B_dw3": "wgrad dw3",
+    "C_dgrad_l1": "C: dgrad L1",
+    "combine": "combine (dx, d topk_weights)",
 }
 
 
@@ -59,8 +83,20 @@ def _time_ms(fn, iters: int, warmup: int) -> float:
     return statistics.median(times)
 
 
+def _rel_err(got: torch.Tensor, ref: torch.Tensor) -> float:
+    got, ref = got.float(), ref.float()
+    return float((got - ref).norm() / ref.norm())
+
+
 def build_stock_moe(shape: dict, device: torch.device):
     from torchtitan.models.moe import MoE, MoEArgs
+
+    if device.type == "cpu":
+        # stock counts int64 expert ids with torch.histc and pads EP dispatch with a Triton
+        # kernel, neither of which runs on CPU tensors: the project's CPU shims (this process)
+        from torchtitan_megamoe import cpu
+
+        cpu.apply()
 
     args = MoEArgs(
         num_experts=shape["experts"],
@@ -84,6 +120,22 @@ def build_stock_moe(shape: dict, device: torch.device):
     return moe
 
 
+def shard_stock_experts(moe, mesh) -> None:
+    """TorchTitan's own EP wiring of a MoE block (what apply_moe_ep_tp does without TP).
+
+    ``mesh`` is 1-D with dim name "ep": GroupedExperts checks that name to skip its own index
+    padding, since ExpertParallel's dispatch pads every local expert's rows to the group
+    alignment itself. Experts are split evenly: rank r keeps [r*E/N, (r+1)*E/N).
+    """
+    from torch.distributed.tensor.parallel import parallelize_module
+    from torchtitan.distributed.expert_parallel import ExpertParallel
+
+    if mesh.mesh_dim_names != ("ep",):
+        raise ValueError(f"stock EP needs a 1-D DeviceMesh named 'ep', got {mesh.mesh_dim_names}; "
+                         "build it with init_device_mesh(type, (N,), mesh_dim_names=('ep',))")
+    parallelize_module(moe.experts, mesh, ExpertParallel())
+
+
 def _stage_times(x, ids, w, w1, w2, w3, iters, warmup):
     from torchtitan_megamoe.ops.triton.combine import combine
     from torchtitan_megamoe.ops.triton.forward import BLOCK_M
@@ -104,6 +156,27 @@ def _stage_times(x, ids, w, w1, w2, w3, iters, warmup):
         "workspace_bytes": plan.max_rows * w1.shape[1] * x.element_size()
         + y.numel() * y.element_size(),
     }
+
+
+def bwd_stage_breakdown(key: str, tokens: int, iters: int) -> dict:
+    """The triton backward's per-stage times (ops/triton/bwd_bench.py) at one shape.
+
+    Without CUDA it runs under Triton's interpreter with the backward's interpreter tiles (a
+    smoke test of this wiring; use a tiny shape there).
+    """
+    from torchtitan_megamoe.ops.triton import bwd_bench
+
+    shape = SHAPES[key]
+    dims = (shape["dim"], shape["hidden"], shape["experts"], shape["top_k"])
+    if torch.cuda.is_available():
+        return bwd_bench.bench_shape(key, tokens, iters, shape=dims)
+    from torchtitan_megamoe.ops.triton.backward import (
+        INTERPRET_A, INTERPRET_B, INTERPRET_BLOCK_M, INTERPRET_C,
+    )
+
+    return bwd_bench.bench_shape(key, tokens, iters, shape=dims, device="cpu",
+                                 block_m=INTERPRET_BLOCK_M,
+                                 candidates=([INTERPRET_A], [INTERPRET_B], [INTERPRET_C]))
 
 
 def bench_shape(key: str, tokens: int, iters: int, warmup: int, backward: bool, backend: str,
@@ -174,95 +247,113 @@ def bench_shape(key: str, tokens: int, iters: int, warmup: int, backward: bool, 
     }
     del moe
     torch.cuda.empty_cache()
+    if backward and backend == "triton" and res.get("ours_fwdbwd_ms"):
+        # A failure here must not cost the layer numbers above (one GPU run is expensive).
+        try:
+            res["bwd_stages"] = bwd_stage_breakdown(key, tokens, iters)
+        except Exception as err:  # noqa: BLE001 - reported in the JSON and the table
+            traceback.print_exc()
+            res["bwd_stages_error"] = f"{type(err).__name__}: {err}"
+        torch.cuda.empty_cache()
     return res
 
 
+def _time_pair(fwd, step, iters, warmup, backward) -> tuple[float, float | None]:
+    """(forward ms, forward + backward ms or None) of one layer."""
+    with torch.no_grad():
+        fwd_ms = _time_ms(fwd, iters, warmup)
+    return fwd_ms, (_time_ms(step, iters, warmup) if backward else None)
+
+
 def bench_shape_ep(key: str, tokens: int, iters: int, warmup: int, backward: bool,
-                   peak_tflops: float) -> dict:
-    """Our layer with experts split over the torchrun world (one process per GPU)."""
+                   peak_tflops: float, mesh, backend: str = "triton", ep1: bool = True) -> dict:
+    """Stock TorchTitan EP vs ours, experts split over ``mesh`` (1-D, named "ep").
+
+    Every rank must call this (it communicates). Order: ours at EP=1 (full weights, no
+    communication), ours at EP=N, then stock after sharding its experts, so that a failure of the
+    stock wiring still leaves ours' numbers.
+    """
     import torch.distributed as dist
 
     from torchtitan_megamoe import mega_moe
 
     shape = SHAPES[key]
-    rank, world = dist.get_rank(), dist.get_world_size()
-    dev = torch.device("cuda", torch.cuda.current_device())
+    group = mesh.get_group()
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    dev = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() \
+        else torch.device("cpu")
+    if shape["experts"] % world:
+        raise ValueError(f"{shape['experts']} experts do not split over EP={world}; "
+                         "pick an EP degree that divides the expert count")
     torch.manual_seed(0)  # same router and experts on every rank; each keeps its expert slice
     moe = build_stock_moe(shape, dev)
     T, D, H, K = tokens, shape["dim"], shape["hidden"], shape["top_k"]
     E_local = shape["experts"] // world
     mine = slice(rank * E_local, (rank + 1) * E_local)
-    w1, w2, w3 = (getattr(moe.experts, n).detach()[mine].contiguous() for n in ("w1", "w2", "w3"))
     torch.manual_seed(1 + rank)
     x = torch.randn(T, D, device=dev, dtype=torch.bfloat16)
-    group = dist.group.WORLD
-
-    def ours_layer(inp, backend="triton"):
-        scores, ids, _ = moe.router(inp, moe.expert_bias)
-        return mega_moe(inp, ids, scores, w1, w2, w3, group=group, backend=backend)
-
-    with torch.no_grad():
-        got = ours_layer(x).float()
-        ref = ours_layer(x, "reference").float()
-        res = {
-            "shape": shape["name"], "tokens": T, "ep": world, "dim": D, "hidden": H,
-            "rel_err_vs_reference": float((got - ref).norm() / ref.norm()),
-            "ours_fwd_ms": _time_ms(lambda: ours_layer(x), iters, warmup),
-        }
+    grad = torch.randn_like(x)
+    xg = x.detach().clone().requires_grad_(True)
     flops_fwd = 6 * T * K * D * H
-    res["flops_fwd"] = flops_fwd
-    res["floor_fwd_ms"] = flops_fwd / (peak_tflops * 1e12) * 1e3
+    res = {
+        "shape": shape["name"], "tokens": T, "ep": world, "dim": D, "hidden": H,
+        "experts": shape["experts"], "top_k": K, "backend": backend,
+        "flops_fwd": flops_fwd, "floor_fwd_ms": flops_fwd / (peak_tflops * 1e12) * 1e3,
+    }
     if backward:
-        w1.requires_grad_(True), w2.requires_grad_(True), w3.requires_grad_(True)
-        xg = x.detach().clone().requires_grad_(True)
-        grad = torch.randn_like(x)
-        res["ours_fwdbwd_ms"] = _time_ms(lambda: ours_layer(xg).backward(grad), iters, warmup)
         res["floor_fwdbwd_ms"] = 3 * res["floor_fwd_ms"]
-    del moe
+
+    def ours_layer(inp, w1, w2, w3, grp, be=backend):
+        scores, ids, _ = moe.router(inp, moe.expert_bias)
+        return mega_moe(inp, ids, scores, w1, w2, w3, group=grp, backend=be)
+
+    ex = moe.experts
+    if ep1:
+        full = (ex.w1, ex.w2, ex.w3)
+        res["ours_ep1_fwd_ms"], res["ours_ep1_fwdbwd_ms"] = _time_pair(
+            lambda: ours_layer(x, *full, None),
+            lambda: ours_layer(xg, *full, None).backward(grad),
+            iters, warmup, backward)
+        moe.zero_grad(set_to_none=True)
+
+    mine_w = [getattr(ex, n).detach()[mine].clone().requires_grad_(backward)
+              for n in ("w1", "w2", "w3")]
+    with torch.no_grad():
+        ours_out = ours_layer(x, *mine_w, group)
+        errs = [_rel_err(ours_out, ours_layer(x, *mine_w, group, "reference"))]
+    res["ours_fwd_ms"], res["ours_fwdbwd_ms"] = _time_pair(
+        lambda: ours_layer(x, *mine_w, group),
+        lambda: ours_layer(xg, *mine_w, group).backward(grad),
+        iters, warmup, backward)
+    torch.cuda.empty_cache()
+
+    try:
+        shard_stock_experts(moe, mesh)
+        local = [getattr(ex, n).to_local() for n in ("w1", "w2", "w3")]
+        res["same_expert_weights"] = all(torch.equal(a, b) for a, b in zip(local, mine_w))
+        with torch.no_grad():
+            errs.append(_rel_err(ours_out, moe(x.view(1, T, D)).view(T, D)))
+        res["stock_fwd_ms"], res["stock_fwdbwd_ms"] = _time_pair(
+            lambda: moe(x.view(1, T, D)),
+            lambda: moe(xg.view(1, T, D)).backward(grad.view(1, T, D)),
+            iters, warmup, backward)
+    except Exception as err:  # noqa: BLE001 - reported; ours' numbers above stay valid
+        traceback.print_exc()
+        res["stock_error"] = f"{type(err).__name__}: {err}"
+    # worst rank's errors (every rank runs the same number of these collectives, error or not)
+    err_t = torch.tensor(errs + [float("nan")] * (2 - len(errs)), device=dev, dtype=torch.float64)
+    err_t = torch.nan_to_num(err_t, nan=-1.0)
+    dist.all_reduce(err_t, op=dist.ReduceOp.MAX, group=group)
+    res["rel_err_vs_reference"] = float(err_t[0])
+    if err_t[1] >= 0:
+        res["rel_err_vs_stock"] = float(err_t[1])
+    del moe, mine_w
     torch.cuda.empty_cache()
     return res
 
 
-def main_ep(args) -> int:
-    import os
-
-    import torch.distributed as dist
-
-    if "RANK" not in os.environ:
-        print(f"bench: --ep {args.ep} runs under torchrun: torchrun --nproc_per_node "
-              f"{args.ep} -m torchtitan_megamoe.bench --ep {args.ep}", file=sys.stderr)
-        return 2
-    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-    dist.init_process_group("nccl")
-    if dist.get_world_size() != args.ep:
-        print(f"bench: world size {dist.get_world_size()} != --ep {args.ep}", file=sys.stderr)
-        return 2
-    results = []
-    for key in args.shapes.split(","):
-        r = bench_shape_ep(key, args.tokens, args.iters, args.warmup, args.backward,
-                           args.peak_tflops)
-        results.append(r)
-        if dist.get_rank() == 0:
-            print(json.dumps(r), flush=True)
-    if dist.get_rank() == 0:
-        print("| shape | EP | pass | ours ms (rank 0) | ours TFLOP/s per GPU | floor/ours |")
-        print("| --- | --- | --- | --- | --- | --- |")
-        for r in results:
-            for tag, mult in (("fwd", 1), ("fwdbwd", 3)):
-                ms = r.get(f"ours_{tag}_ms")
-                if ms:
-                    tf = mult * r["flops_fwd"] / (ms * 1e-3) / 1e12
-                    print(f"| {r['shape']} | {r['ep']} | {tag} | {ms:.3f} | {tf:.0f} | "
-                          f"{r[f'floor_{tag}_ms'] / ms:.2f} |")
-        if args.json:
-            with open(args.json, "w") as f:
-                json.dump({"meta": {"device": torch.cuda.get_device_name(),
-                                    "torch": torch.__version__,
-                                    "date_utc": time.strftime("%Y-%m-%d %H:%M", time.gmtime()),
-                                    "argv": sys.argv},
-                           "results": results}, f, indent=1)
-    dist.destroy_process_group()
-    return 0
+def _tflops(flops: float, ms: float | None) -> str:
+    return f"{flops / (ms * 1e-3) / 1e12:.0f}" if ms else "n/a"
 
 
 def table(results: list[dict]) -> str:
@@ -277,27 +368,140 @@ def table(results: list[dict]) -> str:
                 continue
             floor = r[f"floor_{tag}_ms"]
             if ours:
-                tflops = mult * r["flops_fwd"] / (ours * 1e-3) / 1e12
-                cells = f"{ours:.3f} | {stock / ours:.2f}x | {tflops:.0f} | {floor:.2f} | {floor / ours:.2f}"
+                tflops = _tflops(mult * r["flops_fwd"], ours)
+                cells = f"{ours:.3f} | {stock / ours:.2f}x | {tflops} | {floor:.2f} | {floor / ours:.2f}"
             else:
                 cells = f"n/a | n/a | n/a | {floor:.2f} | n/a"
             lines.append(f"| {r['shape']} | {tag} | {stock:.3f} | {cells} |")
     return "\n".join(lines)
 
 
+def bwd_table(results: list[dict]) -> str:
+    """Backward stages, one column pair (ms, TFLOP/s) per shape; '' when none was measured."""
+    cols = [r for r in results if "bwd_stages" in r or "bwd_stages_error" in r]
+    if not cols:
+        return ""
+    head = "| backward stage | " + " | ".join(f"{r['shape']} ms | TFLOP/s" for r in cols) + " |"
+    lines = [head, "| --- |" + " --- | --- |" * len(cols)]
+    rows = dict(BWD_STAGES)
+    rows["total"] = "backward total (one call)"
+    for stage, label in rows.items():
+        cells = []
+        for r in cols:
+            b = r.get("bwd_stages")
+            if b is None:
+                cells.append("error | " + r["bwd_stages_error"].replace("|", "/")[:60])
+                continue
+            ms, tf = b.get(f"{stage}_ms"), b.get(f"{stage}_tflops")
+            cells.append(f"{ms:.3f} | " + (f"{tf:.0f}" if tf else "-"))
+        lines.append(f"| {label} | " + " | ".join(cells) + " |")
+    cells = []
+    for r in cols:  # the layer's own backward share, for cross-checking the stage sum
+        fb, f = r.get("ours_fwdbwd_ms"), r.get("ours_fwd_ms")
+        cells.append(f"{fb - f:.3f} | -" if fb and f else "n/a | -")
+    lines.append("| layer fwd+bwd - fwd (other routing) | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def ep_table(results: list[dict]) -> str:
+    lines = [
+        "| shape | EP | pass | stock ms | ours ms | speedup | stock TFLOP/s | ours TFLOP/s "
+        "| floor/ours | ours EP=1 ms | EP=N / EP=1 |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for r in results:
+        for tag, mult in (("fwd", 1), ("fwdbwd", 3)):
+            ours = r.get(f"ours_{tag}_ms")
+            if ours is None:
+                continue
+            flops = mult * r["flops_fwd"]
+            stock = r.get(f"stock_{tag}_ms")
+            ep1 = r.get(f"ours_ep1_{tag}_ms")
+            lines.append(
+                f"| {r['shape']} | {r['ep']} | {tag} | "
+                + (f"{stock:.3f}" if stock else "n/a") + f" | {ours:.3f} | "
+                + (f"{stock / ours:.2f}x" if stock else "n/a")
+                + f" | {_tflops(flops, stock)} | {_tflops(flops, ours)} | "
+                + f"{r[f'floor_{tag}_ms'] / ours:.2f} | "
+                + (f"{ep1:.3f} | {ours / ep1:.2f}x" if ep1 else "n/a | n/a") + " |")
+    errs = [f"{r['shape']}: {r['stock_error']}" for r in results if "stock_error" in r]
+    return "\n".join(lines + [f"stock EP failed: {e}" for e in errs])
+
+
+def _meta() -> dict:
+    return {
+        "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+        "torch": torch.__version__,
+        "date_utc": time.strftime("%Y-%m-%d %H:%M", time.gmtime()),
+        "argv": sys.argv,
+    }
+
+
+def main_ep(args) -> int:
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    if "RANK" not in os.environ:
+        print(f"bench: --ep {args.ep} runs under torchrun: torchrun --nproc_per_node "
+              f"{args.ep} -m torchtitan_megamoe.bench --ep {args.ep}", file=sys.stderr)
+        return 2
+    cuda = torch.cuda.is_available()
+    if not cuda and args.backend != "reference":
+        print("bench: needs CUDA GPUs (on CPU only --backend reference runs, as a smoke test)",
+              file=sys.stderr)
+        return 2
+    if cuda:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    # a caller that already joined a process group (tests) keeps it; torchrun runs start one here
+    own_group = not dist.is_initialized()
+    if own_group:
+        dist.init_process_group("nccl" if cuda else "gloo")
+    try:
+        if dist.get_world_size() != args.ep:
+            print(f"bench: world size {dist.get_world_size()} != --ep {args.ep}",
+                  file=sys.stderr)
+            return 2
+        mesh = init_device_mesh("cuda" if cuda else "cpu", (args.ep,), mesh_dim_names=("ep",))
+        results = []
+        for key in args.shapes.split(","):
+            t0 = time.time()
+            r = bench_shape_ep(key, args.tokens, args.iters, args.warmup, args.backward,
+                               args.peak_tflops, mesh, args.backend, args.ep1)
+            r["wall_s"] = round(time.time() - t0, 1)
+            results.append(r)
+            if dist.get_rank() == 0:
+                print(json.dumps(r), flush=True)
+        if dist.get_rank() == 0:
+            print(ep_table(results))
+            if args.json:
+                with open(args.json, "w") as f:
+                    json.dump({"meta": _meta(), "results": results}, f, indent=1)
+        return 0
+    finally:
+        if own_group:
+            dist.destroy_process_group()
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--shapes", default="30b,235b", help="comma list of: " + ",".join(SHAPES))
     p.add_argument("--tokens", type=int, default=16384, help="tokens per GPU")
-    p.add_argument("--iters", type=int, default=30)
+    p.add_argument("--iters", type=int, default=None, help="timed calls (30; 20 with --ep > 1)")
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--no-backward", dest="backward", action="store_false")
     p.add_argument("--backend", default="triton", choices=["triton", "reference", "auto"])
     p.add_argument("--peak-tflops", type=float, default=765.0)
     p.add_argument("--ep", type=int, default=1,
-                   help="EP degree (GPUs); > 1 runs under torchrun, ours only")
+                   help="EP degree (GPUs); > 1 runs under torchrun")
+    p.add_argument("--no-ep1", dest="ep1", action="store_false",
+                   help="with --ep > 1: skip timing our EP=1 layer in the same run")
     p.add_argument("--json", default=None, help="write results here")
     args = p.parse_args(argv)
+    for key in args.shapes.split(","):
+        if key not in SHAPES:
+            p.error(f"unknown shape {key!r}; pick from {','.join(SHAPES)}")
+    if args.iters is None:
+        args.iters = 30 if args.ep == 1 else 20
     if args.ep != 1:
         return main_ep(args)
     if not torch.cuda.is_available() and args.backend != "reference":
@@ -312,16 +516,13 @@ def main(argv=None) -> int:
         r["wall_s"] = round(time.time() - t0, 1)
         results.append(r)
         print(json.dumps({k: v for k, v in r.items() if k != "tuned"}), flush=True)
-    meta = {
-        "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
-        "torch": torch.__version__,
-        "date_utc": time.strftime("%Y-%m-%d %H:%M", time.gmtime()),
-        "argv": sys.argv,
-    }
     print(table(results))
+    bwd = bwd_table(results)
+    if bwd:
+        print(bwd)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"meta": meta, "results": results}, f, indent=1)
+            json.dump({"meta": _meta(), "results": results}, f, indent=1)
     return 0
 
 
