@@ -2,28 +2,42 @@
 
     python -m torchtitan_megamoe.ops.triton.bwd_bench [--tokens 16384] [--shapes 30b,235b]
 
-Runs backward once to tune and compile, then times each stage with CUDA events (median of
---iters) and prints one JSON line per shape: milliseconds and achieved TFLOP/s per stage, the
-whole backward, and the peak memory the call allocates on top of its inputs.
+Runs the whole backward with each side forced (MEGAMOE_BWD_IMPL = triton, cublas) and with the
+tuner's per-stage pick (auto), then times every stage of BOTH sides with CUDA events (median of
+--iters) and prints one JSON line per shape: milliseconds and achieved TFLOP/s per stage, each
+total, the peak memory each call allocates on top of its inputs, and the tuner's candidate
+timings of the auto run (which side it picked per stage).
+
+Stage keys: Triton kernels "B_dw2", "B_dw1", "B_dw3", "B_dw13" (dw1 + dw3), "C_dgrad_l1";
+their _grouped_mm counterparts "B_dw2_cublas", "B_dw13_cublas", "C_dgrad_l1_cublas" (each with
+its gathers / copies, as the tuner times them), and those parts alone: "gather_dy", "gather_x",
+"gemm_dw2_cublas", "gemm_dw13_cublas", "gemm_l1_cublas" (two GEMMs + the bf16 add),
+"rows_to_slots".
 """
 
 import argparse
 import json
+import os
 import time
 
 import torch
 
+from torchtitan_megamoe.ops.triton import tune
 from torchtitan_megamoe.ops.triton.backward import (
     A_CANDIDATES, B_CANDIDATES, BLOCK_M, C_CANDIDATES, backward_local,
 )
 from torchtitan_megamoe.ops.triton.bwd_combine import bwd_combine
+from torchtitan_megamoe.ops.triton.bwd_cublas import (
+    IMPL_ENV, dgrad_l1_cublas, gather_rows, segment_ends, wgrad_dw13_cublas, wgrad_dw2_cublas,
+)
 from torchtitan_megamoe.ops.triton.bwd_dgrad_l1 import dgrad_l1
 from torchtitan_megamoe.ops.triton.bwd_dgrad_l2_swiglu import dgrad_l2_swiglu
 from torchtitan_megamoe.ops.triton.bwd_wgrad import wgrad
 from torchtitan_megamoe.ops.triton.plan import build_plan
-from torchtitan_megamoe.ops.triton.tune import pick_config
+from torchtitan_megamoe.ops.triton.tune import bucket, pick_config
 
 SHAPES = {"30b": (2048, 768, 128, 8), "235b": (4096, 1536, 128, 8)}
+SIDES = ("triton", "cublas", "auto")
 
 
 def _time(fn, iters):
@@ -47,6 +61,37 @@ def _chosen(name, key, cands):
     return pick_config(name, key, cands, lambda cfg: None)
 
 
+def _with_side(side, fn):
+    old = os.environ.get(IMPL_ENV)
+    os.environ[IMPL_ENV] = side
+    try:
+        return fn()
+    finally:
+        if old is None:
+            del os.environ[IMPL_ENV]
+        else:
+            os.environ[IMPL_ENV] = old
+
+
+def _whole(side, args, iters):
+    """(ms, peak extra GiB) of backward_local with MEGAMOE_BWD_IMPL=side, after one tuning call."""
+    def run():
+        backward_local(*args)  # tune + compile
+        cuda = torch.cuda.is_available()
+        if cuda:
+            torch.cuda.synchronize()
+            base = torch.cuda.memory_allocated()
+            torch.cuda.reset_peak_memory_stats()
+        ms = _time(lambda: backward_local(*args), iters)
+        return ms, (torch.cuda.max_memory_allocated() - base) / 2**30 if cuda else 0.0
+
+    return _with_side(side, run)
+
+
+def _cfg_name(cfg):
+    return "cublas" if cfg.get("impl") == "cublas" else json.dumps(cfg, sort_keys=True)
+
+
 def bench_shape(name, tokens, iters, shape=None, device="cuda", block_m=BLOCK_M,
                 candidates=(A_CANDIDATES, B_CANDIDATES, C_CANDIDATES)):
     D, H, E, K = shape or SHAPES[name]
@@ -61,40 +106,80 @@ def bench_shape(name, tokens, iters, shape=None, device="cuda", block_m=BLOCK_M,
     probs = torch.softmax(torch.randn(E, device=dev, generator=g), 0)
     ids = torch.multinomial(probs.expand(tokens, E), K, generator=g)
     tw = torch.softmax(torch.randn(tokens, K, device=dev, generator=g), -1)
+    args = (dy, x, ids, tw, w1, w2, w3)
 
-    backward_local(dy, x, ids, tw, w1, w2, w3)  # tune + compile
-    cuda = torch.cuda.is_available()
-    if cuda:
-        torch.cuda.synchronize()
-        base = torch.cuda.memory_allocated()
-        torch.cuda.reset_peak_memory_stats()
-    total = _time(lambda: backward_local(dy, x, ids, tw, w1, w2, w3), iters)
-    peak = torch.cuda.max_memory_allocated() - base if cuda else 0
+    res = {"shape": name, "tokens": tokens}
+    nkdh = tokens * K * D * H
+    for side in SIDES:
+        ms, peak = _whole(side, args, iters)
+        sfx = "" if side == "triton" else f"_{side}"
+        res[f"total{sfx}_ms"] = ms
+        res[f"total{sfx}_tflops"] = 16 * nkdh / ms / 1e9
+        res[f"peak_extra{sfx}_gib"] = peak
 
     plan = build_plan(ids, E, block_m)
-    key = (plan.max_rows, D, H, E, block_m)
+    R = plan.max_rows
+    base_key = (bucket(R), D, H, E, block_m)
+    key = base_key + ("triton",)
     cfg_a = _chosen("bwd_dgrad_l2_swiglu", key, a_cands)
-    cfg_w2 = _chosen("bwd_wgrad", ("dw2",) + key, b_cands)
-    cfg_w13 = _chosen("bwd_wgrad", ("dw13",) + key, b_cands)
+    cfg_w2 = _chosen("bwd_wgrad_dw2", key, b_cands)
+    cfg_w13 = _chosen("bwd_wgrad_dw13", key, b_cands)
     cfg_c = _chosen("bwd_dgrad_l1", key, c_cands)
+    res["configs"] = {"A": cfg_a, "dw2": cfg_w2, "dw13": cfg_w13, "C": cfg_c}
+    # What the auto run's tuner measured per stage (ms per candidate) and picked.
+    auto_key = base_key + ("auto",)
+    res["tuner_auto"] = {
+        stage: {_cfg_name(c): ms for c, ms, _ in tune.TIMINGS.get((stage, auto_key), [])}
+        for stage in ("bwd_wgrad_dw2", "bwd_wgrad_dw13", "bwd_dgrad_l1")
+    }
+    res["auto_picks"] = {
+        stage: _cfg_name(tune._CHOSEN[(stage, auto_key)])
+        for stage in ("bwd_wgrad_dw2", "bwd_wgrad_dw13", "bwd_dgrad_l1")
+        if (stage, auto_key) in tune._CHOSEN
+    }
+
     da, hw, part = dgrad_l2_swiglu(dy, x, tw, w1, w2, w3, plan, **cfg_a)
     dw = torch.empty_like(w1)
+    dw_b = torch.empty_like(w3)
     dw2 = torch.empty_like(w2)
     dx_slot = dgrad_l1(da, w1, w3, plan, **cfg_c)
-    nkdh = tokens * K * D * H
+    ends = segment_ends(plan)
+    x_rows, dy_rows = gather_rows(x, plan), gather_rows(dy, plan)
+    da1, da3 = da[:, :H], da[:, H:]
+
+    def gemm_l1():
+        out = torch._grouped_mm(da1, w1, offs=ends)
+        out += torch._grouped_mm(da3, w3, offs=ends)
+        return out
+
+    dx_rows = gemm_l1()
+
+    def dw13_triton():
+        wgrad(da1, x, dw, plan, a_gather=False, b_gather=True, **cfg_w13)
+        wgrad(da3, x, dw_b, plan, a_gather=False, b_gather=True, **cfg_w13)
+
     stages = {
         "plan": (lambda: build_plan(ids, E, block_m), 0),
         "A_dgrad_l2_swiglu": (lambda: dgrad_l2_swiglu(dy, x, tw, w1, w2, w3, plan, **cfg_a), 6 * nkdh),
         "B_dw2": (lambda: wgrad(dy, hw, dw2, plan, a_gather=True, b_gather=False, **cfg_w2), 2 * nkdh),
-        "B_dw1": (lambda: wgrad(da[:, :H], x, dw, plan, a_gather=False, b_gather=True, **cfg_w13), 2 * nkdh),
-        "B_dw3": (lambda: wgrad(da[:, H:], x, dw, plan, a_gather=False, b_gather=True, **cfg_w13), 2 * nkdh),
+        "B_dw1": (lambda: wgrad(da1, x, dw, plan, a_gather=False, b_gather=True, **cfg_w13), 2 * nkdh),
+        "B_dw3": (lambda: wgrad(da3, x, dw, plan, a_gather=False, b_gather=True, **cfg_w13), 2 * nkdh),
+        "B_dw13": (dw13_triton, 4 * nkdh),
+        "B_dw2_cublas": (lambda: wgrad_dw2_cublas(dy, hw, plan, dw2), 2 * nkdh),
+        "B_dw13_cublas": (lambda: wgrad_dw13_cublas(da, x, plan, dw, dw_b), 4 * nkdh),
+        "gather_dy": (lambda: gather_rows(dy, plan, out=dy_rows), 0),
+        "gather_x": (lambda: gather_rows(x, plan, out=x_rows), 0),
+        "gemm_dw2_cublas": (lambda: torch._grouped_mm(dy_rows.t(), hw, offs=ends), 2 * nkdh),
+        "gemm_dw13_cublas": (lambda: (torch._grouped_mm(da1.t(), x_rows, offs=ends),
+                                      torch._grouped_mm(da3.t(), x_rows, offs=ends)), 4 * nkdh),
         "C_dgrad_l1": (lambda: dgrad_l1(da, w1, w3, plan, out=dx_slot, **cfg_c), 4 * nkdh),
+        "C_dgrad_l1_cublas": (lambda: dgrad_l1_cublas(da, w1, w3, plan, out=dx_slot), 4 * nkdh),
+        "gemm_l1_cublas": (gemm_l1, 4 * nkdh),
+        "rows_to_slots": (lambda: torch.index_select(dx_rows, 0, plan.slot_row.clamp(min=0),
+                                                     out=dx_slot), 0),
         "combine": (lambda: bwd_combine(dx_slot, part, plan, dx_dtype=x.dtype,
                                         dtw_dtype=tw.dtype), 0),
     }
-    res = {"shape": name, "tokens": tokens, "total_ms": total,
-           "total_tflops": 16 * nkdh / total / 1e9, "peak_extra_gib": peak / 2**30,
-           "configs": {"A": cfg_a, "dw2": cfg_w2, "dw13": cfg_w13, "C": cfg_c}}
     for stage, (fn, flops) in stages.items():
         ms = _time(fn, iters)
         res[f"{stage}_ms"] = ms
