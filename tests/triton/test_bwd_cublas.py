@@ -113,8 +113,8 @@ def test_wgrad_dw2_cublas(case):
     ids, plan, v = _setup(case, seed=1)
     hw = _row_space(plan, v["hw"])
     dy_slot = v["dy"].repeat_interleave(K, 0)
-    dw2 = torch.full((E, D, H), POISON).bfloat16()
-    got = wgrad_dw2_cublas(v["dy"], hw, plan, dw2)
+    w2 = torch.zeros(E, D, H).bfloat16()
+    got = wgrad_dw2_cublas(v["dy"], hw, plan, w2)
     assert got.shape == (E, D, H) and got.dtype == torch.bfloat16
     _check(got, _wgrad64(ids, dy_slot, v["hw"]), "dw2")
 
@@ -124,12 +124,13 @@ def test_wgrad_dw13_cublas(case):
     ids, plan, v = _setup(case, seed=2)
     da = _row_space(plan, v["da"])
     x_slot = v["x"].repeat_interleave(K, 0)
-    # dw1 in a non-contiguous parameter layout: the result must be copied into it.
-    dw1 = torch.full((E, D, H), POISON).bfloat16().transpose(1, 2)
-    dw3 = torch.full((E, H, D), POISON).bfloat16()
-    got1, got3 = wgrad_dw13_cublas(da, v["x"], plan, dw1, dw3)
-    assert got1 is dw1 and got1.stride() == dw1.stride()
-    assert got3.shape == (E, H, D)
+    # w1 in a non-contiguous parameter layout: dw1 must come back in that layout.
+    w1 = torch.zeros(E, D, H).bfloat16().transpose(1, 2)
+    w3 = torch.zeros(E, H, D).bfloat16()
+    got1, got3 = wgrad_dw13_cublas(da, v["x"], plan, w1, w3)
+    assert got1.shape == w1.shape and got1.stride() == w1.stride()
+    assert got3.shape == w3.shape and got3.stride() == w3.stride()
+    assert got1.dtype == got3.dtype == torch.bfloat16
     _check(got1, _wgrad64(ids, v["da"][:, :H], x_slot), "dw1")
     _check(got3, _wgrad64(ids, v["da"][:, H:], x_slot), "dw3")
 

@@ -4,9 +4,10 @@
     kernel A  bwd_dgrad_l2_swiglu: recompute a1 = x@w1^T, a3 = x@w3^T; dh = dy@w2; SwiGLU
               backward with the routing weight -> da = [da1 | da3], hw = w*h, and per-H-tile
               partials of d(topk_weights) = <dh, h> (no second GEMM for <dy, y>)
-    kernel B  bwd_wgrad x3: dw2[e] = sum_r dy_r^T hw_r, dw1[e] = sum_r da1_r^T x_r,
-              dw3[e] = sum_r da3_r^T x_r (fp32 accumulate, fixed row order, param dtype/layout)
-    kernel C  bwd_dgrad_l1: dx_slot[slot] = da1_r @ w1[e] + da3_r @ w3[e]
+    kernel B  bwd_wgrad x3 (or _grouped_mm, see below): dw2[e] = sum_r dy_r^T hw_r,
+              dw1[e] = sum_r da1_r^T x_r, dw3[e] = sum_r da3_r^T x_r (fp32 accumulate, fixed
+              row order, param dtype/layout)
+    kernel C  bwd_dgrad_l1 (or _grouped_mm): dx_slot[slot] = da1_r @ w1[e] + da3_r @ w3[e]
     combine   bwd_combine: dx[t] = sum_k dx_slot[t*K+k], dtopk_weights from the partials
 x and dy rows are read by indirection (row -> token); nothing is permuted. Weight tiles (A, C)
 and row-space tiles (B) come by TMA when the tiles divide D and H. Every reduction has a fixed
@@ -20,17 +21,34 @@ a1, a3, h: T*K*(D + 3H) bf16, 1.06 GiB per layer at the 30B shape). The price is
 GEMM 1 (4*T*K*D*H flops: two thirds of the forward, a quarter of this backward's 16*T*K*D*H) and
 re-running the plan.
 
+cuBLAS candidates (bwd_cublas.py). The weight-gradient stages (dw2; dw1 + dw3) and kernel C
+each also have a torch._grouped_mm candidate: K-grouped GEMMs over the padded segments on
+gathered token rows (x_rows / dy_rows, zero padding rows), and two M-grouped GEMMs + a
+rows -> slots gather for dx_slot. tune.pick_config times both sides per stage on the first call
+per shape (each side's timed launch includes its gathers and copies) and keeps the faster;
+MEGAMOE_BWD_IMPL=triton|cublas forces one side (auto, the default, lets the tuner pick; untuned
+runs - interpreter, graph capture, MEGAMOE_TRITON_TUNE=0 - use Triton).
+
 Transient memory inside one backward call (R_max = T*K + E*(block_m-1) rounded up to block_m,
 block_m = 128), freed when the call returns:
     da       [R_max, 2H] bf16        live from kernel A to kernel C
     hw       [R_max, H]  bf16        live from kernel A to the dw2 launch (freed before C)
     part     [H/block_n, R_max] fp32 live from kernel A to the combine (block_n = 64)
     dx_slot  [T*K, D]    bf16        live from kernel C to the combine
-    peak = da + max(hw, dx_slot) + part, plus the gradients themselves (dx, dw1, dw2, dw3,
-    dtopk_weights: what any backward returns).
-At T = 16384 tokens, K = 8, E = 128 (R_max = 147,328):
-    30B  (D=2048, H=768):  da 432 MiB, hw 216 MiB, part 6.7 MiB, dx_slot 512 MiB -> peak 0.93 GiB
-    235B (D=4096, H=1536): da 864 MiB, hw 432 MiB, part 13.5 MiB, dx_slot 1 GiB -> peak 1.86 GiB
+    Triton side: peak = da + max(hw, dx_slot) + part.
+    cuBLAS side adds, per stage (each freed when its stage returns):
+      dw2:    dy_rows [R_max, D] bf16          -> da + hw + part + dy_rows
+      dw1/3:  x_rows  [R_max, D] bf16 (shared) -> da + part + x_rows
+      C:      dx_rows [R_max, D] bf16 + the second GEMM's [R_max, D] output, then dx_slot
+              -> da + part + 2 [R_max, D]
+    Plus the gradients themselves (dx, dw1, dw2, dw3, dtopk_weights: what any backward returns).
+    The first call per shape under auto runs every candidate, so its peak is the larger side's.
+At T = 16384 tokens, K = 8, E = 128 (R_max = 147,328; one [R_max, D] bf16 buffer is 576 MiB at
+D = 2048, 1.12 GiB at D = 4096):
+    30B  (D=2048, H=768):  da 432 MiB, hw 216 MiB, part 6.7 MiB, dx_slot 512 MiB
+        Triton peak 0.93 GiB; cuBLAS stages dw2 1.20 / dw1,3 0.99 / C 1.55 GiB
+    235B (D=4096, H=1536): da 864 MiB, hw 432 MiB, part 13.5 MiB, dx_slot 1 GiB
+        Triton peak 1.86 GiB; cuBLAS stages dw2 2.40 / dw1,3 1.98 / C 3.10 GiB
 
 EP > 1 (bwd_ep.py): x and dy rows are re-dispatched to the experts' owners with all_to_all (one
 host sync for the split sizes, no overlap with the GEMMs), the EP=1 kernels run on the received
@@ -131,13 +149,12 @@ def backward_local(grad_out, x, topk_ids, topk_weights, w1, w2, w3):
         )
     else:
         block_m, a_cands, b_cands, c_cands = BLOCK_M, A_CANDIDATES, B_CANDIDATES, C_CANDIDATES
-    # Gradients take the parameters' own layout; the kernels read contiguous copies.
-    dw1, dw2, dw3 = torch.empty_like(w1), torch.empty_like(w2), torch.empty_like(w3)
     T, D = x.shape
     if T == 0:  # e.g. an EP rank that receives no rows
-        for dw in (dw1, dw2, dw3):
-            dw.zero_()
-        return torch.empty_like(x), torch.empty_like(topk_weights), dw1, dw2, dw3
+        return (torch.empty_like(x), torch.empty_like(topk_weights),
+                *(torch.zeros_like(w) for w in (w1, w2, w3)))
+    # Gradients take the parameters' own layout; the kernels read contiguous copies.
+    params = (w1, w2, w3)
     dy = grad_out.contiguous()
     x = x.contiguous()
     w1, w2, w3 = w1.contiguous(), w2.contiguous(), w3.contiguous()
@@ -170,30 +187,31 @@ def backward_local(grad_out, x, topk_ids, topk_weights, w1, w2, w3):
 
     def launch_dw2(cfg):
         if is_cublas(cfg):
-            return wgrad_dw2_cublas(dy, hw, plan, dw2)
-        return wgrad(dy, hw, dw2, plan, a_gather=True, b_gather=False, expert_order=order,
-                     **cfg)
+            return wgrad_dw2_cublas(dy, hw, plan, params[1])
+        return wgrad(dy, hw, torch.empty_like(params[1]), plan, a_gather=True, b_gather=False,
+                     expert_order=order, **cfg)
 
     def launch_dw13(cfg):
         if is_cublas(cfg):
-            return wgrad_dw13_cublas(da, x, plan, dw1, dw3)
-        return tuple(wgrad(a, x, dw, plan, a_gather=False, b_gather=True, expert_order=order,
-                           **cfg) for a, dw in ((da[:, :H], dw1), (da[:, H:], dw3)))
+            return wgrad_dw13_cublas(da, x, plan, params[0], params[2])
+        return tuple(wgrad(a, x, torch.empty_like(p), plan, a_gather=False, b_gather=True,
+                           expert_order=order, **cfg)
+                     for a, p in ((da[:, :H], params[0]), (da[:, H:], params[2])))
 
     b_stage = stage_candidates(b_cands, D, H)
     dw2 = launch_dw2(pick_config("bwd_wgrad_dw2", key, b_stage, launch_dw2))
     del hw
     dw1, dw3 = launch_dw13(pick_config("bwd_wgrad_dw13", key, b_stage, launch_dw13))
 
-    # Kernel C (or _grouped_mm), then the combine.
-    dx_slot = torch.empty(T * topk_ids.shape[1], D, dtype=x.dtype, device=x.device)
-
+    # Kernel C (or _grouped_mm), then the combine. Each side allocates dx_slot [T*K, D] itself
+    # (the cuBLAS side only after its second GEMM's output is freed).
     def launch_c(cfg):
         if is_cublas(cfg):
-            return dgrad_l1_cublas(da, w1, w3, plan, out=dx_slot)
-        return dgrad_l1(da, w1, w3, plan, out=dx_slot, **cfg)
+            return dgrad_l1_cublas(da, w1, w3, plan)
+        return dgrad_l1(da, w1, w3, plan, out_dtype=x.dtype, **cfg)
 
-    launch_c(pick_config("bwd_dgrad_l1", key, stage_candidates(c_cands, D, H), launch_c))
+    dx_slot = launch_c(pick_config("bwd_dgrad_l1", key, stage_candidates(c_cands, D, H),
+                                   launch_c))
     del da
     dx, dtw = bwd_combine(dx_slot, part, plan, dx_dtype=x.dtype, dtw_dtype=topk_weights.dtype)
     return dx, dtw, dw1, dw2, dw3

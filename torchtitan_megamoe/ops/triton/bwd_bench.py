@@ -158,12 +158,16 @@ def bench_shape(name, tokens, iters, shape=None, device="cuda", block_m=BLOCK_M,
         wgrad(da1, x, dw, plan, a_gather=False, b_gather=True, **cfg_w13)
         wgrad(da3, x, dw_b, plan, a_gather=False, b_gather=True, **cfg_w13)
 
+    def kernel_b(a, b, out, a_gather, cfg):
+        return lambda: wgrad(a, b, out, plan, a_gather=a_gather, b_gather=not a_gather, **cfg)
+
     stages = {
         "plan": (lambda: build_plan(ids, E, block_m), 0),
-        "A_dgrad_l2_swiglu": (lambda: dgrad_l2_swiglu(dy, x, tw, w1, w2, w3, plan, **cfg_a), 6 * nkdh),
-        "B_dw2": (lambda: wgrad(dy, hw, dw2, plan, a_gather=True, b_gather=False, **cfg_w2), 2 * nkdh),
-        "B_dw1": (lambda: wgrad(da1, x, dw, plan, a_gather=False, b_gather=True, **cfg_w13), 2 * nkdh),
-        "B_dw3": (lambda: wgrad(da3, x, dw, plan, a_gather=False, b_gather=True, **cfg_w13), 2 * nkdh),
+        "A_dgrad_l2_swiglu": (lambda: dgrad_l2_swiglu(dy, x, tw, w1, w2, w3, plan, **cfg_a),
+                              6 * nkdh),
+        "B_dw2": (kernel_b(dy, hw, dw2, True, cfg_w2), 2 * nkdh),
+        "B_dw1": (kernel_b(da1, x, dw, False, cfg_w13), 2 * nkdh),
+        "B_dw3": (kernel_b(da3, x, dw, False, cfg_w13), 2 * nkdh),
         "B_dw13": (dw13_triton, 4 * nkdh),
         "B_dw2_cublas": (lambda: wgrad_dw2_cublas(dy, hw, plan, dw2), 2 * nkdh),
         "B_dw13_cublas": (lambda: wgrad_dw13_cublas(da, x, plan, dw, dw_b), 4 * nkdh),

@@ -1,4 +1,4 @@
-"""cuBLAS-side (``torch._grouped_mm``) candidates for two backward stages, next to the Triton kernels.
+"""cuBLAS-side (``torch._grouped_mm``) candidates of two backward stages, beside the Triton kernels.
 
 The tuner (tune.pick_config) times these against the Triton kernels on the first call per shape
 and keeps the faster one per stage; MEGAMOE_BWD_IMPL=triton|cublas|auto forces a side (tests).
@@ -25,8 +25,9 @@ are multiples of the plan's block_m (128 on the GPU), which meets the kernels' 1
 alignment. Empty groups give zero gradients on Hopper (pytorch/pytorch#172439 reports the
 Blackwell path getting this wrong; the GPU test checks an unrouted expert's gradients are 0).
 
-Determinism: both GEMMs run without split-K and the gathers are plain copies, so two calls give
-bitwise-equal results (tested).
+Determinism: the gathers are plain copies and no stage accumulates with atomics on our side;
+that torch's grouped GEMM kernels reduce in a fixed order is checked, not assumed: two calls
+must give bitwise-equal results (CPU test; the GPU test at the 30B shape).
 """
 
 import os
@@ -147,46 +148,52 @@ def segment_ends(plan: Plan) -> torch.Tensor:
     return plan.seg_start[1:]
 
 
-def _into(res: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    """res as the gradient: itself when it already has out's dtype and strides (no copy),
-    else copied into out (the parameter's layout)."""
-    if res.dtype == out.dtype and res.stride() == out.stride():
+def _as_param(res: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """res as the gradient of parameter ``like``: itself when it already has like's dtype and
+    strides (no copy, no second buffer), else copied into a tensor of like's layout."""
+    if res.dtype == like.dtype and res.stride() == like.stride():
         return res
-    return out.copy_(res)
+    return torch.empty_like(like).copy_(res)
 
 
 def grouped_wgrad(a_rows: torch.Tensor, b_rows: torch.Tensor, plan: Plan,
-                  out: torch.Tensor) -> torch.Tensor:
-    """out[e] = a_rows[seg e]^T @ b_rows[seg e] for [R_max, M] / [R_max, N] row-space operands
-    whose segment padding rows are zero (or finite against zeros). Returns the gradient (out or
-    _grouped_mm's own tensor when the layouts match)."""
+                  like: torch.Tensor) -> torch.Tensor:
+    """[E, M, N]: out[e] = a_rows[seg e]^T @ b_rows[seg e] for [R_max, M] / [R_max, N] row-space
+    operands whose segment padding rows are zero (or finite against zeros), in the dtype and
+    layout of the parameter ``like``."""
     res = torch._grouped_mm(a_rows.t(), b_rows, offs=segment_ends(plan))
-    return _into(res, out)
+    return _as_param(res, like)
 
 
 def wgrad_dw2_cublas(dy: torch.Tensor, hw: torch.Tensor, plan: Plan,
-                     dw2: torch.Tensor) -> torch.Tensor:
-    """dw2[e] = sum_r dy_r^T hw_r: gathers dy rows (freed on return), one K-grouped GEMM."""
-    return grouped_wgrad(gather_rows(dy, plan), hw, plan, dw2)
+                     w2: torch.Tensor) -> torch.Tensor:
+    """dw2[e] = sum_r dy_r^T hw_r (layout of w2): gathers dy rows (freed on return), one
+    K-grouped GEMM."""
+    return grouped_wgrad(gather_rows(dy, plan), hw, plan, w2)
 
 
-def wgrad_dw13_cublas(da: torch.Tensor, x: torch.Tensor, plan: Plan, dw1: torch.Tensor,
-                      dw3: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """dw1, dw3 from da = [da1 | da3]: x rows gathered ONCE for both K-grouped GEMMs."""
+def wgrad_dw13_cublas(da: torch.Tensor, x: torch.Tensor, plan: Plan, w1: torch.Tensor,
+                      w3: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """dw1, dw3 (layouts of w1, w3) from da = [da1 | da3]: x rows gathered ONCE for both
+    K-grouped GEMMs."""
     H = da.shape[1] // 2
     x_rows = gather_rows(x, plan)
-    return (grouped_wgrad(da[:, :H], x_rows, plan, dw1),
-            grouped_wgrad(da[:, H:], x_rows, plan, dw3))
+    return (grouped_wgrad(da[:, :H], x_rows, plan, w1),
+            grouped_wgrad(da[:, H:], x_rows, plan, w3))
 
 
 def dgrad_l1_cublas(da: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, plan: Plan,
-                    out: torch.Tensor) -> torch.Tensor:
+                    out: torch.Tensor | None = None) -> torch.Tensor:
     """dx_slot[slot] = da1_r @ w1[e] + da3_r @ w3[e] via two M-grouped GEMMs over the row space,
-    then rows -> slots by a gather into out [T*K, D] (dropped slots' rows hold junk that the
-    combine never reads, as with kernel C)."""
+    then rows -> slots by a gather into out [T*K, D] (allocated after the second GEMM's output
+    is freed unless given; dropped slots' rows hold junk that the combine never reads, as with
+    kernel C)."""
     H = w1.shape[1]
     ends = segment_ends(plan)
     dx_rows = torch._grouped_mm(da[:, :H], w1, offs=ends)
     dx_rows += torch._grouped_mm(da[:, H:], w3, offs=ends)
+    if out is None:
+        out = torch.empty(plan.num_tokens * plan.top_k, dx_rows.shape[1], dtype=dx_rows.dtype,
+                          device=dx_rows.device)
     torch.index_select(dx_rows, 0, plan.slot_row.clamp(min=0), out=out)
     return out
