@@ -15,14 +15,16 @@
 # converter's (a) run (AC does not change the math), so (a) stays informative.
 #
 # Tolerance: losses must agree within RTOL (1e-2) relative at every step; see summary.md.
-# Env knobs: SETUPS ("a b"), RTOL, ATOL, RUN_TIMEOUT_S (per torchrun, default 120),
-# BUDGET_S (whole script, default 540: later runs get shorter timeouts), EXTRA_ARGS (appended to
+# Env knobs: SETUPS ("a b"), RTOL, ATOL, RUN_TIMEOUT_S (per torchrun, default 150),
+# BUDGET_S (whole script, default 540: later runs get shorter timeouts; LATER_S, default 80, is
+# kept back per setup still to come), EXTRA_ARGS (appended to
 # every run, e.g. a tiny CPU flavor), CONFIG, NPROC, WHEELS=0 (use the current env, not .whl),
 # PYTHON (default python3), MEGAMOE_TRITON_TUNE (default 0: the first,
 # default kernel config, no per-shape timing or extra compiles; 1 times every candidate).
 # Output ($OUT, or ./.out by hand): summary.md, train_check.tar.gz (per setup: report.md,
 # ab.png, summary.json, both logs and TOMLs), env.log.
-# Exit status: 0 every setup agrees, 1 a setup disagrees, 2 a run failed or logged no steps.
+# Exit status: 0 every setup agrees, 1 a setup disagrees, 2 a run failed or logged no steps (for
+# (a) whose stock run failed: the verdict of the full-AC stock reference).
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export PYTHONUNBUFFERED=1
@@ -51,7 +53,7 @@ CONFIG=${CONFIG:-train_configs/qwen3_30b_a3b_gpu_smoke.toml}
 NPROC=${NPROC:-2}
 RTOL=${RTOL:-1e-2}
 ATOL=${ATOL:-1e-5}
-RUN_TIMEOUT_S=${RUN_TIMEOUT_S:-120}
+RUN_TIMEOUT_S=${RUN_TIMEOUT_S:-150}
 BUDGET_S=${BUDGET_S:-540}
 SETUPS=${SETUPS:-a b}
 EXTRA_ARGS=${EXTRA_ARGS:-}
@@ -76,10 +78,14 @@ setup_args() {
   esac
 }
 
-# Seconds a run may take: RUN_TIMEOUT_S, less when the remaining budget must cover `runs` runs.
+# Seconds each of the next `runs` runs may take: RUN_TIMEOUT_S, less when the remaining budget
+# (minus LATER_S for each of `later` setups still to come, and ~20 s per run for stopping a
+# timed-out torchrun) cannot cover that; at least 20.
+LATER_S=${LATER_S:-80}
 run_timeout() {
-  local runs=$1 left=$((BUDGET_S - (SECONDS - START) - 25))
-  local t=$((left / runs))
+  local runs=$1 later=$2
+  local left=$((BUDGET_S - (SECONDS - START) - 25 - later * LATER_S))
+  local t=$((left / runs - 20))
   [ "$t" -gt "$RUN_TIMEOUT_S" ] && t=$RUN_TIMEOUT_S
   [ "$t" -lt 20 ] && t=20
   echo "$t"
@@ -88,10 +94,11 @@ run_timeout() {
 count_setups() { echo $#; }
 remaining=$(count_setups $SETUPS)
 rc=0
+bad_setup=0
 for s in $SETUPS; do
-  args=$(setup_args "$s") || { rc=2; continue; }
-  t=$(run_timeout $((2 * remaining)))
+  args=$(setup_args "$s") || { bad_setup=1; continue; }
   remaining=$((remaining - 1))
+  t=$(run_timeout 2 "$remaining")
   echo "=== setup $s: $args $EXTRA_ARGS (timeout ${t} s per run, $((SECONDS - START)) s elapsed)"
   # shellcheck disable=SC2086
   timeout -k 15 $((2 * t + 60)) $PY -m torchtitan_megamoe.ab --config "$CONFIG" --nproc "$NPROC" \
@@ -100,23 +107,27 @@ for s in $SETUPS; do
   src=$?
   grep '^\[megamoe.ab\]\|verdict\|max |loss' "$WORK/ab_$s.out"
   echo "setup $s: ab exit $src"
-  [ "$src" -gt "$rc" ] && rc=$src
   # Stock failed (no step logged): train stock with full AC as the reference for the converter.
   if [ "$s" = a ] && [ -f "$WORK/a/stock.log" ] && ! grep -q 'step: *1 ' "$WORK/a/stock.log"; then
-    t=$(run_timeout $((1 + 2 * remaining)))
+    t=$(run_timeout 1 "$remaining")
     echo "=== setup a: stock logged no step; stock with full AC as the reference (timeout ${t} s)"
     tail -5 "$WORK/a/stock.log"
     mkdir -p "$WORK/a_stock_fullac"
     # ab's runner: on timeout it stops torchrun and every worker it started.
     # shellcheck disable=SC2086
     $PY - "$t" "$WORK" "$NPROC" $args $EXTRA_ARGS --activation_checkpoint.mode full <<'EOF'
-import os, sys
-from torchtitan_megamoe.ab import run_one, torchrun_command
+import os, sys, time
+from torchtitan_megamoe.ab import run_env, run_one, torchrun_command
 t, work, nproc, extra = float(sys.argv[1]), sys.argv[2], int(sys.argv[3]), sys.argv[4:]
 d = os.path.join(work, "a_stock_fullac")
 cmd = torchrun_command(os.path.join(work, "a", "stock.toml"), nproc, os.path.join(d, "dump"), extra)
 print(" ".join(cmd))
-sys.exit(run_one(cmd, os.path.join(d, "stock.log"), dict(os.environ), t))
+t0 = time.monotonic()
+code = run_one(cmd, os.path.join(d, "stock.log"), run_env(d), t)
+with open(os.path.join(work, "ab_a.out"), "a") as f:  # the summary lists run times from here
+    f.write(f"[megamoe.ab] stock with full AC: exit {code} in {time.monotonic() - t0:.1f} s, "
+            f"log {d}/stock.log\n")
+sys.exit(code)
 EOF
     echo "setup a, stock with full AC: exit $?"
   fi
@@ -128,6 +139,7 @@ import json, math, os, sys
 from torchtitan_megamoe.ab import compare, parse_log, run_stats
 
 work, rtol, atol, setups = sys.argv[1], float(sys.argv[2]), float(sys.argv[3]), sys.argv[4].split()
+sys.excepthook = lambda *e: (__import__("traceback").print_exception(*e), sys.exit(3))
 desc = {
     "a": "FSDP + EP=2 + per-op SAC + compile",
     "b": "FSDP (EP=1) + full AC",
@@ -144,9 +156,17 @@ def load(path):
 def fmt(x, spec):
     return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, spec)
 
-rows, details = [], []
+rows, details, walls, codes_by_setup = [], [], [], {}
 for s in setups:
+    try:
+        with open(os.path.join(work, f"ab_{s}.out")) as f:
+            walls += [f"- setup {s}: {l.strip()[len('[megamoe.ab] '):]}" for l in f
+                      if l.startswith("[megamoe.ab]")]
+    except OSError:
+        pass
     d = os.path.join(work, s)
+    if s not in desc:
+        continue
     pairs = [(s, load(os.path.join(d, "stock.log")), load(os.path.join(d, "megamoe.log")))]
     alt = os.path.join(work, "a_stock_fullac", "stock.log")
     if s == "a" and os.path.exists(alt):
@@ -163,6 +183,11 @@ for s in setups:
         g1 = (abs(sa[1].grad_norm - sb[1].grad_norm) / max(abs(sa[1].grad_norm), 1e-12)
               if 1 in sa and 1 in sb else None)
         verdict = "PASS" if c.ok else ("NO-RUN" if not (st.steps and cv.steps) else "FAIL")
+        code = {"PASS": 0, "FAIL": 1, "NO-RUN": 2}[verdict]
+        if name == "a" and not st.steps and len(pairs) > 1:
+            code = None  # judged by a*: stock could not run this setup, ours is compared there
+        if code is not None:
+            codes_by_setup[name] = code
         rows.append(
             f"| {name} | {desc[name]} | {verdict} | {len(c.steps)} | {fmt(c.max_abs_diff, '.2e')} "
             f"| {fmt(c.max_rel_diff, '.2e')} | {fmt(c.abs_diff[0] if c.abs_diff else None, '.1e')} "
@@ -199,8 +224,19 @@ print("| setup | what | verdict | steps | max abs diff | max rel diff | step-1 l
 print("| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
 print("\n".join(rows))
 print()
+print("Run wall times (start-up, compile and all steps):\n")
+print("\n".join(walls))
+print()
 print("\n".join(details))
+status = max(codes_by_setup.values(), default=2)
+print(f"Exit status {status} (0 all agree, 1 a loss mismatch, 2 a run failed) from {codes_by_setup}")
+sys.exit(status)
 EOF
+src=${PIPESTATUS[0]}
+# 3: the summary itself failed (traceback above); anything but 0/1 counts as a failed run.
+[ "$src" != 0 ] && [ "$src" != 1 ] && src=2
+rc=$src
+[ "$bad_setup" = 1 ] && rc=2
 
 # Everything else in one archive (the dump folders hold nothing needed: no checkpoints).
 tar -czf "$OUT/train_check.tar.gz" -C "$WORK" --exclude='*/dump' --exclude='*/stock' \

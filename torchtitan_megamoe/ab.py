@@ -474,7 +474,7 @@ def _kill_group(proc: subprocess.Popen) -> None:
     workers = _descendants(proc.pid)
     try:
         os.killpg(proc.pid, signal.SIGTERM)
-        proc.wait(timeout=45)
+        proc.wait(timeout=20)
     except (ProcessLookupError, subprocess.TimeoutExpired):
         pass
     if proc.poll() is None:
