@@ -12,6 +12,12 @@
 # Env knobs: BENCH_ARGS (extra bench.py args), PYTEST_ARGS (default "-m gpu tests"),
 # SKIP_TESTS=1, SKIP_BENCH=1, SKIP_WS_PROBE=1 (no warp-specialized candidates), BENCH_NPROC=2
 # (EP=2 bench under torchrun, on kind nvidia-h200-x2). Logs and bench.json go to $OUT (or ./.out when run by hand).
+# What the bench prints: at EP=1, stock vs ours per shape plus the backward's per-stage table
+# (ops/triton/bwd_bench.py, run inside the bench: no separate bwd_bench call); at EP=2, stock
+# TorchTitan's ExpertParallel layer vs ours in the same run, with our EP=1 time for the ratio
+# (BENCH_ARGS=--no-ep1 skips that). EP=2 check, ~3-4 min of device time:
+#   run(command="SKIP_WS_PROBE=1 PYTEST_ARGS='-m multigpu tests/triton' BENCH_NPROC=2 bash scripts/gpu_check.sh",
+#       carry=[".whl"], kind="nvidia-h200-x2")
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export PYTHONUNBUFFERED=1

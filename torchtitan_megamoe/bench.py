@@ -13,7 +13,9 @@ route_norm, no shared experts, score_before_experts=False) in bf16, then times:
 - with --backward (default on): forward + backward of both, when the backend has a backward;
   at EP=1 with the triton backend also the backward's stages (kernel A: dgrad of layer 2 +
   SwiGLU with GEMM 1 recomputed, the three weight gradients, kernel C: dgrad of layer 1, the
-  combine), timed by ``ops/triton/bwd_bench.py`` on its own random routing of the same shape.
+  combine; each with its Triton kernel and its _grouped_mm counterpart where one exists, and
+  the totals per forced side and with the tuner's per-stage pick), timed by
+  ``ops/triton/bwd_bench.py`` on its own random routing of the same shape.
 
 EP > 1 (under torchrun, one process per GPU, each with --tokens tokens): stock is TorchTitan's
 own EP layer, its experts sharded by ``ExpertParallel`` on a 1-D DeviceMesh named "ep" exactly
@@ -48,16 +50,20 @@ SHAPES = {
     "235b": dict(name="Qwen3-235B-A22B", dim=4096, hidden=1536, experts=128, top_k=8),
 }
 
-# ops/triton/bwd_bench.py's stage keys, in backward order, with what each one is
-BWD_STAGES = {
-    "plan": "plan (routing -> row space)",
-    "A_dgrad_l2_swiglu": "A: dgrad L2 + SwiGLU (GEMM 1 recomputed)",
-    "B_dw2": "wgrad dw2",
-    "B_dw1": "wgrad dw1",
-    "B_dw3": "wgrad dw3",
-    "C_dgrad_l1": "C: dgrad L1",
-    "combine": "combine (dx, d topk_weights)",
-}
+# ops/triton/bwd_bench.py's stage keys in backward order: (label, Triton kernel, _grouped_mm
+# counterpart or None). The tuner picks a side per stage; "auto" below is what the layer runs.
+BWD_STAGES = [
+    ("plan (routing -> row space)", "plan", None),
+    ("A: dgrad L2 + SwiGLU (GEMM 1 recomputed)", "A_dgrad_l2_swiglu", None),
+    ("wgrad dw2", "B_dw2", "B_dw2_cublas"),
+    ("wgrad dw1", "B_dw1", None),
+    ("wgrad dw3", "B_dw3", None),
+    ("wgrad dw1 + dw3", "B_dw13", "B_dw13_cublas"),
+    ("C: dgrad L1", "C_dgrad_l1", "C_dgrad_l1_cublas"),
+    ("combine (dx, d topk_weights)", "combine", None),
+    ("backward total, one side forced", "total", "total_cublas"),
+    ("backward total, tuner's pick per stage", "total_auto", None),
+]
 
 
 def _time_ms(fn, iters: int, warmup: int) -> float:
@@ -377,30 +383,39 @@ def table(results: list[dict]) -> str:
 
 
 def bwd_table(results: list[dict]) -> str:
-    """Backward stages, one column pair (ms, TFLOP/s) per shape; '' when none was measured."""
+    """Backward stages: per shape, the Triton kernel's and the _grouped_mm side's "ms (TFLOP/s)";
+    '' when no result has a breakdown."""
     cols = [r for r in results if "bwd_stages" in r or "bwd_stages_error" in r]
     if not cols:
         return ""
-    head = "| backward stage | " + " | ".join(f"{r['shape']} ms | TFLOP/s" for r in cols) + " |"
+
+    def cell(b, key):
+        ms = b.get(f"{key}_ms") if key else None
+        if ms is None:
+            return "-"
+        tf = b.get(f"{key}_tflops")
+        return f"{ms:.3f}" + (f" ({tf:.0f})" if tf else "")
+
+    head = "| backward stage, ms (TFLOP/s) | " + " | ".join(
+        f"{r['shape']} Triton | {r['shape']} _grouped_mm" for r in cols) + " |"
     lines = [head, "| --- |" + " --- | --- |" * len(cols)]
-    rows = dict(BWD_STAGES)
-    rows["total"] = "backward total (one call)"
-    for stage, label in rows.items():
+    for label, tri, cub in BWD_STAGES:
         cells = []
         for r in cols:
             b = r.get("bwd_stages")
             if b is None:
-                cells.append("error | " + r["bwd_stages_error"].replace("|", "/")[:60])
-                continue
-            ms, tf = b.get(f"{stage}_ms"), b.get(f"{stage}_tflops")
-            cells.append(f"{ms:.3f} | " + (f"{tf:.0f}" if tf else "-"))
+                cells.append("error | " + r["bwd_stages_error"].replace("|", "/")[:80])
+            else:
+                cells.append(f"{cell(b, tri)} | {cell(b, cub)}")
         lines.append(f"| {label} | " + " | ".join(cells) + " |")
     cells = []
-    for r in cols:  # the layer's own backward share, for cross-checking the stage sum
+    for r in cols:  # the layer's own backward share (other routing), to cross-check the totals
         fb, f = r.get("ours_fwdbwd_ms"), r.get("ours_fwd_ms")
-        cells.append(f"{fb - f:.3f} | -" if fb and f else "n/a | -")
-    lines.append("| layer fwd+bwd - fwd (other routing) | " + " | ".join(cells) + " |")
-    return "\n".join(lines)
+        cells.append((f"{fb - f:.3f}" if fb and f else "n/a") + " | -")
+    lines.append("| layer: ours fwd+bwd - fwd (its own routing) | " + " | ".join(cells) + " |")
+    picks = [f"{r['shape']}: {r['bwd_stages']['auto_picks']}" for r in cols
+             if r.get("bwd_stages", {}).get("auto_picks")]
+    return "\n".join(lines + [f"tuner's side per stage, {p}" for p in picks])
 
 
 def ep_table(results: list[dict]) -> str:
