@@ -154,6 +154,25 @@ def test_dgrad_l1_cublas(case):
     _check(got[live], ref[live], "dx_slot")
 
 
+def test_k_grouped_calls_use_the_layout_that_accepts_empty_groups(monkeypatch):
+    """On SM90 only A column-major x B row-major K-grouped calls accept empty groups (any other
+    layout trips a device assert on an expert without rows): check every 2-D x 2-D call."""
+    calls = []
+    real = torch._grouped_mm
+
+    def spy(a, b, offs=None, **kw):
+        if a.dim() == 2 and b.dim() == 2:
+            calls.append((a.stride(0) == 1 and a.stride(1) > 1, b.stride(1) == 1))
+        assert offs.dtype == torch.int32 and offs.dim() == 1
+        return real(a, b, offs=offs, **kw)
+
+    monkeypatch.setattr(torch, "_grouped_mm", spy)
+    ids, plan, v = _setup("uneven")
+    wgrad_dw2_cublas(v["dy"], _row_space(plan, v["hw"]), plan, torch.zeros(E, D, H).bfloat16())
+    wgrad_dw13_cublas(_row_space(plan, v["da"]), v["x"], plan, v["w1"], v["w3"])
+    assert calls == [(True, True)] * 3
+
+
 # ----------------------------------------------------------------------------- whole backward
 
 
@@ -216,6 +235,8 @@ def test_stage_candidates_follow_the_env(monkeypatch):
     assert stage_candidates(tri, 64, 32) == [CUBLAS]
     with pytest.raises(ValueError, match="multiples of 8"):
         stage_candidates(tri, 64, 36)
+    with pytest.raises(ValueError, match="1024 groups"):
+        stage_candidates(tri, 64, 32, 1024)
     monkeypatch.setenv(IMPL_ENV, "cutlass")
     with pytest.raises(ValueError, match=IMPL_ENV):
         stage_candidates(tri, 64, 32)

@@ -198,7 +198,7 @@ def backward_local(grad_out, x, topk_ids, topk_weights, w1, w2, w3):
                            expert_order=order, **cfg)
                      for a, p in ((da[:, :H], params[0]), (da[:, H:], params[2])))
 
-    b_stage = stage_candidates(b_cands, D, H)
+    b_stage = stage_candidates(b_cands, D, H, E)
     dw2 = launch_dw2(pick_config("bwd_wgrad_dw2", key, b_stage, launch_dw2))
     del hw
     dw1, dw3 = launch_dw13(pick_config("bwd_wgrad_dw13", key, b_stage, launch_dw13))
@@ -210,7 +210,7 @@ def backward_local(grad_out, x, topk_ids, topk_weights, w1, w2, w3):
             return dgrad_l1_cublas(da, w1, w3, plan)
         return dgrad_l1(da, w1, w3, plan, out_dtype=x.dtype, **cfg)
 
-    dx_slot = launch_c(pick_config("bwd_dgrad_l1", key, stage_candidates(c_cands, D, H),
+    dx_slot = launch_c(pick_config("bwd_dgrad_l1", key, stage_candidates(c_cands, D, H, E),
                                    launch_c))
     del da
     dx, dtw = bwd_combine(dx_slot, part, plan, dx_dtype=x.dtype, dtw_dtype=topk_weights.dtype)

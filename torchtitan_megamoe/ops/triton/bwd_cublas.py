@@ -16,14 +16,19 @@ rows (one small Triton kernel; a torch index op on CPU without the interpreter).
 timed launch includes its gathers and copies, so the tuner compares whole stages.
 
 _grouped_mm facts relied on (torch/_meta_registrations.py of torch 2.13, which mirrors the
-checks of aten/src/ATen/native/cuda/Blas.cpp): bf16 operands only; output bf16; offs int32, 1-D,
+checks of aten/src/ATen/native/cuda/Blas.cpp; the SM90 kernel setup in cuda/GroupMM.cu and
+GroupMMCommon.cuh): bf16 operands only, bf16 output (fp32 accumulate); offs int32, 1-D,
 cumulative group ENDS (rows past offs[-1] take part in no group: for M-grouped outputs they are
 left unwritten); each 2-D operand row- or column-major with its leading stride a multiple of 16
-bytes (so D and H multiples of 8 here; the column slices da[:, :H] and da[:, H:] and the
-transposed views are fine); 2-D x 2-D gives [G, M, N], 2-D x 3-D gives [rows, N]. Group sizes
-are multiples of the plan's block_m (128 on the GPU), which meets the kernels' 16-element
-alignment. Empty groups give zero gradients on Hopper (pytorch/pytorch#172439 reports the
-Blackwell path getting this wrong; the GPU test checks an unrouted expert's gradients are 0).
+bytes (so D and H multiples of 8 here; the column slices da[:, :H], da[:, H:] are fine);
+2-D x 2-D gives [G, M, N], 2-D x 3-D gives [rows, N]; fewer than 1024 groups. K-grouped calls
+must pass A as a column-major (transposed) view and B row-major: that is the one layout whose
+setup accepts EMPTY groups (experts without rows; any other layout asserts group size > 0) and
+that skips the 16-byte group-size check; the other layouts' group sizes would also have to be
+multiples of 8 rows (ours are multiples of block_m anyway). An empty group's output is zeros on
+Hopper (pytorch/pytorch#172439 reports Blackwell getting this wrong); the GPU test checks an
+unrouted expert's gradients are exactly 0. The SM90 kernels are CUTLASS ptr-array grouped GEMMs,
+128x256x64 tiles at these sizes, without split-K.
 
 Determinism: the gathers are plain copies and no stage accumulates with atomics on our side;
 that torch's grouped GEMM kernels reduce in a fixed order is checked, not assumed: two calls
@@ -58,20 +63,22 @@ def is_cublas(cfg: dict) -> bool:
     return cfg.get("impl") == "cublas"
 
 
-def cublas_unsupported_reason(D: int, H: int) -> str | None:
+def cublas_unsupported_reason(D: int, H: int, E: int = 1) -> str | None:
     """Why the _grouped_mm stages cannot run for these dims (None: they can)."""
     if not hasattr(torch, "_grouped_mm"):
         return f"torch {torch.__version__} has no torch._grouped_mm"
+    if E >= 1024:
+        return f"torch._grouped_mm takes fewer than 1024 groups, got {E} local experts"
     if D % 8 or H % 8:
         return f"torch._grouped_mm needs D and H multiples of 8 (16-byte strides), got D={D}, H={H}"
     return None
 
 
-def stage_candidates(triton_cands: list, D: int, H: int) -> list:
+def stage_candidates(triton_cands: list, D: int, H: int, E: int = 1) -> list:
     """Candidates of one stage under MEGAMOE_BWD_IMPL. Under auto the Triton configs come first,
     so whatever runs untuned (interpreter, graph capture, MEGAMOE_TRITON_TUNE=0) stays Triton."""
     impl = bwd_impl()
-    reason = cublas_unsupported_reason(D, H)
+    reason = cublas_unsupported_reason(D, H, E)
     if impl == "triton" or (impl == "auto" and reason):
         return triton_cands
     if impl == "cublas":
@@ -90,6 +97,9 @@ def _gather_rows_kernel(
     R, C, TOPK, s_src, s_dst,
     BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
 ):
+    """One program per (BLOCK_R rows, BLOCK_C columns) of dst [R, C]: dst[r] = src[token of r],
+    zeros for padding rows; programs wholly past the used rows exit. Waits on: the plan and src
+    (stream order). Signals: nothing."""
     pid_r = tl.program_id(0)
     pid_c = tl.program_id(1)
     # Rows past the used ones belong to no group (offs end there): leave them unwritten.
