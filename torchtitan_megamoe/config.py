@@ -23,26 +23,8 @@ class MegaMoE:
     precision: Literal["bf16", "fp8", "fp8_bwd"] = "bf16"
     """Arithmetic of the expert GEMMs. ``bf16``: BF16 inputs, fp32 accumulation. ``fp8``:
     blockwise FP8 forward and backward (1x128 activation scales, 128x128 weight scales).
-    ``fp8_bwd``: BF16 forward, FP8 backward."""
-
-    capacity_factor: float = 2.0
-    """Receive-buffer size per rank, as a multiple of the balanced load
-    (tokens_per_rank * top_k rows). A routing that needs more rows than the buffer holds raises
-    an error naming this knob (tokens are never dropped silently). Ignored by the reference
-    backend, which sizes its buffers per call."""
-
-    max_tokens_per_rank: int = 0
-    """Largest number of tokens one rank feeds to one MoE layer call; sizes the symmetric
-    workspace shared by all layers. 0: derive it from training.local_batch_size * seq_len."""
-
-    comm_sms: int = 0
-    """SMs given to the communication (dispatch/combine) role of the overlapped kernels; the rest
-    run GEMMs. 0: let the kernels pick (a measured default per shape)."""
-
-    save_for_backward: Literal["inputs"] = "inputs"
-    """What the op keeps for its backward. ``inputs``: only the op's inputs (x, routing,
-    weights); the backward re-dispatches and recomputes linear 1 (no extra activation memory
-    beyond stock's input activations)."""
+    ``fp8_bwd``: BF16 forward, FP8 backward. The FP8 modes exist only as the reference backend's
+    emulation so far (numerics checks); the converter rejects them with the Hopper kernels."""
 
 
 @dataclass

@@ -22,10 +22,9 @@ from torchtitan.tools.logging import logger
 
 from torchtitan_megamoe.config import MegaMoE as MegaMoEConfig
 from torchtitan_megamoe.moe import MegaExperts, MegaMoE
+from torchtitan_megamoe.ops.api import BACKENDS, PRECISIONS
 from torchtitan_megamoe.parallel import install_ep_routing
 
-BACKENDS = ("auto", "triton", "reference")
-PRECISIONS = ("bf16", "fp8", "fp8_bwd")
 
 # Modules holding a module-level ``_op_sac_save_list`` used by their parallelize function.
 _SAC_LIST_MODULES = (
@@ -62,22 +61,12 @@ def validate_settings(cfg: MegaMoEConfig) -> None:
         raise ValueError(
             f"[megamoe] precision={cfg.precision!r} is not one of {PRECISIONS}."
         )
-    if not cfg.capacity_factor > 0:
+    if cfg.precision != "bf16" and cfg.backend != "reference":
+        # Raised here rather than at the first training step, inside the op.
         raise ValueError(
-            f"[megamoe] capacity_factor={cfg.capacity_factor} must be > 0 (2.0 is the default)."
-        )
-    if cfg.max_tokens_per_rank < 0:
-        raise ValueError(
-            f"[megamoe] max_tokens_per_rank={cfg.max_tokens_per_rank} must be >= 0 "
-            "(0 derives it from the batch size and sequence length)."
-        )
-    if cfg.comm_sms < 0:
-        raise ValueError(
-            f"[megamoe] comm_sms={cfg.comm_sms} must be >= 0 (0 lets the kernels pick)."
-        )
-    if cfg.save_for_backward != "inputs":
-        raise ValueError(
-            f"[megamoe] save_for_backward={cfg.save_for_backward!r}: only 'inputs' is supported."
+            f"[megamoe] precision={cfg.precision!r} has no Hopper kernels yet (backend "
+            f"{cfg.backend!r}); use precision='bf16', or backend='reference' for the emulated "
+            "blockwise-FP8 arithmetic (plain PyTorch, slow: for numerics checks only)."
         )
 
 
