@@ -10,7 +10,8 @@
 #     docstring-parser==0.18.0 typeguard==4.6.1 torchdata==0.11.0 \
 #     datasets==5.2.0 dill==0.4.1 multiprocess==0.70.19
 # Env knobs: BENCH_ARGS (extra bench.py args), PYTEST_ARGS (default "-m gpu tests"),
-# SKIP_TESTS=1, SKIP_BENCH=1, SKIP_WS_PROBE=1 (no warp-specialized candidates), BENCH_NPROC=2
+# SKIP_TESTS=1, SKIP_BENCH=1, SKIP_WS_PROBE=1 (no warp-specialized candidates), WHEELS=0 (use the
+# current env, not .whl), BENCH_NPROC=2
 # (EP=2 bench under torchrun, on kind nvidia-h200-x2). Logs and bench.json go to $OUT (or ./.out when run by hand).
 # What the bench prints: at EP=1, stock vs ours per shape plus the backward's per-stage table
 # (ops/triton/bwd_bench.py, run inside the bench: no separate bwd_bench call); at EP=2, stock
@@ -19,26 +20,10 @@
 #   run(command="SKIP_WS_PROBE=1 PYTEST_ARGS='-m multigpu tests/triton' BENCH_NPROC=2 bash scripts/gpu_check.sh",
 #       carry=[".whl"], kind="nvidia-h200-x2")
 set -uo pipefail
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-export PYTHONUNBUFFERED=1
-OUT=${OUT:-$PWD/.out}
-mkdir -p "$OUT"
-cd "$(dirname "$0")/.."
+source "$(dirname "$0")/_device_env.sh"  # env, $OUT, repo root, install_wheels, env_report
+install_wheels || exit 1
 
-if ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-    --target /tmp/site .whl/*.whl || { echo "wheel install failed"; exit 1; }
-  export PYTHONPATH="$PWD:/tmp/site"
-else
-  export PYTHONPATH="$PWD"
-fi
-
-{
-  nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,temperature.gpu,power.draw \
-    --format=csv
-  python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__, "gpus", torch.cuda.device_count())'
-  git log -1 --format='commit %H %s' 2>/dev/null || true
-} 2>&1 | tee "$OUT/env.log"
+env_report 2>&1 | tee "$OUT/env.log"
 
 # Warp-specialized GEMM candidates only where a throwaway process shows they compile and are
 # right (a failing Triton WS pass can abort the process).

@@ -26,27 +26,9 @@
 # Exit status: 0 every setup agrees, 1 a setup disagrees, 2 a run failed or logged no steps (for
 # (a) whose stock run failed: the verdict of the full-AC stock reference).
 set -uo pipefail
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-export PYTHONUNBUFFERED=1
-START=$SECONDS
-OUT=${OUT:-$PWD/.out}
-mkdir -p "$OUT"
-OUT=$(cd "$OUT" && pwd)
-cd "$(dirname "$0")/.."
-
-if [ "${WHEELS:-1}" = 1 ] && ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-    --target /tmp/site .whl/*.whl || { echo "wheel install failed"; exit 2; }
-  export PYTHONPATH="$PWD:/tmp/site"
-else
-  export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-fi
-PY=${PYTHON:-python3}
-
-# No network on the GPU hosts: the dataset's Arrow cache goes to scratch, nothing goes online.
-export HF_HOME=${HF_HOME:-/tmp/megamoe_hf_home}
-export HF_DATASETS_CACHE=$HF_HOME/datasets HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1
-export TRANSFORMERS_OFFLINE=1
+source "$(dirname "$0")/_device_env.sh"  # env, $OUT, repo root, PY, install_wheels, run_timeout
+install_wheels || exit 2
+offline_hf_env
 export MEGAMOE_TRITON_TUNE=${MEGAMOE_TRITON_TUNE:-0}
 
 CONFIG=${CONFIG:-train_configs/qwen3_30b_a3b_gpu_smoke.toml}
@@ -62,11 +44,7 @@ rm -rf "$WORK"
 mkdir -p "$WORK"
 
 {
-  nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv 2>/dev/null || echo "no nvidia-smi"
-  $PY -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__, "gpus", torch.cuda.device_count())'
-  $PY -c 'import torchtitan, importlib.metadata as m; print("torchtitan", m.version("torchtitan"))'
-  command -v cc gcc || echo "no C compiler (Inductor/Triton need one)"
-  git log -1 --format='commit %H %s' 2>/dev/null || true
+  env_report
   echo "config $CONFIG nproc $NPROC rtol $RTOL atol $ATOL tune $MEGAMOE_TRITON_TUNE extra: $EXTRA_ARGS"
 } 2>&1 | tee "$OUT/env.log"
 
@@ -78,18 +56,9 @@ setup_args() {
   esac
 }
 
-# Seconds each of the next `runs` runs may take: RUN_TIMEOUT_S, less when the remaining budget
-# (minus LATER_S for each of `later` setups still to come, and ~20 s per run for stopping a
-# timed-out torchrun) cannot cover that; at least 20.
+# Per-run timeouts: run_timeout (_device_env.sh) with LATER_S (default 80) kept back per setup
+# still to come.
 LATER_S=${LATER_S:-80}
-run_timeout() {
-  local runs=$1 later=$2
-  local left=$((BUDGET_S - (SECONDS - START) - 25 - later * LATER_S))
-  local t=$((left / runs - 20))
-  [ "$t" -gt "$RUN_TIMEOUT_S" ] && t=$RUN_TIMEOUT_S
-  [ "$t" -lt 20 ] && t=20
-  echo "$t"
-}
 
 count_setups() { echo $#; }
 remaining=$(count_setups $SETUPS)

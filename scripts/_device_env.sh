@@ -1,0 +1,62 @@
+# Sourced (not run) by the scripts/gpu_*.sh checks: what every call on a device machine shares.
+#
+#   source "$(dirname "$0")/_device_env.sh"
+#
+# On sourcing: NVLink multicast off (NCCL NVLS, symmetric-memory multicast, NVSHMEM NVLS: the lent
+# hosts do not support it, see the device README's KINDS.md), unbuffered Python, OUT made absolute
+# ($OUT on the device machine, ./.out when run by hand) and created, the repository root as the
+# working directory, START (= $SECONDS) for budgets, PY (${PYTHON:-python3}).
+# Functions:
+#   install_wheels     carried .whl/*.whl into /tmp/site on PYTHONPATH (WHEELS=0: use the current
+#                      env); returns non-zero if pip fails, the caller picks its exit status
+#   offline_hf_env     Hugging Face caches to scratch, every offline switch on (no network there)
+#   env_report         GPUs, clocks, versions, C compiler, commit (callers tee it into env.log)
+#   run_timeout R L    seconds each of the next R runs may take within BUDGET_S (see below)
+
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export PYTHONUNBUFFERED=1
+START=$SECONDS
+OUT=${OUT:-$PWD/.out}
+mkdir -p "$OUT"
+OUT=$(cd "$OUT" && pwd)
+cd "$(dirname "${BASH_SOURCE[0]}")/.." || exit 2
+PY=${PYTHON:-python3}
+
+install_wheels() {
+  if [ "${WHEELS:-1}" = 1 ] && ls .whl/*.whl >/dev/null 2>&1; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+      --target /tmp/site .whl/*.whl || { echo "wheel install failed"; return 1; }
+    export PYTHONPATH="$PWD:/tmp/site"
+  else
+    export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+  fi
+}
+
+# No network on the GPU hosts: the dataset's Arrow cache goes to scratch, nothing goes online.
+offline_hf_env() {
+  export HF_HOME=${HF_HOME:-/tmp/megamoe_hf_home}
+  export HF_DATASETS_CACHE=$HF_HOME/datasets HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1
+  export TRANSFORMERS_OFFLINE=1
+}
+
+env_report() {
+  nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.max.sm,temperature.gpu,power.draw \
+    --format=csv 2>/dev/null || echo "no nvidia-smi"
+  $PY -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__, "gpus", torch.cuda.device_count())'
+  $PY -c 'import importlib.metadata as m; print("torchtitan", m.version("torchtitan"))' 2>/dev/null \
+    || echo "torchtitan not installed"
+  command -v cc gcc || echo "no C compiler (Inductor/Triton need one)"
+  git log -1 --format='commit %H %s' 2>/dev/null || true
+}
+
+# Seconds each of the next `runs` runs may take: RUN_TIMEOUT_S, less when the remaining budget
+# (BUDGET_S since sourcing, minus LATER_S for each of `later` parts still to come, ~25 s for the
+# summary and ~20 s per run for stopping a timed-out torchrun) cannot cover that; at least 20.
+run_timeout() {
+  local runs=$1 later=$2
+  local left=$((BUDGET_S - (SECONDS - START) - 25 - later * ${LATER_S:-0}))
+  local t=$((left / runs - 20))
+  [ "$t" -gt "$RUN_TIMEOUT_S" ] && t=$RUN_TIMEOUT_S
+  [ "$t" -lt 20 ] && t=20
+  echo "$t"
+}
