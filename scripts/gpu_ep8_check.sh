@@ -186,8 +186,9 @@ for p in ab_parts:
         verdict = "NOT RUN"
     elif not (st.steps and cv.steps):
         verdict = "NO-RUN"
-    elif failed:
-        verdict = "RUN-FAILED" + ("" if c.ok else ", FAIL")
+    elif failed:  # e.g. timed out: the losses of the steps both logged still say something
+        bad = [q for q in c.problems if q.startswith("step ")]
+        verdict = "RUN-FAILED, " + ("FAIL" if bad else f"{len(c.steps)} common steps agree")
     else:
         verdict = "PASS" if c.ok else "FAIL"
     codes[p] = 0 if verdict == "PASS" else 1 if verdict == "FAIL" else 2
@@ -202,7 +203,7 @@ for p in ab_parts:
         f"{fmt(b['mean_step_time_s'] * 1e3, '.0f')} | {fmt(a['peak_memory_gib'], '.1f')} / "
         f"{fmt(b['peak_memory_gib'], '.1f')} | "
         f"{met(x_tail, STEP_X) if p == 'ab30' else '(none)'} | {run_codes or rc} |")
-    notes += [f"- {p}: {q}" for q in c.problems[:3]]
+    notes += [f"- {p}: {q[:200]}" + ("..." if len(q) > 200 else "") for q in c.problems[:3]]
     # the A/B's own report and plot, one folder per A/B
     for name in ("report.md", "ab.png"):
         if os.path.exists(os.path.join(d, name)):
