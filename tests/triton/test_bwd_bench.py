@@ -15,6 +15,9 @@ def test_bwd_bench_reports_every_stage():
         res = bench_shape("tiny", 9, 1, shape=(32, 16, 3, 2), device="cpu",
                           block_m=INTERPRET_BLOCK_M,
                           candidates=([INTERPRET_A], [INTERPRET_B], [INTERPRET_C]))
-    for stage in ("plan", "A_dgrad_l2_swiglu", "B_dw2", "B_dw1", "B_dw3", "C_dgrad_l1", "combine"):
+    for stage in ("plan", "A_dgrad_l2_swiglu", "B_dw2", "B_dw1", "B_dw3", "C_dgrad_l1", "combine",
+                  "B_dw2_cublas", "B_dw13_cublas", "C_dgrad_l1_cublas", "gather_x", "gather_dy"):
         assert res[f"{stage}_ms"] > 0, stage
-    assert res["total_ms"] > 0 and res["configs"]["A"]
+    for side in ("", "_cublas", "_auto"):  # every implementation's whole backward is timed
+        assert res[f"total{side}_ms"] > 0, side
+    assert res["configs"]["A"]
