@@ -74,7 +74,7 @@ done
 collect() {
   $PY - "$WORK" "$OUT" "$NPROC" "$RTOL" "$ATOL" "$PARTS" <<'EOF' >"$WORK/summary.out" 2>&1
 import glob, json, math, os, shutil, sys
-from torchtitan_megamoe.ab import compare, parse_log, run_stats
+from torchtitan_megamoe.ab import compare, parse_log_file as load, run_stats
 
 work, out, nproc, rtol, atol, parts = sys.argv[1:7]
 nproc, rtol, atol, parts = int(nproc), float(rtol), float(atol), parts.split()
@@ -142,14 +142,6 @@ if "bench" in parts:
     if not results:
         lines.append("No result: see bench.log in ep8_check.tar.gz.")
     lines.append("")
-
-
-def load(path):
-    try:
-        with open(path, errors="replace") as f:
-            return parse_log(f.read())
-    except OSError:
-        return parse_log("")
 
 
 def tail_tps(run):  # steady state: the last half of the logged steps (tuning, compiles done)

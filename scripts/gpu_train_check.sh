@@ -105,7 +105,7 @@ done
 # Summary: one table, per-step losses, the tolerance's reasoning; into $OUT/summary.md.
 $PY - "$WORK" "$RTOL" "$ATOL" "$SETUPS" <<'EOF' | tee "$OUT/summary.md"
 import json, math, os, sys
-from torchtitan_megamoe.ab import compare, parse_log, run_stats
+from torchtitan_megamoe.ab import compare, parse_log_file as load, run_stats
 
 work, rtol, atol, setups = sys.argv[1], float(sys.argv[2]), float(sys.argv[3]), sys.argv[4].split()
 sys.excepthook = lambda *e: (__import__("traceback").print_exception(*e), sys.exit(3))
@@ -114,13 +114,6 @@ desc = {
     "b": "FSDP (EP=1) + full AC",
     "a*": "(a), stock with full AC as reference",
 }
-
-def load(path):
-    try:
-        with open(path, errors="replace") as f:
-            return parse_log(f.read())
-    except OSError:
-        return parse_log("")
 
 def fmt(x, spec):
     return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, spec)

@@ -37,12 +37,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 import time
 import traceback
 
 import torch
+
+from torchtitan_megamoe.timing import median_ms
 
 SHAPES = {
     "tiny": dict(name="tiny (smoke)", dim=128, hidden=64, experts=8, top_k=2),
@@ -64,29 +65,6 @@ BWD_STAGES = [
     ("backward total, one side forced", "total", "total_cublas"),
     ("backward total, tuner's pick per stage", "total_auto", None),
 ]
-
-
-def _time_ms(fn, iters: int, warmup: int) -> float:
-    for _ in range(warmup):
-        fn()
-    if not torch.cuda.is_available():  # CPU smoke runs of this script only
-        times = []
-        for _ in range(iters):
-            t0 = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t0) * 1e3)
-        return statistics.median(times)
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        start = torch.cuda.Event(enable_timing=True)
-        end = torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
 
 
 def _rel_err(got: torch.Tensor, ref: torch.Tensor) -> float:
@@ -153,10 +131,10 @@ def _stage_times(x, ids, w, w1, w2, w3, iters, warmup):
     h = gemm1_swiglu(x, w1, w3, plan)
     y = gemm2_scatter(h, w2, plan)
     return {
-        "plan": _time_ms(lambda: build_plan(ids, w1.shape[0], BLOCK_M), iters, warmup),
-        "gemm1_swiglu": _time_ms(lambda: gemm1_swiglu(x, w1, w3, plan), iters, warmup),
-        "gemm2_scatter": _time_ms(lambda: gemm2_scatter(h, w2, plan), iters, warmup),
-        "combine": _time_ms(lambda: combine(y, w, plan.slot_row, x.dtype), iters, warmup),
+        "plan": median_ms(lambda: build_plan(ids, w1.shape[0], BLOCK_M), iters, warmup),
+        "gemm1_swiglu": median_ms(lambda: gemm1_swiglu(x, w1, w3, plan), iters, warmup),
+        "gemm2_scatter": median_ms(lambda: gemm2_scatter(h, w2, plan), iters, warmup),
+        "combine": median_ms(lambda: combine(y, w, plan.slot_row, x.dtype), iters, warmup),
         "rows_used": int(plan.num_rows_used),
         "max_rows": plan.max_rows,
         "workspace_bytes": plan.max_rows * w1.shape[1] * x.element_size()
@@ -212,13 +190,13 @@ def bench_shape(key: str, tokens: int, iters: int, warmup: int, backward: bool, 
             "shape": shape["name"], "tokens": T, "dim": D, "hidden": H,
             "experts": shape["experts"], "top_k": K, "backend": backend,
             "rel_err_vs_stock": rel,
-            "stock_fwd_ms": _time_ms(lambda: moe(x), iters, warmup),
-            "ours_fwd_ms": _time_ms(lambda: ours_layer(x), iters, warmup),
-            "ours_op_fwd_ms": _time_ms(
+            "stock_fwd_ms": median_ms(lambda: moe(x), iters, warmup),
+            "ours_fwd_ms": median_ms(lambda: ours_layer(x), iters, warmup),
+            "ours_op_fwd_ms": median_ms(
                 lambda: mega_moe(x2, ids, scores, ex.w1, ex.w2, ex.w3, backend=backend),
                 iters, warmup,
             ),
-            "router_ms": _time_ms(lambda: moe.router(x2, moe.expert_bias), iters, warmup),
+            "router_ms": median_ms(lambda: moe.router(x2, moe.expert_bias), iters, warmup),
         }
         if backend == "triton":
             res["stages_ms"] = _stage_times(x2, ids, scores, ex.w1, ex.w2, ex.w3, iters, warmup)
@@ -236,10 +214,10 @@ def bench_shape(key: str, tokens: int, iters: int, warmup: int, backward: bool, 
         def ours_step():
             ours_layer(xg).backward(grad)
 
-        res["stock_fwdbwd_ms"] = _time_ms(stock_step, iters, warmup)
+        res["stock_fwdbwd_ms"] = median_ms(stock_step, iters, warmup)
         try:
             ours_step()
-            res["ours_fwdbwd_ms"] = _time_ms(ours_step, iters, warmup)
+            res["ours_fwdbwd_ms"] = median_ms(ours_step, iters, warmup)
         except NotImplementedError as err:
             res["ours_fwdbwd_ms"] = None
             res["ours_fwdbwd_note"] = str(err)
@@ -267,8 +245,8 @@ def bench_shape(key: str, tokens: int, iters: int, warmup: int, backward: bool, 
 def _time_pair(fwd, step, iters, warmup, backward) -> tuple[float, float | None]:
     """(forward ms, forward + backward ms or None) of one layer."""
     with torch.no_grad():
-        fwd_ms = _time_ms(fwd, iters, warmup)
-    return fwd_ms, (_time_ms(step, iters, warmup) if backward else None)
+        fwd_ms = median_ms(fwd, iters, warmup)
+    return fwd_ms, (median_ms(step, iters, warmup) if backward else None)
 
 
 def bench_shape_ep(key: str, tokens: int, iters: int, warmup: int, backward: bool,

@@ -35,7 +35,7 @@ from torchtitan_megamoe.ab.configs import (
     variant_configs,
 )
 from torchtitan_megamoe.ab.driver import ABResult, run_ab
-from torchtitan_megamoe.ab.logs import RunLog, Step, parse_log, run_stats
+from torchtitan_megamoe.ab.logs import RunLog, Step, parse_log, parse_log_file, run_stats
 from torchtitan_megamoe.ab.report import plot, render_report
 from torchtitan_megamoe.ab.runner import run_env, run_one, torchrun_command
 
@@ -53,6 +53,7 @@ __all__ = [
     "dump_toml",
     "main",
     "parse_log",
+    "parse_log_file",
     "plot",
     "render_report",
     "run_ab",

@@ -15,7 +15,7 @@ from torchtitan_megamoe.ab.configs import (
     dump_toml,
     variant_configs,
 )
-from torchtitan_megamoe.ab.logs import RunLog, parse_log, run_stats
+from torchtitan_megamoe.ab.logs import RunLog, parse_log_file, run_stats
 from torchtitan_megamoe.ab.report import plot, render_report
 from torchtitan_megamoe.ab.runner import _cuda_available, run_env, run_one, torchrun_command
 
@@ -73,8 +73,7 @@ def run_ab(
             f"log {log_path}",
             flush=True,
         )
-        with open(log_path, errors="replace") as f:
-            runs[name] = parse_log(f.read())
+        runs[name] = parse_log_file(log_path)
     cmp = compare(runs["stock"], runs[CONVERTER], rtol, atol)
     for name, code in codes.items():
         if code != 0:

@@ -96,6 +96,15 @@ def parse_log(text: str) -> RunLog:
     return run
 
 
+def parse_log_file(path: str) -> RunLog:
+    """``parse_log`` of a log file; a run that never wrote its log has no steps."""
+    try:
+        with open(path, errors="replace") as f:
+            return parse_log(f.read())
+    except OSError:
+        return parse_log("")
+
+
 def _steady(values: list[float | None]) -> list[float]:
     # Step 1 carries lazy init (first allocations, gloo/NCCL connections): leave it out of the
     # averages when there is anything else.

@@ -18,7 +18,6 @@ its gathers / copies, as the tuner times them), and those parts alone: "gather_d
 import argparse
 import json
 import os
-import time
 
 import torch
 
@@ -35,25 +34,10 @@ from torchtitan_megamoe.ops.triton.bwd_dgrad_l2_swiglu import dgrad_l2_swiglu
 from torchtitan_megamoe.ops.triton.bwd_wgrad import wgrad
 from torchtitan_megamoe.ops.triton.plan import build_plan
 from torchtitan_megamoe.ops.triton.tune import bucket, pick_config
+from torchtitan_megamoe.timing import median_ms
 
 SHAPES = {"30b": (2048, 768, 128, 8), "235b": (4096, 1536, 128, 8)}
 SIDES = ("triton", "cublas", "auto")
-
-
-def _time(fn, iters):
-    if not torch.cuda.is_available():  # interpreter smoke runs: wall time
-        start = time.perf_counter()
-        fn()
-        return (time.perf_counter() - start) * 1e3
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return sorted(times)[len(times) // 2]
 
 
 def _chosen(name, key, cands):
@@ -82,7 +66,7 @@ def _whole(side, args, iters):
             torch.cuda.synchronize()
             base = torch.cuda.memory_allocated()
             torch.cuda.reset_peak_memory_stats()
-        ms = _time(lambda: backward_local(*args), iters)
+        ms = median_ms(lambda: backward_local(*args), iters)
         return ms, (torch.cuda.max_memory_allocated() - base) / 2**30 if cuda else 0.0
 
     return _with_side(side, run)
@@ -185,7 +169,7 @@ def bench_shape(name, tokens, iters, shape=None, device="cuda", block_m=BLOCK_M,
                                         dtw_dtype=tw.dtype), 0),
     }
     for stage, (fn, flops) in stages.items():
-        ms = _time(fn, iters)
+        ms = median_ms(fn, iters)
         res[f"{stage}_ms"] = ms
         if flops:
             res[f"{stage}_tflops"] = flops / ms / 1e9

@@ -6,15 +6,10 @@ operands to fp32 first. On the GPU the operands stay bf16 (tensor cores, fp32 ac
 products are exact in fp32 either way, so both paths compute the same math.
 """
 
-import os
-
 import triton
 import triton.language as tl
 
-
-def interpreting() -> bool:
-    """True when kernels run under Triton's CPU interpreter (read at launch time)."""
-    return os.environ.get("TRITON_INTERPRET") == "1"
+from torchtitan_megamoe.ops.triton.tune import interpreting  # noqa: F401  (re-exported)
 
 
 @triton.jit

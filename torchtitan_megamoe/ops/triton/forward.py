@@ -5,14 +5,13 @@ ybuf [T*K, D] in x.dtype, plus O(T*K) int32 plan vectors. R_max = T*K + E*(block
 to block_m, an exact static bound, so no routing can overflow at EP=1.
 """
 
-import os
-
 import torch
 
 from torchtitan_megamoe.ops.triton.combine import combine
 from torchtitan_megamoe.ops.triton.gemm1_swiglu import gemm1_swiglu
 from torchtitan_megamoe.ops.triton.gemm2_scatter import gemm2_scatter
 from torchtitan_megamoe.ops.triton.plan import build_plan
+from torchtitan_megamoe.ops.triton.tune import interpreting
 
 BLOCK_M = 128
 """Plan tile height on the GPU; every GEMM candidate's BLOCK_M divides it."""
@@ -21,10 +20,6 @@ BLOCK_M = 128
 # several tiles per expert.
 INTERPRET_BLOCK_M = 16
 INTERPRET_GEMM_CONFIG = dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=16, GROUP_M=2, num_warps=1, num_stages=1)
-
-
-def interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def min_multiple() -> int:

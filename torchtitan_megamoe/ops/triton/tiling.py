@@ -1,10 +1,10 @@
 """Tile-order helpers shared by the grouped GEMM kernels."""
 
-import os
-
 import torch
 import triton
 import triton.language as tl
+
+from torchtitan_megamoe.ops.triton.tune import interpreting
 
 
 @triton.jit
@@ -22,7 +22,7 @@ def grouped_tile(t, num_m, num_n, GROUP_M: tl.constexpr):
 
 def persistent_programs(device: torch.device) -> int:
     """Programs of a persistent launch: one per SM (a few under the CPU interpreter)."""
-    if os.environ.get("TRITON_INTERPRET") == "1" or device.type != "cuda":
+    if interpreting() or device.type != "cuda":
         return 3
     return torch.cuda.get_device_properties(device).multi_processor_count
 

@@ -15,14 +15,19 @@ TIMINGS: dict = {}
 """(kernel name, shape key) -> [(config, ms)], for the benchmark's report."""
 
 
-def interpreter_needs_f32_dot() -> bool:
-    """The CPU interpreter (seen with Triton 3.9) returns garbage from tl.dot on bf16 operands,
-    so kernels upcast their dot operands to fp32 there; compiled kernels keep bf16 MMAs."""
+def interpreting() -> bool:
+    """True when kernels run under Triton's CPU interpreter (read at launch time)."""
     return os.environ.get("TRITON_INTERPRET") == "1"
 
 
+def interpreter_needs_f32_dot() -> bool:
+    """The CPU interpreter (seen with Triton 3.9) returns garbage from tl.dot on bf16 operands,
+    so kernels upcast their dot operands to fp32 there; compiled kernels keep bf16 MMAs."""
+    return interpreting()
+
+
 def _tuning_enabled() -> bool:
-    if os.environ.get("TRITON_INTERPRET") == "1":
+    if interpreting():
         return False
     if os.environ.get("MEGAMOE_TRITON_TUNE", "1") == "0":
         return False
