@@ -2,11 +2,27 @@
 
 The op is registered as ``torch.ops.megamoe.mega_moe`` (forward) and
 ``torch.ops.megamoe.mega_moe_backward`` so that torch.compile and selective activation
-checkpointing see one opaque op each, not a graph of collectives and GEMMs. Autograd saves only
-the op's inputs; the backward re-dispatches and recomputes what it needs (see the backends).
+checkpointing see one opaque op each, not a graph of collectives and GEMMs.
 
-Backends are modules with ``forward(x, topk_ids, topk_weights, w1, w2, w3, group, precision)``
-and ``backward(grad_out, x, topk_ids, topk_weights, w1, w2, w3, group, precision)``.
+    megamoe::mega_moe(x, topk_ids, topk_weights, w1, w2, w3, group_name, backend, precision)
+        -> (Tensor out, Tensor[] saved)
+    megamoe::mega_moe_backward(grad_out, x, topk_ids, topk_weights, w1, w2, w3, Tensor[] saved,
+                               group_name, backend, precision) -> (dx, dtw, dw1, dw2, dw3)
+
+``saved`` is whatever the backend keeps from its forward for its backward (Triton EP=1: GEMM 1's
+pre-activations and the packed plan; reference and Triton EP > 1: nothing, they recompute). It is
+an output of the forward op so that selective activation checkpointing with the op in its save
+list keeps it (no recompute of the op), while full AC recomputes the forward and holds it only
+during that layer's backward. Autograd saves the inputs and ``saved`` (non-differentiable, never
+given a gradient). The public ``mega_moe()`` returns ``out`` only.
+
+Backends are modules with
+    forward(x, topk_ids, topk_weights, w1, w2, w3, group, precision, save=False)
+        -> out, or (out, list[Tensor]) with save=True
+    saved_like(x, topk_ids, topk_weights, w1, w2, w3, group, precision) -> list[Tensor]
+        (empty tensors of forward's saved shapes/dtypes: the fake impl; static in T, K, E, H)
+    backward(grad_out, x, topk_ids, topk_weights, w1, w2, w3, group, precision, saved=None)
+        (saved None or empty: recompute)
 """
 
 from __future__ import annotations
@@ -58,9 +74,10 @@ def mega_moe(
     check_args(x, topk_ids, topk_weights, w1, w2, w3, group=group, precision=precision)
     backend = resolve_backend(backend, x, group)
     group_name = "" if group is None else group.group_name
-    return torch.ops.megamoe.mega_moe(
+    out, _saved = torch.ops.megamoe.mega_moe(
         x, topk_ids, topk_weights, w1, w2, w3, group_name, backend, precision
     )
+    return out
 
 
 def resolve_backend(backend: str, x: torch.Tensor, group: dist.ProcessGroup | None) -> str:
@@ -193,16 +210,21 @@ def _mega_moe_op(
     group_name: str,
     backend: str,
     precision: str,
-) -> torch.Tensor:
+) -> tuple[torch.Tensor, list[torch.Tensor]]:
     impl = backend_module(backend)
-    return impl.forward(
-        x, topk_ids, topk_weights, w1, w2, w3, _group_from_name(group_name), precision
+    out, saved = impl.forward(
+        x, topk_ids, topk_weights, w1, w2, w3, _group_from_name(group_name), precision,
+        save=True,
     )
+    return out, list(saved)
 
 
 @_mega_moe_op.register_fake
 def _mega_moe_fake(x, topk_ids, topk_weights, w1, w2, w3, group_name, backend, precision):
-    return torch.empty_like(x)
+    saved = backend_module(backend).saved_like(
+        x, topk_ids, topk_weights, w1, w2, w3, _group_from_name(group_name), precision
+    )
+    return torch.empty_like(x), saved
 
 
 @torch.library.custom_op("megamoe::mega_moe_backward", mutates_args=())
@@ -214,6 +236,7 @@ def _mega_moe_backward_op(
     w1: torch.Tensor,
     w2: torch.Tensor,
     w3: torch.Tensor,
+    saved: list[torch.Tensor],
     group_name: str,
     backend: str,
     precision: str,
@@ -229,13 +252,14 @@ def _mega_moe_backward_op(
         w3,
         _group_from_name(group_name),
         precision,
+        saved=list(saved) or None,
     )
     return tuple(g.contiguous() for g in grads)
 
 
 @_mega_moe_backward_op.register_fake
 def _mega_moe_backward_fake(
-    grad_out, x, topk_ids, topk_weights, w1, w2, w3, group_name, backend, precision
+    grad_out, x, topk_ids, topk_weights, w1, w2, w3, saved, group_name, backend, precision
 ):
     return (
         torch.empty_like(x),
@@ -248,14 +272,21 @@ def _mega_moe_backward_fake(
 
 def _setup_context(ctx, inputs, output):
     x, topk_ids, topk_weights, w1, w2, w3, group_name, backend, precision = inputs
-    ctx.save_for_backward(x, topk_ids, topk_weights, w1, w2, w3)
+    _out, saved = output
+    ctx.mark_non_differentiable(*saved)
+    # Gradients of the saved outputs are never used: do not let autograd allocate zeros for them
+    # (a is as large as an activation).
+    ctx.set_materialize_grads(False)
+    ctx.save_for_backward(x, topk_ids, topk_weights, w1, w2, w3, *saved)
     ctx.config = (group_name, backend, precision)
 
 
-def _backward(ctx, grad_out):
-    x, topk_ids, topk_weights, w1, w2, w3 = ctx.saved_tensors
+def _backward(ctx, grad_out, _grad_saved):
+    x, topk_ids, topk_weights, w1, w2, w3, *saved = ctx.saved_tensors
+    if grad_out is None:  # out itself was unused (grads are not materialized)
+        grad_out = torch.zeros_like(x)
     dx, dweights, dw1, dw2, dw3 = torch.ops.megamoe.mega_moe_backward(
-        grad_out, x, topk_ids, topk_weights, w1, w2, w3, *ctx.config
+        grad_out, x, topk_ids, topk_weights, w1, w2, w3, saved, *ctx.config
     )
     return dx, None, dweights, dw1, dw2, dw3, None, None, None
 

@@ -38,7 +38,8 @@ def supports(x: torch.Tensor, group) -> bool:
     return True
 
 
-def forward(x, topk_ids, topk_weights, w1, w2, w3, group, precision):
+def forward(x, topk_ids, topk_weights, w1, w2, w3, group, precision, save=False):
+    """out; with ``save``, (out, []): this backend saves nothing (its backward recomputes)."""
     T, K = topk_ids.shape
     route = AllToAllRoute(topk_ids, w1.shape[0], group)
     rows = route.dispatch(slot_rows(x, K, route.slots))
@@ -46,10 +47,17 @@ def forward(x, topk_ids, topk_weights, w1, w2, w3, group, precision):
     y_slots = route.to_slots(y, T * K)
     # a dropped slot contributes nothing, whatever its weight holds (even NaN)
     weights = topk_weights.to(y_slots.dtype).masked_fill(topk_ids < 0, 0).unsqueeze(-1)
-    return (weights * y_slots.view(T, K, -1)).sum(dim=1).to(x.dtype)
+    out = (weights * y_slots.view(T, K, -1)).sum(dim=1).to(x.dtype)
+    return (out, []) if save else out
 
 
-def backward(grad_out, x, topk_ids, topk_weights, w1, w2, w3, group, precision):
+def saved_like(x, topk_ids, topk_weights, w1, w2, w3, group, precision):
+    return []
+
+
+def backward(grad_out, x, topk_ids, topk_weights, w1, w2, w3, group, precision, saved=None):
+    if saved:
+        raise ValueError("backend 'reference' saves nothing in its forward; pass saved=None")
     T, K = topk_ids.shape
     route = AllToAllRoute(topk_ids, w1.shape[0], group)
     rows = route.dispatch(slot_rows(x, K, route.slots))

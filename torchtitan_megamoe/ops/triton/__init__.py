@@ -2,7 +2,8 @@
 
 Forward (EP=1): device-side plan (plan.py), grouped GEMM 1 + SwiGLU (gemm1_swiglu.py), grouped
 GEMM 2 storing rows into combine slots (gemm2_scatter.py), fp32 combine (combine.py).
-Backward: backward.py (BF16). EP > 1 (ep_forward.py, bwd_ep.py): rows are exchanged with
+Backward: backward.py (BF16); at EP=1 it reads what the forward saved (GEMM 1's pre-activations
+and the packed plan) instead of recomputing them. EP > 1 (ep_forward.py, bwd_ep.py): rows are exchanged with
 all_to_all around the EP=1 kernels (functional, not yet overlapped with the GEMMs).
 """
 
@@ -17,6 +18,7 @@ from torchtitan_megamoe.ops.triton.forward import (
     interpret_defaults,
     interpreting,
     min_multiple,
+    saved_like as _saved_like_ep1,
 )
 
 _SUPPORTED_DTYPES = (torch.bfloat16,)
@@ -71,13 +73,27 @@ def check_inputs(x, w1, group, precision) -> None:
         )
 
 
-def forward(x, topk_ids, topk_weights, w1, w2, w3, group, precision):
+def forward(x, topk_ids, topk_weights, w1, w2, w3, group, precision, save=False):
+    """out; with ``save``, (out, saved: list of tensors for backward(saved=...)). EP=1 saves
+    [a, packed_plan] (forward.py); EP > 1 saves nothing yet (its backward recomputes)."""
     check_inputs(x, w1, group, precision)
     if _ep_size(group) > 1:
         block_m, c1, c2 = interpret_defaults(None, None, None)
-        return forward_ep(x, topk_ids, topk_weights, w1, w2, w3, group, block_m, c1, c2)
-    return forward_ep1(x, topk_ids, topk_weights, w1, w2, w3)
+        out = forward_ep(x, topk_ids, topk_weights, w1, w2, w3, group, block_m, c1, c2)
+        return (out, []) if save else out
+    if not save:
+        return forward_ep1(x, topk_ids, topk_weights, w1, w2, w3)
+    out, saved = forward_ep1(x, topk_ids, topk_weights, w1, w2, w3, save=True)
+    return out, list(saved)
 
 
-def backward(grad_out, x, topk_ids, topk_weights, w1, w2, w3, group, precision):
-    return _backward_ep1(grad_out, x, topk_ids, topk_weights, w1, w2, w3, group, precision)
+def saved_like(x, topk_ids, topk_weights, w1, w2, w3, group, precision):
+    """Empty tensors with the shapes and dtypes forward(..., save=True) saves (fake impl)."""
+    if _ep_size(group) > 1:
+        return []
+    return _saved_like_ep1(x, topk_ids, w1)
+
+
+def backward(grad_out, x, topk_ids, topk_weights, w1, w2, w3, group, precision, saved=None):
+    return _backward_ep1(grad_out, x, topk_ids, topk_weights, w1, w2, w3, group, precision,
+                         saved=saved)

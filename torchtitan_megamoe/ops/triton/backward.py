@@ -71,7 +71,7 @@ from torchtitan_megamoe.ops.triton.bwd_dgrad_l1 import dgrad_l1
 from torchtitan_megamoe.ops.triton.bwd_dgrad_l2_swiglu import dgrad_l2_swiglu
 from torchtitan_megamoe.ops.triton.bwd_ep import backward_ep
 from torchtitan_megamoe.ops.triton.bwd_wgrad import longest_first, wgrad
-from torchtitan_megamoe.ops.triton.plan import build_plan
+from torchtitan_megamoe.ops.triton.plan import build_plan, unpack_plan
 from torchtitan_megamoe.ops.triton.tune import bucket, pick_config
 
 BLOCK_M = 128
@@ -88,6 +88,16 @@ A_CANDIDATES = [
     dict(block_m=128, block_n=64, block_k=64, num_warps=8, num_stages=3, use_tma=True),
     dict(block_m=64, block_n=64, block_k=64, num_warps=8, num_stages=3, use_tma=True),
     dict(block_m=64, block_n=128, block_k=64, num_warps=8, num_stages=3, use_tma=True),
+    dict(block_m=128, block_n=64, block_k=32, num_warps=8, num_stages=4, use_tma=False),
+]
+# Kernel A with the forward's saved pre-activations is one plain dgrad GEMM (dy rows @ w2[e],
+# K-dim = D) plus an epilogue that loads the a1/a3 tiles: one fp32 accumulator, so 128-wide
+# tiles fit where the recompute variant's three accumulators spilled.
+A_SAVED_CANDIDATES = [
+    dict(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=3, use_tma=True),
+    dict(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=4, use_tma=True),
+    dict(block_m=128, block_n=64, block_k=64, num_warps=4, num_stages=4, use_tma=True),
+    dict(block_m=128, block_n=64, block_k=64, num_warps=8, num_stages=3, use_tma=True),
     dict(block_m=128, block_n=64, block_k=32, num_warps=8, num_stages=4, use_tma=False),
 ]
 B_CANDIDATES = [
@@ -132,23 +142,29 @@ def check_backward_inputs(grad_out, x, w1, precision) -> None:
         )
 
 
-def backward(grad_out, x, topk_ids, topk_weights, w1, w2, w3, group, precision):
+def backward(grad_out, x, topk_ids, topk_weights, w1, w2, w3, group, precision, saved=None):
     """(dx, dtopk_weights, dw1, dw2, dw3) of mega_moe for grad_out, BF16; with an EP group of
-    more than one rank, rows are exchanged around the EP=1 kernels (bwd_ep.py)."""
+    more than one rank, rows are exchanged around the EP=1 kernels (bwd_ep.py). ``saved``: what
+    the forward saved (forward.forward_ep1(..., save=True)); None or empty recomputes."""
     check_backward_inputs(grad_out, x, w1, precision)
     if group is not None and dist.get_world_size(group) > 1:
         return backward_ep(grad_out, x, topk_ids, topk_weights, w1, w2, w3, group, backward_local)
-    return backward_local(grad_out, x, topk_ids, topk_weights, w1, w2, w3)
+    return backward_local(grad_out, x, topk_ids, topk_weights, w1, w2, w3, saved=saved)
 
 
-def backward_local(grad_out, x, topk_ids, topk_weights, w1, w2, w3):
-    """EP=1 backward: every expert of topk_ids is in w1/w2/w3."""
+def backward_local(grad_out, x, topk_ids, topk_weights, w1, w2, w3, saved=None):
+    """EP=1 backward: every expert of topk_ids is in w1/w2/w3. ``saved`` = (a, packed_plan)
+    from forward_ep1(..., save=True) on the same inputs: kernel A loads a1/a3 instead of
+    recomputing GEMM 1 and the plan is unpacked instead of rebuilt. None (or an empty
+    sequence) recomputes both."""
     if interpreting():
         block_m, a_cands, b_cands, c_cands = (
             INTERPRET_BLOCK_M, [INTERPRET_A], [INTERPRET_B], [INTERPRET_C]
         )
+        a_saved_cands = a_cands
     else:
         block_m, a_cands, b_cands, c_cands = BLOCK_M, A_CANDIDATES, B_CANDIDATES, C_CANDIDATES
+        a_saved_cands = A_SAVED_CANDIDATES
     T, D = x.shape
     if T == 0:  # e.g. an EP rank that receives no rows
         return (torch.empty_like(x), torch.empty_like(topk_weights),
@@ -159,7 +175,14 @@ def backward_local(grad_out, x, topk_ids, topk_weights, w1, w2, w3):
     x = x.contiguous()
     w1, w2, w3 = w1.contiguous(), w2.contiguous(), w3.contiguous()
     E, H, _ = w1.shape
-    plan = build_plan(topk_ids, E, block_m)
+    if saved:
+        a_saved, packed = saved
+        plan = unpack_plan(packed, T, topk_ids.shape[1], E, block_m)
+        a_name, a_cands = "bwd_dgrad_l2_swiglu_saved", a_saved_cands
+    else:
+        a_saved = None
+        plan = build_plan(topk_ids, E, block_m)
+        a_name = "bwd_dgrad_l2_swiglu"
     R = plan.max_rows
     # Bucketed: under EP, R changes every step. The forced side is part of the key, so a
     # forced run never reuses what auto picked (or the reverse).
@@ -176,10 +199,11 @@ def backward_local(grad_out, x, topk_ids, topk_weights, w1, w2, w3):
                 torch.empty(R, H, dtype=x.dtype, device=x.device),
                 torch.empty(n_h, R, dtype=torch.float32, device=x.device),
             ))
-        return dgrad_l2_swiglu(dy, x, topk_weights, w1, w2, w3, plan, out=a_bufs["out"], **cfg)
+        return dgrad_l2_swiglu(dy, x, topk_weights, w1, w2, w3, plan, out=a_bufs["out"],
+                               a=a_saved, **cfg)
 
-    da, hw, part = launch_a(pick_config("bwd_dgrad_l2_swiglu", key, a_cands, launch_a))
-    del a_bufs
+    da, hw, part = launch_a(pick_config(a_name, key, a_cands, launch_a))
+    del a_bufs, a_saved
 
     # Weight gradients (kernel B or _grouped_mm): dw2 first so hw is freed before kernel C
     # allocates dx_slot.

@@ -3,6 +3,12 @@
 Workspace per call (freed by the caching allocator afterwards): h [R_max, H] and
 ybuf [T*K, D] in x.dtype, plus O(T*K) int32 plan vectors. R_max = T*K + E*(block_m-1) rounded up
 to block_m, an exact static bound, so no routing can overflow at EP=1.
+
+With ``save=True`` (what the op does for autograd) two tensors outlive the call until the
+backward: a = [a1 | a3] [R_max, 2H] in x.dtype (GEMM 1's pre-activations, stored by its epilogue)
+and the plan packed into one int32 vector (plan.pack_plan, R_max + T*K + R_max/block_m + 2E + 1
+entries). At T=16384, K=8, E=128, block_m=128 (R_max = 147,328): a is 432 MiB at the 30B shape
+(H=768), 864 MiB at 235B (H=1536); the packed plan 1.1 MiB. backward.py compares with stock.
 """
 
 import torch
@@ -10,7 +16,7 @@ import torch
 from torchtitan_megamoe.ops.triton.combine import combine
 from torchtitan_megamoe.ops.triton.gemm1_swiglu import gemm1_swiglu
 from torchtitan_megamoe.ops.triton.gemm2_scatter import gemm2_scatter
-from torchtitan_megamoe.ops.triton.plan import build_plan
+from torchtitan_megamoe.ops.triton.plan import build_plan, max_rows, pack_plan, packed_plan_numel
 from torchtitan_megamoe.ops.triton.tune import interpreting
 
 BLOCK_M = 128
@@ -46,11 +52,35 @@ def forward_ep1(
     gemm1_config: dict | None = None,
     gemm2_config: dict | None = None,
     ybuf_dtype: torch.dtype | None = None,
-) -> torch.Tensor:
+    save: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+    """out [T, D]; with ``save``, (out, saved) where saved = (a, packed_plan) is what
+    backward.backward_local(..., saved=saved) reads instead of recomputing GEMM 1 and the plan.
+    A saved tuple is only valid with the default block_m (the backward's)."""
     block_m, gemm1_config, gemm2_config = interpret_defaults(block_m, gemm1_config, gemm2_config)
     x = x.contiguous()
     w1, w2, w3 = w1.contiguous(), w2.contiguous(), w3.contiguous()
     plan = build_plan(topk_ids, w1.shape[0], block_m)
-    h = gemm1_swiglu(x, w1, w3, plan, config=gemm1_config)
+    if save:
+        h, a = gemm1_swiglu(x, w1, w3, plan, config=gemm1_config, save_a=True)
+    else:
+        h = gemm1_swiglu(x, w1, w3, plan, config=gemm1_config)
     ybuf = gemm2_scatter(h, w2, plan, out_dtype=ybuf_dtype, config=gemm2_config)
-    return combine(ybuf, topk_weights.contiguous(), plan.slot_row, x.dtype)
+    del h
+    out = combine(ybuf, topk_weights.contiguous(), plan.slot_row, x.dtype)
+    if not save:
+        return out
+    return out, (a, pack_plan(plan))
+
+
+def saved_like(x: torch.Tensor, topk_ids: torch.Tensor, w1: torch.Tensor) -> list[torch.Tensor]:
+    """Empty tensors shaped like forward_ep1(..., save=True)'s saved tuple (fake impls, meta):
+    every size is a static function of (T, K, E_local, H, block_m)."""
+    block_m, _, _ = interpret_defaults(None, None, None)
+    T, K = topk_ids.shape
+    E, H, _ = w1.shape
+    R = max_rows(T * K, E, block_m)
+    return [
+        x.new_empty((R, 2 * H)),
+        x.new_empty((packed_plan_numel(T, K, E, block_m),), dtype=torch.int32),
+    ]

@@ -7,8 +7,15 @@ load zeros, so their h is exactly 0. Each tile belongs to one expert (segments a
 the plan's block_m, a multiple of BLOCK_M); tiles past the used rows exit at once. PERSISTENT:
 one program per SM loops over the tiles of the used rows (count read on device).
 
+Optional pre-activation output (``save_a=True``, what the forward saves for the backward so
+kernel A need not recompute GEMM 1): a [R_max, 2H] in x.dtype, a1 = x_r @ w1[e]^T in columns
+[0, H) and a3 = x_r @ w3[e]^T in [H, 2H) (the layout of the backward's da, so kernel A reads a1
+and a3 of an H tile with the same row offsets it stores da with). Both are the fp32 accumulators
+rounded once to bf16, stored in the epilogue next to h; padding rows store zeros. Off by default
+(then the kernel is the same compiled variant as before: SAVE_A is a constexpr).
+
 Waits on: nothing inside the launch (EP=1; inputs are ready when it starts).
-Signals: nothing; h [R_max, H] bf16 is complete when the launch is.
+Signals: nothing; h [R_max, H] bf16 (and a) are complete when the launch is.
 """
 
 import torch
@@ -25,10 +32,10 @@ from torchtitan_megamoe.ops.triton.tune import interpreter_needs_f32_dot, pick_c
 @triton.jit
 def _gemm1_tile(
     pid_m, pid_n, expert,
-    x_ptr, w1_ptr, w3_ptr, w1_desc, w3_desc, h_ptr, row_slot_ptr,
-    H, D, stride_x, stride_we, stride_wh, stride_h,
+    x_ptr, w1_ptr, w3_ptr, w1_desc, w3_desc, h_ptr, a_ptr, row_slot_ptr,
+    H, D, stride_x, stride_we, stride_wh, stride_h, stride_a,
     TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    F32_DOT: tl.constexpr, USE_TMA: tl.constexpr, WARP_SPEC: tl.constexpr,
+    F32_DOT: tl.constexpr, USE_TMA: tl.constexpr, WARP_SPEC: tl.constexpr, SAVE_A: tl.constexpr,
 ):
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     slot = tl.load(row_slot_ptr + rows)
@@ -59,6 +66,10 @@ def _gemm1_tile(
         a_ptrs += BLOCK_K
         w_off += BLOCK_K
 
+    if SAVE_A:
+        a_ptrs = a_ptr + rows[:, None].to(tl.int64) * stride_a + offs_n[None, :]
+        tl.store(a_ptrs, cast_out(acc1, a_ptr.dtype.element_ty, F32_DOT))
+        tl.store(a_ptrs + H, cast_out(acc3, a_ptr.dtype.element_ty, F32_DOT))
     h = acc1 * tl.sigmoid(acc1) * acc3
     h_ptrs = h_ptr + rows[:, None].to(tl.int64) * stride_h + offs_n[None, :]
     tl.store(h_ptrs, cast_out(h, h_ptr.dtype.element_ty, F32_DOT))
@@ -66,11 +77,12 @@ def _gemm1_tile(
 
 @triton.jit
 def _gemm1_swiglu_kernel(
-    x_ptr, w1_ptr, w3_ptr, w1_desc, w3_desc, h_ptr, row_slot_ptr, tile_expert_ptr,
-    num_rows_used_ptr, num_m_tiles, H, D, stride_x, stride_we, stride_wh, stride_h,
+    x_ptr, w1_ptr, w3_ptr, w1_desc, w3_desc, h_ptr, a_ptr, row_slot_ptr, tile_expert_ptr,
+    num_rows_used_ptr, num_m_tiles, H, D, stride_x, stride_we, stride_wh, stride_h, stride_a,
     TOP_K: tl.constexpr, PLAN_BM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, F32_DOT: tl.constexpr,
     USE_TMA: tl.constexpr, WARP_SPEC: tl.constexpr, PERSISTENT: tl.constexpr,
+    SAVE_A: tl.constexpr,
 ):
     num_n = H // BLOCK_N
     if PERSISTENT:
@@ -81,18 +93,18 @@ def _gemm1_swiglu_kernel(
             pid_m, pid_n = grouped_tile(t, num_m, num_n, GROUP_M)
             expert = tl.load(tile_expert_ptr + (pid_m * BLOCK_M) // PLAN_BM)
             _gemm1_tile(
-                pid_m, pid_n, expert, x_ptr, w1_ptr, w3_ptr, w1_desc, w3_desc, h_ptr,
-                row_slot_ptr, H, D, stride_x, stride_we, stride_wh, stride_h,
-                TOP_K, BLOCK_M, BLOCK_N, BLOCK_K, F32_DOT, USE_TMA, WARP_SPEC,
+                pid_m, pid_n, expert, x_ptr, w1_ptr, w3_ptr, w1_desc, w3_desc, h_ptr, a_ptr,
+                row_slot_ptr, H, D, stride_x, stride_we, stride_wh, stride_h, stride_a,
+                TOP_K, BLOCK_M, BLOCK_N, BLOCK_K, F32_DOT, USE_TMA, WARP_SPEC, SAVE_A,
             )
     else:
         pid_m, pid_n = grouped_tile(tl.program_id(0), num_m_tiles, num_n, GROUP_M)
         expert = tl.load(tile_expert_ptr + (pid_m * BLOCK_M) // PLAN_BM)
         if expert >= 0:  # tiles past the used rows exit at once
             _gemm1_tile(
-                pid_m, pid_n, expert, x_ptr, w1_ptr, w3_ptr, w1_desc, w3_desc, h_ptr,
-                row_slot_ptr, H, D, stride_x, stride_we, stride_wh, stride_h,
-                TOP_K, BLOCK_M, BLOCK_N, BLOCK_K, F32_DOT, USE_TMA, WARP_SPEC,
+                pid_m, pid_n, expert, x_ptr, w1_ptr, w3_ptr, w1_desc, w3_desc, h_ptr, a_ptr,
+                row_slot_ptr, H, D, stride_x, stride_we, stride_wh, stride_h, stride_a,
+                TOP_K, BLOCK_M, BLOCK_N, BLOCK_K, F32_DOT, USE_TMA, WARP_SPEC, SAVE_A,
             )
 
 
@@ -116,13 +128,16 @@ GPU_CONFIGS = [
 
 
 def gemm1_swiglu(
-    x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, plan: Plan, config: dict | None = None
-) -> torch.Tensor:
-    """h [R_max, H] in x.dtype for the rows of ``plan`` (padding rows are 0)."""
+    x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, plan: Plan, config: dict | None = None,
+    save_a: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """h [R_max, H] in x.dtype for the rows of ``plan`` (padding rows are 0); with ``save_a``,
+    (h, a) where a [R_max, 2H] holds [a1 | a3] (see the module docstring)."""
     E, H, D = w1.shape
     assert x.is_contiguous() and w1.is_contiguous() and w3.is_contiguous()
     R = plan.max_rows
     h = torch.empty((R, H), dtype=x.dtype, device=x.device)
+    a = torch.empty((R, 2 * H), dtype=x.dtype, device=x.device) if save_a else h
 
     def launch(cfg):
         bm, bn, bk = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
@@ -142,15 +157,17 @@ def gemm1_swiglu(
         else:
             d1, d3 = w1, w3
         _gemm1_swiglu_kernel[grid](
-            x, w1, w3, d1, d3, h, plan.row_slot, plan.tile_expert,
+            x, w1, w3, d1, d3, h, a, plan.row_slot, plan.tile_expert,
             plan.num_rows_used, num_m, H, D,
-            x.stride(0), w1.stride(0), w1.stride(1), h.stride(0),
+            x.stride(0), w1.stride(0), w1.stride(1), h.stride(0), a.stride(0),
             TOP_K=plan.top_k, PLAN_BM=plan.block_m, F32_DOT=interpreter_needs_f32_dot(),
-            **cfg,
+            SAVE_A=save_a, **cfg,
         )
 
     cands = [config] if config is not None else [
         c for c in GPU_CONFIGS if H % c["BLOCK_N"] == 0 and D % c["BLOCK_K"] == 0
     ]
-    launch(pick_config("gemm1_swiglu", (_bucket(R), H, D, E, plan.block_m), cands, launch))
-    return h
+    # The extra store is part of what is timed, so the saving variant is tuned on its own.
+    key = (_bucket(R), H, D, E, plan.block_m) + (("save_a",) if save_a else ())
+    launch(pick_config("gemm1_swiglu", key, cands, launch))
+    return (h, a) if save_a else h

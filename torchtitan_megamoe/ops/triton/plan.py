@@ -168,3 +168,40 @@ def build_plan(
         num_local_experts=E,
         block_m=block_m,
     )
+
+
+def pack_plan(plan: Plan) -> torch.Tensor:
+    """The plan's int32 tensors as one flat int32 tensor (what the forward saves for the
+    backward): [row_slot R_max | slot_row T*K | tile_expert R_max/block_m | seg_start E+1 |
+    count E]. Its length is a static function of (T, K, E_local, block_m)."""
+    return torch.cat([plan.row_slot, plan.slot_row, plan.tile_expert, plan.seg_start, plan.count])
+
+
+def packed_plan_numel(num_tokens: int, top_k: int, num_local_experts: int, block_m: int) -> int:
+    """Length of pack_plan's tensor (also what a fake impl allocates)."""
+    r = max_rows(num_tokens * top_k, num_local_experts, block_m)
+    return r + num_tokens * top_k + r // block_m + 2 * num_local_experts + 1
+
+
+def unpack_plan(
+    packed: torch.Tensor, num_tokens: int, top_k: int, num_local_experts: int, block_m: int
+) -> Plan:
+    """Inverse of pack_plan: views into ``packed`` (no copy, no host sync). The static
+    arguments must be those of the build_plan call that made it; a length mismatch raises."""
+    T, K, E = num_tokens, top_k, num_local_experts
+    want = packed_plan_numel(T, K, E, block_m)
+    if packed.dim() != 1 or packed.numel() != want or packed.dtype != torch.int32:
+        raise ValueError(
+            f"packed plan has shape {tuple(packed.shape)} / {packed.dtype}; expected [{want}] "
+            f"int32 for T={T}, K={K}, E_local={E}, block_m={block_m} (was it saved with another "
+            "block_m?)"
+        )
+    r = max_rows(T * K, E, block_m)
+    row_slot, slot_row, tile_expert, seg_start, count = torch.split(
+        packed, [r, T * K, r // block_m, E + 1, E]
+    )
+    return Plan(
+        row_slot=row_slot, slot_row=slot_row, tile_expert=tile_expert, seg_start=seg_start,
+        count=count, num_rows_used=seg_start[E], num_tokens=T, top_k=K, num_local_experts=E,
+        block_m=block_m,
+    )
