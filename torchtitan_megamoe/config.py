@@ -26,6 +26,15 @@ class MegaMoE:
     ``fp8_bwd``: BF16 forward, FP8 backward. The FP8 modes exist only as the reference backend's
     emulation so far (numerics checks); the converter rejects them with the Hopper kernels."""
 
+    max_tokens_per_rank: int = 0
+    """Capacity of the expert-parallel token exchange (EP > 1), in tokens per rank (local batch
+    x sequence length). Each rank's receive buffers hold this many rows from every rank of the
+    EP group, so no routing can overflow them. 0 sizes them from the first MoE call (the
+    largest batch in the group). They are symmetric memory, created once and shared by all
+    layers, and cannot grow: set this when later steps bring more tokens per rank than the
+    first (a larger call raises an error naming this knob). Memory per rank: 3 x ep x
+    max_tokens_per_rank x dim x 2 bytes (30B-A3B, EP=8, 16384 tokens: 1.5 GiB)."""
+
 
 @dataclass
 class JobConfig:

@@ -23,6 +23,7 @@ from torchtitan.tools.logging import logger
 from torchtitan_megamoe.config import MegaMoE as MegaMoEConfig
 from torchtitan_megamoe.moe import MegaExperts, MegaMoE
 from torchtitan_megamoe.ops.api import BACKENDS, PRECISIONS
+from torchtitan_megamoe.ops.exchange import set_max_tokens_per_rank
 from torchtitan_megamoe.parallel import install_ep_routing
 
 
@@ -56,6 +57,11 @@ def validate_settings(cfg: MegaMoEConfig) -> None:
         raise ValueError(
             f"[megamoe] backend={cfg.backend!r} is not one of {BACKENDS}; "
             "use 'auto' unless you need to force an implementation."
+        )
+    if cfg.max_tokens_per_rank < 0:
+        raise ValueError(
+            f"[megamoe] max_tokens_per_rank={cfg.max_tokens_per_rank} must be >= 0 (0: size "
+            "the EP exchange from the first step's tokens per rank)."
         )
     if cfg.precision not in PRECISIONS:
         raise ValueError(
@@ -237,6 +243,7 @@ class MegaMoEConverter:
             cfg = MegaMoEConfig()
         validate_settings(cfg)
         validate_job(job_config, parallel_dims)
+        set_max_tokens_per_rank(cfg.max_tokens_per_rank)
         self.cfg = cfg
         self.ep_degree = _degrees(job_config, parallel_dims)["ep"]
 

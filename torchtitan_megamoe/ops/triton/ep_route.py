@@ -1,0 +1,115 @@
+"""Where each token goes in an EP group, and the three moves of the exchange protocol.
+
+A token goes ONCE to every rank that owns at least one of its experts (not once per slot: at
+top-8 over 2 ranks a token has ~4 slots on each rank, so per-slot dispatch would move ~4x the
+bytes). On the receiving rank it is a token with K slots whose ids are that rank's local expert
+ids, -1 for slots owned elsewhere; the EP=1 kernels then run on the receive buffer as if it
+were a batch of R*C tokens. The receiver returns ONE partial row per token (its weighted sum
+over the token's experts there) to the row the token had in its region, and the source sums
+the partials of the ranks it sent the token to, in fp32 and fixed rank order.
+
+Protocol of one call (every rank of the group, same stream; ``ex`` from ops/exchange.py):
+    dispatch   rows -> send_region(d, ·) for every d the token goes to; metadata (local ids,
+               weights) as whole regions, so rows a source did not fill read as "no slot"
+    exchange   barrier #1: the receive buffers are complete
+    compute    EP=1 kernels on recv (reads of recv end here, before the return stores)
+    return     partial rows -> send_region(source, "ret") at the token's row
+    exchange   barrier #2: partial rows are complete; also orders this call's reads of recv
+               before any peer's next dispatch (which follows barrier #2 of this call)
+    sum        sum_partials over recv["ret"]
+Everything has a static shape; nothing waits on the host.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from torchtitan_megamoe.ops.exchange import get_exchange
+from torchtitan_megamoe.ops.triton.scatter_rows import scatter_rows
+from torchtitan_megamoe.ops.triton.sum_partials import sum_partials
+
+
+def exchange_widths(D: int, K: int, dtype: torch.dtype) -> dict:
+    """Receive buffers of the protocol: token rows (x, dy), metadata (K local ids and K fp32
+    weight bit patterns per row, int32), returned partial rows and d(topk_weights)."""
+    return {
+        "x": (D, dtype),
+        "dy": (D, dtype),
+        "meta": (2 * K, torch.int32),
+        "ret": (D, dtype),
+        "dtw": (K, torch.float32),
+    }
+
+
+class TokenRoute:
+    """The routing of this rank's tokens [T, K] over an EP group of R ranks with E_local experts
+    each: ``pos[t, d]`` = row of token t in its region on rank d (-1: t has no expert on d)."""
+
+    def __init__(self, topk_ids, topk_weights, E_local, group, D, dtype):
+        T, K = topk_ids.shape
+        self.T, self.K, self.E_local = T, K, E_local
+        ids = topk_ids.to(torch.int64)
+        self.owner = torch.where(ids >= 0, torch.div(ids, E_local, rounding_mode="floor"), -1)
+        self.ex = get_exchange(group, T, exchange_widths(D, K, dtype), topk_ids.device)
+        R, C = self.ex.R, self.ex.capacity
+        self.R, self.C = R, C
+        ranks = torch.arange(R, device=ids.device)
+        goes = (self.owner.unsqueeze(-1) == ranks).any(1)  # [T, R]
+        # Rows in increasing token order inside each region: deterministic layout.
+        self.pos = torch.where(goes, torch.cumsum(goes.to(torch.int32), 0) - 1, -1).to(torch.int32)
+        self.pos_cols = [self.pos[:, d].contiguous() for d in range(R)]
+        # Metadata regions: local ids of the slots d owns (-1 elsewhere and in unused rows) and
+        # the routing weights' bit patterns. Whole regions travel (C x 2K int32, ~1 MB at
+        # C = 16384, K = 8), so rows a source did not fill this call never show stale ids.
+        local = (ids - self.owner * E_local).to(torch.int32)
+        wbits = topk_weights.to(torch.float32).contiguous().view(torch.int32)
+        self.meta = torch.full((R, C, 2 * K), -1, dtype=torch.int32, device=ids.device)
+        for d in range(R):
+            lid = torch.where(self.owner == d, local, -1)
+            scatter_rows(torch.cat([lid, wbits], 1), self.meta[d], self.pos_cols[d])
+
+    def dispatch(self, rows: dict) -> None:
+        """Send token rows (name -> [T, W]) and the metadata; then barrier #1."""
+        ex = self.ex
+        for d in range(self.R):
+            ex.send_region(d, "meta").copy_(self.meta[d])
+            for name, t in rows.items():
+                scatter_rows(t, ex.send_region(d, name), self.pos_cols[d])
+        ex.exchange(["meta", *rows])
+
+    def received(self):
+        """(ids [R*C, K] local expert ids or -1, weights [R*C, K] fp32) of the received tokens,
+        and the return destination of each received row (-1 for unused rows)."""
+        meta = self.ex.recv["meta"].view(self.R * self.C, 2 * self.K)
+        ids = meta[:, : self.K]
+        weights = meta[:, self.K:].contiguous().view(torch.float32)
+        used = (ids >= 0).any(1)
+        self.ret_row = torch.where(
+            used, torch.arange(self.R * self.C, device=ids.device) % self.C, -1
+        ).to(torch.int32).view(self.R, self.C)
+        return ids.contiguous(), weights
+
+    def recv_rows(self, name) -> torch.Tensor:
+        return self.ex.recv[name].view(self.R * self.C, -1)
+
+    def give_back(self, rows: dict) -> None:
+        """Return per-received-token rows (name -> [R*C, W]) to their sources; barrier #2."""
+        for s in range(self.R):
+            dst_row = self.ret_row[s].contiguous()
+            for name, t in rows.items():
+                region = t.view(self.R, self.C, -1)[s]
+                scatter_rows(region, self.ex.send_region(s, name), dst_row)
+        self.ex.exchange(list(rows))
+
+    def sum_returned(self, name, out_dtype) -> torch.Tensor:
+        """out[t] = sum over the ranks t went to of their returned row, fp32, rank order."""
+        return sum_partials(self.ex.recv[name], self.pos, out_dtype)
+
+    def pick_returned_dtw(self, dtype) -> torch.Tensor:
+        """d(topk_weights)[t, k] from the rank owning slot (t, k); 0 for dropped slots."""
+        dtw = self.ex.recv["dtw"]  # [R, C, K]
+        owner = self.owner.clamp(min=0)
+        row = torch.gather(self.pos.to(torch.int64), 1, owner).clamp(min=0)
+        k = torch.arange(self.K, device=owner.device).expand_as(owner)
+        got = dtw[owner, row, k]
+        return torch.where(self.owner >= 0, got, torch.zeros_like(got)).to(dtype)
