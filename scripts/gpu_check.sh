@@ -11,8 +11,8 @@
 #     datasets==5.2.0 dill==0.4.1 multiprocess==0.70.19
 # Env knobs: BENCH_ARGS (extra bench.py args), PYTEST_ARGS (default "-m gpu tests"),
 # SKIP_TESTS=1, SKIP_BENCH=1, SKIP_WS_PROBE=1 (no warp-specialized candidates), WHEELS=0 (use the
-# current env, not .whl), BENCH_NPROC=2
-# (EP=2 bench under torchrun, on kind nvidia-h200-x2). Logs and bench.json go to $OUT (or ./.out when run by hand).
+# current env, not .whl), BENCH_NPROC=2 (EP=2 bench under torchrun, on kind nvidia-h200-x2),
+# BENCH_NPROCS="1 2" (both benches in one call), BENCH_TIMEOUT_S (per bench, default 360). Logs and bench.json go to $OUT (or ./.out when run by hand).
 # What the bench prints: at EP=1, stock vs ours per shape plus the backward's per-stage table
 # (ops/triton/bwd_bench.py, run inside the bench: no separate bwd_bench call); at EP=2, stock
 # TorchTitan's ExpertParallel layer vs ours in the same run, with our EP=1 time for the ratio
@@ -47,17 +47,18 @@ if [ "${SKIP_TESTS:-0}" != 1 ]; then
   echo "pytest exit: $rc"
 fi
 if [ "${SKIP_BENCH:-0}" != 1 ]; then
-  # shellcheck disable=SC2086
-  n=${BENCH_NPROC:-1}
-  if [ "$n" -gt 1 ]; then
-    launch=(python3 -m torch.distributed.run --nproc_per_node "$n" -m torchtitan_megamoe.bench --ep "$n")
-  else
-    launch=(python3 -m torchtitan_megamoe.bench)
-  fi
-  timeout 360 "${launch[@]}" --json "$OUT/bench_ep$n.json" ${BENCH_ARGS:-} \
-    2>&1 | tee "$OUT/bench_ep$n.log" | grep -v '^{'
-  brc=${PIPESTATUS[0]}
-  echo "bench exit: $brc"
-  [ "$brc" != 0 ] && rc=$brc
+  for n in ${BENCH_NPROCS:-${BENCH_NPROC:-1}}; do
+    if [ "$n" -gt 1 ]; then
+      launch=(python3 -m torch.distributed.run --nproc_per_node "$n" -m torchtitan_megamoe.bench --ep "$n")
+    else
+      launch=(python3 -m torchtitan_megamoe.bench)
+    fi
+    # shellcheck disable=SC2086
+    timeout "${BENCH_TIMEOUT_S:-360}" "${launch[@]}" --json "$OUT/bench_ep$n.json" ${BENCH_ARGS:-} \
+      2>&1 | tee "$OUT/bench_ep$n.log" | grep -v '^{'
+    brc=${PIPESTATUS[0]}
+    echo "bench ep=$n exit: $brc"
+    [ "$brc" != 0 ] && rc=$brc
+  done
 fi
 exit $rc

@@ -309,6 +309,7 @@ def bench_shape_ep(key: str, tokens: int, iters: int, warmup: int, backward: boo
         lambda: ours_layer(x, *mine_w, group),
         lambda: ours_layer(xg, *mine_w, group).backward(grad),
         iters, warmup, backward)
+    res["exchange_mib"] = exchange_mib(group, D)
     torch.cuda.empty_cache()
 
     try:
@@ -334,6 +335,15 @@ def bench_shape_ep(key: str, tokens: int, iters: int, warmup: int, backward: boo
     del moe, mine_w
     torch.cuda.empty_cache()
     return res
+
+
+def exchange_mib(group, dim: int) -> float:
+    """Symmetric (or staging) memory of the group's EP exchange for this dim: outside the
+    caching allocator, so max_memory_allocated does not see it."""
+    from torchtitan_megamoe.ops.exchange import _CACHE
+
+    return sum(ex.nbytes() for ex in _CACHE.values()
+               if ex.group is group and ex.widths["x"][0] == dim) / 2**20
 
 
 def _tflops(flops: float, ms: float | None) -> str:
@@ -419,7 +429,12 @@ def ep_table(results: list[dict]) -> str:
                 + f"{r[f'floor_{tag}_ms'] / ours:.2f} | "
                 + (f"{ep1:.3f} | {ours / ep1:.2f}x" if ep1 else "n/a | n/a") + " |")
     errs = [f"{r['shape']}: {r['stock_error']}" for r in results if "stock_error" in r]
-    return "\n".join(lines + [f"stock EP failed: {e}" for e in errs])
+    mem = [f"{r['shape']}: {r['exchange_mib']:.0f} MiB" for r in results if "exchange_mib" in r]
+    notes = [f"stock EP failed: {e}" for e in errs]
+    if mem:
+        notes.append("EP exchange buffers per rank (outside the caching allocator): "
+                     + ", ".join(mem))
+    return "\n".join(lines + notes)
 
 
 def _meta() -> dict:
