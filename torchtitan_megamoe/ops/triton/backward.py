@@ -79,9 +79,9 @@ BLOCK_M = 128
 
 # Hopper candidates, timed once per shape by tune.pick_config (the first one is used as is under
 # the interpreter, during graph capture or with MEGAMOE_TRITON_TUNE=0). Offline sm_90a compiles
-# with Triton 3.6 (ptxas -v): with TMA weight loads kernel A spills 0-40 bytes, with pointer
+# with Triton 3.6 (ptxas -v): with TMA weight loads kernel A spilled 0-40 bytes, with pointer
 # loads 120-700 bytes (its three fp32 accumulators plus 64-bit pointer tensors), 128x128 tiles
-# spill kilobytes; kernels B and C spill nothing at these tiles (B at 128x256: dw2 4 bytes,
+# spilled kilobytes (with Triton 3.9 and the TMA stores of da/hw: no spills at the TMA configs); kernels B and C spill nothing at these tiles (B at 128x256: dw2 4 bytes,
 # dw1/dw3 800 bytes; the tuner keeps what runs fastest). TMA applies only when the tiles divide D and H; otherwise the same config
 # runs with pointer loads. Few candidates: each one is a compile on first use.
 A_CANDIDATES = [
@@ -91,13 +91,15 @@ A_CANDIDATES = [
     dict(block_m=128, block_n=64, block_k=32, num_warps=8, num_stages=4, use_tma=False),
 ]
 # Kernel A with the forward's saved pre-activations is one plain dgrad GEMM (dy rows @ w2[e],
-# K-dim = D) plus an epilogue that loads the a1/a3 tiles: one fp32 accumulator, so 128-wide
-# tiles fit where the recompute variant's three accumulators spilled.
+# K-dim = D) plus an epilogue that loads the a1/a3 tiles by TMA: one fp32 accumulator. Offline
+# sm_90a compiles (Triton 3.9, bwd_compile_check.py): 128x64 at 8 warps spills nothing (193
+# registers), 128x128 spills 248 bytes (the epilogue's elementwise tiles), 128x64 at 4 warps
+# 580 bytes (left out); the pointer-load fallback (uneven D/H) 236 bytes.
 A_SAVED_CANDIDATES = [
+    dict(block_m=128, block_n=64, block_k=64, num_warps=8, num_stages=3, use_tma=True),
+    dict(block_m=128, block_n=64, block_k=64, num_warps=8, num_stages=4, use_tma=True),
     dict(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=3, use_tma=True),
     dict(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=4, use_tma=True),
-    dict(block_m=128, block_n=64, block_k=64, num_warps=4, num_stages=4, use_tma=True),
-    dict(block_m=128, block_n=64, block_k=64, num_warps=8, num_stages=3, use_tma=True),
     dict(block_m=128, block_n=64, block_k=32, num_warps=8, num_stages=4, use_tma=False),
 ]
 B_CANDIDATES = [

@@ -48,8 +48,8 @@ from torchtitan_megamoe.ops.triton.plan import Plan
 @triton.jit
 def _dgrad_l2_swiglu_kernel(
     x_ptr, dy_ptr, tw_ptr, w1_ptr, w2_ptr, w3_ptr, w1_desc, w2_desc, w3_desc,
-    row_slot_ptr, tile_expert_ptr, a_ptr,
-    da_ptr, hw_ptr, part_ptr,
+    row_slot_ptr, tile_expert_ptr, a_ptr, a_desc,
+    da_ptr, hw_ptr, da_desc, hw_desc, part_ptr,
     H, D, TOPK, R_MAX,
     s_x, s_dy, s_a,
     s_w1e, s_w1h, s_w1d,
@@ -127,28 +127,48 @@ def _dgrad_l2_swiglu_kernel(
     tw = tl.load(tw_ptr + slot, mask=valid, other=0.0).to(tl.float32)[:, None]
     out_mask = None if EVEN else n_ok[None, :]
     row_off = rm[:, None].to(tl.int64)
+    # Row-space tiles (a, da, hw) are whole [BLOCK_M, BLOCK_N] blocks of contiguous rows: with
+    # USE_TMA they move by descriptor, which also keeps [BLOCK_M, BLOCK_N] 64-bit pointer
+    # tensors out of the registers (they made the 128-wide SAVED tiles spill kilobytes).
+    # The forward stored every row of the used tiles (padding rows as zeros), so no row mask;
+    # columns past H (uneven H only) read as 0 like the recompute's accumulators. a1 becomes
+    # silu and silu' before a3 is loaded, so fewer tiles are live at once.
+    row0 = (pid_m * BLOCK_M).to(tl.int32)
+    col0 = (pid_n * BLOCK_N).to(tl.int32)
+    a_rows = a_ptr + row_off * s_a + rn[None, :]
     if SAVED:
-        # The forward stored every row of the used tiles (padding rows as zeros), so no row
-        # mask; columns past H (uneven H only) read as 0 like the recompute's accumulators.
-        a_rows = a_ptr + row_off * s_a + rn[None, :]
-        if EVEN:
+        if USE_TMA:
+            a1 = a_desc.load([row0, col0]).to(tl.float32)
+        elif EVEN:
             a1 = tl.load(a_rows).to(tl.float32)
-            a3 = tl.load(a_rows + H).to(tl.float32)
         else:
             a1 = tl.load(a_rows, mask=out_mask, other=0.0).to(tl.float32)
-            a3 = tl.load(a_rows + H, mask=out_mask, other=0.0).to(tl.float32)
     sig = tl.sigmoid(a1)
     silu = a1 * sig
+    dsilu = sig * (1.0 + a1 * (1.0 - sig))
+    if SAVED:
+        if USE_TMA:
+            a3 = a_desc.load([row0, H + col0]).to(tl.float32)
+        elif EVEN:
+            a3 = tl.load(a_rows + H).to(tl.float32)
+        else:
+            a3 = tl.load(a_rows + H, mask=out_mask, other=0.0).to(tl.float32)
     h = silu * a3
     # Columns past H hold zeros in every accumulator, so they add nothing to the partial dot.
     tl.store(part_ptr + pid_n.to(tl.int64) * R_MAX + rm, tl.sum(dh * h, axis=1))
-    tl.store(hw_ptr + row_off * s_hw + rn[None, :], (h * tw).to(hw_ptr.dtype.element_ty),
-             mask=out_mask)
+    hw = (h * tw).to(hw_ptr.dtype.element_ty)
     g = dh * tw
-    da_rows = da_ptr + row_off * s_da + rn[None, :]
-    tl.store(da_rows + H, (g * silu).to(da_ptr.dtype.element_ty), mask=out_mask)
-    da1 = g * a3 * (sig * (1.0 + a1 * (1.0 - sig)))
-    tl.store(da_rows, da1.to(da_ptr.dtype.element_ty), mask=out_mask)
+    da3 = (g * silu).to(da_ptr.dtype.element_ty)
+    da1 = (g * a3 * dsilu).to(da_ptr.dtype.element_ty)
+    if USE_TMA:
+        hw_desc.store([row0, col0], hw)
+        da_desc.store([row0, H + col0], da3)
+        da_desc.store([row0, col0], da1)
+    else:
+        da_rows = da_ptr + row_off * s_da + rn[None, :]
+        tl.store(hw_ptr + row_off * s_hw + rn[None, :], hw, mask=out_mask)
+        tl.store(da_rows + H, da3, mask=out_mask)
+        tl.store(da_rows, da1, mask=out_mask)
 
 
 def dgrad_l2_swiglu(
@@ -205,20 +225,21 @@ def dgrad_l2_swiglu(
         raise ValueError(f"block_m {block_m} must divide the plan's block_m {plan.block_m}")
     even = D % block_k == 0 and H % block_n == 0
     use_tma = use_tma and even and all(w.is_contiguous() for w in (w1, w2, w3))
-    if use_tma and saved:
+    d1, d2, d3, a_d, da_d, hw_d = w1, w2, w3, a, da, hw  # placeholders on the pointer path
+    if use_tma:
         d2 = TensorDescriptor.from_tensor(w2.view(E * D, H), [block_k, block_n])
-        d1, d3 = w1, w3
-    elif use_tma:
-        d1 = TensorDescriptor.from_tensor(w1.view(E * H, D), [block_n, block_k])
-        d3 = TensorDescriptor.from_tensor(w3.view(E * H, D), [block_n, block_k])
-        d2 = TensorDescriptor.from_tensor(w2.view(E * D, H), [block_k, block_n])
-    else:
-        d1, d2, d3 = w1, w2, w3
+        da_d = TensorDescriptor.from_tensor(da, [block_m, block_n])
+        hw_d = TensorDescriptor.from_tensor(hw, [block_m, block_n])
+        if saved:
+            a_d = TensorDescriptor.from_tensor(a, [block_m, block_n])
+        else:
+            d1 = TensorDescriptor.from_tensor(w1.view(E * H, D), [block_n, block_k])
+            d3 = TensorDescriptor.from_tensor(w3.view(E * H, D), [block_n, block_k])
     grid = (R // block_m * n_tiles_h,)
     _dgrad_l2_swiglu_kernel[grid](
         x, dy, tw, w1, w2, w3, d1, d2, d3,
-        plan.row_slot, plan.tile_expert, a,
-        da, hw, part,
+        plan.row_slot, plan.tile_expert, a, a_d,
+        da, hw, da_d, hw_d, part,
         H, D, plan.top_k, R,
         x.stride(0), dy.stride(0), a.stride(0),
         *w1.stride(), *w2.stride(), *w3.stride(),

@@ -19,14 +19,16 @@ import torch
 from torchtitan_megamoe.ops.triton.ep_route import TokenRoute
 
 
-def backward_ep(grad_out, x, topk_ids, topk_weights, w1, w2, w3, group, local_backward):
+def backward_ep(grad_out, x, topk_ids, topk_weights, w1, w2, w3, group, local_backward,
+                saved=None):
     """(dx, dtopk_weights, dw1, dw2, dw3) for an EP group; ``local_backward`` is the EP=1
-    backward (same signature minus group/precision) run on the received tokens."""
+    backward (same signature minus group/precision) run on the received tokens; ``saved``:
+    what forward_ep(..., save=True) kept (receive layout), None or empty to recompute."""
     route = TokenRoute(topk_ids, topk_weights, w1.shape[0], group, x.shape[1], x.dtype)
     route.dispatch({"x": x.contiguous(), "dy": grad_out.contiguous()})
     ids, weights = route.received()
     dx_part, dtw_part, dw1, dw2, dw3 = local_backward(
-        route.recv_rows("dy"), route.recv_rows("x"), ids, weights, w1, w2, w3
+        route.recv_rows("dy"), route.recv_rows("x"), ids, weights, w1, w2, w3, saved=saved
     )
     route.give_back({"ret": dx_part, "dtw": dtw_part.to(torch.float32).contiguous()})
     dx = route.sum_returned("ret", x.dtype)

@@ -32,7 +32,7 @@ from torchtitan_megamoe.ops.triton.tune import interpreter_needs_f32_dot, pick_c
 @triton.jit
 def _gemm1_tile(
     pid_m, pid_n, expert,
-    x_ptr, w1_ptr, w3_ptr, w1_desc, w3_desc, h_ptr, a_ptr, row_slot_ptr,
+    x_ptr, w1_ptr, w3_ptr, w1_desc, w3_desc, h_ptr, a_ptr, h_desc, a_desc, row_slot_ptr,
     H, D, stride_x, stride_we, stride_wh, stride_h, stride_a,
     TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     F32_DOT: tl.constexpr, USE_TMA: tl.constexpr, WARP_SPEC: tl.constexpr, SAVE_A: tl.constexpr,
@@ -66,18 +66,28 @@ def _gemm1_tile(
         a_ptrs += BLOCK_K
         w_off += BLOCK_K
 
-    if SAVE_A:
-        a_ptrs = a_ptr + rows[:, None].to(tl.int64) * stride_a + offs_n[None, :]
-        tl.store(a_ptrs, cast_out(acc1, a_ptr.dtype.element_ty, F32_DOT))
-        tl.store(a_ptrs + H, cast_out(acc3, a_ptr.dtype.element_ty, F32_DOT))
     h = acc1 * tl.sigmoid(acc1) * acc3
-    h_ptrs = h_ptr + rows[:, None].to(tl.int64) * stride_h + offs_n[None, :]
-    tl.store(h_ptrs, cast_out(h, h_ptr.dtype.element_ty, F32_DOT))
+    if SAVE_A and USE_TMA:
+        # The tile's rows are contiguous in the row space: descriptor stores keep three
+        # [BLOCK_M, BLOCK_N] 64-bit pointer tensors out of the registers (they spilled).
+        row0 = (pid_m * BLOCK_M).to(tl.int32)
+        col0 = (pid_n * BLOCK_N).to(tl.int32)
+        a_desc.store([row0, col0], cast_out(acc1, a_ptr.dtype.element_ty, F32_DOT))
+        a_desc.store([row0, H + col0], cast_out(acc3, a_ptr.dtype.element_ty, F32_DOT))
+        h_desc.store([row0, col0], cast_out(h, h_ptr.dtype.element_ty, F32_DOT))
+    else:
+        if SAVE_A:
+            a_ptrs = a_ptr + rows[:, None].to(tl.int64) * stride_a + offs_n[None, :]
+            tl.store(a_ptrs, cast_out(acc1, a_ptr.dtype.element_ty, F32_DOT))
+            tl.store(a_ptrs + H, cast_out(acc3, a_ptr.dtype.element_ty, F32_DOT))
+        h_ptrs = h_ptr + rows[:, None].to(tl.int64) * stride_h + offs_n[None, :]
+        tl.store(h_ptrs, cast_out(h, h_ptr.dtype.element_ty, F32_DOT))
 
 
 @triton.jit
 def _gemm1_swiglu_kernel(
-    x_ptr, w1_ptr, w3_ptr, w1_desc, w3_desc, h_ptr, a_ptr, row_slot_ptr, tile_expert_ptr,
+    x_ptr, w1_ptr, w3_ptr, w1_desc, w3_desc, h_ptr, a_ptr, h_desc, a_desc, row_slot_ptr,
+    tile_expert_ptr,
     num_rows_used_ptr, num_m_tiles, H, D, stride_x, stride_we, stride_wh, stride_h, stride_a,
     TOP_K: tl.constexpr, PLAN_BM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, F32_DOT: tl.constexpr,
@@ -94,7 +104,7 @@ def _gemm1_swiglu_kernel(
             expert = tl.load(tile_expert_ptr + (pid_m * BLOCK_M) // PLAN_BM)
             _gemm1_tile(
                 pid_m, pid_n, expert, x_ptr, w1_ptr, w3_ptr, w1_desc, w3_desc, h_ptr, a_ptr,
-                row_slot_ptr, H, D, stride_x, stride_we, stride_wh, stride_h, stride_a,
+                h_desc, a_desc, row_slot_ptr, H, D, stride_x, stride_we, stride_wh, stride_h, stride_a,
                 TOP_K, BLOCK_M, BLOCK_N, BLOCK_K, F32_DOT, USE_TMA, WARP_SPEC, SAVE_A,
             )
     else:
@@ -103,7 +113,7 @@ def _gemm1_swiglu_kernel(
         if expert >= 0:  # tiles past the used rows exit at once
             _gemm1_tile(
                 pid_m, pid_n, expert, x_ptr, w1_ptr, w3_ptr, w1_desc, w3_desc, h_ptr, a_ptr,
-                row_slot_ptr, H, D, stride_x, stride_we, stride_wh, stride_h, stride_a,
+                h_desc, a_desc, row_slot_ptr, H, D, stride_x, stride_we, stride_wh, stride_h, stride_a,
                 TOP_K, BLOCK_M, BLOCK_N, BLOCK_K, F32_DOT, USE_TMA, WARP_SPEC, SAVE_A,
             )
 
@@ -151,13 +161,15 @@ def gemm1_swiglu(
             grid = (persistent_programs(x.device),)
         else:
             grid = (num_m * (H // bn),)
+        d1, d3, dh, da = w1, w3, h, a  # placeholders on the pointer path
         if cfg["USE_TMA"]:
             d1 = TensorDescriptor.from_tensor(w1.view(E * H, D), [bn, bk])
             d3 = TensorDescriptor.from_tensor(w3.view(E * H, D), [bn, bk])
-        else:
-            d1, d3 = w1, w3
+            if save_a:
+                dh = TensorDescriptor.from_tensor(h, [bm, bn])
+                da = TensorDescriptor.from_tensor(a, [bm, bn])
         _gemm1_swiglu_kernel[grid](
-            x, w1, w3, d1, d3, h, a, plan.row_slot, plan.tile_expert,
+            x, w1, w3, d1, d3, h, a, dh, da, plan.row_slot, plan.tile_expert,
             plan.num_rows_used, num_m, H, D,
             x.stride(0), w1.stride(0), w1.stride(1), h.stride(0), a.stride(0),
             TOP_K=plan.top_k, PLAN_BM=plan.block_m, F32_DOT=interpreter_needs_f32_dot(),
