@@ -12,7 +12,7 @@ import torch
 # backward.py must be imported here, before `def backward` below: importing a submodule sets the
 # package attribute of the same name, so a lazy import would replace the function by the module.
 from torchtitan_megamoe.ops.triton.backward import backward as _backward_ep1
-from torchtitan_megamoe.ops.triton.ep_forward import forward_ep
+from torchtitan_megamoe.ops.triton.ep_forward import forward_ep, saved_like_ep
 from torchtitan_megamoe.ops.triton.forward import (
     forward_ep1,
     interpret_defaults,
@@ -75,12 +75,13 @@ def check_inputs(x, w1, group, precision) -> None:
 
 def forward(x, topk_ids, topk_weights, w1, w2, w3, group, precision, save=False):
     """out; with ``save``, (out, saved: list of tensors for backward(saved=...)). EP=1 saves
-    [a, packed_plan] (forward.py); EP > 1 saves nothing yet (its backward recomputes)."""
+    [a, packed_plan] (forward.py); EP > 1 the same in the receive layout, or nothing where
+    ep_forward.keeps_saved says the backward recomputes."""
     check_inputs(x, w1, group, precision)
     if _ep_size(group) > 1:
         block_m, c1, c2 = interpret_defaults(None, None, None)
-        out = forward_ep(x, topk_ids, topk_weights, w1, w2, w3, group, block_m, c1, c2)
-        return (out, []) if save else out
+        return forward_ep(x, topk_ids, topk_weights, w1, w2, w3, group, block_m, c1, c2,
+                          save=save)
     if not save:
         return forward_ep1(x, topk_ids, topk_weights, w1, w2, w3)
     out, saved = forward_ep1(x, topk_ids, topk_weights, w1, w2, w3, save=True)
@@ -90,7 +91,8 @@ def forward(x, topk_ids, topk_weights, w1, w2, w3, group, precision, save=False)
 def saved_like(x, topk_ids, topk_weights, w1, w2, w3, group, precision):
     """Empty tensors with the shapes and dtypes forward(..., save=True) saves (fake impl)."""
     if _ep_size(group) > 1:
-        return []
+        block_m, _, _ = interpret_defaults(None, None, None)
+        return saved_like_ep(x, topk_ids, w1, group, block_m)
     return _saved_like_ep1(x, topk_ids, w1)
 
 

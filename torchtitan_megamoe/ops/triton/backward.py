@@ -150,7 +150,8 @@ def backward(grad_out, x, topk_ids, topk_weights, w1, w2, w3, group, precision, 
     the forward saved (forward.forward_ep1(..., save=True)); None or empty recomputes."""
     check_backward_inputs(grad_out, x, w1, precision)
     if group is not None and dist.get_world_size(group) > 1:
-        return backward_ep(grad_out, x, topk_ids, topk_weights, w1, w2, w3, group, backward_local)
+        return backward_ep(grad_out, x, topk_ids, topk_weights, w1, w2, w3, group, backward_local,
+                           saved=saved)
     return backward_local(grad_out, x, topk_ids, topk_weights, w1, w2, w3, saved=saved)
 
 
