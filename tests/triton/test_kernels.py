@@ -57,6 +57,29 @@ def test_gemm1_swiglu(name, ids, cfg):
 
 @pytest.mark.parametrize("name,ids", list(routings(T, K, E)), ids=lambda v: v if isinstance(v, str) else "")
 @pytest.mark.parametrize("cfg", [CFG, CFG_TMA, CFG_PERSIST], ids=["ptr", "tma", "persistent"])
+def test_gemm1_saves_preactivations(name, ids, cfg):
+    """save_a: a = [a1 | a3] per row (what the backward loads instead of recomputing GEMM 1),
+    padding rows exactly 0; h is bitwise the h of the call without save_a."""
+    w1, w2, w3 = make_weights(E, D, H, seed=3)
+    x = torch.randn(ids.shape[0], D).to(torch.bfloat16)
+    plan = build_plan(ids, E, BM)
+    h, a = g1.gemm1_swiglu(x, w1, w3, plan, config=cfg, save_a=True)  # a poisoned (NaN) first
+    assert a.shape == (plan.max_rows, 2 * H) and a.dtype == x.dtype
+    used = int(plan.num_rows_used)
+    assert torch.equal(h[:used], g1.gemm1_swiglu(x, w1, w3, plan, config=cfg)[:used])
+    exp_e = plan.tile_expert.repeat_interleave(BM).long()
+    for r, s in enumerate(plan.row_slot[:used].tolist()):
+        if s < 0:
+            assert torch.all(a[r] == 0), f"padding row {r} must be exactly 0"
+            continue
+        xr = x[s // K].double()
+        e = int(exp_e[r])
+        assert rel_err(a[r, :H], xr @ w1[e].double().T) < 1e-2, (name, r, "a1")
+        assert rel_err(a[r, H:], xr @ w3[e].double().T) < 1e-2, (name, r, "a3")
+
+
+@pytest.mark.parametrize("name,ids", list(routings(T, K, E)), ids=lambda v: v if isinstance(v, str) else "")
+@pytest.mark.parametrize("cfg", [CFG, CFG_TMA, CFG_PERSIST], ids=["ptr", "tma", "persistent"])
 def test_gemm2_scatter(name, ids, cfg):
     w1, w2, w3 = make_weights(E, D, H)
     plan = build_plan(ids, E, BM)
