@@ -107,6 +107,61 @@ def test_every_tuner_candidate_is_correct():
         out = forward_ep1(x, ids, w, w1, w2, w3, gemm1_config=c1, gemm2_config=c2)
         err = rel_err(out.float(), ref)
         assert err <= 1e-2, (c1, c2, err)
+        # the same candidate storing the pre-activations (what training runs)
+        out_s, (a, packed) = forward_ep1(x, ids, w, w1, w2, w3, gemm1_config=c1, gemm2_config=c2,
+                                         save=True)
+        assert torch.equal(out_s, out), c1
+        _check_saved_rows(x, ids, w1, w3, a, packed, rows=range(0, 3000 * 8, 97))
+
+
+def _check_saved_rows(x, ids, w1, w3, a, packed, rows):
+    """Rows of the saved a = [a1 | a3] against float64 x @ w^T (padding rows exactly 0)."""
+    from torchtitan_megamoe.ops.triton.forward import interpret_defaults
+    from torchtitan_megamoe.ops.triton.plan import unpack_plan
+
+    T_, K_ = ids.shape
+    E_, H_, _ = w1.shape
+    plan = unpack_plan(packed, T_, K_, E_, interpret_defaults(None, None, None)[0])
+    used = int(plan.num_rows_used)
+    row_slot = plan.row_slot.long().cpu()
+    tile_e = plan.tile_expert.long().cpu()
+    for r in rows:
+        if r >= used:
+            break
+        s = int(row_slot[r])
+        if s < 0:
+            assert (a[r] == 0).all(), r
+            continue
+        e = int(tile_e[r // plan.block_m])
+        xr = x[s // K_].double()
+        assert rel_err(a[r, :H_], w1[e].double() @ xr) < 1e-2, r
+        assert rel_err(a[r, H_:], w3[e].double() @ xr) < 1e-2, r
+
+
+@pytest.mark.parametrize("name,ids", list(routings(T, K, E)), ids=lambda v: v if isinstance(v, str) else "")
+def test_forward_save(name, ids):
+    """forward_ep1(save=True): the same out; saved = (a, packed plan) where the packed plan
+    unpacks to build_plan's tensors and a holds [a1 | a3]; shapes as saved_like (fake) says."""
+    from torchtitan_megamoe.ops.triton.forward import forward_ep1, interpret_defaults, saved_like
+    from torchtitan_megamoe.ops.triton.plan import build_plan, unpack_plan
+
+    w1, w2, w3 = make_weights(E, D, H, seed=5)
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(ids.shape[0], D, generator=g).to(torch.bfloat16)
+    w = torch.rand(ids.shape, generator=g)
+    out, saved = forward_ep1(x, ids, w, w1, w2, w3, save=True)
+    assert torch.equal(out, forward_ep1(x, ids, w, w1, w2, w3))
+    a, packed = saved
+    for got, like in zip(saved, saved_like(x, ids, w1)):
+        assert got.shape == like.shape and got.dtype == like.dtype
+    block_m = interpret_defaults(None, None, None)[0]
+    plan = build_plan(ids, E, block_m)
+    unpacked = unpack_plan(packed, ids.shape[0], ids.shape[1], E, block_m)
+    for f in ("row_slot", "slot_row", "tile_expert", "seg_start", "count", "num_rows_used"):
+        assert torch.equal(getattr(unpacked, f), getattr(plan, f)), f
+    with pytest.raises(ValueError, match="block_m"):
+        unpack_plan(packed, ids.shape[0], ids.shape[1], E, block_m * 2)
+    _check_saved_rows(x, ids, w1, w3, a, packed, rows=range(plan.max_rows))
 
 
 @pytest.mark.gpu
