@@ -8,6 +8,13 @@ tuner's per-stage pick (auto), then times every stage of BOTH sides with CUDA ev
 total, the peak memory each call allocates on top of its inputs, and the tuner's candidate
 timings of the auto run (which side it picked per stage).
 
+The backward runs as training runs it: on what forward_ep1(..., save=True) saved (GEMM 1's
+pre-activations and the packed plan), so "A_dgrad_l2_swiglu" is the SAVED kernel A (a dgrad GEMM,
+2*T*K*D*H flops) and the totals include no plan rebuild. For comparison "total_recompute_ms"
+is the Triton side with saved=None, "A_dgrad_l2_swiglu_recompute" the recompute kernel A
+(6*T*K*D*H flops) and "plan" the plan rebuild it pays; "fwd_gemm1" / "fwd_gemm1_save_a" time the
+forward's GEMM 1 + SwiGLU without / with the extra store of a (the forward's cost of saving).
+
 Stage keys: Triton kernels "B_dw2", "B_dw1", "B_dw3", "B_dw13" (dw1 + dw3), "C_dgrad_l1";
 their _grouped_mm counterparts "B_dw2_cublas", "B_dw13_cublas", "C_dgrad_l1_cublas" (each with
 its gathers / copies, as the tuner times them), and those parts alone: "gather_dy", "gather_x",
@@ -23,7 +30,7 @@ import torch
 
 from torchtitan_megamoe.ops.triton import tune
 from torchtitan_megamoe.ops.triton.backward import (
-    A_CANDIDATES, B_CANDIDATES, BLOCK_M, C_CANDIDATES, backward_local,
+    A_CANDIDATES, A_SAVED_CANDIDATES, B_CANDIDATES, BLOCK_M, C_CANDIDATES, backward_local,
 )
 from torchtitan_megamoe.ops.triton.bwd_combine import bwd_combine
 from torchtitan_megamoe.ops.triton.bwd_cublas import (
@@ -32,8 +39,10 @@ from torchtitan_megamoe.ops.triton.bwd_cublas import (
 from torchtitan_megamoe.ops.triton.bwd_dgrad_l1 import dgrad_l1
 from torchtitan_megamoe.ops.triton.bwd_dgrad_l2_swiglu import dgrad_l2_swiglu
 from torchtitan_megamoe.ops.triton.bwd_wgrad import wgrad
+from torchtitan_megamoe.ops.triton.forward import forward_ep1, interpret_defaults
+from torchtitan_megamoe.ops.triton.gemm1_swiglu import gemm1_swiglu
 from torchtitan_megamoe.ops.triton.plan import build_plan
-from torchtitan_megamoe.ops.triton.tune import bucket, pick_config
+from torchtitan_megamoe.ops.triton.tune import bucket, interpreting, pick_config
 from torchtitan_megamoe.timing import median_ms
 
 SHAPES = {"30b": (2048, 768, 128, 8), "235b": (4096, 1536, 128, 8)}
@@ -57,16 +66,17 @@ def _with_side(side, fn):
             os.environ[IMPL_ENV] = old
 
 
-def _whole(side, args, iters):
-    """(ms, peak extra GiB) of backward_local with MEGAMOE_BWD_IMPL=side, after one tuning call."""
+def _whole(side, args, iters, saved=None):
+    """(ms, peak extra GiB) of backward_local(saved=saved) with MEGAMOE_BWD_IMPL=side, after one
+    tuning call."""
     def run():
-        backward_local(*args)  # tune + compile
+        backward_local(*args, saved=saved)  # tune + compile
         cuda = torch.cuda.is_available()
         if cuda:
             torch.cuda.synchronize()
             base = torch.cuda.memory_allocated()
             torch.cuda.reset_peak_memory_stats()
-        ms = median_ms(lambda: backward_local(*args), iters)
+        ms = median_ms(lambda: backward_local(*args, saved=saved), iters)
         return ms, (torch.cuda.max_memory_allocated() - base) / 2**30 if cuda else 0.0
 
     return _with_side(side, run)
@@ -78,9 +88,12 @@ def _cfg_name(cfg):
 
 def bench_shape(name, tokens, iters, shape=None, device="cuda", block_m=BLOCK_M,
                 candidates=(A_CANDIDATES, B_CANDIDATES, C_CANDIDATES)):
+    """``candidates``: the lists backward_local tunes over (A, B, C), to read its picks."""
     D, H, E, K = shape or SHAPES[name]
     dev = device
     a_cands, b_cands, c_cands = candidates
+    # backward_local's list for the saved kernel A: the interpreter's one tile, else its own
+    a_saved_cands = a_cands if interpreting() else A_SAVED_CANDIDATES
     g = torch.Generator(device=dev).manual_seed(0)
     x = torch.randn(tokens, D, device=dev, generator=g).bfloat16()
     dy = torch.randn(tokens, D, device=dev, generator=g).bfloat16()
@@ -91,25 +104,34 @@ def bench_shape(name, tokens, iters, shape=None, device="cuda", block_m=BLOCK_M,
     ids = torch.multinomial(probs.expand(tokens, E), K, generator=g)
     tw = torch.softmax(torch.randn(tokens, K, device=dev, generator=g), -1)
     args = (dy, x, ids, tw, w1, w2, w3)
+    _, saved = forward_ep1(x, ids, tw, w1, w2, w3, block_m=block_m, save=True)
+    a_saved = saved[0]
 
     res = {"shape": name, "tokens": tokens}
     nkdh = tokens * K * D * H
     for side in SIDES:
-        ms, peak = _whole(side, args, iters)
+        ms, peak = _whole(side, args, iters, saved=saved)
         sfx = "" if side == "triton" else f"_{side}"
         res[f"total{sfx}_ms"] = ms
-        res[f"total{sfx}_tflops"] = 16 * nkdh / ms / 1e9
+        res[f"total{sfx}_tflops"] = 12 * nkdh / ms / 1e9  # GEMM 1 is not recomputed
         res[f"peak_extra{sfx}_gib"] = peak
+    ms, peak = _whole("triton", args, iters)
+    res["total_recompute_ms"] = ms
+    res["total_recompute_tflops"] = 16 * nkdh / ms / 1e9
+    res["peak_extra_recompute_gib"] = peak
+    res["saved_gib"] = sum(t.numel() * t.element_size() for t in saved) / 2**30
 
     plan = build_plan(ids, E, block_m)
     R = plan.max_rows
     base_key = (bucket(R), D, H, E, block_m)
     key = base_key + ("triton",)
-    cfg_a = _chosen("bwd_dgrad_l2_swiglu", key, a_cands)
+    cfg_a = _chosen("bwd_dgrad_l2_swiglu_saved", key, a_saved_cands)
+    cfg_a_rc = _chosen("bwd_dgrad_l2_swiglu", key, a_cands)
     cfg_w2 = _chosen("bwd_wgrad_dw2", key, b_cands)
     cfg_w13 = _chosen("bwd_wgrad_dw13", key, b_cands)
     cfg_c = _chosen("bwd_dgrad_l1", key, c_cands)
-    res["configs"] = {"A": cfg_a, "dw2": cfg_w2, "dw13": cfg_w13, "C": cfg_c}
+    res["configs"] = {"A": cfg_a, "A_recompute": cfg_a_rc, "dw2": cfg_w2, "dw13": cfg_w13,
+                      "C": cfg_c}
     # What the auto run's tuner measured per stage (ms per candidate) and picked.
     auto_key = base_key + ("auto",)
     res["tuner_auto"] = {
@@ -122,7 +144,8 @@ def bench_shape(name, tokens, iters, shape=None, device="cuda", block_m=BLOCK_M,
         if (stage, auto_key) in tune._CHOSEN
     }
 
-    da, hw, part = dgrad_l2_swiglu(dy, x, tw, w1, w2, w3, plan, **cfg_a)
+    da, hw, part = dgrad_l2_swiglu(dy, x, tw, w1, w2, w3, plan, a=a_saved, **cfg_a)
+    g1_cfg = interpret_defaults(block_m, None, None)[1]  # None on the GPU: the tuner's pick
     dw = torch.empty_like(w1)
     dw_b = torch.empty_like(w3)
     dw2 = torch.empty_like(w2)
@@ -146,9 +169,14 @@ def bench_shape(name, tokens, iters, shape=None, device="cuda", block_m=BLOCK_M,
         return lambda: wgrad(a, b, out, plan, a_gather=a_gather, b_gather=not a_gather, **cfg)
 
     stages = {
+        "fwd_gemm1": (lambda: gemm1_swiglu(x, w1, w3, plan, config=g1_cfg), 4 * nkdh),
+        "fwd_gemm1_save_a": (lambda: gemm1_swiglu(x, w1, w3, plan, config=g1_cfg, save_a=True),
+                             4 * nkdh),
         "plan": (lambda: build_plan(ids, E, block_m), 0),
-        "A_dgrad_l2_swiglu": (lambda: dgrad_l2_swiglu(dy, x, tw, w1, w2, w3, plan, **cfg_a),
-                              6 * nkdh),
+        "A_dgrad_l2_swiglu": (lambda: dgrad_l2_swiglu(dy, x, tw, w1, w2, w3, plan, a=a_saved,
+                                                      **cfg_a), 2 * nkdh),
+        "A_dgrad_l2_swiglu_recompute": (
+            lambda: dgrad_l2_swiglu(dy, x, tw, w1, w2, w3, plan, **cfg_a_rc), 6 * nkdh),
         "B_dw2": (kernel_b(dy, hw, dw2, True, cfg_w2), 2 * nkdh),
         "B_dw1": (kernel_b(da1, x, dw, False, cfg_w13), 2 * nkdh),
         "B_dw3": (kernel_b(da3, x, dw, False, cfg_w13), 2 * nkdh),
