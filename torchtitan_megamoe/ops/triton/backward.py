@@ -1,25 +1,43 @@
 """BF16 backward of backend ``triton``: four kernels over the forward's row layout.
 
-    plan      build_plan(topk_ids) again (device-side, no host sync)
-    kernel A  bwd_dgrad_l2_swiglu: recompute a1 = x@w1^T, a3 = x@w3^T; dh = dy@w2; SwiGLU
-              backward with the routing weight -> da = [da1 | da3], hw = w*h, and per-H-tile
-              partials of d(topk_weights) = <dh, h> (no second GEMM for <dy, y>)
+    plan      unpacked from what the forward saved (plan.unpack_plan: views, no work); rebuilt
+              with build_plan only when nothing was saved (saved=None)
+    kernel A  bwd_dgrad_l2_swiglu: dh = dy@w2 (one dgrad GEMM, K-dim = D) with a1, a3 loaded
+              from the forward's saved a = [a1 | a3] (saved=None: recomputes a1 = x@w1^T,
+              a3 = x@w3^T in the same K loop); SwiGLU backward with the routing weight ->
+              da = [da1 | da3], hw = w*h, and per-H-tile partials of d(topk_weights) = <dh, h>
+              (no second GEMM for <dy, y>)
     kernel B  bwd_wgrad x3 (or _grouped_mm, see below): dw2[e] = sum_r dy_r^T hw_r,
               dw1[e] = sum_r da1_r^T x_r, dw3[e] = sum_r da3_r^T x_r (fp32 accumulate, fixed
               row order, param dtype/layout)
     kernel C  bwd_dgrad_l1 (or _grouped_mm): dx_slot[slot] = da1_r @ w1[e] + da3_r @ w3[e]
     combine   bwd_combine: dx[t] = sum_k dx_slot[t*K+k], dtopk_weights from the partials
 x and dy rows are read by indirection (row -> token); nothing is permuted. Weight tiles (A, C)
-and row-space tiles (B) come by TMA when the tiles divide D and H. Every reduction has a fixed
-order and no atomics, so two runs on the same inputs are bitwise identical. Per-stage GPU
-timings: bwd_bench.py; offline register/spill check without a GPU: bwd_compile_check.py.
+and row-space tiles (A's a/da/hw, B) come by TMA when the tiles divide D and H. Every reduction
+has a fixed order and no atomics, so two runs on the same inputs are bitwise identical.
+Per-stage GPU timings: bwd_bench.py; offline register/spill check without a GPU:
+bwd_compile_check.py.
 
-Saved vs recomputed. The op saves only its inputs (x, topk_ids, topk_weights, weights), which
-autograd keeps alive anyway, so the op adds NO activation memory between forward and backward.
-Stock TorchTitan keeps its routed activations per layer instead (at least the permuted input and
-a1, a3, h: T*K*(D + 3H) bf16, 1.06 GiB per layer at the 30B shape). The price is recomputing
-GEMM 1 (4*T*K*D*H flops: two thirds of the forward, a quarter of this backward's 16*T*K*D*H) and
-re-running the plan.
+Saved vs recomputed. At EP=1 the forward (forward_ep1(..., save=True), what the op runs) saves,
+besides the op's inputs that autograd keeps anyway:
+    a       [R_max, 2H] bf16   GEMM 1's pre-activations [a1 | a3] in the plan's row space
+                               (stored by GEMM 1's epilogue next to h; rows past the used rows
+                               are left unwritten and never read)
+    plan    [R_max + T*K + R_max/block_m + 2E + 1] int32: plan.pack_plan's flat vector
+so the backward does neither GEMM 1 again (4*T*K*D*H flops: two thirds of the forward) nor
+the plan. Per layer at T = 16384, K = 8, E = 128, block_m = 128 (R_max = 147,328):
+    30B  (D=2048, H=768):  a 432 MiB + plan 1.1 MiB = 0.42 GiB
+    235B (D=4096, H=1536): a 864 MiB + plan 1.1 MiB = 0.84 GiB
+Stock TorchTitan keeps its routed activations per layer instead (at least the permuted input
+and a1, a3, h: T*K*(D + 3H) bf16): 1.06 GiB at 30B, 2.13 GiB at 235B, so the saved path keeps
+40% of stock's. a is saved in bf16 (as stock autograd saves a1/a3), so the saved path's
+gradients differ from the recompute path's (fp32 a1/a3) by that rounding, not bitwise; each
+path is bitwise repeatable. The op returns the saved tensors as extra outputs (api.py): with
+selective AC and the op in the save list they live from the forward to the backward (no
+recompute of the op); with full AC the layer's forward is recomputed in the backward and they
+live only during that layer's backward. The op saves them even under no_grad (the forward
+cannot tell); there they are freed as soon as the forward returns. saved=None (EP path where
+ep_forward.keeps_saved says no, direct callers) recomputes GEMM 1 and the plan as before.
 
 cuBLAS candidates (bwd_cublas.py). The weight-gradient stages (dw2; dw1 + dw3) and kernel C
 each also have a torch._grouped_mm candidate: K-grouped GEMMs over the padded segments on
@@ -30,7 +48,8 @@ MEGAMOE_BWD_IMPL=triton|cublas forces one side (auto, the default, lets the tune
 runs - interpreter, graph capture, MEGAMOE_TRITON_TUNE=0 - use Triton).
 
 Transient memory inside one backward call (R_max = T*K + E*(block_m-1) rounded up to block_m,
-block_m = 128), freed when the call returns:
+block_m = 128), freed when the call returns (the saved a above stays alive through the call, as
+any saved activation does until its node's backward ends):
     da       [R_max, 2H] bf16        live from kernel A to kernel C
     hw       [R_max, H]  bf16        live from kernel A to the dw2 launch (freed before C)
     part     [H/block_n, R_max] fp32 live from kernel A to the combine (block_n = 64)
@@ -50,9 +69,10 @@ D = 2048, 1.12 GiB at D = 4096):
     235B (D=4096, H=1536): da 864 MiB, hw 432 MiB, part 13.5 MiB, dx_slot 1 GiB
         Triton peak 1.86 GiB; cuBLAS stages dw2 2.40 / dw1,3 1.98 / C 3.10 GiB
 
-EP > 1 (bwd_ep.py): x and dy rows are re-dispatched to the experts' owners with all_to_all (one
-host sync for the split sizes, no overlap with the GEMMs), the EP=1 kernels run on the received
-rows (K = 1), and dx rows / d(topk_weights) return to their source slots.
+EP > 1 (bwd_ep.py): x and dy are exchanged again to the experts' owners, the EP=1 backward
+(backward_local) runs on the received tokens, with the forward's saved tensors (receive
+layout) when ep_forward.keeps_saved kept them, and dx / d(topk_weights) return to their
+sources.
 
 Not implemented here: FP8 backward (precision "fp8" / "fp8_bwd": use backend="reference"),
 overlap of the EP exchange with the GEMMs, and overlap of kernel C with the weight-gradient
