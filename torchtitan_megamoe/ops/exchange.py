@@ -134,6 +134,16 @@ class AllToAllExchange(Exchange):
                                    group=self.group)
 
 
+def capacity_hint(group, T: int) -> int:
+    """The capacity a call with T tokens will see, without communicating (fake impls): the
+    group's existing exchange's, else the knob, else T (ranks of one TorchTitan job bring
+    equal batches, so the group's largest is this rank's)."""
+    for ex in _CACHE.values():
+        if ex.group is group or ex.group.group_name == group.group_name:
+            return ex.capacity
+    return max(_MAX_TOKENS_PER_RANK or T, 1)
+
+
 def get_exchange(group, T: int, widths: dict, device: torch.device) -> Exchange:
     """The group's cached exchange for these row widths (created collectively on first use)."""
     key = (group.group_name, str(device), tuple(sorted((n, w, str(dt))
