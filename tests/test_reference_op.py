@@ -155,6 +155,20 @@ def test_torch_compile_sees_one_op():
         assert torch.allclose(a.grad, b.grad)
 
 
+def test_op_contract_saved_outputs():
+    """megamoe::mega_moe returns (out, saved); the reference backend saves nothing, the public
+    mega_moe() returns out alone, and mega_moe_backward takes the saved list."""
+    x, ids, w, w1, w2, w3 = make_inputs(8, 2, 3, 8, 8, "dropped", dtype=torch.float32)
+    out, saved = torch.ops.megamoe.mega_moe(x, ids, w, w1, w2, w3, "", "reference", "bf16")
+    assert saved == []
+    public = mega_moe(x, ids, w, w1, w2, w3, backend="reference")
+    assert isinstance(public, torch.Tensor) and torch.equal(public, out)
+    schema = str(torch.ops.megamoe.mega_moe.default._schema)
+    assert schema.endswith("-> (Tensor, Tensor[])"), schema
+    bwd_schema = str(torch.ops.megamoe.mega_moe_backward.default._schema)
+    assert "Tensor[] saved" in bwd_schema, bwd_schema
+
+
 def test_opcheck():
     x, ids, w, w1, w2, w3 = make_inputs(8, 2, 3, 8, 8, "dropped", dtype=torch.float64)
     args = (x.requires_grad_(), ids, w.requires_grad_(), w1, w2, w3, "", "reference", "bf16")
