@@ -159,7 +159,7 @@ def test_op_contract_saved_outputs():
     """megamoe::mega_moe returns (out, saved); the reference backend saves nothing, the public
     mega_moe() returns out alone, and mega_moe_backward takes the saved list."""
     x, ids, w, w1, w2, w3 = make_inputs(8, 2, 3, 8, 8, "dropped", dtype=torch.float32)
-    out, saved = torch.ops.megamoe.mega_moe(x, ids, w, w1, w2, w3, "", "reference", "bf16")
+    out, saved = torch.ops.megamoe.mega_moe(x, ids, w, w1, w2, w3, "", "reference", "bf16", True)
     assert saved == []
     public = mega_moe(x, ids, w, w1, w2, w3, backend="reference")
     assert isinstance(public, torch.Tensor) and torch.equal(public, out)
@@ -171,7 +171,7 @@ def test_op_contract_saved_outputs():
 
 def test_opcheck():
     x, ids, w, w1, w2, w3 = make_inputs(8, 2, 3, 8, 8, "dropped", dtype=torch.float64)
-    args = (x.requires_grad_(), ids, w.requires_grad_(), w1, w2, w3, "", "reference", "bf16")
+    args = (x.requires_grad_(), ids, w.requires_grad_(), w1, w2, w3, "", "reference", "bf16", True)
     torch.library.opcheck(torch.ops.megamoe.mega_moe.default, args)
 
 
@@ -198,3 +198,27 @@ def test_bad_arguments_raise_clear_errors(mutate, exc, match):
     mutate(args)
     with pytest.raises(exc, match=match):
         mega_moe(**args)
+
+
+def test_no_grad_call_saves_nothing():
+    """Under no_grad (inference, evaluation) the op is told not to keep activations."""
+    from torchtitan_megamoe.ops import api
+
+    x, ids, w, w1, w2, w3 = make_inputs(8, 2, 3, 8, 8, "random", dtype=torch.float32)
+    seen = []
+    real = torch.ops.megamoe.mega_moe
+
+    class Spy:
+        def __call__(self, *args):
+            seen.append(args[-1])
+            return real(*args)
+
+    api.torch.ops.megamoe.mega_moe = Spy()
+    try:
+        with torch.no_grad():
+            mega_moe(x, ids, w, w1.requires_grad_(), w2, w3, backend="reference")
+        mega_moe(x, ids, w, w1, w2, w3, backend="reference")
+        mega_moe(x, ids, w, w1.detach(), w2, w3, backend="reference")
+    finally:
+        api.torch.ops.megamoe.mega_moe = real
+    assert seen == [False, True, False]

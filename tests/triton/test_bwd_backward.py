@@ -131,7 +131,7 @@ def test_op_carries_saved_tensors_with_fake_shapes():
     ids = dict(routings(T, K, E, seed=2))["uneven"]
     inp = make_inputs(T, K, E, Ds, Hs, ids, seed=2)
     args = (inp["x"], inp["topk_ids"], inp["topk_weights"], inp["w1"], inp["w2"], inp["w3"])
-    out, saved = torch.ops.megamoe.mega_moe(*args, "", "triton", "bf16")
+    out, saved = torch.ops.megamoe.mega_moe(*args, "", "triton", "bf16", True)
     fake = tb.saved_like(*args, None, "bf16")
     assert len(saved) == len(fake) == 2
     for s, f in zip(saved, fake):
@@ -140,7 +140,7 @@ def test_op_carries_saved_tensors_with_fake_shapes():
     # Not test_aot_dispatch_*: it compares two runs' outputs elementwise, and the rows of the
     # saved a past the used rows are left unwritten by design (never read; writing them would
     # cost a memset of the whole buffer). The compile test below covers AOT tracing.
-    torch.library.opcheck(torch.ops.megamoe.mega_moe.default, (*leaves, "", "triton", "bf16"),
+    torch.library.opcheck(torch.ops.megamoe.mega_moe.default, (*leaves, "", "triton", "bf16", True),
                           test_utils=("test_schema", "test_faketensor",
                                       "test_autograd_registration"))
 

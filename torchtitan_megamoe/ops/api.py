@@ -74,8 +74,13 @@ def mega_moe(
     check_args(x, topk_ids, topk_weights, w1, w2, w3, group=group, precision=precision)
     backend = resolve_backend(backend, x, group)
     group_name = "" if group is None else group.group_name
+    # Keep activations for a backward only when one can follow: inference and no_grad
+    # evaluation skip the extra stores (and their memory).
+    save = torch.is_grad_enabled() and any(
+        t.requires_grad for t in (x, topk_weights, w1, w2, w3)
+    )
     out, _saved = torch.ops.megamoe.mega_moe(
-        x, topk_ids, topk_weights, w1, w2, w3, group_name, backend, precision
+        x, topk_ids, topk_weights, w1, w2, w3, group_name, backend, precision, save
     )
     return out
 
@@ -210,8 +215,14 @@ def _mega_moe_op(
     group_name: str,
     backend: str,
     precision: str,
+    save: bool,
 ) -> tuple[torch.Tensor, list[torch.Tensor]]:
     impl = backend_module(backend)
+    if not save:
+        out = impl.forward(
+            x, topk_ids, topk_weights, w1, w2, w3, _group_from_name(group_name), precision
+        )
+        return out, []
     out, saved = impl.forward(
         x, topk_ids, topk_weights, w1, w2, w3, _group_from_name(group_name), precision,
         save=True,
@@ -220,7 +231,10 @@ def _mega_moe_op(
 
 
 @_mega_moe_op.register_fake
-def _mega_moe_fake(x, topk_ids, topk_weights, w1, w2, w3, group_name, backend, precision):
+def _mega_moe_fake(x, topk_ids, topk_weights, w1, w2, w3, group_name, backend, precision,
+                   save):
+    if not save:
+        return torch.empty_like(x), []
     saved = backend_module(backend).saved_like(
         x, topk_ids, topk_weights, w1, w2, w3, _group_from_name(group_name), precision
     )
@@ -271,7 +285,7 @@ def _mega_moe_backward_fake(
 
 
 def _setup_context(ctx, inputs, output):
-    x, topk_ids, topk_weights, w1, w2, w3, group_name, backend, precision = inputs
+    x, topk_ids, topk_weights, w1, w2, w3, group_name, backend, precision, _save = inputs
     _out, saved = output
     ctx.mark_non_differentiable(*saved)
     # Gradients of the saved outputs are never used: do not let autograd allocate zeros for them
@@ -288,7 +302,7 @@ def _backward(ctx, grad_out, _grad_saved):
     dx, dweights, dw1, dw2, dw3 = torch.ops.megamoe.mega_moe_backward(
         grad_out, x, topk_ids, topk_weights, w1, w2, w3, saved, *ctx.config
     )
-    return dx, None, dweights, dw1, dw2, dw3, None, None, None
+    return dx, None, dweights, dw1, dw2, dw3, None, None, None, None
 
 
 _mega_moe_op.register_autograd(_backward, setup_context=_setup_context)
