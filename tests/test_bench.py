@@ -116,7 +116,7 @@ def test_bwd_stage_breakdown_and_table(monkeypatch):
     lines = bench.bwd_table([r, bad]).splitlines()
     assert len(lines) >= 2 + len(bench.BWD_STAGES) + 1  # header, rule, stages, layer (+ picks)
     kernel_a = next(line for line in lines if line.startswith("| A: dgrad L2"))
-    assert kernel_a.startswith("| A: dgrad L2 + SwiGLU (GEMM 1 recomputed) | "
+    assert kernel_a.startswith("| A: dgrad L2 + SwiGLU on saved a1/a3 | "
                                f"{stages['A_dgrad_l2_swiglu_ms']:.3f} (")
     assert "| - | error | RuntimeError: boom |" in kernel_a
     dw2 = next(line for line in lines if line.startswith("| wgrad dw2 |"))

@@ -54,8 +54,11 @@ SHAPES = {
 # ops/triton/bwd_bench.py's stage keys in backward order: (label, Triton kernel, _grouped_mm
 # counterpart or None). The tuner picks a side per stage; "auto" below is what the layer runs.
 BWD_STAGES = [
-    ("plan (routing -> row space)", "plan", None),
-    ("A: dgrad L2 + SwiGLU (GEMM 1 recomputed)", "A_dgrad_l2_swiglu", None),
+    ("fwd: GEMM 1 + SwiGLU (inference)", "fwd_gemm1", None),
+    ("fwd: GEMM 1 + SwiGLU + store a1/a3 (training)", "fwd_gemm1_save_a", None),
+    ("plan (built by the forward, reused)", "plan", None),
+    ("A: dgrad L2 + SwiGLU on saved a1/a3", "A_dgrad_l2_swiglu", None),
+    ("A with GEMM 1 recomputed (unused path)", "A_dgrad_l2_swiglu_recompute", None),
     ("wgrad dw2", "B_dw2", "B_dw2_cublas"),
     ("wgrad dw1", "B_dw1", None),
     ("wgrad dw3", "B_dw3", None),
@@ -64,6 +67,7 @@ BWD_STAGES = [
     ("combine (dx, d topk_weights)", "combine", None),
     ("backward total, one side forced", "total", "total_cublas"),
     ("backward total, tuner's pick per stage", "total_auto", None),
+    ("backward total, recompute path (no saved a)", "total_recompute", None),
 ]
 
 
@@ -250,7 +254,8 @@ def _time_pair(fwd, step, iters, warmup, backward) -> tuple[float, float | None]
 
 
 def bench_shape_ep(key: str, tokens: int, iters: int, warmup: int, backward: bool,
-                   peak_tflops: float, mesh, backend: str = "triton", ep1: bool = True) -> dict:
+                   peak_tflops: float, mesh, backend: str = "triton", ep1: bool = True,
+                   profile: bool = False) -> dict:
     """Stock TorchTitan EP vs ours, experts split over ``mesh`` (1-D, named "ep").
 
     Every rank must call this (it communicates). Order: ours at EP=1 (full weights, no
@@ -310,6 +315,13 @@ def bench_shape_ep(key: str, tokens: int, iters: int, warmup: int, backward: boo
         lambda: ours_layer(xg, *mine_w, group).backward(grad),
         iters, warmup, backward)
     res["exchange_mib"] = exchange_mib(group, D)
+    if profile:
+        with torch.no_grad():
+            profile_kernels(f"{shape['name']} EP={world} ours fwd",
+                            lambda: ours_layer(x, *mine_w, group), rank)
+        if backward:
+            profile_kernels(f"{shape['name']} EP={world} ours fwd+bwd",
+                            lambda: ours_layer(xg, *mine_w, group).backward(grad), rank)
     torch.cuda.empty_cache()
 
     try:
@@ -335,6 +347,23 @@ def bench_shape_ep(key: str, tokens: int, iters: int, warmup: int, backward: boo
     del moe, mine_w
     torch.cuda.empty_cache()
     return res
+
+
+def profile_kernels(title: str, fn, rank: int, calls: int = 3, rows: int = 25) -> None:
+    """Rank 0 prints the GPU kernels of ``calls`` calls of fn (per-call time = total / calls):
+    where a layer's time goes when no per-stage timer covers it (the EP exchange)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    if rank == 0:
+        print(f"--- profile: {title}, {calls} calls", flush=True)
+        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=rows,
+                                        max_name_column_width=60), flush=True)
 
 
 def exchange_mib(group, dim: int) -> float:
@@ -475,7 +504,7 @@ def main_ep(args) -> int:
         for key in args.shapes.split(","):
             t0 = time.time()
             r = bench_shape_ep(key, args.tokens, args.iters, args.warmup, args.backward,
-                               args.peak_tflops, mesh, args.backend, args.ep1)
+                               args.peak_tflops, mesh, args.backend, args.ep1, args.profile)
             r["wall_s"] = round(time.time() - t0, 1)
             results.append(r)
             if dist.get_rank() == 0:
@@ -505,6 +534,8 @@ def main(argv=None) -> int:
     p.add_argument("--no-ep1", dest="ep1", action="store_false",
                    help="with --ep > 1: skip timing our EP=1 layer in the same run")
     p.add_argument("--json", default=None, help="write results here")
+    p.add_argument("--profile", action="store_true",
+                   help="with --ep: print rank 0's top GPU kernels of ours (fwd and fwd+bwd)")
     args = p.parse_args(argv)
     for key in args.shapes.split(","):
         if key not in SHAPES:
