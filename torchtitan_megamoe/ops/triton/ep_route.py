@@ -54,10 +54,14 @@ class TokenRoute:
         R, C = self.ex.R, self.ex.capacity
         self.R, self.C = R, C
         ranks = torch.arange(R, device=ids.device)
-        goes = (self.owner.unsqueeze(-1) == ranks).any(1)  # [T, R]
-        # Rows in increasing token order inside each region: deterministic layout.
-        self.pos = torch.where(goes, torch.cumsum(goes.to(torch.int32), 0) - 1, -1).to(torch.int32)
-        self.pos_cols = [self.pos[:, d].contiguous() for d in range(R)]
+        goes = (self.owner.unsqueeze(0) == ranks[:, None, None]).any(2)  # [R, T]
+        # Rows in increasing token order inside each region: deterministic layout. The scan
+        # runs along the contiguous dim: CUDA's scan over dim 0 of a [T, R] tensor took 1.55 ms
+        # at T = 16384 on H200 (measured), along dim 1 of [R, T] it is a few microseconds.
+        rows = torch.cumsum(goes, 1, dtype=torch.int32) - 1
+        pos_t = torch.where(goes, rows, -1)  # [R, T]
+        self.pos = pos_t.t().contiguous()  # [T, R] for sum_partials
+        self.pos_cols = list(pos_t.unbind(0))
         # Metadata regions: local ids of the slots d owns (-1 elsewhere and in unused rows) and
         # the routing weights' bit patterns. Whole regions travel (C x 2K int32, ~1 MB at
         # C = 16384, K = 8), so rows a source did not fill this call never show stale ids.
