@@ -85,7 +85,8 @@ import torch.distributed as dist
 from torchtitan_megamoe.ops.triton.bwd_combine import bwd_combine
 from torchtitan_megamoe.ops.triton.bwd_common import interpreting
 from torchtitan_megamoe.ops.triton.bwd_cublas import (
-    bwd_impl, dgrad_l1_cublas, is_cublas, stage_candidates, wgrad_dw13_cublas, wgrad_dw2_cublas,
+    bwd_impl, dgrad_l1_cublas, dgrad_l2_swiglu_cublas, is_cublas, stage_candidates,
+    wgrad_dw13_cublas, wgrad_dw2_cublas,
 )
 from torchtitan_megamoe.ops.triton.bwd_dgrad_l1 import dgrad_l1
 from torchtitan_megamoe.ops.triton.bwd_dgrad_l2_swiglu import dgrad_l2_swiglu
@@ -212,20 +213,31 @@ def backward_local(grad_out, x, topk_ids, topk_weights, w1, w2, w3, saved=None):
     key = (bucket(R), D, H, E, block_m, bwd_impl())
 
     # Kernel A. Buffers are allocated once so that tuning candidates write the same outputs.
-    a_bufs = {}
+    # The cuBLAS side (saved a only) gathers dy rows, which dw2's cuBLAS side then reuses.
+    a_bufs, shared = {}, {}
 
     def launch_a(cfg):
-        n_h = -(-H // cfg["block_n"])
+        n_h = 1 if is_cublas(cfg) else -(-H // cfg["block_n"])
         if a_bufs.get("n_h") != n_h:
             a_bufs.update(n_h=n_h, out=(
                 torch.empty(R, 2 * H, dtype=x.dtype, device=x.device),
                 torch.empty(R, H, dtype=x.dtype, device=x.device),
                 torch.empty(n_h, R, dtype=torch.float32, device=x.device),
             ))
+        if is_cublas(cfg):
+            *res, shared["dy_rows"] = dgrad_l2_swiglu_cublas(
+                dy, a_saved, topk_weights, w2, plan, out=a_bufs["out"],
+                dy_rows=shared.get("dy_rows"))
+            return tuple(res)
         return dgrad_l2_swiglu(dy, x, topk_weights, w1, w2, w3, plan, out=a_bufs["out"],
                                a=a_saved, **cfg)
 
-    da, hw, part = launch_a(pick_config(a_name, key, a_cands, launch_a))
+    if saved:
+        a_cands = stage_candidates(a_cands, D, H, E)
+    a_cfg = pick_config(a_name, key, a_cands, launch_a)
+    da, hw, part = launch_a(a_cfg)
+    if not is_cublas(a_cfg):
+        shared.clear()
     del a_bufs, a_saved
 
     # Weight gradients (kernel B or _grouped_mm): dw2 first so hw is freed before kernel C
@@ -234,7 +246,7 @@ def backward_local(grad_out, x, topk_ids, topk_weights, w1, w2, w3, saved=None):
 
     def launch_dw2(cfg):
         if is_cublas(cfg):
-            return wgrad_dw2_cublas(dy, hw, plan, params[1])
+            return wgrad_dw2_cublas(dy, hw, plan, params[1], dy_rows=shared.get("dy_rows"))
         return wgrad(dy, hw, torch.empty_like(params[1]), plan, a_gather=True, b_gather=False,
                      expert_order=order, **cfg)
 
@@ -248,6 +260,7 @@ def backward_local(grad_out, x, topk_ids, topk_weights, w1, w2, w3, saved=None):
     b_stage = stage_candidates(b_cands, D, H, E)
     dw2 = launch_dw2(pick_config("bwd_wgrad_dw2", key, b_stage, launch_dw2))
     del hw
+    shared.clear()
     dw1, dw3 = launch_dw13(pick_config("bwd_wgrad_dw13", key, b_stage, launch_dw13))
 
     # Kernel C (or _grouped_mm), then the combine. Each side allocates dx_slot [T*K, D] itself

@@ -1,8 +1,11 @@
-"""cuBLAS-side (``torch._grouped_mm``) candidates of two backward stages, beside the Triton kernels.
+"""cuBLAS-side (``torch._grouped_mm``) candidates of the backward stages, beside the Triton kernels.
 
 The tuner (tune.pick_config) times these against the Triton kernels on the first call per shape
 and keeps the faster one per stage; MEGAMOE_BWD_IMPL=triton|cublas|auto forces a side (tests).
 
+    A       dh_rows = dy_rows @ w2[e]                       M-grouped (on the forward's saved a1/a3
+                                                            only), then bwd_swiglu.py's rows
+                                                            kernel; dy_rows are reused by dw2
     wgrad   dw2[e] = dy_rows[seg e]^T @ hw[seg e]           K-grouped: _grouped_mm(A.t(), B, offs)
             dw1[e] = da1[seg e]^T @ x_rows[seg e]           over the plan's padded segments
             dw3[e] = da3[seg e]^T @ x_rows[seg e]           (x_rows gathered once for dw1 and dw3)
@@ -176,10 +179,25 @@ def grouped_wgrad(a_rows: torch.Tensor, b_rows: torch.Tensor, plan: Plan,
 
 
 def wgrad_dw2_cublas(dy: torch.Tensor, hw: torch.Tensor, plan: Plan,
-                     w2: torch.Tensor) -> torch.Tensor:
-    """dw2[e] = sum_r dy_r^T hw_r (layout of w2): gathers dy rows (freed on return), one
-    K-grouped GEMM."""
-    return grouped_wgrad(gather_rows(dy, plan), hw, plan, w2)
+                     w2: torch.Tensor, dy_rows: torch.Tensor | None = None) -> torch.Tensor:
+    """dw2[e] = sum_r dy_r^T hw_r (layout of w2): one K-grouped GEMM on dy rows (``dy_rows`` if
+    kernel A's cuBLAS side already gathered them, else gathered here and freed on return)."""
+    if dy_rows is None:
+        dy_rows = gather_rows(dy, plan)
+    return grouped_wgrad(dy_rows, hw, plan, w2)
+
+
+def dgrad_l2_swiglu_cublas(dy: torch.Tensor, a: torch.Tensor, topk_weights: torch.Tensor,
+                           w2: torch.Tensor, plan: Plan, out: tuple | None = None,
+                           dy_rows: torch.Tensor | None = None):
+    """Kernel A's cuBLAS side, on the forward's saved a = [a1 | a3]: dh = dy_rows @ w2[e] as one
+    M-grouped GEMM (bf16 dh), then the SwiGLU backward rows kernel (bwd_swiglu.py). Returns
+    (da, hw, part [1, R_max], dy_rows); dy_rows (zero padding rows) can feed the dw2 GEMM."""
+    from torchtitan_megamoe.ops.triton.bwd_swiglu import swiglu_bwd_rows
+
+    dy_rows = gather_rows(dy, plan, out=dy_rows)
+    dh = torch._grouped_mm(dy_rows, w2, offs=segment_ends(plan))
+    return (*swiglu_bwd_rows(dh, a, topk_weights, plan, out=out), dy_rows)
 
 
 def wgrad_dw13_cublas(da: torch.Tensor, x: torch.Tensor, plan: Plan, w1: torch.Tensor,
