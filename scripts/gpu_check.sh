@@ -12,7 +12,8 @@
 # Env knobs: BENCH_ARGS (extra bench.py args), PYTEST_ARGS (default "-m gpu tests"),
 # SKIP_TESTS=1, SKIP_BENCH=1, SKIP_WS_PROBE=1 (no warp-specialized candidates), WHEELS=0 (use the
 # current env, not .whl), BENCH_NPROC=2 (EP=2 bench under torchrun, on kind nvidia-h200-x2),
-# BENCH_NPROCS="1 2" (both benches in one call), BENCH_TIMEOUT_S (per bench, default 360). Logs and bench.json go to $OUT (or ./.out when run by hand).
+# BENCH_NPROCS="1 2" (both benches in one call), BENCH_TIMEOUT_S (per bench, default 360),
+# PYTEST_TIMEOUT_S (default 300). Logs and bench.json go to $OUT (or ./.out when run by hand).
 # What the bench prints: at EP=1, stock vs ours per shape plus the backward's per-stage table
 # (ops/triton/bwd_bench.py, run inside the bench: no separate bwd_bench call); at EP=2, stock
 # TorchTitan's ExpertParallel layer vs ours in the same run, with our EP=1 time for the ratio
@@ -41,7 +42,7 @@ echo "MEGAMOE_TRITON_WS=$ws"
 rc=0
 if [ "${SKIP_TESTS:-0}" != 1 ]; then
   # shellcheck disable=SC2086
-  timeout 200 python3 -m pytest -q -rs --continue-on-collection-errors ${PYTEST_ARGS:--m gpu tests} \
+  timeout "${PYTEST_TIMEOUT_S:-300}" python3 -m pytest -q -rs --durations=12 --continue-on-collection-errors ${PYTEST_ARGS:--m gpu tests} \
     2>&1 | tee "$OUT/pytest.log" | tail -40
   rc=${PIPESTATUS[0]}
   echo "pytest exit: $rc"
