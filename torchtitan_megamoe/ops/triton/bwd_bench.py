@@ -82,6 +82,10 @@ def _whole(side, args, iters, saved=None):
     return _with_side(side, run)
 
 
+TUNED_STAGES = ("bwd_dgrad_l2_swiglu_saved", "bwd_wgrad_dw2", "bwd_wgrad_dw13", "bwd_dgrad_l1")
+"""Backward stages with a Triton and a cuBLAS side, as the tuner names them."""
+
+
 def _cfg_name(cfg):
     return "cublas" if cfg.get("impl") == "cublas" else json.dumps(cfg, sort_keys=True)
 
@@ -136,11 +140,11 @@ def bench_shape(name, tokens, iters, shape=None, device="cuda", block_m=BLOCK_M,
     auto_key = base_key + ("auto",)
     res["tuner_auto"] = {
         stage: {_cfg_name(c): ms for c, ms, _ in tune.TIMINGS.get((stage, auto_key), [])}
-        for stage in ("bwd_wgrad_dw2", "bwd_wgrad_dw13", "bwd_dgrad_l1")
+        for stage in TUNED_STAGES
     }
     res["auto_picks"] = {
         stage: _cfg_name(tune._CHOSEN[(stage, auto_key)])
-        for stage in ("bwd_wgrad_dw2", "bwd_wgrad_dw13", "bwd_dgrad_l1")
+        for stage in TUNED_STAGES
         if (stage, auto_key) in tune._CHOSEN
     }
 
