@@ -356,13 +356,25 @@ def profile_kernels(title: str, fn, rank: int, calls: int = 3, rows: int = 25) -
 
     fn()
     torch.cuda.synchronize()
+    # Host time to issue one call, outside the profiler: when it exceeds the GPU time per call,
+    # the layer is launch-bound, not kernel-bound.
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    host_ms = (time.perf_counter() - t0) * 1e3 / calls
+    torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for _ in range(calls):
             fn()
         torch.cuda.synchronize()
     if rank == 0:
-        print(f"--- profile: {title}, {calls} calls", flush=True)
-        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=rows,
+        from torch.autograd import DeviceType
+
+        kernels = [e for e in prof.key_averages() if e.device_type == DeviceType.CUDA]
+        gpu_ms = sum(e.self_device_time_total for e in kernels) / 1e3 / calls
+        print(f"--- profile: {title}, {calls} calls: host issue {host_ms:.3f} ms per call, "
+              f"GPU kernels {gpu_ms:.3f} ms per call", flush=True)
+        print(prof.key_averages().table(sort_by="self_device_time_total", row_limit=rows,
                                         max_name_column_width=60), flush=True)
 
 
