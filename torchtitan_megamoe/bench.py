@@ -358,10 +358,20 @@ def profile_kernels(title: str, fn, rank: int, calls: int = 3, rows: int = 25) -
     torch.cuda.synchronize()
     # Host time to issue one call, outside the profiler: when it exceeds the GPU time per call,
     # the layer is launch-bound, not kernel-bound.
+    import cProfile
+    import io
+    import pstats
+
+    host = cProfile.Profile()
     t0 = time.perf_counter()
     for _ in range(calls):
         fn()
     host_ms = (time.perf_counter() - t0) * 1e3 / calls
+    torch.cuda.synchronize()
+    host.enable()
+    for _ in range(calls):
+        fn()
+    host.disable()
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for _ in range(calls):
@@ -376,6 +386,11 @@ def profile_kernels(title: str, fn, rank: int, calls: int = 3, rows: int = 25) -
               f"GPU kernels {gpu_ms:.3f} ms per call", flush=True)
         print(prof.key_averages().table(sort_by="self_device_time_total", row_limit=rows,
                                         max_name_column_width=60), flush=True)
+        for order in ("tottime", "cumulative"):
+            text = io.StringIO()
+            pstats.Stats(host, stream=text).sort_stats(order).print_stats(rows)
+            print(f"--- host (cProfile, {calls} calls, sorted by {order}):", flush=True)
+            print("\n".join(text.getvalue().splitlines()[-rows - 2:]), flush=True)
 
 
 def exchange_mib(group, dim: int) -> float:
