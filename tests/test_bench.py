@@ -76,6 +76,7 @@ def test_stock_ep_matches_unsharded_and_bench_ep_cli(capfd):
     for key in ("stock_fwd_ms", "stock_fwdbwd_ms", "ours_fwd_ms", "ours_fwdbwd_ms",
                 "ours_ep1_fwd_ms", "ours_ep1_fwdbwd_ms"):
         assert r[key] > 0, key
+        assert r[key.replace("_ms", "_b2b_ms")] > 0, key
     table = capfd.readouterr().out
     assert "| tiny (smoke) | 2 | fwd |" in table and "| tiny (smoke) | 2 | fwdbwd |" in table
     assert "stock EP failed" not in table

@@ -43,7 +43,7 @@ import traceback
 
 import torch
 
-from torchtitan_megamoe.timing import median_ms
+from torchtitan_megamoe.timing import back_to_back_ms, median_ms
 
 SHAPES = {
     "tiny": dict(name="tiny (smoke)", dim=128, hidden=64, experts=8, top_k=2),
@@ -246,11 +246,17 @@ def bench_shape(key: str, tokens: int, iters: int, warmup: int, backward: bool, 
     return res
 
 
-def _time_pair(fwd, step, iters, warmup, backward) -> tuple[float, float | None]:
-    """(forward ms, forward + backward ms or None) of one layer."""
+def _time_pair(fwd, step, iters, warmup, backward, res=None, name=None):
+    """(forward ms, forward + backward ms or None) of one layer, each call waited for. With
+    ``res`` and ``name``, also res[f"{name}_fwd_b2b_ms"] (and fwdbwd): calls back to back."""
     with torch.no_grad():
         fwd_ms = median_ms(fwd, iters, warmup)
-    return fwd_ms, (median_ms(step, iters, warmup) if backward else None)
+        if res is not None:
+            res[f"{name}_fwd_b2b_ms"] = back_to_back_ms(fwd, iters)
+    step_ms = median_ms(step, iters, warmup) if backward else None
+    if res is not None and backward:
+        res[f"{name}_fwdbwd_b2b_ms"] = back_to_back_ms(step, iters)
+    return fwd_ms, step_ms
 
 
 def bench_shape_ep(key: str, tokens: int, iters: int, warmup: int, backward: bool,
@@ -302,7 +308,7 @@ def bench_shape_ep(key: str, tokens: int, iters: int, warmup: int, backward: boo
         res["ours_ep1_fwd_ms"], res["ours_ep1_fwdbwd_ms"] = _time_pair(
             lambda: ours_layer(x, *full, None),
             lambda: ours_layer(xg, *full, None).backward(grad),
-            iters, warmup, backward)
+            iters, warmup, backward, res, "ours_ep1")
         moe.zero_grad(set_to_none=True)
 
     mine_w = [getattr(ex, n).detach()[mine].clone().requires_grad_(backward)
@@ -313,7 +319,7 @@ def bench_shape_ep(key: str, tokens: int, iters: int, warmup: int, backward: boo
     res["ours_fwd_ms"], res["ours_fwdbwd_ms"] = _time_pair(
         lambda: ours_layer(x, *mine_w, group),
         lambda: ours_layer(xg, *mine_w, group).backward(grad),
-        iters, warmup, backward)
+        iters, warmup, backward, res, "ours")
     res["exchange_mib"] = exchange_mib(group, D)
     if profile:
         with torch.no_grad():
@@ -333,7 +339,7 @@ def bench_shape_ep(key: str, tokens: int, iters: int, warmup: int, backward: boo
         res["stock_fwd_ms"], res["stock_fwdbwd_ms"] = _time_pair(
             lambda: moe(x.view(1, T, D)),
             lambda: moe(xg.view(1, T, D)).backward(grad.view(1, T, D)),
-            iters, warmup, backward)
+            iters, warmup, backward, res, "stock")
     except Exception as err:  # noqa: BLE001 - reported; ours' numbers above stay valid
         traceback.print_exc()
         res["stock_error"] = f"{type(err).__name__}: {err}"
@@ -485,6 +491,16 @@ def ep_table(results: list[dict]) -> str:
                 + f"{r[f'floor_{tag}_ms'] / ours:.2f} | "
                 + (f"{ep1:.3f} | {ours / ep1:.2f}x" if ep1 else "n/a | n/a") + " |")
     errs = [f"{r['shape']}: {r['stock_error']}" for r in results if "stock_error" in r]
+    b2b = []
+    for r in results:
+        for tag in ("fwd", "fwdbwd"):
+            o, st, e1 = (r.get(f"{who}_{tag}_b2b_ms") for who in ("ours", "stock", "ours_ep1"))
+            if o:
+                b2b.append(f"{r['shape']} {tag}: stock {st or float('nan'):.3f}, ours {o:.3f}"
+                           + (f" ({st / o:.2f}x)" if st else "")
+                           + (f", ours EP=1 {e1:.3f} (EP=N/EP=1 {o / e1:.2f}x)" if e1 else ""))
+    if b2b:
+        lines.append("calls back to back (no wait per call; ms per call): " + "; ".join(b2b))
     mem = [f"{r['shape']}: {r['exchange_mib']:.0f} MiB" for r in results if "exchange_mib" in r]
     notes = [f"stock EP failed: {e}" for e in errs]
     if mem:

@@ -30,3 +30,26 @@ def median_ms(fn, iters: int, warmup: int = 0) -> float:
         end.synchronize()
         times.append(start.elapsed_time(end))
     return statistics.median(times)
+
+
+def back_to_back_ms(fn, iters: int, warmup: int = 0) -> float:
+    """Mean time per call of ``iters`` calls issued back to back, one pair of events around all
+    of them: the host may run ahead of the device, as it does across layers in training when
+    nothing syncs. Against median_ms (each call waited for), the difference is host time the
+    device would otherwise idle for. Wall time without CUDA."""
+    for _ in range(warmup):
+        fn()
+    if not torch.cuda.is_available():
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            fn()
+        return (time.perf_counter() - t0) * 1e3 / iters
+    torch.cuda.synchronize()
+    start = torch.cuda.Event(enable_timing=True)
+    end = torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(iters):
+        fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / iters
