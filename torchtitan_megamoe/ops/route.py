@@ -1,8 +1,9 @@
-"""Expert-parallel routing through torch.distributed all_to_all (host-synced split sizes).
+"""Expert-parallel routing of the reference backend through torch.distributed all_to_all.
 
-Shared by the reference backend and the non-overlapped EP path of the Triton backend: both
-send each valid slot's row to the rank owning its expert, run the experts there, and return the
-results to the source slots. The overlapped symmetric-memory dispatch of DESIGN §3 replaces this.
+Each valid slot's row goes to the rank owning its expert and its result comes back to the source
+slot: the plainest correct EP, with host-synced split sizes. It is the oracle's, deliberately
+independent of the Triton backend's token exchange (ops/exchange.py, ops/triton/ep_route.py),
+which sends each token once per owning rank, without a host sync.
 """
 
 import torch
