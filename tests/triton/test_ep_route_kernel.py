@@ -1,0 +1,121 @@
+"""The one-launch EP route kernel (ep_route_kernel.py) against a plain-Python reference of
+owner, pos and meta on uneven routings: every token to one rank, tokens with every slot
+dropped, ranks receiving nothing, T = 1, T not a multiple of the token tile, several slots of a
+token on one rank (E_local < K), R = 2 and 4, K = 1 and 8."""
+
+import pytest
+import torch
+
+from torchtitan_megamoe.ops.triton.ep_route_kernel import ep_route_tensors
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def reference(ids, weights, E_local, R, C):
+    """owner, pos [T, R], meta [R, C, 2K] (ids half; weights half checked separately), built
+    token by token in Python."""
+    T, K = ids.shape
+    owner = torch.full((T, K), -1, dtype=torch.int64)
+    pos = torch.full((T, R), -1, dtype=torch.int32)
+    meta_ids = torch.full((R, C, K), -1, dtype=torch.int32)
+    meta_w = torch.zeros((R, C, K), dtype=torch.float64)
+    n = [0] * R
+    for t in range(T):
+        for k in range(K):
+            g = int(ids[t, k])
+            owner[t, k] = g // E_local if g >= 0 else -1
+        for d in range(R):
+            if not any(int(owner[t, k]) == d for k in range(K)):
+                continue
+            p = n[d]
+            n[d] += 1
+            pos[t, d] = p
+            for k in range(K):
+                if int(owner[t, k]) == d:
+                    meta_ids[d, p, k] = int(ids[t, k]) - d * E_local
+                meta_w[d, p, k] = float(weights[t, k].double())
+    return owner, pos, meta_ids, meta_w, n
+
+
+def routing(T, K, R, E_local, case, g):
+    E = R * E_local
+    ids = torch.randint(0, E, (T, K), generator=g)
+    if case == "one_rank":  # every slot on rank R-1: ranks 0..R-2 receive nothing
+        ids = torch.randint((R - 1) * E_local, E, (T, K), generator=g)
+    elif case == "dropped":  # some slots dropped, token 0 (and every 5th) entirely
+        ids[torch.rand(T, K, generator=g) < 0.3] = -1
+        ids[::5] = -1
+    elif case == "skip_rank1":  # rank 1 receives nothing, others random
+        ids = torch.where(ids // E_local == 1, ids - E_local, ids)
+    return ids
+
+
+CASES = [
+    # T, K, R, E_local, case, block_t
+    (1, 1, 2, 3, "random", None),
+    (1, 8, 4, 2, "dropped", None),
+    (37, 8, 2, 3, "random", 16),
+    (50, 8, 4, 2, "dropped", 16),
+    (29, 1, 4, 5, "one_rank", 8),
+    (45, 8, 4, 1, "skip_rank1", 16),
+    (300, 6, 2, 4, "random", None),
+]
+
+
+@pytest.mark.parametrize("T,K,R,E_local,case,block_t", CASES)
+@pytest.mark.parametrize("id_dtype", [torch.int64, torch.int32])
+def test_route_kernel_matches_reference(T, K, R, E_local, case, block_t, id_dtype):
+    g = torch.Generator().manual_seed(T * 100 + K * 10 + R)
+    ids = routing(T, K, R, E_local, case, g)
+    weights = torch.rand(T, K, generator=g, dtype=torch.float64)
+    w_dtype = torch.bfloat16 if id_dtype == torch.int32 else torch.float32
+    weights = weights.to(w_dtype)
+    C = T + 3  # regions longer than this batch: unused rows must read as "no slot"
+    owner, pos, pos_t, meta = ep_route_tensors(
+        ids.to(id_dtype).to(DEV), weights.to(DEV), E_local, R, C, block_t=block_t
+    )
+    w_owner, w_pos, w_ids, w_w, n = reference(ids, weights, E_local, R, C)
+    assert torch.equal(owner.cpu(), w_owner)
+    assert torch.equal(pos.cpu(), w_pos)
+    assert torch.equal(pos_t.cpu(), w_pos.t())
+    meta = meta.cpu()
+    assert torch.equal(meta[..., :K], w_ids)
+    for d in range(R):
+        got_w = meta[d, : n[d], K:].contiguous().view(torch.float32).double()
+        assert torch.equal(got_w, w_w[d, : n[d]])
+    if case == "one_rank":
+        assert n[: R - 1] == [0] * (R - 1)
+    if case == "skip_rank1":
+        assert n[1] == 0
+
+
+def test_route_kernel_overwrites_stale_outputs(monkeypatch):
+    """Outputs come from torch.empty: poison the allocator's memory so a row the kernel skips
+    would show. Every element of owner/pos/pos_t and the id half of meta must be written."""
+    g = torch.Generator().manual_seed(7)
+    T, K, R, E_local, C = 23, 4, 2, 3, 40
+    ids = routing(T, K, R, E_local, "dropped", g).to(DEV)
+    weights = torch.rand(T, K, generator=g).to(DEV)
+    real_empty = torch.empty
+
+    def poisoned_empty(*shape, dtype=None, device=None):
+        t = real_empty(*shape, dtype=dtype, device=device)
+        return t.fill_(-77) if not t.is_floating_point() else t.fill_(float("nan"))
+
+    import torchtitan_megamoe.ops.triton.ep_route_kernel as mod
+
+    monkeypatch.setattr(mod.torch, "empty", poisoned_empty)
+    owner, pos, pos_t, meta = ep_route_tensors(ids, weights, E_local, R, C, block_t=8)
+    monkeypatch.undo()
+    for t in (owner, pos, pos_t, meta[..., :K]):
+        assert not (t == -77).any()
+    w_owner, w_pos, w_ids, _, n = reference(ids.cpu(), weights.cpu(), E_local, R, C)
+    assert torch.equal(meta[..., :K].cpu(), w_ids)
+    for d in range(R):
+        assert (meta[d, n[d]:, K:] == 0).all()
+
+
+def test_route_kernel_rejects_short_regions():
+    ids = torch.zeros(5, 2, dtype=torch.int64, device=DEV)
+    with pytest.raises(ValueError, match="do not fit"):
+        ep_route_tensors(ids, torch.ones(5, 2, device=DEV), 2, 2, 4)
