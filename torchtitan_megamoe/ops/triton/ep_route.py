@@ -25,6 +25,7 @@ from __future__ import annotations
 import torch
 
 from torchtitan_megamoe.ops.exchange import get_exchange
+from torchtitan_megamoe.ops.triton.ep_route_kernel import ep_route_tensors
 from torchtitan_megamoe.ops.triton.scatter_rows import scatter_rows
 from torchtitan_megamoe.ops.triton.sum_partials import sum_partials
 
@@ -41,6 +42,19 @@ def exchange_widths(D: int, K: int, dtype: torch.dtype) -> dict:
     }
 
 
+_ROW_IN_REGION: dict = {}
+
+
+def _row_in_region(R: int, C: int, device) -> torch.Tensor:
+    """[R*C] int32: p for row p of every region; built once per exchange shape (it was three
+    torch ops per call)."""
+    key = (R, C, str(device))
+    t = _ROW_IN_REGION.get(key)
+    if t is None:
+        t = _ROW_IN_REGION[key] = torch.arange(C, dtype=torch.int32, device=device).repeat(R)
+    return t
+
+
 class TokenRoute:
     """The routing of this rank's tokens [T, K] over an EP group of R ranks with E_local experts
     each: ``pos[t, d]`` = row of token t in its region on rank d (-1: t has no expert on d)."""
@@ -48,29 +62,18 @@ class TokenRoute:
     def __init__(self, topk_ids, topk_weights, E_local, group, D, dtype):
         T, K = topk_ids.shape
         self.T, self.K, self.E_local = T, K, E_local
-        ids = topk_ids.to(torch.int64)
-        self.owner = torch.where(ids >= 0, torch.div(ids, E_local, rounding_mode="floor"), -1)
         self.ex = get_exchange(group, T, exchange_widths(D, K, dtype), topk_ids.device)
         R, C = self.ex.R, self.ex.capacity
         self.R, self.C = R, C
-        ranks = torch.arange(R, device=ids.device)
-        goes = (self.owner.unsqueeze(0) == ranks[:, None, None]).any(2)  # [R, T]
-        # Rows in increasing token order inside each region: deterministic layout. The scan
-        # runs along the contiguous dim: CUDA's scan over dim 0 of a [T, R] tensor took 1.55 ms
-        # at T = 16384 on H200 (measured), along dim 1 of [R, T] it is a few microseconds.
-        rows = torch.cumsum(goes, 1, dtype=torch.int32) - 1
-        pos_t = torch.where(goes, rows, -1)  # [R, T]
-        self.pos = pos_t.t().contiguous()  # [T, R] for sum_partials
-        self.pos_cols = list(pos_t.unbind(0))
-        # Metadata regions: local ids of the slots d owns (-1 elsewhere and in unused rows) and
-        # the routing weights' bit patterns. Whole regions travel (C x 2K int32, ~1 MB at
+        # One launch (ep_route_kernel.py) for owner, pos (rows in increasing token order inside
+        # each region: deterministic layout), its per-destination rows and the metadata
+        # regions: local ids of the slots d owns (-1 elsewhere and in unused rows) and the
+        # routing weights' bit patterns. Whole regions travel (C x 2K int32, ~1 MB at
         # C = 16384, K = 8), so rows a source did not fill this call never show stale ids.
-        local = (ids - self.owner * E_local).to(torch.int32)
-        wbits = topk_weights.to(torch.float32).contiguous().view(torch.int32)
-        self.meta = torch.full((R, C, 2 * K), -1, dtype=torch.int32, device=ids.device)
-        for d in range(R):
-            lid = torch.where(self.owner == d, local, -1)
-            scatter_rows(torch.cat([lid, wbits], 1), self.meta[d], self.pos_cols[d])
+        self.owner, self.pos, pos_t, self.meta = ep_route_tensors(
+            topk_ids, topk_weights, E_local, R, C
+        )
+        self.pos_cols = list(pos_t.unbind(0))
 
     def dispatch(self, rows: dict) -> None:
         """Send token rows (name -> [T, W]) and the metadata; then barrier #1."""
@@ -85,13 +88,13 @@ class TokenRoute:
         """(ids [R*C, K] local expert ids or -1, weights [R*C, K] fp32) of the received tokens,
         and the return destination of each received row (-1 for unused rows)."""
         meta = self.ex.recv["meta"].view(self.R * self.C, 2 * self.K)
-        ids = meta[:, : self.K]
+        ids = meta[:, : self.K].contiguous()
         weights = meta[:, self.K:].contiguous().view(torch.float32)
-        used = (ids >= 0).any(1)
-        self.ret_row = torch.where(
-            used, torch.arange(self.R * self.C, device=ids.device) % self.C, -1
-        ).to(torch.int32).view(self.R, self.C)
-        return ids.contiguous(), weights
+        # A used row has at least one id >= 0 (sources fill unused rows with -1 ids).
+        used = ids.amax(1) >= 0
+        self.ret_row = torch.where(used, _row_in_region(self.R, self.C, ids.device), -1)
+        self.ret_row = self.ret_row.view(self.R, self.C)
+        return ids, weights
 
     def recv_rows(self, name) -> torch.Tensor:
         return self.ex.recv[name].view(self.R * self.C, -1)
