@@ -12,10 +12,11 @@ DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def reference(ids, weights, E_local, R, C):
-    """owner, pos [T, R], meta [R, C, 2K] (ids half; weights half checked separately), built
-    token by token in Python."""
+    """owner, ret_slot, pos [T, R], meta [R, C, 2K] (id half; weights half separately) and the
+    rows per region, built token by token in Python."""
     T, K = ids.shape
     owner = torch.full((T, K), -1, dtype=torch.int64)
+    ret_slot = torch.full((T, K), -1, dtype=torch.int64)
     pos = torch.full((T, R), -1, dtype=torch.int32)
     meta_ids = torch.full((R, C, K), -1, dtype=torch.int32)
     meta_w = torch.zeros((R, C, K), dtype=torch.float64)
@@ -33,8 +34,9 @@ def reference(ids, weights, E_local, R, C):
             for k in range(K):
                 if int(owner[t, k]) == d:
                     meta_ids[d, p, k] = int(ids[t, k]) - d * E_local
+                    ret_slot[t, k] = (d * C + p) * K + k
                 meta_w[d, p, k] = float(weights[t, k].double())
-    return owner, pos, meta_ids, meta_w, n
+    return owner, ret_slot, pos, meta_ids, meta_w, n
 
 
 def routing(T, K, R, E_local, case, g):
@@ -71,11 +73,12 @@ def test_route_kernel_matches_reference(T, K, R, E_local, case, block_t, id_dtyp
     w_dtype = torch.bfloat16 if id_dtype == torch.int32 else torch.float32
     weights = weights.to(w_dtype)
     C = T + 3  # regions longer than this batch: unused rows must read as "no slot"
-    owner, pos, pos_t, meta = ep_route_tensors(
+    owner, ret_slot, pos, pos_t, meta = ep_route_tensors(
         ids.to(id_dtype).to(DEV), weights.to(DEV), E_local, R, C, block_t=block_t
     )
-    w_owner, w_pos, w_ids, w_w, n = reference(ids, weights, E_local, R, C)
+    w_owner, w_ret, w_pos, w_ids, w_w, n = reference(ids, weights, E_local, R, C)
     assert torch.equal(owner.cpu(), w_owner)
+    assert torch.equal(ret_slot.cpu(), w_ret)
     assert torch.equal(pos.cpu(), w_pos)
     assert torch.equal(pos_t.cpu(), w_pos.t())
     meta = meta.cpu()
@@ -91,7 +94,7 @@ def test_route_kernel_matches_reference(T, K, R, E_local, case, block_t, id_dtyp
 
 def test_route_kernel_overwrites_stale_outputs(monkeypatch):
     """Outputs come from torch.empty: poison the allocator's memory so a row the kernel skips
-    would show. Every element of owner/pos/pos_t and the id half of meta must be written."""
+    would show. Every element of owner/ret_slot/pos/pos_t and the id half of meta must be written."""
     g = torch.Generator().manual_seed(7)
     T, K, R, E_local, C = 23, 4, 2, 3, 40
     ids = routing(T, K, R, E_local, "dropped", g).to(DEV)
@@ -105,11 +108,12 @@ def test_route_kernel_overwrites_stale_outputs(monkeypatch):
     import torchtitan_megamoe.ops.triton.ep_route_kernel as mod
 
     monkeypatch.setattr(mod.torch, "empty", poisoned_empty)
-    owner, pos, pos_t, meta = ep_route_tensors(ids, weights, E_local, R, C, block_t=8)
+    owner, ret_slot, pos, pos_t, meta = ep_route_tensors(ids, weights, E_local, R, C, block_t=8)
     monkeypatch.undo()
-    for t in (owner, pos, pos_t, meta[..., :K]):
+    for t in (owner, ret_slot, pos, pos_t, meta[..., :K]):
         assert not (t == -77).any()
-    w_owner, w_pos, w_ids, _, n = reference(ids.cpu(), weights.cpu(), E_local, R, C)
+    _, w_ret, _, w_ids, _, n = reference(ids.cpu(), weights.cpu(), E_local, R, C)
+    assert torch.equal(ret_slot.cpu(), w_ret)
     assert torch.equal(meta[..., :K].cpu(), w_ids)
     for d in range(R):
         assert (meta[d, n[d]:, K:] == 0).all()

@@ -70,7 +70,7 @@ class TokenRoute:
         # regions: local ids of the slots d owns (-1 elsewhere and in unused rows) and the
         # routing weights' bit patterns. Whole regions travel (C x 2K int32, ~1 MB at
         # C = 16384, K = 8), so rows a source did not fill this call never show stale ids.
-        self.owner, self.pos, pos_t, self.meta = ep_route_tensors(
+        self.owner, self._ret_slot, self.pos, pos_t, self.meta = ep_route_tensors(
             topk_ids, topk_weights, E_local, R, C
         )
         self.pos_cols = list(pos_t.unbind(0))
@@ -114,9 +114,6 @@ class TokenRoute:
 
     def pick_returned_dtw(self, dtype) -> torch.Tensor:
         """d(topk_weights)[t, k] from the rank owning slot (t, k); 0 for dropped slots."""
-        dtw = self.ex.recv["dtw"]  # [R, C, K]
-        owner = self.owner.clamp(min=0)
-        row = torch.gather(self.pos.to(torch.int64), 1, owner).clamp(min=0)
-        k = torch.arange(self.K, device=owner.device).expand_as(owner)
-        got = dtw[owner, row, k]
-        return torch.where(self.owner >= 0, got, torch.zeros_like(got)).to(dtype)
+        # _ret_slot: flat index of dtw[owner, pos[t, owner], k] in the [R, C, K] buffer
+        got = self.ex.recv["dtw"].view(-1)[self._ret_slot.clamp(min=0)]
+        return torch.where(self._ret_slot >= 0, got, 0.0).to(dtype)
