@@ -123,3 +123,43 @@ def test_route_kernel_rejects_short_regions():
     ids = torch.zeros(5, 2, dtype=torch.int64, device=DEV)
     with pytest.raises(ValueError, match="do not fit"):
         ep_route_tensors(ids, torch.ones(5, 2, device=DEV), 2, 2, 4)
+
+
+def reference_vectorized(ids, weights, E_local, R, C):
+    """The torch-op route TokenRoute used before the kernel (for shapes too big for the loop)."""
+    ids = ids.long()
+    T, K = ids.shape
+    owner = torch.where(ids >= 0, torch.div(ids, E_local, rounding_mode="floor"), -1)
+    goes = (owner.unsqueeze(0) == torch.arange(R, device=ids.device)[:, None, None]).any(2)
+    rows = torch.cumsum(goes, 1, dtype=torch.int32) - 1
+    pos_t = torch.where(goes, rows, -1)  # [R, T]
+    meta = torch.full((R, C, 2 * K), -1, dtype=torch.int32, device=ids.device)
+    wbits = weights.float().contiguous().view(torch.int32)
+    for d in range(R):
+        lid = torch.where(owner == d, ids - d * E_local, -1).to(torch.int32)
+        live = goes[d]
+        meta[d, pos_t[d, live].long()] = torch.cat([lid, wbits], 1)[live]
+    return owner, pos_t, meta
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("R,E_local", [(2, 64), (8, 16)])
+def test_route_kernel_gpu_30b_shape(R, E_local):
+    """The compiled kernel at the 30B EP shape (T = C = 16384, K = 8), dropped slots included."""
+    g = torch.Generator(device="cuda").manual_seed(3)
+    T, K = 16384, 8
+    ids = torch.randint(0, R * E_local, (T, K), device="cuda", generator=g)
+    ids[torch.rand(T, K, device="cuda", generator=g) < 0.05] = -1
+    weights = torch.rand(T, K, device="cuda", generator=g).bfloat16()
+    owner, ret_slot, pos, pos_t, meta = ep_route_tensors(ids, weights, E_local, R, T)
+    w_owner, w_pos_t, w_meta = reference_vectorized(ids, weights, E_local, R, T)
+    assert torch.equal(owner, w_owner)
+    assert torch.equal(pos_t, w_pos_t)
+    assert torch.equal(pos, w_pos_t.t())
+    assert torch.equal(meta[..., :K], w_meta[..., :K])
+    used = w_meta[..., :K].amax(2) >= 0
+    assert torch.equal(meta[..., K:][used], w_meta[..., K:][used])
+    own = owner.clamp(min=0)
+    want_ret = (own * T + torch.gather(pos.long(), 1, own)) * K + torch.arange(K, device="cuda")
+    assert torch.equal(ret_slot, torch.where(owner >= 0, want_ret, -1))
