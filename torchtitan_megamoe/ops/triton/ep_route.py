@@ -47,11 +47,14 @@ _ROW_IN_REGION: dict = {}
 
 def _row_in_region(R: int, C: int, device) -> torch.Tensor:
     """[R*C] int32: p for row p of every region; built once per exchange shape (it was three
-    torch ops per call)."""
+    torch ops per call). Not cached while a CUDA graph captures: its values would only exist
+    once the graph replays."""
     key = (R, C, str(device))
     t = _ROW_IN_REGION.get(key)
     if t is None:
-        t = _ROW_IN_REGION[key] = torch.arange(C, dtype=torch.int32, device=device).repeat(R)
+        t = torch.arange(C, dtype=torch.int32, device=device).repeat(R)
+        if not (t.is_cuda and torch.cuda.is_current_stream_capturing()):
+            _ROW_IN_REGION[key] = t
     return t
 
 
