@@ -163,3 +163,26 @@ def test_ep2_symmetric_memory_exchange_gpu():
         assert symm, f"rank {r}: the symmetric-memory transport was not used"
         assert same, f"rank {r}: repeated calls differ"
         assert err < 1e-2, f"rank {r}: rel err {err:.2e}"
+
+
+def test_capacity_hint_and_knob(monkeypatch):
+    """What fake impls assume the capacity is: the group's exchange's, else the knob, else T."""
+    from torchtitan_megamoe.ops import exchange
+
+    class Group:
+        group_name = "g"
+
+    monkeypatch.setattr(exchange, "_CACHE", {})
+    monkeypatch.setattr(exchange, "_MAX_TOKENS_PER_RANK", 0)
+    assert exchange.capacity_hint(Group(), 300) == 300
+    exchange.set_max_tokens_per_rank(512)
+    assert exchange.capacity_hint(Group(), 300) == 512
+    with pytest.raises(ValueError, match="max_tokens_per_rank"):
+        exchange.set_max_tokens_per_rank(-1)
+
+    class Existing:
+        group = Group()
+        capacity = 1024
+
+    monkeypatch.setattr(exchange, "_CACHE", {("g",): Existing()})
+    assert exchange.capacity_hint(Group(), 300) == 1024

@@ -94,11 +94,6 @@ class SymmetricExchange(Exchange):
                 symm_mem.set_backend("CUDA")
             except RuntimeError:
                 pass
-        if hasattr(symm_mem, "enable_symm_mem_for_group"):
-            try:  # required by older releases before a group's first rendezvous; harmless later
-                symm_mem.enable_symm_mem_for_group(group.group_name)
-            except Exception:  # noqa: BLE001  (deprecated or already enabled)
-                pass
         self.recv, self._handles = {}, {}
         for name, (W, dtype) in widths.items():
             buf = symm_mem.empty((self.R, capacity, W), dtype=dtype, device=device)
