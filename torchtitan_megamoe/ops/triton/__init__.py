@@ -2,9 +2,11 @@
 
 Forward (EP=1): device-side plan (plan.py), grouped GEMM 1 + SwiGLU (gemm1_swiglu.py), grouped
 GEMM 2 storing rows into combine slots (gemm2_scatter.py), fp32 combine (combine.py).
-Backward: backward.py (BF16); at EP=1 it reads what the forward saved (GEMM 1's pre-activations
-and the packed plan) instead of recomputing them. EP > 1 (ep_forward.py, bwd_ep.py): rows are exchanged with
-all_to_all around the EP=1 kernels (functional, not yet overlapped with the GEMMs).
+Backward: backward.py (BF16); it reads what the forward saved (GEMM 1's pre-activations and the
+packed plan) instead of recomputing them. EP > 1 (ep_forward.py, bwd_ep.py): each token goes once
+to every rank owning one of its experts through the token exchange (ep_route.py over
+ops/exchange.py: symmetric-memory peer stores, no host sync), the EP=1 kernels run on the receive
+buffer and partial rows return to their sources (not yet overlapped with the GEMMs).
 """
 
 import torch
