@@ -140,7 +140,7 @@ def test_production_configs_match_their_description():
         assert got_ac[0] == expected_ac[0] and expected_ac[1] in (None, got_ac[1]), name
         with open(_path(name)) as f:
             header = f.read().split("[job]")[0]
-        assert f"--nproc_per_node 8" in header and f"--nnodes {world // 8}" in header, name
+        assert "--nproc_per_node 8" in header and f"--nnodes {world // 8}" in header, name
         assert f"NGPU={world}" in header, name
 
 

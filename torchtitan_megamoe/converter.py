@@ -21,7 +21,7 @@ from torchtitan.protocols.model_converter import register_model_converter
 from torchtitan.tools.logging import logger
 
 from torchtitan_megamoe.config import MegaMoE as MegaMoEConfig
-from torchtitan_megamoe.moe import MegaExperts, MegaMoE
+from torchtitan_megamoe.moe import MegaMoE
 from torchtitan_megamoe.ops.api import BACKENDS, PRECISIONS
 from torchtitan_megamoe.ops.exchange import set_max_tokens_per_rank
 from torchtitan_megamoe.parallel import install_ep_routing

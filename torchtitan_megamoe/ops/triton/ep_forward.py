@@ -28,8 +28,6 @@ metadata, C = tokens per rank. Per call, the EP=1 workspace for R*C tokens (h [R
 per-slot rows [R*C*K, D]) and the partial rows [R*C, D].
 """
 
-import torch
-
 from torchtitan_megamoe.ops.exchange import capacity_hint
 from torchtitan_megamoe.ops.triton.ep_route import TokenRoute
 from torchtitan_megamoe.ops.triton.forward import forward_ep1, saved_like
