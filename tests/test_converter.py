@@ -243,11 +243,22 @@ def _meta_model(args=None):
         (dict(precision="fp16"), r"precision='fp16' is not one of"),
         (dict(precision="fp8", backend="auto"), r"precision='fp8' has no Hopper kernels yet"),
         (dict(precision="fp8_bwd", backend="triton"), r"use precision='bf16', or backend='reference'"),
+        (dict(save_activations="always"), r"save_activations='always' is not one of"),
+        (dict(max_tokens_per_rank=-1), r"max_tokens_per_rank=-1 must be >= 0"),
     ],
 )
 def test_rejects_bad_settings(settings, match):
     with pytest.raises(ValueError, match=match):
         MegaMoEConverter(job_config(**settings), None)
+
+
+def test_runtime_knobs_reach_the_op(monkeypatch):
+    from torchtitan_megamoe.ops import api, exchange
+
+    monkeypatch.setattr(api, "_SAVE_ACTIVATIONS", "auto")
+    monkeypatch.setattr(exchange, "_MAX_TOKENS_PER_RANK", 0)
+    MegaMoEConverter(job_config(save_activations="never", max_tokens_per_rank=4096), None)
+    assert api._SAVE_ACTIVATIONS == "never" and exchange._MAX_TOKENS_PER_RANK == 4096
 
 
 @pytest.mark.parametrize(

@@ -222,3 +222,29 @@ def test_no_grad_call_saves_nothing():
     finally:
         api.torch.ops.megamoe.mega_moe = real
     assert seen == [False, True, False]
+
+
+def test_save_activations_never_keeps_nothing():
+    from torchtitan_megamoe.ops import api
+
+    x, ids, w, w1, w2, w3 = make_inputs(8, 2, 3, 8, 8, "random", dtype=torch.float32)
+    seen = []
+    real = torch.ops.megamoe.mega_moe
+
+    class Spy:
+        def __call__(self, *args):
+            seen.append(args[-1])
+            return real(*args)
+
+    api.torch.ops.megamoe.mega_moe = Spy()
+    try:
+        api.set_save_activations("never")
+        out = mega_moe(x, ids, w, w1.requires_grad_(), w2, w3, backend="reference")
+        out.sum().backward()  # the backward still works (recomputing)
+        assert w1.grad is not None and torch.isfinite(w1.grad).all()
+        with pytest.raises(ValueError, match="save_activations"):
+            api.set_save_activations("sometimes")
+    finally:
+        api.set_save_activations("auto")
+        api.torch.ops.megamoe.mega_moe = real
+    assert seen == [False]

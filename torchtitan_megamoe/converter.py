@@ -22,7 +22,7 @@ from torchtitan.tools.logging import logger
 
 from torchtitan_megamoe.config import MegaMoE as MegaMoEConfig
 from torchtitan_megamoe.moe import MegaMoE
-from torchtitan_megamoe.ops.api import BACKENDS, PRECISIONS
+from torchtitan_megamoe.ops.api import BACKENDS, PRECISIONS, SAVE_MODES, set_save_activations
 from torchtitan_megamoe.ops.exchange import set_max_tokens_per_rank
 from torchtitan_megamoe.parallel import install_ep_routing
 
@@ -57,6 +57,10 @@ def validate_settings(cfg: MegaMoEConfig) -> None:
         raise ValueError(
             f"[megamoe] backend={cfg.backend!r} is not one of {BACKENDS}; "
             "use 'auto' unless you need to force an implementation."
+        )
+    if cfg.save_activations not in SAVE_MODES:
+        raise ValueError(
+            f"[megamoe] save_activations={cfg.save_activations!r} is not one of {SAVE_MODES}."
         )
     if cfg.max_tokens_per_rank < 0:
         raise ValueError(
@@ -244,6 +248,7 @@ class MegaMoEConverter:
         validate_settings(cfg)
         validate_job(job_config, parallel_dims)
         set_max_tokens_per_rank(cfg.max_tokens_per_rank)
+        set_save_activations(cfg.save_activations)
         self.cfg = cfg
         self.ep_degree = _degrees(job_config, parallel_dims)["ep"]
 

@@ -34,6 +34,21 @@ import torch.distributed as dist
 
 BACKENDS = ("auto", "triton", "reference")
 PRECISIONS = ("bf16", "fp8", "fp8_bwd")
+SAVE_MODES = ("auto", "never")
+
+_SAVE_ACTIVATIONS = "auto"
+
+
+def set_save_activations(mode: str) -> None:
+    """``auto``: backends keep what their backward can reuse (the triton backend: GEMM 1's
+    pre-activations, when no larger than stock's saved activations); ``never``: keep nothing,
+    the backward recomputes (less memory, more time). The ``[megamoe] save_activations`` knob."""
+    global _SAVE_ACTIVATIONS
+    if mode not in SAVE_MODES:
+        raise ValueError(
+            f"save_activations={mode!r} is not one of {', '.join(SAVE_MODES)}"
+        )
+    _SAVE_ACTIVATIONS = mode
 
 _BACKEND_MODULES = {
     "reference": "torchtitan_megamoe.ops.reference",
@@ -75,9 +90,11 @@ def mega_moe(
     backend = resolve_backend(backend, x, group)
     group_name = "" if group is None else group.group_name
     # Keep activations for a backward only when one can follow: inference and no_grad
-    # evaluation skip the extra stores (and their memory).
-    save = torch.is_grad_enabled() and any(
-        t.requires_grad for t in (x, topk_weights, w1, w2, w3)
+    # evaluation skip the extra stores (and their memory); save_activations="never" opts out.
+    save = (
+        _SAVE_ACTIVATIONS != "never"
+        and torch.is_grad_enabled()
+        and any(t.requires_grad for t in (x, topk_weights, w1, w2, w3))
     )
     out, _saved = torch.ops.megamoe.mega_moe(
         x, topk_ids, topk_weights, w1, w2, w3, group_name, backend, precision, save
