@@ -6,6 +6,8 @@ random float64 inputs so every comparison is tight (1e-10 relative), and on fp32
 the same oracle at fp32 tolerance.
 """
 
+import contextlib
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -200,27 +202,33 @@ def test_bad_arguments_raise_clear_errors(mutate, exc, match):
         mega_moe(**args)
 
 
-def test_no_grad_call_saves_nothing():
-    """Under no_grad (inference, evaluation) the op is told not to keep activations."""
+@contextlib.contextmanager
+def _save_flags():
+    """The ``save`` flag of every megamoe::mega_moe call inside the block, in order."""
     from torchtitan_megamoe.ops import api
 
-    x, ids, w, w1, w2, w3 = make_inputs(8, 2, 3, 8, 8, "random", dtype=torch.float32)
     seen = []
     real = torch.ops.megamoe.mega_moe
 
-    class Spy:
-        def __call__(self, *args):
-            seen.append(args[-1])
-            return real(*args)
+    def spy(*args):
+        seen.append(args[-1])
+        return real(*args)
 
-    api.torch.ops.megamoe.mega_moe = Spy()
+    api.torch.ops.megamoe.mega_moe = spy
     try:
+        yield seen
+    finally:
+        api.torch.ops.megamoe.mega_moe = real
+
+
+def test_no_grad_call_saves_nothing():
+    """Under no_grad (inference, evaluation) the op is told not to keep activations."""
+    x, ids, w, w1, w2, w3 = make_inputs(8, 2, 3, 8, 8, "random", dtype=torch.float32)
+    with _save_flags() as seen:
         with torch.no_grad():
             mega_moe(x, ids, w, w1.requires_grad_(), w2, w3, backend="reference")
         mega_moe(x, ids, w, w1, w2, w3, backend="reference")
         mega_moe(x, ids, w, w1.detach(), w2, w3, backend="reference")
-    finally:
-        api.torch.ops.megamoe.mega_moe = real
     assert seen == [False, True, False]
 
 
@@ -228,23 +236,14 @@ def test_save_activations_never_keeps_nothing():
     from torchtitan_megamoe.ops import api
 
     x, ids, w, w1, w2, w3 = make_inputs(8, 2, 3, 8, 8, "random", dtype=torch.float32)
-    seen = []
-    real = torch.ops.megamoe.mega_moe
-
-    class Spy:
-        def __call__(self, *args):
-            seen.append(args[-1])
-            return real(*args)
-
-    api.torch.ops.megamoe.mega_moe = Spy()
     try:
         api.set_save_activations("never")
-        out = mega_moe(x, ids, w, w1.requires_grad_(), w2, w3, backend="reference")
+        with _save_flags() as seen:
+            out = mega_moe(x, ids, w, w1.requires_grad_(), w2, w3, backend="reference")
         out.sum().backward()  # the backward still works (recomputing)
         assert w1.grad is not None and torch.isfinite(w1.grad).all()
         with pytest.raises(ValueError, match="save_activations"):
             api.set_save_activations("sometimes")
     finally:
         api.set_save_activations("auto")
-        api.torch.ops.megamoe.mega_moe = real
     assert seen == [False]
