@@ -3,14 +3,13 @@ autograd of one rank holding every expert and every token."""
 
 import os
 import sys
-import tempfile
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.dirname(__file__))
+from ranks import run_ranks  # noqa: E402
 from test_bwd_oracle import grads64, rel_err, same_bits  # noqa: E402
 
 R, T, K, E, D, H = 2, 11, 3, 6, 24, 16
@@ -49,10 +48,7 @@ def _worker(rank, init_file, result_file):
 
 
 def test_ep2_backward_matches_single_rank_f64():
-    with tempfile.TemporaryDirectory() as d:
-        result = os.path.join(d, "result")
-        mp.spawn(_worker, args=(os.path.join(d, "init"), result), nprocs=R, join=True)
-        ranks = [torch.load(f"{result}.{r}") for r in range(R)]
+    ranks = run_ranks(_worker, R)
     assert all(r[1] for r in ranks), "two runs on the same inputs differ"
     ref = grads64(_inputs())
     for i, name in enumerate(NAMES):
@@ -104,10 +100,7 @@ def _gpu_worker(rank, init_file, result_file):
 @pytest.mark.multigpu
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
 def test_ep2_backward_30b_shape_vs_reference_gpu():
-    with tempfile.TemporaryDirectory() as d:
-        result = os.path.join(d, "result")
-        mp.spawn(_gpu_worker, args=(os.path.join(d, "init"), result), nprocs=R, join=True)
-        ranks = [torch.load(f"{result}.{r}") for r in range(R)]
+    ranks = run_ranks(_gpu_worker, R)
     for r, (errs, same) in enumerate(ranks):
         assert same, f"rank {r}: two runs differ"
         for name, err in zip(NAMES, errs):

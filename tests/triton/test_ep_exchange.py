@@ -4,14 +4,13 @@ error; on 2 GPUs, that the symmetric-memory transport is the one used and agrees
 
 import os
 import sys
-import tempfile
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.dirname(__file__))
+from ranks import run_ranks  # noqa: E402
 from moe_math import moe_f64, rel_err  # noqa: E402
 
 from torchtitan_megamoe.ops.triton.scatter_rows import scatter_rows  # noqa: E402
@@ -105,10 +104,7 @@ def _gloo_worker(rank, init_file, result_file):
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the gloo/interpreter variant is for CPU")
 def test_ep2_exchange_unequal_batches_and_capacity_error():
-    with tempfile.TemporaryDirectory() as d:
-        result = os.path.join(d, "result")
-        mp.spawn(_gloo_worker, args=(os.path.join(d, "init"), result), nprocs=R, join=True)
-        ranks = [torch.load(f"{result}.{r}") for r in range(R)]
+    ranks = run_ranks(_gloo_worker, R)
     x, ids, w, w1, w2, w3 = _inputs()
     got = torch.cat([r[0] for r in ranks])
     ref = moe_f64(x, ids, w, w1, w2, w3)
@@ -155,10 +151,7 @@ def _nccl_worker(rank, init_file, result_file):
 @pytest.mark.multigpu
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
 def test_ep2_symmetric_memory_exchange_gpu():
-    with tempfile.TemporaryDirectory() as d:
-        result = os.path.join(d, "result")
-        mp.spawn(_nccl_worker, args=(os.path.join(d, "init"), result), nprocs=R, join=True)
-        ranks = [torch.load(f"{result}.{r}") for r in range(R)]
+    ranks = run_ranks(_nccl_worker, R)
     for r, (err, symm, same) in enumerate(ranks):
         assert symm, f"rank {r}: the symmetric-memory transport was not used"
         assert same, f"rank {r}: repeated calls differ"

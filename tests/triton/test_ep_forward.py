@@ -3,14 +3,13 @@ GPUs with NCCL, marked multigpu) against float64 math of one rank holding every 
 
 import os
 import sys
-import tempfile
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.dirname(__file__))
+from ranks import run_ranks  # noqa: E402
 from moe_math import moe_f64, rel_err  # noqa: E402
 
 R = 2
@@ -52,11 +51,7 @@ def _worker(rank, backend, shape, init_file, result_file):
 
 
 def _run(backend, shape):
-    with tempfile.TemporaryDirectory() as d:
-        result = os.path.join(d, "result")
-        mp.spawn(_worker, args=(backend, shape, os.path.join(d, "init"), result), nprocs=R,
-                 join=True)
-        ranks = [torch.load(f"{result}.{r}") for r in range(R)]
+    ranks = run_ranks(_worker, R, backend, shape)
     assert all(r[1] for r in ranks), "two runs on the same inputs differ"
     got = torch.cat([r[0] for r in ranks])
     x, ids, w, w1, w2, w3 = _inputs(*shape)

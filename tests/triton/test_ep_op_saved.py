@@ -5,13 +5,12 @@ re-dispatch must reproduce that layout exactly; gradients vs float64 of one rank
 
 import os
 import sys
-import tempfile
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.dirname(__file__))
+from ranks import run_ranks  # noqa: E402
 from test_bwd_oracle import grads64, rel_err  # noqa: E402
 
 R, T, K, E, D, H = 2, 40, 2, 6, 48, 16
@@ -68,10 +67,7 @@ def test_ep2_op_saved_receive_layout_backward_matches_f64():
 
     block_m = interpret_defaults(None, None, None)[0]
     assert keeps_saved(R, T, K, E // R, D, H, block_m), "pick a shape that keeps the saved tensors"
-    with tempfile.TemporaryDirectory() as d:
-        result = os.path.join(d, "result")
-        mp.spawn(_worker, args=(os.path.join(d, "init"), result), nprocs=R, join=True)
-        ranks = [torch.load(f"{result}.{r}") for r in range(R)]
+    ranks = run_ranks(_worker, R)
     assert all(r[1] == [True] for r in ranks), [r[1] for r in ranks]  # saved path taken
     ref = grads64(_inputs())
     got = [torch.cat([r[0][i] for r in ranks]) for i in range(2)]
