@@ -31,13 +31,12 @@ per-slot rows [R*C*K, D]) and the partial rows [R*C, D].
 from torchtitan_megamoe.ops.exchange import capacity_hint
 from torchtitan_megamoe.ops.triton.ep_route import TokenRoute
 from torchtitan_megamoe.ops.triton.forward import forward_ep1, saved_like
+from torchtitan_megamoe.ops.triton.plan import max_rows
 
 
 def keeps_saved(R, C, K, E_local, D, H, block_m) -> bool:
     """Whether the EP forward keeps GEMM 1's pre-activations: only while their static size is
     at most stock TorchTitan's saved routed activations per layer."""
-    from torchtitan_megamoe.ops.triton.plan import max_rows
-
     ours = max_rows(R * C * K, E_local, block_m) * 2 * H
     stock = C * K * (D + 3 * H)
     return ours <= stock
