@@ -168,7 +168,7 @@ def bwd_stage_breakdown(key: str, tokens: int, iters: int) -> dict:
 
 
 def bench_shape(key: str, tokens: int, iters: int, warmup: int, backward: bool, backend: str,
-                peak_tflops: float) -> dict:
+                peak_tflops: float, profile: bool = False) -> dict:
     from torchtitan_megamoe import mega_moe
 
     shape = SHAPES[key]
@@ -226,6 +226,22 @@ def bench_shape(key: str, tokens: int, iters: int, warmup: int, backward: bool, 
             res["ours_fwdbwd_ms"] = None
             res["ours_fwdbwd_note"] = str(err)
         res["floor_fwdbwd_ms"] = 3 * res["floor_fwd_ms"]
+
+        # The steps above accumulate into existing .grad tensors (an extra pass over the weight
+        # gradients each call); a training step's first backward writes them fresh instead.
+        def fresh(step):
+            def run():
+                moe.zero_grad(set_to_none=True)
+                xg.grad = None
+                step()
+            return run
+
+        res["stock_fwdbwd_fresh_ms"] = median_ms(fresh(stock_step), iters, warmup)
+        if res.get("ours_fwdbwd_ms"):
+            res["ours_fwdbwd_fresh_ms"] = median_ms(fresh(ours_step), iters, warmup)
+        if profile:
+            profile_kernels(f"{shape['name']} EP=1 ours fwd+bwd", ours_step, 0)
+            profile_kernels(f"{shape['name']} EP=1 stock fwd+bwd", stock_step, 0)
         moe.zero_grad(set_to_none=True)
     from torchtitan_megamoe.ops.triton import tune
 
@@ -355,7 +371,7 @@ def bench_shape_ep(key: str, tokens: int, iters: int, warmup: int, backward: boo
     return res
 
 
-def profile_kernels(title: str, fn, rank: int, calls: int = 3, rows: int = 25) -> None:
+def profile_kernels(title: str, fn, rank: int, calls: int = 3, rows: int = 40) -> None:
     """Rank 0 prints the GPU kernels of ``calls`` calls of fn (per-call time = total / calls):
     where a layer's time goes when no per-stage timer covers it (the EP exchange)."""
     from torch.profiler import ProfilerActivity, profile
@@ -430,6 +446,12 @@ def table(results: list[dict]) -> str:
             else:
                 cells = f"n/a | n/a | n/a | {floor:.2f} | n/a"
             lines.append(f"| {r['shape']} | {tag} | {stock:.3f} | {cells} |")
+    for r in results:
+        st, o = r.get("stock_fwdbwd_fresh_ms"), r.get("ours_fwdbwd_fresh_ms")
+        if st and o:
+            lines.append(f"{r['shape']} fwd+bwd with fresh .grad (set to None before each "
+                         f"step, as a training step's first backward): stock {st:.3f}, ours "
+                         f"{o:.3f} ({st / o:.2f}x)")
     return "\n".join(lines)
 
 
@@ -578,7 +600,8 @@ def main(argv=None) -> int:
                    help="with --ep > 1: skip timing our EP=1 layer in the same run")
     p.add_argument("--json", default=None, help="write results here")
     p.add_argument("--profile", action="store_true",
-                   help="with --ep: print rank 0's top GPU kernels of ours (fwd and fwd+bwd)")
+                   help="print (rank 0's) top GPU kernels and host profile of ours (fwd+bwd; at EP=1 "
+                        "also stock's fwd+bwd, at EP > 1 also ours' fwd)")
     args = p.parse_args(argv)
     for key in args.shapes.split(","):
         if key not in SHAPES:
@@ -595,7 +618,7 @@ def main(argv=None) -> int:
     for key in args.shapes.split(","):
         t0 = time.time()
         r = bench_shape(key, args.tokens, args.iters, args.warmup, args.backward, args.backend,
-                        args.peak_tflops)
+                        args.peak_tflops, args.profile)
         r["wall_s"] = round(time.time() - t0, 1)
         results.append(r)
         print(json.dumps({k: v for k, v in r.items() if k != "tuned"}), flush=True)

@@ -113,3 +113,51 @@ def test_plan_kernels_sub_blocks(monkeypatch):
     b = build_plan(ids, E, 16, use_kernels=True)
     for f in ("row_slot", "slot_row", "tile_expert", "seg_start", "count"):
         assert torch.equal(getattr(a, f), getattr(b, f)), f
+
+
+@pytest.mark.parametrize("use_kernels", [False, True])
+def test_phased_plan_layout(use_kernels, monkeypatch):
+    """build_phased_plan (the EP forward's): each expert's segment holds one sub-segment per
+    phase, each padded to block_m and in slot order; every tile belongs to one (expert, phase),
+    phase_tiles partition the used tiles; the packed plan unpacks with its phase count."""
+    from torchtitan_megamoe.ops.triton import plan as plan_mod
+    from torchtitan_megamoe.ops.triton.plan import build_phased_plan, pack_plan, unpack_plan
+
+    if use_kernels:  # the Triton plan kernels (interpreter) instead of the torch-op path
+        real = plan_mod.build_plan
+        monkeypatch.setattr(plan_mod, "build_plan",
+                            lambda ids, E, bm: real(ids, E, bm, use_kernels=True))
+    g = torch.Generator().manual_seed(5)
+    T, K, E, bm, P = 60, 3, 4, 8, 2
+    ids = torch.randint(0, E, (T, K), generator=g)
+    ids[torch.rand(T, K, generator=g) < 0.25] = -1
+    ids[:, :][ids == 3] = -1  # expert 3 empty
+    ids[40:] = torch.where(ids[40:] >= 0, 1, -1)  # phase-1-heavy expert 1
+    phase = (torch.arange(T) >= 30).to(torch.int32)
+    plan, tiles = build_phased_plan(ids, E, bm, phase, P)
+    assert plan.max_rows == max_rows(T * K, E, bm, P)
+    seg = plan.seg_start.tolist()
+    assert plan.count.tolist() == [seg[e + 1] - seg[e] for e in range(E)]
+    rows_of = {}
+    for s, gid in enumerate(ids.reshape(-1).tolist()):
+        r = int(plan.slot_row[s])
+        if gid < 0:
+            assert r == -1
+            continue
+        assert int(plan.row_slot[r]) == s and seg[gid] <= r < seg[gid + 1]
+        p = int(phase[s // K])
+        assert int(plan.tile_expert[r // bm]) == gid
+        assert int(tiles[p][r // bm]) == gid and int(tiles[1 - p][r // bm]) == -1
+        rows_of.setdefault((gid, p), []).append((r, s))
+    for (gid, p), rs in rows_of.items():
+        rows = [r for r, _ in rs]
+        assert rows == sorted(rows) and [s for _, s in rs] == sorted(s for _, s in rs)
+        assert rows == list(range(rows[0], rows[0] + len(rows)))  # contiguous sub-segment
+        assert rows[0] % bm == 0  # each sub-segment starts a tile
+    used = plan.tile_expert >= 0
+    assert torch.equal((tiles[0] >= 0) | (tiles[1] >= 0), used)
+    assert not ((tiles[0] >= 0) & (tiles[1] >= 0)).any()
+    assert seg[3] == seg[4]  # the empty expert has no rows
+    back = unpack_plan(pack_plan(plan), T, K, E, bm)
+    for name in ("row_slot", "slot_row", "tile_expert", "seg_start", "count"):
+        assert torch.equal(getattr(back, name), getattr(plan, name)), name

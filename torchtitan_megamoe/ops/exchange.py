@@ -83,6 +83,9 @@ class Exchange:
 
 
 class SymmetricExchange(Exchange):
+    overlaps = True
+    """Transfers can run on a side stream (``copy_async``/``run_async``) under the compute."""
+
     def __init__(self, group, capacity, widths, device):
         super().__init__(group, capacity, widths, device)
         import torch.distributed._symmetric_memory as symm_mem
@@ -112,8 +115,34 @@ class SymmetricExchange(Exchange):
     def exchange(self, names) -> None:
         self._barrier_handle.barrier(channel=0)
 
+    def _side_stream(self) -> torch.cuda.Stream:
+        if not hasattr(self, "_side"):
+            self._side = torch.cuda.Stream(device=self.device)
+        return self._side
+
+    def run_async(self, fn, barrier: bool = False) -> torch.cuda.Event:
+        """Run ``fn`` (kernels / copies into peers' regions) on a side stream after what the
+        current stream has issued so far; with ``barrier``, follow it with the group barrier on
+        channel 1 (every rank's side work is then complete and visible). Returns the event the
+        current stream must wait on before reading what arrived or reusing fn's inputs.
+
+        Channel 1 keeps this barrier apart from ``exchange``'s (channel 0, current stream),
+        which may run at the same time. The side stream only ever waits on this rank's own
+        current stream, so the two barriers cannot wait on each other across ranks."""
+        side = self._side_stream()
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):
+            fn()
+            if barrier:
+                self._barrier_handle.barrier(channel=1)
+            done = torch.cuda.Event()
+            done.record(side)
+        return done
+
 
 class AllToAllExchange(Exchange):
+    overlaps = False
+
     def __init__(self, group, capacity, widths, device):
         super().__init__(group, capacity, widths, device)
         self.recv = {n: torch.empty((self.R, capacity, W), dtype=dt, device=device)

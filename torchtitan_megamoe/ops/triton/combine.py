@@ -59,12 +59,17 @@ def combine(
     out_dtype: torch.dtype,
     block_t: int = 4,
     block_d: int = 512,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """out [T, D] in out_dtype from the per-slot rows ybuf [T*K, D]."""
+    """out [T, D] in out_dtype from the per-slot rows ybuf [T*K, D]. ``out``: where to store
+    (any [T, D] tensor with unit column stride, e.g. a peer rank's receive region: the stores
+    then travel over NVLink)."""
     T, K = topk_weights.shape
     D = ybuf.shape[1]
     assert ybuf.shape[0] == T * K and ybuf.stride(1) == 1 and topk_weights.stride(1) == 1
-    out = torch.empty((T, D), dtype=out_dtype, device=ybuf.device)
+    if out is None:
+        out = torch.empty((T, D), dtype=out_dtype, device=ybuf.device)
+    assert out.shape == (T, D) and out.stride(1) == 1 and out.dtype == out_dtype
     if T == 0:
         return out
     block_d = min(block_d, triton.next_power_of_2(D))

@@ -1,14 +1,16 @@
-"""Where each token goes in an EP group, and the three moves of the exchange protocol.
+"""Where each token goes in an EP group, and the moves of the exchange protocol.
 
 A token goes ONCE to every rank that owns at least one of its experts (not once per slot: at
 top-8 over 2 ranks a token has ~4 slots on each rank, so per-slot dispatch would move ~4x the
-bytes). On the receiving rank it is a token with K slots whose ids are that rank's local expert
-ids, -1 for slots owned elsewhere; the EP=1 kernels then run on the receive buffer as if it
-were a batch of R*C tokens. The receiver returns ONE partial row per token (its weighted sum
-over the token's experts there) to the row the token had in its region, and the source sums
-the partials of the ranks it sent the token to, in fp32 and fixed rank order.
+bytes). It lands at its own row t of its source's region there (the identity layout of
+ep_route_kernel.py), as a token with K slots whose ids are that rank's local expert ids, -1 for
+slots owned elsewhere; the EP=1 kernels then run on the receive buffer as if it were a batch of
+R*C tokens. The receiver returns ONE partial row per token (its weighted sum over the token's
+experts there) to row t of its region on the source, and the source sums the partials of the
+ranks it sent the token to, in fp32 and fixed rank order.
 
-Protocol of one call (every rank of the group, same stream; ``ex`` from ops/exchange.py):
+The forward (ep_forward.py) overlaps these moves with its GEMMs. The backward (bwd_ep.py) runs
+them in order, on one stream (``ex`` from ops/exchange.py):
     dispatch   rows -> send_region(d, ·) for every d the token goes to; metadata (local ids,
                weights) as whole regions, so rows a source did not fill read as "no slot"
     exchange   barrier #1: the receive buffers are complete
@@ -68,8 +70,8 @@ class TokenRoute:
         self.ex = get_exchange(group, T, exchange_widths(D, K, dtype), topk_ids.device)
         R, C = self.ex.R, self.ex.capacity
         self.R, self.C = R, C
-        # One launch (ep_route_kernel.py) for owner, pos (rows in increasing token order inside
-        # each region: deterministic layout), its per-destination rows and the metadata
+        # One launch (ep_route_kernel.py) for owner, pos (token t at row t of its region, -1
+        # where it does not go), its per-destination rows and the metadata
         # regions: local ids of the slots d owns (-1 elsewhere and in unused rows) and the
         # routing weights' bit patterns. Whole regions travel (C x 2K int32, ~1 MB at
         # C = 16384, K = 8), so rows a source did not fill this call never show stale ids.
@@ -78,11 +80,16 @@ class TokenRoute:
         )
         self.pos_cols = list(pos_t.unbind(0))
 
+    def send_meta(self) -> None:
+        """Store every destination's metadata region (no barrier)."""
+        for d in range(self.R):
+            self.ex.send_region(d, "meta").copy_(self.meta[d])
+
     def dispatch(self, rows: dict) -> None:
         """Send token rows (name -> [T, W]) and the metadata; then barrier #1."""
         ex = self.ex
+        self.send_meta()
         for d in range(self.R):
-            ex.send_region(d, "meta").copy_(self.meta[d])
             for name, t in rows.items():
                 scatter_rows(t, ex.send_region(d, name), self.pos_cols[d])
         ex.exchange(["meta", *rows])

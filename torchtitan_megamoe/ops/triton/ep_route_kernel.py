@@ -1,33 +1,31 @@
 """The EP token route in one Triton launch (the path of ep_route.TokenRoute).
 
-The torch-op version was ~17 tiny ops plus R x (3 ops + a scatter_rows launch) per call; on
-the H200 the host needed ~0.3 ms for the ops plus ~75 us per Triton launch to issue them while
-the GPU idled behind it (docs/PERF.md, "EP=2 with back-to-back timing"). This kernel writes the
-same layout in one launch:
+Receive layout: token t of source s sits at row t of region s on every rank it goes to (the
+identity layout). Rows of tokens that do not go to a rank stay in place with "no slot"
+metadata. A region is then a plain copy of the source's batch, so the dispatch can be one
+contiguous copy per peer on the copy engines (no SMs, overlappable with the GEMMs), and every
+position is known without a scan. It replaced a compacted layout (rows numbered by a scan in
+token order): same bytes on the copy-engine path at EP=2 (a token has a slot on both ranks 99%
+of the time at top-8 of 128 experts), more at EP=8 (~1.5x), where the copy runs under compute.
 
     owner    [T, K] int64     expert's rank per slot (-1: dropped slot)
     ret_slot [T, K] int64     flat index of slot (t, k) in an [R, C, K] buffer of rows the
-                              owners send back (d(topk_weights)): (owner*C + pos[t, owner])*K + k,
+                              owners send back (d(topk_weights)): (owner*C + t)*K + k,
                               -1 for dropped slots
-    pos      [T, R] int32     row of token t in its region on rank d, -1: t has no expert on d
+    pos      [T, R] int32     row of token t in its region on rank d: t, or -1 when t has no
+                              expert on d
     pos_t    [R, T] int32     the same, one contiguous row per destination (scatter_rows' dst_row)
-    meta     [R, C, 2K] int32 per destination d and row p < n_d: the K local ids of that row's
-                              token (-1 for slots d does not own), then the K routing weights'
-                              fp32 bit patterns; rows p >= n_d: ids -1, weights 0 (the whole
-                              region travels, so no stale ids show)
+    meta     [R, C, 2K] int32 per destination d and row t < T: the K local ids of token t (-1
+                              for slots d does not own), then the K routing weights' fp32 bit
+                              patterns; rows t >= T: ids -1, weights 0 (the whole region
+                              travels, so no stale ids show)
 
-Grid = (R,): program d owns destination d. It walks the tokens in blocks of BLOCK_T (tile
-[BLOCK_T, K_PAD] of ids and weights), marks the tokens with a slot on d, and numbers them with
-an in-block cumsum plus the count carried from the earlier blocks (so rows follow token order:
-deterministic, the layout the receiver's plan and the backward's exchange rely on). After the
-last block the carry is n_d, and the program fills rows n_d..C-1 of its region in tiles of
-[BLOCK_C, K_PAD]. Every program reads all of topk_ids (R x T x K ids, L2-resident at these
-sizes) and writes only its own column of pos, row of pos_t, region of meta and the ret_slot
-entries of the slots it owns; program 0 also writes owner and ret_slot of slots no rank owns.
-One program per destination keeps the scan sequential and simple: at T = 16384, K = 8 it is 32
-blocks of 512 tokens, tens of microseconds (estimate, not measured), against the ~1 ms of
-launches it replaces.
-Waits on: nothing (stream order). Signals: nothing; dispatch copies meta after it."""
+Grid = (R,): program d owns destination d and walks the tokens in blocks of BLOCK_T (tiles
+[BLOCK_T, K_PAD] of ids and weights), then fills rows T..C-1 of its region in tiles of
+[BLOCK_C, K_PAD]. Every program reads all of topk_ids (L2-resident at these sizes) and writes
+only its own column of pos, row of pos_t, region of meta and the ret_slot entries of the slots
+it owns; program 0 also writes owner and the ret_slot of slots no rank owns.
+Waits on: nothing (stream order). Signals: nothing; the dispatch copies meta after it."""
 
 import torch
 import triton
@@ -45,7 +43,6 @@ def _ep_route_kernel(
     kk = tl.arange(0, K_PAD)
     in_k = kk < K
     region = meta_ptr + d.to(tl.int64) * C * (2 * K)
-    carry = d * 0  # rows of region d handed out so far (an int32 scalar tensor)
     for t0 in range(0, T, BLOCK_T):
         toks = t0 + tl.arange(0, BLOCK_T)
         in_t = toks < T
@@ -61,25 +58,22 @@ def _ep_route_kernel(
                      mask=m & ((own < 0) | (own >= R)))
         mine = own == d
         goes = tl.max(mine.to(tl.int32), axis=1)  # [BLOCK_T]: 1 if t has a slot on d
-        row = carry + tl.cumsum(goes, axis=0) - 1
-        # slot (t, k) of d's expert: its d(topk_weight) comes back at dtw[d, row, k]
-        ret = (d.to(tl.int64) * C + row.to(tl.int64)[:, None]) * K + kk[None, :]
+        # slot (t, k) of d's expert: its d(topk_weight) comes back at dtw[d, t, k]
+        ret = (d.to(tl.int64) * C + t64[:, None]) * K + kk[None, :]
         tl.store(ret_slot_ptr + slot, ret, mask=m & mine)
-        p = tl.where(goes > 0, row, -1)
+        p = tl.where(goes > 0, toks, -1)
         tl.store(pos_ptr + t64 * R + d, p, mask=in_t)
         tl.store(pos_t_ptr + d.to(tl.int64) * T + t64, p, mask=in_t)
         lid = tl.where(mine, g - d * E_local, -1).to(tl.int32)
         wbits = tl.load(w_ptr + t64[:, None] * stride_w_t + kk[None, :] * stride_w_k,
                         mask=m, other=0.0).to(tl.float32).to(tl.int32, bitcast=True)
-        dst = region + row.to(tl.int64)[:, None] * (2 * K) + kk[None, :]
-        live = (goes > 0)[:, None] & in_k[None, :]
-        tl.store(dst, lid, mask=live)
-        tl.store(dst + K, wbits, mask=live)
-        carry += tl.sum(goes, axis=0)
-    # rows carry..C-1 of region d: no token this call
-    for p0 in range(carry // BLOCK_C * BLOCK_C, C, BLOCK_C):
+        dst = region + t64[:, None] * (2 * K) + kk[None, :]
+        tl.store(dst, lid, mask=m)
+        tl.store(dst + K, tl.where(mine, wbits, 0), mask=m)
+    # rows T..C-1 of region d: no token this call
+    for p0 in range(T // BLOCK_C * BLOCK_C, C, BLOCK_C):
         rows = p0 + tl.arange(0, BLOCK_C)
-        free = ((rows >= carry) & (rows < C))[:, None] & in_k[None, :]
+        free = ((rows >= T) & (rows < C))[:, None] & in_k[None, :]
         dst = region + rows.to(tl.int64)[:, None] * (2 * K) + kk[None, :]
         tl.store(dst, tl.full((BLOCK_C, K_PAD), -1, tl.int32), mask=free)
         tl.store(dst + K, tl.zeros((BLOCK_C, K_PAD), tl.int32), mask=free)

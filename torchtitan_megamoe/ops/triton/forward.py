@@ -73,14 +73,16 @@ def forward_ep1(
     return out, (a, pack_plan(plan))
 
 
-def saved_like(x: torch.Tensor, topk_ids: torch.Tensor, w1: torch.Tensor) -> list[torch.Tensor]:
+def saved_like(x: torch.Tensor, topk_ids: torch.Tensor, w1: torch.Tensor,
+               phases: int = 1) -> list[torch.Tensor]:
     """Empty tensors shaped like forward_ep1(..., save=True)'s saved tuple (fake impls, meta):
-    every size is a static function of (T, K, E_local, H, block_m)."""
+    every size is a static function of (T, K, E_local, H, block_m); ``phases`` for the EP
+    forward's phased plan."""
     block_m, _, _ = interpret_defaults(None, None, None)
     T, K = topk_ids.shape
     E, H, _ = w1.shape
-    R = max_rows(T * K, E, block_m)
+    R = max_rows(T * K, E, block_m, phases)
     return [
         x.new_empty((R, 2 * H)),
-        x.new_empty((packed_plan_numel(T, K, E, block_m),), dtype=torch.int32),
+        x.new_empty((packed_plan_numel(T, K, E, block_m, phases),), dtype=torch.int32),
     ]

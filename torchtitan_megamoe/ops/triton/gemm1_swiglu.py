@@ -102,11 +102,12 @@ def _gemm1_swiglu_kernel(
         for t in tl.range(tl.program_id(0), num_m * num_n, tl.num_programs(0), flatten=True):
             pid_m, pid_n = grouped_tile(t, num_m, num_n, GROUP_M)
             expert = tl.load(tile_expert_ptr + (pid_m * BLOCK_M) // PLAN_BM)
-            _gemm1_tile(
-                pid_m, pid_n, expert, x_ptr, w1_ptr, w3_ptr, w1_desc, w3_desc, h_ptr, a_ptr,
-                h_desc, a_desc, row_slot_ptr, H, D, stride_x, stride_we, stride_wh, stride_h, stride_a,
-                TOP_K, BLOCK_M, BLOCK_N, BLOCK_K, F32_DOT, USE_TMA, WARP_SPEC, SAVE_A,
-            )
+            if expert >= 0:  # -1: a tile another launch of a phased plan computes
+                _gemm1_tile(
+                    pid_m, pid_n, expert, x_ptr, w1_ptr, w3_ptr, w1_desc, w3_desc, h_ptr, a_ptr,
+                    h_desc, a_desc, row_slot_ptr, H, D, stride_x, stride_we, stride_wh, stride_h,
+                    stride_a, TOP_K, BLOCK_M, BLOCK_N, BLOCK_K, F32_DOT, USE_TMA, WARP_SPEC, SAVE_A,
+                )
     else:
         pid_m, pid_n = grouped_tile(tl.program_id(0), num_m_tiles, num_n, GROUP_M)
         expert = tl.load(tile_expert_ptr + (pid_m * BLOCK_M) // PLAN_BM)
@@ -126,6 +127,9 @@ GPU_CONFIGS = [
     dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=3, USE_TMA=True),
     dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=3, USE_TMA=False),
     dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=16, num_warps=8, num_stages=3, USE_TMA=True),
+    # deeper pipelines: 4 x 48 KiB or 2 x 96 KiB of shared memory per CTA
+    dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=4, USE_TMA=True),
+    dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, GROUP_M=8, num_warps=8, num_stages=2, USE_TMA=True),
     # producer/consumer warp specialization of the K loop (compiler-dependent; a config the
     # compiler rejects is skipped by the tuner)
     dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=3, USE_TMA=True, WARP_SPEC=True),
@@ -140,14 +144,21 @@ GPU_CONFIGS = [
 def gemm1_swiglu(
     x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, plan: Plan, config: dict | None = None,
     save_a: bool = False,
+    out: torch.Tensor | tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """h [R_max, H] in x.dtype for the rows of ``plan`` (padding rows are 0); with ``save_a``,
-    (h, a) where a [R_max, 2H] holds [a1 | a3] (see the module docstring)."""
+    (h, a) where a [R_max, 2H] holds [a1 | a3] (see the module docstring). ``out``: the h (or
+    (h, a)) to write; the launches of a phased plan's phases share them. Tiles whose
+    tile_expert is -1 are skipped."""
     E, H, D = w1.shape
     assert x.is_contiguous() and w1.is_contiguous() and w3.is_contiguous()
     R = plan.max_rows
-    h = torch.empty((R, H), dtype=x.dtype, device=x.device)
-    a = torch.empty((R, 2 * H), dtype=x.dtype, device=x.device) if save_a else h
+    if out is None:
+        h = torch.empty((R, H), dtype=x.dtype, device=x.device)
+        a = torch.empty((R, 2 * H), dtype=x.dtype, device=x.device) if save_a else h
+    else:
+        h, a = out if save_a else (out, out)
+        assert h.shape == (R, H) and a.shape[0] == R and h.is_contiguous() and a.is_contiguous()
 
     def launch(cfg):
         bm, bn, bk = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]

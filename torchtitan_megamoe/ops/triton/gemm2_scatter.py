@@ -73,11 +73,12 @@ def _gemm2_scatter_kernel(
         for t in tl.range(tl.program_id(0), num_m * num_n, tl.num_programs(0), flatten=True):
             pid_m, pid_n = grouped_tile(t, num_m, num_n, GROUP_M)
             expert = tl.load(tile_expert_ptr + (pid_m * BLOCK_M) // PLAN_BM)
-            _gemm2_tile(
-                pid_m, pid_n, expert, h_ptr, w2_ptr, h_desc, w2_desc, y_ptr, row_slot_ptr,
-                D, H, stride_h, stride_we, stride_wd, stride_y,
-                BLOCK_M, BLOCK_N, BLOCK_K, F32_DOT, USE_TMA, WARP_SPEC,
-            )
+            if expert >= 0:  # -1: a tile another launch of a phased plan computes
+                _gemm2_tile(
+                    pid_m, pid_n, expert, h_ptr, w2_ptr, h_desc, w2_desc, y_ptr, row_slot_ptr,
+                    D, H, stride_h, stride_we, stride_wd, stride_y,
+                    BLOCK_M, BLOCK_N, BLOCK_K, F32_DOT, USE_TMA, WARP_SPEC,
+                )
     else:
         pid_m, pid_n = grouped_tile(tl.program_id(0), num_m_tiles, num_n, GROUP_M)
         expert = tl.load(tile_expert_ptr + (pid_m * BLOCK_M) // PLAN_BM)
@@ -110,15 +111,18 @@ def gemm2_scatter(
     plan: Plan,
     out_dtype: torch.dtype | None = None,
     config: dict | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """ybuf [T*K, D]: row slot s holds expert output of slot s; rows of dropped / non-local slots
-    are left unwritten (garbage) and must be masked by the reader."""
+    are left unwritten (garbage) and must be masked by the reader. ``out``: the ybuf to write
+    (the launches of a phased plan's phases share one)."""
     E, D, H = w2.shape
     assert h.is_contiguous() and w2.is_contiguous() and h.shape == (plan.max_rows, H)
     R = plan.max_rows
-    y = torch.empty(
+    y = out if out is not None else torch.empty(
         (plan.num_tokens * plan.top_k, D), dtype=out_dtype or h.dtype, device=h.device
     )
+    assert y.shape == (plan.num_tokens * plan.top_k, D) and y.is_contiguous()
 
     def launch(cfg):
         bm, bn, bk = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
