@@ -1,4 +1,4 @@
-"""The EP token exchange: its two kernels (scatter_rows, sum_partials) against plain indexing,
+"""The EP token exchange: its sum kernel (sum_partials) against plain indexing,
 and the protocol on 2 gloo ranks (all_to_all transport) with unequal batches and the capacity
 error; on 2 GPUs, that the symmetric-memory transport is the one used and agrees with float64."""
 
@@ -13,26 +13,9 @@ sys.path.insert(0, os.path.dirname(__file__))
 from ranks import run_ranks  # noqa: E402
 from moe_math import moe_f64, rel_err  # noqa: E402
 
-from torchtitan_megamoe.ops.triton.scatter_rows import scatter_rows  # noqa: E402
 from torchtitan_megamoe.ops.triton.sum_partials import sum_partials  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
-
-
-@pytest.mark.parametrize("dtype,W", [(torch.bfloat16, 40), (torch.int32, 6), (torch.float32, 3)])
-def test_scatter_rows_moves_only_live_rows(dtype, W):
-    g = torch.Generator().manual_seed(1)
-    N, M = 13, 17
-    src = (torch.randn(N, W, generator=g) * 100).to(dtype).to(DEV)
-    dst_row = torch.randperm(M, generator=g)[:N]
-    dst_row[::4] = -1
-    dst_row = dst_row.to(torch.int32).to(DEV)
-    poison = torch.full((M, W), -7, dtype=dtype, device=DEV)
-    got = scatter_rows(src, poison.clone(), dst_row)
-    want = poison.clone()
-    live = dst_row >= 0
-    want[dst_row[live].long()] = src[live]
-    assert torch.equal(got, want)
 
 
 def test_sum_partials_fp32_rank_order_skips_absent_ranks():

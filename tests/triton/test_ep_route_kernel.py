@@ -72,14 +72,13 @@ def test_route_kernel_matches_reference(T, K, R, E_local, case, block_t, id_dtyp
     w_dtype = torch.bfloat16 if id_dtype == torch.int32 else torch.float32
     weights = weights.to(w_dtype)
     C = T + 3  # regions longer than this batch: unused rows must read as "no slot"
-    owner, ret_slot, pos, pos_t, meta = ep_route_tensors(
+    owner, ret_slot, pos, meta = ep_route_tensors(
         ids.to(id_dtype).to(DEV), weights.to(DEV), E_local, R, C, block_t=block_t
     )
     w_owner, w_ret, w_pos, w_ids, w_w, n = reference(ids, weights, E_local, R, C)
     assert torch.equal(owner.cpu(), w_owner)
     assert torch.equal(ret_slot.cpu(), w_ret)
     assert torch.equal(pos.cpu(), w_pos)
-    assert torch.equal(pos_t.cpu(), w_pos.t())
     meta = meta.cpu()
     assert torch.equal(meta[..., :K], w_ids)
     got_w = meta[..., K:].contiguous().view(torch.float32).double()
@@ -92,7 +91,7 @@ def test_route_kernel_matches_reference(T, K, R, E_local, case, block_t, id_dtyp
 
 def test_route_kernel_overwrites_stale_outputs(monkeypatch):
     """Outputs come from torch.empty: poison the allocator's memory so a row the kernel skips
-    would show. Every element of owner/ret_slot/pos/pos_t and the id half of meta must be written."""
+    would show. Every element of owner/ret_slot/pos and the id half of meta must be written."""
     g = torch.Generator().manual_seed(7)
     T, K, R, E_local, C = 23, 4, 2, 3, 40
     ids = routing(T, K, R, E_local, "dropped", g).to(DEV)
@@ -106,9 +105,9 @@ def test_route_kernel_overwrites_stale_outputs(monkeypatch):
     import torchtitan_megamoe.ops.triton.ep_route_kernel as mod
 
     monkeypatch.setattr(mod.torch, "empty", poisoned_empty)
-    owner, ret_slot, pos, pos_t, meta = ep_route_tensors(ids, weights, E_local, R, C, block_t=8)
+    owner, ret_slot, pos, meta = ep_route_tensors(ids, weights, E_local, R, C, block_t=8)
     monkeypatch.undo()
-    for t in (owner, ret_slot, pos, pos_t, meta[..., :K]):
+    for t in (owner, ret_slot, pos, meta[..., :K]):
         assert not (t == -77).any()
     _, w_ret, _, w_ids, _, _ = reference(ids.cpu(), weights.cpu(), E_local, R, C)
     assert torch.equal(ret_slot.cpu(), w_ret)
@@ -149,10 +148,9 @@ def test_route_kernel_gpu_30b_shape(R, E_local):
     ids = torch.randint(0, R * E_local, (T, K), device="cuda", generator=g)
     ids[torch.rand(T, K, device="cuda", generator=g) < 0.05] = -1
     weights = torch.rand(T, K, device="cuda", generator=g).bfloat16()
-    owner, ret_slot, pos, pos_t, meta = ep_route_tensors(ids, weights, E_local, R, T)
+    owner, ret_slot, pos, meta = ep_route_tensors(ids, weights, E_local, R, T)
     w_owner, w_pos_t, w_meta = reference_vectorized(ids, weights, E_local, R, T)
     assert torch.equal(owner, w_owner)
-    assert torch.equal(pos_t, w_pos_t)
     assert torch.equal(pos, w_pos_t.t())
     assert torch.equal(meta[..., :K], w_meta[..., :K])
     assert torch.equal(meta[..., K:], w_meta[..., K:])

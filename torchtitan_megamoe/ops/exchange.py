@@ -10,7 +10,7 @@ implement that contract:
   PyTorch symmetric memory (CUDA backend), ``send_region`` IS the peer GPU's buffer, so a
   kernel's stores travel over NVLink straight into it, and ``exchange`` is the device-side
   symmetric-memory barrier (release/acquire across the group, launched on the current stream,
-  no host round trip). Only the rows a receiver needs are stored (see scatter_rows.py).
+  no host round trip). Token rows travel as whole contiguous batches (copy engines).
 - ``AllToAllExchange`` (any backend, e.g. gloo on CPU): ``send_region`` is a local staging
   buffer and ``exchange`` is one ``all_to_all_single`` per name with equal, static splits (so
   no split sizes cross the host either). Whole regions travel; it is the portable fallback

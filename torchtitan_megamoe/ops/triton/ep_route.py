@@ -28,7 +28,6 @@ import torch
 
 from torchtitan_megamoe.ops.exchange import get_exchange
 from torchtitan_megamoe.ops.triton.ep_route_kernel import ep_route_tensors
-from torchtitan_megamoe.ops.triton.scatter_rows import scatter_rows
 from torchtitan_megamoe.ops.triton.sum_partials import sum_partials
 
 
@@ -44,22 +43,6 @@ def exchange_widths(D: int, K: int, dtype: torch.dtype) -> dict:
     }
 
 
-_ROW_IN_REGION: dict = {}
-
-
-def _row_in_region(R: int, C: int, device) -> torch.Tensor:
-    """[R*C] int32: p for row p of every region; built once per exchange shape (it was three
-    torch ops per call). Not cached while a CUDA graph captures: its values would only exist
-    once the graph replays."""
-    key = (R, C, str(device))
-    t = _ROW_IN_REGION.get(key)
-    if t is None:
-        t = torch.arange(C, dtype=torch.int32, device=device).repeat(R)
-        if not (t.is_cuda and torch.cuda.is_current_stream_capturing()):
-            _ROW_IN_REGION[key] = t
-    return t
-
-
 class TokenRoute:
     """The routing of this rank's tokens [T, K] over an EP group of R ranks with E_local experts
     each: ``pos[t, d]`` = row of token t in its region on rank d (-1: t has no expert on d)."""
@@ -71,14 +54,12 @@ class TokenRoute:
         R, C = self.ex.R, self.ex.capacity
         self.R, self.C = R, C
         # One launch (ep_route_kernel.py) for owner, pos (token t at row t of its region, -1
-        # where it does not go), its per-destination rows and the metadata
-        # regions: local ids of the slots d owns (-1 elsewhere and in unused rows) and the
+        # where it does not go) and the metadata regions: local ids of the slots d owns (-1 elsewhere and in unused rows) and the
         # routing weights' bit patterns. Whole regions travel (C x 2K int32, ~1 MB at
         # C = 16384, K = 8), so rows a source did not fill this call never show stale ids.
-        self.owner, self._ret_slot, self.pos, pos_t, self.meta = ep_route_tensors(
+        self.owner, self._ret_slot, self.pos, self.meta = ep_route_tensors(
             topk_ids, topk_weights, E_local, R, C
         )
-        self.pos_cols = list(pos_t.unbind(0))
 
     def send_meta(self) -> None:
         """Store every destination's metadata region (no barrier)."""
@@ -91,19 +72,16 @@ class TokenRoute:
         self.send_meta()
         for d in range(self.R):
             for name, t in rows.items():
-                scatter_rows(t, ex.send_region(d, name), self.pos_cols[d])
+                # the whole batch as one contiguous copy (copy engines; identity layout):
+                # rows of tokens without a slot on d travel too and are never read there
+                ex.send_region(d, name)[: self.T].copy_(t)
         ex.exchange(["meta", *rows])
 
     def received(self):
-        """(ids [R*C, K] local expert ids or -1, weights [R*C, K] fp32) of the received tokens,
-        and the return destination of each received row (-1 for unused rows)."""
+        """(ids [R*C, K] local expert ids or -1, weights [R*C, K] fp32) of the received tokens."""
         meta = self.ex.recv["meta"].view(self.R * self.C, 2 * self.K)
         ids = meta[:, : self.K].contiguous()
         weights = meta[:, self.K:].contiguous().view(torch.float32)
-        # A used row has at least one id >= 0 (sources fill unused rows with -1 ids).
-        used = ids.amax(1) >= 0
-        self.ret_row = torch.where(used, _row_in_region(self.R, self.C, ids.device), -1)
-        self.ret_row = self.ret_row.view(self.R, self.C)
         return ids, weights
 
     def recv_rows(self, name) -> torch.Tensor:
@@ -112,10 +90,10 @@ class TokenRoute:
     def give_back(self, rows: dict) -> None:
         """Return per-received-token rows (name -> [R*C, W]) to their sources; barrier #2."""
         for s in range(self.R):
-            dst_row = self.ret_row[s].contiguous()
             for name, t in rows.items():
-                region = t.view(self.R, self.C, -1)[s]
-                scatter_rows(region, self.ex.send_region(s, name), dst_row)
+                # whole regions (identity layout): rows of tokens that had no slot here are
+                # never read by the source
+                self.ex.send_region(s, name).copy_(t.view(self.R, self.C, -1)[s])
         self.ex.exchange(list(rows))
 
     def sum_returned(self, name, out_dtype) -> torch.Tensor:
