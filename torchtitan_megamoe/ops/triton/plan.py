@@ -197,6 +197,7 @@ def build_phased_plan(
     pv = build_plan(virt, E * P, block_m)
     tv = pv.tile_expert
     tile_expert = torch.where(tv >= 0, tv // P, -1).to(torch.int32)
+    tile_phase = tv % P  # unused tiles (tv = -1) are -1 in tile_expert whatever their phase
     seg_start = pv.seg_start[::P].contiguous()
     plan = Plan(
         row_slot=pv.row_slot, slot_row=pv.slot_row, tile_expert=tile_expert,
@@ -204,7 +205,7 @@ def build_phased_plan(
         num_rows_used=seg_start[E], num_tokens=pv.num_tokens, top_k=pv.top_k,
         num_local_experts=E, block_m=block_m,
     )
-    phase_tiles = [torch.where((tv >= 0) & (tv % P == p), tile_expert, -1) for p in range(P)]
+    phase_tiles = [torch.where(tile_phase == p, tile_expert, -1) for p in range(P)]
     return plan, phase_tiles
 
 
