@@ -29,7 +29,7 @@ env_report 2>&1 | tee "$OUT/env.log"
 # Warp-specialized GEMM candidates only where a throwaway process shows they compile and are
 # right (a failing Triton WS pass can abort the process).
 ws=""
-[ "${SKIP_WS_PROBE:-0}" = 1 ] && probe_kernels="" || probe_kernels="gemm1_swiglu gemm2_scatter"
+[ "${SKIP_WS_PROBE:-0}" = 1 ] && probe_kernels="" || probe_kernels="gemm1_swiglu gemm2_rows"
 for k in $probe_kernels; do
   if timeout 120 python3 -m torchtitan_megamoe.ops.triton.ws_probe "$k" >"$OUT/ws_probe_$k.log" 2>&1; then
     ws="$ws${ws:+,}$k"

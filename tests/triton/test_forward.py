@@ -83,7 +83,7 @@ def test_forward_real_shape_vs_reference(shape):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_every_tuner_candidate_is_correct():
     """The tuner may pick any candidate, so each one (TMA or not) must be right on its own."""
-    from torchtitan_megamoe.ops.triton import gemm1_swiglu, gemm2_scatter
+    from torchtitan_megamoe.ops.triton import gemm1_swiglu, gemm2_rows
     from torchtitan_megamoe.ops.triton.forward import forward_ep1
 
     D_, H_, T_, K_, E_ = 2048, 768, 3000, 8, 16
@@ -101,7 +101,7 @@ def test_every_tuner_candidate_is_correct():
 
     # warp-specialized candidates only where ws_probe showed they compile (see tune.py)
     c1s = [c for c in gemm1_swiglu.GPU_CONFIGS if not c.get("WARP_SPEC") or warp_spec_allowed("gemm1_swiglu")]
-    c2s = [c for c in gemm2_scatter.GPU_CONFIGS if not c.get("WARP_SPEC") or warp_spec_allowed("gemm2_scatter")]
+    c2s = [c for c in gemm2_rows.GPU_CONFIGS if not c.get("WARP_SPEC") or warp_spec_allowed("gemm2_rows")]
     for i in range(max(len(c1s), len(c2s))):
         c1, c2 = c1s[i % len(c1s)], c2s[i % len(c2s)]
         out = forward_ep1(x, ids, w, w1, w2, w3, gemm1_config=c1, gemm2_config=c2)

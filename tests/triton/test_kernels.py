@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from moe_math import make_weights, rel_err, routings
 from torchtitan_megamoe.ops.triton import combine as combine_mod
 from torchtitan_megamoe.ops.triton import gemm1_swiglu as g1
-from torchtitan_megamoe.ops.triton import gemm2_scatter as g2
+from torchtitan_megamoe.ops.triton import gemm2_rows as g2
 from torchtitan_megamoe.ops.triton.plan import build_plan
 
 CFG = dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=16, GROUP_M=2, num_warps=1, num_stages=1)
@@ -79,43 +79,65 @@ def test_gemm1_saves_preactivations(name, ids, cfg):
 
 
 @pytest.mark.parametrize("name,ids", list(routings(T, K, E)), ids=lambda v: v if isinstance(v, str) else "")
-@pytest.mark.parametrize("cfg", [CFG, CFG_TMA, CFG_PERSIST], ids=["ptr", "tma", "persistent"])
-def test_gemm2_scatter(name, ids, cfg):
+@pytest.mark.parametrize("cfg", [CFG, CFG_TMA, CFG_PERSIST, dict(CFG_PERSIST, TMA_STORE=True)],
+                         ids=["ptr", "tma", "persistent", "tma_store"])
+def test_gemm2_rows(name, ids, cfg):
     w1, w2, w3 = make_weights(E, D, H)
     plan = build_plan(ids, E, BM)
     h = torch.randn(plan.max_rows, H).to(torch.bfloat16)
-    y = g2.gemm2_scatter(h, w2, plan, config=cfg)
-    slot_row = plan.slot_row.tolist()
-    for s, r in enumerate(slot_row):
-        if r < 0:
-            continue
-        e = int(ids.reshape(-1)[s])
+    h[plan.row_slot < 0] = 0  # padding rows of h are zeros (GEMM 1 stores them so)
+    y = g2.gemm2_rows(h, w2, plan, config=cfg)
+    tile_e = plan.tile_expert.repeat_interleave(BM)
+    used = int(plan.num_rows_used)
+    for r in range(used):
+        e = int(tile_e[r])
         ref = h[r].double() @ w2[e].double().T
-        assert rel_err(y[s], ref) < 1e-2, (name, s)
-    assert sum(r >= 0 for r in slot_row) == int(plan.count.sum())
+        if int(plan.row_slot[r]) < 0:
+            assert torch.all(y[r] == 0), (name, r)
+        else:
+            assert rel_err(y[r], ref) < 1e-2, (name, r)
 
 
-def test_gemm2_fp32_combine_buffer():
+def test_gemm2_phase_launches_write_only_their_tiles():
+    """A launch with another phase's tiles masked (-1) leaves those rows untouched."""
+    import dataclasses
+
     w1, w2, w3 = make_weights(E, D, H)
     ids = next(routings(T, K, E))[1]
     plan = build_plan(ids, E, BM)
     h = torch.randn(plan.max_rows, H).to(torch.bfloat16)
-    y = g2.gemm2_scatter(h, w2, plan, out_dtype=torch.float32, config=CFG)
+    first = torch.arange(plan.num_tiles) % 2 == 0
+    half = dataclasses.replace(plan, tile_expert=torch.where(first, plan.tile_expert, -1))
+    poison = torch.full((plan.max_rows, D), float("nan")).to(torch.bfloat16)
+    y = g2.gemm2_rows(h, w2, half, config=CFG_PERSIST, out=poison.clone())
+    skipped = (~first).repeat_interleave(BM)
+    assert y[skipped].isnan().all()
+    done = first.repeat_interleave(BM) & (plan.tile_expert.repeat_interleave(BM) >= 0)
+    assert not y[done].isnan().any()
+
+
+def test_gemm2_fp32_output():
+    w1, w2, w3 = make_weights(E, D, H)
+    ids = next(routings(T, K, E))[1]
+    plan = build_plan(ids, E, BM)
+    h = torch.randn(plan.max_rows, H).to(torch.bfloat16)
+    y = g2.gemm2_rows(h, w2, plan, out_dtype=torch.float32, config=CFG)
     assert y.dtype == torch.float32
     r = int(plan.slot_row[0])
     ref = h[r].double() @ w2[int(ids[0, 0])].double().T
-    assert rel_err(y[0], ref) < 1e-4
+    assert rel_err(y[r], ref) < 1e-4
 
 
 @pytest.mark.parametrize("name,ids", list(routings(T, 3, E)), ids=lambda v: v if isinstance(v, str) else "")
 def test_combine(name, ids):
     Tn, Kn = ids.shape
     plan = build_plan(ids, E, BM)
-    y = torch.randn(Tn * Kn, 40).to(torch.bfloat16)
-    y[plan.slot_row < 0] = float("nan")  # never read: dropped slots are unwritten garbage
+    y = torch.randn(plan.max_rows, 40).to(torch.bfloat16)
+    y[plan.row_slot < 0] = float("nan")  # never read: only the slots' rows are
     w = torch.rand(Tn, Kn)
     out = combine_mod.combine(y, w, plan.slot_row, torch.bfloat16, block_t=4, block_d=16)
-    live = (plan.slot_row >= 0).view(Tn, Kn).double()
-    ref = torch.einsum("tk,tkd->td", w.double() * live, torch.nan_to_num(y.double()).view(Tn, Kn, -1))
+    live = (plan.slot_row >= 0).view(Tn, Kn)
+    y_slot = torch.nan_to_num(y.double())[plan.slot_row.clamp(min=0).long()].view(Tn, Kn, -1)
+    ref = torch.einsum("tk,tkd->td", w.double() * live.double(), y_slot)
     assert not out.isnan().any()
     assert rel_err(out, ref) < 1e-2 if ref.norm() > 0 else torch.all(out == 0)

@@ -1,7 +1,7 @@
 """Backend ``triton`` of mega_moe: Hopper (SM90) kernels, BF16.
 
 Forward (EP=1): device-side plan (plan.py), grouped GEMM 1 + SwiGLU (gemm1_swiglu.py), grouped
-GEMM 2 storing rows into combine slots (gemm2_scatter.py), fp32 combine (combine.py).
+GEMM 2 into the row space (gemm2_rows.py), fp32 combine through the slots' rows (combine.py).
 Backward: backward.py (BF16); it reads what the forward saved (GEMM 1's pre-activations and the
 packed plan) instead of recomputing them. EP > 1 (ep_forward.py, bwd_ep.py): each token goes once
 to every rank owning one of its experts through the token exchange (ep_route.py over

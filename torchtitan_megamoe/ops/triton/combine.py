@@ -1,10 +1,10 @@
-"""Combine: out[t] = sum_k w[t,k] * ybuf[t*K+k] in fp32, k in fixed order (deterministic).
+"""Combine: out[t] = sum_k w[t,k] * y[slot_row[t*K+k]] in fp32, k in fixed order (deterministic).
 
-Tiles: BLOCK_T tokens x BLOCK_D columns per program; K is unrolled. A slot with
-slot_row == -1 (dropped, or expert not local) contributes exactly 0: its ybuf row is never
-loaded (it was never written and may hold NaN).
+Tiles: BLOCK_T tokens x BLOCK_D columns per program; K is unrolled. y is GEMM 2's row-space
+output [R_max, D]; slot s's row is slot_row[s]. A slot with slot_row == -1 (dropped, or expert
+not local) contributes exactly 0 and nothing is loaded for it.
 
-Waits on: nothing inside the launch (ybuf is complete when GEMM 2's launch is).
+Waits on: nothing inside the launch (y is complete when GEMM 2's launch is).
 Signals: nothing.
 """
 
@@ -39,10 +39,11 @@ def _combine_kernel(
     acc = tl.zeros((BLOCK_T, BLOCK_D), dtype=tl.float32)
     for k in tl.static_range(TOP_K):
         slot = toks.to(tl.int64) * TOP_K + k
-        live = in_t & (tl.load(slot_row_ptr + slot, mask=in_t, other=-1) >= 0)
+        row = tl.load(slot_row_ptr + slot, mask=in_t, other=-1)
+        live = in_t & (row >= 0)
         w = tl.load(w_ptr + toks.to(tl.int64) * stride_w + k, mask=live, other=0.0).to(tl.float32)
         y = tl.load(
-            y_ptr + slot[:, None] * stride_y + cols[None, :],
+            y_ptr + row.to(tl.int64)[:, None] * stride_y + cols[None, :],
             mask=live[:, None] & in_d[None, :],
             other=0.0,
         ).to(tl.float32)
@@ -53,7 +54,7 @@ def _combine_kernel(
 
 
 def combine(
-    ybuf: torch.Tensor,
+    y: torch.Tensor,
     topk_weights: torch.Tensor,
     slot_row: torch.Tensor,
     out_dtype: torch.dtype,
@@ -61,22 +62,22 @@ def combine(
     block_d: int = 512,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """out [T, D] in out_dtype from the per-slot rows ybuf [T*K, D]. ``out``: where to store
-    (any [T, D] tensor with unit column stride, e.g. a peer rank's receive region: the stores
-    then travel over NVLink)."""
+    """out [T, D] in out_dtype from GEMM 2's rows y [R_max, D] and the slots' rows slot_row
+    [T*K]. ``out``: where to store (any [T, D] tensor with unit column stride, e.g. a peer
+    rank's receive region: the stores then travel over NVLink)."""
     T, K = topk_weights.shape
-    D = ybuf.shape[1]
-    assert ybuf.shape[0] == T * K and ybuf.stride(1) == 1 and topk_weights.stride(1) == 1
+    D = y.shape[1]
+    assert slot_row.shape == (T * K,) and y.stride(1) == 1 and topk_weights.stride(1) == 1
     if out is None:
-        out = torch.empty((T, D), dtype=out_dtype, device=ybuf.device)
+        out = torch.empty((T, D), dtype=out_dtype, device=y.device)
     assert out.shape == (T, D) and out.stride(1) == 1 and out.dtype == out_dtype
     if T == 0:
         return out
     block_d = min(block_d, triton.next_power_of_2(D))
     grid = (triton.cdiv(T, block_t), triton.cdiv(D, block_d))
     _combine_kernel[grid](
-        ybuf, topk_weights, slot_row, out,
-        T, D, ybuf.stride(0), topk_weights.stride(0), out.stride(0),
+        y, topk_weights, slot_row, out,
+        T, D, y.stride(0), topk_weights.stride(0), out.stride(0),
         TOP_K=K, BLOCK_T=block_t, BLOCK_D=block_d, EMULATE_RTNE=interpreter_needs_f32_dot(),
         num_warps=4,
     )

@@ -42,7 +42,8 @@ T = C = 16384, K = 8, E = 128, EP=2: 30B 0.78 GiB kept (stock 1.06 GiB); 235B 1.
 (stock 2.13 GiB); at EP=8 they exceed stock's and are not kept.
 
 Memory. Exchange buffers, shared by all layers (ops/exchange.py): 3 x [R, C, D] x.dtype + small
-metadata, C = tokens per rank. Per call: h [R_max, H] and the per-slot rows [R*C*K, D].
+metadata, C = tokens per rank. Per call: h [R_max, H] and GEMM 2's rows y [R_max, D], R_max
+~ the rows this rank computes (about C*K at any EP degree, not R*C*K).
 """
 
 import dataclasses
@@ -54,7 +55,7 @@ from torchtitan_megamoe.ops.triton.combine import combine
 from torchtitan_megamoe.ops.triton.ep_route import TokenRoute
 from torchtitan_megamoe.ops.triton.forward import interpret_defaults, saved_like
 from torchtitan_megamoe.ops.triton.gemm1_swiglu import gemm1_swiglu
-from torchtitan_megamoe.ops.triton.gemm2_scatter import gemm2_scatter
+from torchtitan_megamoe.ops.triton.gemm2_rows import gemm2_rows
 from torchtitan_megamoe.ops.triton.plan import build_phased_plan, max_rows, pack_plan
 
 PHASES = 2
@@ -129,12 +130,12 @@ def forward_ep(x, topk_ids, topk_weights, w1, w2, w3, group, block_m, gemm1_conf
 
     # 3. GEMM 2 and the combine, peers' tokens first: their partial rows go home while the
     # own tokens' GEMM 2 runs
-    y = torch.empty((R * C * K, D), dtype=x.dtype, device=x.device)
-    gemm2_scatter(h, w2, others, config=gemm2_config, out=y)
+    y = torch.empty((plan.max_rows, D), dtype=x.dtype, device=x.device)
+    gemm2_rows(h, w2, others, config=gemm2_config, out=y)
 
     def combine_region(s):
-        rows = slice(s * C * K, (s + 1) * C * K)
-        combine(y[rows], weights[s * C:(s + 1) * C], plan.slot_row[rows], x.dtype,
+        slots = slice(s * C * K, (s + 1) * C * K)
+        combine(y, weights[s * C:(s + 1) * C], plan.slot_row[slots], x.dtype,
                 out=ex.send_region(s, "ret"))
 
     def return_peers():
@@ -142,7 +143,7 @@ def forward_ep(x, topk_ids, topk_weights, w1, w2, w3, group, block_m, gemm1_conf
             combine_region(s)
 
     returned = ex.run_async(return_peers) if ex.overlaps else return_peers()
-    gemm2_scatter(h, w2, own, config=gemm2_config, out=y)
+    gemm2_rows(h, w2, own, config=gemm2_config, out=y)
     combine_region(me)
     if ex.overlaps:
         torch.cuda.current_stream(x.device).wait_event(returned)

@@ -1,7 +1,7 @@
-"""EP=1 forward: plan -> GEMM 1 + SwiGLU -> GEMM 2 into combine slots -> combine.
+"""EP=1 forward: plan -> GEMM 1 + SwiGLU -> GEMM 2 (row space) -> combine.
 
 Workspace per call (freed by the caching allocator afterwards): h [R_max, H] and
-ybuf [T*K, D] in x.dtype, plus O(T*K) int32 plan vectors. R_max = T*K + E*(block_m-1) rounded up
+y [R_max, D] in x.dtype, plus O(T*K) int32 plan vectors. R_max = T*K + E*(block_m-1) rounded up
 to block_m, an exact static bound, so no routing can overflow at EP=1.
 
 With ``save=True`` (what the op does for autograd) two tensors outlive the call until the
@@ -15,7 +15,7 @@ import torch
 
 from torchtitan_megamoe.ops.triton.combine import combine
 from torchtitan_megamoe.ops.triton.gemm1_swiglu import gemm1_swiglu
-from torchtitan_megamoe.ops.triton.gemm2_scatter import gemm2_scatter
+from torchtitan_megamoe.ops.triton.gemm2_rows import gemm2_rows
 from torchtitan_megamoe.ops.triton.plan import build_plan, max_rows, pack_plan, packed_plan_numel
 from torchtitan_megamoe.ops.triton.tune import interpreting
 
@@ -51,7 +51,7 @@ def forward_ep1(
     block_m: int | None = None,
     gemm1_config: dict | None = None,
     gemm2_config: dict | None = None,
-    ybuf_dtype: torch.dtype | None = None,
+    y_dtype: torch.dtype | None = None,
     save: bool = False,
 ) -> torch.Tensor | tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
     """out [T, D]; with ``save``, (out, saved) where saved = (a, packed_plan) is what
@@ -65,9 +65,9 @@ def forward_ep1(
         h, a = gemm1_swiglu(x, w1, w3, plan, config=gemm1_config, save_a=True)
     else:
         h = gemm1_swiglu(x, w1, w3, plan, config=gemm1_config)
-    ybuf = gemm2_scatter(h, w2, plan, out_dtype=ybuf_dtype, config=gemm2_config)
+    y = gemm2_rows(h, w2, plan, out_dtype=y_dtype, config=gemm2_config)
     del h
-    out = combine(ybuf, topk_weights.contiguous(), plan.slot_row, x.dtype)
+    out = combine(y, topk_weights.contiguous(), plan.slot_row, x.dtype)
     if not save:
         return out
     return out, (a, pack_plan(plan))

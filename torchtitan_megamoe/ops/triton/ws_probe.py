@@ -1,6 +1,6 @@
 """Probe whether a GEMM's warp-specialized config compiles and is correct on this GPU.
 
-    python -m torchtitan_megamoe.ops.triton.ws_probe gemm1_swiglu|gemm2_scatter
+    python -m torchtitan_megamoe.ops.triton.ws_probe gemm1_swiglu|gemm2_rows
 
 Runs in its own process because a failing Triton warp-specialization pass may abort the process
 (C++ assertion). Exit 0: compiled and matched the reference; the caller then lists the kernel in
@@ -12,12 +12,12 @@ import sys
 import torch
 
 from torchtitan_megamoe.ops import reference
-from torchtitan_megamoe.ops.triton import gemm1_swiglu, gemm2_scatter
+from torchtitan_megamoe.ops.triton import gemm1_swiglu, gemm2_rows
 from torchtitan_megamoe.ops.triton.forward import forward_ep1
 
 
 def main(name: str) -> int:
-    mods = {"gemm1_swiglu": gemm1_swiglu, "gemm2_scatter": gemm2_scatter}
+    mods = {"gemm1_swiglu": gemm1_swiglu, "gemm2_rows": gemm2_rows}
     ws = [c for c in mods[name].GPU_CONFIGS if c.get("WARP_SPEC")]
     if not ws:
         return 1
