@@ -43,7 +43,7 @@ import traceback
 
 import torch
 
-from torchtitan_megamoe.timing import back_to_back_ms, median_ms
+from torchtitan_megamoe.timing import back_to_back_ms, median_ms, peak_extra_mib
 
 SHAPES = {
     "tiny": dict(name="tiny (smoke)", dim=128, hidden=64, experts=8, top_k=2),
@@ -237,8 +237,10 @@ def bench_shape(key: str, tokens: int, iters: int, warmup: int, backward: bool, 
             return run
 
         res["stock_fwdbwd_fresh_ms"] = median_ms(fresh(stock_step), iters, warmup)
+        res["stock_fwdbwd_peak_mib"] = peak_extra_mib(fresh(stock_step))
         if res.get("ours_fwdbwd_ms"):
             res["ours_fwdbwd_fresh_ms"] = median_ms(fresh(ours_step), iters, warmup)
+            res["ours_fwdbwd_peak_mib"] = peak_extra_mib(fresh(ours_step))
         if profile:
             profile_kernels(f"{shape['name']} EP=1 ours fwd+bwd", ours_step, 0)
             profile_kernels(f"{shape['name']} EP=1 stock fwd+bwd", stock_step, 0)
@@ -269,9 +271,11 @@ def _time_pair(fwd, step, iters, warmup, backward, res=None, name=None):
         fwd_ms = median_ms(fwd, iters, warmup)
         if res is not None:
             res[f"{name}_fwd_b2b_ms"] = back_to_back_ms(fwd, iters)
+            res[f"{name}_fwd_peak_mib"] = peak_extra_mib(fwd)
     step_ms = median_ms(step, iters, warmup) if backward else None
     if res is not None and backward:
         res[f"{name}_fwdbwd_b2b_ms"] = back_to_back_ms(step, iters)
+        res[f"{name}_fwdbwd_peak_mib"] = peak_extra_mib(step)
     return fwd_ms, step_ms
 
 
@@ -451,7 +455,9 @@ def table(results: list[dict]) -> str:
         if st and o:
             lines.append(f"{r['shape']} fwd+bwd with fresh .grad (set to None before each "
                          f"step, as a training step's first backward): stock {st:.3f}, ours "
-                         f"{o:.3f} ({st / o:.2f}x)")
+                         f"{o:.3f} ({st / o:.2f}x); peak memory above the inputs during "
+                         f"the step: stock {r['stock_fwdbwd_peak_mib']:.0f} MiB, ours "
+                         f"{r['ours_fwdbwd_peak_mib']:.0f} MiB")
     return "\n".join(lines)
 
 
@@ -523,6 +529,15 @@ def ep_table(results: list[dict]) -> str:
                            + (f", ours EP=1 {e1:.3f} (EP=N/EP=1 {o / e1:.2f}x)" if e1 else ""))
     if b2b:
         lines.append("calls back to back (no wait per call; ms per call): " + "; ".join(b2b))
+    peaks = []
+    for r in results:
+        for tag in ("fwd", "fwdbwd"):
+            o, st = (r.get(f"{who}_{tag}_peak_mib") for who in ("ours", "stock"))
+            if o is not None and st is not None:
+                peaks.append(f"{r['shape']} {tag}: stock {st:.0f}, ours {o:.0f}")
+    if peaks:
+        lines.append("peak memory above the inputs during one call (MiB; caching allocator, "
+                     "rank 0): " + "; ".join(peaks))
     mem = [f"{r['shape']}: {r['exchange_mib']:.0f} MiB" for r in results if "exchange_mib" in r]
     notes = [f"stock EP failed: {e}" for e in errs]
     if mem:

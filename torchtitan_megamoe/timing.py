@@ -53,3 +53,17 @@ def back_to_back_ms(fn, iters: int, warmup: int = 0) -> float:
     end.record()
     end.synchronize()
     return start.elapsed_time(end) / iters
+
+
+def peak_extra_mib(fn) -> float:
+    """Peak of the caching allocator's memory above its level before one call of ``fn``, in
+    MiB: the call's transient workspace plus what it returns (0 without CUDA)."""
+    if not torch.cuda.is_available():
+        fn()
+        return 0.0
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    fn()
+    torch.cuda.synchronize()
+    return (torch.cuda.max_memory_allocated() - base) / 2**20
