@@ -116,17 +116,13 @@ def test_plan_kernels_sub_blocks(monkeypatch):
 
 
 @pytest.mark.parametrize("use_kernels", [False, True])
-def test_phased_plan_layout(use_kernels, monkeypatch):
+def test_phased_plan_layout(use_kernels):
     """build_phased_plan (the EP forward's): each expert's segment holds one sub-segment per
     phase, each padded to block_m and in slot order; every tile belongs to one (expert, phase),
-    phase_tiles partition the used tiles; the packed plan unpacks with its phase count."""
-    from torchtitan_megamoe.ops.triton import plan as plan_mod
+    phase_tiles partition the used tiles; the packed plan unpacks with its phase count. Both
+    the torch-op path and the plan kernels with the phase folded in."""
     from torchtitan_megamoe.ops.triton.plan import build_phased_plan, pack_plan, unpack_plan
 
-    if use_kernels:  # the Triton plan kernels (interpreter) instead of the torch-op path
-        real = plan_mod.build_plan
-        monkeypatch.setattr(plan_mod, "build_plan",
-                            lambda ids, E, bm: real(ids, E, bm, use_kernels=True))
     g = torch.Generator().manual_seed(5)
     T, K, E, bm, P = 60, 3, 4, 8, 2
     ids = torch.randint(0, E, (T, K), generator=g)
@@ -134,7 +130,7 @@ def test_phased_plan_layout(use_kernels, monkeypatch):
     ids[:, :][ids == 3] = -1  # expert 3 empty
     ids[40:] = torch.where(ids[40:] >= 0, 1, -1)  # phase-1-heavy expert 1
     phase = (torch.arange(T) >= 30).to(torch.int32)
-    plan, tiles = build_phased_plan(ids, E, bm, phase, P)
+    plan, tiles = build_phased_plan(ids, E, bm, phase, P, use_kernels=use_kernels)
     assert plan.max_rows == max_rows(T * K, E, bm, P)
     seg = plan.seg_start.tolist()
     assert plan.count.tolist() == [seg[e + 1] - seg[e] for e in range(E)]
@@ -161,3 +157,27 @@ def test_phased_plan_layout(use_kernels, monkeypatch):
     back = unpack_plan(pack_plan(plan), T, K, E, bm)
     for name in ("row_slot", "slot_row", "tile_expert", "seg_start", "count"):
         assert torch.equal(getattr(back, name), getattr(plan, name)), name
+
+
+@pytest.mark.parametrize("P,E,case", [(2, 5, "random"), (3, 4, "skewed"), (2, 64, "random")])
+def test_phased_plan_kernels_match_torch_path(P, E, case, monkeypatch):
+    """The plan kernels with phases give the torch path's tensors bit for bit, with several
+    chunks and sub-blocks per chunk (TARGET_CHUNKS lowered)."""
+    from torchtitan_megamoe.ops.triton import plan_kernels
+    from torchtitan_megamoe.ops.triton.plan import build_phased_plan
+
+    monkeypatch.setattr(plan_kernels, "TARGET_CHUNKS", 3)
+    g = torch.Generator().manual_seed(P * 100 + E)
+    T, K, bm = 150, 4, 16
+    ids = torch.randint(0, E, (T, K), generator=g)
+    if case == "skewed":
+        ids[ids % 2 == 1] = 0
+    ids[torch.rand(T, K, generator=g) < 0.2] = -1
+    phase = torch.randint(0, P, (T,), generator=g).to(torch.int32)
+    a, ta = build_phased_plan(ids, E, bm, phase, P)
+    b, tb = build_phased_plan(ids, E, bm, phase, P, use_kernels=True)
+    for name in ("row_slot", "slot_row", "tile_expert", "seg_start", "count"):
+        assert torch.equal(getattr(a, name).int(), getattr(b, name).int()), name
+    assert int(a.num_rows_used) == int(b.num_rows_used)
+    for x, y in zip(ta, tb):
+        assert torch.equal(x.int(), y.int())

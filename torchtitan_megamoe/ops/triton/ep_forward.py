@@ -18,10 +18,10 @@ on phase 0 while the peers' rows still travel:
     GEMM 1 + SwiGLU, phase 1; GEMM 2, phase 1
                                               combine of each peer's region, stored straight
                                               into that peer's "ret" region (NVLink stores)
-    GEMM 2, phase 0; combine of the own region
-    into the own "ret" region
+    GEMM 2, phase 0
     wait for the side stream; barrier (channel 0): every partial row is home
-    out[t] = sum of t's partial rows, fp32, fixed rank order (sum_partials.py)
+    combine of the own region, adding the peers' partial rows: out[t] = sum over
+    ranks in fixed order, fp32 (the own partial never leaves the registers)
 
 So the dispatch hides under GEMM 1 of the own tokens and the return under GEMM 2 of the own
 tokens. No host sync and no data-dependent shape anywhere, so the call is capturable. Without
@@ -144,11 +144,13 @@ def forward_ep(x, topk_ids, topk_weights, w1, w2, w3, group, block_m, gemm1_conf
 
     returned = ex.run_async(return_peers) if ex.overlaps else return_peers()
     gemm2_rows(h, w2, own, config=gemm2_config, out=y)
-    combine_region(me)
     if ex.overlaps:
         torch.cuda.current_stream(x.device).wait_event(returned)
     ex.exchange(["ret"])
-    out = route.sum_returned("ret", x.dtype)
+    # 4. the own tokens' combine adds the partial rows the peers returned (rank order)
+    slots = slice(me * C * K, me * C * K + T * K)
+    out = combine(y, weights[me * C:me * C + T], plan.slot_row[slots], x.dtype,
+                  returned=(ex.recv["ret"], route.pos, me))
     if not save:
         return out
     return out, ([a, pack_plan(plan)] if keep else [])

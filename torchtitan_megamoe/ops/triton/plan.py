@@ -105,7 +105,7 @@ def build_plan(
         # to issue on the H200 machine, time the GPU spent idle.
         from torchtitan_megamoe.ops.triton.plan_kernels import plan_tensors
 
-        row_slot, slot_row, tile_expert, seg_start, count = plan_tensors(
+        row_slot, slot_row, tile_expert, seg_start, count, _ = plan_tensors(
             topk_ids.contiguous(), E, block_m, rank, R_max
         )
         return Plan(
@@ -173,7 +173,7 @@ def build_plan(
 
 def build_phased_plan(
     topk_ids: torch.Tensor, num_local_experts: int, block_m: int, phase: torch.Tensor,
-    phases: int,
+    phases: int, use_kernels: bool = False,
 ) -> tuple[Plan, list[torch.Tensor]]:
     """A plan whose rows can be computed in ``phases`` separate launches, and each launch's
     tile -> expert map.
@@ -189,9 +189,25 @@ def build_phased_plan(
     holding its phases' sub-segments, whose padding rows (slot -1) sit between them, so
     ``count`` here is the segment's length, padding included (padding rows read and write
     zeros in every kernel). ``phase_tiles[p]`` is plan.tile_expert with -1 for tiles of the
-    other phases: a GEMM launched with it skips them.
+    other phases: a GEMM launched with it skips them. CUDA inputs (or ``use_kernels``) take the
+    three plan kernels with the phase folded in; CPU inputs the torch ops below (same tensors).
     """
     E, P = num_local_experts, phases
+    T, K = topk_ids.shape
+    if topk_ids.is_cuda or use_kernels:
+        # the phase folded into the three plan kernels (the torch ops below cost the host more
+        # than the kernels take on the GPU)
+        from torchtitan_megamoe.ops.triton.plan_kernels import plan_tensors
+
+        row_slot, slot_row, tile_expert, seg_start, count, tiles = plan_tensors(
+            topk_ids.contiguous(), E, block_m, 0, max_rows(T * K, E, block_m, P), phase, P
+        )
+        plan = Plan(
+            row_slot=row_slot, slot_row=slot_row, tile_expert=tile_expert, seg_start=seg_start,
+            count=count, num_rows_used=seg_start[E], num_tokens=T, top_k=K,
+            num_local_experts=E, block_m=block_m,
+        )
+        return plan, list(tiles.unbind(0))
     ids = topk_ids.to(torch.int32)
     virt = torch.where(ids >= 0, ids * P + phase.to(torch.int32)[:, None], -1)
     pv = build_plan(virt, E * P, block_m)

@@ -22,24 +22,31 @@ import triton.language as tl
 
 
 @triton.jit
-def _local_key(ids_ptr, slots, S, RANK_BASE, E: tl.constexpr):
+def _local_key(ids_ptr, phase_ptr, slots, S, RANK_BASE, TOP_K, E: tl.constexpr,
+               P: tl.constexpr):
+    """Bin of each slot: its local expert, or with P phases the virtual expert
+    local * P + phase[token]; E (= local experts * P) for slots not computed here."""
     g = tl.load(ids_ptr + slots, mask=slots < S, other=-1).to(tl.int64)
     local = g - RANK_BASE
-    valid = (g >= 0) & (local >= 0) & (local < E)
-    return tl.where(valid, local, E).to(tl.int32)
+    valid = (g >= 0) & (local >= 0) & (local < E // P)
+    key = local
+    if P > 1:
+        key = local * P + tl.load(phase_ptr + slots // TOP_K, mask=valid, other=0)
+    return tl.where(valid, key, E).to(tl.int32)
 
 
 @triton.jit
 def _plan_count_kernel(
-    ids_ptr, chunk_count_ptr, row_slot_ptr, S, R_MAX, RANK_BASE, ROWS_PER_PROG,
+    ids_ptr, phase_ptr, chunk_count_ptr, row_slot_ptr, S, R_MAX, RANK_BASE, ROWS_PER_PROG, TOP_K,
     E: tl.constexpr, E_PAD: tl.constexpr, BLOCK: tl.constexpr, SUB: tl.constexpr,
+    P: tl.constexpr,
 ):
     c = tl.program_id(0)
     experts = tl.arange(0, E_PAD)
     hist = tl.zeros((E_PAD,), tl.int32)
     for j in range(SUB):
         slots = (c * SUB + j) * BLOCK + tl.arange(0, BLOCK)
-        key = _local_key(ids_ptr, slots, S, RANK_BASE, E)
+        key = _local_key(ids_ptr, phase_ptr, slots, S, RANK_BASE, TOP_K, E, P)
         hist += tl.sum((key[:, None] == experts[None, :]).to(tl.int32), axis=0)
     tl.store(chunk_count_ptr + c * E_PAD + experts, hist)
     for r0 in range(0, ROWS_PER_PROG, BLOCK):
@@ -50,9 +57,10 @@ def _plan_count_kernel(
 @triton.jit
 def _plan_scan_kernel(
     chunk_count_ptr, chunk_off_ptr, count_ptr, seg_start_ptr, tile_expert_ptr,
+    seg_real_ptr, count_real_ptr, phase_tiles_ptr,
     num_chunks, num_tiles,
     E: tl.constexpr, E_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
-    CB: tl.constexpr, TB: tl.constexpr,
+    CB: tl.constexpr, TB: tl.constexpr, P: tl.constexpr, ER_PAD: tl.constexpr,
 ):
     experts = tl.arange(0, E_PAD)
     carry = tl.zeros((E_PAD,), tl.int32)
@@ -76,13 +84,30 @@ def _plan_scan_kernel(
         tiles = t0 + tl.arange(0, TB)
         before = (seg_end_e[None, :] <= (tiles * BLOCK_M)[:, None]).to(tl.int32)
         e = tl.sum(before, axis=1)
-        tl.store(tile_expert_ptr + tiles, tl.where(e < E, e, -1), mask=tiles < num_tiles)
+        in_t = tiles < num_tiles
+        # with phases, e is a virtual expert: real expert e // P, phase e % P
+        real = tl.where(e < E, e // P, -1)
+        tl.store(tile_expert_ptr + tiles, real, mask=in_t)
+        if P > 1:
+            for p in tl.static_range(P):
+                tl.store(phase_tiles_ptr + p * num_tiles + tiles,
+                         tl.where(e % P == p, real, -1), mask=in_t)
+    if P > 1:
+        # real experts' segments: [seg_start[e*P], seg_start[(e+1)*P]) (the virtual starts were
+        # stored above; the barrier makes them visible to every thread of this program)
+        tl.debug_barrier()
+        er = tl.arange(0, ER_PAD)
+        lo = tl.load(seg_start_ptr + er * P, mask=er <= E // P, other=0)
+        hi = tl.load(seg_start_ptr + (er + 1) * P, mask=er < E // P, other=0)
+        tl.store(seg_real_ptr + er, lo, mask=er <= E // P)
+        tl.store(count_real_ptr + er, hi - lo, mask=er < E // P)
 
 
 @triton.jit
 def _plan_place_kernel(
-    ids_ptr, chunk_off_ptr, seg_start_ptr, slot_row_ptr, row_slot_ptr, S, RANK_BASE,
-    E: tl.constexpr, E_PAD: tl.constexpr, BLOCK: tl.constexpr, SUB: tl.constexpr,
+    ids_ptr, phase_ptr, chunk_off_ptr, seg_start_ptr, slot_row_ptr, row_slot_ptr, S, RANK_BASE,
+    TOP_K, E: tl.constexpr, E_PAD: tl.constexpr, BLOCK: tl.constexpr, SUB: tl.constexpr,
+    P: tl.constexpr,
 ):
     c = tl.program_id(0)
     experts = tl.arange(0, E_PAD)
@@ -90,7 +115,7 @@ def _plan_place_kernel(
     run = tl.zeros((E_PAD,), tl.int32)
     for j in range(SUB):
         slots = (c * SUB + j) * BLOCK + tl.arange(0, BLOCK)
-        key = _local_key(ids_ptr, slots, S, RANK_BASE, E)
+        key = _local_key(ids_ptr, phase_ptr, slots, S, RANK_BASE, TOP_K, E, P)
         valid = key < E
         onehot = (key[:, None] == experts[None, :]).to(tl.int32)
         # the one-hot picks column key: rank = (inclusive count in this sub-block + run)[key] - 1
@@ -108,13 +133,18 @@ TARGET_CHUNKS = 256
 """Chunks (programs) per launch the sub-block count aims for; tests lower it to cover SUB > 1."""
 
 
-def plan_tensors(topk_ids: torch.Tensor, E: int, block_m: int, rank: int, R_max: int):
-    """(row_slot, slot_row, tile_expert, seg_start, count) as int32 tensors, same layout as the
-    torch path of build_plan."""
+def plan_tensors(topk_ids: torch.Tensor, E: int, block_m: int, rank: int, R_max: int,
+                 phase: torch.Tensor | None = None, phases: int = 1):
+    """(row_slot, slot_row, tile_expert, seg_start, count, phase_tiles) as int32 tensors, same
+    layout as the torch path of build_plan (phases = 1; phase_tiles is None) or of
+    build_phased_plan (``phase`` [T] per token; phase_tiles [phases, num_tiles])."""
     dev = topk_ids.device
     S = topk_ids.numel()
+    K = topk_ids.shape[1] if topk_ids.dim() == 2 else 1
     ids = topk_ids.reshape(-1)
-    E_PAD = max(16, triton.next_power_of_2(E))
+    P = phases
+    EV = E * P  # bins of the histogram: (local expert, phase) pairs
+    E_PAD = max(16, triton.next_power_of_2(EV))
     # keep the [BLOCK, E_PAD] one-hot at 16K int32 per program (64 registers a thread at 8 warps)
     BLOCK = max(16, min(128, 16384 // E_PAD))
     # a chunk = SUB sub-blocks of BLOCK slots; ~256 chunks keep the single-program scan short
@@ -129,21 +159,30 @@ def plan_tensors(topk_ids: torch.Tensor, E: int, block_m: int, rank: int, R_max:
     row_slot = torch.empty(R_max, dtype=i32, device=dev)
     slot_row = torch.empty(S, dtype=i32, device=dev)
     tile_expert = torch.empty(num_tiles, dtype=i32, device=dev)
-    seg_start = torch.empty(E + 1, dtype=i32, device=dev)
-    count = torch.empty(E, dtype=i32, device=dev)
+    seg_virt = torch.empty(EV + 1, dtype=i32, device=dev)
+    count_virt = torch.empty(EV, dtype=i32, device=dev)
+    if P > 1:
+        seg_start = torch.empty(E + 1, dtype=i32, device=dev)
+        count = torch.empty(E, dtype=i32, device=dev)
+        phase_tiles = torch.empty((P, num_tiles), dtype=i32, device=dev)
+        phase = phase.to(i32).contiguous()
+    else:
+        seg_start, count, phase_tiles, phase = seg_virt, count_virt, tile_expert, ids
     rank_base = rank * E
     _plan_count_kernel[(num_chunks,)](
-        ids, chunk_count, row_slot, S, R_max, rank_base, rows_per_prog,
-        E=E, E_PAD=E_PAD, BLOCK=BLOCK, SUB=SUB, num_warps=8,
+        ids, phase, chunk_count, row_slot, S, R_max, rank_base, rows_per_prog, K,
+        E=EV, E_PAD=E_PAD, BLOCK=BLOCK, SUB=SUB, P=P, num_warps=8,
     )
     _plan_scan_kernel[(1,)](
-        chunk_count, chunk_off, count, seg_start, tile_expert, num_chunks, num_tiles,
-        E=E, E_PAD=E_PAD, BLOCK_M=block_m, CB=max(1, min(64, 8192 // E_PAD)),
-        TB=max(1, min(128, 8192 // E_PAD)), num_warps=8,
+        chunk_count, chunk_off, count_virt, seg_virt, tile_expert, seg_start, count,
+        phase_tiles, num_chunks, num_tiles,
+        E=EV, E_PAD=E_PAD, BLOCK_M=block_m, CB=max(1, min(64, 8192 // E_PAD)),
+        TB=max(1, min(128, 8192 // E_PAD)), P=P, ER_PAD=triton.next_power_of_2(E + 1),
+        num_warps=8,
     )
     if S:
         _plan_place_kernel[(num_chunks,)](
-            ids, chunk_off, seg_start, slot_row, row_slot, S, rank_base,
-            E=E, E_PAD=E_PAD, BLOCK=BLOCK, SUB=SUB, num_warps=8,
+            ids, phase, chunk_off, seg_virt, slot_row, row_slot, S, rank_base, K,
+            E=EV, E_PAD=E_PAD, BLOCK=BLOCK, SUB=SUB, P=P, num_warps=8,
         )
-    return row_slot, slot_row, tile_expert, seg_start, count
+    return row_slot, slot_row, tile_expert, seg_start, count, (phase_tiles if P > 1 else None)
