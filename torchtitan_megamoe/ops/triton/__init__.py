@@ -5,8 +5,9 @@ GEMM 2 into the row space (gemm2_rows.py), fp32 combine through the slots' rows 
 Backward: backward.py (BF16); it reads what the forward saved (GEMM 1's pre-activations and the
 packed plan) instead of recomputing them. EP > 1 (ep_forward.py, bwd_ep.py): each token goes once
 to every rank owning one of its experts through the token exchange (ep_route.py over
-ops/exchange.py: symmetric-memory peer stores, no host sync), the EP=1 kernels run on the receive
-buffer and partial rows return to their sources (not yet overlapped with the GEMMs).
+ops/exchange.py: symmetric memory, copy-engine copies, no host sync), the EP=1 kernels run on the
+receive buffer and partial rows return to their sources; the forward overlaps both moves with
+its GEMMs (ep_forward.py), the backward does not yet.
 """
 
 import torch

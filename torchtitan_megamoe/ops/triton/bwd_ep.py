@@ -9,7 +9,7 @@ x and dy, around the EP=1 backward.
     3. dx partial rows and d(topk_weights) rows go back to the source's regions; the source sums
        the dx partials in fp32, fixed rank order, and takes each slot's d(topk_weight) from the
        rank owning its expert.
-No host sync. Not yet overlapped with the GEMMs.
+No host sync. Not yet overlapped with the GEMMs (the forward is: ep_forward.py).
 Memory per call: the EP=1 backward's transients for R*C tokens, plus the dx partial rows
 [R*C, D] and d(topk_weights) [R*C, K].
 """
