@@ -42,8 +42,9 @@ T = C = 16384, K = 8, E = 128, EP=2: 30B 0.78 GiB kept (stock 1.06 GiB); 235B 1.
 (stock 2.13 GiB); at EP=8 they exceed stock's and are not kept.
 
 Memory. Exchange buffers, shared by all layers (ops/exchange.py): 3 x [R, C, D] x.dtype + small
-metadata, C = tokens per rank. Per call: h [R_max, H] and GEMM 2's rows y [R_max, D], R_max
-~ the rows this rank computes (about C*K at any EP degree, not R*C*K).
+metadata, C = tokens per rank. Per call: h [R_max, H] and GEMM 2's rows y [R_max, D], with R_max
+the static bound for R*C*K received slots (any routing may send every slot here): ~R times the
+rows a rank computes on average. A capacity below that bound needs an overflow path (not built).
 """
 
 import dataclasses

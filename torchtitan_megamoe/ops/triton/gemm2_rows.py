@@ -2,10 +2,10 @@
 
 Tiles: BLOCK_M rows x BLOCK_N output columns (of D); the K loop walks H in BLOCK_K steps into
 one fp32 accumulator. A rows are read contiguously from h and the tile is stored to the same
-rows of y [R_max, D] (pointer stores, or one bulk tensor store with TMA_STORE): row space, not slot space, so y holds
-only the rows this rank computes (at EP=8 and 16384 tokens per rank: ~0.55 GiB at the 30B
-shape, where a [R*C*K, D] slot buffer took 4 GiB) and the combine finds slot s's row through
-plan.slot_row. Padding rows store zeros (h is 0 there); tiles past the used rows and tiles
+rows of y [R_max, D] (pointer stores, or one bulk tensor store with TMA_STORE): row space, not
+slot space, so every tile is one contiguous store instead of a row scatter, and the combine
+finds slot s's row through plan.slot_row. (Memory: y has R_max rows, the static bound, about
+as many as the slot buffer it replaced.) Padding rows store zeros (h is 0 there); tiles past the used rows and tiles
 whose tile_expert is -1 (another phase of a phased plan) store nothing.
 PERSISTENT: one program per SM loops over the tiles of the used rows (count read on device).
 
