@@ -1,21 +1,23 @@
 """Where each token goes in an EP group, and the moves of the exchange protocol.
 
-A token goes ONCE to every rank that owns at least one of its experts (not once per slot: at
-top-8 over 2 ranks a token has ~4 slots on each rank, so per-slot dispatch would move ~4x the
-bytes). It lands at its own row t of its source's region there (the identity layout of
-ep_route_kernel.py), as a token with K slots whose ids are that rank's local expert ids, -1 for
-slots owned elsewhere; the EP=1 kernels then run on the receive buffer as if it were a batch of
+A token travels once per destination rank, not once per slot (at top-8 over 2 ranks a token
+has ~4 slots on each rank, so per-slot dispatch would move ~4x the bytes). It lands at its own
+row t of its source's region (the identity layout of ep_route_kernel.py), so a source sends its
+whole batch to every rank as one contiguous copy (copy engines): the rows of tokens without a
+slot there travel too (~1% of them at EP=2 and top-8 of 128 experts, ~1/3 at EP=8) and are
+marked "no slot" by the metadata. On the receiver a token has K slots whose ids are that rank's
+local expert ids, -1 for slots owned elsewhere; the EP=1 kernels then run on the receive buffer as if it were a batch of
 R*C tokens. The receiver returns ONE partial row per token (its weighted sum over the token's
 experts there) to row t of its region on the source, and the source sums the partials of the
 ranks it sent the token to, in fp32 and fixed rank order.
 
 The forward (ep_forward.py) overlaps these moves with its GEMMs. The backward (bwd_ep.py) runs
 them in order, on one stream (``ex`` from ops/exchange.py):
-    dispatch   rows -> send_region(d, ·) for every d the token goes to; metadata (local ids,
+    dispatch   the batch's rows -> send_region(d, ·) for every d; metadata (local ids,
                weights) as whole regions, so rows a source did not fill read as "no slot"
     exchange   barrier #1: the receive buffers are complete
     compute    EP=1 kernels on recv (reads of recv end here, before the return stores)
-    return     partial rows -> send_region(source, "ret") at the token's row
+    return     each source's region of partial rows -> send_region(source, "ret")
     exchange   barrier #2: partial rows are complete; also orders this call's reads of recv
                before any peer's next dispatch (which follows barrier #2 of this call)
     sum        sum_partials over recv["ret"]
