@@ -9,7 +9,7 @@
 #     --platform manylinux2014_x86_64 -d .whl torchtitan==0.2.2 tyro==1.0.17 \
 #     docstring-parser==0.18.0 typeguard==4.6.1 torchdata==0.11.0 \
 #     datasets==5.2.0 dill==0.4.1 multiprocess==0.70.19
-# Env knobs: BENCH_ARGS (extra bench.py args), PYTEST_ARGS (default "-m gpu tests"),
+# Env knobs: BENCH_ARGS (extra args of python -m torchtitan_megamoe.bench), PYTEST_ARGS (default "-m gpu tests"),
 # SKIP_TESTS=1, SKIP_BENCH=1, SKIP_WS_PROBE=1 (no warp-specialized candidates), WHEELS=0 (use the
 # current env, not .whl), BENCH_NPROC=2 (EP=2 bench under torchrun, on kind nvidia-h200-x2),
 # BENCH_NPROCS="1 2" (both benches in one call), BENCH_TIMEOUT_S (per bench, default 360),

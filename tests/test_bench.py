@@ -1,6 +1,6 @@
 """The layer benchmark's CPU-runnable parts (its CUDA timing is exercised on the GPU machine).
 
-- EP=2 over gloo: TorchTitan's own ExpertParallel wiring as bench.py builds it gives the same
+- EP=2 over gloo: TorchTitan's own ExpertParallel wiring as the bench builds it gives the same
   output as the unsharded stock layer on each rank's tokens; the bench's EP path (stock EP vs ours
   on the reference backend, ours at EP=1) runs end to end through its CLI, prints its table and
   writes JSON with every ratio's inputs.

@@ -1,0 +1,41 @@
+"""MoE layer benchmark: stock TorchTitan MoE vs mega_moe on the same weights and routing.
+
+    python -m torchtitan_megamoe.bench [--shapes 30b,235b] [--tokens 16384] [--json out.json]
+    torchrun --nproc_per_node 2 -m torchtitan_megamoe.bench --ep 2 [--json out.json]
+
+For each Qwen3 shape it builds stock ``torchtitan.models.moe.MoE`` with Qwen3's MoEArgs (softmax,
+route_norm, no shared experts, score_before_experts=False) in bf16, then times:
+
+- stock: the module's forward (router + permute + grouped GEMMs + unpermute + combine);
+- ours: the same module's router, then ``mega_moe`` on its routing and expert weights (the
+  layer the converter builds); at EP=1 also the op alone and its forward stages (plan, GEMM1,
+  GEMM2, combine);
+- with --backward (default on): forward + backward of both, when the backend has a backward;
+  at EP=1 with the triton backend also the backward's stages (kernel A: dgrad of layer 2 +
+  SwiGLU with GEMM 1 recomputed, the three weight gradients, kernel C: dgrad of layer 1, the
+  combine; each with its Triton kernel and its _grouped_mm counterpart where one exists, and
+  the totals per forced side and with the tuner's per-stage pick), timed by
+  ``ops/triton/bwd_bench.py`` on its own random routing of the same shape.
+
+EP > 1 (under torchrun, one process per GPU, each with --tokens tokens): stock is TorchTitan's
+own EP layer, its experts sharded by ``ExpertParallel`` on a 1-D DeviceMesh named "ep" exactly
+as ``apply_moe_ep_tp`` does in training (all_to_all dispatch, per-expert padding to
+TOKEN_GROUP_ALIGN_SIZE_M, grouped GEMMs, all_to_all combine); ours is ``mega_moe`` with the
+mesh's group on the same rank's expert shard and routing; ours at EP=1 (every expert on each
+GPU, same tokens) is timed in the same run for the EP=N / EP=1 ratio. Rank 0's times are
+reported; output errors are the max over ranks.
+
+Timing: CUDA events around each call after warm-up (which also runs the kernels' tuner), the
+median of --iters calls. Flops: 6*T*K*D*H forward (three GEMMs), 3x that forward + backward;
+the floor is those flops at --peak-tflops (765: dense bf16 GEMM measured on the H200, DESIGN §5).
+On a machine without CUDA only --backend reference runs (a smoke test of the code path, with
+wall-clock times, under gloo for --ep > 1).
+"""
+
+from torchtitan_megamoe.bench.cli import main
+from torchtitan_megamoe.bench.ep1 import bwd_stage_breakdown
+from torchtitan_megamoe.bench.shapes import SHAPES, build_stock_moe, shard_stock_experts
+from torchtitan_megamoe.bench.tables import BWD_STAGES, bwd_table
+
+__all__ = ["BWD_STAGES", "SHAPES", "build_stock_moe", "bwd_stage_breakdown", "bwd_table", "main",
+           "shard_stock_experts"]

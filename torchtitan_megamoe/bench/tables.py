@@ -1,0 +1,140 @@
+"""The markdown tables the benchmark prints (and docs/PERF.md records)."""
+
+from __future__ import annotations
+
+# ops/triton/bwd_bench.py's stage keys in backward order: (label, Triton kernel, _grouped_mm
+# counterpart or None). The tuner picks a side per stage; "auto" below is what the layer runs.
+BWD_STAGES = [
+    ("fwd: GEMM 1 + SwiGLU (inference)", "fwd_gemm1", None),
+    ("fwd: GEMM 1 + SwiGLU + store a1/a3 (training)", "fwd_gemm1_save_a", None),
+    ("plan (built by the forward, reused)", "plan", None),
+    ("A: dgrad L2 + SwiGLU on saved a1/a3", "A_dgrad_l2_swiglu", None),
+    ("A with GEMM 1 recomputed (unused path)", "A_dgrad_l2_swiglu_recompute", None),
+    ("wgrad dw2", "B_dw2", "B_dw2_cublas"),
+    ("wgrad dw1", "B_dw1", None),
+    ("wgrad dw3", "B_dw3", None),
+    ("wgrad dw1 + dw3", "B_dw13", "B_dw13_cublas"),
+    ("C: dgrad L1", "C_dgrad_l1", "C_dgrad_l1_cublas"),
+    ("combine (dx, d topk_weights)", "combine", None),
+    ("backward total, one side forced", "total", "total_cublas"),
+    ("backward total, tuner's pick per stage", "total_auto", None),
+    ("backward total, recompute path (no saved a)", "total_recompute", None),
+]
+
+
+def _tflops(flops: float, ms: float | None) -> str:
+    return f"{flops / (ms * 1e-3) / 1e12:.0f}" if ms else "n/a"
+
+
+def table(results: list[dict]) -> str:
+    lines = [
+        "| shape | pass | stock ms | ours ms | speedup | ours TFLOP/s | floor ms | floor/ours |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for r in results:
+        for tag, mult in (("fwd", 1), ("fwdbwd", 3)):
+            stock, ours = r.get(f"stock_{tag}_ms"), r.get(f"ours_{tag}_ms")
+            if stock is None:
+                continue
+            floor = r[f"floor_{tag}_ms"]
+            if ours:
+                tflops = _tflops(mult * r["flops_fwd"], ours)
+                cells = (f"{ours:.3f} | {stock / ours:.2f}x | {tflops} | {floor:.2f} | "
+                         f"{floor / ours:.2f}")
+            else:
+                cells = f"n/a | n/a | n/a | {floor:.2f} | n/a"
+            lines.append(f"| {r['shape']} | {tag} | {stock:.3f} | {cells} |")
+    for r in results:
+        st, o = r.get("stock_fwdbwd_fresh_ms"), r.get("ours_fwdbwd_fresh_ms")
+        if st and o:
+            lines.append(f"{r['shape']} fwd+bwd with fresh .grad (set to None before each "
+                         f"step, as a training step's first backward): stock {st:.3f}, ours "
+                         f"{o:.3f} ({st / o:.2f}x); peak memory above the inputs during "
+                         f"the step: stock {r['stock_fwdbwd_peak_mib']:.0f} MiB, ours "
+                         f"{r['ours_fwdbwd_peak_mib']:.0f} MiB")
+    return "\n".join(lines)
+
+
+def bwd_table(results: list[dict]) -> str:
+    """Backward stages: per shape, the Triton kernel's and the _grouped_mm side's "ms (TFLOP/s)";
+    '' when no result has a breakdown."""
+    cols = [r for r in results if "bwd_stages" in r or "bwd_stages_error" in r]
+    if not cols:
+        return ""
+
+    def cell(b, key):
+        ms = b.get(f"{key}_ms") if key else None
+        if ms is None:
+            return "-"
+        tf = b.get(f"{key}_tflops")
+        return f"{ms:.3f}" + (f" ({tf:.0f})" if tf else "")
+
+    head = "| backward stage, ms (TFLOP/s) | " + " | ".join(
+        f"{r['shape']} Triton | {r['shape']} _grouped_mm" for r in cols) + " |"
+    lines = [head, "| --- |" + " --- | --- |" * len(cols)]
+    for label, tri, cub in BWD_STAGES:
+        cells = []
+        for r in cols:
+            b = r.get("bwd_stages")
+            if b is None:
+                cells.append("error | " + r["bwd_stages_error"].replace("|", "/")[:80])
+            else:
+                cells.append(f"{cell(b, tri)} | {cell(b, cub)}")
+        lines.append(f"| {label} | " + " | ".join(cells) + " |")
+    cells = []
+    for r in cols:  # the layer's own backward share (other routing), to cross-check the totals
+        fb, f = r.get("ours_fwdbwd_ms"), r.get("ours_fwd_ms")
+        cells.append((f"{fb - f:.3f}" if fb and f else "n/a") + " | -")
+    lines.append("| layer: ours fwd+bwd - fwd (its own routing) | " + " | ".join(cells) + " |")
+    picks = [f"{r['shape']}: {r['bwd_stages']['auto_picks']}" for r in cols
+             if r.get("bwd_stages", {}).get("auto_picks")]
+    return "\n".join(lines + [f"tuner's side per stage, {p}" for p in picks])
+
+
+def ep_table(results: list[dict]) -> str:
+    lines = [
+        "| shape | EP | pass | stock ms | ours ms | speedup | stock TFLOP/s | ours TFLOP/s "
+        "| floor/ours | ours EP=1 ms | EP=N / EP=1 |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for r in results:
+        for tag, mult in (("fwd", 1), ("fwdbwd", 3)):
+            ours = r.get(f"ours_{tag}_ms")
+            if ours is None:
+                continue
+            flops = mult * r["flops_fwd"]
+            stock = r.get(f"stock_{tag}_ms")
+            ep1 = r.get(f"ours_ep1_{tag}_ms")
+            lines.append(
+                f"| {r['shape']} | {r['ep']} | {tag} | "
+                + (f"{stock:.3f}" if stock else "n/a") + f" | {ours:.3f} | "
+                + (f"{stock / ours:.2f}x" if stock else "n/a")
+                + f" | {_tflops(flops, stock)} | {_tflops(flops, ours)} | "
+                + f"{r[f'floor_{tag}_ms'] / ours:.2f} | "
+                + (f"{ep1:.3f} | {ours / ep1:.2f}x" if ep1 else "n/a | n/a") + " |")
+    errs = [f"{r['shape']}: {r['stock_error']}" for r in results if "stock_error" in r]
+    b2b = []
+    for r in results:
+        for tag in ("fwd", "fwdbwd"):
+            o, st, e1 = (r.get(f"{who}_{tag}_b2b_ms") for who in ("ours", "stock", "ours_ep1"))
+            if o:
+                b2b.append(f"{r['shape']} {tag}: stock {st or float('nan'):.3f}, ours {o:.3f}"
+                           + (f" ({st / o:.2f}x)" if st else "")
+                           + (f", ours EP=1 {e1:.3f} (EP=N/EP=1 {o / e1:.2f}x)" if e1 else ""))
+    if b2b:
+        lines.append("calls back to back (no wait per call; ms per call): " + "; ".join(b2b))
+    peaks = []
+    for r in results:
+        for tag in ("fwd", "fwdbwd"):
+            o, st = (r.get(f"{who}_{tag}_peak_mib") for who in ("ours", "stock"))
+            if o is not None and st is not None:
+                peaks.append(f"{r['shape']} {tag}: stock {st:.0f}, ours {o:.0f}")
+    if peaks:
+        lines.append("peak memory above the inputs during one call (MiB; caching allocator, "
+                     "rank 0): " + "; ".join(peaks))
+    mem = [f"{r['shape']}: {r['exchange_mib']:.0f} MiB" for r in results if "exchange_mib" in r]
+    notes = [f"stock EP failed: {e}" for e in errs]
+    if mem:
+        notes.append("EP exchange buffers per rank (outside the caching allocator): "
+                     + ", ".join(mem))
+    return "\n".join(lines + notes)
