@@ -15,6 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
+from torchtitan_megamoe.ops.triton.sum_partials import add_partials
 from torchtitan_megamoe.ops.triton.tiling import cast_out
 from torchtitan_megamoe.ops.triton.tune import interpreter_needs_f32_dot
 
@@ -61,17 +62,8 @@ def _combine_kernel(
     if R > 1:
         # EP: add the partial rows the other ranks returned, ranks in fixed order 0..R-1 (this
         # rank's own partial, acc, at position ME); ranks a token did not go to are skipped
-        tot = tl.zeros((BLOCK_T, BLOCK_D), dtype=tl.float32)
-        for r in tl.static_range(R):
-            row = tl.load(pos_ptr + toks.to(tl.int64) * stride_pos + r, mask=in_t, other=-1)
-            mine = (row * 0 + r) == ME  # [BLOCK_T] bool (a scalar compare would not mask)
-            live = ((row >= 0) & ~mine)[:, None] & in_d[None, :]
-            part = tl.load(
-                part_ptr + r * stride_part_r + row.to(tl.int64)[:, None] * stride_part_row
-                + cols[None, :], mask=live, other=0.0,
-            ).to(tl.float32)
-            tot += tl.where(mine[:, None], acc, part)
-        acc = tot
+        acc = add_partials(acc, part_ptr, pos_ptr, toks, cols, in_t, in_d, stride_part_r,
+                           stride_part_row, stride_pos, ME, R)
     out_ptrs = out_ptr + toks[:, None].to(tl.int64) * stride_out + cols[None, :]
     tl.store(out_ptrs, cast_out(acc, out_ptr.dtype.element_ty, EMULATE_RTNE),
              mask=in_t[:, None] & in_d[None, :])

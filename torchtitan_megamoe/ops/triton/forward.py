@@ -51,7 +51,6 @@ def forward_ep1(
     block_m: int | None = None,
     gemm1_config: dict | None = None,
     gemm2_config: dict | None = None,
-    y_dtype: torch.dtype | None = None,
     save: bool = False,
 ) -> torch.Tensor | tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
     """out [T, D]; with ``save``, (out, saved) where saved = (a, packed_plan) is what
@@ -65,7 +64,7 @@ def forward_ep1(
         h, a = gemm1_swiglu(x, w1, w3, plan, config=gemm1_config, save_a=True)
     else:
         h = gemm1_swiglu(x, w1, w3, plan, config=gemm1_config)
-    y = gemm2_rows(h, w2, plan, out_dtype=y_dtype, config=gemm2_config)
+    y = gemm2_rows(h, w2, plan, config=gemm2_config)
     del h
     out = combine(y, topk_weights.contiguous(), plan.slot_row, x.dtype)
     if not save:

@@ -24,7 +24,7 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from torchtitan_megamoe.ops.triton.plan import Plan
-from torchtitan_megamoe.ops.triton.tiling import cast_out, grouped_tile, persistent_programs
+from torchtitan_megamoe.ops.triton.tiling import cast_out, grouped_tile, launch_config
 from torchtitan_megamoe.ops.triton.tune import bucket as _bucket
 from torchtitan_megamoe.ops.triton.tune import interpreter_needs_f32_dot, pick_config
 
@@ -164,14 +164,7 @@ def gemm1_swiglu(
         bm, bn, bk = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
         assert plan.block_m % bm == 0 and H % bn == 0 and D % bk == 0, (cfg, H, D)
         num_m = R // bm
-        cfg = dict(cfg)
-        cfg.setdefault("USE_TMA", False)
-        cfg.setdefault("WARP_SPEC", False)
-        cfg.setdefault("PERSISTENT", False)
-        if cfg["PERSISTENT"]:
-            grid = (persistent_programs(x.device),)
-        else:
-            grid = (num_m * (H // bn),)
+        cfg, grid = launch_config(cfg, num_m * (H // bn), x.device)
         d1, d3, dh, da = w1, w3, h, a  # placeholders on the pointer path
         if cfg["USE_TMA"]:
             d1 = TensorDescriptor.from_tensor(w1.view(E * H, D), [bn, bk])

@@ -19,7 +19,7 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from torchtitan_megamoe.ops.triton.plan import Plan
-from torchtitan_megamoe.ops.triton.tiling import cast_out, grouped_tile, persistent_programs
+from torchtitan_megamoe.ops.triton.tiling import cast_out, grouped_tile, launch_config
 from torchtitan_megamoe.ops.triton.tune import bucket as _bucket
 from torchtitan_megamoe.ops.triton.tune import interpreter_needs_f32_dot, pick_config
 
@@ -137,15 +137,8 @@ def gemm2_rows(
         bm, bn, bk = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
         assert plan.block_m % bm == 0 and D % bn == 0 and H % bk == 0, (cfg, D, H)
         num_m = R // bm
-        cfg = dict(cfg)
-        cfg.setdefault("USE_TMA", False)
-        cfg.setdefault("WARP_SPEC", False)
-        cfg.setdefault("PERSISTENT", False)
-        cfg.setdefault("TMA_STORE", False)
-        if cfg["PERSISTENT"]:
-            grid = (persistent_programs(h.device),)
-        else:
-            grid = (num_m * (D // bn),)
+        cfg, grid = launch_config(cfg, num_m * (D // bn), h.device,
+                                  ("USE_TMA", "WARP_SPEC", "PERSISTENT", "TMA_STORE"))
         dh, dw, dy = h, w2, y  # placeholders on the pointer paths
         if cfg["USE_TMA"]:
             dh = TensorDescriptor.from_tensor(h, [bm, bk])

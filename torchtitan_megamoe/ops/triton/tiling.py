@@ -20,6 +20,17 @@ def grouped_tile(t, num_m, num_n, GROUP_M: tl.constexpr):
     return pid_m, pid_n
 
 
+def launch_config(cfg: dict, num_tiles: int, device: torch.device,
+                  flags=("USE_TMA", "WARP_SPEC", "PERSISTENT")) -> tuple[dict, tuple]:
+    """(cfg with its boolean ``flags`` defaulted to False, grid): one program per SM when
+    PERSISTENT, else one per tile."""
+    cfg = dict(cfg)
+    for f in flags:
+        cfg.setdefault(f, False)
+    grid = (persistent_programs(device),) if cfg["PERSISTENT"] else (num_tiles,)
+    return cfg, grid
+
+
 def persistent_programs(device: torch.device) -> int:
     """Programs of a persistent launch: one per SM (a few under the CPU interpreter)."""
     if interpreting() or device.type != "cuda":
