@@ -23,6 +23,7 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
+from torchtitan_megamoe.ops.cuda.gemm1_swiglu import gemm1_swiglu_sm90, shape_supported, sm90_usable
 from torchtitan_megamoe.ops.triton.plan import Plan
 from torchtitan_megamoe.ops.triton.tiling import cast_out, grouped_tile, launch_config
 from torchtitan_megamoe.ops.triton.tune import bucket as _bucket
@@ -139,6 +140,12 @@ GPU_CONFIGS = [
     # any dim/hidden that are multiples of 64 (the shapes above need multiples of their tiles)
     dict(BLOCK_M=128, BLOCK_N=64, BLOCK_K=64, GROUP_M=8, num_warps=4, num_stages=4),
 ]
+# The warp-specialized CUDA kernel (csrc/gemm1_swiglu_sm90.cu, TMA weights + cp.async row
+# gathers + wgmma): a candidate where it builds and the shape fits its tiles.
+SM90_CONFIGS = [
+    dict(IMPL="sm90", BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8),
+    dict(IMPL="sm90", BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=16),
+]
 
 
 def gemm1_swiglu(
@@ -163,6 +170,9 @@ def gemm1_swiglu(
     def launch(cfg):
         bm, bn, bk = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
         assert plan.block_m % bm == 0 and H % bn == 0 and D % bk == 0, (cfg, H, D)
+        if cfg.get("IMPL") == "sm90":
+            gemm1_swiglu_sm90(x, w1, w3, plan, h, a if save_a else None, group_m=cfg["GROUP_M"])
+            return
         num_m = R // bm
         cfg, grid = launch_config(cfg, num_m * (H // bn), x.device)
         d1, d3, dh, da = w1, w3, h, a  # placeholders on the pointer path
@@ -183,6 +193,8 @@ def gemm1_swiglu(
     cands = [config] if config is not None else [
         c for c in GPU_CONFIGS if H % c["BLOCK_N"] == 0 and D % c["BLOCK_K"] == 0
     ]
+    if config is None and shape_supported(H, D, plan.block_m) and sm90_usable(x):
+        cands += SM90_CONFIGS
     # The extra store is part of what is timed, so the saving variant is tuned on its own.
     key = (_bucket(R), H, D, E, plan.block_m) + (("save_a",) if save_a else ())
     launch(pick_config("gemm1_swiglu", key, cands, launch))

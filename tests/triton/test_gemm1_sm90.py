@@ -1,0 +1,114 @@
+"""csrc/gemm1_swiglu_sm90.cu on an H200 (marked gpu; skipped without an sm_90 GPU and nvcc):
+h and the saved [a1 | a3] against float64 math on uneven routings, with every output poisoned
+(NaN) first, at sizes that are and are not multiples of the kernel's tiles and of its pipeline
+depth, phased plans (tiles of the other phase untouched), and the real Qwen3-30B shape."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from moe_math import make_weights, routings
+from torchtitan_megamoe.ops.cuda.gemm1_swiglu import gemm1_swiglu_sm90, sm90_usable
+from torchtitan_megamoe.ops.triton import gemm1_swiglu as g1
+from torchtitan_megamoe.ops.triton.plan import build_phased_plan, build_plan
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(
+        not torch.cuda.is_available() or not sm90_usable(torch.empty(1, device="cuda")),
+        reason="needs an sm_90 GPU and nvcc",
+    ),
+]
+BM = 128
+
+
+def _ref_rows(x, ids_k, plan, w1, w3):
+    """float64 (a1, a3) of every used row (zeros for padding rows) and each row's expert."""
+    used = int(plan.num_rows_used)
+    slot = plan.row_slot[:used].long()
+    expert = plan.tile_expert.repeat_interleave(plan.block_m)[:used].long()
+    tok = torch.where(slot >= 0, slot // ids_k, 0)
+    xr = x[tok].double() * (slot >= 0)[:, None]
+    a1 = torch.empty(used, w1.shape[1], dtype=torch.float64, device=x.device)
+    a3 = torch.empty_like(a1)
+    for e in expert.unique().tolist():
+        m = expert == e
+        a1[m] = xr[m] @ w1[e].double().T
+        a3[m] = xr[m] @ w3[e].double().T
+    return a1, a3, slot
+
+
+def _check(h, a, a1, a3, slot, tol=1e-2):
+    used = a1.shape[0]
+    ref_h = F.silu(a1) * a3
+    err = lambda o, r: float((o.double() - r).norm() / r.norm().clamp_min(1e-30))  # noqa: E731
+    assert not torch.isnan(h[:used]).any(), "rows left unwritten"
+    assert err(h[:used], ref_h) <= tol
+    assert torch.all(h[:used][slot < 0] == 0), "padding rows must be exactly 0"
+    if a is not None:
+        assert err(a[:used, : a1.shape[1]], a1) <= tol and err(a[:used, a1.shape[1]:], a3) <= tol
+        assert torch.all(a[:used][slot < 0] == 0)
+
+
+def _nan(shape):
+    return torch.full(shape, float("nan"), dtype=torch.bfloat16, device="cuda")
+
+
+@pytest.mark.parametrize("T,K,E,D,H", [(700, 4, 8, 256, 256), (333, 2, 5, 640, 384)],
+                         ids=["k_blocks_4", "k_blocks_10"])
+def test_vs_float64_on_uneven_routings(T, K, E, D, H):
+    w1, _, w3 = make_weights(E, D, H, device="cuda")
+    x = torch.randn(T, D, device="cuda").bfloat16()
+    for name, ids in routings(T, K, E):
+        ids = ids.cuda()
+        plan = build_plan(ids, E, BM)
+        h, a = _nan((plan.max_rows, H)), _nan((plan.max_rows, 2 * H))
+        gemm1_swiglu_sm90(x[: ids.shape[0]], w1, w3, plan, h, a)
+        torch.cuda.synchronize()
+        a1, a3, slot = _ref_rows(x[: ids.shape[0]], K, plan, w1, w3)
+        _check(h, a, a1, a3, slot)
+        h2 = _nan((plan.max_rows, H))
+        gemm1_swiglu_sm90(x[: ids.shape[0]], w1, w3, plan, h2)  # no a: h bitwise the same
+        used = int(plan.num_rows_used)
+        assert torch.equal(h2[:used], h[:used]), name
+
+
+def test_phased_plan_writes_only_its_phase():
+    T, K, E, D, H = 600, 4, 6, 256, 256
+    w1, _, w3 = make_weights(E, D, H, device="cuda", seed=2)
+    x = torch.randn(T, D, device="cuda").bfloat16()
+    ids = torch.stack([torch.randperm(E)[:K] for _ in range(T)]).cuda()
+    phase = (torch.arange(T, device="cuda") % 3 == 0).int()
+    plan, phase_tiles = build_phased_plan(ids, E, BM, phase, 2)
+    h = _nan((plan.max_rows, H))
+    tile_of_row = lambda tiles: tiles.repeat_interleave(BM)[: plan.max_rows]  # noqa: E731
+    p0 = type(plan)(**{**plan.__dict__, "tile_expert": phase_tiles[0]})
+    gemm1_swiglu_sm90(x, w1, w3, p0, h)
+    torch.cuda.synchronize()
+    assert torch.isnan(h[tile_of_row(phase_tiles[0]) < 0]).all(), "wrote another phase's tiles"
+    p1 = type(plan)(**{**plan.__dict__, "tile_expert": phase_tiles[1]})
+    gemm1_swiglu_sm90(x, w1, w3, p1, h)
+    a1, a3, slot = _ref_rows(x, K, plan, w1, w3)
+    _check(h, None, a1, a3, slot)
+
+
+def test_real_30b_shape_matches_triton_and_float64():
+    T, K, E, D, H = 16384, 8, 128, 2048, 768
+    torch.manual_seed(0)
+    x = torch.randn(T, D, device="cuda").bfloat16()
+    w1 = (torch.randn(E, H, D, device="cuda") / D**0.5).bfloat16()
+    w3 = (torch.randn(E, H, D, device="cuda") / D**0.5).bfloat16()
+    probs = torch.softmax(torch.randn(E, device="cuda") * 1.5, 0)
+    ids = torch.multinomial(probs.expand(T, E), K, replacement=False)
+    ids[::17, -1] = -1
+    plan = build_plan(ids, E, BM)
+    h, a = _nan((plan.max_rows, H)), _nan((plan.max_rows, 2 * H))
+    gemm1_swiglu_sm90(x, w1, w3, plan, h, a)
+    a1, a3, slot = _ref_rows(x, K, plan, w1, w3)
+    _check(h, a, a1, a3, slot)
+    used = int(plan.num_rows_used)
+    tri = g1.gemm1_swiglu(x, w1, w3, plan, config=g1.GPU_CONFIGS[0])
+    assert float((h[:used].float() - tri[:used].float()).norm() / tri[:used].float().norm()) < 1e-2
+    h2 = _nan((plan.max_rows, H))
+    gemm1_swiglu_sm90(x, w1, w3, plan, h2)
+    assert torch.equal(h2[:used], h[:used]), "two runs must be bitwise identical"

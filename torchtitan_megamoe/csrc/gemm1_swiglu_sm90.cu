@@ -1,0 +1,293 @@
+// Grouped GEMM 1 with SwiGLU in the epilogue, warp-specialized for Hopper (sm_90a):
+//     h[r] = silu(x_tok(r) @ w1[e]^T) * (x_tok(r) @ w3[e]^T)
+// for the rows r of a plan (ops/triton/plan.py): row r reads token row_slot[r] / top_k of x
+// (a gather: no permuted copy of x exists), padding rows (slot -1) read zeros, every 128-row
+// tile belongs to one expert e = tile_expert[tile], tiles with e < 0 are skipped (another launch
+// of a phased plan computes them). Optional pre-activation store a = [a1 | a3] [R, 2H] (what the
+// forward saves for the backward).
+//
+// Tile: 128 rows x 128 hidden columns of h. The B operand is the w1 tile (128 rows) stacked on
+// the w3 tile (128 rows): one m64n256k16 wgmma per 16-wide K step gives a1 in accumulator
+// columns [0, 128) and a3 in [128, 256), so a thread holds a1 and a3 of the same (row, col).
+// K steps of 64 (one 128-byte swizzle atom); STAGES-deep ring of [A 16 KiB | B 32 KiB].
+//
+// Roles (384 threads, one CTA per SM, persistent over the tiles of the used rows, which are
+// read on device, so no host sync):
+//   warpgroup 0 (producer, 40 registers): per stage, waits `empty[s]`, then
+//       - thread 0: arrive.expect_tx(full[s], 32 KiB) and two TMA loads (w1, w3 tiles);
+//       - all 128 threads: 8 cp.async of 16 bytes each (the gathered x rows, written in the
+//         128-byte swizzle pattern the wgmma descriptor expects), then
+//         cp.async.mbarrier.arrive.noinc(full[s]).
+//     full[s] completes after 129 arrivals and 32 KiB of TMA bytes.
+//   warpgroups 1, 2 (consumers, 232 registers): rows [0, 64) and [64, 128) of the tile. Per
+//     stage: wait full[s], 4 wgmma, wait for them, arrive empty[s] (256 arrivals complete it).
+//     After the K loop: SwiGLU in fp32 and bf16 stores of h (and a) straight from registers;
+//     meanwhile the producer already fills the ring with the next tile's stages.
+// Waits on: nothing outside the launch. Signals: nothing; h (and a) are complete with the launch.
+
+#include <cuda.h>
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+#include <stdint.h>
+
+#include "sm90_primitives.cuh"
+
+namespace megamoe {
+namespace gemm1 {
+
+constexpr int BM = 128;
+constexpr int BN = 128;
+constexpr int BK = 64;
+constexpr int STAGES = 4;
+constexpr int A_BYTES = BM * BK * 2;
+constexpr int B_BYTES = 2 * BN * BK * 2;
+constexpr int STAGE_BYTES = A_BYTES + B_BYTES;
+constexpr int THREADS = 384;
+constexpr int SMEM_BYTES = STAGES * STAGE_BYTES + 2 * STAGES * 8 + 1024;  // + barriers, align
+
+struct Params {
+  const __nv_bfloat16* x;
+  __nv_bfloat16* h;
+  __nv_bfloat16* a;  // nullptr: no pre-activation store
+  const int* row_slot;
+  const int* tile_expert;
+  const int* num_rows_used;
+  int H;
+  int D;
+  int top_k;
+  int plan_bm;
+  int group_m;
+  long long stride_x;
+  long long stride_h;
+  long long stride_a;
+};
+
+__device__ __forceinline__ void grouped_tile(int t, int num_m, int num_n, int group_m, int& pid_m,
+                                             int& pid_n) {
+  // GROUP_M consecutive M tiles sweep one N tile together (weight tiles reused from L2)
+  const int per_group = group_m * num_n;
+  const int first_m = (t / per_group) * group_m;
+  const int size = min(num_m - first_m, group_m);
+  pid_m = first_m + (t % per_group) % size;
+  pid_n = (t % per_group) / size;
+}
+
+__device__ __forceinline__ float silu_mul(float a1, float a3) {
+  return a1 / (1.0f + __expf(-a1)) * a3;
+}
+
+__global__ void __launch_bounds__(THREADS, 1)
+    gemm1_swiglu_kernel(const __grid_constant__ CUtensorMap w1_map,
+                        const __grid_constant__ CUtensorMap w3_map, const Params p) {
+  extern __shared__ __align__(1024) uint8_t smem_raw[];
+  // the 128-byte swizzle needs 1024-byte aligned tiles
+  uint8_t* smem = reinterpret_cast<uint8_t*>(
+      (reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~static_cast<uintptr_t>(1023));
+  const uint32_t smem_base = smem_u32(smem);
+  const uint32_t full_bar = smem_base + STAGES * STAGE_BYTES;
+  const uint32_t empty_bar = full_bar + STAGES * 8;
+
+  const int tid = threadIdx.x;
+  const int wg = tid / 128;
+  if (tid == 0) {
+    for (int s = 0; s < STAGES; ++s) {
+      mbar_init(full_bar + 8 * s, 128 + 1);
+      mbar_init(empty_bar + 8 * s, 256);
+    }
+    mbar_init_fence();
+    tma_prefetch_desc(&w1_map);
+    tma_prefetch_desc(&w3_map);
+  }
+  __syncthreads();
+
+  const int num_m = *p.num_rows_used / BM;
+  const int num_n = p.H / BN;
+  const int num_tiles = num_m * num_n;
+  const int k_blocks = p.D / BK;
+
+  if (wg == 0) {
+    // ---------------- producer ----------------
+    setmaxnreg_dec<40>();
+    const int c = tid & 7;    // 16-byte chunk of a 128-byte row slice
+    const int rg = tid >> 3;  // rows rg, rg + 16, ..., rg + 112
+    int stage = 0;
+    uint32_t phase = 0;
+    for (int t = blockIdx.x; t < num_tiles; t += gridDim.x) {
+      int pid_m, pid_n;
+      grouped_tile(t, num_m, num_n, p.group_m, pid_m, pid_n);
+      const int expert = p.tile_expert[(pid_m * BM) / p.plan_bm];
+      if (expert < 0) continue;
+      const int w_row = expert * p.H + pid_n * BN;
+      int tok[8];
+#pragma unroll
+      for (int i = 0; i < 8; ++i) {
+        const int slot = p.row_slot[pid_m * BM + i * 16 + rg];
+        tok[i] = slot >= 0 ? slot / p.top_k : -1;
+      }
+      for (int kb = 0; kb < k_blocks; ++kb) {
+        mbar_wait(empty_bar + 8 * stage, phase ^ 1);
+        const uint32_t a_smem = smem_base + stage * STAGE_BYTES;
+        const uint32_t b_smem = a_smem + A_BYTES;
+        const uint32_t full = full_bar + 8 * stage;
+        if (tid == 0) {
+          mbar_arrive_expect_tx(full, B_BYTES);
+          tma_load_2d(b_smem, &w1_map, kb * BK, w_row, full);
+          tma_load_2d(b_smem + B_BYTES / 2, &w3_map, kb * BK, w_row, full);
+        }
+#pragma unroll
+        for (int i = 0; i < 8; ++i) {
+          const int r = i * 16 + rg;
+          const uint32_t dst = a_smem + r * 128 + ((c ^ (r & 7)) << 4);
+          const bool valid = tok[i] >= 0;
+          const __nv_bfloat16* src =
+              p.x + (valid ? static_cast<long long>(tok[i]) * p.stride_x : 0) + kb * BK + c * 8;
+          cp_async_16(dst, src, valid ? 16 : 0);
+        }
+        cp_async_arrive_noinc(full);
+        if (++stage == STAGES) {
+          stage = 0;
+          phase ^= 1;
+        }
+      }
+    }
+  } else {
+    // ---------------- consumers ----------------
+    setmaxnreg_inc<232>();
+    const int cw = wg - 1;  // rows [64 cw, 64 cw + 64) of the tile
+    const int warp = (tid % 128) / 32;
+    const int lane = tid % 32;
+    float acc[128];
+    int stage = 0;
+    uint32_t phase = 0;
+    for (int t = blockIdx.x; t < num_tiles; t += gridDim.x) {
+      int pid_m, pid_n;
+      grouped_tile(t, num_m, num_n, p.group_m, pid_m, pid_n);
+      const int expert = p.tile_expert[(pid_m * BM) / p.plan_bm];
+      if (expert < 0) continue;
+      for (int kb = 0; kb < k_blocks; ++kb) {
+        mbar_wait(full_bar + 8 * stage, phase);
+        fence_proxy_async();  // the cp.async rows are generic-proxy writes; wgmma reads async
+        const uint32_t a_smem = smem_base + stage * STAGE_BYTES + cw * 64 * 128;
+        const uint32_t b_smem = smem_base + stage * STAGE_BYTES + A_BYTES;
+        wgmma_fence();
+#pragma unroll
+        for (int k = 0; k < BK / 16; ++k) {
+          wgmma_m64n256k16(acc, smem_desc_sw128(a_smem + k * 32),
+                           smem_desc_sw128(b_smem + k * 32), (kb > 0 || k > 0) ? 1 : 0);
+        }
+        wgmma_commit();
+        wgmma_wait<0>();
+#pragma unroll
+        for (int i = 0; i < 128; ++i) fence_reg(acc[i]);
+        mbar_arrive(empty_bar + 8 * stage);
+        if (++stage == STAGES) {
+          stage = 0;
+          phase ^= 1;
+        }
+      }
+      // Epilogue. Accumulator register 4j + q of thread (warp, lane) holds row
+      // 16 warp + lane/4 + 8 (q/2) and column 8j + 2 (lane%4) + q%2 of the 64x256 block; j < 16
+      // is a1, j >= 16 the a3 of column 8 (j - 16) + ...
+      const long long row0 = static_cast<long long>(pid_m) * BM + cw * 64 + warp * 16 + lane / 4;
+      const int col0 = pid_n * BN + 2 * (lane % 4);
+#pragma unroll
+      for (int j = 0; j < 16; ++j) {
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+          const float a1x = acc[4 * j + 2 * half], a1y = acc[4 * j + 2 * half + 1];
+          const float a3x = acc[64 + 4 * j + 2 * half], a3y = acc[64 + 4 * j + 2 * half + 1];
+          const long long row = row0 + 8 * half;
+          const int col = col0 + 8 * j;
+          *reinterpret_cast<__nv_bfloat162*>(p.h + row * p.stride_h + col) =
+              __floats2bfloat162_rn(silu_mul(a1x, a3x), silu_mul(a1y, a3y));
+          if (p.a != nullptr) {
+            __nv_bfloat16* arow = p.a + row * p.stride_a + col;
+            *reinterpret_cast<__nv_bfloat162*>(arow) = __floats2bfloat162_rn(a1x, a1y);
+            *reinterpret_cast<__nv_bfloat162*>(arow + p.H) = __floats2bfloat162_rn(a3x, a3y);
+          }
+        }
+      }
+    }
+  }
+}
+
+typedef CUresult (*EncodeTiled)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*,
+                                const cuuint64_t*, const cuuint64_t*, const cuuint32_t*,
+                                const cuuint32_t*, CUtensorMapInterleave, CUtensorMapSwizzle,
+                                CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
+
+// Tensor map of a [rows, cols] row-major bf16 matrix, boxes of box_rows x 64 columns, 128-byte
+// swizzle (the layout smem_desc_sw128 describes).
+static int make_map(CUtensorMap* map, const void* ptr, long long rows, long long cols,
+                    int box_rows) {
+  static EncodeTiled encode = nullptr;
+  if (encode == nullptr) {
+    cudaDriverEntryPointQueryResult q;
+    void* fn = nullptr;
+    cudaError_t err =
+        cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000, cudaEnableDefault, &q);
+    if (err != cudaSuccess || q != cudaDriverEntryPointSuccess || fn == nullptr) return -1;
+    encode = reinterpret_cast<EncodeTiled>(fn);
+  }
+  cuuint64_t dims[2] = {static_cast<cuuint64_t>(cols), static_cast<cuuint64_t>(rows)};
+  cuuint64_t strides[1] = {static_cast<cuuint64_t>(cols) * 2};
+  cuuint32_t box[2] = {BK, static_cast<cuuint32_t>(box_rows)};
+  cuuint32_t estr[2] = {1, 1};
+  CUresult r = encode(map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, const_cast<void*>(ptr), dims,
+                      strides, box, estr, CU_TENSOR_MAP_INTERLEAVE_NONE,
+                      CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                      CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  return r == CUDA_SUCCESS ? 0 : -2;
+}
+
+}  // namespace gemm1
+}  // namespace megamoe
+
+// C entry point (ctypes). Returns 0, or a negative code / CUDA error number; see
+// megamoe_last_error for the message. Shapes are checked by the Python wrapper
+// (ops/cuda/gemm1_swiglu.py): H % 128 == 0, D % 64 == 0, plan_bm % 128 == 0, 16-byte aligned
+// rows and pointers.
+extern "C" int megamoe_gemm1_swiglu(const void* x, const void* w1, const void* w3, void* h,
+                                    void* a, const int* row_slot, const int* tile_expert,
+                                    const int* num_rows_used, int E, int H, int D, int top_k,
+                                    int plan_bm, int group_m, long long stride_x,
+                                    long long stride_h, long long stride_a, int num_ctas,
+                                    void* stream) {
+  using namespace megamoe::gemm1;
+  static bool attr_set = false;
+  if (!attr_set) {
+    cudaError_t err = cudaFuncSetAttribute(gemm1_swiglu_kernel,
+                                           cudaFuncAttributeMaxDynamicSharedMemorySize, SMEM_BYTES);
+    if (err != cudaSuccess) return static_cast<int>(err);
+    attr_set = true;
+  }
+  CUtensorMap w1_map, w3_map;
+  int rc = make_map(&w1_map, w1, static_cast<long long>(E) * H, D, BN);
+  if (rc != 0) return rc;
+  rc = make_map(&w3_map, w3, static_cast<long long>(E) * H, D, BN);
+  if (rc != 0) return rc;
+  Params p;
+  p.x = static_cast<const __nv_bfloat16*>(x);
+  p.h = static_cast<__nv_bfloat16*>(h);
+  p.a = static_cast<__nv_bfloat16*>(a);
+  p.row_slot = row_slot;
+  p.tile_expert = tile_expert;
+  p.num_rows_used = num_rows_used;
+  p.H = H;
+  p.D = D;
+  p.top_k = top_k;
+  p.plan_bm = plan_bm;
+  p.group_m = group_m;
+  p.stride_x = stride_x;
+  p.stride_h = stride_h;
+  p.stride_a = stride_a;
+  gemm1_swiglu_kernel<<<num_ctas, THREADS, SMEM_BYTES, static_cast<cudaStream_t>(stream)>>>(
+      w1_map, w3_map, p);
+  return static_cast<int>(cudaGetLastError());
+}
+
+extern "C" const char* megamoe_error_string(int code) {
+  if (code == -1) return "cuTensorMapEncodeTiled not found through the CUDA runtime";
+  if (code == -2) return "cuTensorMapEncodeTiled rejected the weight tensor map";
+  return cudaGetErrorString(static_cast<cudaError_t>(code));
+}

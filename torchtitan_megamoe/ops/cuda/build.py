@@ -1,0 +1,82 @@
+"""JIT build of the CUDA sources in torchtitan_megamoe/csrc/ into cached shared libraries.
+
+A source is compiled once per (source text, headers, nvcc version, target) into
+``$MEGAMOE_CUDA_CACHE`` (default ``~/.cache/torchtitan_megamoe/cuda``) and loaded with ctypes.
+Ranks of one torchrun share the cache: a file lock makes one of them compile while the others
+wait, and the library is renamed into place only when complete. No torch headers are involved,
+so a build takes seconds.
+"""
+
+import ctypes
+import fcntl
+import functools
+import hashlib
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+CSRC = Path(__file__).resolve().parents[2] / "csrc"
+TARGET = "-gencode=arch=compute_90a,code=sm_90a"
+"""wgmma and setmaxnreg need the sm_90a target; nvcc 13.0's -arch=sm_90a shorthand also runs a
+plain sm_90 pass that rejects them, the -gencode form does not."""
+
+
+def nvcc_path() -> str | None:
+    home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH")
+    if home and (Path(home) / "bin" / "nvcc").exists():
+        return str(Path(home) / "bin" / "nvcc")
+    return shutil.which("nvcc")
+
+
+def nvcc_command(source: Path, output: Path, nvcc: str) -> list[str]:
+    return [
+        nvcc, "-O3", "-std=c++17", TARGET, "-shared", "-Xcompiler", "-fPIC",
+        "-Xptxas", "-v", "-o", str(output), str(source),
+    ]
+
+
+def _cache_key(source: Path, nvcc: str) -> str:
+    h = hashlib.sha256()
+    for f in sorted(CSRC.glob("*.cuh")) + [source]:
+        h.update(f.name.encode())
+        h.update(f.read_bytes())
+    version = subprocess.run([nvcc, "--version"], capture_output=True, text=True).stdout
+    h.update(version.encode())
+    h.update(TARGET.encode())
+    return h.hexdigest()[:16]
+
+
+def build(name: str) -> Path:
+    """Path of the shared library built from csrc/<name>.cu (compiled now if not cached)."""
+    nvcc = nvcc_path()
+    if nvcc is None:
+        raise RuntimeError(
+            f"building {name}.cu needs nvcc (CUDA toolkit); put it on PATH or set CUDA_HOME, "
+            "or use the Triton kernels (MEGAMOE_CUDA=0)"
+        )
+    source = CSRC / f"{name}.cu"
+    cache = Path(os.environ.get("MEGAMOE_CUDA_CACHE",
+                                Path.home() / ".cache" / "torchtitan_megamoe" / "cuda"))
+    out_dir = cache / f"{name}-{_cache_key(source, nvcc)}"
+    lib = out_dir / f"lib{name}.so"
+    if lib.exists():
+        return lib
+    out_dir.mkdir(parents=True, exist_ok=True)
+    with open(out_dir / ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if lib.exists():  # another rank built it while this one waited
+            return lib
+        tmp = out_dir / f"lib{name}.so.{os.getpid()}"
+        proc = subprocess.run(nvcc_command(source, tmp, nvcc), capture_output=True, text=True)
+        (out_dir / "build.log").write_text(proc.stdout + proc.stderr)
+        if proc.returncode != 0:
+            raise RuntimeError(f"nvcc failed on {source}:\n{proc.stderr[-4000:]}")
+        os.replace(tmp, lib)
+    return lib
+
+
+@functools.cache
+def load(name: str) -> ctypes.CDLL:
+    """The ctypes handle of csrc/<name>.cu's library (built on first use)."""
+    return ctypes.CDLL(str(build(name)))

@@ -1,0 +1,80 @@
+"""Python side of csrc/gemm1_swiglu_sm90.cu: the warp-specialized Hopper GEMM 1 + SwiGLU.
+
+Same contract as ops/triton/gemm1_swiglu.py (one plan, h [R_max, H] and optionally the saved
+pre-activations a [R_max, 2H], tiles of tile_expert -1 skipped), so the two are candidates of
+one tuner entry. The kernel's shapes: 128-row x 128-column tiles, K steps of 64; see the .cu
+file for its roles and barriers.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+from typing import TYPE_CHECKING
+
+import torch
+
+from torchtitan_megamoe.ops.cuda.build import load, nvcc_path
+
+if TYPE_CHECKING:  # ops/triton imports this module: no runtime import back
+    from torchtitan_megamoe.ops.triton.plan import Plan
+
+BM, BN, BK = 128, 128, 64
+
+
+def sm90_usable(x: torch.Tensor) -> bool:
+    """True where the CUDA kernels can run: an sm_90 GPU, nvcc to build them, MEGAMOE_CUDA not 0."""
+    if os.environ.get("MEGAMOE_CUDA", "1") == "0" or os.environ.get("TRITON_INTERPRET") == "1":
+        return False
+    if x.device.type != "cuda" or torch.cuda.get_device_capability(x.device) != (9, 0):
+        return False
+    return nvcc_path() is not None
+
+
+def shape_supported(H: int, D: int, block_m: int) -> bool:
+    return H % BN == 0 and D % BK == 0 and block_m % BM == 0
+
+
+def _lib():
+    lib = load("gemm1_swiglu_sm90")
+    if not getattr(lib, "_megamoe_typed", False):
+        p, i, ll = ctypes.c_void_p, ctypes.c_int, ctypes.c_longlong
+        lib.megamoe_gemm1_swiglu.argtypes = [p, p, p, p, p, p, p, p, i, i, i, i, i, i, ll, ll, ll,
+                                             i, p]
+        lib.megamoe_gemm1_swiglu.restype = i
+        lib.megamoe_error_string.argtypes = [i]
+        lib.megamoe_error_string.restype = ctypes.c_char_p
+        lib._megamoe_typed = True
+    return lib
+
+
+def gemm1_swiglu_sm90(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, plan: Plan,
+                      h: torch.Tensor, a: torch.Tensor | None = None, group_m: int = 8) -> None:
+    """Writes h (and a, when given) for the rows of ``plan``; see the module docstring."""
+    E, H, D = w1.shape
+    if not shape_supported(H, D, plan.block_m):
+        raise ValueError(
+            f"gemm1_swiglu_sm90 needs hidden % {BN} == 0, dim % {BK} == 0 and a plan block_m "
+            f"multiple of {BM}; got hidden={H}, dim={D}, block_m={plan.block_m}"
+        )
+    for name, t in (("x", x), ("w1", w1), ("w3", w3), ("h", h)) + ((("a", a),) if a is not None else ()):
+        if t.dtype != torch.bfloat16:
+            raise TypeError(f"gemm1_swiglu_sm90: {name} must be bfloat16, got {t.dtype}")
+        if t.stride(-1) != 1 or t.data_ptr() % 16 != 0 or (t.dim() > 1 and t.stride(-2) % 8 != 0):
+            raise ValueError(f"gemm1_swiglu_sm90: {name} needs unit-stride, 16-byte aligned rows")
+    if not (w1.is_contiguous() and w3.is_contiguous()):
+        raise ValueError("gemm1_swiglu_sm90: w1 and w3 must be contiguous [E, H, D]")
+    assert x.shape[1] == D and h.shape == (plan.max_rows, H)
+    assert a is None or a.shape == (plan.max_rows, 2 * H)
+    lib = _lib()
+    num_ctas = torch.cuda.get_device_properties(x.device).multi_processor_count
+    stream = torch.cuda.current_stream(x.device).cuda_stream
+    rc = lib.megamoe_gemm1_swiglu(
+        x.data_ptr(), w1.data_ptr(), w3.data_ptr(), h.data_ptr(),
+        a.data_ptr() if a is not None else None,
+        plan.row_slot.data_ptr(), plan.tile_expert.data_ptr(), plan.num_rows_used.data_ptr(),
+        E, H, D, plan.top_k, plan.block_m, group_m, x.stride(0), h.stride(0),
+        a.stride(0) if a is not None else 0, num_ctas, stream,
+    )
+    if rc != 0:
+        raise RuntimeError(f"gemm1_swiglu_sm90 launch failed: {lib.megamoe_error_string(rc).decode()}")
