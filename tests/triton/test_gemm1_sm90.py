@@ -54,26 +54,31 @@ def _nan(shape):
     return torch.full(shape, float("nan"), dtype=torch.bfloat16, device="cuda")
 
 
+CLUSTERS = pytest.mark.parametrize("cluster", [1, 2], ids=["cta", "cluster2"])
+
+
+@CLUSTERS
 @pytest.mark.parametrize("T,K,E,D,H", [(700, 4, 8, 256, 256), (333, 2, 5, 640, 384)],
                          ids=["k_blocks_4", "k_blocks_10"])
-def test_vs_float64_on_uneven_routings(T, K, E, D, H):
+def test_vs_float64_on_uneven_routings(T, K, E, D, H, cluster):
     w1, _, w3 = make_weights(E, D, H, device="cuda")
     x = torch.randn(T, D, device="cuda").bfloat16()
     for name, ids in routings(T, K, E):
         ids = ids.cuda()
         plan = build_plan(ids, E, BM)
         h, a = _nan((plan.max_rows, H)), _nan((plan.max_rows, 2 * H))
-        gemm1_swiglu_sm90(x[: ids.shape[0]], w1, w3, plan, h, a)
+        gemm1_swiglu_sm90(x[: ids.shape[0]], w1, w3, plan, h, a, cluster=cluster)
         torch.cuda.synchronize()
         a1, a3, slot = _ref_rows(x[: ids.shape[0]], K, plan, w1, w3)
         _check(h, a, a1, a3, slot)
         h2 = _nan((plan.max_rows, H))
-        gemm1_swiglu_sm90(x[: ids.shape[0]], w1, w3, plan, h2)  # no a: h bitwise the same
+        gemm1_swiglu_sm90(x[: ids.shape[0]], w1, w3, plan, h2, cluster=cluster)  # no a: same h
         used = int(plan.num_rows_used)
         assert torch.equal(h2[:used], h[:used]), name
 
 
-def test_phased_plan_writes_only_its_phase():
+@CLUSTERS
+def test_phased_plan_writes_only_its_phase(cluster):
     T, K, E, D, H = 600, 4, 6, 256, 256
     w1, _, w3 = make_weights(E, D, H, device="cuda", seed=2)
     x = torch.randn(T, D, device="cuda").bfloat16()
@@ -83,16 +88,17 @@ def test_phased_plan_writes_only_its_phase():
     h = _nan((plan.max_rows, H))
     tile_of_row = lambda tiles: tiles.repeat_interleave(BM)[: plan.max_rows]  # noqa: E731
     p0 = type(plan)(**{**plan.__dict__, "tile_expert": phase_tiles[0]})
-    gemm1_swiglu_sm90(x, w1, w3, p0, h)
+    gemm1_swiglu_sm90(x, w1, w3, p0, h, cluster=cluster)
     torch.cuda.synchronize()
     assert torch.isnan(h[tile_of_row(phase_tiles[0]) < 0]).all(), "wrote another phase's tiles"
     p1 = type(plan)(**{**plan.__dict__, "tile_expert": phase_tiles[1]})
-    gemm1_swiglu_sm90(x, w1, w3, p1, h)
+    gemm1_swiglu_sm90(x, w1, w3, p1, h, cluster=cluster)
     a1, a3, slot = _ref_rows(x, K, plan, w1, w3)
     _check(h, None, a1, a3, slot)
 
 
-def test_real_30b_shape_matches_triton_and_float64():
+@CLUSTERS
+def test_real_30b_shape_matches_triton_and_float64(cluster):
     T, K, E, D, H = 16384, 8, 128, 2048, 768
     torch.manual_seed(0)
     x = torch.randn(T, D, device="cuda").bfloat16()
@@ -103,12 +109,12 @@ def test_real_30b_shape_matches_triton_and_float64():
     ids[::17, -1] = -1
     plan = build_plan(ids, E, BM)
     h, a = _nan((plan.max_rows, H)), _nan((plan.max_rows, 2 * H))
-    gemm1_swiglu_sm90(x, w1, w3, plan, h, a)
+    gemm1_swiglu_sm90(x, w1, w3, plan, h, a, cluster=cluster)
     a1, a3, slot = _ref_rows(x, K, plan, w1, w3)
     _check(h, a, a1, a3, slot)
     used = int(plan.num_rows_used)
     tri = g1.gemm1_swiglu(x, w1, w3, plan, config=g1.GPU_CONFIGS[0])
     assert float((h[:used].float() - tri[:used].float()).norm() / tri[:used].float().norm()) < 1e-2
     h2 = _nan((plan.max_rows, H))
-    gemm1_swiglu_sm90(x, w1, w3, plan, h2)
+    gemm1_swiglu_sm90(x, w1, w3, plan, h2, cluster=cluster)
     assert torch.equal(h2[:used], h[:used]), "two runs must be bitwise identical"

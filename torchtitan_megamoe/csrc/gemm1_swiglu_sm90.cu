@@ -76,6 +76,7 @@ __device__ __forceinline__ float silu_mul(float a1, float a3) {
   return a1 / (1.0f + __expf(-a1)) * a3;
 }
 
+template <int CLUSTER>
 __global__ void __launch_bounds__(THREADS, 1)
     gemm1_swiglu_kernel(const __grid_constant__ CUtensorMap w1_map,
                         const __grid_constant__ CUtensorMap w3_map, const Params p) {
@@ -89,21 +90,41 @@ __global__ void __launch_bounds__(THREADS, 1)
 
   const int tid = threadIdx.x;
   const int wg = tid / 128;
+  const uint32_t rank = CLUSTER > 1 ? cluster_ctarank() : 0;
   if (tid == 0) {
     for (int s = 0; s < STAGES; ++s) {
       mbar_init(full_bar + 8 * s, 128 + 1);
-      mbar_init(empty_bar + 8 * s, 256);
+      mbar_init(empty_bar + 8 * s, 2 * CLUSTER);  // one per consumer warpgroup of each CTA
     }
     mbar_init_fence();
     tma_prefetch_desc(&w1_map);
     tma_prefetch_desc(&w3_map);
   }
-  __syncthreads();
+  if constexpr (CLUSTER > 1) {
+    cluster_sync();  // the peer's barriers are initialised before any remote arrival
+  } else {
+    __syncthreads();
+  }
 
+  // A unit is CLUSTER consecutive M tiles x one N tile; CTA `rank` of a cluster computes M tile
+  // CLUSTER * um + rank. Both CTAs of a cluster walk the same units in lockstep (every stage of
+  // a unit passes through both CTAs' barriers) so that they can share the weight tiles.
   const int num_m = *p.num_rows_used / BM;
   const int num_n = p.H / BN;
-  const int num_tiles = num_m * num_n;
+  const int num_um = (num_m + CLUSTER - 1) / CLUSTER;
+  const int num_units = num_um * num_n;
   const int k_blocks = p.D / BK;
+  const int first_unit = blockIdx.x / CLUSTER;
+  const int unit_stride = gridDim.x / CLUSTER;
+
+  // Expert of each CTA's M tile in unit (um); -1 past the used rows or for another phase.
+  auto experts = [&](int um, int (&e)[CLUSTER]) {
+#pragma unroll
+    for (int r = 0; r < CLUSTER; ++r) {
+      const int m = um * CLUSTER + r;
+      e[r] = m < num_m ? p.tile_expert[(m * BM) / p.plan_bm] : -1;
+    }
+  };
 
   if (wg == 0) {
     // ---------------- producer ----------------
@@ -112,16 +133,25 @@ __global__ void __launch_bounds__(THREADS, 1)
     const int rg = tid >> 3;  // rows rg, rg + 16, ..., rg + 112
     int stage = 0;
     uint32_t phase = 0;
-    for (int t = blockIdx.x; t < num_tiles; t += gridDim.x) {
-      int pid_m, pid_n;
-      grouped_tile(t, num_m, num_n, p.group_m, pid_m, pid_n);
-      const int expert = p.tile_expert[(pid_m * BM) / p.plan_bm];
-      if (expert < 0) continue;
+    for (int u = first_unit; u < num_units; u += unit_stride) {
+      int um, pid_n;
+      grouped_tile(u, num_um, num_n, p.group_m, um, pid_n);
+      int e[CLUSTER];
+      experts(um, e);
+      bool any = false, shared = CLUSTER > 1;
+#pragma unroll
+      for (int r = 0; r < CLUSTER; ++r) {
+        any |= e[r] >= 0;
+        shared &= e[r] == e[0];
+      }
+      if (!any) continue;
+      const int expert = e[rank];
+      const int pid_m = um * CLUSTER + rank;
       const int w_row = expert * p.H + pid_n * BN;
       int tok[8];
 #pragma unroll
       for (int i = 0; i < 8; ++i) {
-        const int slot = p.row_slot[pid_m * BM + i * 16 + rg];
+        const int slot = expert >= 0 ? p.row_slot[pid_m * BM + i * 16 + rg] : -1;
         tok[i] = slot >= 0 ? slot / p.top_k : -1;
       }
       for (int kb = 0; kb < k_blocks; ++kb) {
@@ -129,21 +159,33 @@ __global__ void __launch_bounds__(THREADS, 1)
         const uint32_t a_smem = smem_base + stage * STAGE_BYTES;
         const uint32_t b_smem = a_smem + A_BYTES;
         const uint32_t full = full_bar + 8 * stage;
-        if (tid == 0) {
-          mbar_arrive_expect_tx(full, B_BYTES);
-          tma_load_2d(b_smem, &w1_map, kb * BK, w_row, full);
-          tma_load_2d(b_smem + B_BYTES / 2, &w3_map, kb * BK, w_row, full);
-        }
+        if (expert < 0) {
+          // idle in this unit (the peer is not): complete the stage without data
+          mbar_arrive(full);
+          if (tid == 0) mbar_arrive(full);
+        } else {
+          if (tid == 0) {
+            mbar_arrive_expect_tx(full, B_BYTES);
+            if (CLUSTER > 1 && shared) {
+              // each CTA loads one of the two weight tiles for both (same expert, same N tile)
+              tma_load_2d_multicast(b_smem + rank * (B_BYTES / 2), rank == 0 ? &w1_map : &w3_map,
+                                    kb * BK, w_row, full, (1u << CLUSTER) - 1);
+            } else {
+              tma_load_2d(b_smem, &w1_map, kb * BK, w_row, full);
+              tma_load_2d(b_smem + B_BYTES / 2, &w3_map, kb * BK, w_row, full);
+            }
+          }
 #pragma unroll
-        for (int i = 0; i < 8; ++i) {
-          const int r = i * 16 + rg;
-          const uint32_t dst = a_smem + r * 128 + ((c ^ (r & 7)) << 4);
-          const bool valid = tok[i] >= 0;
-          const __nv_bfloat16* src =
-              p.x + (valid ? static_cast<long long>(tok[i]) * p.stride_x : 0) + kb * BK + c * 8;
-          cp_async_16(dst, src, valid ? 16 : 0);
+          for (int i = 0; i < 8; ++i) {
+            const int r = i * 16 + rg;
+            const uint32_t dst = a_smem + r * 128 + ((c ^ (r & 7)) << 4);
+            const bool valid = tok[i] >= 0;
+            const __nv_bfloat16* src =
+                p.x + (valid ? static_cast<long long>(tok[i]) * p.stride_x : 0) + kb * BK + c * 8;
+            cp_async_16(dst, src, valid ? 16 : 0);
+          }
+          cp_async_arrive_noinc(full);
         }
-        cp_async_arrive_noinc(full);
         if (++stage == STAGES) {
           stage = 0;
           phase ^= 1;
@@ -159,32 +201,53 @@ __global__ void __launch_bounds__(THREADS, 1)
     float acc[128];
     int stage = 0;
     uint32_t phase = 0;
-    for (int t = blockIdx.x; t < num_tiles; t += gridDim.x) {
-      int pid_m, pid_n;
-      grouped_tile(t, num_m, num_n, p.group_m, pid_m, pid_n);
-      const int expert = p.tile_expert[(pid_m * BM) / p.plan_bm];
-      if (expert < 0) continue;
+    for (int u = first_unit; u < num_units; u += unit_stride) {
+      int um, pid_n;
+      grouped_tile(u, num_um, num_n, p.group_m, um, pid_n);
+      int e[CLUSTER];
+      experts(um, e);
+      bool any = false;
+#pragma unroll
+      for (int r = 0; r < CLUSTER; ++r) any |= e[r] >= 0;
+      if (!any) continue;
+      const bool active = e[rank] >= 0;
+      const int pid_m = um * CLUSTER + rank;
       for (int kb = 0; kb < k_blocks; ++kb) {
         mbar_wait(full_bar + 8 * stage, phase);
-        fence_proxy_async();  // the cp.async rows are generic-proxy writes; wgmma reads async
-        const uint32_t a_smem = smem_base + stage * STAGE_BYTES + cw * 64 * 128;
-        const uint32_t b_smem = smem_base + stage * STAGE_BYTES + A_BYTES;
-        wgmma_fence();
+        if (active) {
+          fence_proxy_async();  // the cp.async rows are generic-proxy writes; wgmma reads async
+          const uint32_t a_smem = smem_base + stage * STAGE_BYTES + cw * 64 * 128;
+          const uint32_t b_smem = smem_base + stage * STAGE_BYTES + A_BYTES;
+          wgmma_fence();
 #pragma unroll
-        for (int k = 0; k < BK / 16; ++k) {
-          wgmma_m64n256k16(acc, smem_desc_sw128(a_smem + k * 32),
-                           smem_desc_sw128(b_smem + k * 32), (kb > 0 || k > 0) ? 1 : 0);
+          for (int k = 0; k < BK / 16; ++k) {
+            wgmma_m64n256k16(acc, smem_desc_sw128(a_smem + k * 32),
+                             smem_desc_sw128(b_smem + k * 32), (kb > 0 || k > 0) ? 1 : 0);
+          }
+          wgmma_commit();
+          wgmma_wait<0>();
+#pragma unroll
+          for (int i = 0; i < 128; ++i) fence_reg(acc[i]);
         }
-        wgmma_commit();
-        wgmma_wait<0>();
+        // the whole warpgroup is past this stage before its one arrival frees the slot (in
+        // every CTA of the cluster: the peer's producer may multicast into it)
+        named_barrier(1 + cw, 128);
+        if (tid % 128 == 0) {
 #pragma unroll
-        for (int i = 0; i < 128; ++i) fence_reg(acc[i]);
-        mbar_arrive(empty_bar + 8 * stage);
+          for (int r = 0; r < CLUSTER; ++r) {
+            if (CLUSTER == 1) {
+              mbar_arrive(empty_bar + 8 * stage);
+            } else {
+              mbar_arrive_cluster(empty_bar + 8 * stage, r);
+            }
+          }
+        }
         if (++stage == STAGES) {
           stage = 0;
           phase ^= 1;
         }
       }
+      if (!active) continue;
       // Epilogue. Accumulator register 4j + q of thread (warp, lane) holds row
       // 16 warp + lane/4 + 8 (q/2) and column 8j + 2 (lane%4) + q%2 of the 64x256 block; j < 16
       // is a1, j >= 16 the a3 of column 8 (j - 16) + ...
@@ -208,6 +271,9 @@ __global__ void __launch_bounds__(THREADS, 1)
         }
       }
     }
+  }
+  if constexpr (CLUSTER > 1) {
+    cluster_sync();  // no CTA exits while its peer may still arrive on or multicast into it
   }
 }
 
@@ -240,27 +306,51 @@ static int make_map(CUtensorMap* map, const void* ptr, long long rows, long long
   return r == CUDA_SUCCESS ? 0 : -2;
 }
 
+template <int CLUSTER>
+static int launch(const CUtensorMap& w1_map, const CUtensorMap& w3_map, const Params& p,
+                  int num_sms, cudaStream_t stream) {
+  static int max_clusters = 0;  // co-resident clusters of this kernel (GPC sizes may be odd)
+  cudaLaunchConfig_t cfg = {};
+  cudaLaunchAttribute attr[1];
+  cfg.blockDim = dim3(THREADS);
+  cfg.dynamicSmemBytes = SMEM_BYTES;
+  cfg.stream = stream;
+  attr[0].id = cudaLaunchAttributeClusterDimension;
+  attr[0].val.clusterDim.x = CLUSTER;
+  attr[0].val.clusterDim.y = 1;
+  attr[0].val.clusterDim.z = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = 1;
+  if (max_clusters == 0) {
+    cudaError_t err = cudaFuncSetAttribute(gemm1_swiglu_kernel<CLUSTER>,
+                                           cudaFuncAttributeMaxDynamicSharedMemorySize, SMEM_BYTES);
+    if (err != cudaSuccess) return static_cast<int>(err);
+    cfg.gridDim = dim3(num_sms / CLUSTER * CLUSTER);
+    int n = 0;
+    err = cudaOccupancyMaxActiveClusters(&n, gemm1_swiglu_kernel<CLUSTER>, &cfg);
+    if (err != cudaSuccess) return static_cast<int>(err);
+    max_clusters = n > 0 ? min(n, num_sms / CLUSTER) : num_sms / CLUSTER;
+  }
+  // persistent: exactly the clusters that fit at once, so none starts after the others finish
+  cfg.gridDim = dim3(max_clusters * CLUSTER);
+  cudaError_t err = cudaLaunchKernelEx(&cfg, gemm1_swiglu_kernel<CLUSTER>, w1_map, w3_map, p);
+  return static_cast<int>(err != cudaSuccess ? err : cudaGetLastError());
+}
+
 }  // namespace gemm1
 }  // namespace megamoe
 
 // C entry point (ctypes). Returns 0, or a negative code / CUDA error number; see
-// megamoe_last_error for the message. Shapes are checked by the Python wrapper
+// megamoe_error_string for the message. Shapes are checked by the Python wrapper
 // (ops/cuda/gemm1_swiglu.py): H % 128 == 0, D % 64 == 0, plan_bm % 128 == 0, 16-byte aligned
-// rows and pointers.
+// rows and pointers. cluster: 1, or 2 (pairs of CTAs share each weight tile by multicast).
 extern "C" int megamoe_gemm1_swiglu(const void* x, const void* w1, const void* w3, void* h,
                                     void* a, const int* row_slot, const int* tile_expert,
                                     const int* num_rows_used, int E, int H, int D, int top_k,
                                     int plan_bm, int group_m, long long stride_x,
-                                    long long stride_h, long long stride_a, int num_ctas,
-                                    void* stream) {
+                                    long long stride_h, long long stride_a, int num_sms,
+                                    int cluster, void* stream) {
   using namespace megamoe::gemm1;
-  static bool attr_set = false;
-  if (!attr_set) {
-    cudaError_t err = cudaFuncSetAttribute(gemm1_swiglu_kernel,
-                                           cudaFuncAttributeMaxDynamicSharedMemorySize, SMEM_BYTES);
-    if (err != cudaSuccess) return static_cast<int>(err);
-    attr_set = true;
-  }
   CUtensorMap w1_map, w3_map;
   int rc = make_map(&w1_map, w1, static_cast<long long>(E) * H, D, BN);
   if (rc != 0) return rc;
@@ -281,13 +371,15 @@ extern "C" int megamoe_gemm1_swiglu(const void* x, const void* w1, const void* w
   p.stride_x = stride_x;
   p.stride_h = stride_h;
   p.stride_a = stride_a;
-  gemm1_swiglu_kernel<<<num_ctas, THREADS, SMEM_BYTES, static_cast<cudaStream_t>(stream)>>>(
-      w1_map, w3_map, p);
-  return static_cast<int>(cudaGetLastError());
+  cudaStream_t s = static_cast<cudaStream_t>(stream);
+  if (cluster == 2) return launch<2>(w1_map, w3_map, p, num_sms, s);
+  if (cluster == 1) return launch<1>(w1_map, w3_map, p, num_sms, s);
+  return -3;
 }
 
 extern "C" const char* megamoe_error_string(int code) {
   if (code == -1) return "cuTensorMapEncodeTiled not found through the CUDA runtime";
   if (code == -2) return "cuTensorMapEncodeTiled rejected the weight tensor map";
+  if (code == -3) return "cluster must be 1 or 2";
   return cudaGetErrorString(static_cast<cudaError_t>(code));
 }

@@ -40,7 +40,7 @@ def _lib():
     if not getattr(lib, "_megamoe_typed", False):
         p, i, ll = ctypes.c_void_p, ctypes.c_int, ctypes.c_longlong
         lib.megamoe_gemm1_swiglu.argtypes = [p, p, p, p, p, p, p, p, i, i, i, i, i, i, ll, ll, ll,
-                                             i, p]
+                                             i, i, p]
         lib.megamoe_gemm1_swiglu.restype = i
         lib.megamoe_error_string.argtypes = [i]
         lib.megamoe_error_string.restype = ctypes.c_char_p
@@ -49,8 +49,13 @@ def _lib():
 
 
 def gemm1_swiglu_sm90(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, plan: Plan,
-                      h: torch.Tensor, a: torch.Tensor | None = None, group_m: int = 8) -> None:
-    """Writes h (and a, when given) for the rows of ``plan``; see the module docstring."""
+                      h: torch.Tensor, a: torch.Tensor | None = None, group_m: int = 8,
+                      cluster: int = 2) -> None:
+    """Writes h (and a, when given) for the rows of ``plan``; see the module docstring.
+    ``cluster`` 2: pairs of CTAs on neighbouring SMs compute M tiles 2u and 2u+1 and, when both
+    belong to one expert, each loads one of the two weight tiles for both (TMA multicast): a
+    third less L2 -> SM traffic, which bounds this kernel at 128x256 tiles. ``group_m``: M
+    tiles (pairs with cluster 2) that sweep one N tile together."""
     E, H, D = w1.shape
     if not shape_supported(H, D, plan.block_m):
         raise ValueError(
@@ -74,7 +79,7 @@ def gemm1_swiglu_sm90(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, plan:
         a.data_ptr() if a is not None else None,
         plan.row_slot.data_ptr(), plan.tile_expert.data_ptr(), plan.num_rows_used.data_ptr(),
         E, H, D, plan.top_k, plan.block_m, group_m, x.stride(0), h.stride(0),
-        a.stride(0) if a is not None else 0, num_ctas, stream,
+        a.stride(0) if a is not None else 0, num_ctas, cluster, stream,
     )
     if rc != 0:
         raise RuntimeError(f"gemm1_swiglu_sm90 launch failed: {lib.megamoe_error_string(rc).decode()}")

@@ -143,8 +143,9 @@ GPU_CONFIGS = [
 # The warp-specialized CUDA kernel (csrc/gemm1_swiglu_sm90.cu, TMA weights + cp.async row
 # gathers + wgmma): a candidate where it builds and the shape fits its tiles.
 SM90_CONFIGS = [
-    dict(IMPL="sm90", BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8),
-    dict(IMPL="sm90", BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=16),
+    dict(IMPL="sm90", BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=4, CLUSTER=2),
+    dict(IMPL="sm90", BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, CLUSTER=2),
+    dict(IMPL="sm90", BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, CLUSTER=1),
 ]
 
 
@@ -171,7 +172,8 @@ def gemm1_swiglu(
         bm, bn, bk = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
         assert plan.block_m % bm == 0 and H % bn == 0 and D % bk == 0, (cfg, H, D)
         if cfg.get("IMPL") == "sm90":
-            gemm1_swiglu_sm90(x, w1, w3, plan, h, a if save_a else None, group_m=cfg["GROUP_M"])
+            gemm1_swiglu_sm90(x, w1, w3, plan, h, a if save_a else None, group_m=cfg["GROUP_M"],
+                              cluster=cfg["CLUSTER"])
             return
         num_m = R // bm
         cfg, grid = launch_config(cfg, num_m * (H // bn), x.device)
