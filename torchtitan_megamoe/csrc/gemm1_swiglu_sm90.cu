@@ -20,7 +20,9 @@
 //         cp.async.mbarrier.arrive.noinc(full[s]).
 //     full[s] completes after 129 arrivals and 32 KiB of TMA bytes.
 //   warpgroups 1, 2 (consumers, 232 registers): rows [0, 64) and [64, 128) of the tile. Per
-//     stage: wait full[s], 4 wgmma, wait for them, arrive empty[s] (256 arrivals complete it).
+//     stage: wait full[s], issue 4 wgmma, wait for the PREVIOUS stage's wgmmas (one batch stays
+//     queued), then one arrival per warpgroup on empty[previous] (2 arrivals complete it; with
+//     clusters, each warpgroup arrives on the slot of every CTA of the cluster).
 //     After the K loop: SwiGLU in fp32 and bf16 stores of h (and a) straight from registers;
 //     meanwhile the producer already fills the ring with the next tile's stages.
 // Waits on: nothing outside the launch. Signals: nothing; h (and a) are complete with the launch.
@@ -212,6 +214,22 @@ __global__ void __launch_bounds__(THREADS, 1)
       if (!any) continue;
       const bool active = e[rank] >= 0;
       const int pid_m = um * CLUSTER + rank;
+      // Frees a ring slot in every CTA of the cluster (the peer's producer may multicast into
+      // it): the whole warpgroup is past the slot before its one arrival per CTA.
+      auto release = [&](int s) {
+        named_barrier(1 + cw, 128);
+        if (tid % 128 == 0) {
+#pragma unroll
+          for (int r = 0; r < CLUSTER; ++r) {
+            if (r == static_cast<int>(rank)) {
+              mbar_arrive(empty_bar + 8 * s);
+            } else {
+              mbar_arrive_cluster(empty_bar + 8 * s, r);
+            }
+          }
+        }
+      };
+      int in_flight = -1;  // slot whose wgmmas may still read shared memory
       for (int kb = 0; kb < k_blocks; ++kb) {
         mbar_wait(full_bar + 8 * stage, phase);
         if (active) {
@@ -225,27 +243,24 @@ __global__ void __launch_bounds__(THREADS, 1)
                              smem_desc_sw128(b_smem + k * 32), (kb > 0 || k > 0) ? 1 : 0);
           }
           wgmma_commit();
-          wgmma_wait<0>();
-#pragma unroll
-          for (int i = 0; i < 128; ++i) fence_reg(acc[i]);
-        }
-        // the whole warpgroup is past this stage before its one arrival frees the slot (in
-        // every CTA of the cluster: the peer's producer may multicast into it)
-        named_barrier(1 + cw, 128);
-        if (tid % 128 == 0) {
-#pragma unroll
-          for (int r = 0; r < CLUSTER; ++r) {
-            if (CLUSTER == 1) {
-              mbar_arrive(empty_bar + 8 * stage);
-            } else {
-              mbar_arrive_cluster(empty_bar + 8 * stage, r);
-            }
-          }
+          // keep this batch queued on the tensor cores while the previous one retires, then
+          // free the previous batch's slot
+          wgmma_wait<1>();
+          if (in_flight >= 0) release(in_flight);
+          in_flight = stage;
+        } else {
+          release(stage);
         }
         if (++stage == STAGES) {
           stage = 0;
           phase ^= 1;
         }
+      }
+      if (active) {
+        wgmma_wait<0>();
+#pragma unroll
+        for (int i = 0; i < 128; ++i) fence_reg(acc[i]);
+        release(in_flight);
       }
       if (!active) continue;
       // Epilogue. Accumulator register 4j + q of thread (warp, lane) holds row

@@ -63,12 +63,14 @@ __device__ __forceinline__ void cluster_sync() {
                ::: "memory");
 }
 
-// Arrival on the barrier at the same shared-memory offset in CTA `cta` of the cluster.
+// Arrival on the barrier at the same shared-memory offset in CTA `cta` of the cluster. Default
+// (.cta) release semantics: the arrival only says "this slot's smem reads are done" (the wgmma
+// that read it completed), so it need not wait for this thread's global stores as a
+// cluster-scope release would.
 __device__ __forceinline__ void mbar_arrive_cluster(uint32_t bar, uint32_t cta) {
   uint32_t remote;
   asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(bar), "r"(cta));
-  asm volatile("mbarrier.arrive.release.cluster.shared::cluster.b64 _, [%0];" ::"r"(remote)
-               : "memory");
+  asm volatile("mbarrier.arrive.shared::cluster.b64 _, [%0];" ::"r"(remote) : "memory");
 }
 
 // Named barrier over `threads` threads (a warpgroup: 128) with id 1..15 (0 is __syncthreads).

@@ -1,0 +1,45 @@
+"""GEMM 1 variants at one Qwen3 shape, each launched twice, for Nsight Compute to read counters
+from (tensor-pipe utilization, L2 hit rate and throughput, DRAM bytes) next to their times:
+
+    NCU=1 ncu --clock-control none --kernel-name regex:gemm1 --metrics ... \
+        python3 scripts/ncu_gemm1.py 235b
+
+Without ncu it prints CUDA-event times of each variant (median of 10)."""
+
+import os
+import sys
+
+import torch
+
+from torchtitan_megamoe.bench.shapes import SHAPES
+from torchtitan_megamoe.ops.triton import gemm1_swiglu as g1
+from torchtitan_megamoe.ops.triton.plan import build_plan
+from torchtitan_megamoe.timing import median_ms
+
+
+def main(shape_name: str = "235b") -> None:
+    shape = SHAPES[shape_name]
+    D, H, E, K, T = shape["dim"], shape["hidden"], shape["experts"], shape["top_k"], 16384
+    torch.manual_seed(0)
+    x = torch.randn(T, D, device="cuda").bfloat16()
+    w1 = (torch.randn(E, H, D, device="cuda") / D**0.5).bfloat16()
+    w3 = (torch.randn(E, H, D, device="cuda") / D**0.5).bfloat16()
+    ids = torch.stack([torch.randperm(E, device="cuda")[:K] for _ in range(T)])
+    plan = build_plan(ids, E, 128)
+    variants = {
+        "triton_persistent": dict(g1.GPU_CONFIGS[6]),
+        **{f"sm90_c{c['CLUSTER']}_g{c['GROUP_M']}": c for c in g1.SM90_CONFIGS},
+    }
+    for name, cfg in variants.items():
+        run = lambda: g1.gemm1_swiglu(x, w1, w3, plan, config=cfg)  # noqa: E731
+        if os.environ.get("NCU") == "1":  # under ncu: a warm-up and one profiled launch each
+            run()
+            run()
+            torch.cuda.synchronize()
+            print(f"{shape_name} {name}: launched  {cfg}", flush=True)
+            continue
+        print(f"{shape_name} {name}: {median_ms(run, 10, 2):.3f} ms  {cfg}", flush=True)
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:])
