@@ -26,10 +26,20 @@ def main(shape_name: str = "235b") -> None:
     w3 = (torch.randn(E, H, D, device="cuda") / D**0.5).bfloat16()
     ids = torch.stack([torch.randperm(E, device="cuda")[:K] for _ in range(T)])
     plan = build_plan(ids, E, 128)
+    c1 = dict(g1.SM90_CONFIGS[2])
     variants = {
         "triton_persistent": dict(g1.GPU_CONFIGS[6]),
         **{f"sm90_c{c['CLUSTER']}_g{c['GROUP_M']}": c for c in g1.SM90_CONFIGS},
+        # compile-time knobs of csrc/gemm1_swiglu_sm90.cu, one cached build each
+        "sm90_c1_promo_none": dict(c1, DEFINES=("MEGAMOE_G1_L2_PROMOTION=0",)),
+        "sm90_c1_promo_128": dict(c1, DEFINES=("MEGAMOE_G1_L2_PROMOTION=2",)),
+        "sm90_c1_stages3": dict(c1, DEFINES=("MEGAMOE_G1_STAGES=3",)),
+        "sm90_c1_no_store": dict(c1, DEFINES=("MEGAMOE_G1_STORE=0",)),
+        "sm90_c2_promo_none": dict(g1.SM90_CONFIGS[0], DEFINES=("MEGAMOE_G1_L2_PROMOTION=0",)),
     }
+    only = os.environ.get("VARIANTS")
+    if only:
+        variants = {k: v for k, v in variants.items() if k in only.split(",")}
     for name, cfg in variants.items():
         run = lambda: g1.gemm1_swiglu(x, w1, w3, plan, config=cfg)  # noqa: E731
         if os.environ.get("NCU") == "1":  # under ncu: a warm-up and one profiled launch each

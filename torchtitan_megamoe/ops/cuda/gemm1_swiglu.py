@@ -35,8 +35,8 @@ def shape_supported(H: int, D: int, block_m: int) -> bool:
     return H % BN == 0 and D % BK == 0 and block_m % BM == 0
 
 
-def _lib():
-    lib = load("gemm1_swiglu_sm90")
+def _lib(defines: tuple = ()):
+    lib = load("gemm1_swiglu_sm90", defines)
     if not getattr(lib, "_megamoe_typed", False):
         p, i, ll = ctypes.c_void_p, ctypes.c_int, ctypes.c_longlong
         lib.megamoe_gemm1_swiglu.argtypes = [p, p, p, p, p, p, p, p, i, i, i, i, i, i, ll, ll, ll,
@@ -50,12 +50,13 @@ def _lib():
 
 def gemm1_swiglu_sm90(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, plan: Plan,
                       h: torch.Tensor, a: torch.Tensor | None = None, group_m: int = 8,
-                      cluster: int = 2) -> None:
+                      cluster: int = 2, defines: tuple = ()) -> None:
     """Writes h (and a, when given) for the rows of ``plan``; see the module docstring.
     ``cluster`` 2: pairs of CTAs on neighbouring SMs compute M tiles 2u and 2u+1 and, when both
     belong to one expert, each loads one of the two weight tiles for both (TMA multicast): a
     third less L2 -> SM traffic, which bounds this kernel at 128x256 tiles. ``group_m``: M
-    tiles (pairs with cluster 2) that sweep one N tile together."""
+    tiles (pairs with cluster 2) that sweep one N tile together. ``defines``: the .cu file's
+    compile-time knobs (MEGAMOE_G1_*), for measuring variants."""
     E, H, D = w1.shape
     if not shape_supported(H, D, plan.block_m):
         raise ValueError(
@@ -71,7 +72,7 @@ def gemm1_swiglu_sm90(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, plan:
         raise ValueError("gemm1_swiglu_sm90: w1 and w3 must be contiguous [E, H, D]")
     assert x.shape[1] == D and h.shape == (plan.max_rows, H)
     assert a is None or a.shape == (plan.max_rows, 2 * H)
-    lib = _lib()
+    lib = _lib(tuple(defines))
     num_ctas = torch.cuda.get_device_properties(x.device).multi_processor_count
     stream = torch.cuda.current_stream(x.device).cuda_stream
     rc = lib.megamoe_gemm1_swiglu(

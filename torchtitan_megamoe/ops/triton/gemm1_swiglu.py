@@ -173,7 +173,7 @@ def gemm1_swiglu(
         assert plan.block_m % bm == 0 and H % bn == 0 and D % bk == 0, (cfg, H, D)
         if cfg.get("IMPL") == "sm90":
             gemm1_swiglu_sm90(x, w1, w3, plan, h, a if save_a else None, group_m=cfg["GROUP_M"],
-                              cluster=cfg["CLUSTER"])
+                              cluster=cfg["CLUSTER"], defines=cfg.get("DEFINES", ()))
             return
         num_m = R // bm
         cfg, grid = launch_config(cfg, num_m * (H // bn), x.device)
