@@ -36,6 +36,11 @@ def main(shape_name: str = "235b") -> None:
         "sm90_c1_stages3": dict(c1, DEFINES=("MEGAMOE_G1_STAGES=3",)),
         "sm90_c1_no_store": dict(c1, DEFINES=("MEGAMOE_G1_STORE=0",)),
         "sm90_c2_promo_none": dict(g1.SM90_CONFIGS[0], DEFINES=("MEGAMOE_G1_L2_PROMOTION=0",)),
+        # measuring only (wrong results): which operand's loads miss L2
+        "sm90_c1_no_a": dict(c1, DEFINES=("MEGAMOE_G1_LOAD=2",)),
+        "sm90_c1_no_b": dict(c1, DEFINES=("MEGAMOE_G1_LOAD=1",)),
+        "sm90_c1_g16": dict(c1, GROUP_M=16),
+        "sm90_c1_g4": dict(c1, GROUP_M=4),
     }
     only = os.environ.get("VARIANTS")
     if only:

@@ -50,7 +50,12 @@ constexpr int BK = 64;
 #ifndef MEGAMOE_G1_STORE
 #define MEGAMOE_G1_STORE 1  // 0 only for measuring: the epilogue computes but stores nothing
 #endif
+#ifndef MEGAMOE_G1_LOAD
+#define MEGAMOE_G1_LOAD 3  // measuring only: bit 0 loads A (x rows), bit 1 loads B (weights)
+#endif
 constexpr int STAGES = MEGAMOE_G1_STAGES;
+constexpr bool LOAD_A = (MEGAMOE_G1_LOAD & 1) != 0;
+constexpr bool LOAD_B = (MEGAMOE_G1_LOAD & 2) != 0;
 constexpr int A_BYTES = BM * BK * 2;
 constexpr int B_BYTES = 2 * BN * BK * 2;
 constexpr int STAGE_BYTES = A_BYTES + B_BYTES;
@@ -176,7 +181,8 @@ __global__ void __launch_bounds__(THREADS, 1)
           mbar_arrive(full);
           if (tid == 0) mbar_arrive(full);
         } else {
-          if (tid == 0) {
+          if (tid == 0 && !LOAD_B) mbar_arrive(full);
+          if (tid == 0 && LOAD_B) {
             mbar_arrive_expect_tx(full, B_BYTES);
             if (CLUSTER > 1 && shared) {
               // each CTA loads one of the two weight tiles for both (same expert, same N tile)
@@ -191,7 +197,7 @@ __global__ void __launch_bounds__(THREADS, 1)
           for (int i = 0; i < 8; ++i) {
             const int r = i * 16 + rg;
             const uint32_t dst = a_smem + r * 128 + ((c ^ (r & 7)) << 4);
-            const bool valid = tok[i] >= 0;
+            const bool valid = LOAD_A && tok[i] >= 0;
             const __nv_bfloat16* src =
                 p.x + (valid ? static_cast<long long>(tok[i]) * p.stride_x : 0) + kb * BK + c * 8;
             cp_async_16(dst, src, valid ? 16 : 0);
