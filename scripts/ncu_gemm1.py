@@ -29,6 +29,8 @@ def main(shape_name: str = "235b") -> None:
     c1 = dict(g1.SM90_CONFIGS[2])
     variants = {
         "triton_persistent": dict(g1.GPU_CONFIGS[6]),
+        "triton_persistent_wave": dict(g1.GPU_CONFIGS[8]),
+        "triton_wave": dict(g1.GPU_CONFIGS[9]),
         **{f"sm90_c{c['CLUSTER']}_g{c['GROUP_M']}": c for c in g1.SM90_CONFIGS},
         # compile-time knobs of csrc/gemm1_swiglu_sm90.cu, one cached build each
         "sm90_c1_promo_none": dict(c1, DEFINES=("MEGAMOE_G1_L2_PROMOTION=0",)),

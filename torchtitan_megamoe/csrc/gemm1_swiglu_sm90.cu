@@ -133,6 +133,9 @@ __global__ void __launch_bounds__(THREADS, 1)
   const int k_blocks = p.D / BK;
   const int first_unit = blockIdx.x / CLUSTER;
   const int unit_stride = gridDim.x / CLUSTER;
+  // group_m 0: one group per wave of the grid (every CTA's unit of a wave in one group), so the
+  // units that share an A tile or a weight tile run at the same time and meet in L2
+  const int group_m = p.group_m > 0 ? p.group_m : max(1, unit_stride / num_n);
 
   // Expert of each CTA's M tile in unit (um); -1 past the used rows or for another phase.
   auto experts = [&](int um, int (&e)[CLUSTER]) {
@@ -152,7 +155,7 @@ __global__ void __launch_bounds__(THREADS, 1)
     uint32_t phase = 0;
     for (int u = first_unit; u < num_units; u += unit_stride) {
       int um, pid_n;
-      grouped_tile(u, num_um, num_n, p.group_m, um, pid_n);
+      grouped_tile(u, num_um, num_n, group_m, um, pid_n);
       int e[CLUSTER];
       experts(um, e);
       bool any = false, shared = CLUSTER > 1;
@@ -221,7 +224,7 @@ __global__ void __launch_bounds__(THREADS, 1)
     uint32_t phase = 0;
     for (int u = first_unit; u < num_units; u += unit_stride) {
       int um, pid_n;
-      grouped_tile(u, num_um, num_n, p.group_m, um, pid_n);
+      grouped_tile(u, num_um, num_n, group_m, um, pid_n);
       int e[CLUSTER];
       experts(um, e);
       bool any = false;

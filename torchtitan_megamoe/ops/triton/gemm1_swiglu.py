@@ -25,7 +25,9 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from torchtitan_megamoe.ops.cuda.gemm1_swiglu import gemm1_swiglu_sm90, shape_supported, sm90_usable
 from torchtitan_megamoe.ops.triton.plan import Plan
-from torchtitan_megamoe.ops.triton.tiling import cast_out, grouped_tile, launch_config
+from torchtitan_megamoe.ops.triton.tiling import (
+    cast_out, grouped_tile, launch_config, persistent_programs,
+)
 from torchtitan_megamoe.ops.triton.tune import bucket as _bucket
 from torchtitan_megamoe.ops.triton.tune import interpreter_needs_f32_dot, pick_config
 
@@ -137,6 +139,10 @@ GPU_CONFIGS = [
     # persistent grid (one program per SM over the used tiles)
     dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=3, USE_TMA=True, PERSISTENT=True),
     dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=16, num_warps=8, num_stages=3, USE_TMA=True, PERSISTENT=True),
+    # GROUP_M "wave": one group per wave of resident programs (SMs // N tiles M tiles), so the
+    # tiles sharing an A or a weight tile run concurrently and hit in L2
+    dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M="wave", num_warps=8, num_stages=3, USE_TMA=True, PERSISTENT=True),
+    dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M="wave", num_warps=8, num_stages=3, USE_TMA=True),
     # any dim/hidden that are multiples of 64 (the shapes above need multiples of their tiles)
     dict(BLOCK_M=128, BLOCK_N=64, BLOCK_K=64, GROUP_M=8, num_warps=4, num_stages=4),
 ]
@@ -146,6 +152,8 @@ SM90_CONFIGS = [
     dict(IMPL="sm90", BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=4, CLUSTER=2),
     dict(IMPL="sm90", BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, CLUSTER=2),
     dict(IMPL="sm90", BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, CLUSTER=1),
+    dict(IMPL="sm90", BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M="wave", CLUSTER=1),
+    dict(IMPL="sm90", BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M="wave", CLUSTER=2),
 ]
 
 
@@ -172,11 +180,14 @@ def gemm1_swiglu(
         bm, bn, bk = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
         assert plan.block_m % bm == 0 and H % bn == 0 and D % bk == 0, (cfg, H, D)
         if cfg.get("IMPL") == "sm90":
-            gemm1_swiglu_sm90(x, w1, w3, plan, h, a if save_a else None, group_m=cfg["GROUP_M"],
+            group_m = 0 if cfg["GROUP_M"] == "wave" else cfg["GROUP_M"]  # 0: the kernel's wave
+            gemm1_swiglu_sm90(x, w1, w3, plan, h, a if save_a else None, group_m=group_m,
                               cluster=cfg["CLUSTER"], defines=cfg.get("DEFINES", ()))
             return
         num_m = R // bm
         cfg, grid = launch_config(cfg, num_m * (H // bn), x.device)
+        if cfg["GROUP_M"] == "wave":
+            cfg["GROUP_M"] = max(1, persistent_programs(x.device) // (H // bn))
         d1, d3, dh, da = w1, w3, h, a  # placeholders on the pointer path
         if cfg["USE_TMA"]:
             d1 = TensorDescriptor.from_tensor(w1.view(E * H, D), [bn, bk])
