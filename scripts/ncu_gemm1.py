@@ -31,7 +31,8 @@ def main(shape_name: str = "235b") -> None:
         "triton_persistent": dict(g1.GPU_CONFIGS[6]),
         "triton_persistent_wave": dict(g1.GPU_CONFIGS[8]),
         "triton_wave": dict(g1.GPU_CONFIGS[9]),
-        **{f"sm90_c{c['CLUSTER']}_g{c['GROUP_M']}": c for c in g1.SM90_CONFIGS},
+        **{f"sm90_c{c['CLUSTER']}_g{c['GROUP_M']}" + ("_np" if c.get("PERSISTENT") is False else ""): c
+           for c in g1.SM90_CONFIGS},
         # compile-time knobs of csrc/gemm1_swiglu_sm90.cu, one cached build each
         "sm90_c1_promo_none": dict(c1, DEFINES=("MEGAMOE_G1_L2_PROMOTION=0",)),
         "sm90_c1_promo_128": dict(c1, DEFINES=("MEGAMOE_G1_L2_PROMOTION=2",)),
