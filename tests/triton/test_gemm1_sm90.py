@@ -8,14 +8,14 @@ import torch
 import torch.nn.functional as F
 
 from moe_math import make_weights, routings
-from torchtitan_megamoe.ops.cuda.gemm1_swiglu import gemm1_swiglu_sm90, sm90_usable
+from torchtitan_megamoe.ops.cuda.gemm1_swiglu import gemm1_swiglu_sm90, sm90_buildable
 from torchtitan_megamoe.ops.triton import gemm1_swiglu as g1
 from torchtitan_megamoe.ops.triton.plan import build_phased_plan, build_plan
 
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(
-        not torch.cuda.is_available() or not sm90_usable(torch.empty(1, device="cuda")),
+        not torch.cuda.is_available() or not sm90_buildable(torch.empty(1, device="cuda")),
         reason="needs an sm_90 GPU and nvcc",
     ),
 ]

@@ -22,13 +22,21 @@ if TYPE_CHECKING:  # ops/triton imports this module: no runtime import back
 BM, BN, BK = 128, 128, 64
 
 
-def sm90_usable(x: torch.Tensor) -> bool:
-    """True where the CUDA kernels can run: an sm_90 GPU, nvcc to build them, MEGAMOE_CUDA not 0."""
-    if os.environ.get("MEGAMOE_CUDA", "1") == "0" or os.environ.get("TRITON_INTERPRET") == "1":
+def sm90_buildable(x: torch.Tensor) -> bool:
+    """True where the kernel can run: an sm_90 GPU and nvcc to build it (not the interpreter)."""
+    if os.environ.get("TRITON_INTERPRET") == "1":
         return False
     if x.device.type != "cuda" or torch.cuda.get_device_capability(x.device) != (9, 0):
         return False
     return nvcc_path() is not None
+
+
+def sm90_usable(x: torch.Tensor) -> bool:
+    """True where the tuner may offer this kernel: buildable and opted in with MEGAMOE_CUDA=1.
+    Opt-in because it does not beat the Triton kernel yet (docs/PERF.md, 2026-11-30 04:xx): the
+    tuner would only spend first-call time on it, and a new persistent kernel with cross-CTA
+    barriers is not one to put on every training run's path before it earns its place."""
+    return os.environ.get("MEGAMOE_CUDA", "0") == "1" and sm90_buildable(x)
 
 
 def shape_supported(H: int, D: int, block_m: int) -> bool:
