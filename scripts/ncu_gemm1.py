@@ -39,6 +39,11 @@ def main(shape_name: str = "235b") -> None:
         "sm90_c1_stages3": dict(c1, DEFINES=("MEGAMOE_G1_STAGES=3",)),
         "sm90_c1_no_store": dict(c1, DEFINES=("MEGAMOE_G1_STORE=0",)),
         "sm90_c2_promo_none": dict(g1.SM90_CONFIGS[0], DEFINES=("MEGAMOE_G1_L2_PROMOTION=0",)),
+        "sm90_c1_lag0": dict(c1, DEFINES=("MEGAMOE_G1_WGMMA_LAG=0",)),
+        "sm90_c1_lag0_np": dict(c1, PERSISTENT=False, DEFINES=("MEGAMOE_G1_WGMMA_LAG=0",)),
+        "sm90_c1_np": dict(c1, PERSISTENT=False),
+        "sm90_c1_preg56": dict(c1, DEFINES=("MEGAMOE_G1_PRODUCER_REGS=56",)),
+        "sm90_c1_lag0_preg56": dict(c1, DEFINES=("MEGAMOE_G1_WGMMA_LAG=0", "MEGAMOE_G1_PRODUCER_REGS=56")),
         # measuring only (wrong results): which operand's loads miss L2
         "sm90_c1_no_a": dict(c1, DEFINES=("MEGAMOE_G1_LOAD=2",)),
         "sm90_c1_no_b": dict(c1, DEFINES=("MEGAMOE_G1_LOAD=1",)),

@@ -50,6 +50,12 @@ constexpr int BK = 64;
 #ifndef MEGAMOE_G1_STORE
 #define MEGAMOE_G1_STORE 1  // 0 only for measuring: the epilogue computes but stores nothing
 #endif
+#ifndef MEGAMOE_G1_WGMMA_LAG
+#define MEGAMOE_G1_WGMMA_LAG 1  // wgmma batches left in flight before a slot is freed (0 or 1)
+#endif
+#ifndef MEGAMOE_G1_PRODUCER_REGS
+#define MEGAMOE_G1_PRODUCER_REGS 40  // with 232 per consumer: 40 * 128 + 232 * 256 <= 64K
+#endif
 #ifndef MEGAMOE_G1_LOAD
 #define MEGAMOE_G1_LOAD 3  // measuring only: bit 0 loads A (x rows), bit 1 loads B (weights)
 #endif
@@ -146,7 +152,7 @@ __global__ void __launch_bounds__(THREADS, 1)
 
   if (wg == 0) {
     // ---------------- producer ----------------
-    setmaxnreg_dec<40>();
+    setmaxnreg_dec<MEGAMOE_G1_PRODUCER_REGS>();
     const int c = tid & 7;    // 16-byte chunk of a 128-byte row slice
     const int rg = tid >> 3;  // rows rg, rg + 16, ..., rg + 112
     int stage = 0;
@@ -213,7 +219,8 @@ __global__ void __launch_bounds__(THREADS, 1)
     }
   } else {
     // ---------------- consumers ----------------
-    setmaxnreg_inc<232>();
+    // the register file is 64K: what the producer gives up, the two consumer warpgroups share
+    setmaxnreg_inc<(65536 / 128 - MEGAMOE_G1_PRODUCER_REGS) / 2 / 8 * 8>();
     const int cw = wg - 1;  // rows [64 cw, 64 cw + 64) of the tile
     const int warp = (tid % 128) / 32;
     const int lane = tid % 32;
@@ -262,9 +269,14 @@ __global__ void __launch_bounds__(THREADS, 1)
           wgmma_commit();
           // keep this batch queued on the tensor cores while the previous one retires, then
           // free the previous batch's slot
-          wgmma_wait<1>();
-          if (in_flight >= 0) release(in_flight);
-          in_flight = stage;
+          if (MEGAMOE_G1_WGMMA_LAG) {
+            wgmma_wait<1>();
+            if (in_flight >= 0) release(in_flight);
+            in_flight = stage;
+          } else {
+            wgmma_wait<0>();
+            release(stage);
+          }
         } else {
           release(stage);
         }
