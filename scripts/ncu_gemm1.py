@@ -31,8 +31,7 @@ def main(shape_name: str = "235b") -> None:
         "triton_persistent": dict(g1.GPU_CONFIGS[6]),
         "triton_persistent_wave": dict(g1.GPU_CONFIGS[8]),
         "triton_wave": dict(g1.GPU_CONFIGS[9]),
-        **{f"sm90_c{c['CLUSTER']}_g{c['GROUP_M']}" + ("_np" if c.get("PERSISTENT") is False else ""): c
-           for c in g1.SM90_CONFIGS},
+        **{f"sm90_c{c['CLUSTER']}_g{c['GROUP_M']}": c for c in g1.SM90_CONFIGS},
         # compile-time knobs of csrc/gemm1_swiglu_sm90.cu, one cached build each
         "sm90_c1_promo_none": dict(c1, DEFINES=("MEGAMOE_G1_L2_PROMOTION=0",)),
         "sm90_c1_promo_128": dict(c1, DEFINES=("MEGAMOE_G1_L2_PROMOTION=2",)),
@@ -40,8 +39,6 @@ def main(shape_name: str = "235b") -> None:
         "sm90_c1_no_store": dict(c1, DEFINES=("MEGAMOE_G1_STORE=0",)),
         "sm90_c2_promo_none": dict(g1.SM90_CONFIGS[0], DEFINES=("MEGAMOE_G1_L2_PROMOTION=0",)),
         "sm90_c1_lag0": dict(c1, DEFINES=("MEGAMOE_G1_WGMMA_LAG=0",)),
-        "sm90_c1_lag0_np": dict(c1, PERSISTENT=False, DEFINES=("MEGAMOE_G1_WGMMA_LAG=0",)),
-        "sm90_c1_np": dict(c1, PERSISTENT=False),
         "sm90_c1_preg56": dict(c1, DEFINES=("MEGAMOE_G1_PRODUCER_REGS=56",)),
         "sm90_c1_lag0_preg56": dict(c1, DEFINES=("MEGAMOE_G1_WGMMA_LAG=0", "MEGAMOE_G1_PRODUCER_REGS=56")),
         # measuring only (wrong results): which operand's loads miss L2

@@ -357,7 +357,7 @@ static int make_map(CUtensorMap* map, const void* ptr, long long rows, long long
 
 template <int CLUSTER>
 static int launch(const CUtensorMap& w1_map, const CUtensorMap& w3_map, const Params& p,
-                  int num_sms, int num_ctas, cudaStream_t stream) {
+                  int num_sms, cudaStream_t stream) {
   static int max_clusters = 0;  // co-resident clusters of this kernel (GPC sizes may be odd)
   cudaLaunchConfig_t cfg = {};
   cudaLaunchAttribute attr[1];
@@ -380,11 +380,8 @@ static int launch(const CUtensorMap& w1_map, const CUtensorMap& w3_map, const Pa
     if (err != cudaSuccess) return static_cast<int>(err);
     max_clusters = n > 0 ? min(n, num_sms / CLUSTER) : num_sms / CLUSTER;
   }
-  // num_ctas 0 (persistent): exactly the clusters that fit at once, so none starts after the
-  // others finish; else one unit per cluster (num_ctas / CLUSTER units, those past the used rows
-  // exit at once) and the hardware hands out units in order as SMs free up
-  cfg.gridDim = dim3(num_ctas > 0 ? (num_ctas + CLUSTER - 1) / CLUSTER * CLUSTER
-                                  : max_clusters * CLUSTER);
+  // persistent: exactly the clusters that fit at once, so none starts after the others finish
+  cfg.gridDim = dim3(max_clusters * CLUSTER);
   cudaError_t err = cudaLaunchKernelEx(&cfg, gemm1_swiglu_kernel<CLUSTER>, w1_map, w3_map, p);
   return static_cast<int>(err != cudaSuccess ? err : cudaGetLastError());
 }
@@ -401,7 +398,7 @@ extern "C" int megamoe_gemm1_swiglu(const void* x, const void* w1, const void* w
                                     const int* num_rows_used, int E, int H, int D, int top_k,
                                     int plan_bm, int group_m, long long stride_x,
                                     long long stride_h, long long stride_a, int num_sms,
-                                    int num_ctas, int cluster, void* stream) {
+                                    int cluster, void* stream) {
   using namespace megamoe::gemm1;
   CUtensorMap w1_map, w3_map;
   int rc = make_map(&w1_map, w1, static_cast<long long>(E) * H, D, BN);
@@ -424,8 +421,8 @@ extern "C" int megamoe_gemm1_swiglu(const void* x, const void* w1, const void* w
   p.stride_h = stride_h;
   p.stride_a = stride_a;
   cudaStream_t s = static_cast<cudaStream_t>(stream);
-  if (cluster == 2) return launch<2>(w1_map, w3_map, p, num_sms, num_ctas, s);
-  if (cluster == 1) return launch<1>(w1_map, w3_map, p, num_sms, num_ctas, s);
+  if (cluster == 2) return launch<2>(w1_map, w3_map, p, num_sms, s);
+  if (cluster == 1) return launch<1>(w1_map, w3_map, p, num_sms, s);
   return -3;
 }
 

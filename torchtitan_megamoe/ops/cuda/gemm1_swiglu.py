@@ -48,7 +48,7 @@ def _lib(defines: tuple = ()):
     if not getattr(lib, "_megamoe_typed", False):
         p, i, ll = ctypes.c_void_p, ctypes.c_int, ctypes.c_longlong
         lib.megamoe_gemm1_swiglu.argtypes = [p, p, p, p, p, p, p, p, i, i, i, i, i, i, ll, ll, ll,
-                                             i, i, i, p]
+                                             i, i, p]
         lib.megamoe_gemm1_swiglu.restype = i
         lib.megamoe_error_string.argtypes = [i]
         lib.megamoe_error_string.restype = ctypes.c_char_p
@@ -58,15 +58,13 @@ def _lib(defines: tuple = ()):
 
 def gemm1_swiglu_sm90(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, plan: Plan,
                       h: torch.Tensor, a: torch.Tensor | None = None, group_m: int = 8,
-                      cluster: int = 2, persistent: bool = True, defines: tuple = ()) -> None:
+                      cluster: int = 2, defines: tuple = ()) -> None:
     """Writes h (and a, when given) for the rows of ``plan``; see the module docstring.
     ``cluster`` 2: pairs of CTAs on neighbouring SMs compute M tiles 2u and 2u+1 and, when both
     belong to one expert, each loads one of the two weight tiles for both (TMA multicast): a
     third less L2 -> SM traffic, which bounds this kernel at 128x256 tiles. ``group_m``: M
     tiles (pairs with cluster 2) that sweep one N tile together, 0: one group per wave of
-    resident CTAs. ``persistent``: one CTA per SM looping over the used tiles (the next tile's
-    loads overlap this one's epilogue), else one CTA per tile of the static bound (tiles past
-    the used rows exit at once), dispatched in order. ``defines``: the .cu file's
+    resident CTAs. ``defines``: the .cu file's
     compile-time knobs (MEGAMOE_G1_*), for measuring variants."""
     E, H, D = w1.shape
     if not shape_supported(H, D, plan.block_m):
@@ -88,15 +86,13 @@ def gemm1_swiglu_sm90(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, plan:
     num_n = H // BN
     if group_m == 0:
         group_m = max(1, num_sms // cluster // num_n)
-    units = -(-(plan.max_rows // BM) // cluster) * num_n
-    num_ctas = 0 if persistent else units * cluster
     stream = torch.cuda.current_stream(x.device).cuda_stream
     rc = lib.megamoe_gemm1_swiglu(
         x.data_ptr(), w1.data_ptr(), w3.data_ptr(), h.data_ptr(),
         a.data_ptr() if a is not None else None,
         plan.row_slot.data_ptr(), plan.tile_expert.data_ptr(), plan.num_rows_used.data_ptr(),
         E, H, D, plan.top_k, plan.block_m, group_m, x.stride(0), h.stride(0),
-        a.stride(0) if a is not None else 0, num_sms, num_ctas, cluster, stream,
+        a.stride(0) if a is not None else 0, num_sms, cluster, stream,
     )
     if rc != 0:
         raise RuntimeError(f"gemm1_swiglu_sm90 launch failed: {lib.megamoe_error_string(rc).decode()}")

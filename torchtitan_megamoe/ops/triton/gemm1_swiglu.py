@@ -154,9 +154,6 @@ SM90_CONFIGS = [
     dict(IMPL="sm90", BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, CLUSTER=1),
     dict(IMPL="sm90", BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M="wave", CLUSTER=1),
     dict(IMPL="sm90", BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M="wave", CLUSTER=2),
-    # one CTA per tile, dispatched in order (persistent CTAs drift apart over ~100 tiles each)
-    dict(IMPL="sm90", BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, CLUSTER=1, PERSISTENT=False),
-    dict(IMPL="sm90", BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=4, CLUSTER=2, PERSISTENT=False),
 ]
 
 
@@ -185,8 +182,7 @@ def gemm1_swiglu(
         if cfg.get("IMPL") == "sm90":
             group_m = 0 if cfg["GROUP_M"] == "wave" else cfg["GROUP_M"]  # 0: the kernel's wave
             gemm1_swiglu_sm90(x, w1, w3, plan, h, a if save_a else None, group_m=group_m,
-                              cluster=cfg["CLUSTER"], persistent=cfg.get("PERSISTENT", True),
-                              defines=cfg.get("DEFINES", ()))
+                              cluster=cfg["CLUSTER"], defines=cfg.get("DEFINES", ()))
             return
         num_m = R // bm
         cfg, grid = launch_config(cfg, num_m * (H // bn), x.device)
