@@ -289,7 +289,7 @@ __global__ void __launch_bounds__(THREADS, 1)
         wgmma_wait<0>();
 #pragma unroll
         for (int i = 0; i < 128; ++i) fence_reg(acc[i]);
-        release(in_flight);
+        if (in_flight >= 0) release(in_flight);  // lag 0 freed every slot already
       }
       if (!active) continue;
       // Epilogue. Accumulator register 4j + q of thread (warp, lane) holds row
