@@ -20,12 +20,24 @@
 //         cp.async.mbarrier.arrive.noinc(full[s]).
 //     full[s] completes after 129 arrivals and 32 KiB of TMA bytes.
 //   warpgroups 1, 2 (consumers, 232 registers): rows [0, 64) and [64, 128) of the tile. Per
-//     stage: wait full[s], issue 4 wgmma, wait for the PREVIOUS stage's wgmmas (one batch stays
-//     queued), then one arrival per warpgroup on empty[previous] (2 arrivals complete it; with
-//     clusters, each warpgroup arrives on the slot of every CTA of the cluster).
-//     After the K loop: SwiGLU in fp32 and bf16 stores of h (and a) straight from registers;
-//     meanwhile the producer already fills the ring with the next tile's stages.
+//     stage: wait full[s], issue 4 wgmma, wait for them (MEGAMOE_G1_WGMMA_LAG 1: for the
+//     previous stage's, one batch stays queued), then a warpgroup barrier and ONE arrival per
+//     warpgroup on empty[s] (2 per CTA complete it). After the K loop: SwiGLU in fp32 and bf16
+//     stores of h (and a) straight from registers; meanwhile the producer already fills the ring
+//     with the next tile's stages.
+// Clusters of 2 (CLUSTER = 2): a unit is M tiles 2u, 2u+1 x one N tile, CTA rank r computes
+//   M tile 2u + r, and both CTAs walk the same units in lockstep. When both tiles belong to one
+//   expert ("shared"), CTA r loads only weight tile r (w1 or w3) and multicasts it to both, so
+//   each SM pulls 32 instead of 48 KiB per stage from L2; otherwise each loads its own ("solo"),
+//   and a CTA without a tile in the unit ("idle") still completes every stage's barriers with
+//   plain arrivals. empty[s] then takes one arrival per consumer warpgroup of EACH CTA (4): the
+//   peer's producer may multicast into this CTA's slot. A cluster barrier follows the barrier
+//   init and precedes exit, so no remote arrival or multicast meets an absent peer.
 // Waits on: nothing outside the launch. Signals: nothing; h (and a) are complete with the launch.
+//
+// Measured (docs/PERF.md, 2026-11-30 03:5x-04:4x, H200): correct at every tested routing and
+// shape; at the 30B shape about as fast as the Triton kernel (lag 0), at the 235B shape 25-30%
+// slower (tensor pipe active 62-66% against Triton's 77%). Hence opt-in (MEGAMOE_CUDA=1).
 
 #include <cuda.h>
 #include <cuda_bf16.h>
@@ -51,7 +63,7 @@ constexpr int BK = 64;
 #define MEGAMOE_G1_STORE 1  // 0 only for measuring: the epilogue computes but stores nothing
 #endif
 #ifndef MEGAMOE_G1_WGMMA_LAG
-#define MEGAMOE_G1_WGMMA_LAG 1  // wgmma batches left in flight before a slot is freed (0 or 1)
+#define MEGAMOE_G1_WGMMA_LAG 0  // wgmma batches left in flight before a slot is freed (0 or 1)
 #endif
 #ifndef MEGAMOE_G1_PRODUCER_REGS
 #define MEGAMOE_G1_PRODUCER_REGS 40  // with 232 per consumer: 40 * 128 + 232 * 256 <= 64K
