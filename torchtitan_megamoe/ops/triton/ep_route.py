@@ -11,15 +11,18 @@ R*C tokens. The receiver returns ONE partial row per token (its weighted sum ove
 experts there) to row t of its region on the source, and the source sums the partials of the
 ranks it sent the token to, in fp32 and fixed rank order.
 
-The forward (ep_forward.py) overlaps these moves with its GEMMs. The backward (bwd_ep.py) runs
-them in order, on one stream (``ex`` from ops/exchange.py):
+The forward (ep_forward.py) and the backward (bwd_ep.py) overlap these moves with their GEMMs
+(``ex`` from ops/exchange.py; a transport that cannot overlap runs the same steps in order):
     dispatch   the batch's rows -> send_region(d, ·) for every d; metadata (local ids,
-               weights) as whole regions, so rows a source did not fill read as "no slot"
+               weights) as whole regions, so rows a source did not fill read as "no slot";
+               rows needed later go on the side stream (dispatch_async, barrier on channel 1)
     exchange   barrier #1: the receive buffers are complete
-    compute    EP=1 kernels on recv (reads of recv end here, before the return stores)
-    return     each source's region of partial rows -> send_region(source, "ret")
-    exchange   barrier #2: partial rows are complete; also orders this call's reads of recv
-               before any peer's next dispatch (which follows barrier #2 of this call)
+    compute    EP=1 kernels on recv
+    return     each source's region of partial rows -> send_region(source, "ret"), on the
+               side stream while the compute that does not need them goes on
+    exchange   barrier #2 (current stream, after the last read of recv): partial rows are
+               complete; also orders this call's reads of recv before any peer's next
+               dispatch (which follows barrier #2 of this call)
     sum        sum_partials over recv["ret"]
 Everything has a static shape; nothing waits on the host.
 """
@@ -89,14 +92,55 @@ class TokenRoute:
     def recv_rows(self, name) -> torch.Tensor:
         return self.ex.recv[name].view(self.R * self.C, -1)
 
-    def give_back(self, rows: dict) -> None:
-        """Return per-received-token rows (name -> [R*C, W]) to their sources; barrier #2."""
-        for s in range(self.R):
-            for name, t in rows.items():
-                # whole regions (identity layout): rows of tokens that had no slot here are
-                # never read by the source
-                self.ex.send_region(s, name).copy_(t.view(self.R, self.C, -1)[s])
-        self.ex.exchange(list(rows))
+    def dispatch_async(self, rows: dict):
+        """Send token rows (name -> [T, W]) under the compute: on the exchange's side stream,
+        followed by the group barrier on channel 1 (``wait`` before reading them here). A
+        transport that does not overlap sends them now, exchange included. The caller's
+        earlier dispatch carried the metadata."""
+        ex = self.ex
+
+        def send():
+            for d in range(self.R):
+                for name, t in rows.items():
+                    ex.send_region(d, name)[: self.T].copy_(t)
+
+        if ex.overlaps:
+            return ex.run_async(send, barrier=True), rows
+        send()
+        ex.exchange(list(rows))
+        return None
+
+    def give_back_async(self, rows: dict):
+        """Start returning per-received-token rows (name -> [R*C, W]) to their sources: the
+        copies run on the side stream (under the compute that follows); give_back_finish
+        completes the return. Whole regions travel (identity layout): rows of tokens that had
+        no slot here are never read by the source."""
+        ex = self.ex
+
+        def send():
+            for s in range(self.R):
+                for name, t in rows.items():
+                    ex.send_region(s, name).copy_(t.view(self.R, self.C, -1)[s])
+
+        if ex.overlaps:
+            return ex.run_async(send), rows
+        send()
+        return None
+
+    def give_back_finish(self, pending, names) -> None:
+        """Barrier #2 (current stream) after the copies of give_back_async: the returned rows
+        are complete, and every rank's reads of this call's receive buffers are behind it, so no
+        peer's next dispatch overwrites rows still being read."""
+        self.wait(pending)
+        self.ex.exchange(list(names))
+
+    def wait(self, pending) -> None:
+        """The current stream waits for a dispatch_async / give_back_async (a no-op for
+        transports that do not overlap). ``pending`` also holds the rows' tensors alive until
+        here, so the caching allocator cannot hand their memory out while the side stream
+        still reads it."""
+        if pending is not None:
+            torch.cuda.current_stream(self.ex.device).wait_event(pending[0])
 
     def sum_returned(self, name, out_dtype) -> torch.Tensor:
         """out[t] = sum over the ranks t went to of their returned row, fp32, rank order."""
