@@ -72,8 +72,8 @@ D = 2048, 1.12 GiB at D = 4096):
 EP > 1 (bwd_ep.py): x and dy are exchanged again to the experts' owners, the EP=1 backward
 (backward_local) runs on the received tokens, with the forward's saved tensors (receive
 layout) when ep_forward.keeps_saved kept them, and dx / d(topk_weights) return to their
-sources. Both moves overlap the kernels: x arrives under kernel A, dw2, C and the combine
-(which do not read it), dx leaves under dw1/dw3 (backward_local's wait_x / after_dx hooks).
+sources. x arrives under kernel A and dw2, which do not read it (backward_local's wait_x
+hook); the dx return runs after the combine, not overlapped.
 
 Not implemented here: FP8 backward (precision "fp8" / "fp8_bwd": use backend="reference"),
 and overlap of kernel C with the weight-gradient launches on a second stream.
@@ -176,17 +176,15 @@ def backward(grad_out, x, topk_ids, topk_weights, w1, w2, w3, group, precision, 
     return backward_local(grad_out, x, topk_ids, topk_weights, w1, w2, w3, saved=saved)
 
 
-def backward_local(grad_out, x, topk_ids, topk_weights, w1, w2, w3, saved=None, wait_x=None,
-                   after_dx=None):
+def backward_local(grad_out, x, topk_ids, topk_weights, w1, w2, w3, saved=None, wait_x=None):
     """EP=1 backward: every expert of topk_ids is in w1/w2/w3. ``saved`` = (a, packed_plan)
     from forward_ep1(..., save=True) on the same inputs: kernel A loads a1/a3 instead of
     recomputing GEMM 1 and the plan is unpacked instead of rebuilt. None (or an empty
     sequence) recomputes both.
 
-    Stage order: A, dw2, C, combine, dw1/dw3. The EP backward (bwd_ep.py) hooks into it:
-    ``wait_x()`` is called right before the first kernel that reads x (dw1/dw3; kernel A when
-    it recomputes GEMM 1), so x can still be in flight before that; ``after_dx(dx, dtw)`` right
-    after the combine, so dx can travel while dw1/dw3 run."""
+    Stage order: A, dw2, dw1/dw3, C, combine. ``wait_x()`` (the EP backward's hook, bwd_ep.py)
+    is called right before the first kernel that reads x (dw1/dw3; kernel A when it recomputes
+    GEMM 1), so x can still be in flight under kernel A and dw2."""
     if interpreting():
         block_m, a_cands, b_cands, c_cands = (
             INTERPRET_BLOCK_M, [INTERPRET_A], [INTERPRET_B], [INTERPRET_C]
@@ -249,9 +247,10 @@ def backward_local(grad_out, x, topk_ids, topk_weights, w1, w2, w3, saved=None, 
         shared.clear()
     del a_bufs, a_saved
 
-    # Weight gradients (kernel B or _grouped_mm) and kernel C: dw2 first so hw is freed before
-    # kernel C allocates dx_slot; dw1/dw3 last, after the combine, so that under EP the dx rows
-    # travel home while they run (the peak is unchanged: da lives through C either way).
+    # Weight gradients (kernel B or _grouped_mm): dw2 first so hw is freed before kernel C
+    # allocates dx_slot. (Running dw1/dw3 after the combine, so that under EP the dx rows could
+    # travel under them, kept dx alive through dw1/dw3: +256 MiB peak at the 235B shape, EP=2,
+    # docs/PERF.md; not done.)
     order = longest_first(plan)
 
     def launch_dw2(cfg):
@@ -271,6 +270,9 @@ def backward_local(grad_out, x, topk_ids, topk_weights, w1, w2, w3, saved=None, 
     dw2 = launch_dw2(pick_config("bwd_wgrad_dw2", key, b_stage, launch_dw2))
     del hw
     shared.clear()
+    if wait_x is not None:
+        wait_x()
+    dw1, dw3 = launch_dw13(pick_config("bwd_wgrad_dw13", key, b_stage, launch_dw13))
 
     # Kernel C (or _grouped_mm), then the combine. Each side allocates dx_slot [T*K, D] itself
     # (the cuBLAS side only after its second GEMM's output is freed).
@@ -281,11 +283,6 @@ def backward_local(grad_out, x, topk_ids, topk_weights, w1, w2, w3, saved=None, 
 
     dx_slot = launch_c(pick_config("bwd_dgrad_l1", key, stage_candidates(c_cands, D, H, E),
                                    launch_c))
+    del da
     dx, dtw = bwd_combine(dx_slot, part, plan, dx_dtype=x.dtype, dtw_dtype=topk_weights.dtype)
-    del dx_slot, part
-    if after_dx is not None:
-        after_dx(dx, dtw)
-    if wait_x is not None:
-        wait_x()
-    dw1, dw3 = launch_dw13(pick_config("bwd_wgrad_dw13", key, b_stage, launch_dw13))
     return dx, dtw, dw1, dw2, dw3

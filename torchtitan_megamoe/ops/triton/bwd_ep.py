@@ -1,20 +1,20 @@
 """Expert-parallel (EP > 1) backward: the forward's token exchange (ep_route.py), run again for
-x and dy, around the EP=1 backward, overlapped with it:
+x and dy, around the EP=1 backward:
 
     1. dy (with the metadata: local expert ids and weights) goes to every rank owning one of a
        token's experts (same rows as in the forward: the layout depends only on topk_ids);
-       x follows on the side stream, under kernels A, dw2, C and the combine, which do not read
-       it (with saved pre-activations; without them kernel A recomputes GEMM 1 and waits);
+       x follows on the side stream, under kernel A and dw2, which do not read it (with the
+       forward's saved pre-activations; without them kernel A recomputes GEMM 1 and waits);
     2. the EP=1 backward (backward.backward_local) runs on the R*C received tokens: dw1/dw2/dw3
        of this rank's experts are complete there (every row of its experts arrives), and a
        received token's dx row is its partial over this rank's experts;
-    3. as soon as the combine has them, dx partial rows and d(topk_weights) rows start back to
-       their sources on the side stream, under the dw1/dw3 GEMMs; barrier #2 follows those
-       (every read of the receive buffers is behind it); the source sums the dx partials in
-       fp32, fixed rank order, and takes each slot's d(topk_weight) from the rank owning its
-       expert.
-No host sync. Memory per call: the EP=1 backward's transients for R*C tokens, plus the dx
-partial rows [R*C, D] and d(topk_weights) [R*C, K] (kept alive until the return completes).
+    3. dx partial rows and d(topk_weights) rows go back to the source's regions; the source sums
+       the dx partials in fp32, fixed rank order, and takes each slot's d(topk_weight) from the
+       rank owning its expert.
+No host sync. The return (3) is not overlapped: sending dx under dw1/dw3 keeps dx alive through
+them (+256 MiB peak at the 235B shape, EP=2; docs/PERF.md) for no measurable gain at EP=2.
+Memory per call: the EP=1 backward's transients for R*C tokens, plus the dx partial rows
+[R*C, D] and d(topk_weights) [R*C, K].
 """
 
 import torch
@@ -32,19 +32,11 @@ def backward_ep(grad_out, x, topk_ids, topk_weights, w1, w2, w3, group, local_ba
     route.dispatch({"dy": grad_out.contiguous()})
     x_sent = route.dispatch_async({"x": x.contiguous()})
     ids, weights = route.received()
-    returning = []
-
-    def send_back(dx_part, dtw_part):
-        returning.append(route.give_back_async(
-            {"ret": dx_part, "dtw": dtw_part.to(torch.float32).contiguous()}))
-
     dx_part, dtw_part, dw1, dw2, dw3 = local_backward(
         route.recv_rows("dy"), route.recv_rows("x"), ids, weights, w1, w2, w3, saved=saved,
-        wait_x=lambda: route.wait(x_sent), after_dx=send_back,
+        wait_x=lambda: route.wait(x_sent),
     )
     route.wait(x_sent)  # also when local_backward had nothing to compute
-    if not returning:
-        send_back(dx_part, dtw_part)
-    route.give_back_finish(returning[0], ["ret", "dtw"])
+    route.give_back({"ret": dx_part, "dtw": dtw_part.to(torch.float32).contiguous()})
     dx = route.sum_returned("ret", x.dtype)
     return dx, route.pick_returned_dtw(topk_weights.dtype), dw1, dw2, dw3

@@ -18,8 +18,9 @@ The forward (ep_forward.py) and the backward (bwd_ep.py) overlap these moves wit
                rows needed later go on the side stream (dispatch_async, barrier on channel 1)
     exchange   barrier #1: the receive buffers are complete
     compute    EP=1 kernels on recv
-    return     each source's region of partial rows -> send_region(source, "ret"), on the
-               side stream while the compute that does not need them goes on
+    return     each source's region of partial rows -> send_region(source, "ret") (the
+               forward's on the side stream under its last GEMM; the backward's after its
+               combine)
     exchange   barrier #2 (current stream, after the last read of recv): partial rows are
                complete; also orders this call's reads of recv before any peer's next
                dispatch (which follows barrier #2 of this call)
@@ -110,35 +111,19 @@ class TokenRoute:
         ex.exchange(list(rows))
         return None
 
-    def give_back_async(self, rows: dict):
-        """Start returning per-received-token rows (name -> [R*C, W]) to their sources: the
-        copies run on the side stream (under the compute that follows); give_back_finish
-        completes the return. Whole regions travel (identity layout): rows of tokens that had
-        no slot here are never read by the source."""
-        ex = self.ex
-
-        def send():
-            for s in range(self.R):
-                for name, t in rows.items():
-                    ex.send_region(s, name).copy_(t.view(self.R, self.C, -1)[s])
-
-        if ex.overlaps:
-            return ex.run_async(send), rows
-        send()
-        return None
-
-    def give_back_finish(self, pending, names) -> None:
-        """Barrier #2 (current stream) after the copies of give_back_async: the returned rows
-        are complete, and every rank's reads of this call's receive buffers are behind it, so no
-        peer's next dispatch overwrites rows still being read."""
-        self.wait(pending)
-        self.ex.exchange(list(names))
+    def give_back(self, rows: dict) -> None:
+        """Return per-received-token rows (name -> [R*C, W]) to their sources; barrier #2."""
+        for s in range(self.R):
+            for name, t in rows.items():
+                # whole regions (identity layout): rows of tokens that had no slot here are
+                # never read by the source
+                self.ex.send_region(s, name).copy_(t.view(self.R, self.C, -1)[s])
+        self.ex.exchange(list(rows))
 
     def wait(self, pending) -> None:
-        """The current stream waits for a dispatch_async / give_back_async (a no-op for
-        transports that do not overlap). ``pending`` also holds the rows' tensors alive until
-        here, so the caching allocator cannot hand their memory out while the side stream
-        still reads it."""
+        """The current stream waits for a dispatch_async (a no-op for transports that do not
+        overlap). ``pending`` also holds the rows' tensors alive until here, so the caching
+        allocator cannot hand their memory out while the side stream still reads them."""
         if pending is not None:
             torch.cuda.current_stream(self.ex.device).wait_event(pending[0])
 
