@@ -33,9 +33,10 @@ def sm90_buildable(x: torch.Tensor) -> bool:
 
 def sm90_usable(x: torch.Tensor) -> bool:
     """True where the tuner may offer this kernel: buildable and opted in with MEGAMOE_CUDA=1.
-    Opt-in because it does not beat the Triton kernel yet (docs/PERF.md, 2026-11-30 04:xx): the
-    tuner would only spend first-call time on it, and a new persistent kernel with cross-CTA
-    barriers is not one to put on every training run's path before it earns its place."""
+    Opt-in because it does not beat the Triton kernel yet (docs/PERF.md, "A hand-written sm_90a
+    GEMM 1"): the tuner would only spend first-call time on it, and a new persistent kernel with
+    cross-CTA barriers is not one to put on every training run's path before it earns its
+    place."""
     return os.environ.get("MEGAMOE_CUDA", "0") == "1" and sm90_buildable(x)
 
 
@@ -60,12 +61,13 @@ def gemm1_swiglu_sm90(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, plan:
                       h: torch.Tensor, a: torch.Tensor | None = None, group_m: int = 8,
                       cluster: int = 2, defines: tuple = ()) -> None:
     """Writes h (and a, when given) for the rows of ``plan``; see the module docstring.
+
     ``cluster`` 2: pairs of CTAs on neighbouring SMs compute M tiles 2u and 2u+1 and, when both
     belong to one expert, each loads one of the two weight tiles for both (TMA multicast): a
-    third less L2 -> SM traffic, which bounds this kernel at 128x256 tiles. ``group_m``: M
-    tiles (pairs with cluster 2) that sweep one N tile together, 0: one group per wave of
-    resident CTAs. ``defines``: the .cu file's
-    compile-time knobs (MEGAMOE_G1_*), for measuring variants."""
+    third less L2 -> SM traffic per stage (measured: less DRAM traffic, no less time).
+    ``group_m``: M tiles (pairs with cluster 2) that sweep one N tile together; 0: one group
+    per wave of resident CTAs. ``defines``: the .cu file's compile-time knobs (MEGAMOE_G1_*),
+    for measuring variants."""
     E, H, D = w1.shape
     if not shape_supported(H, D, plan.block_m):
         raise ValueError(
@@ -79,6 +81,11 @@ def gemm1_swiglu_sm90(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, plan:
             raise ValueError(f"gemm1_swiglu_sm90: {name} needs unit-stride, 16-byte aligned rows")
     if not (w1.is_contiguous() and w3.is_contiguous()):
         raise ValueError("gemm1_swiglu_sm90: w1 and w3 must be contiguous [E, H, D]")
+    for name in ("row_slot", "tile_expert", "num_rows_used"):
+        t = getattr(plan, name)
+        if t.dtype != torch.int32 or not t.is_contiguous() or t.device != x.device:
+            raise ValueError(f"gemm1_swiglu_sm90: plan.{name} must be contiguous int32 on "
+                             f"{x.device}, got {t.dtype} on {t.device}")
     assert x.shape[1] == D and h.shape == (plan.max_rows, H)
     assert a is None or a.shape == (plan.max_rows, 2 * H)
     lib = _lib(tuple(defines))
