@@ -40,6 +40,9 @@ def main(shape_name: str = "235b") -> None:
         "sm90_c2_promo_none": dict(g1.SM90_CONFIGS[0], DEFINES=("MEGAMOE_G1_L2_PROMOTION=0",)),
         "sm90_c1_lag0": dict(c1, DEFINES=("MEGAMOE_G1_WGMMA_LAG=0",)),
         "sm90_c1_preg56": dict(c1, DEFINES=("MEGAMOE_G1_PRODUCER_REGS=56",)),
+        "sm90_c1_pfence": dict(c1, DEFINES=("MEGAMOE_G1_PRODUCER_FENCE=1",)),
+        "sm90_c1_pfence_lag1": dict(c1, DEFINES=("MEGAMOE_G1_PRODUCER_FENCE=1", "MEGAMOE_G1_WGMMA_LAG=1")),
+        "sm90_c2_pfence": dict(g1.SM90_CONFIGS[0], DEFINES=("MEGAMOE_G1_PRODUCER_FENCE=1",)),
         "sm90_c1_lag0_preg56": dict(c1, DEFINES=("MEGAMOE_G1_WGMMA_LAG=0", "MEGAMOE_G1_PRODUCER_REGS=56")),
         # measuring only (wrong results): which operand's loads miss L2
         "sm90_c1_no_a": dict(c1, DEFINES=("MEGAMOE_G1_LOAD=2",)),

@@ -17,16 +17,19 @@ needs_nvcc = pytest.mark.skipif(build.nvcc_path() is None, reason="needs nvcc")
 
 
 @needs_nvcc
-def test_gemm1_swiglu_sm90_builds_without_spills(tmp_path, monkeypatch):
+@pytest.mark.parametrize("defines", [(), ("MEGAMOE_G1_PRODUCER_FENCE=1", "MEGAMOE_G1_WGMMA_LAG=1")],
+                         ids=["default", "knobs"])
+def test_gemm1_swiglu_sm90_builds_without_spills(tmp_path, monkeypatch, defines):
     monkeypatch.setenv("MEGAMOE_CUDA_CACHE", str(tmp_path))
-    lib_path = build.build("gemm1_swiglu_sm90")
+    lib_path = build.build("gemm1_swiglu_sm90", defines)
     lib = ctypes.CDLL(str(lib_path))  # loads without a GPU (cudart binds the driver lazily)
     assert lib.megamoe_gemm1_swiglu and lib.megamoe_error_string
     log = (lib_path.parent / "build.log").read_text()
     spills = [int(n) for n in re.findall(r"(\d+) bytes spill stores", log)]
     assert spills and max(spills) <= 64, log  # a few bytes of the producer's row pointers
-    # cached: a second build is the same file, not a recompile
-    assert build.build("gemm1_swiglu_sm90") == lib_path
+    # cached: a second build is the same file, not a recompile; other knobs, another file
+    assert build.build("gemm1_swiglu_sm90", defines) == lib_path
+    assert build.build("gemm1_swiglu_sm90", defines + ("MEGAMOE_G1_STAGES=3",)) != lib_path
 
 
 def test_nvcc_missing_names_the_fix(monkeypatch):

@@ -56,25 +56,30 @@ def _nan(shape):
 
 CLUSTERS = pytest.mark.parametrize("cluster", [1, 2], ids=["cta", "cluster2"])
 GROUPS = pytest.mark.parametrize("group_m", [8, 0], ids=["group8", "wave"])
+# compile-time variants of the pipeline (the .cu file's MEGAMOE_G1_* knobs) must be right too
+VARIANTS = pytest.mark.parametrize(
+    "defines", [(), ("MEGAMOE_G1_WGMMA_LAG=1",), ("MEGAMOE_G1_PRODUCER_FENCE=1",)],
+    ids=["default", "lag1", "producer_fence"])
 
 
 @CLUSTERS
 @GROUPS
+@VARIANTS
 @pytest.mark.parametrize("T,K,E,D,H", [(700, 4, 8, 256, 256), (333, 2, 5, 640, 384)],
                          ids=["k_blocks_4", "k_blocks_10"])
-def test_vs_float64_on_uneven_routings(T, K, E, D, H, cluster, group_m):
+def test_vs_float64_on_uneven_routings(T, K, E, D, H, cluster, group_m, defines):
     w1, _, w3 = make_weights(E, D, H, device="cuda")
     x = torch.randn(T, D, device="cuda").bfloat16()
     for name, ids in routings(T, K, E):
         ids = ids.cuda()
         plan = build_plan(ids, E, BM)
         h, a = _nan((plan.max_rows, H)), _nan((plan.max_rows, 2 * H))
-        gemm1_swiglu_sm90(x[: ids.shape[0]], w1, w3, plan, h, a, group_m, cluster)
+        gemm1_swiglu_sm90(x[: ids.shape[0]], w1, w3, plan, h, a, group_m, cluster, defines)
         torch.cuda.synchronize()
         a1, a3, slot = _ref_rows(x[: ids.shape[0]], K, plan, w1, w3)
         _check(h, a, a1, a3, slot)
         h2 = _nan((plan.max_rows, H))
-        gemm1_swiglu_sm90(x[: ids.shape[0]], w1, w3, plan, h2, None, group_m, cluster)  # same h
+        gemm1_swiglu_sm90(x[: ids.shape[0]], w1, w3, plan, h2, None, group_m, cluster, defines)
         used = int(plan.num_rows_used)
         assert torch.equal(h2[:used], h[:used]), name
 

@@ -68,6 +68,13 @@ constexpr int BK = 64;
 #ifndef MEGAMOE_G1_PRODUCER_REGS
 #define MEGAMOE_G1_PRODUCER_REGS 40  // with 232 per consumer: 40 * 128 + 232 * 256 <= 64K
 #endif
+#ifndef MEGAMOE_G1_PRODUCER_FENCE
+// 1: the producer waits for its own gathers one stage later, fences them for the async proxy
+// and then arrives, so the consumers' per-stage fence.proxy.async (a MEMBAR.ALL.CTA +
+// FENCE.VIEW.ASYNC in the SASS, on the tensor cores' critical path) goes away. 0: the gathers
+// arrive by cp.async.mbarrier.arrive.noinc and the consumers fence. (1 is not yet measured.)
+#define MEGAMOE_G1_PRODUCER_FENCE 0
+#endif
 #ifndef MEGAMOE_G1_LOAD
 #define MEGAMOE_G1_LOAD 3  // measuring only: bit 0 loads A (x rows), bit 1 loads B (weights)
 #endif
@@ -169,6 +176,17 @@ __global__ void __launch_bounds__(THREADS, 1)
     const int rg = tid >> 3;  // rows rg, rg + 16, ..., rg + 112
     int stage = 0;
     uint32_t phase = 0;
+    // PRODUCER_FENCE: the full barrier of the last stage whose gathers are issued but not yet
+    // arrived on (0: none). Its arrival waits until the next stage's gathers are issued.
+    uint32_t pending_full = 0;
+    auto flush_pending = [&]() {
+      if (MEGAMOE_G1_PRODUCER_FENCE && pending_full != 0) {
+        cp_async_wait<0>();
+        fence_proxy_async();
+        mbar_arrive(pending_full);
+        pending_full = 0;
+      }
+    };
     for (int u = first_unit; u < num_units; u += unit_stride) {
       int um, pid_n;
       grouped_tile(u, num_um, num_n, group_m, um, pid_n);
@@ -197,6 +215,7 @@ __global__ void __launch_bounds__(THREADS, 1)
         const uint32_t full = full_bar + 8 * stage;
         if (expert < 0) {
           // idle in this unit (the peer is not): complete the stage without data
+          flush_pending();
           mbar_arrive(full);
           if (tid == 0) mbar_arrive(full);
         } else {
@@ -221,7 +240,19 @@ __global__ void __launch_bounds__(THREADS, 1)
                 p.x + (valid ? static_cast<long long>(tok[i]) * p.stride_x : 0) + kb * BK + c * 8;
             cp_async_16(dst, src, valid ? 16 : 0);
           }
-          cp_async_arrive_noinc(full);
+          if (MEGAMOE_G1_PRODUCER_FENCE) {
+            // this stage's gathers stay in flight; the previous stage's have landed once at
+            // most one group is left: make them visible to wgmma, then complete that stage
+            cp_async_commit();
+            if (pending_full != 0) {
+              cp_async_wait<1>();
+              fence_proxy_async();
+              mbar_arrive(pending_full);
+            }
+            pending_full = full;
+          } else {
+            cp_async_arrive_noinc(full);
+          }
         }
         if (++stage == STAGES) {
           stage = 0;
@@ -229,6 +260,7 @@ __global__ void __launch_bounds__(THREADS, 1)
         }
       }
     }
+    flush_pending();
   } else {
     // ---------------- consumers ----------------
     // the register file is 64K: what the producer gives up, the two consumer warpgroups share
@@ -269,7 +301,8 @@ __global__ void __launch_bounds__(THREADS, 1)
       for (int kb = 0; kb < k_blocks; ++kb) {
         mbar_wait(full_bar + 8 * stage, phase);
         if (active) {
-          fence_proxy_async();  // the cp.async rows are generic-proxy writes; wgmma reads async
+          // the cp.async rows are generic-proxy writes; wgmma reads through the async proxy
+          if (!MEGAMOE_G1_PRODUCER_FENCE) fence_proxy_async();
           const uint32_t a_smem = smem_base + stage * STAGE_BYTES + cw * 64 * 128;
           const uint32_t b_smem = smem_base + stage * STAGE_BYTES + A_BYTES;
           wgmma_fence();

@@ -93,6 +93,16 @@ __device__ __forceinline__ void cp_async_arrive_noinc(uint32_t bar) {
   asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" ::"r"(bar) : "memory");
 }
 
+// Closes this thread's cp.async copies issued so far into one group; cp_async_wait<N> waits
+// until at most N of its groups are still in flight.
+__device__ __forceinline__ void cp_async_commit() {
+  asm volatile("cp.async.commit_group;" ::: "memory");
+}
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
+}
+
 // Orders generic-proxy shared-memory writes (cp.async, st.shared) before async-proxy reads
 // (wgmma operands, TMA stores) that follow in this thread.
 __device__ __forceinline__ void fence_proxy_async() {
