@@ -17,6 +17,16 @@ from torchtitan_megamoe.ops.triton.plan import build_plan
 from torchtitan_megamoe.timing import median_ms
 
 
+def _triton(**match) -> dict:
+    """The Triton GEMM 1 candidate with TMA, 3 stages, 128x128 tiles and these fields."""
+    base = dict(BLOCK_N=128, BLOCK_K=64, num_stages=3, USE_TMA=True)
+    for c in g1.GPU_CONFIGS:
+        if all(c.get(k, False) == v for k, v in {**base, **match}.items()) and (
+                "PERSISTENT" in match or not c.get("PERSISTENT")) and not c.get("WARP_SPEC"):
+            return dict(c)
+    raise KeyError(match)
+
+
 def main(shape_name: str = "235b") -> None:
     shape = SHAPES[shape_name]
     D, H, E, K, T = shape["dim"], shape["hidden"], shape["experts"], shape["top_k"], 16384
@@ -28,9 +38,9 @@ def main(shape_name: str = "235b") -> None:
     plan = build_plan(ids, E, 128)
     c1 = dict(g1.SM90_CONFIGS[2])
     variants = {
-        "triton_persistent": dict(g1.GPU_CONFIGS[6]),
-        "triton_persistent_wave": dict(g1.GPU_CONFIGS[8]),
-        "triton_wave": dict(g1.GPU_CONFIGS[9]),
+        "triton_persistent": _triton(GROUP_M=8, PERSISTENT=True),
+        "triton_persistent_wave": _triton(GROUP_M="wave", PERSISTENT=True),
+        "triton_wave": _triton(GROUP_M="wave"),
         **{f"sm90_c{c['CLUSTER']}_g{c['GROUP_M']}": c for c in g1.SM90_CONFIGS},
         # compile-time knobs of csrc/gemm1_swiglu_sm90.cu, one cached build each
         "sm90_c1_promo_none": dict(c1, DEFINES=("MEGAMOE_G1_L2_PROMOTION=0",)),
