@@ -58,8 +58,10 @@ CLUSTERS = pytest.mark.parametrize("cluster", [1, 2], ids=["cta", "cluster2"])
 GROUPS = pytest.mark.parametrize("group_m", [8, 0], ids=["group8", "wave"])
 # compile-time variants of the pipeline (the .cu file's MEGAMOE_G1_* knobs) must be right too
 VARIANTS = pytest.mark.parametrize(
-    "defines", [(), ("MEGAMOE_G1_WGMMA_LAG=1",), ("MEGAMOE_G1_PRODUCER_FENCE=1",)],
-    ids=["default", "lag1", "producer_fence"])
+    "defines", [(), ("MEGAMOE_G1_WGMMA_LAG=1",), ("MEGAMOE_G1_PRODUCER_FENCE=1",),
+                ("MEGAMOE_G1_BK=32", "MEGAMOE_G1_STAGES=8", "MEGAMOE_G1_WGMMA_LAG=1",
+                 "MEGAMOE_G1_PRODUCER_FENCE=1")],
+    ids=["default", "lag1", "producer_fence", "bk32_8stages"])
 
 
 @CLUSTERS

@@ -9,14 +9,16 @@
 // Tile: 128 rows x 128 hidden columns of h. The B operand is the w1 tile (128 rows) stacked on
 // the w3 tile (128 rows): one m64n256k16 wgmma per 16-wide K step gives a1 in accumulator
 // columns [0, 128) and a3 in [128, 256), so a thread holds a1 and a3 of the same (row, col).
-// K steps of 64 (one 128-byte swizzle atom); STAGES-deep ring of [A 16 KiB | B 32 KiB].
+// K steps of 64 (rows of 128 bytes, 128-byte swizzle); STAGES-deep ring of [A 16 KiB | B 32 KiB].
+// MEGAMOE_G1_BK=32 halves the K step (64-byte rows and swizzle, [A 8 KiB | B 16 KiB] stages), so
+// twice the stages fit in the same shared memory.
 //
 // Roles (384 threads, one CTA per SM, persistent over the tiles of the used rows, which are
 // read on device, so no host sync):
 //   warpgroup 0 (producer, 40 registers): per stage, waits `empty[s]`, then
 //       - thread 0: arrive.expect_tx(full[s], 32 KiB) and two TMA loads (w1, w3 tiles);
 //       - all 128 threads: 8 cp.async of 16 bytes each (the gathered x rows, written in the
-//         128-byte swizzle pattern the wgmma descriptor expects), then
+//         swizzle pattern the wgmma descriptor expects), then
 //         cp.async.mbarrier.arrive.noinc(full[s]).
 //     full[s] completes after 129 arrivals and 32 KiB of TMA bytes.
 //   warpgroups 1, 2 (consumers, 232 registers): rows [0, 64) and [64, 128) of the tile. Per
@@ -51,7 +53,15 @@ namespace gemm1 {
 
 constexpr int BM = 128;
 constexpr int BN = 128;
-constexpr int BK = 64;
+#ifndef MEGAMOE_G1_BK
+#define MEGAMOE_G1_BK 64  // K step: 64 (128-byte swizzle rows) or 32 (64-byte; pair with 8 stages)
+#endif
+constexpr int BK = MEGAMOE_G1_BK;
+static_assert(BK == 64 || BK == 32, "MEGAMOE_G1_BK must be 64 or 32");
+constexpr int ROW_BYTES = BK * 2;       // one K step of one row, the swizzle span
+constexpr int CHUNKS = ROW_BYTES / 16;  // 16-byte cp.async chunks per row
+constexpr int ROWS_PER_PASS = 128 / CHUNKS;  // rows the producer's 128 threads gather at once
+constexpr int PASSES = BM / ROWS_PER_PASS;
 // Compile-time knobs (ops/cuda/build.py passes -D defines; each set is its own cached build):
 #ifndef MEGAMOE_G1_STAGES
 #define MEGAMOE_G1_STAGES 4  // ring depth: 4 x 48 KiB of the 227 KiB of shared memory
@@ -123,7 +133,7 @@ __global__ void __launch_bounds__(THREADS, 1)
     gemm1_swiglu_kernel(const __grid_constant__ CUtensorMap w1_map,
                         const __grid_constant__ CUtensorMap w3_map, const Params p) {
   extern __shared__ __align__(1024) uint8_t smem_raw[];
-  // the 128-byte swizzle needs 1024-byte aligned tiles
+  // the swizzled tiles need their 8-row groups aligned (1024 bytes covers both swizzles)
   uint8_t* smem = reinterpret_cast<uint8_t*>(
       (reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~static_cast<uintptr_t>(1023));
   const uint32_t smem_base = smem_u32(smem);
@@ -172,8 +182,8 @@ __global__ void __launch_bounds__(THREADS, 1)
   if (wg == 0) {
     // ---------------- producer ----------------
     setmaxnreg_dec<MEGAMOE_G1_PRODUCER_REGS>();
-    const int c = tid & 7;    // 16-byte chunk of a 128-byte row slice
-    const int rg = tid >> 3;  // rows rg, rg + 16, ..., rg + 112
+    const int c = tid & (CHUNKS - 1);                              // 16-byte chunk of a row's K step
+    const int rg = static_cast<int>(static_cast<unsigned>(tid) / CHUNKS);  // rows rg, rg + ROWS_PER_PASS, ...
     int stage = 0;
     uint32_t phase = 0;
     // PRODUCER_FENCE: the full barrier of the last stage whose gathers are issued but not yet
@@ -202,10 +212,10 @@ __global__ void __launch_bounds__(THREADS, 1)
       const int expert = e[rank];
       const int pid_m = um * CLUSTER + rank;
       const int w_row = expert * p.H + pid_n * BN;
-      int tok[8];
+      int tok[PASSES];
 #pragma unroll
-      for (int i = 0; i < 8; ++i) {
-        const int slot = expert >= 0 ? p.row_slot[pid_m * BM + i * 16 + rg] : -1;
+      for (int i = 0; i < PASSES; ++i) {
+        const int slot = expert >= 0 ? p.row_slot[pid_m * BM + i * ROWS_PER_PASS + rg] : -1;
         tok[i] = slot >= 0 ? slot / p.top_k : -1;
       }
       for (int kb = 0; kb < k_blocks; ++kb) {
@@ -232,9 +242,9 @@ __global__ void __launch_bounds__(THREADS, 1)
             }
           }
 #pragma unroll
-          for (int i = 0; i < 8; ++i) {
-            const int r = i * 16 + rg;
-            const uint32_t dst = a_smem + r * 128 + ((c ^ (r & 7)) << 4);
+          for (int i = 0; i < PASSES; ++i) {
+            const int r = i * ROWS_PER_PASS + rg;
+            const uint32_t dst = a_smem + swizzled_offset<ROW_BYTES>(r, c);
             const bool valid = LOAD_A && tok[i] >= 0;
             const __nv_bfloat16* src =
                 p.x + (valid ? static_cast<long long>(tok[i]) * p.stride_x : 0) + kb * BK + c * 8;
@@ -303,13 +313,14 @@ __global__ void __launch_bounds__(THREADS, 1)
         if (active) {
           // the cp.async rows are generic-proxy writes; wgmma reads through the async proxy
           if (!MEGAMOE_G1_PRODUCER_FENCE) fence_proxy_async();
-          const uint32_t a_smem = smem_base + stage * STAGE_BYTES + cw * 64 * 128;
+          const uint32_t a_smem = smem_base + stage * STAGE_BYTES + cw * 64 * ROW_BYTES;
           const uint32_t b_smem = smem_base + stage * STAGE_BYTES + A_BYTES;
           wgmma_fence();
 #pragma unroll
           for (int k = 0; k < BK / 16; ++k) {
-            wgmma_m64n256k16(acc, smem_desc_sw128(a_smem + k * 32),
-                             smem_desc_sw128(b_smem + k * 32), (kb > 0 || k > 0) ? 1 : 0);
+            wgmma_m64n256k16(acc, smem_desc_swizzled<ROW_BYTES>(a_smem + k * 32),
+                             smem_desc_swizzled<ROW_BYTES>(b_smem + k * 32),
+                             (kb > 0 || k > 0) ? 1 : 0);
           }
           wgmma_commit();
           // keep this batch queued on the tensor cores while the previous one retires, then
@@ -375,8 +386,8 @@ typedef CUresult (*EncodeTiled)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, v
                                 const cuuint32_t*, CUtensorMapInterleave, CUtensorMapSwizzle,
                                 CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
 
-// Tensor map of a [rows, cols] row-major bf16 matrix, boxes of box_rows x 64 columns, 128-byte
-// swizzle (the layout smem_desc_sw128 describes).
+// Tensor map of a [rows, cols] row-major bf16 matrix, boxes of box_rows x BK columns, stored with
+// the ROW_BYTES swizzle (the layout smem_desc_swizzled describes).
 static int make_map(CUtensorMap* map, const void* ptr, long long rows, long long cols,
                     int box_rows) {
   static EncodeTiled encode = nullptr;
@@ -394,7 +405,7 @@ static int make_map(CUtensorMap* map, const void* ptr, long long rows, long long
   cuuint32_t estr[2] = {1, 1};
   CUresult r = encode(map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, const_cast<void*>(ptr), dims,
                       strides, box, estr, CU_TENSOR_MAP_INTERLEAVE_NONE,
-                      CU_TENSOR_MAP_SWIZZLE_128B,
+                      ROW_BYTES == 128 ? CU_TENSOR_MAP_SWIZZLE_128B : CU_TENSOR_MAP_SWIZZLE_64B,
                       static_cast<CUtensorMapL2promotion>(MEGAMOE_G1_L2_PROMOTION),
                       CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
   return r == CUDA_SUCCESS ? 0 : -2;

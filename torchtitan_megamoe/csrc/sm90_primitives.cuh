@@ -138,16 +138,26 @@ __device__ __forceinline__ void tma_prefetch_desc(const CUtensorMap* map) {
 
 // ---- wgmma ----------------------------------------------------------------------------------
 
-// Descriptor of a K-major operand tile in shared memory laid out by the 128-byte swizzle (rows
-// of 64 bf16, 8-row groups of 1024 bytes; base 1024-byte aligned). Advancing along K inside the
-// 64-wide atom is +32 bytes on the start address: the hardware applies the swizzle to the
-// computed addresses, as the TMA did when it stored the tile.
-__device__ __forceinline__ uint64_t smem_desc_sw128(uint32_t addr) {
+// Descriptor of a K-major operand tile in shared memory laid out by the ROW_BYTES-byte swizzle
+// (rows of ROW_BYTES / 2 bf16, 8-row groups of 8 * ROW_BYTES bytes, base aligned to such a
+// group; ROW_BYTES 128 or 64). Advancing along K inside a row is +32 bytes per 16 elements on
+// the start address: the hardware applies the swizzle to the computed addresses, as the TMA
+// did when it stored the tile.
+template <int ROW_BYTES>
+__device__ __forceinline__ uint64_t smem_desc_swizzled(uint32_t addr) {
+  static_assert(ROW_BYTES == 128 || ROW_BYTES == 64, "128- or 64-byte swizzle");
   uint64_t desc = (addr & 0x3FFFF) >> 4;
-  desc |= static_cast<uint64_t>(1) << 16;           // leading byte offset (unused here)
-  desc |= static_cast<uint64_t>(1024 >> 4) << 32;   // stride byte offset: next 8-row group
-  desc |= static_cast<uint64_t>(1) << 62;           // swizzle mode: 128 bytes
+  desc |= static_cast<uint64_t>(1) << 16;                      // leading byte offset (unused)
+  desc |= static_cast<uint64_t>(8 * ROW_BYTES >> 4) << 32;     // stride: next 8-row group
+  desc |= static_cast<uint64_t>(ROW_BYTES == 128 ? 1 : 2) << 62;  // swizzle mode
   return desc;
+}
+
+// Byte offset of 16-byte chunk c of row r in a tile stored with the ROW_BYTES-byte swizzle:
+// address bits [4, 7) (the chunk) are XORed with bits [7, 10) of the unswizzled offset.
+template <int ROW_BYTES>
+__device__ __forceinline__ uint32_t swizzled_offset(int r, int c) {
+  return r * ROW_BYTES + ((c ^ ((r * ROW_BYTES >> 7) & (ROW_BYTES / 16 - 1))) << 4);
 }
 
 __device__ __forceinline__ void wgmma_fence() {
