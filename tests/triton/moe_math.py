@@ -12,6 +12,20 @@ def make_weights(E, D, H, dtype=torch.bfloat16, device="cpu", seed=0):
     return w1, w2, w3
 
 
+def random_moe(N, K, E, D, H, seed):
+    """Random bf16 tokens x [N, D] and experts, fp32 routing weights [N, K] and K distinct
+    expert ids per token, plus the generator (callers draw their routing edits from it).
+    Returns (g, x, w1, w2, w3, weights, ids)."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(N, D, generator=g).bfloat16()
+    w1 = (torch.randn(E, H, D, generator=g) / D**0.5).bfloat16()
+    w3 = (torch.randn(E, H, D, generator=g) / D**0.5).bfloat16()
+    w2 = (torch.randn(E, D, H, generator=g) / H**0.5).bfloat16()
+    w = torch.rand(N, K, generator=g)
+    ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(N)])
+    return g, x, w1, w2, w3, w, ids
+
+
 def routings(T, K, E, seed=0):
     """(name, topk_ids) covering the uneven cases the kernels must get right."""
     g = torch.Generator().manual_seed(seed)

@@ -10,6 +10,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(__file__))
 from ranks import run_ranks  # noqa: E402
+from moe_math import random_moe  # noqa: E402
 from test_bwd_oracle import grads64, rel_err, same_bits  # noqa: E402
 
 R, T, K, E, D, H = 2, 11, 3, 6, 24, 16
@@ -17,13 +18,7 @@ NAMES = ("dx", "dtopk_weights", "dw1", "dw2", "dw3")
 
 
 def _inputs():
-    g = torch.Generator().manual_seed(11)
-    x = torch.randn(R * T, D, generator=g).bfloat16()
-    w1 = (torch.randn(E, H, D, generator=g) / D**0.5).bfloat16()
-    w3 = (torch.randn(E, H, D, generator=g) / D**0.5).bfloat16()
-    w2 = (torch.randn(E, D, H, generator=g) / H**0.5).bfloat16()
-    w = torch.rand(R * T, K, generator=g)
-    ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(R * T)])
+    g, x, w1, w2, w3, w, ids = random_moe(R * T, K, E, D, H, seed=11)
     ids[ids == 4] = 1  # expert 4 (rank 1) empty, expert 1 (rank 0) heavy
     ids[:, 2] = torch.where(torch.rand(R * T, generator=g) < 0.4, -1, ids[:, 2])
     ids[T:] = torch.where(ids[T:] >= 3, ids[T:] - 3, ids[T:])  # rank 1 sends every row to rank 0

@@ -11,7 +11,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(__file__))
 from ranks import run_ranks  # noqa: E402
-from moe_math import moe_f64, rel_err  # noqa: E402
+from moe_math import moe_f64, random_moe, rel_err  # noqa: E402
 
 from torchtitan_megamoe.ops.triton.sum_partials import sum_partials  # noqa: E402
 
@@ -45,14 +45,8 @@ T_RANK = (9, 4)  # unequal batches: capacity is the group's largest
 
 
 def _inputs(seed=7):
-    g = torch.Generator().manual_seed(seed)
     T = sum(T_RANK)
-    x = torch.randn(T, D, generator=g).bfloat16()
-    w1 = (torch.randn(E, H, D, generator=g) / D**0.5).bfloat16()
-    w3 = (torch.randn(E, H, D, generator=g) / D**0.5).bfloat16()
-    w2 = (torch.randn(E, D, H, generator=g) / H**0.5).bfloat16()
-    w = torch.rand(T, K, generator=g)
-    ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)])
+    _, x, w1, w2, w3, w, ids = random_moe(T, K, E, D, H, seed)
     ids[2] = torch.tensor([0, 1, 2])  # a token whose experts are all on rank 0
     ids[3] = -1  # a token with every slot dropped
     ids[T_RANK[0]:, 0] = 5  # every rank-1 token uses rank 1's expert 5
@@ -119,13 +113,7 @@ def _nccl_worker(rank, init_file, result_file):
     torch.cuda.set_device(rank)
     dist.init_process_group("nccl", init_method=f"file://{init_file}", rank=rank, world_size=R)
     Tg, Kg, Eg, Dg, Hg = 200, 8, 16, 256, 128
-    g = torch.Generator().manual_seed(3)
-    x = torch.randn(R * Tg, Dg, generator=g).bfloat16()
-    w1 = (torch.randn(Eg, Hg, Dg, generator=g) / Dg**0.5).bfloat16()
-    w3 = (torch.randn(Eg, Hg, Dg, generator=g) / Dg**0.5).bfloat16()
-    w2 = (torch.randn(Eg, Dg, Hg, generator=g) / Hg**0.5).bfloat16()
-    w = torch.rand(R * Tg, Kg, generator=g)
-    ids = torch.stack([torch.randperm(Eg, generator=g)[:Kg] for _ in range(R * Tg)])
+    _, x, w1, w2, w3, w, ids = random_moe(R * Tg, Kg, Eg, Dg, Hg, seed=3)
     ids[::7, 1] = -1
     ref = moe_f64(x[rank * Tg:(rank + 1) * Tg], ids[rank * Tg:(rank + 1) * Tg],
                   w[rank * Tg:(rank + 1) * Tg], w1, w2, w3)

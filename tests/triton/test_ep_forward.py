@@ -10,19 +10,13 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(__file__))
 from ranks import run_ranks  # noqa: E402
-from moe_math import moe_f64, rel_err  # noqa: E402
+from moe_math import moe_f64, random_moe, rel_err  # noqa: E402
 
 R = 2
 
 
 def _inputs(T, K, E, D, H, seed=5):
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(R * T, D, generator=g).bfloat16()
-    w1 = (torch.randn(E, H, D, generator=g) / D**0.5).bfloat16()
-    w3 = (torch.randn(E, H, D, generator=g) / D**0.5).bfloat16()
-    w2 = (torch.randn(E, D, H, generator=g) / H**0.5).bfloat16()
-    w = torch.rand(R * T, K, generator=g)
-    ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(R * T)])
+    g, x, w1, w2, w3, w, ids = random_moe(R * T, K, E, D, H, seed)
     half = E // R
     ids[ids == half + 1] = 1  # one of rank 1's experts empty, one of rank 0's heavy
     ids[:, -1] = torch.where(torch.rand(R * T, generator=g) < 0.4, -1, ids[:, -1])

@@ -11,6 +11,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(__file__))
 from ranks import run_ranks  # noqa: E402
+from moe_math import random_moe  # noqa: E402
 from test_bwd_oracle import grads64, rel_err  # noqa: E402
 
 R, T, K, E, D, H = 2, 40, 2, 6, 64, 16
@@ -18,13 +19,7 @@ NAMES = ("dx", "dtopk_weights", "dw1", "dw2", "dw3")
 
 
 def _inputs():
-    g = torch.Generator().manual_seed(21)
-    x = torch.randn(R * T, D, generator=g).bfloat16()
-    w1 = (torch.randn(E, H, D, generator=g) / D**0.5).bfloat16()
-    w3 = (torch.randn(E, H, D, generator=g) / D**0.5).bfloat16()
-    w2 = (torch.randn(E, D, H, generator=g) / H**0.5).bfloat16()
-    tw = torch.rand(R * T, K, generator=g)
-    ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(R * T)])
+    g, x, w1, w2, w3, tw, ids = random_moe(R * T, K, E, D, H, seed=21)
     ids[::5, 1] = -1
     ids[T:T + 8] = torch.tensor([4, -1])  # some of rank 1's tokens only to its own expert
     dy = torch.randn(R * T, D, generator=g).bfloat16()

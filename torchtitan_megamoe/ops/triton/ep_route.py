@@ -72,16 +72,19 @@ class TokenRoute:
         for d in range(self.R):
             self.ex.send_region(d, "meta").copy_(self.meta[d])
 
-    def dispatch(self, rows: dict) -> None:
-        """Send token rows (name -> [T, W]) and the metadata; then barrier #1."""
-        ex = self.ex
-        self.send_meta()
+    def _send_rows(self, rows: dict) -> None:
+        """Store token rows (name -> [T, W]) in every destination's region (no barrier): the
+        whole batch as one contiguous copy each (copy engines; identity layout), rows of
+        tokens without a slot on d travel too and are never read there."""
         for d in range(self.R):
             for name, t in rows.items():
-                # the whole batch as one contiguous copy (copy engines; identity layout):
-                # rows of tokens without a slot on d travel too and are never read there
-                ex.send_region(d, name)[: self.T].copy_(t)
-        ex.exchange(["meta", *rows])
+                self.ex.send_region(d, name)[: self.T].copy_(t)
+
+    def dispatch(self, rows: dict) -> None:
+        """Send token rows (name -> [T, W]) and the metadata; then barrier #1."""
+        self.send_meta()
+        self._send_rows(rows)
+        self.ex.exchange(["meta", *rows])
 
     def received(self):
         """(ids [R*C, K] local expert ids or -1, weights [R*C, K] fp32) of the received tokens."""
@@ -99,15 +102,9 @@ class TokenRoute:
         transport that does not overlap sends them now, exchange included. The caller's
         earlier dispatch carried the metadata."""
         ex = self.ex
-
-        def send():
-            for d in range(self.R):
-                for name, t in rows.items():
-                    ex.send_region(d, name)[: self.T].copy_(t)
-
         if ex.overlaps:
-            return ex.run_async(send, barrier=True), rows
-        send()
+            return ex.run_async(lambda: self._send_rows(rows), barrier=True), rows
+        self._send_rows(rows)
         ex.exchange(list(rows))
         return None
 
