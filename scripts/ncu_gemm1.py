@@ -53,6 +53,13 @@ def main(shape_name: str = "235b") -> None:
         "sm90_c1_pfence": dict(c1, DEFINES=("MEGAMOE_G1_PRODUCER_FENCE=1",)),
         "sm90_c1_pfence_lag1": dict(c1, DEFINES=("MEGAMOE_G1_PRODUCER_FENCE=1", "MEGAMOE_G1_WGMMA_LAG=1")),
         "sm90_c2_pfence": dict(g1.SM90_CONFIGS[0], DEFINES=("MEGAMOE_G1_PRODUCER_FENCE=1",)),
+        "sm90_c1_lag1": dict(c1, DEFINES=("MEGAMOE_G1_WGMMA_LAG=1",)),
+        "sm90_c2_lag1": dict(g1.SM90_CONFIGS[0], DEFINES=("MEGAMOE_G1_WGMMA_LAG=1",)),
+        "sm90_c2_pfence_lag1": dict(g1.SM90_CONFIGS[0], DEFINES=(
+            "MEGAMOE_G1_PRODUCER_FENCE=1", "MEGAMOE_G1_WGMMA_LAG=1")),
+        "sm90_c1_bk32_lag1": dict(c1, DEFINES=(
+            "MEGAMOE_G1_BK=32", "MEGAMOE_G1_STAGES=8", "MEGAMOE_G1_WGMMA_LAG=1")),
+        "sm90_c1_wave_lag1": dict(g1.SM90_CONFIGS[3], DEFINES=("MEGAMOE_G1_WGMMA_LAG=1",)),
         "sm90_c1_bk32": dict(c1, DEFINES=("MEGAMOE_G1_BK=32", "MEGAMOE_G1_STAGES=8")),
         "sm90_c1_bk32_lag1_pfence": dict(c1, DEFINES=(
             "MEGAMOE_G1_BK=32", "MEGAMOE_G1_STAGES=8", "MEGAMOE_G1_WGMMA_LAG=1",

@@ -293,61 +293,67 @@ __global__ void __launch_bounds__(THREADS, 1)
       const bool active = e[rank] >= 0;
       const int pid_m = um * CLUSTER + rank;
       // Frees a ring slot in every CTA of the cluster (the peer's producer may multicast into
-      // it): the whole warpgroup is past the slot before its one arrival per CTA.
-      auto release = [&](int s) {
+      // it): the whole warpgroup is past the slot before its one arrival per CTA. The arrivals
+      // are predicated instructions, not a branch (see mbar_wait), so a wgmma batch can stay in
+      // flight across a release.
+      auto release = [&](int s, bool pred) {
         named_barrier(1 + cw, 128);
-        if (tid % 128 == 0) {
+        pred = pred && tid % 128 == 0;
+        if constexpr (CLUSTER == 1) {
+          mbar_arrive_if(empty_bar + 8 * s, pred);
+        } else {
 #pragma unroll
-          for (int r = 0; r < CLUSTER; ++r) {
-            if (r == static_cast<int>(rank)) {
-              mbar_arrive(empty_bar + 8 * s);
-            } else {
-              mbar_arrive_cluster(empty_bar + 8 * s, r);
-            }
-          }
+          for (int r = 0; r < CLUSTER; ++r) mbar_arrive_cluster_if(empty_bar + 8 * s, r, pred);
         }
       };
-      int in_flight = -1;  // slot whose wgmmas may still read shared memory
-      for (int kb = 0; kb < k_blocks; ++kb) {
-        mbar_wait(full_bar + 8 * stage, phase);
-        if (active) {
-          // the cp.async rows are generic-proxy writes; wgmma reads through the async proxy
-          if (!MEGAMOE_G1_PRODUCER_FENCE) fence_proxy_async();
-          const uint32_t a_smem = smem_base + stage * STAGE_BYTES + cw * 64 * ROW_BYTES;
-          const uint32_t b_smem = smem_base + stage * STAGE_BYTES + A_BYTES;
-          wgmma_fence();
-#pragma unroll
-          for (int k = 0; k < BK / 16; ++k) {
-            wgmma_m64n256k16(acc, smem_desc_swizzled<ROW_BYTES>(a_smem + k * 32),
-                             smem_desc_swizzled<ROW_BYTES>(b_smem + k * 32),
-                             (kb > 0 || k > 0) ? 1 : 0);
-          }
-          wgmma_commit();
-          // keep this batch queued on the tensor cores while the previous one retires, then
-          // free the previous batch's slot
-          if (MEGAMOE_G1_WGMMA_LAG) {
-            wgmma_wait<1>();
-            if (in_flight >= 0) release(in_flight);
-            in_flight = stage;
-          } else {
-            wgmma_wait<0>();
-            release(stage);
-          }
-        } else {
-          release(stage);
-        }
+      auto advance = [&]() {
         if (++stage == STAGES) {
           stage = 0;
           phase ^= 1;
         }
+      };
+      if (!active) {
+        // idle in this unit (the peer is not): pass every stage on
+        for (int kb = 0; kb < k_blocks; ++kb) {
+          mbar_wait(full_bar + 8 * stage, phase);
+          release(stage, true);
+          advance();
+        }
+        continue;
       }
-      if (active) {
-        wgmma_wait<0>();
+      // The whole wgmma pipeline of the tile sits on one path: no branch between a batch's
+      // issue and its wait (ptxas would serialize the wgmmas otherwise).
+      int prev = stage;
+      for (int kb = 0; kb < k_blocks; ++kb) {
+        mbar_wait(full_bar + 8 * stage, phase);
+        // the cp.async rows are generic-proxy writes; wgmma reads through the async proxy
+        if (!MEGAMOE_G1_PRODUCER_FENCE) fence_proxy_async();
+        const uint32_t a_smem = smem_base + stage * STAGE_BYTES + cw * 64 * ROW_BYTES;
+        const uint32_t b_smem = smem_base + stage * STAGE_BYTES + A_BYTES;
+        wgmma_fence();
 #pragma unroll
-        for (int i = 0; i < 128; ++i) fence_reg(acc[i]);
-        if (in_flight >= 0) release(in_flight);  // lag 0 freed every slot already
+        for (int k = 0; k < BK / 16; ++k) {
+          wgmma_m64n256k16(acc, smem_desc_swizzled<ROW_BYTES>(a_smem + k * 32),
+                           smem_desc_swizzled<ROW_BYTES>(b_smem + k * 32),
+                           (kb > 0 || k > 0) ? 1 : 0);
+        }
+        wgmma_commit();
+        if (MEGAMOE_G1_WGMMA_LAG) {
+          // keep this batch queued on the tensor cores while the previous one retires, then
+          // free the previous batch's slot
+          wgmma_wait<1>();
+          release(prev, kb > 0);
+        } else {
+          wgmma_wait<0>();
+          release(stage, true);
+        }
+        prev = stage;
+        advance();
       }
-      if (!active) continue;
+      wgmma_wait<0>();
+#pragma unroll
+      for (int i = 0; i < 128; ++i) fence_reg(acc[i]);
+      if (MEGAMOE_G1_WGMMA_LAG) release(prev, true);  // lag 0 freed every slot already
       // Epilogue. Accumulator register 4j + q of thread (warp, lane) holds row
       // 16 warp + lane/4 + 8 (q/2) and column 8j + 2 (lane%4) + q%2 of the 64x256 block; j < 16
       // is a1, j >= 16 the a3 of column 8 (j - 16) + ...

@@ -35,18 +35,27 @@ __device__ __forceinline__ void mbar_arrive_expect_tx(uint32_t bar, uint32_t byt
 }
 
 // Spins until the phase of parity `parity` has completed (parity 1 of a fresh barrier counts as
-// completed, which lets producers start on empty slots).
+// completed, which lets producers start on empty slots). The loop lives inside the PTX: a C++
+// loop around try_wait is a branch ptxas cannot prove uniform, and a wgmma batch left in flight
+// across it gets serialized (ptxas C7518, "WG.DP in divergent path").
 __device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
-  uint32_t done = 0;
-  do {
-    asm volatile(
-        "{\n.reg .pred p;\n"
-        "mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
-        "selp.u32 %0, 1, 0, p;\n}\n"
-        : "=r"(done)
-        : "r"(bar), "r"(parity)
-        : "memory");
-  } while (!done);
+  asm volatile(
+      "{\n.reg .pred p;\n"
+      "WAIT:\n"
+      "mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n"
+      "@!p bra WAIT;\n}\n" ::"r"(bar),
+      "r"(parity)
+      : "memory");
+}
+
+// mbar_arrive by the threads whose `pred` is set, as one predicated instruction (no branch, for
+// the same reason as above).
+__device__ __forceinline__ void mbar_arrive_if(uint32_t bar, bool pred) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %1, 0;\n"
+      "@p mbarrier.arrive.shared::cta.b64 _, [%0];\n}\n" ::"r"(bar),
+      "r"(static_cast<uint32_t>(pred))
+      : "memory");
 }
 
 // ---- clusters ------------------------------------------------------------------------------
@@ -63,14 +72,19 @@ __device__ __forceinline__ void cluster_sync() {
                ::: "memory");
 }
 
-// Arrival on the barrier at the same shared-memory offset in CTA `cta` of the cluster. Default
+// Arrival (by the threads whose `pred` is set) on the barrier at the same shared-memory offset
+// in CTA `cta` of the cluster (this CTA's own included). Default
 // (.cta) release semantics: the arrival only says "this slot's smem reads are done" (the wgmma
 // that read it completed), so it need not wait for this thread's global stores as a
 // cluster-scope release would.
-__device__ __forceinline__ void mbar_arrive_cluster(uint32_t bar, uint32_t cta) {
+__device__ __forceinline__ void mbar_arrive_cluster_if(uint32_t bar, uint32_t cta, bool pred) {
   uint32_t remote;
   asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(bar), "r"(cta));
-  asm volatile("mbarrier.arrive.shared::cluster.b64 _, [%0];" ::"r"(remote) : "memory");
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %1, 0;\n"
+      "@p mbarrier.arrive.shared::cluster.b64 _, [%0];\n}\n" ::"r"(remote),
+      "r"(static_cast<uint32_t>(pred))
+      : "memory");
 }
 
 // Named barrier over `threads` threads (a warpgroup: 128) with id 1..15 (0 is __syncthreads).
