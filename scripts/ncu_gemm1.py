@@ -54,6 +54,11 @@ def main(shape_name: str = "235b") -> None:
         "sm90_c1_pfence_lag1": dict(c1, DEFINES=("MEGAMOE_G1_PRODUCER_FENCE=1", "MEGAMOE_G1_WGMMA_LAG=1")),
         "sm90_c2_pfence": dict(g1.SM90_CONFIGS[0], DEFINES=("MEGAMOE_G1_PRODUCER_FENCE=1",)),
         "sm90_c1_lag1": dict(c1, DEFINES=("MEGAMOE_G1_WGMMA_LAG=1",)),
+        # every gridDim-th tile instead of the global ticket (the order before 2026-11-30 06:xx)
+        "sm90_c1_static": dict(c1, STATIC=True),
+        "sm90_c1_static_lag1": dict(c1, STATIC=True, DEFINES=("MEGAMOE_G1_WGMMA_LAG=1",)),
+        "sm90_c1_g16_lag1": dict(c1, GROUP_M=16, DEFINES=("MEGAMOE_G1_WGMMA_LAG=1",)),
+        "sm90_c1_g4_lag1": dict(c1, GROUP_M=4, DEFINES=("MEGAMOE_G1_WGMMA_LAG=1",)),
         "sm90_c2_lag1": dict(g1.SM90_CONFIGS[0], DEFINES=("MEGAMOE_G1_WGMMA_LAG=1",)),
         "sm90_c2_pfence_lag1": dict(g1.SM90_CONFIGS[0], DEFINES=(
             "MEGAMOE_G1_PRODUCER_FENCE=1", "MEGAMOE_G1_WGMMA_LAG=1")),

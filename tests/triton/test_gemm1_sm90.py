@@ -127,3 +127,8 @@ def test_real_30b_shape_matches_triton_and_float64(cluster):
     h2 = _nan((plan.max_rows, H))
     gemm1_swiglu_sm90(x, w1, w3, plan, h2, cluster=cluster)
     assert torch.equal(h2[:used], h[:used]), "two runs must be bitwise identical"
+    if cluster == 1:
+        # the tile order (global ticket or static stride) must not change any tile's result
+        h3 = _nan((plan.max_rows, H))
+        gemm1_swiglu_sm90(x, w1, w3, plan, h3, cluster=1, dynamic=False)
+        assert torch.equal(h3[:used], h[:used]), "static and dynamic tile orders differ"

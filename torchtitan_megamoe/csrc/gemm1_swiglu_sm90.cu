@@ -95,7 +95,8 @@ constexpr int A_BYTES = BM * BK * 2;
 constexpr int B_BYTES = 2 * BN * BK * 2;
 constexpr int STAGE_BYTES = A_BYTES + B_BYTES;
 constexpr int THREADS = 384;
-constexpr int SMEM_BYTES = STAGES * STAGE_BYTES + 2 * STAGES * 8 + 1024;  // + barriers, align
+// + ring barriers, the tile scheduler's 2-slot ring (4 barriers, 2 ids), alignment
+constexpr int SMEM_BYTES = STAGES * STAGE_BYTES + 2 * STAGES * 8 + 64 + 1024;
 
 struct Params {
   const __nv_bfloat16* x;
@@ -109,6 +110,7 @@ struct Params {
   int top_k;
   int plan_bm;
   int group_m;
+  int* ticket;  // dynamic tile order: a zeroed int the CTAs take unit numbers from; nullptr: static
   long long stride_x;
   long long stride_h;
   long long stride_a;
@@ -139,6 +141,12 @@ __global__ void __launch_bounds__(THREADS, 1)
   const uint32_t smem_base = smem_u32(smem);
   const uint32_t full_bar = smem_base + STAGES * STAGE_BYTES;
   const uint32_t empty_bar = full_bar + STAGES * 8;
+  // tile scheduler ring (dynamic order): unit ids the producer fetched, 2 slots
+  const uint32_t unit_full = empty_bar + STAGES * 8;
+  const uint32_t unit_empty = unit_full + 2 * 8;
+  volatile int* unit_id = reinterpret_cast<volatile int*>(smem + STAGES * STAGE_BYTES +
+                                                          2 * STAGES * 8 + 4 * 8);
+  const bool dynamic = CLUSTER == 1 && p.ticket != nullptr;
 
   const int tid = threadIdx.x;
   const int wg = tid / 128;
@@ -147,6 +155,10 @@ __global__ void __launch_bounds__(THREADS, 1)
     for (int s = 0; s < STAGES; ++s) {
       mbar_init(full_bar + 8 * s, 128 + 1);
       mbar_init(empty_bar + 8 * s, 2 * CLUSTER);  // one per consumer warpgroup of each CTA
+    }
+    for (int s = 0; s < 2; ++s) {
+      mbar_init(unit_full + 8 * s, 1);   // the producer's thread 0 published unit_id[s]
+      mbar_init(unit_empty + 8 * s, 2);  // both consumer warpgroups have read it
     }
     mbar_init_fence();
     tma_prefetch_desc(&w1_map);
@@ -169,6 +181,14 @@ __global__ void __launch_bounds__(THREADS, 1)
   const int first_unit = blockIdx.x / CLUSTER;
   const int unit_stride = gridDim.x / CLUSTER;
   const int group_m = p.group_m;
+
+  // Unit of the it-th tile this CTA computes. Static: every gridDim-th unit from blockIdx. Dynamic
+  // (CLUSTER 1): the producer's thread 0 takes the next unit number from the global ticket and
+  // passes it to its warpgroup (named barrier 3) and to the consumers (unit_full/unit_empty
+  // ring), so the CTAs walk the units in one global order however they drift apart: the
+  // weights of the units in flight stay in L2 (the static stride let slow and fast SMs spread
+  // over several experts' weights: 3x Triton's DRAM traffic at 235B, docs/PERF.md).
+  auto static_unit = [&](int it) { return first_unit + it * unit_stride; };
 
   // Expert of each CTA's M tile in unit (um); -1 past the used rows or for another phase.
   auto experts = [&](int um, int (&e)[CLUSTER]) {
@@ -197,7 +217,21 @@ __global__ void __launch_bounds__(THREADS, 1)
         pending_full = 0;
       }
     };
-    for (int u = first_unit; u < num_units; u += unit_stride) {
+    for (int it = 0;; ++it) {
+      int u;
+      if (dynamic) {
+        const int slot = it & 1;
+        if (tid == 0) {
+          mbar_wait(unit_empty + 8 * slot, ((it >> 1) & 1) ^ 1);
+          unit_id[slot] = atomicAdd(p.ticket, 1);
+          mbar_arrive(unit_full + 8 * slot);  // release: the consumers' wait acquires the id
+        }
+        named_barrier(3, 128);
+        u = unit_id[slot];
+      } else {
+        u = static_unit(it);
+      }
+      if (u >= num_units) break;
       int um, pid_n;
       grouped_tile(u, num_um, num_n, group_m, um, pid_n);
       int e[CLUSTER];
@@ -281,7 +315,18 @@ __global__ void __launch_bounds__(THREADS, 1)
     float acc[128];
     int stage = 0;
     uint32_t phase = 0;
-    for (int u = first_unit; u < num_units; u += unit_stride) {
+    for (int it = 0;; ++it) {
+      int u;
+      if (dynamic) {
+        const int slot = it & 1;
+        mbar_wait(unit_full + 8 * slot, (it >> 1) & 1);
+        u = unit_id[slot];
+        named_barrier(1 + cw, 128);  // the whole warpgroup has read the slot
+        mbar_arrive_if(unit_empty + 8 * slot, tid % 128 == 0);
+      } else {
+        u = static_unit(it);
+      }
+      if (u >= num_units) break;
       int um, pid_n;
       grouped_tile(u, num_um, num_n, group_m, um, pid_n);
       int e[CLUSTER];
@@ -455,12 +500,13 @@ static int launch(const CUtensorMap& w1_map, const CUtensorMap& w3_map, const Pa
 // megamoe_error_string for the message. Shapes are checked by the Python wrapper
 // (ops/cuda/gemm1_swiglu.py): H % 128 == 0, D % 64 == 0, plan_bm % 128 == 0, 16-byte aligned
 // rows and pointers. cluster: 1, or 2 (pairs of CTAs share each weight tile by multicast).
+// ticket: a zeroed device int (cluster 1 only) for the dynamic tile order, or nullptr (static).
 extern "C" int megamoe_gemm1_swiglu(const void* x, const void* w1, const void* w3, void* h,
                                     void* a, const int* row_slot, const int* tile_expert,
                                     const int* num_rows_used, int E, int H, int D, int top_k,
                                     int plan_bm, int group_m, long long stride_x,
                                     long long stride_h, long long stride_a, int num_sms,
-                                    int cluster, void* stream) {
+                                    int cluster, int* ticket, void* stream) {
   using namespace megamoe::gemm1;
   CUtensorMap w1_map, w3_map;
   int rc = make_map(&w1_map, w1, static_cast<long long>(E) * H, D, BN);
@@ -479,6 +525,7 @@ extern "C" int megamoe_gemm1_swiglu(const void* x, const void* w1, const void* w
   p.top_k = top_k;
   p.plan_bm = plan_bm;
   p.group_m = group_m;
+  p.ticket = cluster == 1 ? ticket : nullptr;
   p.stride_x = stride_x;
   p.stride_h = stride_h;
   p.stride_a = stride_a;

@@ -49,7 +49,7 @@ def _lib(defines: tuple = ()):
     if not getattr(lib, "_megamoe_typed", False):
         p, i, ll = ctypes.c_void_p, ctypes.c_int, ctypes.c_longlong
         lib.megamoe_gemm1_swiglu.argtypes = [p, p, p, p, p, p, p, p, i, i, i, i, i, i, ll, ll, ll,
-                                             i, i, p]
+                                             i, i, p, p]
         lib.megamoe_gemm1_swiglu.restype = i
         lib.megamoe_error_string.argtypes = [i]
         lib.megamoe_error_string.restype = ctypes.c_char_p
@@ -59,7 +59,7 @@ def _lib(defines: tuple = ()):
 
 def gemm1_swiglu_sm90(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, plan: Plan,
                       h: torch.Tensor, a: torch.Tensor | None = None, group_m: int = 8,
-                      cluster: int = 2, defines: tuple = ()) -> None:
+                      cluster: int = 2, defines: tuple = (), dynamic: bool = True) -> None:
     """Writes h (and a, when given) for the rows of ``plan``; see the module docstring.
 
     ``cluster`` 2: pairs of CTAs on neighbouring SMs compute M tiles 2u and 2u+1 and, when both
@@ -67,7 +67,9 @@ def gemm1_swiglu_sm90(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, plan:
     third less L2 -> SM traffic per stage (measured: less DRAM traffic, no less time).
     ``group_m``: M tiles (pairs with cluster 2) that sweep one N tile together; 0: one group
     per wave of resident CTAs. ``defines``: the .cu file's compile-time knobs (MEGAMOE_G1_*),
-    for measuring variants."""
+    for measuring variants. ``dynamic`` (cluster 1): CTAs take their tiles from a global ticket
+    in one order, instead of every gridDim-th tile (whose CTAs drift apart and spread over
+    more experts' weights than L2 holds)."""
     E, H, D = w1.shape
     if not shape_supported(H, D, plan.block_m):
         raise ValueError(
@@ -94,12 +96,15 @@ def gemm1_swiglu_sm90(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, plan:
     if group_m == 0:
         group_m = max(1, num_sms // cluster // num_n)
     stream = torch.cuda.current_stream(x.device).cuda_stream
+    # a fresh zero per call (stream-ordered memset): launches on other streams never share it
+    ticket = torch.zeros(1, dtype=torch.int32, device=x.device) if dynamic and cluster == 1 else None
     rc = lib.megamoe_gemm1_swiglu(
         x.data_ptr(), w1.data_ptr(), w3.data_ptr(), h.data_ptr(),
         a.data_ptr() if a is not None else None,
         plan.row_slot.data_ptr(), plan.tile_expert.data_ptr(), plan.num_rows_used.data_ptr(),
         E, H, D, plan.top_k, plan.block_m, group_m, x.stride(0), h.stride(0),
-        a.stride(0) if a is not None else 0, num_sms, cluster, stream,
+        a.stride(0) if a is not None else 0, num_sms, cluster,
+        ticket.data_ptr() if ticket is not None else None, stream,
     )
     if rc != 0:
         raise RuntimeError(f"gemm1_swiglu_sm90 launch failed: {lib.megamoe_error_string(rc).decode()}")

@@ -183,7 +183,8 @@ def gemm1_swiglu(
         if cfg.get("IMPL") == "sm90":
             group_m = 0 if cfg["GROUP_M"] == "wave" else cfg["GROUP_M"]  # 0: the kernel's wave
             gemm1_swiglu_sm90(x, w1, w3, plan, h, a if save_a else None, group_m=group_m,
-                              cluster=cfg["CLUSTER"], defines=cfg.get("DEFINES", ()))
+                              cluster=cfg["CLUSTER"], defines=cfg.get("DEFINES", ()),
+                              dynamic=not cfg.get("STATIC", False))
             return
         num_m = R // bm
         cfg, grid = launch_config(cfg, num_m * (H // bn), x.device)
