@@ -1,4 +1,5 @@
-"""The replacement MoE block: stock router -> fused ``mega_moe`` op -> shared experts.
+"""The replacement MoE block: stock router (top-k in one launch) -> fused ``mega_moe`` op ->
+shared experts.
 
 ``MegaMoE`` is a drop-in for ``torchtitan.models.moe.MoE`` (it subclasses it, so TorchTitan's
 ``isinstance(.., MoE)`` checks in compile/AC/load-balancing keep treating it as an MoE block) with
@@ -20,6 +21,7 @@ from torch.distributed.tensor import DTensor, Shard
 from torchtitan.models.moe.moe import GroupedExperts, MoE, MoEArgs
 
 import torchtitan_megamoe
+from torchtitan_megamoe.router import route
 
 
 class KeepDtype:
@@ -185,8 +187,9 @@ class MegaMoE(MoE):
         bs, slen, dim = x.shape
         x = x.view(-1, dim)
 
-        top_scores, selected_experts_indices, num_tokens_per_expert = self.router(
-            x, self.expert_bias
+        # stock's router, with its top-k in one Triton launch on GPUs (router.py)
+        top_scores, selected_experts_indices, num_tokens_per_expert = route(
+            self.router, x, self.expert_bias
         )
         # Same accounting as stock (the load-balancing hook reads it); double counting under
         # activation-checkpoint recompute is harmless there for the same reason (sign()).

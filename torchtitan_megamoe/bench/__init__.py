@@ -7,9 +7,9 @@ For each Qwen3 shape it builds stock ``torchtitan.models.moe.MoE`` with Qwen3's 
 route_norm, no shared experts, score_before_experts=False) in bf16, then times:
 
 - stock: the module's forward (router + permute + grouped GEMMs + unpermute + combine);
-- ours: the same module's router, then ``mega_moe`` on its routing and expert weights (the
-  layer the converter builds); at EP=1 also the op alone and its forward stages (plan, GEMM1,
-  GEMM2, combine);
+- ours: the same module's router with its top-k in one launch (router.route), then ``mega_moe``
+  on its routing and expert weights (the layer the converter builds); at EP=1 also the op
+  alone, stock's and our router alone and the op's forward stages (plan, GEMM1, GEMM2, combine);
 - with --backward (default on): forward + backward of both, when the backend has a backward;
   at EP=1 with the triton backend also the backward's stages (kernel A: dgrad of layer 2 +
   SwiGLU with GEMM 1 recomputed, the three weight gradients, kernel C: dgrad of layer 1, the

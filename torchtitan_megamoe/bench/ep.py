@@ -10,6 +10,7 @@ import torch
 from torchtitan_megamoe.bench.profile import profile_kernels
 from torchtitan_megamoe.bench.shapes import SHAPES, _rel_err, build_stock_moe, shard_stock_experts
 from torchtitan_megamoe.timing import back_to_back_ms, median_ms, peak_extra_mib
+from torchtitan_megamoe.router import route
 
 
 def _time_pair(fwd, step, iters, warmup, backward, res=None, name=None):
@@ -67,7 +68,7 @@ def bench_shape_ep(key: str, tokens: int, iters: int, warmup: int, backward: boo
         res["floor_fwdbwd_ms"] = 3 * res["floor_fwd_ms"]
 
     def ours_layer(inp, w1, w2, w3, grp, be=backend):
-        scores, ids, _ = moe.router(inp, moe.expert_bias)
+        scores, ids, _ = route(moe.router, inp, moe.expert_bias)
         return mega_moe(inp, ids, scores, w1, w2, w3, group=grp, backend=be)
 
     ex = moe.experts

@@ -9,6 +9,7 @@ import torch
 from torchtitan_megamoe.bench.profile import profile_kernels
 from torchtitan_megamoe.bench.shapes import SHAPES, build_stock_moe
 from torchtitan_megamoe.timing import median_ms, peak_extra_mib
+from torchtitan_megamoe.router import route
 
 
 def _stage_times(x, ids, w, w1, w2, w3, iters, warmup):
@@ -68,7 +69,7 @@ def bench_shape(key: str, tokens: int, iters: int, warmup: int, backward: bool, 
     ex = moe.experts
 
     def ours_layer(inp):
-        scores, ids, _ = moe.router(inp.view(T, D), moe.expert_bias)
+        scores, ids, _ = route(moe.router, inp.view(T, D), moe.expert_bias)
         out = mega_moe(inp.view(T, D), ids, scores, ex.w1, ex.w2, ex.w3, backend=backend)
         return out.view(1, T, D)
 
@@ -88,6 +89,8 @@ def bench_shape(key: str, tokens: int, iters: int, warmup: int, backward: bool, 
                 iters, warmup,
             ),
             "router_ms": median_ms(lambda: moe.router(x2, moe.expert_bias), iters, warmup),
+            "ours_router_ms": median_ms(lambda: route(moe.router, x2, moe.expert_bias), iters,
+                                        warmup),
         }
         if backend == "triton":
             res["stages_ms"] = _stage_times(x2, ids, scores, ex.w1, ex.w2, ex.w3, iters, warmup)

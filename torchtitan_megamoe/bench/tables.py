@@ -52,6 +52,10 @@ def table(results: list[dict]) -> str:
                          f"{o:.3f} ({st / o:.2f}x); peak memory above the inputs during "
                          f"the step: stock {r['stock_fwdbwd_peak_mib']:.0f} MiB, ours "
                          f"{r['ours_fwdbwd_peak_mib']:.0f} MiB")
+    for r in results:
+        if r.get("router_ms") and r.get("ours_router_ms"):
+            lines.append(f"{r['shape']} router alone (gate, scores, top-k, counts): stock "
+                         f"{r['router_ms']:.3f} ms, ours {r['ours_router_ms']:.3f} ms")
     return "\n".join(lines)
 
 

@@ -1,0 +1,58 @@
+"""Stock TorchTitan's token-choice router with the top-k selection in one Triton launch.
+
+``route(router, x, expert_bias)`` returns what ``router(x, expert_bias)`` returns (TorchTitan
+0.2.2's ``TokenChoiceTopKRouter.forward``: gate, softmax or sigmoid in fp32, top-k of the
+biased scores, gating values gathered from the unbiased scores, optional normalization, scale,
+tokens per expert), with ``torch.topk`` replaced by ``megamoe::router_topk`` (see
+ops/triton/topk.py: ~115 us -> a few us per layer call at 16384 tokens x 128 experts).
+
+Only the plain configuration takes this path: the router is exactly TokenChoiceTopKRouter, no
+node-limited (grouped) routing, no debug load-balance override, a CUDA input (or ``kernel=True``
+under the Triton interpreter, for tests), at most ops/triton/topk.MAX_EXPERTS experts. Anything
+else calls the stock router unchanged. The selected set equals torch.topk's up to the order of
+tied scores (ties go to the lower expert index), so routing and losses match stock's.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torchtitan.models.moe.moe import TokenChoiceTopKRouter
+
+from torchtitan_megamoe.ops.triton.topk import MAX_EXPERTS, router_topk
+
+
+def fast_path_ok(router, x: torch.Tensor, kernel: bool | None = None) -> bool:
+    if type(router) is not TokenChoiceTopKRouter:
+        return False
+    if router.num_expert_groups is not None or getattr(router, "_debug_force_load_balance", False):
+        return False
+    if router.score_func not in ("softmax", "sigmoid") or router.num_experts > MAX_EXPERTS:
+        return False
+    return x.is_cuda if kernel is None else kernel
+
+
+def route(router, x: torch.Tensor, expert_bias: torch.Tensor | None = None,
+          kernel: bool | None = None):
+    """(top_scores [T, K], selected_experts_indices [T, K] int64, num_tokens_per_expert [E]).
+    ``kernel``: None picks the Triton top-k on CUDA inputs; True/False forces it on/off."""
+    if not fast_path_ok(router, x, kernel):
+        return router(x, expert_bias)
+    scores = router.gate(x)
+    # fp32, as stock does, to avoid loss explosions
+    if router.score_func == "sigmoid":
+        scores = torch.sigmoid(scores.to(torch.float32))
+    else:
+        scores = F.softmax(scores.to(torch.float32), dim=1)
+    bias = None if expert_bias is None else expert_bias.detach().to(torch.float32).contiguous()
+    with torch.no_grad():
+        selected = router_topk(scores.detach(), router.top_k, bias)
+    # the gating values come from the unbiased scores (the bias only steers the choice)
+    top_scores = scores.gather(dim=1, index=selected)
+    if router.route_norm:
+        top_scores = top_scores / (top_scores.sum(dim=-1, keepdim=True) + 1e-20)
+    top_scores = top_scores * router.route_scale
+    num_tokens_per_expert = torch.histc(
+        selected.view(-1), bins=router.num_experts, min=0, max=router.num_experts
+    )
+    return top_scores, selected, num_tokens_per_expert
