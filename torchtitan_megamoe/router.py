@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torchtitan.models.moe.moe import TokenChoiceTopKRouter
 
-from torchtitan_megamoe.ops.triton.topk import MAX_EXPERTS, router_topk
+from torchtitan_megamoe.ops.triton.topk import MAX_EXPERTS, router_topk, topk_indices
 
 
 def fast_path_ok(router, x: torch.Tensor, kernel: bool | None = None) -> bool:
@@ -45,8 +45,10 @@ def route(router, x: torch.Tensor, expert_bias: torch.Tensor | None = None,
     else:
         scores = F.softmax(scores.to(torch.float32), dim=1)
     bias = None if expert_bias is None else expert_bias.detach().to(torch.float32).contiguous()
+    # the custom op only where a graph is traced; eager calls skip its dispatch cost
+    topk = router_topk if torch.compiler.is_compiling() else topk_indices
     with torch.no_grad():
-        selected = router_topk(scores.detach(), router.top_k, bias)
+        selected = topk(scores.detach(), router.top_k, bias)
     # the gating values come from the unbiased scores (the bias only steers the choice)
     top_scores = scores.gather(dim=1, index=selected)
     if router.route_norm:

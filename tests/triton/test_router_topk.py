@@ -6,7 +6,7 @@ import pytest
 import torch
 from torchtitan.models.moe.moe import TokenChoiceTopKRouter
 
-from torchtitan_megamoe.ops.triton.topk import router_topk, topk_indices_reference
+from torchtitan_megamoe.ops.triton.topk import router_topk, topk_indices, topk_indices_reference
 from torchtitan_megamoe.router import fast_path_ok, route
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -20,6 +20,7 @@ def test_matches_stable_sort_and_torch_topk(T, E, K, bias):
     b = (torch.randn(E, generator=g) * 0.01).to(DEV) if bias else None
     got = router_topk(s, K, b)
     assert got.dtype == torch.int64 and got.shape == (T, K)
+    assert torch.equal(topk_indices(s, K, b), got)  # the eager entry point, same launch
     assert torch.equal(got, topk_indices_reference(s, K, b))
     want = torch.topk(s if b is None else s + b, K, dim=-1, sorted=True).indices
     assert torch.equal(got, want)  # random floats: no ties, so the order is unique
