@@ -14,7 +14,7 @@
 // twice the stages fit in the same shared memory.
 //
 // Roles (384 threads, one CTA per SM, persistent over the tiles of the used rows, which are
-// read on device, so no host sync):
+// read on device, so no host sync; tile order: see static_unit / the ticket below):
 //   warpgroup 0 (producer, 40 registers): per stage, waits `empty[s]`, then
 //       - thread 0: arrive.expect_tx(full[s], 32 KiB) and two TMA loads (w1, w3 tiles);
 //       - all 128 threads: 8 cp.async of 16 bytes each (the gathered x rows, written in the
@@ -37,9 +37,10 @@
 //   init and precedes exit, so no remote arrival or multicast meets an absent peer.
 // Waits on: nothing outside the launch. Signals: nothing; h (and a) are complete with the launch.
 //
-// Measured (docs/PERF.md, 2026-11-30 03:5x-04:4x, H200): correct at every tested routing and
-// shape; at the 30B shape about as fast as the Triton kernel (lag 0), at the 235B shape 25-30%
-// slower (tensor pipe active 62-66% against Triton's 77%). Hence opt-in (MEGAMOE_CUDA=1).
+// Measured (docs/PERF.md, H200): correct at every tested routing and shape. With the dynamic
+// tile order and lag 0 (2026-11-30 06:0x) it is on par with the Triton kernel: 1.43 vs 1.45 ms
+// at the 30B shape, 5.52 vs 5.30 ms at 235B (the static order read 3x Triton's DRAM bytes at
+// 235B: 6.8 ms). Hence still opt-in (MEGAMOE_CUDA=1): the tuner picks whichever is faster.
 
 #include <cuda.h>
 #include <cuda_bf16.h>
