@@ -47,6 +47,7 @@ def main(shape_name: str = "235b") -> None:
         "sm90_c1_promo_128": dict(c1, DEFINES=("MEGAMOE_G1_L2_PROMOTION=2",)),
         "sm90_c1_stages3": dict(c1, DEFINES=("MEGAMOE_G1_STAGES=3",)),
         "sm90_c1_no_store": dict(c1, DEFINES=("MEGAMOE_G1_STORE=0",)),
+        "sm90_c1_no_store_lag1": dict(c1, DEFINES=("MEGAMOE_G1_STORE=0", "MEGAMOE_G1_WGMMA_LAG=1")),
         "sm90_c2_promo_none": dict(g1.SM90_CONFIGS[0], DEFINES=("MEGAMOE_G1_L2_PROMOTION=0",)),
         "sm90_c1_lag0": dict(c1, DEFINES=("MEGAMOE_G1_WGMMA_LAG=0",)),
         "sm90_c1_preg56": dict(c1, DEFINES=("MEGAMOE_G1_PRODUCER_REGS=56",)),
