@@ -91,9 +91,14 @@ def bench_shape_ep(key: str, tokens: int, iters: int, warmup: int, backward: boo
         iters, warmup, backward, res, "ours")
     res["exchange_mib"] = exchange_mib(group, D)
     if profile:
+        from torchtitan_megamoe.ops import triton as triton_backend
+
         with torch.no_grad():
+            scores, ids, _ = route(moe.router, x, moe.expert_bias)
             profile_kernels(f"{shape['name']} EP={world} ours fwd",
-                            lambda: ours_layer(x, *mine_w, group), rank)
+                            lambda: ours_layer(x, *mine_w, group), rank,
+                            host_fn=lambda: triton_backend.forward(
+                                x, ids, scores, *mine_w, group, "bf16"))
         if backward:
             profile_kernels(f"{shape['name']} EP={world} ours fwd+bwd",
                             lambda: ours_layer(xg, *mine_w, group).backward(grad), rank)
