@@ -4,7 +4,8 @@ from (tensor-pipe utilization, L2 hit rate and throughput, DRAM bytes) next to t
     NCU=1 ncu --clock-control none --kernel-name regex:gemm1 --metrics ... \
         python3 scripts/ncu_gemm1.py 235b
 
-Without ncu it prints CUDA-event times of each variant (median of 10)."""
+Without ncu it prints CUDA-event times of each variant (median of 10). SAVE_A=1: with the
+pre-activation store of the training forward."""
 
 import os
 import sys
@@ -48,6 +49,11 @@ def main(shape_name: str = "235b") -> None:
         "sm90_c1_stages3": dict(c1, DEFINES=("MEGAMOE_G1_STAGES=3",)),
         "sm90_c1_no_store": dict(c1, DEFINES=("MEGAMOE_G1_STORE=0",)),
         "sm90_c1_no_store_lag1": dict(c1, DEFINES=("MEGAMOE_G1_STORE=0", "MEGAMOE_G1_WGMMA_LAG=1")),
+        "sm90_c1_tma": dict(c1, DEFINES=("MEGAMOE_G1_TMA_STORE=1",)),
+        "sm90_c1_tma_lag1": dict(c1, DEFINES=("MEGAMOE_G1_TMA_STORE=1", "MEGAMOE_G1_WGMMA_LAG=1")),
+        "sm90_c1_tma_bk32_lag1": dict(c1, DEFINES=(
+            "MEGAMOE_G1_TMA_STORE=1", "MEGAMOE_G1_BK=32", "MEGAMOE_G1_STAGES=8",
+            "MEGAMOE_G1_WGMMA_LAG=1")),
         "sm90_c2_promo_none": dict(g1.SM90_CONFIGS[0], DEFINES=("MEGAMOE_G1_L2_PROMOTION=0",)),
         "sm90_c1_lag0": dict(c1, DEFINES=("MEGAMOE_G1_WGMMA_LAG=0",)),
         "sm90_c1_preg56": dict(c1, DEFINES=("MEGAMOE_G1_PRODUCER_REGS=56",)),
@@ -77,11 +83,12 @@ def main(shape_name: str = "235b") -> None:
         "sm90_c1_g16": dict(c1, GROUP_M=16),
         "sm90_c1_g4": dict(c1, GROUP_M=4),
     }
+    save_a = os.environ.get("SAVE_A") == "1"  # the training forward's a1/a3 store too
     only = os.environ.get("VARIANTS")
     if only:
         variants = {k: v for k, v in variants.items() if k in only.split(",")}
     for name, cfg in variants.items():
-        run = lambda: g1.gemm1_swiglu(x, w1, w3, plan, config=cfg)  # noqa: E731
+        run = lambda: g1.gemm1_swiglu(x, w1, w3, plan, config=cfg, save_a=save_a)  # noqa: E731
         if os.environ.get("NCU") == "1":  # under ncu: a warm-up and one profiled launch each
             run()
             run()

@@ -19,8 +19,9 @@ needs_nvcc = pytest.mark.skipif(build.nvcc_path() is None, reason="needs nvcc")
 @needs_nvcc
 @pytest.mark.parametrize("defines", [(), ("MEGAMOE_G1_PRODUCER_FENCE=1", "MEGAMOE_G1_WGMMA_LAG=1"),
                                      ("MEGAMOE_G1_WGMMA_LAG=1",),
-                                     ("MEGAMOE_G1_BK=32", "MEGAMOE_G1_STAGES=8")],
-                         ids=["default", "knobs", "lag1", "bk32"])
+                                     ("MEGAMOE_G1_BK=32", "MEGAMOE_G1_STAGES=8"),
+                                     ("MEGAMOE_G1_TMA_STORE=1", "MEGAMOE_G1_WGMMA_LAG=1")],
+                         ids=["default", "knobs", "lag1", "bk32", "tma_store"])
 def test_gemm1_swiglu_sm90_builds_without_spills(tmp_path, monkeypatch, defines):
     monkeypatch.setenv("MEGAMOE_CUDA_CACHE", str(tmp_path))
     lib_path = build.build("gemm1_swiglu_sm90", defines)

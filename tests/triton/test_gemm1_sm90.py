@@ -60,8 +60,9 @@ GROUPS = pytest.mark.parametrize("group_m", [8, 0], ids=["group8", "wave"])
 VARIANTS = pytest.mark.parametrize(
     "defines", [(), ("MEGAMOE_G1_WGMMA_LAG=1",), ("MEGAMOE_G1_PRODUCER_FENCE=1",),
                 ("MEGAMOE_G1_BK=32", "MEGAMOE_G1_STAGES=8", "MEGAMOE_G1_WGMMA_LAG=1",
-                 "MEGAMOE_G1_PRODUCER_FENCE=1")],
-    ids=["default", "lag1", "producer_fence", "bk32_8stages"])
+                 "MEGAMOE_G1_PRODUCER_FENCE=1"),
+                ("MEGAMOE_G1_TMA_STORE=1",), ("MEGAMOE_G1_TMA_STORE=1", "MEGAMOE_G1_WGMMA_LAG=1")],
+    ids=["default", "lag1", "producer_fence", "bk32_8stages", "tma_store", "tma_store_lag1"])
 
 
 @CLUSTERS
@@ -107,7 +108,8 @@ def test_phased_plan_writes_only_its_phase(cluster):
 
 
 @CLUSTERS
-def test_real_30b_shape_matches_triton_and_float64(cluster):
+@pytest.mark.parametrize("defines", [(), ("MEGAMOE_G1_TMA_STORE=1",)], ids=["default", "tma_store"])
+def test_real_30b_shape_matches_triton_and_float64(cluster, defines):
     T, K, E, D, H = 16384, 8, 128, 2048, 768
     torch.manual_seed(0)
     x = torch.randn(T, D, device="cuda").bfloat16()
@@ -118,17 +120,17 @@ def test_real_30b_shape_matches_triton_and_float64(cluster):
     ids[::17, -1] = -1
     plan = build_plan(ids, E, BM)
     h, a = _nan((plan.max_rows, H)), _nan((plan.max_rows, 2 * H))
-    gemm1_swiglu_sm90(x, w1, w3, plan, h, a, cluster=cluster)
+    gemm1_swiglu_sm90(x, w1, w3, plan, h, a, cluster=cluster, defines=defines)
     a1, a3, slot = _ref_rows(x, K, plan, w1, w3)
     _check(h, a, a1, a3, slot)
     used = int(plan.num_rows_used)
     tri = g1.gemm1_swiglu(x, w1, w3, plan, config=g1.GPU_CONFIGS[0])
     assert float((h[:used].float() - tri[:used].float()).norm() / tri[:used].float().norm()) < 1e-2
     h2 = _nan((plan.max_rows, H))
-    gemm1_swiglu_sm90(x, w1, w3, plan, h2, cluster=cluster)
+    gemm1_swiglu_sm90(x, w1, w3, plan, h2, cluster=cluster, defines=defines)
     assert torch.equal(h2[:used], h[:used]), "two runs must be bitwise identical"
     if cluster == 1:
         # the tile order (global ticket or static stride) must not change any tile's result
         h3 = _nan((plan.max_rows, H))
-        gemm1_swiglu_sm90(x, w1, w3, plan, h3, cluster=1, dynamic=False)
+        gemm1_swiglu_sm90(x, w1, w3, plan, h3, cluster=1, defines=defines, dynamic=False)
         assert torch.equal(h3[:used], h[:used]), "static and dynamic tile orders differ"

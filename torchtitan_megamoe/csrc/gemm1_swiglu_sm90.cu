@@ -86,6 +86,13 @@ constexpr int PASSES = BM / ROWS_PER_PASS;
 // arrive by cp.async.mbarrier.arrive.noinc and the consumers fence. (1 is not yet measured.)
 #define MEGAMOE_G1_PRODUCER_FENCE 0
 #endif
+#ifndef MEGAMOE_G1_TMA_STORE
+// 1: the epilogue writes h (and a1, a3) as bf16 into a shared-memory tile in the 128-byte
+// swizzle and a bulk tensor store writes it out, so the warpgroup goes back to its MMAs as soon
+// as the store engine has read the tile; 0: bf16x2 stores from registers (measured at the 30B
+// shape: the stores cost 0.19 of GEMM 1's 1.52 ms, 2026-11-30).
+#define MEGAMOE_G1_TMA_STORE 0
+#endif
 #ifndef MEGAMOE_G1_LOAD
 #define MEGAMOE_G1_LOAD 3  // measuring only: bit 0 loads A (x rows), bit 1 loads B (weights)
 #endif
@@ -96,8 +103,13 @@ constexpr int A_BYTES = BM * BK * 2;
 constexpr int B_BYTES = 2 * BN * BK * 2;
 constexpr int STAGE_BYTES = A_BYTES + B_BYTES;
 constexpr int THREADS = 384;
+// TMA_STORE: one [64 rows, 128 columns] bf16 tile per consumer warpgroup, as two boxes of 64
+// columns (128-byte rows, 128-byte swizzle), after the ring
+constexpr int EPI_BOX_BYTES = 64 * 64 * 2;
+constexpr int EPI_BYTES = MEGAMOE_G1_TMA_STORE ? 2 * 2 * EPI_BOX_BYTES : 0;
 // + ring barriers, the tile scheduler's 2-slot ring (4 barriers, 2 ids), alignment
-constexpr int SMEM_BYTES = STAGES * STAGE_BYTES + 2 * STAGES * 8 + 64 + 1024;
+constexpr int SMEM_BYTES = STAGES * STAGE_BYTES + EPI_BYTES + 2 * STAGES * 8 + 64 + 1024;
+static_assert(SMEM_BYTES <= 227 * 1024, "shared memory: fewer stages");
 
 struct Params {
   const __nv_bfloat16* x;
@@ -134,19 +146,22 @@ __device__ __forceinline__ float silu_mul(float a1, float a3) {
 template <int CLUSTER>
 __global__ void __launch_bounds__(THREADS, 1)
     gemm1_swiglu_kernel(const __grid_constant__ CUtensorMap w1_map,
-                        const __grid_constant__ CUtensorMap w3_map, const Params p) {
+                        const __grid_constant__ CUtensorMap w3_map,
+                        const __grid_constant__ CUtensorMap h_map,
+                        const __grid_constant__ CUtensorMap a_map, const Params p) {
   extern __shared__ __align__(1024) uint8_t smem_raw[];
   // the swizzled tiles need their 8-row groups aligned (1024 bytes covers both swizzles)
   uint8_t* smem = reinterpret_cast<uint8_t*>(
       (reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~static_cast<uintptr_t>(1023));
   const uint32_t smem_base = smem_u32(smem);
-  const uint32_t full_bar = smem_base + STAGES * STAGE_BYTES;
+  const uint32_t epi_smem = smem_base + STAGES * STAGE_BYTES;  // TMA_STORE staging tiles
+  const uint32_t full_bar = epi_smem + EPI_BYTES;
   const uint32_t empty_bar = full_bar + STAGES * 8;
   // tile scheduler ring (dynamic order): unit ids the producer fetched, 2 slots
   const uint32_t unit_full = empty_bar + STAGES * 8;
   const uint32_t unit_empty = unit_full + 2 * 8;
   volatile int* unit_id = reinterpret_cast<volatile int*>(smem + STAGES * STAGE_BYTES +
-                                                          2 * STAGES * 8 + 4 * 8);
+                                                          EPI_BYTES + 2 * STAGES * 8 + 4 * 8);
   const bool dynamic = CLUSTER == 1 && p.ticket != nullptr;
 
   const int tid = threadIdx.x;
@@ -403,6 +418,53 @@ __global__ void __launch_bounds__(THREADS, 1)
       // Epilogue. Accumulator register 4j + q of thread (warp, lane) holds row
       // 16 warp + lane/4 + 8 (q/2) and column 8j + 2 (lane%4) + q%2 of the 64x256 block; j < 16
       // is a1, j >= 16 the a3 of column 8 (j - 16) + ...
+      if constexpr (MEGAMOE_G1_TMA_STORE != 0) {
+        // Stage one [64, 128] bf16 tile of this warpgroup's rows, then one thread stores it
+        // as two boxes. Waits on: its previous store's reads of the tile. Signals: nothing
+        // (the launch's end completes the stores).
+        const uint32_t tile = epi_smem + cw * 2 * EPI_BOX_BYTES;
+        const int out_row = pid_m * BM + cw * 64;
+        auto stage_out = [&](const CUtensorMap* map, int out_col, int which) {
+          if (tid % 128 == 0) bulk_wait_read<0>();
+          named_barrier(1 + cw, 128);
+#pragma unroll
+          for (int j = 0; j < 16; ++j) {
+#pragma unroll
+            for (int half = 0; half < 2; ++half) {
+              const float a1x = acc[4 * j + 2 * half], a1y = acc[4 * j + 2 * half + 1];
+              const float a3x = acc[64 + 4 * j + 2 * half], a3y = acc[64 + 4 * j + 2 * half + 1];
+              float vx = a1x, vy = a1y;  // which 1: a1
+              if (which == 0) {
+                vx = silu_mul(a1x, a3x);
+                vy = silu_mul(a1y, a3y);
+              } else if (which == 3) {
+                vx = a3x;
+                vy = a3y;
+              }
+              __nv_bfloat162 v = __floats2bfloat162_rn(vx, vy);
+              // row r of the warpgroup's 64, column 8j + 2 (lane % 4): box j / 8, 16-byte
+              // chunk j % 8, byte 4 (lane % 4) of it
+              const int r = warp * 16 + lane / 4 + 8 * half;
+              const uint32_t addr = tile + (j / 8) * EPI_BOX_BYTES +
+                                    swizzled_offset<128>(r, j % 8) + 4 * (lane % 4);
+              st_shared_b32(addr, *reinterpret_cast<uint32_t*>(&v));
+            }
+          }
+          fence_proxy_async();  // the st.shared writes, before the store engine reads them
+          named_barrier(1 + cw, 128);
+          if (tid % 128 == 0) {
+            tma_store_2d(map, out_col, out_row, tile);
+            tma_store_2d(map, out_col + 64, out_row, tile + EPI_BOX_BYTES);
+            bulk_commit();
+          }
+        };
+        stage_out(&h_map, pid_n * BN, 0);
+        if (p.a != nullptr) {
+          stage_out(&a_map, pid_n * BN, 1);
+          stage_out(&a_map, p.H + pid_n * BN, 3);
+        }
+        continue;
+      }
       const long long row0 = static_cast<long long>(pid_m) * BM + cw * 64 + warp * 16 + lane / 4;
       const int col0 = pid_n * BN + 2 * (lane % 4);
 #pragma unroll
@@ -427,6 +489,8 @@ __global__ void __launch_bounds__(THREADS, 1)
         }
       }
     }
+    // the last tile's bulk stores complete before the CTA exits
+    if (MEGAMOE_G1_TMA_STORE && tid % 128 == 0) bulk_wait<0>();
   }
   if constexpr (CLUSTER > 1) {
     cluster_sync();  // no CTA exits while its peer may still arrive on or multicast into it
@@ -438,10 +502,11 @@ typedef CUresult (*EncodeTiled)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, v
                                 const cuuint32_t*, CUtensorMapInterleave, CUtensorMapSwizzle,
                                 CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
 
-// Tensor map of a [rows, cols] row-major bf16 matrix, boxes of box_rows x BK columns, stored with
-// the ROW_BYTES swizzle (the layout smem_desc_swizzled describes).
+// Tensor map of a [rows, cols] row-major bf16 matrix, boxes of box_rows x box_cols, stored in
+// shared memory with the box_cols * 2-byte swizzle (128 or 64: the layouts smem_desc_swizzled
+// and swizzled_offset describe).
 static int make_map(CUtensorMap* map, const void* ptr, long long rows, long long cols,
-                    int box_rows) {
+                    int box_rows, int box_cols = BK) {
   static EncodeTiled encode = nullptr;
   if (encode == nullptr) {
     cudaDriverEntryPointQueryResult q;
@@ -453,19 +518,19 @@ static int make_map(CUtensorMap* map, const void* ptr, long long rows, long long
   }
   cuuint64_t dims[2] = {static_cast<cuuint64_t>(cols), static_cast<cuuint64_t>(rows)};
   cuuint64_t strides[1] = {static_cast<cuuint64_t>(cols) * 2};
-  cuuint32_t box[2] = {BK, static_cast<cuuint32_t>(box_rows)};
+  cuuint32_t box[2] = {static_cast<cuuint32_t>(box_cols), static_cast<cuuint32_t>(box_rows)};
   cuuint32_t estr[2] = {1, 1};
   CUresult r = encode(map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, const_cast<void*>(ptr), dims,
                       strides, box, estr, CU_TENSOR_MAP_INTERLEAVE_NONE,
-                      ROW_BYTES == 128 ? CU_TENSOR_MAP_SWIZZLE_128B : CU_TENSOR_MAP_SWIZZLE_64B,
+                      box_cols * 2 == 128 ? CU_TENSOR_MAP_SWIZZLE_128B : CU_TENSOR_MAP_SWIZZLE_64B,
                       static_cast<CUtensorMapL2promotion>(MEGAMOE_G1_L2_PROMOTION),
                       CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
   return r == CUDA_SUCCESS ? 0 : -2;
 }
 
 template <int CLUSTER>
-static int launch(const CUtensorMap& w1_map, const CUtensorMap& w3_map, const Params& p,
-                  int num_sms, cudaStream_t stream) {
+static int launch(const CUtensorMap& w1_map, const CUtensorMap& w3_map, const CUtensorMap& h_map,
+                  const CUtensorMap& a_map, const Params& p, int num_sms, cudaStream_t stream) {
   static int max_clusters = 0;  // co-resident clusters of this kernel (GPC sizes may be odd)
   cudaLaunchConfig_t cfg = {};
   cudaLaunchAttribute attr[1];
@@ -490,7 +555,8 @@ static int launch(const CUtensorMap& w1_map, const CUtensorMap& w3_map, const Pa
   }
   // persistent: exactly the clusters that fit at once, so none starts after the others finish
   cfg.gridDim = dim3(max_clusters * CLUSTER);
-  cudaError_t err = cudaLaunchKernelEx(&cfg, gemm1_swiglu_kernel<CLUSTER>, w1_map, w3_map, p);
+  cudaError_t err =
+      cudaLaunchKernelEx(&cfg, gemm1_swiglu_kernel<CLUSTER>, w1_map, w3_map, h_map, a_map, p);
   return static_cast<int>(err != cudaSuccess ? err : cudaGetLastError());
 }
 
@@ -502,18 +568,35 @@ static int launch(const CUtensorMap& w1_map, const CUtensorMap& w3_map, const Pa
 // (ops/cuda/gemm1_swiglu.py): H % 128 == 0, D % 64 == 0, plan_bm % 128 == 0, 16-byte aligned
 // rows and pointers. cluster: 1, or 2 (pairs of CTAs share each weight tile by multicast).
 // ticket: a zeroed device int (cluster 1 only) for the dynamic tile order, or nullptr (static).
+// rows: rows of h (and a), the extent of their tensor maps (TMA_STORE).
 extern "C" int megamoe_gemm1_swiglu(const void* x, const void* w1, const void* w3, void* h,
                                     void* a, const int* row_slot, const int* tile_expert,
                                     const int* num_rows_used, int E, int H, int D, int top_k,
                                     int plan_bm, int group_m, long long stride_x,
-                                    long long stride_h, long long stride_a, int num_sms,
-                                    int cluster, int* ticket, void* stream) {
+                                    long long stride_h, long long stride_a, long long rows,
+                                    int num_sms, int cluster, int* ticket, void* stream) {
   using namespace megamoe::gemm1;
   CUtensorMap w1_map, w3_map;
   int rc = make_map(&w1_map, w1, static_cast<long long>(E) * H, D, BN);
   if (rc != 0) return rc;
   rc = make_map(&w3_map, w3, static_cast<long long>(E) * H, D, BN);
   if (rc != 0) return rc;
+  // epilogue maps (TMA_STORE): h [rows, H] and a [rows, 2H], boxes of 64 x 64; without a, the
+  // a map is a copy of h's (never used)
+  CUtensorMap h_map, a_map;
+  if (MEGAMOE_G1_TMA_STORE) {
+    rc = make_map(&h_map, h, rows, stride_h, 64, 64);
+    if (rc != 0) return rc;
+    if (a != nullptr) {
+      rc = make_map(&a_map, a, rows, stride_a, 64, 64);
+      if (rc != 0) return rc;
+    } else {
+      a_map = h_map;
+    }
+  } else {
+    h_map = w1_map;
+    a_map = w1_map;
+  }
   Params p;
   p.x = static_cast<const __nv_bfloat16*>(x);
   p.h = static_cast<__nv_bfloat16*>(h);
@@ -531,8 +614,8 @@ extern "C" int megamoe_gemm1_swiglu(const void* x, const void* w1, const void* w
   p.stride_h = stride_h;
   p.stride_a = stride_a;
   cudaStream_t s = static_cast<cudaStream_t>(stream);
-  if (cluster == 2) return launch<2>(w1_map, w3_map, p, num_sms, s);
-  if (cluster == 1) return launch<1>(w1_map, w3_map, p, num_sms, s);
+  if (cluster == 2) return launch<2>(w1_map, w3_map, h_map, a_map, p, num_sms, s);
+  if (cluster == 1) return launch<1>(w1_map, w3_map, h_map, a_map, p, num_sms, s);
   return -3;
 }
 

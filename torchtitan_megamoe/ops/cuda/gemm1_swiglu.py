@@ -49,7 +49,7 @@ def _lib(defines: tuple = ()):
     if not getattr(lib, "_megamoe_typed", False):
         p, i, ll = ctypes.c_void_p, ctypes.c_int, ctypes.c_longlong
         lib.megamoe_gemm1_swiglu.argtypes = [p, p, p, p, p, p, p, p, i, i, i, i, i, i, ll, ll, ll,
-                                             i, i, p, p]
+                                             ll, i, i, p, p]
         lib.megamoe_gemm1_swiglu.restype = i
         lib.megamoe_error_string.argtypes = [i]
         lib.megamoe_error_string.restype = ctypes.c_char_p
@@ -103,7 +103,7 @@ def gemm1_swiglu_sm90(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, plan:
         a.data_ptr() if a is not None else None,
         plan.row_slot.data_ptr(), plan.tile_expert.data_ptr(), plan.num_rows_used.data_ptr(),
         E, H, D, plan.top_k, plan.block_m, group_m, x.stride(0), h.stride(0),
-        a.stride(0) if a is not None else 0, num_sms, cluster,
+        a.stride(0) if a is not None else 0, h.shape[0], num_sms, cluster,
         ticket.data_ptr() if ticket is not None else None, stream,
     )
     if rc != 0:
