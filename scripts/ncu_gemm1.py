@@ -37,12 +37,16 @@ def main(shape_name: str = "235b") -> None:
     w3 = (torch.randn(E, H, D, device="cuda") / D**0.5).bfloat16()
     ids = torch.stack([torch.randperm(E, device="cuda")[:K] for _ in range(T)])
     plan = build_plan(ids, E, 128)
-    c1 = dict(g1.SM90_CONFIGS[2])
+    sm90 = dict(IMPL="sm90", BLOCK_M=128, BLOCK_N=128, BLOCK_K=64)
+    c1 = dict(sm90, GROUP_M=8, CLUSTER=1)
+    c2 = dict(sm90, GROUP_M=4, CLUSTER=2)
+    measured = [c2, dict(sm90, GROUP_M=8, CLUSTER=2), c1, dict(sm90, GROUP_M="wave", CLUSTER=1),
+                dict(sm90, GROUP_M="wave", CLUSTER=2)]
     variants = {
         "triton_persistent": _triton(GROUP_M=8, PERSISTENT=True),
         "triton_persistent_wave": _triton(GROUP_M="wave", PERSISTENT=True),
         "triton_wave": _triton(GROUP_M="wave"),
-        **{f"sm90_c{c['CLUSTER']}_g{c['GROUP_M']}": c for c in g1.SM90_CONFIGS},
+        **{f"sm90_c{c['CLUSTER']}_g{c['GROUP_M']}": c for c in measured},
         # compile-time knobs of csrc/gemm1_swiglu_sm90.cu, one cached build each
         "sm90_c1_promo_none": dict(c1, DEFINES=("MEGAMOE_G1_L2_PROMOTION=0",)),
         "sm90_c1_promo_128": dict(c1, DEFINES=("MEGAMOE_G1_L2_PROMOTION=2",)),
@@ -54,24 +58,24 @@ def main(shape_name: str = "235b") -> None:
         "sm90_c1_tma_bk32_lag1": dict(c1, DEFINES=(
             "MEGAMOE_G1_TMA_STORE=1", "MEGAMOE_G1_BK=32", "MEGAMOE_G1_STAGES=8",
             "MEGAMOE_G1_WGMMA_LAG=1")),
-        "sm90_c2_promo_none": dict(g1.SM90_CONFIGS[0], DEFINES=("MEGAMOE_G1_L2_PROMOTION=0",)),
+        "sm90_c2_promo_none": dict(c2, DEFINES=("MEGAMOE_G1_L2_PROMOTION=0",)),
         "sm90_c1_lag0": dict(c1, DEFINES=("MEGAMOE_G1_WGMMA_LAG=0",)),
         "sm90_c1_preg56": dict(c1, DEFINES=("MEGAMOE_G1_PRODUCER_REGS=56",)),
         "sm90_c1_pfence": dict(c1, DEFINES=("MEGAMOE_G1_PRODUCER_FENCE=1",)),
         "sm90_c1_pfence_lag1": dict(c1, DEFINES=("MEGAMOE_G1_PRODUCER_FENCE=1", "MEGAMOE_G1_WGMMA_LAG=1")),
-        "sm90_c2_pfence": dict(g1.SM90_CONFIGS[0], DEFINES=("MEGAMOE_G1_PRODUCER_FENCE=1",)),
+        "sm90_c2_pfence": dict(c2, DEFINES=("MEGAMOE_G1_PRODUCER_FENCE=1",)),
         "sm90_c1_lag1": dict(c1, DEFINES=("MEGAMOE_G1_WGMMA_LAG=1",)),
         # every gridDim-th tile instead of the global ticket (the order before 2026-11-30 06:xx)
         "sm90_c1_static": dict(c1, STATIC=True),
         "sm90_c1_static_lag1": dict(c1, STATIC=True, DEFINES=("MEGAMOE_G1_WGMMA_LAG=1",)),
         "sm90_c1_g16_lag1": dict(c1, GROUP_M=16, DEFINES=("MEGAMOE_G1_WGMMA_LAG=1",)),
         "sm90_c1_g4_lag1": dict(c1, GROUP_M=4, DEFINES=("MEGAMOE_G1_WGMMA_LAG=1",)),
-        "sm90_c2_lag1": dict(g1.SM90_CONFIGS[0], DEFINES=("MEGAMOE_G1_WGMMA_LAG=1",)),
-        "sm90_c2_pfence_lag1": dict(g1.SM90_CONFIGS[0], DEFINES=(
+        "sm90_c2_lag1": dict(c2, DEFINES=("MEGAMOE_G1_WGMMA_LAG=1",)),
+        "sm90_c2_pfence_lag1": dict(c2, DEFINES=(
             "MEGAMOE_G1_PRODUCER_FENCE=1", "MEGAMOE_G1_WGMMA_LAG=1")),
         "sm90_c1_bk32_lag1": dict(c1, DEFINES=(
             "MEGAMOE_G1_BK=32", "MEGAMOE_G1_STAGES=8", "MEGAMOE_G1_WGMMA_LAG=1")),
-        "sm90_c1_wave_lag1": dict(g1.SM90_CONFIGS[3], DEFINES=("MEGAMOE_G1_WGMMA_LAG=1",)),
+        "sm90_c1_wave_lag1": dict(measured[3], DEFINES=("MEGAMOE_G1_WGMMA_LAG=1",)),
         "sm90_c1_bk32": dict(c1, DEFINES=("MEGAMOE_G1_BK=32", "MEGAMOE_G1_STAGES=8")),
         "sm90_c1_bk32_lag1_pfence": dict(c1, DEFINES=(
             "MEGAMOE_G1_BK=32", "MEGAMOE_G1_STAGES=8", "MEGAMOE_G1_WGMMA_LAG=1",

@@ -103,7 +103,7 @@ def test_every_tuner_candidate_is_correct():
     c1s = [c for c in gemm1_swiglu.GPU_CONFIGS if not c.get("WARP_SPEC") or warp_spec_allowed("gemm1_swiglu")]
     from torchtitan_megamoe.ops.cuda.gemm1_swiglu import sm90_buildable
 
-    if sm90_buildable(x):  # the CUDA kernel's candidates, offered with MEGAMOE_CUDA=1
+    if sm90_buildable(x):  # the CUDA kernel's candidates (offered unless MEGAMOE_CUDA=0)
         c1s += gemm1_swiglu.SM90_CONFIGS
     c2s = [c for c in gemm2_rows.GPU_CONFIGS if not c.get("WARP_SPEC") or warp_spec_allowed("gemm2_rows")]
     for i in range(max(len(c1s), len(c2s))):

@@ -37,10 +37,11 @@
 //   init and precedes exit, so no remote arrival or multicast meets an absent peer.
 // Waits on: nothing outside the launch. Signals: nothing; h (and a) are complete with the launch.
 //
-// Measured (docs/PERF.md, H200): correct at every tested routing and shape. With the dynamic
-// tile order and lag 0 (2026-11-30 06:0x) it is on par with the Triton kernel: 1.43 vs 1.45 ms
-// at the 30B shape, 5.52 vs 5.30 ms at 235B (the static order read 3x Triton's DRAM bytes at
-// 235B: 6.8 ms). Hence still opt-in (MEGAMOE_CUDA=1): the tuner picks whichever is faster.
+// Measured (docs/PERF.md, H200, 2026-11-30): correct at every tested routing and shape. With
+// the dynamic tile order it is level with the Triton kernel (the static order read 3x Triton's
+// DRAM bytes at 235B); with MEGAMOE_G1_TMA_STORE=1 it beats it at the 30B shape (1.37 vs
+// 1.44 ms; 1.51 vs 1.79 with the a1/a3 store) and loses at 235B (5.8 vs 5.1). The GEMM 1 tuner
+// offers it (MEGAMOE_CUDA=0: never) and keeps whichever is faster per shape.
 
 #include <cuda.h>
 #include <cuda_bf16.h>

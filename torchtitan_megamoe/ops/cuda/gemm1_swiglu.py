@@ -32,12 +32,10 @@ def sm90_buildable(x: torch.Tensor) -> bool:
 
 
 def sm90_usable(x: torch.Tensor) -> bool:
-    """True where the tuner may offer this kernel: buildable and opted in with MEGAMOE_CUDA=1.
-    Opt-in because it only draws level with the Triton kernel so far (docs/PERF.md, 2026-11-30
-    06:0x: 1.43 vs 1.45 ms at 30B, 5.52 vs 5.30 ms at 235B): the tuner would spend first-call
-    time on it for no gain, and a persistent kernel with cross-CTA barriers and a global tile
-    ticket is not one to put on every training run's path before it earns its place."""
-    return os.environ.get("MEGAMOE_CUDA", "0") == "1" and sm90_buildable(x)
+    """True where the tuner may offer this kernel: buildable, and not turned off with
+    MEGAMOE_CUDA=0 (e.g. to rule it out when debugging; the tuner only keeps it where it is
+    the fastest candidate, see ops/triton/gemm1_swiglu.SM90_CONFIGS)."""
+    return os.environ.get("MEGAMOE_CUDA", "1") != "0" and sm90_buildable(x)
 
 
 def shape_supported(H: int, D: int, block_m: int) -> bool:
