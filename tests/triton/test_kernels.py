@@ -78,6 +78,27 @@ def test_gemm1_saves_preactivations(name, ids, cfg):
         assert rel_err(a[r, H:], xr @ w3[e].double().T) < 1e-2, (name, r, "a3")
 
 
+def test_gemm1_tuner_picks_one_kernel_for_the_saving_and_plain_forward(monkeypatch):
+    """The tuner's key for GEMM 1 must not tell save_a apart: two picks could land on kernels
+    that round SwiGLU differently (Triton vs csrc/), and activation checkpointing recomputes a
+    saving forward whose first run was a plain one; h must be bitwise the same (this broke on
+    the GPU once the CUDA kernel became a candidate)."""
+    keys = []
+
+    def record(name, key, cands, launch):
+        keys.append(key)
+        return cands[0]
+
+    monkeypatch.setattr(g1, "pick_config", record)
+    w1, _, w3 = make_weights(E, D, H, seed=4)
+    ids = next(iter(routings(T, K, E)))[1]
+    x = torch.randn(ids.shape[0], D).to(torch.bfloat16)
+    plan = build_plan(ids, E, BM)
+    g1.gemm1_swiglu(x, w1, w3, plan, config=CFG, save_a=True)
+    g1.gemm1_swiglu(x, w1, w3, plan, config=CFG)
+    assert len(keys) == 2 and keys[0] == keys[1]
+
+
 @pytest.mark.parametrize("name,ids", list(routings(T, K, E)), ids=lambda v: v if isinstance(v, str) else "")
 @pytest.mark.parametrize("cfg", [CFG, CFG_TMA, CFG_PERSIST, dict(CFG_PERSIST, TMA_STORE=True)],
                          ids=["ptr", "tma", "persistent", "tma_store"])
