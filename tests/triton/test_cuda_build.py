@@ -9,24 +9,25 @@ import pytest
 import torch
 
 from torchtitan_megamoe.ops.cuda import build
-from torchtitan_megamoe.ops.cuda.gemm1_swiglu import sm90_usable
+from torchtitan_megamoe.ops.cuda.sm90 import sm90_usable
 from torchtitan_megamoe.ops.triton import gemm1_swiglu as g1
+from torchtitan_megamoe.ops.triton import gemm2_rows as g2
 from torchtitan_megamoe.ops.triton.plan import build_plan
 
 needs_nvcc = pytest.mark.skipif(build.nvcc_path() is None, reason="needs nvcc")
 
 
 @needs_nvcc
-@pytest.mark.parametrize("defines", [(), ("MEGAMOE_G1_PRODUCER_FENCE=1", "MEGAMOE_G1_WGMMA_LAG=1"),
-                                     ("MEGAMOE_G1_WGMMA_LAG=1",),
-                                     ("MEGAMOE_G1_BK=32", "MEGAMOE_G1_STAGES=8"),
-                                     ("MEGAMOE_G1_TMA_STORE=1", "MEGAMOE_G1_WGMMA_LAG=1")],
+@pytest.mark.parametrize("defines", [(), ("MEGAMOE_SM90_PRODUCER_FENCE=1", "MEGAMOE_SM90_WGMMA_LAG=1"),
+                                     ("MEGAMOE_SM90_WGMMA_LAG=1",),
+                                     ("MEGAMOE_SM90_BK=32", "MEGAMOE_SM90_STAGES=8"),
+                                     ("MEGAMOE_SM90_TMA_STORE=1", "MEGAMOE_SM90_WGMMA_LAG=1")],
                          ids=["default", "knobs", "lag1", "bk32", "tma_store"])
 def test_gemm1_swiglu_sm90_builds_without_spills(tmp_path, monkeypatch, defines):
     monkeypatch.setenv("MEGAMOE_CUDA_CACHE", str(tmp_path))
-    lib_path = build.build("gemm1_swiglu_sm90", defines)
+    lib_path = build.build("grouped_gemm_sm90", defines)
     lib = ctypes.CDLL(str(lib_path))  # loads without a GPU (cudart binds the driver lazily)
-    assert lib.megamoe_gemm1_swiglu and lib.megamoe_error_string
+    assert lib.megamoe_gemm1_swiglu and lib.megamoe_gemm_rows and lib.megamoe_error_string
     log = (lib_path.parent / "build.log").read_text()
     spills = [int(n) for n in re.findall(r"(\d+) bytes spill stores", log)]
     assert spills and max(spills) <= 64, log  # a few bytes of the producer's row pointers
@@ -34,18 +35,18 @@ def test_gemm1_swiglu_sm90_builds_without_spills(tmp_path, monkeypatch, defines)
     # a branch); with lag 1 that silently turned the pipeline back into wait-for-each-batch
     assert "C7518" not in log and "serialized" not in log, log
     # cached: a second build is the same file, not a recompile; other knobs, another file
-    assert build.build("gemm1_swiglu_sm90", defines) == lib_path
-    assert build.build("gemm1_swiglu_sm90", defines + ("MEGAMOE_G1_STAGES=3",)) != lib_path
+    assert build.build("grouped_gemm_sm90", defines) == lib_path
+    assert build.build("grouped_gemm_sm90", defines + ("MEGAMOE_SM90_STAGES=3",)) != lib_path
 
 
 def test_nvcc_missing_names_the_fix(monkeypatch):
     monkeypatch.setattr(build, "nvcc_path", lambda: None)
     with pytest.raises(RuntimeError, match="needs nvcc.*CUDA_HOME"):
-        build.build("gemm1_swiglu_sm90")
+        build.build("grouped_gemm_sm90")
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="CPU-only machines")
-def test_cpu_never_offers_the_cuda_candidate():
+def test_cpu_never_offers_the_cuda_candidates(monkeypatch):
     x = torch.zeros(4, 128, dtype=torch.bfloat16)
     assert not sm90_usable(x)
     calls = []
@@ -53,12 +54,11 @@ def test_cpu_never_offers_the_cuda_candidate():
     def fake(*a, **kw):
         calls.append(1)
 
+    monkeypatch.setattr(g1, "gemm1_swiglu_sm90", fake)
+    monkeypatch.setattr(g2, "gemm_rows_sm90", fake)
     ids = torch.tensor([[0], [1], [0], [1]])
+    plan = build_plan(ids, 2, 128)
     w = torch.randn(2, 128, 128).bfloat16()
-    orig = g1.gemm1_swiglu_sm90
-    try:
-        g1.gemm1_swiglu_sm90 = fake
-        g1.gemm1_swiglu(x, w, w, build_plan(ids, 2, 128))
-    finally:
-        g1.gemm1_swiglu_sm90 = orig
+    h = g1.gemm1_swiglu(x, w, w, plan)
+    g2.gemm2_rows(h, torch.randn(2, 256, 128).bfloat16(), plan)  # a shape the kernel fits
     assert not calls

@@ -101,11 +101,13 @@ def test_every_tuner_candidate_is_correct():
 
     # warp-specialized candidates only where ws_probe showed they compile (see tune.py)
     c1s = [c for c in gemm1_swiglu.GPU_CONFIGS if not c.get("WARP_SPEC") or warp_spec_allowed("gemm1_swiglu")]
-    from torchtitan_megamoe.ops.cuda.gemm1_swiglu import sm90_buildable
+    from torchtitan_megamoe.ops.cuda.sm90 import sm90_buildable
 
-    if sm90_buildable(x):  # the CUDA kernel's candidates (offered unless MEGAMOE_CUDA=0)
+    if sm90_buildable(x):  # the CUDA kernels' candidates (offered unless MEGAMOE_CUDA=0)
         c1s += gemm1_swiglu.SM90_CONFIGS
     c2s = [c for c in gemm2_rows.GPU_CONFIGS if not c.get("WARP_SPEC") or warp_spec_allowed("gemm2_rows")]
+    if sm90_buildable(x):
+        c2s += gemm2_rows.SM90_CONFIGS
     for i in range(max(len(c1s), len(c2s))):
         c1, c2 = c1s[i % len(c1s)], c2s[i % len(c2s)]
         out = forward_ep1(x, ids, w, w1, w2, w3, gemm1_config=c1, gemm2_config=c2)

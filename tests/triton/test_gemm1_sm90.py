@@ -1,4 +1,4 @@
-"""csrc/gemm1_swiglu_sm90.cu on an H200 (marked gpu; skipped without an sm_90 GPU and nvcc):
+"""csrc/grouped_gemm_sm90.cu on an H200 (marked gpu; skipped without an sm_90 GPU and nvcc):
 h and the saved [a1 | a3] against float64 math on uneven routings, with every output poisoned
 (NaN) first, at sizes that are and are not multiples of the kernel's tiles and of its pipeline
 depth, phased plans (tiles of the other phase untouched), and the real Qwen3-30B shape."""
@@ -8,7 +8,8 @@ import torch
 import torch.nn.functional as F
 
 from moe_math import make_weights, routings
-from torchtitan_megamoe.ops.cuda.gemm1_swiglu import gemm1_swiglu_sm90, sm90_buildable
+from torchtitan_megamoe.ops.cuda.gemm1_swiglu import gemm1_swiglu_sm90
+from torchtitan_megamoe.ops.cuda.sm90 import sm90_buildable
 from torchtitan_megamoe.ops.triton import gemm1_swiglu as g1
 from torchtitan_megamoe.ops.triton.plan import build_phased_plan, build_plan
 
@@ -56,12 +57,12 @@ def _nan(shape):
 
 CLUSTERS = pytest.mark.parametrize("cluster", [1, 2], ids=["cta", "cluster2"])
 GROUPS = pytest.mark.parametrize("group_m", [8, 0], ids=["group8", "wave"])
-# compile-time variants of the pipeline (the .cu file's MEGAMOE_G1_* knobs) must be right too
+# compile-time variants of the pipeline (the .cu file's MEGAMOE_SM90_* knobs) must be right too
 VARIANTS = pytest.mark.parametrize(
-    "defines", [(), ("MEGAMOE_G1_WGMMA_LAG=1",), ("MEGAMOE_G1_PRODUCER_FENCE=1",),
-                ("MEGAMOE_G1_BK=32", "MEGAMOE_G1_STAGES=8", "MEGAMOE_G1_WGMMA_LAG=1",
-                 "MEGAMOE_G1_PRODUCER_FENCE=1"),
-                ("MEGAMOE_G1_TMA_STORE=1",), ("MEGAMOE_G1_TMA_STORE=1", "MEGAMOE_G1_WGMMA_LAG=1")],
+    "defines", [(), ("MEGAMOE_SM90_WGMMA_LAG=1",), ("MEGAMOE_SM90_PRODUCER_FENCE=1",),
+                ("MEGAMOE_SM90_BK=32", "MEGAMOE_SM90_STAGES=8", "MEGAMOE_SM90_WGMMA_LAG=1",
+                 "MEGAMOE_SM90_PRODUCER_FENCE=1"),
+                ("MEGAMOE_SM90_TMA_STORE=1",), ("MEGAMOE_SM90_TMA_STORE=1", "MEGAMOE_SM90_WGMMA_LAG=1")],
     ids=["default", "lag1", "producer_fence", "bk32_8stages", "tma_store", "tma_store_lag1"])
 
 
@@ -108,7 +109,7 @@ def test_phased_plan_writes_only_its_phase(cluster):
 
 
 @CLUSTERS
-@pytest.mark.parametrize("defines", [(), ("MEGAMOE_G1_TMA_STORE=1",)], ids=["default", "tma_store"])
+@pytest.mark.parametrize("defines", [(), ("MEGAMOE_SM90_TMA_STORE=1",)], ids=["default", "tma_store"])
 def test_real_30b_shape_matches_triton_and_float64(cluster, defines):
     T, K, E, D, H = 16384, 8, 128, 2048, 768
     torch.manual_seed(0)

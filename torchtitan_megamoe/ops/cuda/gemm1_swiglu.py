@@ -1,4 +1,5 @@
-"""Python side of csrc/gemm1_swiglu_sm90.cu: the warp-specialized Hopper GEMM 1 + SwiGLU.
+"""Python side of csrc/grouped_gemm_sm90.cu's GATHER mode: the warp-specialized Hopper GEMM 1 +
+SwiGLU.
 
 Same contract as ops/triton/gemm1_swiglu.py (one plan, h [R_max, H] and optionally the saved
 pre-activations a [R_max, 2H], tiles of tile_expert -1 skipped), so the two are candidates of
@@ -8,13 +9,12 @@ file for its roles and barriers.
 
 from __future__ import annotations
 
-import ctypes
-import os
 from typing import TYPE_CHECKING
 
 import torch
 
-from torchtitan_megamoe.ops.cuda.build import load, nvcc_path
+from torchtitan_megamoe.ops.cuda.sm90 import (check_bf16_rows, check_plan, grouped_gemm_library,
+                                               raise_on_error)
 
 if TYPE_CHECKING:  # ops/triton imports this module: no runtime import back
     from torchtitan_megamoe.ops.triton.plan import Plan
@@ -22,37 +22,8 @@ if TYPE_CHECKING:  # ops/triton imports this module: no runtime import back
 BM, BN, BK = 128, 128, 64
 
 
-def sm90_buildable(x: torch.Tensor) -> bool:
-    """True where the kernel can run: an sm_90 GPU and nvcc to build it (not the interpreter)."""
-    if os.environ.get("TRITON_INTERPRET") == "1":
-        return False
-    if x.device.type != "cuda" or torch.cuda.get_device_capability(x.device) != (9, 0):
-        return False
-    return nvcc_path() is not None
-
-
-def sm90_usable(x: torch.Tensor) -> bool:
-    """True where the tuner may offer this kernel: buildable, and not turned off with
-    MEGAMOE_CUDA=0 (e.g. to rule it out when debugging; the tuner only keeps it where it is
-    the fastest candidate, see ops/triton/gemm1_swiglu.SM90_CONFIGS)."""
-    return os.environ.get("MEGAMOE_CUDA", "1") != "0" and sm90_buildable(x)
-
-
 def shape_supported(H: int, D: int, block_m: int) -> bool:
     return H % BN == 0 and D % BK == 0 and block_m % BM == 0
-
-
-def _lib(defines: tuple = ()):
-    lib = load("gemm1_swiglu_sm90", defines)
-    if not getattr(lib, "_megamoe_typed", False):
-        p, i, ll = ctypes.c_void_p, ctypes.c_int, ctypes.c_longlong
-        lib.megamoe_gemm1_swiglu.argtypes = [p, p, p, p, p, p, p, p, i, i, i, i, i, i, ll, ll, ll,
-                                             ll, i, i, p, p]
-        lib.megamoe_gemm1_swiglu.restype = i
-        lib.megamoe_error_string.argtypes = [i]
-        lib.megamoe_error_string.restype = ctypes.c_char_p
-        lib._megamoe_typed = True
-    return lib
 
 
 def gemm1_swiglu_sm90(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, plan: Plan,
@@ -64,7 +35,7 @@ def gemm1_swiglu_sm90(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, plan:
     belong to one expert, each loads one of the two weight tiles for both (TMA multicast): a
     third less L2 -> SM traffic per stage (measured: less DRAM traffic, no less time).
     ``group_m``: M tiles (pairs with cluster 2) that sweep one N tile together; 0: one group
-    per wave of resident CTAs. ``defines``: the .cu file's compile-time knobs (MEGAMOE_G1_*),
+    per wave of resident CTAs. ``defines``: the .cu file's compile-time knobs (MEGAMOE_SM90_*),
     for measuring variants. ``dynamic`` (cluster 1): CTAs take their tiles from a global ticket
     in one order, instead of every gridDim-th tile (whose CTAs drift apart and spread over
     more experts' weights than L2 holds)."""
@@ -74,21 +45,14 @@ def gemm1_swiglu_sm90(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, plan:
             f"gemm1_swiglu_sm90 needs hidden % {BN} == 0, dim % {BK} == 0 and a plan block_m "
             f"multiple of {BM}; got hidden={H}, dim={D}, block_m={plan.block_m}"
         )
-    for name, t in (("x", x), ("w1", w1), ("w3", w3), ("h", h)) + ((("a", a),) if a is not None else ()):
-        if t.dtype != torch.bfloat16:
-            raise TypeError(f"gemm1_swiglu_sm90: {name} must be bfloat16, got {t.dtype}")
-        if t.stride(-1) != 1 or t.data_ptr() % 16 != 0 or (t.dim() > 1 and t.stride(-2) % 8 != 0):
-            raise ValueError(f"gemm1_swiglu_sm90: {name} needs unit-stride, 16-byte aligned rows")
+    named = dict(x=x, w1=w1, w3=w3, h=h) | (dict(a=a) if a is not None else {})
+    check_bf16_rows("gemm1_swiglu_sm90", **named)
     if not (w1.is_contiguous() and w3.is_contiguous()):
         raise ValueError("gemm1_swiglu_sm90: w1 and w3 must be contiguous [E, H, D]")
-    for name in ("row_slot", "tile_expert", "num_rows_used"):
-        t = getattr(plan, name)
-        if t.dtype != torch.int32 or not t.is_contiguous() or t.device != x.device:
-            raise ValueError(f"gemm1_swiglu_sm90: plan.{name} must be contiguous int32 on "
-                             f"{x.device}, got {t.dtype} on {t.device}")
+    check_plan(plan, x.device, "gemm1_swiglu_sm90", ("row_slot", "tile_expert", "num_rows_used"))
     assert x.shape[1] == D and h.shape == (plan.max_rows, H)
     assert a is None or a.shape == (plan.max_rows, 2 * H)
-    lib = _lib(tuple(defines))
+    lib = grouped_gemm_library(tuple(defines))
     num_sms = torch.cuda.get_device_properties(x.device).multi_processor_count
     num_n = H // BN
     if group_m == 0:
@@ -104,5 +68,4 @@ def gemm1_swiglu_sm90(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, plan:
         a.stride(0) if a is not None else 0, h.shape[0], num_sms, cluster,
         ticket.data_ptr() if ticket is not None else None, stream,
     )
-    if rc != 0:
-        raise RuntimeError(f"gemm1_swiglu_sm90 launch failed: {lib.megamoe_error_string(rc).decode()}")
+    raise_on_error(lib, rc, "gemm1_swiglu_sm90")

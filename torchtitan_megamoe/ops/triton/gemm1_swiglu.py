@@ -23,7 +23,8 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from torchtitan_megamoe.ops.cuda.gemm1_swiglu import gemm1_swiglu_sm90, shape_supported, sm90_usable
+from torchtitan_megamoe.ops.cuda.gemm1_swiglu import gemm1_swiglu_sm90, shape_supported
+from torchtitan_megamoe.ops.cuda.sm90 import sm90_usable
 from torchtitan_megamoe.ops.triton.plan import Plan
 from torchtitan_megamoe.ops.triton.tiling import (
     cast_out, grouped_tile, launch_config, persistent_programs,
@@ -147,7 +148,7 @@ GPU_CONFIGS = [
     # fits, this one lost by 20-40%, so it is only offered where none does)
     dict(BLOCK_M=128, BLOCK_N=64, BLOCK_K=64, GROUP_M=8, num_warps=4, num_stages=4),
 ]
-# The warp-specialized CUDA kernel (csrc/gemm1_swiglu_sm90.cu: TMA weights, cp.async row
+# The warp-specialized CUDA kernel (csrc/grouped_gemm_sm90.cu: TMA weights, cp.async row
 # gathers, wgmma, a global tile ticket), offered where it builds (an sm_90 GPU and nvcc;
 # MEGAMOE_CUDA=0 turns it off) and the shape fits its tiles. Measured on the H200 (docs/PERF.md,
 # 2026-11-30 06:5x), GEMM 1 alone: with the bulk-tensor-store epilogue it beats the Triton
@@ -156,7 +157,7 @@ GPU_CONFIGS = [
 # other variants never won; scripts/ncu_gemm1.py still times them.
 SM90_CONFIGS = [
     dict(IMPL="sm90", BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, CLUSTER=1,
-         DEFINES=("MEGAMOE_G1_TMA_STORE=1",)),
+         DEFINES=("MEGAMOE_SM90_TMA_STORE=1",)),
     dict(IMPL="sm90", BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, CLUSTER=1),
 ]
 

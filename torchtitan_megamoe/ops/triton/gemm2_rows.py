@@ -18,6 +18,8 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
+from torchtitan_megamoe.ops.cuda.gemm_rows import gemm_rows_sm90, shape_supported
+from torchtitan_megamoe.ops.cuda.sm90 import sm90_usable
 from torchtitan_megamoe.ops.triton.plan import Plan
 from torchtitan_megamoe.ops.triton.tiling import cast_out, grouped_tile, launch_config
 from torchtitan_megamoe.ops.triton.tune import bucket as _bucket
@@ -112,6 +114,14 @@ GPU_CONFIGS = [
     # any dim/hidden that are multiples of 64 (the shapes above need multiples of their tiles)
     dict(BLOCK_M=128, BLOCK_N=64, BLOCK_K=64, GROUP_M=8, num_warps=4, num_stages=4),
 ]
+# The warp-specialized CUDA kernel (csrc/grouped_gemm_sm90.cu, ROWS mode: TMA for both operands,
+# wgmma, a global tile ticket), offered where it builds (sm_90 + nvcc; MEGAMOE_CUDA=0: never)
+# and the shape fits its 128 x 256 tiles. The bulk-store epilogue variant first: it won GEMM 1.
+SM90_CONFIGS = [
+    dict(IMPL="sm90", BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, GROUP_M=8,
+         DEFINES=("MEGAMOE_SM90_TMA_STORE=1",)),
+    dict(IMPL="sm90", BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, GROUP_M=8),
+]
 
 
 def gemm2_rows(
@@ -136,6 +146,10 @@ def gemm2_rows(
     def launch(cfg):
         bm, bn, bk = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
         assert plan.block_m % bm == 0 and D % bn == 0 and H % bk == 0, (cfg, D, H)
+        if cfg.get("IMPL") == "sm90":
+            gemm_rows_sm90(h, w2, plan, y, group_m=cfg["GROUP_M"], defines=cfg.get("DEFINES", ()),
+                           dynamic=not cfg.get("STATIC", False))
+            return
         num_m = R // bm
         cfg, grid = launch_config(cfg, num_m * (D // bn), h.device,
                                   ("USE_TMA", "WARP_SPEC", "PERSISTENT", "TMA_STORE"))
@@ -156,5 +170,8 @@ def gemm2_rows(
     cands = [config] if config is not None else [
         c for c in GPU_CONFIGS if D % c["BLOCK_N"] == 0 and H % c["BLOCK_K"] == 0
     ]
+    bf16 = h.dtype == w2.dtype == y.dtype == torch.bfloat16
+    if config is None and bf16 and shape_supported(D, H, plan.block_m) and sm90_usable(h):
+        cands += SM90_CONFIGS
     launch(pick_config("gemm2_rows", (_bucket(R), H, D, E, plan.block_m), cands, launch))
     return y

@@ -1,5 +1,10 @@
-// Grouped GEMM 1 with SwiGLU in the epilogue, warp-specialized for Hopper (sm_90a):
+// Grouped GEMMs over a plan's row space, warp-specialized for Hopper (sm_90a). Two entry
+// points share one kernel template:
+//   megamoe_gemm1_swiglu (GATHER mode, GEMM 1 with SwiGLU in the epilogue):
 //     h[r] = silu(x_tok(r) @ w1[e]^T) * (x_tok(r) @ w3[e]^T)
+//   megamoe_gemm_rows (ROWS mode, GEMM 2 and any row-space GEMM with K-major weights):
+//     out[r] = in[r] @ w[e]^T,  in [R, K], out [R, N], w [E, N, K], all row-major.
+// The GATHER mode is described first; the ROWS mode's differences follow it.
 // for the rows r of a plan (ops/triton/plan.py): row r reads token row_slot[r] / top_k of x
 // (a gather: no permuted copy of x exists), padding rows (slot -1) read zeros, every 128-row
 // tile belongs to one expert e = tile_expert[tile], tiles with e < 0 are skipped (another launch
@@ -10,7 +15,7 @@
 // the w3 tile (128 rows): one m64n256k16 wgmma per 16-wide K step gives a1 in accumulator
 // columns [0, 128) and a3 in [128, 256), so a thread holds a1 and a3 of the same (row, col).
 // K steps of 64 (rows of 128 bytes, 128-byte swizzle); STAGES-deep ring of [A 16 KiB | B 32 KiB].
-// MEGAMOE_G1_BK=32 halves the K step (64-byte rows and swizzle, [A 8 KiB | B 16 KiB] stages), so
+// MEGAMOE_SM90_BK=32 halves the K step (64-byte rows and swizzle, [A 8 KiB | B 16 KiB] stages), so
 // twice the stages fit in the same shared memory.
 //
 // Roles (384 threads, one CTA per SM, persistent over the tiles of the used rows, which are
@@ -22,7 +27,7 @@
 //         cp.async.mbarrier.arrive.noinc(full[s]).
 //     full[s] completes after 129 arrivals and 32 KiB of TMA bytes.
 //   warpgroups 1, 2 (consumers, 232 registers): rows [0, 64) and [64, 128) of the tile. Per
-//     stage: wait full[s], issue 4 wgmma, wait for them (MEGAMOE_G1_WGMMA_LAG 1: for the
+//     stage: wait full[s], issue 4 wgmma, wait for them (MEGAMOE_SM90_WGMMA_LAG 1: for the
 //     previous stage's, one batch stays queued), then a warpgroup barrier and ONE arrival per
 //     warpgroup on empty[s] (2 per CTA complete it). After the K loop: SwiGLU in fp32 and bf16
 //     stores of h (and a) straight from registers; meanwhile the producer already fills the ring
@@ -35,11 +40,19 @@
 //   plain arrivals. empty[s] then takes one arrival per consumer warpgroup of EACH CTA (4): the
 //   peer's producer may multicast into this CTA's slot. A cluster barrier follows the barrier
 //   init and precedes exit, so no remote arrival or multicast meets an absent peer.
-// Waits on: nothing outside the launch. Signals: nothing; h (and a) are complete with the launch.
+// ROWS mode (cluster 1 only): the tile is 128 rows x 256 output columns; the two 128-row halves
+//   of the B stage are rows [0, 128) and [128, 256) of the weight tile (one tensor map), so the
+//   accumulator holds columns [0, 128) where GATHER has a1 and [128, 256) where it has a3. The
+//   A tile is a plain [128, 64] TMA box of `in` (its rows are the plan's rows, contiguous), so
+//   full[s] completes on ONE arrival (the producer's thread 0, the only producer thread that
+//   works) and 48 KiB of TMA bytes, and the consumers need no proxy fence. Padding rows of `in`
+//   are zeros (GEMM 1 writes them), so out's padding rows are zeros too.
+// Waits on: nothing outside the launch. Signals: nothing; h (and a) / out are complete with the
+// launch.
 //
 // Measured (docs/PERF.md, H200, 2026-11-30): correct at every tested routing and shape. With
 // the dynamic tile order it is level with the Triton kernel (the static order read 3x Triton's
-// DRAM bytes at 235B); with MEGAMOE_G1_TMA_STORE=1 it beats it at the 30B shape (1.37 vs
+// DRAM bytes at 235B); with MEGAMOE_SM90_TMA_STORE=1 it beats it at the 30B shape (1.37 vs
 // 1.44 ms; 1.51 vs 1.79 with the a1/a3 store) and loses at 235B (5.8 vs 5.1). The GEMM 1 tuner
 // offers it (MEGAMOE_CUDA=0: never) and keeps whichever is faster per shape.
 
@@ -51,55 +64,55 @@
 #include "sm90_primitives.cuh"
 
 namespace megamoe {
-namespace gemm1 {
+namespace grouped {
 
 constexpr int BM = 128;
 constexpr int BN = 128;
-#ifndef MEGAMOE_G1_BK
-#define MEGAMOE_G1_BK 64  // K step: 64 (128-byte swizzle rows) or 32 (64-byte; pair with 8 stages)
+#ifndef MEGAMOE_SM90_BK
+#define MEGAMOE_SM90_BK 64  // K step: 64 (128-byte swizzle rows) or 32 (64-byte; pair with 8 stages)
 #endif
-constexpr int BK = MEGAMOE_G1_BK;
-static_assert(BK == 64 || BK == 32, "MEGAMOE_G1_BK must be 64 or 32");
+constexpr int BK = MEGAMOE_SM90_BK;
+static_assert(BK == 64 || BK == 32, "MEGAMOE_SM90_BK must be 64 or 32");
 constexpr int ROW_BYTES = BK * 2;       // one K step of one row, the swizzle span
 constexpr int CHUNKS = ROW_BYTES / 16;  // 16-byte cp.async chunks per row
 constexpr int ROWS_PER_PASS = 128 / CHUNKS;  // rows the producer's 128 threads gather at once
 constexpr int PASSES = BM / ROWS_PER_PASS;
 // Compile-time knobs (ops/cuda/build.py passes -D defines; each set is its own cached build):
-#ifndef MEGAMOE_G1_STAGES
-#define MEGAMOE_G1_STAGES 4  // ring depth: 4 x 48 KiB of the 227 KiB of shared memory
+#ifndef MEGAMOE_SM90_STAGES
+#define MEGAMOE_SM90_STAGES 4  // ring depth: 4 x 48 KiB of the 227 KiB of shared memory
 #endif
-#ifndef MEGAMOE_G1_L2_PROMOTION
-#define MEGAMOE_G1_L2_PROMOTION 3  // TMA weight reads: 0 none, 1 64 B, 2 128 B, 3 256 B
+#ifndef MEGAMOE_SM90_L2_PROMOTION
+#define MEGAMOE_SM90_L2_PROMOTION 3  // TMA weight reads: 0 none, 1 64 B, 2 128 B, 3 256 B
 #endif
-#ifndef MEGAMOE_G1_STORE
-#define MEGAMOE_G1_STORE 1  // 0 only for measuring: the epilogue computes but stores nothing
+#ifndef MEGAMOE_SM90_STORE
+#define MEGAMOE_SM90_STORE 1  // 0 only for measuring: the epilogue computes but stores nothing
 #endif
-#ifndef MEGAMOE_G1_WGMMA_LAG
-#define MEGAMOE_G1_WGMMA_LAG 0  // wgmma batches left in flight before a slot is freed (0 or 1)
+#ifndef MEGAMOE_SM90_WGMMA_LAG
+#define MEGAMOE_SM90_WGMMA_LAG 0  // wgmma batches left in flight before a slot is freed (0 or 1)
 #endif
-#ifndef MEGAMOE_G1_PRODUCER_REGS
-#define MEGAMOE_G1_PRODUCER_REGS 40  // with 232 per consumer: 40 * 128 + 232 * 256 <= 64K
+#ifndef MEGAMOE_SM90_PRODUCER_REGS
+#define MEGAMOE_SM90_PRODUCER_REGS 40  // with 232 per consumer: 40 * 128 + 232 * 256 <= 64K
 #endif
-#ifndef MEGAMOE_G1_PRODUCER_FENCE
+#ifndef MEGAMOE_SM90_PRODUCER_FENCE
 // 1: the producer waits for its own gathers one stage later, fences them for the async proxy
 // and then arrives, so the consumers' per-stage fence.proxy.async (a MEMBAR.ALL.CTA +
 // FENCE.VIEW.ASYNC in the SASS, on the tensor cores' critical path) goes away. 0: the gathers
 // arrive by cp.async.mbarrier.arrive.noinc and the consumers fence. (1 measured: under 3%.)
-#define MEGAMOE_G1_PRODUCER_FENCE 0
+#define MEGAMOE_SM90_PRODUCER_FENCE 0
 #endif
-#ifndef MEGAMOE_G1_TMA_STORE
+#ifndef MEGAMOE_SM90_TMA_STORE
 // 1: the epilogue writes h (and a1, a3) as bf16 into a shared-memory tile in the 128-byte
 // swizzle and a bulk tensor store writes it out, so the warpgroup goes back to its MMAs as soon
 // as the store engine has read the tile; 0: bf16x2 stores from registers (measured at the 30B
 // shape: the stores cost 0.19 of GEMM 1's 1.52 ms, 2026-11-30).
-#define MEGAMOE_G1_TMA_STORE 0
+#define MEGAMOE_SM90_TMA_STORE 0
 #endif
-#ifndef MEGAMOE_G1_LOAD
-#define MEGAMOE_G1_LOAD 3  // measuring only: bit 0 loads A (x rows), bit 1 loads B (weights)
+#ifndef MEGAMOE_SM90_LOAD
+#define MEGAMOE_SM90_LOAD 3  // measuring only: bit 0 loads A (x rows), bit 1 loads B (weights)
 #endif
-constexpr int STAGES = MEGAMOE_G1_STAGES;
-constexpr bool LOAD_A = (MEGAMOE_G1_LOAD & 1) != 0;
-constexpr bool LOAD_B = (MEGAMOE_G1_LOAD & 2) != 0;
+constexpr int STAGES = MEGAMOE_SM90_STAGES;
+constexpr bool LOAD_A = (MEGAMOE_SM90_LOAD & 1) != 0;
+constexpr bool LOAD_B = (MEGAMOE_SM90_LOAD & 2) != 0;
 constexpr int A_BYTES = BM * BK * 2;
 constexpr int B_BYTES = 2 * BN * BK * 2;
 constexpr int STAGE_BYTES = A_BYTES + B_BYTES;
@@ -107,20 +120,20 @@ constexpr int THREADS = 384;
 // TMA_STORE: one [64 rows, 128 columns] bf16 tile per consumer warpgroup, as two boxes of 64
 // columns (128-byte rows, 128-byte swizzle), after the ring
 constexpr int EPI_BOX_BYTES = 64 * 64 * 2;
-constexpr int EPI_BYTES = MEGAMOE_G1_TMA_STORE ? 2 * 2 * EPI_BOX_BYTES : 0;
+constexpr int EPI_BYTES = MEGAMOE_SM90_TMA_STORE ? 2 * 2 * EPI_BOX_BYTES : 0;
 // + ring barriers, the tile scheduler's 2-slot ring (4 barriers, 2 ids), alignment
 constexpr int SMEM_BYTES = STAGES * STAGE_BYTES + EPI_BYTES + 2 * STAGES * 8 + 64 + 1024;
 static_assert(SMEM_BYTES <= 227 * 1024, "shared memory: fewer stages");
 
 struct Params {
-  const __nv_bfloat16* x;
-  __nv_bfloat16* h;
-  __nv_bfloat16* a;  // nullptr: no pre-activation store
+  const __nv_bfloat16* x;  // GATHER: the token rows; ROWS: unused (the A map reads `in`)
+  __nv_bfloat16* h;        // GATHER: h [R, H]; ROWS: out [R, N]
+  __nv_bfloat16* a;  // GATHER: nullptr (no pre-activation store) or a [R, 2H]; ROWS: nullptr
   const int* row_slot;
   const int* tile_expert;
   const int* num_rows_used;
-  int H;
-  int D;
+  int N;  // output columns per weight operand: H (GATHER: a1 and a3 each), N (ROWS)
+  int K;  // reduction length: D (GATHER), K (ROWS)
   int top_k;
   int plan_bm;
   int group_m;
@@ -144,12 +157,17 @@ __device__ __forceinline__ float silu_mul(float a1, float a3) {
   return a1 / (1.0f + __expf(-a1)) * a3;
 }
 
-template <int CLUSTER>
+// GATHER: w1_map / w3_map are the two weights, in_map unused. ROWS: w1_map = w3_map = the
+// weight, in_map = `in`, h_map = out (TMA_STORE), a_map unused.
+template <int CLUSTER, bool ROWS>
 __global__ void __launch_bounds__(THREADS, 1)
-    gemm1_swiglu_kernel(const __grid_constant__ CUtensorMap w1_map,
+    grouped_gemm_kernel(const __grid_constant__ CUtensorMap w1_map,
                         const __grid_constant__ CUtensorMap w3_map,
                         const __grid_constant__ CUtensorMap h_map,
-                        const __grid_constant__ CUtensorMap a_map, const Params p) {
+                        const __grid_constant__ CUtensorMap a_map,
+                        const __grid_constant__ CUtensorMap in_map, const Params p) {
+  static_assert(!ROWS || CLUSTER == 1, "ROWS mode: cluster 1 only");
+  constexpr int TILE_N = ROWS ? 2 * BN : BN;  // output columns of a tile (per operand in GATHER)
   extern __shared__ __align__(1024) uint8_t smem_raw[];
   // the swizzled tiles need their 8-row groups aligned (1024 bytes covers both swizzles)
   uint8_t* smem = reinterpret_cast<uint8_t*>(
@@ -170,7 +188,7 @@ __global__ void __launch_bounds__(THREADS, 1)
   const uint32_t rank = CLUSTER > 1 ? cluster_ctarank() : 0;
   if (tid == 0) {
     for (int s = 0; s < STAGES; ++s) {
-      mbar_init(full_bar + 8 * s, 128 + 1);
+      mbar_init(full_bar + 8 * s, ROWS ? 1 : 128 + 1);
       mbar_init(empty_bar + 8 * s, 2 * CLUSTER);  // one per consumer warpgroup of each CTA
     }
     for (int s = 0; s < 2; ++s) {
@@ -180,6 +198,7 @@ __global__ void __launch_bounds__(THREADS, 1)
     mbar_init_fence();
     tma_prefetch_desc(&w1_map);
     tma_prefetch_desc(&w3_map);
+    if (ROWS) tma_prefetch_desc(&in_map);
   }
   if constexpr (CLUSTER > 1) {
     cluster_sync();  // the peer's barriers are initialised before any remote arrival
@@ -191,10 +210,10 @@ __global__ void __launch_bounds__(THREADS, 1)
   // CLUSTER * um + rank. Both CTAs of a cluster walk the same units in lockstep (every stage of
   // a unit passes through both CTAs' barriers) so that they can share the weight tiles.
   const int num_m = *p.num_rows_used / BM;
-  const int num_n = p.H / BN;
+  const int num_n = p.N / TILE_N;
   const int num_um = (num_m + CLUSTER - 1) / CLUSTER;
   const int num_units = num_um * num_n;
-  const int k_blocks = p.D / BK;
+  const int k_blocks = p.K / BK;
   const int first_unit = blockIdx.x / CLUSTER;
   const int unit_stride = gridDim.x / CLUSTER;
   const int group_m = p.group_m;
@@ -218,7 +237,7 @@ __global__ void __launch_bounds__(THREADS, 1)
 
   if (wg == 0) {
     // ---------------- producer ----------------
-    setmaxnreg_dec<MEGAMOE_G1_PRODUCER_REGS>();
+    setmaxnreg_dec<MEGAMOE_SM90_PRODUCER_REGS>();
     const int c = tid & (CHUNKS - 1);                              // 16-byte chunk of a row's K step
     const int rg = static_cast<int>(static_cast<unsigned>(tid) / CHUNKS);  // rows rg, rg + ROWS_PER_PASS, ...
     int stage = 0;
@@ -227,14 +246,15 @@ __global__ void __launch_bounds__(THREADS, 1)
     // arrived on (0: none). Its arrival waits until the next stage's gathers are issued.
     uint32_t pending_full = 0;
     auto flush_pending = [&]() {
-      if (MEGAMOE_G1_PRODUCER_FENCE && pending_full != 0) {
+      if (MEGAMOE_SM90_PRODUCER_FENCE && pending_full != 0) {
         cp_async_wait<0>();
         fence_proxy_async();
         mbar_arrive(pending_full);
         pending_full = 0;
       }
     };
-    for (int it = 0;; ++it) {
+    // ROWS: thread 0 issues every TMA load; the other producer threads have nothing to do
+    for (int it = 0; !ROWS || tid == 0; ++it) {
       int u;
       if (dynamic) {
         const int slot = it & 1;
@@ -243,7 +263,7 @@ __global__ void __launch_bounds__(THREADS, 1)
           unit_id[slot] = atomicAdd(p.ticket, 1);
           mbar_arrive(unit_full + 8 * slot);  // release: the consumers' wait acquires the id
         }
-        named_barrier(3, 128);
+        if (!ROWS) named_barrier(3, 128);
         u = unit_id[slot];
       } else {
         u = static_unit(it);
@@ -262,11 +282,14 @@ __global__ void __launch_bounds__(THREADS, 1)
       if (!any) continue;
       const int expert = e[rank];
       const int pid_m = um * CLUSTER + rank;
-      const int w_row = expert * p.H + pid_n * BN;
+      const int w_row = expert * p.N + pid_n * TILE_N;
+      // B halves: the w1 and w3 tiles (GATHER), rows [0, 128) and [128, 256) of w's tile (ROWS)
+      const int w_row_b1 = ROWS ? w_row + BN : w_row;
       int tok[PASSES];
 #pragma unroll
       for (int i = 0; i < PASSES; ++i) {
-        const int slot = expert >= 0 ? p.row_slot[pid_m * BM + i * ROWS_PER_PASS + rg] : -1;
+        const int slot =
+            !ROWS && expert >= 0 ? p.row_slot[pid_m * BM + i * ROWS_PER_PASS + rg] : -1;
         tok[i] = slot >= 0 ? slot / p.top_k : -1;
       }
       for (int kb = 0; kb < k_blocks; ++kb) {
@@ -274,7 +297,12 @@ __global__ void __launch_bounds__(THREADS, 1)
         const uint32_t a_smem = smem_base + stage * STAGE_BYTES;
         const uint32_t b_smem = a_smem + A_BYTES;
         const uint32_t full = full_bar + 8 * stage;
-        if (expert < 0) {
+        if constexpr (ROWS) {
+          mbar_arrive_expect_tx(full, A_BYTES + B_BYTES);
+          tma_load_2d(a_smem, &in_map, kb * BK, pid_m * BM, full);
+          tma_load_2d(b_smem, &w1_map, kb * BK, w_row, full);
+          tma_load_2d(b_smem + B_BYTES / 2, &w3_map, kb * BK, w_row_b1, full);
+        } else if (expert < 0) {
           // idle in this unit (the peer is not): complete the stage without data
           flush_pending();
           mbar_arrive(full);
@@ -289,7 +317,7 @@ __global__ void __launch_bounds__(THREADS, 1)
                                     kb * BK, w_row, full, (1u << CLUSTER) - 1);
             } else {
               tma_load_2d(b_smem, &w1_map, kb * BK, w_row, full);
-              tma_load_2d(b_smem + B_BYTES / 2, &w3_map, kb * BK, w_row, full);
+              tma_load_2d(b_smem + B_BYTES / 2, &w3_map, kb * BK, w_row_b1, full);
             }
           }
 #pragma unroll
@@ -301,7 +329,7 @@ __global__ void __launch_bounds__(THREADS, 1)
                 p.x + (valid ? static_cast<long long>(tok[i]) * p.stride_x : 0) + kb * BK + c * 8;
             cp_async_16(dst, src, valid ? 16 : 0);
           }
-          if (MEGAMOE_G1_PRODUCER_FENCE) {
+          if (MEGAMOE_SM90_PRODUCER_FENCE) {
             // this stage's gathers stay in flight; the previous stage's have landed once at
             // most one group is left: make them visible to wgmma, then complete that stage
             cp_async_commit();
@@ -325,7 +353,7 @@ __global__ void __launch_bounds__(THREADS, 1)
   } else {
     // ---------------- consumers ----------------
     // the register file is 64K: what the producer gives up, the two consumer warpgroups share
-    setmaxnreg_inc<(65536 / 128 - MEGAMOE_G1_PRODUCER_REGS) / 2 / 8 * 8>();
+    setmaxnreg_inc<(65536 / 128 - MEGAMOE_SM90_PRODUCER_REGS) / 2 / 8 * 8>();
     const int cw = wg - 1;  // rows [64 cw, 64 cw + 64) of the tile
     const int warp = (tid % 128) / 32;
     const int lane = tid % 32;
@@ -389,7 +417,8 @@ __global__ void __launch_bounds__(THREADS, 1)
       for (int kb = 0; kb < k_blocks; ++kb) {
         mbar_wait(full_bar + 8 * stage, phase);
         // the cp.async rows are generic-proxy writes; wgmma reads through the async proxy
-        if (!MEGAMOE_G1_PRODUCER_FENCE) fence_proxy_async();
+        // (ROWS: TMA wrote both operands, nothing to fence)
+        if (!ROWS && !MEGAMOE_SM90_PRODUCER_FENCE) fence_proxy_async();
         const uint32_t a_smem = smem_base + stage * STAGE_BYTES + cw * 64 * ROW_BYTES;
         const uint32_t b_smem = smem_base + stage * STAGE_BYTES + A_BYTES;
         wgmma_fence();
@@ -400,7 +429,7 @@ __global__ void __launch_bounds__(THREADS, 1)
                            (kb > 0 || k > 0) ? 1 : 0);
         }
         wgmma_commit();
-        if (MEGAMOE_G1_WGMMA_LAG) {
+        if (MEGAMOE_SM90_WGMMA_LAG) {
           // keep this batch queued on the tensor cores while the previous one retires, then
           // free the previous batch's slot
           wgmma_wait<1>();
@@ -415,11 +444,11 @@ __global__ void __launch_bounds__(THREADS, 1)
       wgmma_wait<0>();
 #pragma unroll
       for (int i = 0; i < 128; ++i) fence_reg(acc[i]);
-      if (MEGAMOE_G1_WGMMA_LAG) release(prev, true);  // lag 0 freed every slot already
+      if (MEGAMOE_SM90_WGMMA_LAG) release(prev, true);  // lag 0 freed every slot already
       // Epilogue. Accumulator register 4j + q of thread (warp, lane) holds row
       // 16 warp + lane/4 + 8 (q/2) and column 8j + 2 (lane%4) + q%2 of the 64x256 block; j < 16
       // is a1, j >= 16 the a3 of column 8 (j - 16) + ...
-      if constexpr (MEGAMOE_G1_TMA_STORE != 0) {
+      if constexpr (MEGAMOE_SM90_TMA_STORE != 0) {
         // Stage one [64, 128] bf16 tile of this warpgroup's rows, then one thread stores it
         // as two boxes. Waits on: its previous store's reads of the tile. Signals: nothing
         // (the launch's end completes the stores).
@@ -459,15 +488,21 @@ __global__ void __launch_bounds__(THREADS, 1)
             bulk_commit();
           }
         };
-        stage_out(&h_map, pid_n * BN, 0);
-        if (p.a != nullptr) {
-          stage_out(&a_map, pid_n * BN, 1);
-          stage_out(&a_map, p.H + pid_n * BN, 3);
+        if constexpr (ROWS) {
+          // the two column halves of the tile, as they sit in the accumulator
+          stage_out(&h_map, pid_n * TILE_N, 1);
+          stage_out(&h_map, pid_n * TILE_N + BN, 3);
+        } else {
+          stage_out(&h_map, pid_n * BN, 0);
+          if (p.a != nullptr) {
+            stage_out(&a_map, pid_n * BN, 1);
+            stage_out(&a_map, p.N + pid_n * BN, 3);
+          }
         }
         continue;
       }
       const long long row0 = static_cast<long long>(pid_m) * BM + cw * 64 + warp * 16 + lane / 4;
-      const int col0 = pid_n * BN + 2 * (lane % 4);
+      const int col0 = pid_n * TILE_N + 2 * (lane % 4);
 #pragma unroll
       for (int j = 0; j < 16; ++j) {
 #pragma unroll
@@ -476,8 +511,14 @@ __global__ void __launch_bounds__(THREADS, 1)
           const float a3x = acc[64 + 4 * j + 2 * half], a3y = acc[64 + 4 * j + 2 * half + 1];
           const long long row = row0 + 8 * half;
           const int col = col0 + 8 * j;
-          if (!MEGAMOE_G1_STORE) {
+          if (!MEGAMOE_SM90_STORE) {
             if (silu_mul(a1x, a3x) == 12345.f && a1y == 777.f) p.h[0] = __float2bfloat16(a1x);
+            continue;
+          }
+          if constexpr (ROWS) {
+            __nv_bfloat16* orow = p.h + row * p.stride_h + col;
+            *reinterpret_cast<__nv_bfloat162*>(orow) = __floats2bfloat162_rn(a1x, a1y);
+            *reinterpret_cast<__nv_bfloat162*>(orow + BN) = __floats2bfloat162_rn(a3x, a3y);
             continue;
           }
           *reinterpret_cast<__nv_bfloat162*>(p.h + row * p.stride_h + col) =
@@ -485,13 +526,13 @@ __global__ void __launch_bounds__(THREADS, 1)
           if (p.a != nullptr) {
             __nv_bfloat16* arow = p.a + row * p.stride_a + col;
             *reinterpret_cast<__nv_bfloat162*>(arow) = __floats2bfloat162_rn(a1x, a1y);
-            *reinterpret_cast<__nv_bfloat162*>(arow + p.H) = __floats2bfloat162_rn(a3x, a3y);
+            *reinterpret_cast<__nv_bfloat162*>(arow + p.N) = __floats2bfloat162_rn(a3x, a3y);
           }
         }
       }
     }
     // the last tile's bulk stores complete before the CTA exits
-    if (MEGAMOE_G1_TMA_STORE && tid % 128 == 0) bulk_wait<0>();
+    if (MEGAMOE_SM90_TMA_STORE && tid % 128 == 0) bulk_wait<0>();
   }
   if constexpr (CLUSTER > 1) {
     cluster_sync();  // no CTA exits while its peer may still arrive on or multicast into it
@@ -524,14 +565,15 @@ static int make_map(CUtensorMap* map, const void* ptr, long long rows, long long
   CUresult r = encode(map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, const_cast<void*>(ptr), dims,
                       strides, box, estr, CU_TENSOR_MAP_INTERLEAVE_NONE,
                       box_cols * 2 == 128 ? CU_TENSOR_MAP_SWIZZLE_128B : CU_TENSOR_MAP_SWIZZLE_64B,
-                      static_cast<CUtensorMapL2promotion>(MEGAMOE_G1_L2_PROMOTION),
+                      static_cast<CUtensorMapL2promotion>(MEGAMOE_SM90_L2_PROMOTION),
                       CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
   return r == CUDA_SUCCESS ? 0 : -2;
 }
 
-template <int CLUSTER>
+template <int CLUSTER, bool ROWS>
 static int launch(const CUtensorMap& w1_map, const CUtensorMap& w3_map, const CUtensorMap& h_map,
-                  const CUtensorMap& a_map, const Params& p, int num_sms, cudaStream_t stream) {
+                  const CUtensorMap& a_map, const CUtensorMap& in_map, const Params& p,
+                  int num_sms, cudaStream_t stream) {
   static int max_clusters = 0;  // co-resident clusters of this kernel (GPC sizes may be odd)
   cudaLaunchConfig_t cfg = {};
   cudaLaunchAttribute attr[1];
@@ -545,23 +587,24 @@ static int launch(const CUtensorMap& w1_map, const CUtensorMap& w3_map, const CU
   cfg.attrs = attr;
   cfg.numAttrs = 1;
   if (max_clusters == 0) {
-    cudaError_t err = cudaFuncSetAttribute(gemm1_swiglu_kernel<CLUSTER>,
+    cudaError_t err = cudaFuncSetAttribute(grouped_gemm_kernel<CLUSTER, ROWS>,
                                            cudaFuncAttributeMaxDynamicSharedMemorySize, SMEM_BYTES);
     if (err != cudaSuccess) return static_cast<int>(err);
     cfg.gridDim = dim3(num_sms / CLUSTER * CLUSTER);
     int n = 0;
-    err = cudaOccupancyMaxActiveClusters(&n, gemm1_swiglu_kernel<CLUSTER>, &cfg);
+    err = cudaOccupancyMaxActiveClusters(&n, grouped_gemm_kernel<CLUSTER, ROWS>, &cfg);
     if (err != cudaSuccess) return static_cast<int>(err);
     max_clusters = n > 0 ? min(n, num_sms / CLUSTER) : num_sms / CLUSTER;
   }
   // persistent: exactly the clusters that fit at once, so none starts after the others finish
   cfg.gridDim = dim3(max_clusters * CLUSTER);
   cudaError_t err =
-      cudaLaunchKernelEx(&cfg, gemm1_swiglu_kernel<CLUSTER>, w1_map, w3_map, h_map, a_map, p);
+      cudaLaunchKernelEx(&cfg, grouped_gemm_kernel<CLUSTER, ROWS>, w1_map, w3_map, h_map, a_map,
+                         in_map, p);
   return static_cast<int>(err != cudaSuccess ? err : cudaGetLastError());
 }
 
-}  // namespace gemm1
+}  // namespace grouped
 }  // namespace megamoe
 
 // C entry point (ctypes). Returns 0, or a negative code / CUDA error number; see
@@ -576,7 +619,7 @@ extern "C" int megamoe_gemm1_swiglu(const void* x, const void* w1, const void* w
                                     int plan_bm, int group_m, long long stride_x,
                                     long long stride_h, long long stride_a, long long rows,
                                     int num_sms, int cluster, int* ticket, void* stream) {
-  using namespace megamoe::gemm1;
+  using namespace megamoe::grouped;
   CUtensorMap w1_map, w3_map;
   int rc = make_map(&w1_map, w1, static_cast<long long>(E) * H, D, BN);
   if (rc != 0) return rc;
@@ -585,7 +628,7 @@ extern "C" int megamoe_gemm1_swiglu(const void* x, const void* w1, const void* w
   // epilogue maps (TMA_STORE): h [rows, H] and a [rows, 2H], boxes of 64 x 64; without a, the
   // a map is a copy of h's (never used)
   CUtensorMap h_map, a_map;
-  if (MEGAMOE_G1_TMA_STORE) {
+  if (MEGAMOE_SM90_TMA_STORE) {
     rc = make_map(&h_map, h, rows, stride_h, 64, 64);
     if (rc != 0) return rc;
     if (a != nullptr) {
@@ -605,8 +648,8 @@ extern "C" int megamoe_gemm1_swiglu(const void* x, const void* w1, const void* w
   p.row_slot = row_slot;
   p.tile_expert = tile_expert;
   p.num_rows_used = num_rows_used;
-  p.H = H;
-  p.D = D;
+  p.N = H;
+  p.K = D;
   p.top_k = top_k;
   p.plan_bm = plan_bm;
   p.group_m = group_m;
@@ -615,14 +658,49 @@ extern "C" int megamoe_gemm1_swiglu(const void* x, const void* w1, const void* w
   p.stride_h = stride_h;
   p.stride_a = stride_a;
   cudaStream_t s = static_cast<cudaStream_t>(stream);
-  if (cluster == 2) return launch<2>(w1_map, w3_map, h_map, a_map, p, num_sms, s);
-  if (cluster == 1) return launch<1>(w1_map, w3_map, h_map, a_map, p, num_sms, s);
+  if (cluster == 2) return launch<2, false>(w1_map, w3_map, h_map, a_map, w1_map, p, num_sms, s);
+  if (cluster == 1) return launch<1, false>(w1_map, w3_map, h_map, a_map, w1_map, p, num_sms, s);
   return -3;
+}
+
+// C entry point (ctypes) of the ROWS mode: out[r] = in[r] @ w[e]^T for the used rows of a plan
+// (see the header). in [rows, K] and out [rows, N] contiguous bf16, w [E, N, K] contiguous.
+// Shapes are checked by the Python wrapper (ops/cuda/gemm_rows.py): N % 256 == 0, K % 64 == 0,
+// plan_bm % 128 == 0. ticket: a zeroed device int (dynamic tile order) or nullptr (static).
+extern "C" int megamoe_gemm_rows(const void* in, const void* w, void* out, const int* tile_expert,
+                                 const int* num_rows_used, int E, int N, int K, int plan_bm,
+                                 int group_m, long long rows, int num_sms, int* ticket,
+                                 void* stream) {
+  using namespace megamoe::grouped;
+  CUtensorMap w_map, in_map, out_map;
+  int rc = make_map(&w_map, w, static_cast<long long>(E) * N, K, BN);
+  if (rc != 0) return rc;
+  rc = make_map(&in_map, in, rows, K, BM);
+  if (rc != 0) return rc;
+  if (MEGAMOE_SM90_TMA_STORE) {
+    rc = make_map(&out_map, out, rows, N, 64, 64);
+    if (rc != 0) return rc;
+  } else {
+    out_map = w_map;  // never used
+  }
+  Params p = {};
+  p.h = static_cast<__nv_bfloat16*>(out);
+  p.tile_expert = tile_expert;
+  p.num_rows_used = num_rows_used;
+  p.N = N;
+  p.K = K;
+  p.top_k = 1;
+  p.plan_bm = plan_bm;
+  p.group_m = group_m;
+  p.ticket = ticket;
+  p.stride_h = N;
+  return launch<1, true>(w_map, w_map, out_map, out_map, in_map, p, num_sms,
+                         static_cast<cudaStream_t>(stream));
 }
 
 extern "C" const char* megamoe_error_string(int code) {
   if (code == -1) return "cuTensorMapEncodeTiled not found through the CUDA runtime";
-  if (code == -2) return "cuTensorMapEncodeTiled rejected the weight tensor map";
+  if (code == -2) return "cuTensorMapEncodeTiled rejected a tensor map";
   if (code == -3) return "cluster must be 1 or 2";
   return cudaGetErrorString(static_cast<cudaError_t>(code));
 }
