@@ -50,3 +50,27 @@ def test_bwd_combine_deterministic():
     a = _run_and_check(ids, E, D, seed=3)
     b = _run_and_check(ids, E, D, seed=3)
     assert same_bits(a[0], b[0]) and same_bits(a[1], b[1])
+
+
+@pytest.mark.parametrize("case", ["uneven", "one_expert"])
+def test_bwd_combine_reads_row_space_dx_through_slot_row(case):
+    """rows=True (the sm90 kernel C's output): slot s's dx row is dx_rows[slot_row[s]]; the
+    result is bitwise the slot-space combine of the same rows."""
+    T, K, E, D = SMALL["T"], SMALL["K"], SMALL["E"], SMALL["D"]
+    ids = dict(routings(T, K, E, seed=5))[case]
+    plan = plan_for(ids, E)
+    g = torch.Generator().manual_seed(5)
+    dx_rows = torch.full((plan.max_rows, D), POISON).bfloat16()  # padding / unused rows
+    live = plan.slot_row.long() >= 0
+    used_rows = plan.slot_row.long()[live]
+    dx_rows[used_rows] = torch.randn(len(used_rows), D, generator=g).bfloat16()
+    part = torch.randn(2, plan.max_rows, generator=g)
+    dx_slot = torch.full((T * K, D), POISON).bfloat16()
+    dx_slot[live] = dx_rows[used_rows]
+    kw = dict(dx_dtype=torch.bfloat16, dtw_dtype=torch.float32, block_t=4, block_d=16)
+    dx, dtw = bwd_combine(dx_rows, part, plan, rows=True, **kw)
+    ref_dx, ref_dtw = bwd_combine(dx_slot, part, plan, **kw)
+    assert not dx.isnan().any()
+    assert same_bits(dx, ref_dx) and same_bits(dtw, ref_dtw)
+    with pytest.raises(ValueError, match=rf"\[{plan.max_rows}, D\]"):
+        bwd_combine(dx_slot, part, plan, rows=True, **kw)

@@ -1,14 +1,16 @@
-"""csrc/grouped_gemm_sm90.cu's ROWS mode (GEMM 2: out[r] = in[r] @ w[e]^T over a plan's row
-space) on an H200 (marked gpu; skipped without an sm_90 GPU and nvcc): against float64 math on
-uneven routings with the output poisoned (NaN) first, rows past the used ones never written,
-K not a multiple of the pipeline depth, phased plans, both epilogues, and the real Qwen3-30B
-shape against the Triton kernel (bitwise reruns, static vs dynamic tile order)."""
+"""csrc/grouped_gemm_sm90.cu's ROWS mode on an H200 (marked gpu; skipped without an sm_90 GPU
+and nvcc): GEMM 2 (out[r] = in[r] @ w[e]^T, K-major weights) and the N-major form (the
+backward's kernel C: [da1 | da3] @ [w1; w3][e]) against float64 math on uneven routings with
+the output poisoned (NaN) first, rows past the used ones never written, K not a multiple of the
+pipeline depth, phased plans, both epilogues, and the real Qwen3-30B shape against the Triton
+kernels (bitwise reruns, static vs dynamic tile order); the backward with the sm90 kernel C
+forced against the reference backend."""
 
 import pytest
 import torch
 
 from moe_math import routings
-from torchtitan_megamoe.ops.cuda.gemm_rows import gemm_rows_sm90
+from torchtitan_megamoe.ops.cuda.gemm_rows import gemm_rows_nmajor_sm90, gemm_rows_sm90
 from torchtitan_megamoe.ops.cuda.sm90 import sm90_buildable
 from torchtitan_megamoe.ops.triton import gemm2_rows as g2
 from torchtitan_megamoe.ops.triton.plan import build_phased_plan, build_plan
@@ -41,12 +43,16 @@ def _rows_input(plan, K, seed=0):
 
 
 def _check(out, inp, w, plan, tol=1e-2):
+    """w: [E, N, K] (K-major), or a tuple of [E, Ks, N] weights (N-major, K split among them)."""
     used = int(plan.num_rows_used)
     expert = plan.tile_expert.repeat_interleave(plan.block_m)[:used].long()
-    ref = torch.zeros(used, w.shape[1], dtype=torch.float64, device="cuda")
+    n_major = isinstance(w, tuple)
+    N = w[0].shape[2] if n_major else w.shape[1]
+    ref = torch.zeros(used, N, dtype=torch.float64, device="cuda")
     for e in expert.unique().tolist():
         m = expert == e
-        ref[m] = inp[:used][m].double() @ w[e].double().T
+        we = torch.cat([wi[e] for wi in w]) if n_major else w[e].T
+        ref[m] = inp[:used][m].double() @ we.double()
     assert not torch.isnan(out[:used]).any(), "used rows left unwritten"
     err = float((out[:used].double() - ref).norm() / ref.norm().clamp_min(1e-30))
     assert err <= tol, err
@@ -120,3 +126,86 @@ def test_real_30b_shape_matches_triton_and_float64(defines):
     y3 = _nan((plan.max_rows, D))
     gemm_rows_sm90(h, w2, plan, y3, defines=defines, dynamic=False)
     assert torch.equal(y3[:used], y[:used]), "static and dynamic tile orders differ"
+
+
+@EPILOGUES
+@pytest.mark.parametrize("n_weights", [1, 2])
+@pytest.mark.parametrize("T,K,E,N,KS", [(700, 4, 8, 256, 128), (333, 2, 5, 512, 320)],
+                         ids=["k_blocks_2_per_weight", "k_blocks_5_per_weight"])
+def test_nmajor_vs_float64_on_uneven_routings(T, K, E, N, KS, n_weights, defines):
+    ws = tuple((torch.randn(E, KS, N, device="cuda") / (KS * n_weights) ** 0.5).bfloat16()
+               for _ in range(n_weights))
+    for name, ids in routings(T, K, E):
+        plan = build_plan(ids.cuda(), E, BM)
+        inp = _rows_input(plan, KS * n_weights, seed=1)
+        out = _nan((plan.max_rows, N))
+        gemm_rows_nmajor_sm90(inp, ws, plan, out, defines=defines)
+        torch.cuda.synchronize()
+        _check(out, inp, ws, plan)
+
+
+def test_nmajor_real_30b_kernel_c_matches_triton():
+    """Kernel C at the 30B shape: [da1 | da3] [R, 2H] against w1, w3 [E, H, D] as stored; the
+    row-space result equals the Triton kernel C's slot rows (within bf16), reruns bitwise."""
+    from torchtitan_megamoe.ops.triton.bwd_dgrad_l1 import dgrad_l1
+
+    T, K, E, D, H = 16384, 8, 128, 2048, 768
+    torch.manual_seed(0)
+    w1 = (torch.randn(E, H, D, device="cuda") / D**0.5).bfloat16()
+    w3 = (torch.randn(E, H, D, device="cuda") / D**0.5).bfloat16()
+    probs = torch.softmax(torch.randn(E, device="cuda") * 1.5, 0)
+    ids = torch.multinomial(probs.expand(T, E), K, replacement=False)
+    ids[::17, -1] = -1
+    plan = build_plan(ids, E, BM)
+    da = _rows_input(plan, 2 * H, seed=2)
+    dx_rows = _nan((plan.max_rows, D))
+    defines = ("MEGAMOE_SM90_TMA_STORE=1",)
+    gemm_rows_nmajor_sm90(da, (w1, w3), plan, dx_rows, defines=defines)
+    _check(dx_rows, da, (w1, w3), plan)
+    tri = dgrad_l1(da, w1, w3, plan, use_tma=True)  # [T*K, D] by slot
+    live = plan.slot_row >= 0
+    ours = dx_rows[plan.slot_row[live].long()].float()
+    assert float((ours - tri[live].float()).norm() / tri[live].float().norm()) < 1e-2
+    again = _nan((plan.max_rows, D))
+    gemm_rows_nmajor_sm90(da, (w1, w3), plan, again, defines=defines)
+    used = int(plan.num_rows_used)
+    assert torch.equal(again[:used], dx_rows[:used]), "two runs must be bitwise identical"
+
+
+def test_backward_with_the_sm90_kernel_c_matches_the_reference(monkeypatch):
+    """The whole backward with kernel C forced to the sm90 candidate (row-space dx, combine
+    through slot_row): every gradient against the reference backend, and bitwise reruns."""
+    from torchtitan_megamoe.ops import reference
+    from torchtitan_megamoe.ops.triton import backward as bwd
+
+    picked = []
+    real_pick = bwd.pick_config
+
+    def force_c(name, key, cands, launch):
+        if name == "bwd_dgrad_l1":
+            assert bwd.C_SM90 in cands, "the sm90 kernel C must be offered at this shape"
+            picked.append(name)
+            return bwd.C_SM90
+        return real_pick(name, key, cands, launch)
+
+    monkeypatch.setattr(bwd, "pick_config", force_c)
+    T, K, E, D, H = 4096, 8, 32, 1024, 512
+    g = torch.Generator(device="cuda").manual_seed(7)
+    x = torch.randn(T, D, device="cuda", generator=g).bfloat16()
+    w1 = (torch.randn(E, H, D, device="cuda", generator=g) / D**0.5).bfloat16()
+    w3 = (torch.randn(E, H, D, device="cuda", generator=g) / D**0.5).bfloat16()
+    w2 = (torch.randn(E, D, H, device="cuda", generator=g) / H**0.5).bfloat16()
+    ids = torch.stack([torch.randperm(E, device="cuda", generator=g)[:K] for _ in range(T)])
+    ids[::5, 0] = -1
+    ids[ids == 3] = -1  # an empty expert
+    tw = torch.rand(T, K, device="cuda", generator=g)
+    dy = torch.randn(T, D, device="cuda", generator=g).bfloat16()
+    got = bwd.backward_local(dy, x, ids, tw, w1, w2, w3)
+    assert picked
+    ref = reference.backward(dy, x, ids, tw, w1, w2, w3, None, "bf16")
+    for name, a, r in zip(("dx", "dtw", "dw1", "dw2", "dw3"), got, ref):
+        assert a.dtype == r.dtype and a.shape == r.shape, name
+        err = float((a.double() - r.double()).norm() / r.double().norm())
+        assert err <= 1e-2, (name, err)
+    again = bwd.backward_local(dy, x, ids, tw, w1, w2, w3)
+    assert all(torch.equal(a, b) for a, b in zip(got, again)), "reruns must be bitwise equal"

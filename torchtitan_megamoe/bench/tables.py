@@ -15,11 +15,15 @@ BWD_STAGES = [
     ("wgrad dw3", "B_dw3", None),
     ("wgrad dw1 + dw3", "B_dw13", "B_dw13_cublas"),
     ("C: dgrad L1", "C_dgrad_l1", "C_dgrad_l1_cublas"),
+    ("C: dgrad L1, sm90 kernel (dx in row space)", "C_dgrad_l1_sm90", None),
     ("combine (dx, d topk_weights)", "combine", None),
+    ("combine of row-space dx (after the sm90 C)", "combine_rows", None),
     ("backward total, one side forced", "total", "total_cublas"),
     ("backward total, tuner's pick per stage", "total_auto", None),
     ("backward total, recompute path (no saved a)", "total_recompute", None),
 ]
+# stages timed only where the sm90 kernels run (an sm_90 GPU with nvcc); '-' elsewhere
+SM90_ONLY_STAGES = {"C_dgrad_l1_sm90", "combine_rows"}
 
 
 def _tflops(flops: float, ms: float | None) -> str:

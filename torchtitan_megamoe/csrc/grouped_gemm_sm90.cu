@@ -2,8 +2,10 @@
 // points share one kernel template:
 //   megamoe_gemm1_swiglu (GATHER mode, GEMM 1 with SwiGLU in the epilogue):
 //     h[r] = silu(x_tok(r) @ w1[e]^T) * (x_tok(r) @ w3[e]^T)
-//   megamoe_gemm_rows (ROWS mode, GEMM 2 and any row-space GEMM with K-major weights):
-//     out[r] = in[r] @ w[e]^T,  in [R, K], out [R, N], w [E, N, K], all row-major.
+//   megamoe_gemm_rows (ROWS mode, GEMM 2 and the backward's dgrad of linear 1):
+//     out[r] = in[r] @ w[e]^T,  in [R, K], out [R, N], w [E, N, K] (K-major weights), or
+//     out[r] = in[r, :Ks] @ w[e] + in[r, Ks:] @ w'[e],  w, w' [E, Ks, N] (N-major weights,
+//     NMAJOR; w' only when K = 2 Ks, e.g. [da1 | da3] against w1 and w3), all row-major.
 // The GATHER mode is described first; the ROWS mode's differences follow it.
 // for the rows r of a plan (ops/triton/plan.py): row r reads token row_slot[r] / top_k of x
 // (a gather: no permuted copy of x exists), padding rows (slot -1) read zeros, every 128-row
@@ -47,6 +49,10 @@
 //   full[s] completes on ONE arrival (the producer's thread 0, the only producer thread that
 //   works) and 48 KiB of TMA bytes, and the consumers need no proxy fence. Padding rows of `in`
 //   are zeros (GEMM 1 writes them), so out's padding rows are zeros too.
+//   NMAJOR: the weights are [E * Ks, N] row-major (N contiguous), so the B stage is four
+//   [BK k-rows, 64 n] TMA boxes (128-byte rows, 128-byte swizzle), one per 64 output columns,
+//   and the wgmma reads B transposed (MN-major descriptor: 8 KiB between the boxes, 1 KiB
+//   between 8-row k groups). K steps below Ks read w, the others w'.
 // Waits on: nothing outside the launch. Signals: nothing; h (and a) / out are complete with the
 // launch.
 //
@@ -116,6 +122,7 @@ constexpr bool LOAD_B = (MEGAMOE_SM90_LOAD & 2) != 0;
 constexpr int A_BYTES = BM * BK * 2;
 constexpr int B_BYTES = 2 * BN * BK * 2;
 constexpr int STAGE_BYTES = A_BYTES + B_BYTES;
+constexpr int NMAJOR_BOX_BYTES = BK * 128;  // NMAJOR: one [BK, 64] box of the B stage
 constexpr int THREADS = 384;
 // TMA_STORE: one [64 rows, 128 columns] bf16 tile per consumer warpgroup, as two boxes of 64
 // columns (128-byte rows, 128-byte swizzle), after the ring
@@ -134,6 +141,7 @@ struct Params {
   const int* num_rows_used;
   int N;  // output columns per weight operand: H (GATHER: a1 and a3 each), N (ROWS)
   int K;  // reduction length: D (GATHER), K (ROWS)
+  int k_split;  // NMAJOR: K steps below it read w1_map (rows e * k_split + k), the others w3_map
   int top_k;
   int plan_bm;
   int group_m;
@@ -158,8 +166,8 @@ __device__ __forceinline__ float silu_mul(float a1, float a3) {
 }
 
 // GATHER: w1_map / w3_map are the two weights, in_map unused. ROWS: w1_map = w3_map = the
-// weight, in_map = `in`, h_map = out (TMA_STORE), a_map unused.
-template <int CLUSTER, bool ROWS>
+// weight (NMAJOR: w and w'), in_map = `in`, h_map = out (TMA_STORE), a_map unused.
+template <int CLUSTER, bool ROWS, bool NMAJOR>
 __global__ void __launch_bounds__(THREADS, 1)
     grouped_gemm_kernel(const __grid_constant__ CUtensorMap w1_map,
                         const __grid_constant__ CUtensorMap w3_map,
@@ -167,6 +175,7 @@ __global__ void __launch_bounds__(THREADS, 1)
                         const __grid_constant__ CUtensorMap a_map,
                         const __grid_constant__ CUtensorMap in_map, const Params p) {
   static_assert(!ROWS || CLUSTER == 1, "ROWS mode: cluster 1 only");
+  static_assert(ROWS || !NMAJOR, "N-major weights: ROWS mode only");
   constexpr int TILE_N = ROWS ? 2 * BN : BN;  // output columns of a tile (per operand in GATHER)
   extern __shared__ __align__(1024) uint8_t smem_raw[];
   // the swizzled tiles need their 8-row groups aligned (1024 bytes covers both swizzles)
@@ -297,7 +306,18 @@ __global__ void __launch_bounds__(THREADS, 1)
         const uint32_t a_smem = smem_base + stage * STAGE_BYTES;
         const uint32_t b_smem = a_smem + A_BYTES;
         const uint32_t full = full_bar + 8 * stage;
-        if constexpr (ROWS) {
+        if constexpr (NMAJOR) {
+          const int k0 = kb * BK;
+          const bool first = k0 < p.k_split;
+          const CUtensorMap* w_map = first ? &w1_map : &w3_map;
+          const int k_row = expert * p.k_split + (first ? k0 : k0 - p.k_split);
+          mbar_arrive_expect_tx(full, A_BYTES + B_BYTES);
+          tma_load_2d(a_smem, &in_map, k0, pid_m * BM, full);
+#pragma unroll
+          for (int j = 0; j < TILE_N / 64; ++j) {
+            tma_load_2d(b_smem + j * NMAJOR_BOX_BYTES, w_map, pid_n * TILE_N + 64 * j, k_row, full);
+          }
+        } else if constexpr (ROWS) {
           mbar_arrive_expect_tx(full, A_BYTES + B_BYTES);
           tma_load_2d(a_smem, &in_map, kb * BK, pid_m * BM, full);
           tma_load_2d(b_smem, &w1_map, kb * BK, w_row, full);
@@ -424,9 +444,11 @@ __global__ void __launch_bounds__(THREADS, 1)
         wgmma_fence();
 #pragma unroll
         for (int k = 0; k < BK / 16; ++k) {
-          wgmma_m64n256k16(acc, smem_desc_swizzled<ROW_BYTES>(a_smem + k * 32),
-                           smem_desc_swizzled<ROW_BYTES>(b_smem + k * 32),
-                           (kb > 0 || k > 0) ? 1 : 0);
+          const uint64_t b_desc =
+              NMAJOR ? smem_desc_nmajor128(b_smem + k * 16 * 128, NMAJOR_BOX_BYTES)
+                     : smem_desc_swizzled<ROW_BYTES>(b_smem + k * 32);
+          wgmma_m64n256k16<NMAJOR>(acc, smem_desc_swizzled<ROW_BYTES>(a_smem + k * 32), b_desc,
+                                   (kb > 0 || k > 0) ? 1 : 0);
         }
         wgmma_commit();
         if (MEGAMOE_SM90_WGMMA_LAG) {
@@ -570,7 +592,7 @@ static int make_map(CUtensorMap* map, const void* ptr, long long rows, long long
   return r == CUDA_SUCCESS ? 0 : -2;
 }
 
-template <int CLUSTER, bool ROWS>
+template <int CLUSTER, bool ROWS, bool NMAJOR>
 static int launch(const CUtensorMap& w1_map, const CUtensorMap& w3_map, const CUtensorMap& h_map,
                   const CUtensorMap& a_map, const CUtensorMap& in_map, const Params& p,
                   int num_sms, cudaStream_t stream) {
@@ -587,19 +609,19 @@ static int launch(const CUtensorMap& w1_map, const CUtensorMap& w3_map, const CU
   cfg.attrs = attr;
   cfg.numAttrs = 1;
   if (max_clusters == 0) {
-    cudaError_t err = cudaFuncSetAttribute(grouped_gemm_kernel<CLUSTER, ROWS>,
+    cudaError_t err = cudaFuncSetAttribute(grouped_gemm_kernel<CLUSTER, ROWS, NMAJOR>,
                                            cudaFuncAttributeMaxDynamicSharedMemorySize, SMEM_BYTES);
     if (err != cudaSuccess) return static_cast<int>(err);
     cfg.gridDim = dim3(num_sms / CLUSTER * CLUSTER);
     int n = 0;
-    err = cudaOccupancyMaxActiveClusters(&n, grouped_gemm_kernel<CLUSTER, ROWS>, &cfg);
+    err = cudaOccupancyMaxActiveClusters(&n, grouped_gemm_kernel<CLUSTER, ROWS, NMAJOR>, &cfg);
     if (err != cudaSuccess) return static_cast<int>(err);
     max_clusters = n > 0 ? min(n, num_sms / CLUSTER) : num_sms / CLUSTER;
   }
   // persistent: exactly the clusters that fit at once, so none starts after the others finish
   cfg.gridDim = dim3(max_clusters * CLUSTER);
   cudaError_t err =
-      cudaLaunchKernelEx(&cfg, grouped_gemm_kernel<CLUSTER, ROWS>, w1_map, w3_map, h_map, a_map,
+      cudaLaunchKernelEx(&cfg, grouped_gemm_kernel<CLUSTER, ROWS, NMAJOR>, w1_map, w3_map, h_map, a_map,
                          in_map, p);
   return static_cast<int>(err != cudaSuccess ? err : cudaGetLastError());
 }
@@ -658,22 +680,36 @@ extern "C" int megamoe_gemm1_swiglu(const void* x, const void* w1, const void* w
   p.stride_h = stride_h;
   p.stride_a = stride_a;
   cudaStream_t s = static_cast<cudaStream_t>(stream);
-  if (cluster == 2) return launch<2, false>(w1_map, w3_map, h_map, a_map, w1_map, p, num_sms, s);
-  if (cluster == 1) return launch<1, false>(w1_map, w3_map, h_map, a_map, w1_map, p, num_sms, s);
+  if (cluster == 2) {
+    return launch<2, false, false>(w1_map, w3_map, h_map, a_map, w1_map, p, num_sms, s);
+  }
+  if (cluster == 1) {
+    return launch<1, false, false>(w1_map, w3_map, h_map, a_map, w1_map, p, num_sms, s);
+  }
   return -3;
 }
 
-// C entry point (ctypes) of the ROWS mode: out[r] = in[r] @ w[e]^T for the used rows of a plan
-// (see the header). in [rows, K] and out [rows, N] contiguous bf16, w [E, N, K] contiguous.
-// Shapes are checked by the Python wrapper (ops/cuda/gemm_rows.py): N % 256 == 0, K % 64 == 0,
-// plan_bm % 128 == 0. ticket: a zeroed device int (dynamic tile order) or nullptr (static).
-extern "C" int megamoe_gemm_rows(const void* in, const void* w, void* out, const int* tile_expert,
-                                 const int* num_rows_used, int E, int N, int K, int plan_bm,
-                                 int group_m, long long rows, int num_sms, int* ticket,
-                                 void* stream) {
+// C entry point (ctypes) of the ROWS mode (see the header): out[r] = in[r] @ w[e]^T with w
+// [E, N, K] (n_major 0), or in[r, :k_split] @ w[e] + in[r, k_split:] @ w2[e] with w, w2
+// [E, k_split, N] (n_major 1; w2 only read when K > k_split), for the used rows of a plan.
+// in [rows, K] and out [rows, N] contiguous bf16, weights contiguous. Shapes are checked by the
+// Python wrapper (ops/cuda/gemm_rows.py): N % 256 == 0, K and k_split % 64 == 0, plan_bm %
+// 128 == 0. ticket: a zeroed device int (dynamic tile order) or nullptr (static).
+extern "C" int megamoe_gemm_rows(const void* in, const void* w, const void* w2, void* out,
+                                 const int* tile_expert, const int* num_rows_used, int E, int N,
+                                 int K, int k_split, int n_major, int plan_bm, int group_m,
+                                 long long rows, int num_sms, int* ticket, void* stream) {
   using namespace megamoe::grouped;
-  CUtensorMap w_map, in_map, out_map;
-  int rc = make_map(&w_map, w, static_cast<long long>(E) * N, K, BN);
+  CUtensorMap w_map, w2_map, in_map, out_map;
+  int rc;
+  if (n_major) {
+    rc = make_map(&w_map, w, static_cast<long long>(E) * k_split, N, BK, 64);
+    if (rc == 0) rc = make_map(&w2_map, K > k_split ? w2 : w, static_cast<long long>(E) * k_split,
+                               N, BK, 64);
+  } else {
+    rc = make_map(&w_map, w, static_cast<long long>(E) * N, K, BN);
+    w2_map = w_map;
+  }
   if (rc != 0) return rc;
   rc = make_map(&in_map, in, rows, K, BM);
   if (rc != 0) return rc;
@@ -689,13 +725,15 @@ extern "C" int megamoe_gemm_rows(const void* in, const void* w, void* out, const
   p.num_rows_used = num_rows_used;
   p.N = N;
   p.K = K;
+  p.k_split = n_major ? k_split : K;
   p.top_k = 1;
   p.plan_bm = plan_bm;
   p.group_m = group_m;
   p.ticket = ticket;
   p.stride_h = N;
-  return launch<1, true>(w_map, w_map, out_map, out_map, in_map, p, num_sms,
-                         static_cast<cudaStream_t>(stream));
+  cudaStream_t s = static_cast<cudaStream_t>(stream);
+  if (n_major) return launch<1, true, true>(w_map, w2_map, out_map, out_map, in_map, p, num_sms, s);
+  return launch<1, true, false>(w_map, w2_map, out_map, out_map, in_map, p, num_sms, s);
 }
 
 extern "C" const char* megamoe_error_string(int code) {

@@ -35,7 +35,7 @@ def grouped_gemm_library(defines: tuple = ()) -> ctypes.CDLL:
         lib.megamoe_gemm1_swiglu.argtypes = [p, p, p, p, p, p, p, p, i, i, i, i, i, i, ll, ll, ll,
                                              ll, i, i, p, p]
         lib.megamoe_gemm1_swiglu.restype = i
-        lib.megamoe_gemm_rows.argtypes = [p, p, p, p, p, i, i, i, i, i, ll, i, p, p]
+        lib.megamoe_gemm_rows.argtypes = [p, p, p, p, p, p, i, i, i, i, i, i, i, ll, i, p, p]
         lib.megamoe_gemm_rows.restype = i
         lib.megamoe_error_string.argtypes = [i]
         lib.megamoe_error_string.restype = ctypes.c_char_p

@@ -82,6 +82,8 @@ and overlap of kernel C with the weight-gradient launches on a second stream.
 import torch
 import torch.distributed as dist
 
+from torchtitan_megamoe.ops.cuda import gemm_rows as sm90_rows
+from torchtitan_megamoe.ops.cuda.sm90 import sm90_usable
 from torchtitan_megamoe.ops.triton.bwd_combine import bwd_combine
 from torchtitan_megamoe.ops.triton.bwd_common import interpreting
 from torchtitan_megamoe.ops.triton.bwd_cublas import (
@@ -133,6 +135,18 @@ C_CANDIDATES = [
     dict(block_n=256, block_k=64, num_warps=8, num_stages=3, use_tma=True),
     dict(block_n=128, block_k=32, num_warps=8, num_stages=4, use_tma=False),
 ]
+# Kernel C as csrc/grouped_gemm_sm90.cu's N-major ROWS mode ([da1 | da3] against w1 and w3 as
+# stored, TMA for both, bulk-store epilogue): it writes dx in the plan's row space [R_max, D]
+# (whole tiles; the combine then reads slot s's row through slot_row) instead of scattering
+# rows into slots. Offered under MEGAMOE_BWD_IMPL=auto where it builds and the shape fits.
+C_SM90 = dict(impl="sm90", defines=("MEGAMOE_SM90_TMA_STORE=1",))
+
+
+def c_sm90_fits(da: torch.Tensor, w1: torch.Tensor) -> bool:
+    E, H, D = w1.shape
+    return (bwd_impl() == "auto" and da.dtype == w1.dtype == torch.bfloat16
+            and sm90_rows.shape_supported(D, 2 * H, BLOCK_M) and H % sm90_rows.BK == 0
+            and sm90_usable(da))
 
 # The CPU interpreter runs numpy per program: small tiles keep CI quick and still cover several
 # tiles per expert and partial tiles; shapes the tiles divide take the TMA path.
@@ -274,15 +288,23 @@ def backward_local(grad_out, x, topk_ids, topk_weights, w1, w2, w3, saved=None, 
         wait_x()
     dw1, dw3 = launch_dw13(pick_config("bwd_wgrad_dw13", key, b_stage, launch_dw13))
 
-    # Kernel C (or _grouped_mm), then the combine. Each side allocates dx_slot [T*K, D] itself
-    # (the cuBLAS side only after its second GEMM's output is freed).
+    # Kernel C (or _grouped_mm, or the sm90 kernel), then the combine. Each side allocates its
+    # dx rows itself (the cuBLAS side only after its second GEMM's output is freed): [T*K, D]
+    # by slot, or [R_max, D] in the row space (sm90; the second value says which).
     def launch_c(cfg):
         if is_cublas(cfg):
-            return dgrad_l1_cublas(da, w1, w3, plan)
-        return dgrad_l1(da, w1, w3, plan, out_dtype=x.dtype, **cfg)
+            return dgrad_l1_cublas(da, w1, w3, plan), False
+        if cfg.get("impl") == "sm90":
+            dx_rows = torch.empty(R, D, dtype=x.dtype, device=x.device)
+            sm90_rows.gemm_rows_nmajor_sm90(da, (w1, w3), plan, dx_rows, defines=cfg["defines"])
+            return dx_rows, True
+        return dgrad_l1(da, w1, w3, plan, out_dtype=x.dtype, **cfg), False
 
-    dx_slot = launch_c(pick_config("bwd_dgrad_l1", key, stage_candidates(c_cands, D, H, E),
-                                   launch_c))
+    c_stage = stage_candidates(c_cands, D, H, E)
+    if block_m == BLOCK_M and c_sm90_fits(da, w1):
+        c_stage = c_stage + [C_SM90]
+    dx_slot, in_rows = launch_c(pick_config("bwd_dgrad_l1", key, c_stage, launch_c))
     del da
-    dx, dtw = bwd_combine(dx_slot, part, plan, dx_dtype=x.dtype, dtw_dtype=topk_weights.dtype)
+    dx, dtw = bwd_combine(dx_slot, part, plan, dx_dtype=x.dtype, dtw_dtype=topk_weights.dtype,
+                          rows=in_rows)
     return dx, dtw, dw1, dw2, dw3

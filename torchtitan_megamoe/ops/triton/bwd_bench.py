@@ -29,8 +29,10 @@ import os
 import torch
 
 from torchtitan_megamoe.ops.triton import tune
+from torchtitan_megamoe.ops.cuda.gemm_rows import gemm_rows_nmajor_sm90
 from torchtitan_megamoe.ops.triton.backward import (
-    A_CANDIDATES, A_SAVED_CANDIDATES, B_CANDIDATES, BLOCK_M, C_CANDIDATES, backward_local,
+    A_CANDIDATES, A_SAVED_CANDIDATES, B_CANDIDATES, BLOCK_M, C_CANDIDATES, C_SM90, backward_local,
+    c_sm90_fits,
 )
 from torchtitan_megamoe.ops.triton.bwd_combine import bwd_combine
 from torchtitan_megamoe.ops.triton.bwd_cublas import (
@@ -87,7 +89,7 @@ TUNED_STAGES = ("bwd_dgrad_l2_swiglu_saved", "bwd_wgrad_dw2", "bwd_wgrad_dw13", 
 
 
 def _cfg_name(cfg):
-    return "cublas" if cfg.get("impl") == "cublas" else json.dumps(cfg, sort_keys=True)
+    return cfg["impl"] if cfg.get("impl") in ("cublas", "sm90") else json.dumps(cfg, sort_keys=True)
 
 
 def bench_shape(name, tokens, iters, shape=None, device="cuda", block_m=BLOCK_M,
@@ -200,6 +202,14 @@ def bench_shape(name, tokens, iters, shape=None, device="cuda", block_m=BLOCK_M,
         "combine": (lambda: bwd_combine(dx_slot, part, plan, dx_dtype=x.dtype,
                                         dtw_dtype=tw.dtype), 0),
     }
+    if block_m == BLOCK_M and c_sm90_fits(da, w1):
+        dx_rows_sm90 = torch.empty(R, D, dtype=x.dtype, device=x.device)
+        stages["C_dgrad_l1_sm90"] = (
+            lambda: gemm_rows_nmajor_sm90(da, (w1, w3), plan, dx_rows_sm90,
+                                          defines=C_SM90["defines"]), 4 * nkdh)
+        stages["combine_rows"] = (
+            lambda: bwd_combine(dx_rows_sm90, part, plan, dx_dtype=x.dtype, dtw_dtype=tw.dtype,
+                                rows=True), 0)
     for stage, (fn, flops) in stages.items():
         ms = median_ms(fn, iters)
         res[f"{stage}_ms"] = ms

@@ -1,5 +1,9 @@
 """Backward combine: dx[t] = sum_k dx_slot[t*K + k] and dtopk_weights[t, k] = sum_j part[j, row].
 
+(With ``rows``, kernel C's output is in the plan's row space, [R_max, D], and slot s's row is
+dx_rows[slot_row[s]]: the sm90 kernel C writes whole tiles by bulk stores instead of
+scattering rows into slots.)
+
 Both sums run in fp32 in a fixed order (k ascending; H tiles ascending), so the result is
 bitwise deterministic without atomics. Slots that are dropped (or whose expert is not local:
 slot_row == -1) contribute 0 and their dx_slot rows are never read (they were never written).
@@ -22,7 +26,7 @@ def _bwd_combine_kernel(
     T, D, R_MAX,
     s_slot, s_dx,
     TOPK: tl.constexpr, NUM_PART: tl.constexpr,
-    BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, ROWS: tl.constexpr,
 ):
     pid_t = tl.program_id(0)
     pid_d = tl.program_id(1)
@@ -37,7 +41,8 @@ def _bwd_combine_kernel(
         s = rt64 * TOPK + k
         row = tl.load(slot_row_ptr + s, mask=t_ok, other=-1)
         ok = row >= 0
-        v = tl.load(dx_slot_ptr + s[:, None] * s_slot + rd[None, :],
+        src = tl.where(ok, row, 0).to(tl.int64) if ROWS else s
+        v = tl.load(dx_slot_ptr + src[:, None] * s_slot + rd[None, :],
                     mask=ok[:, None] & d_ok[None, :], other=0.0)
         acc += v.to(tl.float32)
     tl.store(dx_ptr + rt64[:, None] * s_dx + rd[None, :], acc.to(dx_ptr.dtype.element_ty),
@@ -65,13 +70,16 @@ def bwd_combine(
     block_t: int = 8,
     block_d: int = 256,
     num_warps: int = 4,
+    rows: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Sum each token's slots. dx_slot: [T*K, D]; part: [n_h_tiles, R_max] fp32 from kernel A.
-    Returns dx [T, D] in dx_dtype and dtopk_weights [T, K] in dtw_dtype."""
+    """Sum each token's slots. dx_slot: [T*K, D] (or, with ``rows``, [R_max, D] in the plan's
+    row space); part: [n_h_tiles, R_max] fp32 from kernel A. Returns dx [T, D] in dx_dtype and
+    dtopk_weights [T, K] in dtw_dtype."""
     T, K = plan.num_tokens, plan.top_k
     D = dx_slot.shape[1]
-    if dx_slot.shape[0] != T * K or dx_slot.stride(-1) != 1:
-        raise ValueError(f"dx_slot must be [{T * K}, D] with contiguous rows")
+    n = plan.max_rows if rows else T * K
+    if dx_slot.shape[0] != n or dx_slot.stride(-1) != 1:
+        raise ValueError(f"dx_slot must be [{n}, D] with contiguous rows")
     if part.dim() != 2 or part.shape[1] != plan.max_rows or not part.is_contiguous():
         raise ValueError(f"part must be a contiguous [n, {plan.max_rows}] buffer")
     dx = torch.empty(T, D, dtype=dx_dtype, device=dx_slot.device)
@@ -84,7 +92,7 @@ def bwd_combine(
         T, D, plan.max_rows,
         dx_slot.stride(0), dx.stride(0),
         TOPK=K, NUM_PART=part.shape[0],
-        BLOCK_T=block_t, BLOCK_D=block_d,
+        BLOCK_T=block_t, BLOCK_D=block_d, ROWS=rows,
         num_warps=num_warps,
     )
     return dx, dtw
