@@ -56,7 +56,8 @@ def _launch(who, inp, ws, plan, out, E, N, K, k_split, n_major, group_m, defines
             f"{who} needs out columns % {BN} == 0, K (and each weight's K) % {BK} == 0 and a "
             f"plan block_m multiple of {BM}; got N={N}, K={K}, block_m={plan.block_m}"
         )
-    check_bf16_rows(who, inp=inp, out=out, **{f"w{i}": w for i, w in enumerate(ws)})
+    names = ("w",) if len(ws) == 1 else ("w (first K half)", "w (second K half)")
+    check_bf16_rows(who, inp=inp, out=out, **dict(zip(names, ws)))
     if not (inp.is_contiguous() and out.is_contiguous() and all(w.is_contiguous() for w in ws)):
         raise ValueError(f"{who}: inp, the weights and out must be contiguous")
     check_plan(plan, inp.device, who)
