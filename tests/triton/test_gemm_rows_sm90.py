@@ -6,6 +6,8 @@ pipeline depth, phased plans, both epilogues, and the real Qwen3-30B shape again
 kernels (bitwise reruns, static vs dynamic tile order); the backward with the sm90 kernel C
 forced against the reference backend."""
 
+import importlib
+
 import pytest
 import torch
 
@@ -176,7 +178,9 @@ def test_backward_with_the_sm90_kernel_c_matches_the_reference(monkeypatch):
     """The whole backward with kernel C forced to the sm90 candidate (row-space dx, combine
     through slot_row): every gradient against the reference backend, and bitwise reruns."""
     from torchtitan_megamoe.ops import reference
-    from torchtitan_megamoe.ops.triton import backward as bwd
+
+    # the module, not the package's `backward` function of the same name
+    bwd = importlib.import_module("torchtitan_megamoe.ops.triton.backward")
 
     picked = []
     real_pick = bwd.pick_config
