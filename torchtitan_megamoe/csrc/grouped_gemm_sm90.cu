@@ -6,7 +6,11 @@
 //     out[r] = in[r] @ w[e]^T,  in [R, K], out [R, N], w [E, N, K] (K-major weights), or
 //     out[r] = in[r, :Ks] @ w[e] + in[r, Ks:] @ w'[e],  w, w' [E, Ks, N] (N-major weights,
 //     NMAJOR; w' only when K = 2 Ks, e.g. [da1 | da3] against w1 and w3), all row-major.
-// The GATHER mode is described first; the ROWS mode's differences follow it.
+//   megamoe_wgrad (WGRAD mode, the backward's weight gradients, fp32 accumulation over the
+//     expert's rows):  dw[e] = A_e^T @ B_e  with A_e, B_e the rows of expert e's segment; one
+//     of the two operands is gathered by token (dw2: A = dy rows, B = hw; dw1|dw3: A = [da1 |
+//     da3], B = x rows), the other read by TMA from the row space.
+// The GATHER mode is described first; the ROWS and WGRAD modes' differences follow it.
 // for the rows r of a plan (ops/triton/plan.py): row r reads token row_slot[r] / top_k of x
 // (a gather: no permuted copy of x exists), padding rows (slot -1) read zeros, every 128-row
 // tile belongs to one expert e = tile_expert[tile], tiles with e < 0 are skipped (another launch
@@ -53,6 +57,17 @@
 //   [BK k-rows, 64 n] TMA boxes (128-byte rows, 128-byte swizzle), one per 64 output columns,
 //   and the wgmma reads B transposed (MN-major descriptor: 8 KiB between the boxes, 1 KiB
 //   between 8-row k groups). K steps below Ks read w, the others w'.
+// WGRAD mode (cluster 1 only): a unit is (expert, 128-row M tile, 256-column N tile) of the
+//   gradient [E, M, N], in the order experts-longest-first (expert_order) so the tiles in
+//   flight share their experts' rows in L2; its K loop walks the expert's segment of the row
+//   space in steps of 64 rows (zero steps for an empty expert: the tile is stored as zeros).
+//   Both operands are MN-major in shared memory, as four (B) / two (A) [64 rows, 64] boxes with
+//   the 128-byte swizzle, read by wgmma transposed (A: trans-a; each consumer warpgroup's 64 M
+//   rows are one box). The TMA operand comes as boxes of the row-space tensor; the gathered one
+//   by cp.async from its token rows (thread t: row t / 2 of the step, half t % 2 of its columns,
+//   zeros for padding rows), so full[s] takes 128 cp.async arrivals plus the expect_tx one, as
+//   in GATHER. Padding rows contribute 0: the gathered operand is zero there and the TMA one
+//   finite. dw1|dw3: M tiles below m_split go to the first output, the others to the second.
 // Waits on: nothing outside the launch. Signals: nothing; h (and a) / out are complete with the
 // launch.
 //
@@ -142,6 +157,14 @@ struct Params {
   int N;  // output columns per weight operand: H (GATHER: a1 and a3 each), N (ROWS)
   int K;  // reduction length: D (GATHER), K (ROWS)
   int k_split;  // NMAJOR: K steps below it read w1_map (rows e * k_split + k), the others w3_map
+  // WGRAD: the expert segments [seg_start[e], seg_start[e + 1]) and the order of the experts'
+  // units (nullptr: 0, 1, ...); M rows of the gradient per expert, split at m_split between
+  // the two outputs (h_map, a_map; = M for one output); x: the gathered operand's token rows
+  const int* seg_start;
+  const int* expert_order;
+  int M;
+  int m_split;
+  int num_experts;
   int top_k;
   int plan_bm;
   int group_m;
@@ -165,17 +188,32 @@ __device__ __forceinline__ float silu_mul(float a1, float a3) {
   return a1 / (1.0f + __expf(-a1)) * a3;
 }
 
+enum Mode : int {
+  MODE_GEMM1 = 0,         // GATHER: x rows gathered, w1|w3 K-major, SwiGLU epilogue
+  MODE_ROWS = 1,          // ROWS: in by TMA, w K-major
+  MODE_ROWS_NMAJOR = 2,   // ROWS: in by TMA, w (and w') N-major
+  MODE_WGRAD_GATHER_A = 3,  // WGRAD: A (dy rows) gathered, B (hw) by TMA
+  MODE_WGRAD_GATHER_B = 4,  // WGRAD: A ([da1 | da3]) by TMA, B (x rows) gathered
+};
+
 // GATHER: w1_map / w3_map are the two weights, in_map unused. ROWS: w1_map = w3_map = the
-// weight (NMAJOR: w and w'), in_map = `in`, h_map = out (TMA_STORE), a_map unused.
-template <int CLUSTER, bool ROWS, bool NMAJOR>
+// weight (NMAJOR: w and w'), in_map = `in`, h_map = out (TMA_STORE), a_map unused. WGRAD:
+// in_map = A's row-space tensor (GATHER_B) or w1_map = B's (GATHER_A); h_map, a_map = the two
+// outputs.
+template <int CLUSTER, int MODE>
 __global__ void __launch_bounds__(THREADS, 1)
     grouped_gemm_kernel(const __grid_constant__ CUtensorMap w1_map,
                         const __grid_constant__ CUtensorMap w3_map,
                         const __grid_constant__ CUtensorMap h_map,
                         const __grid_constant__ CUtensorMap a_map,
                         const __grid_constant__ CUtensorMap in_map, const Params p) {
-  static_assert(!ROWS || CLUSTER == 1, "ROWS mode: cluster 1 only");
-  static_assert(ROWS || !NMAJOR, "N-major weights: ROWS mode only");
+  constexpr bool ROWS = MODE != MODE_GEMM1;     // 256-column tiles, one B operand
+  constexpr bool NMAJOR = MODE >= MODE_ROWS_NMAJOR;  // B N-major (transposed wgmma B)
+  constexpr bool WGRAD = MODE >= MODE_WGRAD_GATHER_A;  // A M-major too; K = the expert's rows
+  constexpr bool GATHER_A = MODE == MODE_GEMM1 || MODE == MODE_WGRAD_GATHER_A;
+  constexpr bool GATHER_B = MODE == MODE_WGRAD_GATHER_B;
+  constexpr bool GATHERS = GATHER_A || GATHER_B;  // the producer's 128 threads issue cp.async
+  static_assert(!ROWS || CLUSTER == 1, "ROWS and WGRAD modes: cluster 1 only");
   constexpr int TILE_N = ROWS ? 2 * BN : BN;  // output columns of a tile (per operand in GATHER)
   extern __shared__ __align__(1024) uint8_t smem_raw[];
   // the swizzled tiles need their 8-row groups aligned (1024 bytes covers both swizzles)
@@ -197,7 +235,7 @@ __global__ void __launch_bounds__(THREADS, 1)
   const uint32_t rank = CLUSTER > 1 ? cluster_ctarank() : 0;
   if (tid == 0) {
     for (int s = 0; s < STAGES; ++s) {
-      mbar_init(full_bar + 8 * s, ROWS ? 1 : 128 + 1);
+      mbar_init(full_bar + 8 * s, GATHERS ? 128 + 1 : 1);
       mbar_init(empty_bar + 8 * s, 2 * CLUSTER);  // one per consumer warpgroup of each CTA
     }
     for (int s = 0; s < 2; ++s) {
@@ -208,6 +246,7 @@ __global__ void __launch_bounds__(THREADS, 1)
     tma_prefetch_desc(&w1_map);
     tma_prefetch_desc(&w3_map);
     if (ROWS) tma_prefetch_desc(&in_map);
+    if (WGRAD) tma_prefetch_desc(&h_map);
   }
   if constexpr (CLUSTER > 1) {
     cluster_sync();  // the peer's barriers are initialised before any remote arrival
@@ -218,11 +257,11 @@ __global__ void __launch_bounds__(THREADS, 1)
   // A unit is CLUSTER consecutive M tiles x one N tile; CTA `rank` of a cluster computes M tile
   // CLUSTER * um + rank. Both CTAs of a cluster walk the same units in lockstep (every stage of
   // a unit passes through both CTAs' barriers) so that they can share the weight tiles.
-  const int num_m = *p.num_rows_used / BM;
+  const int num_m = WGRAD ? 0 : *p.num_rows_used / BM;
   const int num_n = p.N / TILE_N;
   const int num_um = (num_m + CLUSTER - 1) / CLUSTER;
-  const int num_units = num_um * num_n;
-  const int k_blocks = p.K / BK;
+  const int num_mt = WGRAD ? p.M / BM : 0;  // WGRAD: M tiles per expert
+  const int num_units = WGRAD ? p.num_experts * num_mt * num_n : num_um * num_n;
   const int first_unit = blockIdx.x / CLUSTER;
   const int unit_stride = gridDim.x / CLUSTER;
   const int group_m = p.group_m;
@@ -244,6 +283,44 @@ __global__ void __launch_bounds__(THREADS, 1)
     }
   };
 
+  // What both roles need of a unit: this CTA's tile, its expert (-1: idle in this unit), the
+  // other CTA's expert (shared weights), its K steps and (WGRAD) first row of the segment.
+  struct Tile {
+    int pid_m, pid_n, expert, k_blocks, row0;
+    bool any, shared;
+  };
+  auto decode = [&](int u) {
+    Tile t;
+    if constexpr (WGRAD) {
+      const int per_expert = num_mt * num_n;
+      const int ei = u / per_expert;
+      t.pid_m = (u % per_expert) / num_n;
+      t.pid_n = u % num_n;
+      t.expert = p.expert_order != nullptr ? p.expert_order[ei] : ei;
+      t.row0 = p.seg_start[t.expert];
+      t.k_blocks = (p.seg_start[t.expert + 1] - t.row0) / BK;
+      t.any = true;
+      t.shared = false;
+    } else {
+      int um;
+      grouped_tile(u, num_um, num_n, group_m, um, t.pid_n);
+      int e[CLUSTER];
+      experts(um, e);
+      t.any = false;
+      t.shared = CLUSTER > 1;
+#pragma unroll
+      for (int r = 0; r < CLUSTER; ++r) {
+        t.any |= e[r] >= 0;
+        t.shared &= e[r] == e[0];
+      }
+      t.expert = e[rank];
+      t.pid_m = um * CLUSTER + rank;
+      t.k_blocks = p.K / BK;
+      t.row0 = 0;
+    }
+    return t;
+  };
+
   if (wg == 0) {
     // ---------------- producer ----------------
     setmaxnreg_dec<MEGAMOE_SM90_PRODUCER_REGS>();
@@ -262,8 +339,25 @@ __global__ void __launch_bounds__(THREADS, 1)
         pending_full = 0;
       }
     };
-    // ROWS: thread 0 issues every TMA load; the other producer threads have nothing to do
-    for (int it = 0; !ROWS || tid == 0; ++it) {
+    // Completes stage `full` once this thread's cp.async gathers land (the consumers fence
+    // them), or with PRODUCER_FENCE one stage later, fenced here.
+    auto gathers_issued = [&](uint32_t full) {
+      if (MEGAMOE_SM90_PRODUCER_FENCE) {
+        // this stage's gathers stay in flight; the previous stage's have landed once at
+        // most one group is left: make them visible to wgmma, then complete that stage
+        cp_async_commit();
+        if (pending_full != 0) {
+          cp_async_wait<1>();
+          fence_proxy_async();
+          mbar_arrive(pending_full);
+        }
+        pending_full = full;
+      } else {
+        cp_async_arrive_noinc(full);
+      }
+    };
+    // no gathers (ROWS): thread 0 issues every TMA load; the other producer threads idle
+    for (int it = 0; GATHERS || tid == 0; ++it) {
       int u;
       if (dynamic) {
         const int slot = it & 1;
@@ -272,25 +366,16 @@ __global__ void __launch_bounds__(THREADS, 1)
           unit_id[slot] = atomicAdd(p.ticket, 1);
           mbar_arrive(unit_full + 8 * slot);  // release: the consumers' wait acquires the id
         }
-        if (!ROWS) named_barrier(3, 128);
+        if (GATHERS) named_barrier(3, 128);
         u = unit_id[slot];
       } else {
         u = static_unit(it);
       }
       if (u >= num_units) break;
-      int um, pid_n;
-      grouped_tile(u, num_um, num_n, group_m, um, pid_n);
-      int e[CLUSTER];
-      experts(um, e);
-      bool any = false, shared = CLUSTER > 1;
-#pragma unroll
-      for (int r = 0; r < CLUSTER; ++r) {
-        any |= e[r] >= 0;
-        shared &= e[r] == e[0];
-      }
-      if (!any) continue;
-      const int expert = e[rank];
-      const int pid_m = um * CLUSTER + rank;
+      const Tile t = decode(u);
+      if (!t.any) continue;
+      const int expert = t.expert, pid_m = t.pid_m, pid_n = t.pid_n, k_blocks = t.k_blocks;
+      const bool shared = t.shared;
       const int w_row = expert * p.N + pid_n * TILE_N;
       // B halves: the w1 and w3 tiles (GATHER), rows [0, 128) and [128, 256) of w's tile (ROWS)
       const int w_row_b1 = ROWS ? w_row + BN : w_row;
@@ -298,7 +383,8 @@ __global__ void __launch_bounds__(THREADS, 1)
 #pragma unroll
       for (int i = 0; i < PASSES; ++i) {
         const int slot =
-            !ROWS && expert >= 0 ? p.row_slot[pid_m * BM + i * ROWS_PER_PASS + rg] : -1;
+                MODE == MODE_GEMM1 && expert >= 0 ? p.row_slot[pid_m * BM + i * ROWS_PER_PASS + rg]
+                                              : -1;
         tok[i] = slot >= 0 ? slot / p.top_k : -1;
       }
       for (int kb = 0; kb < k_blocks; ++kb) {
@@ -306,7 +392,48 @@ __global__ void __launch_bounds__(THREADS, 1)
         const uint32_t a_smem = smem_base + stage * STAGE_BYTES;
         const uint32_t b_smem = a_smem + A_BYTES;
         const uint32_t full = full_bar + 8 * stage;
-        if constexpr (NMAJOR) {
+        if constexpr (WGRAD) {
+          const int r0 = t.row0 + kb * BK;
+          if (tid == 0) {
+            mbar_arrive_expect_tx(full, (GATHER_A ? 0 : A_BYTES) + (GATHER_B ? 0 : B_BYTES));
+            if (!GATHER_A) {
+#pragma unroll
+              for (int j = 0; j < BM / 64; ++j) {
+                tma_load_2d(a_smem + j * NMAJOR_BOX_BYTES, &in_map, pid_m * BM + 64 * j, r0, full);
+              }
+            }
+            if (!GATHER_B) {
+#pragma unroll
+              for (int j = 0; j < TILE_N / 64; ++j) {
+                tma_load_2d(b_smem + j * NMAJOR_BOX_BYTES, &w1_map, pid_n * TILE_N + 64 * j, r0,
+                            full);
+              }
+            }
+          }
+          // the gathered operand: TPR threads per row of the step, PER_T consecutive 16-byte
+          // chunks each (chunk q of a row: box q / 8, chunk q % 8 of its 128-byte row)
+          constexpr int TPR = 128 / BK;
+          constexpr int PER_T = (GATHER_A ? BM : TILE_N) / 8 / TPR;
+          const int row = tid / TPR, q0 = (tid % TPR) * PER_T;
+          const int slot = p.row_slot[r0 + row];
+          const long long src_row =
+              slot >= 0 ? static_cast<long long>(slot / p.top_k) * p.stride_x : 0;
+          // (whole boxes per thread at BK 64: the chunk index stays a compile-time constant)
+          constexpr int CHUNK_SPAN = PER_T < 8 ? PER_T : 8;
+          const int box0 = q0 / 8, c0 = PER_T < 8 ? q0 % 8 : 0;
+          const __nv_bfloat16* src =
+              p.x + src_row + (GATHER_A ? pid_m * BM : pid_n * TILE_N) + q0 * 8;
+          const uint32_t dst = (GATHER_A ? a_smem : b_smem) + box0 * NMAJOR_BOX_BYTES;
+#pragma unroll
+          for (int bx = 0; bx < PER_T / CHUNK_SPAN; ++bx) {
+#pragma unroll
+            for (int c = 0; c < CHUNK_SPAN; ++c) {
+              cp_async_16(dst + bx * NMAJOR_BOX_BYTES + swizzled_offset<128>(row, c0 + c),
+                          src + (bx * 8 + c) * 8, slot >= 0 ? 16 : 0);
+            }
+          }
+          gathers_issued(full);
+        } else if constexpr (NMAJOR) {
           const int k0 = kb * BK;
           const bool first = k0 < p.k_split;
           const CUtensorMap* w_map = first ? &w1_map : &w3_map;
@@ -349,19 +476,7 @@ __global__ void __launch_bounds__(THREADS, 1)
                 p.x + (valid ? static_cast<long long>(tok[i]) * p.stride_x : 0) + kb * BK + c * 8;
             cp_async_16(dst, src, valid ? 16 : 0);
           }
-          if (MEGAMOE_SM90_PRODUCER_FENCE) {
-            // this stage's gathers stay in flight; the previous stage's have landed once at
-            // most one group is left: make them visible to wgmma, then complete that stage
-            cp_async_commit();
-            if (pending_full != 0) {
-              cp_async_wait<1>();
-              fence_proxy_async();
-              mbar_arrive(pending_full);
-            }
-            pending_full = full;
-          } else {
-            cp_async_arrive_noinc(full);
-          }
+          gathers_issued(full);
         }
         if (++stage == STAGES) {
           stage = 0;
@@ -392,16 +507,10 @@ __global__ void __launch_bounds__(THREADS, 1)
         u = static_unit(it);
       }
       if (u >= num_units) break;
-      int um, pid_n;
-      grouped_tile(u, num_um, num_n, group_m, um, pid_n);
-      int e[CLUSTER];
-      experts(um, e);
-      bool any = false;
-#pragma unroll
-      for (int r = 0; r < CLUSTER; ++r) any |= e[r] >= 0;
-      if (!any) continue;
-      const bool active = e[rank] >= 0;
-      const int pid_m = um * CLUSTER + rank;
+      const Tile t = decode(u);
+      if (!t.any) continue;
+      const bool active = t.expert >= 0;
+      const int pid_m = t.pid_m, pid_n = t.pid_n, k_blocks = t.k_blocks;
       // Frees a ring slot in every CTA of the cluster (the peer's producer may multicast into
       // it): the whole warpgroup is past the slot before its one arrival per CTA. The arrivals
       // are predicated instructions, not a branch (see mbar_wait), so a wgmma batch can stay in
@@ -433,22 +542,31 @@ __global__ void __launch_bounds__(THREADS, 1)
       }
       // The whole wgmma pipeline of the tile sits on one path: no branch between a batch's
       // issue and its wait (ptxas would serialize the wgmmas otherwise).
+      if (WGRAD && k_blocks == 0) {
+        // an expert without rows: its gradient tile is zero
+#pragma unroll
+        for (int i = 0; i < 128; ++i) acc[i] = 0.f;
+      }
       int prev = stage;
       for (int kb = 0; kb < k_blocks; ++kb) {
         mbar_wait(full_bar + 8 * stage, phase);
         // the cp.async rows are generic-proxy writes; wgmma reads through the async proxy
-        // (ROWS: TMA wrote both operands, nothing to fence)
-        if (!ROWS && !MEGAMOE_SM90_PRODUCER_FENCE) fence_proxy_async();
-        const uint32_t a_smem = smem_base + stage * STAGE_BYTES + cw * 64 * ROW_BYTES;
+        // (no gathers: TMA wrote both operands, nothing to fence)
+        if (GATHERS && !MEGAMOE_SM90_PRODUCER_FENCE) fence_proxy_async();
+        // this warpgroup's 64 rows of A: rows [64 cw, +64) (K-major) or box cw (M-major)
+        const uint32_t a_smem =
+            smem_base + stage * STAGE_BYTES + (WGRAD ? cw * NMAJOR_BOX_BYTES : cw * 64 * ROW_BYTES);
         const uint32_t b_smem = smem_base + stage * STAGE_BYTES + A_BYTES;
         wgmma_fence();
 #pragma unroll
         for (int k = 0; k < BK / 16; ++k) {
+          const uint64_t a_desc =
+              WGRAD ? smem_desc_nmajor128(a_smem + k * 16 * 128, NMAJOR_BOX_BYTES)
+                    : smem_desc_swizzled<ROW_BYTES>(a_smem + k * 32);
           const uint64_t b_desc =
               NMAJOR ? smem_desc_nmajor128(b_smem + k * 16 * 128, NMAJOR_BOX_BYTES)
                      : smem_desc_swizzled<ROW_BYTES>(b_smem + k * 32);
-          wgmma_m64n256k16<NMAJOR>(acc, smem_desc_swizzled<ROW_BYTES>(a_smem + k * 32), b_desc,
-                                   (kb > 0 || k > 0) ? 1 : 0);
+          wgmma_m64n256k16<WGRAD, NMAJOR>(acc, a_desc, b_desc, (kb > 0 || k > 0) ? 1 : 0);
         }
         wgmma_commit();
         if (MEGAMOE_SM90_WGMMA_LAG) {
@@ -470,12 +588,18 @@ __global__ void __launch_bounds__(THREADS, 1)
       // Epilogue. Accumulator register 4j + q of thread (warp, lane) holds row
       // 16 warp + lane/4 + 8 (q/2) and column 8j + 2 (lane%4) + q%2 of the 64x256 block; j < 16
       // is a1, j >= 16 the a3 of column 8 (j - 16) + ...
+      // where the tile goes: its rows of the row space (GATHER, ROWS), or of the expert's
+      // gradient in the first or second output (WGRAD)
+      const bool second = WGRAD && pid_m * BM >= p.m_split;
+      const int out_row0 = WGRAD ? t.expert * p.m_split + pid_m * BM - (second ? p.m_split : 0)
+                                 : pid_m * BM;
+      const CUtensorMap* out_map = second ? &a_map : &h_map;
       if constexpr (MEGAMOE_SM90_TMA_STORE != 0) {
         // Stage one [64, 128] bf16 tile of this warpgroup's rows, then one thread stores it
         // as two boxes. Waits on: its previous store's reads of the tile. Signals: nothing
         // (the launch's end completes the stores).
         const uint32_t tile = epi_smem + cw * 2 * EPI_BOX_BYTES;
-        const int out_row = pid_m * BM + cw * 64;
+        const int out_row = out_row0 + cw * 64;
         auto stage_out = [&](const CUtensorMap* map, int out_col, int which) {
           if (tid % 128 == 0) bulk_wait_read<0>();
           named_barrier(1 + cw, 128);
@@ -512,8 +636,8 @@ __global__ void __launch_bounds__(THREADS, 1)
         };
         if constexpr (ROWS) {
           // the two column halves of the tile, as they sit in the accumulator
-          stage_out(&h_map, pid_n * TILE_N, 1);
-          stage_out(&h_map, pid_n * TILE_N + BN, 3);
+          stage_out(out_map, pid_n * TILE_N, 1);
+          stage_out(out_map, pid_n * TILE_N + BN, 3);
         } else {
           stage_out(&h_map, pid_n * BN, 0);
           if (p.a != nullptr) {
@@ -523,7 +647,7 @@ __global__ void __launch_bounds__(THREADS, 1)
         }
         continue;
       }
-      const long long row0 = static_cast<long long>(pid_m) * BM + cw * 64 + warp * 16 + lane / 4;
+      const long long row0 = static_cast<long long>(out_row0) + cw * 64 + warp * 16 + lane / 4;
       const int col0 = pid_n * TILE_N + 2 * (lane % 4);
 #pragma unroll
       for (int j = 0; j < 16; ++j) {
@@ -538,7 +662,7 @@ __global__ void __launch_bounds__(THREADS, 1)
             continue;
           }
           if constexpr (ROWS) {
-            __nv_bfloat16* orow = p.h + row * p.stride_h + col;
+            __nv_bfloat16* orow = (second ? p.a : p.h) + row * p.stride_h + col;
             *reinterpret_cast<__nv_bfloat162*>(orow) = __floats2bfloat162_rn(a1x, a1y);
             *reinterpret_cast<__nv_bfloat162*>(orow + BN) = __floats2bfloat162_rn(a3x, a3y);
             continue;
@@ -592,7 +716,7 @@ static int make_map(CUtensorMap* map, const void* ptr, long long rows, long long
   return r == CUDA_SUCCESS ? 0 : -2;
 }
 
-template <int CLUSTER, bool ROWS, bool NMAJOR>
+template <int CLUSTER, int MODE>
 static int launch(const CUtensorMap& w1_map, const CUtensorMap& w3_map, const CUtensorMap& h_map,
                   const CUtensorMap& a_map, const CUtensorMap& in_map, const Params& p,
                   int num_sms, cudaStream_t stream) {
@@ -609,19 +733,19 @@ static int launch(const CUtensorMap& w1_map, const CUtensorMap& w3_map, const CU
   cfg.attrs = attr;
   cfg.numAttrs = 1;
   if (max_clusters == 0) {
-    cudaError_t err = cudaFuncSetAttribute(grouped_gemm_kernel<CLUSTER, ROWS, NMAJOR>,
+    cudaError_t err = cudaFuncSetAttribute(grouped_gemm_kernel<CLUSTER, MODE>,
                                            cudaFuncAttributeMaxDynamicSharedMemorySize, SMEM_BYTES);
     if (err != cudaSuccess) return static_cast<int>(err);
     cfg.gridDim = dim3(num_sms / CLUSTER * CLUSTER);
     int n = 0;
-    err = cudaOccupancyMaxActiveClusters(&n, grouped_gemm_kernel<CLUSTER, ROWS, NMAJOR>, &cfg);
+    err = cudaOccupancyMaxActiveClusters(&n, grouped_gemm_kernel<CLUSTER, MODE>, &cfg);
     if (err != cudaSuccess) return static_cast<int>(err);
     max_clusters = n > 0 ? min(n, num_sms / CLUSTER) : num_sms / CLUSTER;
   }
   // persistent: exactly the clusters that fit at once, so none starts after the others finish
   cfg.gridDim = dim3(max_clusters * CLUSTER);
   cudaError_t err =
-      cudaLaunchKernelEx(&cfg, grouped_gemm_kernel<CLUSTER, ROWS, NMAJOR>, w1_map, w3_map, h_map, a_map,
+      cudaLaunchKernelEx(&cfg, grouped_gemm_kernel<CLUSTER, MODE>, w1_map, w3_map, h_map, a_map,
                          in_map, p);
   return static_cast<int>(err != cudaSuccess ? err : cudaGetLastError());
 }
@@ -681,10 +805,10 @@ extern "C" int megamoe_gemm1_swiglu(const void* x, const void* w1, const void* w
   p.stride_a = stride_a;
   cudaStream_t s = static_cast<cudaStream_t>(stream);
   if (cluster == 2) {
-    return launch<2, false, false>(w1_map, w3_map, h_map, a_map, w1_map, p, num_sms, s);
+    return launch<2, MODE_GEMM1>(w1_map, w3_map, h_map, a_map, w1_map, p, num_sms, s);
   }
   if (cluster == 1) {
-    return launch<1, false, false>(w1_map, w3_map, h_map, a_map, w1_map, p, num_sms, s);
+    return launch<1, MODE_GEMM1>(w1_map, w3_map, h_map, a_map, w1_map, p, num_sms, s);
   }
   return -3;
 }
@@ -732,8 +856,59 @@ extern "C" int megamoe_gemm_rows(const void* in, const void* w, const void* w2, 
   p.ticket = ticket;
   p.stride_h = N;
   cudaStream_t s = static_cast<cudaStream_t>(stream);
-  if (n_major) return launch<1, true, true>(w_map, w2_map, out_map, out_map, in_map, p, num_sms, s);
-  return launch<1, true, false>(w_map, w2_map, out_map, out_map, in_map, p, num_sms, s);
+  if (n_major) {
+    return launch<1, MODE_ROWS_NMAJOR>(w_map, w2_map, out_map, out_map, in_map, p, num_sms, s);
+  }
+  return launch<1, MODE_ROWS>(w_map, w2_map, out_map, out_map, in_map, p, num_sms, s);
+}
+
+// C entry point (ctypes) of the WGRAD mode (see the header): for every expert e of the plan,
+//   gather_a 1 (dw2):    out[e] [M, N] = dy[tok(r)]^T @ rows[r]   (dy [tokens, M], rows = hw)
+//   gather_a 0 (dw1|3):  out[e] [M, N] = rows[r]^T @ x[tok(r)]    (rows = [da1 | da3], x)
+// summed over the rows r of e's segment; M rows [0, m_split) of each expert's gradient go to
+// out0 [E, m_split, N], the others (if M > m_split) to out1. `tokens` (stride_tokens per row)
+// is the gathered tensor, `rows` [num_rows, gather_a ? N : M] the row-space one; bf16, unit
+// column stride. expert_order: the experts' unit order (nullptr: 0..E-1). Shapes are checked by
+// the Python wrapper (ops/cuda/wgrad.py): M % 128 == 0, m_split % 128 == 0, N % 256 == 0,
+// plan_bm % 64 == 0. ticket: a zeroed device int (dynamic order) or nullptr.
+extern "C" int megamoe_wgrad(const void* tokens, long long stride_tokens, const void* rows,
+                             long long num_rows, void* out0, void* out1, const int* row_slot,
+                             const int* seg_start, const int* expert_order, int E, int M, int N,
+                             int m_split, int top_k, int gather_a, int num_sms, int* ticket,
+                             void* stream) {
+  using namespace megamoe::grouped;
+  CUtensorMap rows_map, out0_map, out1_map;
+  int rc = make_map(&rows_map, rows, num_rows, gather_a ? N : M, BK, 64);
+  if (rc == 0) rc = make_map(&out0_map, out0, static_cast<long long>(E) * m_split, N, 64, 64);
+  if (rc == 0) {
+    rc = make_map(&out1_map, M > m_split ? out1 : out0, static_cast<long long>(E) * m_split, N,
+                  64, 64);
+  }
+  if (rc != 0) return rc;
+  Params p = {};
+  p.x = static_cast<const __nv_bfloat16*>(tokens);
+  p.stride_x = stride_tokens;
+  p.h = static_cast<__nv_bfloat16*>(out0);
+  p.a = static_cast<__nv_bfloat16*>(M > m_split ? out1 : out0);
+  p.stride_h = N;
+  p.row_slot = row_slot;
+  p.seg_start = seg_start;
+  p.expert_order = expert_order;
+  p.num_experts = E;
+  p.M = M;
+  p.m_split = m_split;
+  p.N = N;
+  p.top_k = top_k;
+  p.group_m = 1;
+  p.ticket = ticket;
+  cudaStream_t s = static_cast<cudaStream_t>(stream);
+  // B by TMA (dw2) travels in w1_map; A by TMA (dw1|dw3) in in_map
+  if (gather_a) {
+    return launch<1, MODE_WGRAD_GATHER_A>(rows_map, rows_map, out0_map, out1_map, rows_map, p,
+                                          num_sms, s);
+  }
+  return launch<1, MODE_WGRAD_GATHER_B>(rows_map, rows_map, out0_map, out1_map, rows_map, p,
+                                        num_sms, s);
 }
 
 extern "C" const char* megamoe_error_string(int code) {

@@ -83,6 +83,7 @@ import torch
 import torch.distributed as dist
 
 from torchtitan_megamoe.ops.cuda import gemm_rows as sm90_rows
+from torchtitan_megamoe.ops.cuda import wgrad as sm90_wgrad
 from torchtitan_megamoe.ops.cuda.sm90 import sm90_usable
 from torchtitan_megamoe.ops.triton.bwd_combine import bwd_combine
 from torchtitan_megamoe.ops.triton.bwd_common import interpreting
@@ -147,6 +148,20 @@ def c_sm90_fits(da: torch.Tensor, w1: torch.Tensor) -> bool:
     return (bwd_impl() == "auto" and da.dtype == w1.dtype == torch.bfloat16
             and sm90_rows.shape_supported(D, 2 * H, BLOCK_M) and H % sm90_rows.BK == 0
             and sm90_usable(da))
+
+
+# Weight gradients as csrc/grouped_gemm_sm90.cu's WGRAD mode (the token-indexed operand
+# gathered in the kernel, no gathered copy; longest expert first): a candidate of dw2 and of
+# dw1|dw3 under MEGAMOE_BWD_IMPL=auto where it builds, the shapes fit and the parameters are
+# contiguous bf16 (the gradients are written in their layout).
+B_SM90 = dict(impl="sm90")
+
+
+def b_sm90_fits(x: torch.Tensor, params: tuple) -> bool:
+    _, H, D = params[0].shape
+    return (bwd_impl() == "auto" and x.dtype == torch.bfloat16
+            and all(p.dtype == torch.bfloat16 and p.is_contiguous() for p in params)
+            and sm90_wgrad.shapes_supported(D, H, BLOCK_M) and sm90_usable(x))
 
 # The CPU interpreter runs numpy per program: small tiles keep CI quick and still cover several
 # tiles per expert and partial tiles; shapes the tiles divide take the TMA path.
@@ -268,12 +283,17 @@ def backward_local(grad_out, x, topk_ids, topk_weights, w1, w2, w3, saved=None, 
     order = longest_first(plan)
 
     def launch_dw2(cfg):
+        if cfg.get("impl") == "sm90":
+            return sm90_wgrad.wgrad_dw2_sm90(dy, hw, plan, torch.empty_like(params[1]), order)
         if is_cublas(cfg):
             return wgrad_dw2_cublas(dy, hw, plan, params[1], dy_rows=shared.get("dy_rows"))
         return wgrad(dy, hw, torch.empty_like(params[1]), plan, a_gather=True, b_gather=False,
                      expert_order=order, **cfg)
 
     def launch_dw13(cfg):
+        if cfg.get("impl") == "sm90":
+            return sm90_wgrad.wgrad_dw13_sm90(da, x, plan, torch.empty_like(params[0]),
+                                              torch.empty_like(params[2]), order)
         if is_cublas(cfg):
             return wgrad_dw13_cublas(da, x, plan, params[0], params[2])
         return tuple(wgrad(a, x, torch.empty_like(p), plan, a_gather=False, b_gather=True,
@@ -281,6 +301,8 @@ def backward_local(grad_out, x, topk_ids, topk_weights, w1, w2, w3, saved=None, 
                      for a, p in ((da[:, :H], params[0]), (da[:, H:], params[2])))
 
     b_stage = stage_candidates(b_cands, D, H, E)
+    if block_m == BLOCK_M and b_sm90_fits(x, params):
+        b_stage = b_stage + [B_SM90]
     dw2 = launch_dw2(pick_config("bwd_wgrad_dw2", key, b_stage, launch_dw2))
     del hw
     shared.clear()

@@ -30,10 +30,12 @@ import torch
 
 from torchtitan_megamoe.ops.triton import tune
 from torchtitan_megamoe.ops.cuda.gemm_rows import gemm_rows_nmajor_sm90
+from torchtitan_megamoe.ops.cuda.wgrad import wgrad_dw2_sm90, wgrad_dw13_sm90
 from torchtitan_megamoe.ops.triton.backward import (
     A_CANDIDATES, A_SAVED_CANDIDATES, B_CANDIDATES, BLOCK_M, C_CANDIDATES, C_SM90, backward_local,
-    c_sm90_fits,
+    b_sm90_fits, c_sm90_fits,
 )
+from torchtitan_megamoe.ops.triton.bwd_wgrad import longest_first
 from torchtitan_megamoe.ops.triton.bwd_combine import bwd_combine
 from torchtitan_megamoe.ops.triton.bwd_cublas import (
     IMPL_ENV, dgrad_l1_cublas, gather_rows, segment_ends, wgrad_dw13_cublas, wgrad_dw2_cublas,
@@ -210,6 +212,10 @@ def bench_shape(name, tokens, iters, shape=None, device="cuda", block_m=BLOCK_M,
         stages["combine_rows"] = (
             lambda: bwd_combine(dx_rows_sm90, part, plan, dx_dtype=x.dtype, dtw_dtype=tw.dtype,
                                 rows=True), 0)
+    if block_m == BLOCK_M and b_sm90_fits(x, (w1, w2, w3)):
+        order = longest_first(plan)
+        stages["B_dw2_sm90"] = (lambda: wgrad_dw2_sm90(dy, hw, plan, dw2, order), 2 * nkdh)
+        stages["B_dw13_sm90"] = (lambda: wgrad_dw13_sm90(da, x, plan, dw, dw_b, order), 4 * nkdh)
     for stage, (fn, flops) in stages.items():
         ms = median_ms(fn, iters)
         res[f"{stage}_ms"] = ms

@@ -1,0 +1,163 @@
+"""csrc/grouped_gemm_sm90.cu's WGRAD mode (the backward's dw2 and dw1|dw3 with the token rows
+gathered inside the kernel) on an H200 (marked gpu; skipped without an sm_90 GPU and nvcc):
+against float64 sums over each expert's rows on uneven routings (empty experts get zeros, a
+single token, dropped slots), the outputs poisoned (NaN) first and the row-space operand's
+padding rows random (they must add nothing); the real Qwen3-30B shape against the _grouped_mm
+side, bitwise reruns, and the backward with the sm90 weight gradients forced against the
+reference backend."""
+
+import importlib
+
+import pytest
+import torch
+
+from moe_math import routings
+from torchtitan_megamoe.ops.cuda.sm90 import sm90_buildable
+from torchtitan_megamoe.ops.cuda.wgrad import wgrad_dw13_sm90, wgrad_dw2_sm90
+from torchtitan_megamoe.ops.triton.bwd_cublas import gather_rows, grouped_wgrad
+from torchtitan_megamoe.ops.triton.bwd_wgrad import longest_first
+from torchtitan_megamoe.ops.triton.plan import build_plan
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(
+        not torch.cuda.is_available() or not sm90_buildable(torch.empty(1, device="cuda")),
+        reason="needs an sm_90 GPU and nvcc",
+    ),
+]
+BM = 128
+
+
+def _nan(*shape):
+    return torch.full(shape, float("nan"), dtype=torch.bfloat16, device="cuda")
+
+
+def _ref(tokens, rows, plan, E, gathered_first):
+    """float64 [E, M, N]: sum over expert e's real rows r of (tokens[tok(r)]^T rows[r]) or
+    (rows[r]^T tokens[tok(r)])."""
+    used = int(plan.num_rows_used)
+    slot = plan.row_slot[:used].long()
+    expert = plan.tile_expert.repeat_interleave(plan.block_m)[:used].long()
+    real = slot >= 0
+    tok = slot[real] // plan.top_k
+    t, r, e = tokens[tok].double(), rows[:used][real].double(), expert[real]
+    a, b = (t, r) if gathered_first else (r, t)
+    out = torch.zeros(E, a.shape[1], b.shape[1], dtype=torch.float64, device="cuda")
+    for ex in e.unique().tolist():
+        m = e == ex
+        out[ex] = a[m].T @ b[m]
+    return out
+
+
+def _err(a, ref):
+    return float((a.double() - ref).norm() / ref.norm().clamp_min(1e-30))
+
+
+@pytest.mark.parametrize("ordered", [True, False], ids=["longest_first", "natural"])
+@pytest.mark.parametrize("T,K,E,D,H", [(700, 4, 8, 256, 256), (333, 2, 5, 512, 256)])
+def test_vs_float64_on_uneven_routings(T, K, E, D, H, ordered):
+    g = torch.Generator(device="cuda").manual_seed(0)
+    dy = torch.randn(T, D, device="cuda", generator=g).bfloat16()
+    x = torch.randn(T, D, device="cuda", generator=g).bfloat16()
+    for name, ids in routings(T, K, E):
+        plan = build_plan(ids.cuda(), E, BM)
+        R = plan.max_rows
+        hw = torch.randn(R, H, device="cuda", generator=g).bfloat16()  # padding rows random too
+        da = torch.randn(R, 2 * H, device="cuda", generator=g).bfloat16()
+        order = longest_first(plan) if ordered else None
+        dw2 = wgrad_dw2_sm90(dy[: ids.shape[0]], hw, plan, _nan(E, D, H), order)
+        dw1, dw3 = wgrad_dw13_sm90(da, x[: ids.shape[0]], plan, _nan(E, H, D), _nan(E, H, D),
+                                   order)
+        torch.cuda.synchronize()
+        ref2 = _ref(dy[: ids.shape[0]], hw, plan, E, True)
+        ref13 = _ref(x[: ids.shape[0]], da, plan, E, False)
+        empty = plan.count == 0
+        for got, ref, what in ((dw2, ref2, "dw2"), (dw1, ref13[:, :H], "dw1"),
+                               (dw3, ref13[:, H:], "dw3")):
+            assert not got.isnan().any(), (name, what, "tiles left unwritten")
+            assert torch.all(got[empty] == 0), (name, what, "an empty expert's gradient is 0")
+            assert _err(got, ref) <= 1e-2, (name, what, _err(got, ref))
+
+
+def test_bad_shapes_name_the_requirement():
+    ids = torch.randint(0, 4, (64, 2), device="cuda")
+    plan = build_plan(ids, 4, BM)
+    dy = torch.randn(64, 256, device="cuda").bfloat16()
+    with pytest.raises(ValueError, match="columns % 256"):
+        wgrad_dw2_sm90(dy, _nan(plan.max_rows, 192), plan, _nan(4, 256, 192))
+    with pytest.raises(TypeError, match="output 0 must be bfloat16"):
+        wgrad_dw2_sm90(dy, _nan(plan.max_rows, 256), plan, torch.empty(4, 256, 256, device="cuda"))
+    with pytest.raises(ValueError, match="3 experts|the plan has 4 experts"):
+        wgrad_dw2_sm90(dy, _nan(plan.max_rows, 256), plan, _nan(3, 256, 256))
+
+
+def test_real_30b_shape_matches_grouped_mm_and_reruns_bitwise():
+    T, K, E, D, H = 16384, 8, 128, 2048, 768
+    torch.manual_seed(0)
+    probs = torch.softmax(torch.randn(E, device="cuda") * 1.5, 0)
+    probs[7] = 0  # one expert never chosen
+    ids = torch.multinomial(probs.expand(T, E), K, replacement=False)
+    ids[::17, -1] = -1
+    plan = build_plan(ids, E, BM)
+    dy = torch.randn(T, D, device="cuda").bfloat16()
+    x = torch.randn(T, D, device="cuda").bfloat16()
+    hw = torch.randn(plan.max_rows, H, device="cuda").bfloat16()
+    da = torch.randn(plan.max_rows, 2 * H, device="cuda").bfloat16()
+    order = longest_first(plan)
+    dw2 = wgrad_dw2_sm90(dy, hw, plan, _nan(E, D, H), order)
+    dw1, dw3 = wgrad_dw13_sm90(da, x, plan, _nan(E, H, D), _nan(E, H, D), order)
+    # the _grouped_mm side needs zero padding rows in both operands: zero them in hw / da
+    pad = plan.row_slot < 0
+    hw[pad] = 0
+    da[pad] = 0
+    ref2 = grouped_wgrad(gather_rows(dy, plan), hw, plan, dw2)
+    x_rows = gather_rows(x, plan)
+    ref1 = grouped_wgrad(da[:, :H], x_rows, plan, dw1)
+    ref3 = grouped_wgrad(da[:, H:], x_rows, plan, dw3)
+    for got, ref in ((dw2, ref2), (dw1, ref1), (dw3, ref3)):
+        assert not got.isnan().any()
+        assert _err(got, ref.double()) < 1e-2
+    assert torch.all(dw2[7] == 0) and torch.all(dw1[7] == 0)
+    hw2, da2 = torch.randn_like(hw), torch.randn_like(da)  # other padding values: same result
+    hw2[~pad], da2[~pad] = hw[~pad], da[~pad]
+    assert torch.equal(wgrad_dw2_sm90(dy, hw2, plan, _nan(E, D, H), order), dw2)
+    again = wgrad_dw13_sm90(da2, x, plan, _nan(E, H, D), _nan(E, H, D), order)
+    assert torch.equal(again[0], dw1) and torch.equal(again[1], dw3), "reruns must be bitwise"
+
+
+def test_backward_with_the_sm90_weight_gradients_matches_the_reference(monkeypatch):
+    from torchtitan_megamoe.ops import reference
+
+    # the module, not the package's `backward` function of the same name
+    bwd = importlib.import_module("torchtitan_megamoe.ops.triton.backward")
+    picked = []
+    real_pick = bwd.pick_config
+
+    def force_sm90(name, key, cands, launch):
+        if name in ("bwd_wgrad_dw2", "bwd_wgrad_dw13"):
+            assert bwd.B_SM90 in cands, "the sm90 weight gradients must be offered here"
+            picked.append(name)
+            return bwd.B_SM90
+        return real_pick(name, key, cands, launch)
+
+    monkeypatch.setattr(bwd, "pick_config", force_sm90)
+    T, K, E, D, H = 4096, 8, 32, 1024, 512
+    g = torch.Generator(device="cuda").manual_seed(7)
+    x = torch.randn(T, D, device="cuda", generator=g).bfloat16()
+    w1 = (torch.randn(E, H, D, device="cuda", generator=g) / D**0.5).bfloat16()
+    w3 = (torch.randn(E, H, D, device="cuda", generator=g) / D**0.5).bfloat16()
+    w2 = (torch.randn(E, D, H, device="cuda", generator=g) / H**0.5).bfloat16()
+    ids = torch.stack([torch.randperm(E, device="cuda", generator=g)[:K] for _ in range(T)])
+    ids[::5, 0] = -1
+    ids[ids == 3] = -1  # an empty expert
+    tw = torch.rand(T, K, device="cuda", generator=g)
+    dy = torch.randn(T, D, device="cuda", generator=g).bfloat16()
+    got = bwd.backward_local(dy, x, ids, tw, w1, w2, w3)
+    assert sorted(picked) == ["bwd_wgrad_dw13", "bwd_wgrad_dw2"]
+    ref = reference.backward(dy, x, ids, tw, w1, w2, w3, None, "bf16")
+    for name, a, r in zip(("dx", "dtw", "dw1", "dw2", "dw3"), got, ref):
+        assert a.dtype == r.dtype and a.shape == r.shape, name
+        assert _err(a, r.double()) <= 1e-2, (name, _err(a, r.double()))
+    assert torch.all(got[2][3] == 0) and torch.all(got[3][3] == 0)
+    again = bwd.backward_local(dy, x, ids, tw, w1, w2, w3)
+    assert all(torch.equal(a, b) for a, b in zip(got, again)), "reruns must be bitwise equal"
