@@ -64,9 +64,9 @@
 //   Both operands are MN-major in shared memory, as four (B) / two (A) [64 rows, 64] boxes with
 //   the 128-byte swizzle, read by wgmma transposed (A: trans-a; each consumer warpgroup's 64 M
 //   rows are one box). The TMA operand comes as boxes of the row-space tensor; the gathered one
-//   by cp.async from its token rows (thread t: row t / 2 of the step, half t % 2 of its columns,
-//   zeros for padding rows), so full[s] takes 128 cp.async arrivals plus the expect_tx one, as
-//   in GATHER. Padding rows contribute 0: the gathered operand is zero there and the TMA one
+//   by cp.async from its token rows (thread t: 16-byte chunk t % 8 of every box row of rows
+//   t / 8 + 16 i, zeros for padding rows), so full[s] takes 128 cp.async arrivals plus the
+//   expect_tx one, as in GATHER. Padding rows contribute 0: the gathered operand is zero there and the TMA one
 //   finite. dw1|dw3: M tiles below m_split go to the first output, the others to the second.
 // Waits on: nothing outside the launch. Signals: nothing; h (and a) / out are complete with the
 // launch.
@@ -410,26 +410,25 @@ __global__ void __launch_bounds__(THREADS, 1)
               }
             }
           }
-          // the gathered operand: TPR threads per row of the step, PER_T consecutive 16-byte
-          // chunks each (chunk q of a row: box q / 8, chunk q % 8 of its 128-byte row)
-          constexpr int TPR = 128 / BK;
-          constexpr int PER_T = (GATHER_A ? BM : TILE_N) / 8 / TPR;
-          const int row = tid / TPR, q0 = (tid % TPR) * PER_T;
-          const int slot = p.row_slot[r0 + row];
-          const long long src_row =
-              slot >= 0 ? static_cast<long long>(slot / p.top_k) * p.stride_x : 0;
-          // (whole boxes per thread at BK 64: the chunk index stays a compile-time constant)
-          constexpr int CHUNK_SPAN = PER_T < 8 ? PER_T : 8;
-          const int box0 = q0 / 8, c0 = PER_T < 8 ? q0 % 8 : 0;
+          // The gathered operand, coalesced as GEMM 1's gather: 8 consecutive threads copy one
+          // 128-byte row of a box (thread t: chunk t % 8 of rows t / 8 + 16 i), so every warp
+          // request reads whole 128-byte lines instead of a 16-byte piece of 32 rows.
+          constexpr int ROW_PASSES = BK / 16;
+          constexpr int BOXES = (GATHER_A ? BM : TILE_N) / 64;
+          const int c = tid % 8, rsub = tid / 8;
           const __nv_bfloat16* src =
-              p.x + src_row + (GATHER_A ? pid_m * BM : pid_n * TILE_N) + q0 * 8;
-          const uint32_t dst = (GATHER_A ? a_smem : b_smem) + box0 * NMAJOR_BOX_BYTES;
+              p.x + (GATHER_A ? pid_m * BM : pid_n * TILE_N) + c * 8;
+          const uint32_t dst = GATHER_A ? a_smem : b_smem;
 #pragma unroll
-          for (int bx = 0; bx < PER_T / CHUNK_SPAN; ++bx) {
+          for (int i = 0; i < ROW_PASSES; ++i) {
+            const int row = rsub + 16 * i;
+            const int slot = p.row_slot[r0 + row];
+            const __nv_bfloat16* row_src =
+                src + (slot >= 0 ? static_cast<long long>(slot / p.top_k) * p.stride_x : 0);
 #pragma unroll
-            for (int c = 0; c < CHUNK_SPAN; ++c) {
-              cp_async_16(dst + bx * NMAJOR_BOX_BYTES + swizzled_offset<128>(row, c0 + c),
-                          src + (bx * 8 + c) * 8, slot >= 0 ? 16 : 0);
+            for (int bx = 0; bx < BOXES; ++bx) {
+              cp_async_16(dst + bx * NMAJOR_BOX_BYTES + swizzled_offset<128>(row, c),
+                          row_src + bx * 64, slot >= 0 ? 16 : 0);
             }
           }
           gathers_issued(full);
