@@ -387,7 +387,24 @@ __global__ void __launch_bounds__(THREADS, 1)
                                               : -1;
         tok[i] = slot >= 0 ? slot / p.top_k : -1;
       }
+      // WGRAD gathers: the slots of this thread's rows (t / 8 + 16 i) of the next K step, loaded
+      // one step ahead so that their latency hides behind the empty-slot wait and the previous
+      // step's copies instead of stalling every step (the rows change with every K step)
+      constexpr int ROW_PASSES = BK / 16;
+      int next_slot[ROW_PASSES];
+      auto load_slots = [&](int kb) {
+#pragma unroll
+        for (int i = 0; i < ROW_PASSES; ++i) {
+          next_slot[i] = WGRAD && GATHERS && kb < k_blocks
+                             ? p.row_slot[t.row0 + kb * BK + tid / 8 + 16 * i] : -1;
+        }
+      };
+      load_slots(0);
       for (int kb = 0; kb < k_blocks; ++kb) {
+        int slot[ROW_PASSES];
+#pragma unroll
+        for (int i = 0; i < ROW_PASSES; ++i) slot[i] = next_slot[i];
+        load_slots(kb + 1);
         mbar_wait(empty_bar + 8 * stage, phase ^ 1);
         const uint32_t a_smem = smem_base + stage * STAGE_BYTES;
         const uint32_t b_smem = a_smem + A_BYTES;
@@ -413,7 +430,6 @@ __global__ void __launch_bounds__(THREADS, 1)
           // The gathered operand, coalesced as GEMM 1's gather: 8 consecutive threads copy one
           // 128-byte row of a box (thread t: chunk t % 8 of rows t / 8 + 16 i), so every warp
           // request reads whole 128-byte lines instead of a 16-byte piece of 32 rows.
-          constexpr int ROW_PASSES = BK / 16;
           constexpr int BOXES = (GATHER_A ? BM : TILE_N) / 64;
           const int c = tid % 8, rsub = tid / 8;
           const __nv_bfloat16* src =
@@ -422,13 +438,12 @@ __global__ void __launch_bounds__(THREADS, 1)
 #pragma unroll
           for (int i = 0; i < ROW_PASSES; ++i) {
             const int row = rsub + 16 * i;
-            const int slot = p.row_slot[r0 + row];
             const __nv_bfloat16* row_src =
-                src + (slot >= 0 ? static_cast<long long>(slot / p.top_k) * p.stride_x : 0);
+                src + (slot[i] >= 0 ? static_cast<long long>(slot[i] / p.top_k) * p.stride_x : 0);
 #pragma unroll
             for (int bx = 0; bx < BOXES; ++bx) {
               cp_async_16(dst + bx * NMAJOR_BOX_BYTES + swizzled_offset<128>(row, c),
-                          row_src + bx * 64, slot >= 0 ? 16 : 0);
+                          row_src + bx * 64, slot[i] >= 0 ? 16 : 0);
             }
           }
           gathers_issued(full);
