@@ -29,28 +29,34 @@ def shapes_supported(D: int, H: int, block_m: int) -> bool:
     return D % BM == 0 and H % BM == 0 and H % BN == 0 and D % BN == 0 and block_m % BK == 0
 
 
+DEFAULT_DEFINES = ("MEGAMOE_SM90_TMA_STORE=1",)
+
+
 def wgrad_dw2_sm90(dy: torch.Tensor, hw: torch.Tensor, plan: Plan, dw2: torch.Tensor,
-                   expert_order: torch.Tensor | None = None) -> torch.Tensor:
+                   expert_order: torch.Tensor | None = None,
+                   defines: tuple = DEFAULT_DEFINES) -> torch.Tensor:
     """dw2 [E, D, H] (written; returned) from dy [T, D] (rows gathered by token) and hw
-    [R_max, H] (row space)."""
+    [R_max, H] (row space). ``defines``: the .cu file's MEGAMOE_SM90_* knobs (measuring)."""
     E, D, H = dw2.shape
-    _launch("wgrad_dw2_sm90", dy, hw, (dw2,), plan, E, D, H, D, True, expert_order)
+    _launch("wgrad_dw2_sm90", dy, hw, (dw2,), plan, E, D, H, D, True, expert_order, defines)
     return dw2
 
 
 def wgrad_dw13_sm90(da: torch.Tensor, x: torch.Tensor, plan: Plan, dw1: torch.Tensor,
-                    dw3: torch.Tensor, expert_order: torch.Tensor | None = None):
+                    dw3: torch.Tensor, expert_order: torch.Tensor | None = None,
+                    defines: tuple = DEFAULT_DEFINES):
     """(dw1, dw3) [E, H, D] (written; returned) from da = [da1 | da3] [R_max, 2H] (row space)
     and x [T, D] (rows gathered by token)."""
     E, H, D = dw1.shape
     if dw3.shape != dw1.shape:
         raise ValueError(f"wgrad_dw13_sm90: dw1 {tuple(dw1.shape)} and dw3 "
                          f"{tuple(dw3.shape)} must have one shape")
-    _launch("wgrad_dw13_sm90", x, da, (dw1, dw3), plan, E, 2 * H, D, H, False, expert_order)
+    _launch("wgrad_dw13_sm90", x, da, (dw1, dw3), plan, E, 2 * H, D, H, False, expert_order,
+            defines)
     return dw1, dw3
 
 
-def _launch(who, tokens, rows, outs, plan, E, M, N, m_split, gather_a, expert_order):
+def _launch(who, tokens, rows, outs, plan, E, M, N, m_split, gather_a, expert_order, defines):
     if M % BM or m_split % BM or N % BN or plan.block_m % BK:
         raise ValueError(f"{who} needs the gradient's rows per expert % {BM} == 0 and columns "
                          f"% {BN} == 0 (plan block_m % {BK}); got {M} x {N}, block_m "
@@ -72,7 +78,7 @@ def _launch(who, tokens, rows, outs, plan, E, M, N, m_split, gather_a, expert_or
                          f"gradient {E}")
     if expert_order is not None:
         expert_order = expert_order.to(torch.int32).contiguous()
-    lib = grouped_gemm_library(("MEGAMOE_SM90_TMA_STORE=1",))
+    lib = grouped_gemm_library(tuple(defines))
     num_sms = torch.cuda.get_device_properties(rows.device).multi_processor_count
     stream = torch.cuda.current_stream(rows.device).cuda_stream
     ticket = torch.zeros(1, dtype=torch.int32, device=rows.device)

@@ -1,0 +1,70 @@
+"""The sm90 weight-gradient kernels (csrc/grouped_gemm_sm90.cu, WGRAD mode) at one Qwen3 shape
+with each compile-time variant, next to the _grouped_mm side (gathers included), CUDA-event
+medians of 10; NCU=1 launches each once after a warm-up instead, for Nsight Compute:
+
+    python3 scripts/wgrad_variants.py 30b
+    NCU=1 VARIANTS=default ncu --kernel-name regex:grouped_gemm ... python3 scripts/wgrad_variants.py 30b
+"""
+
+import os
+import sys
+
+import torch
+
+from torchtitan_megamoe.bench.shapes import SHAPES
+from torchtitan_megamoe.ops.cuda.wgrad import DEFAULT_DEFINES, wgrad_dw2_sm90, wgrad_dw13_sm90
+from torchtitan_megamoe.ops.triton.bwd_cublas import wgrad_dw13_cublas, wgrad_dw2_cublas
+from torchtitan_megamoe.ops.triton.bwd_wgrad import longest_first
+from torchtitan_megamoe.ops.triton.plan import build_plan
+from torchtitan_megamoe.timing import median_ms
+
+VARIANTS = {
+    "default": DEFAULT_DEFINES,
+    "lag1": DEFAULT_DEFINES + ("MEGAMOE_SM90_WGMMA_LAG=1",),
+    "bk32_8stages": DEFAULT_DEFINES + ("MEGAMOE_SM90_BK=32", "MEGAMOE_SM90_STAGES=8"),
+    "bk32_8stages_lag1": DEFAULT_DEFINES + ("MEGAMOE_SM90_BK=32", "MEGAMOE_SM90_STAGES=8",
+                                            "MEGAMOE_SM90_WGMMA_LAG=1"),
+    "producer_fence": DEFAULT_DEFINES + ("MEGAMOE_SM90_PRODUCER_FENCE=1",),
+    "registers_epilogue": (),
+}
+
+
+def main(shape_name: str = "30b") -> None:
+    shape = SHAPES[shape_name]
+    D, H, E, K, T = shape["dim"], shape["hidden"], shape["experts"], shape["top_k"], 16384
+    torch.manual_seed(0)
+    ids = torch.stack([torch.randperm(E, device="cuda")[:K] for _ in range(T)])
+    plan = build_plan(ids, E, 128)
+    dy = torch.randn(T, D, device="cuda").bfloat16()
+    x = torch.randn(T, D, device="cuda").bfloat16()
+    hw = torch.randn(plan.max_rows, H, device="cuda").bfloat16()
+    da = torch.randn(plan.max_rows, 2 * H, device="cuda").bfloat16()
+    hw[plan.row_slot < 0] = 0
+    da[plan.row_slot < 0] = 0
+    w2 = torch.empty(E, D, H, device="cuda", dtype=torch.bfloat16)
+    w1 = torch.empty(E, H, D, device="cuda", dtype=torch.bfloat16)
+    w3 = torch.empty_like(w1)
+    order = longest_first(plan)
+    runs = {"cublas": (lambda: wgrad_dw2_cublas(dy, hw, plan, w2),
+                       lambda: wgrad_dw13_cublas(da, x, plan, w1, w3))}
+    for name, defines in VARIANTS.items():
+        runs[name] = (lambda d=defines: wgrad_dw2_sm90(dy, hw, plan, w2, order, d),
+                      lambda d=defines: wgrad_dw13_sm90(da, x, plan, w1, w3, order, d))
+    only = os.environ.get("VARIANTS")
+    flops = 2 * plan.num_tokens * K * D * H  # per weight: dw2 once, dw1|dw3 twice
+    for name, (dw2, dw13) in runs.items():
+        if only and name not in only.split(","):
+            continue
+        if os.environ.get("NCU") == "1":
+            for fn in (dw2, dw13, dw2, dw13):
+                fn()
+            torch.cuda.synchronize()
+            print(f"{shape_name} {name}: launched", flush=True)
+            continue
+        t2, t13 = median_ms(dw2, 10, 2), median_ms(dw13, 10, 2)
+        print(f"{shape_name} {name}: dw2 {t2:.3f} ms ({flops / t2 / 1e9:.0f} TFLOP/s), "
+              f"dw1|dw3 {t13:.3f} ms ({2 * flops / t13 / 1e9:.0f})", flush=True)
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:])
