@@ -13,7 +13,7 @@ import torch
 
 from torchtitan_megamoe.bench.shapes import SHAPES
 from torchtitan_megamoe.ops.cuda.wgrad import DEFAULT_DEFINES, wgrad_dw2_sm90, wgrad_dw13_sm90
-from torchtitan_megamoe.ops.triton.bwd_cublas import wgrad_dw13_cublas, wgrad_dw2_cublas
+from torchtitan_megamoe.ops.triton.bwd_cublas import gather_rows, wgrad_dw13_cublas, wgrad_dw2_cublas
 from torchtitan_megamoe.ops.triton.bwd_wgrad import longest_first
 from torchtitan_megamoe.ops.triton.plan import build_plan
 from torchtitan_megamoe.timing import median_ms
@@ -50,6 +50,12 @@ def main(shape_name: str = "30b") -> None:
     for name, defines in VARIANTS.items():
         runs[name] = (lambda d=defines: wgrad_dw2_sm90(dy, hw, plan, w2, order, d),
                       lambda d=defines: wgrad_dw13_sm90(da, x, plan, w1, w3, order, d))
+    dy_rows, x_rows = gather_rows(dy, plan), gather_rows(x, plan)
+    runs["pre_gathered"] = (  # the rows gathered first (included in the time), then TMA only
+        lambda: wgrad_dw2_sm90(gather_rows(dy, plan, out=dy_rows), hw, plan, w2, order,
+                               pre_gathered=True),
+        lambda: wgrad_dw13_sm90(da, gather_rows(x, plan, out=x_rows), plan, w1, w3, order,
+                                pre_gathered=True))
     only = os.environ.get("VARIANTS")
     flops = 2 * plan.num_tokens * K * D * H  # per weight: dw2 once, dw1|dw3 twice
     for name, (dw2, dw13) in runs.items():

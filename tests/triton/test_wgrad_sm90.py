@@ -53,9 +53,10 @@ def _err(a, ref):
     return float((a.double() - ref).norm() / ref.norm().clamp_min(1e-30))
 
 
+@pytest.mark.parametrize("pre", [False, True], ids=["gather_inside", "pre_gathered"])
 @pytest.mark.parametrize("ordered", [True, False], ids=["longest_first", "natural"])
 @pytest.mark.parametrize("T,K,E,D,H", [(700, 4, 8, 256, 256), (333, 2, 5, 512, 256)])
-def test_vs_float64_on_uneven_routings(T, K, E, D, H, ordered):
+def test_vs_float64_on_uneven_routings(T, K, E, D, H, ordered, pre):
     g = torch.Generator(device="cuda").manual_seed(0)
     dy = torch.randn(T, D, device="cuda", generator=g).bfloat16()
     x = torch.randn(T, D, device="cuda", generator=g).bfloat16()
@@ -65,9 +66,12 @@ def test_vs_float64_on_uneven_routings(T, K, E, D, H, ordered):
         hw = torch.randn(R, H, device="cuda", generator=g).bfloat16()  # padding rows random too
         da = torch.randn(R, 2 * H, device="cuda", generator=g).bfloat16()
         order = longest_first(plan) if ordered else None
-        dw2 = wgrad_dw2_sm90(dy[: ids.shape[0]], hw, plan, _nan(E, D, H), order)
-        dw1, dw3 = wgrad_dw13_sm90(da, x[: ids.shape[0]], plan, _nan(E, H, D), _nan(E, H, D),
-                                   order)
+        dy_in, x_in = dy[: ids.shape[0]], x[: ids.shape[0]]
+        if pre:  # the token rows gathered into the row space first (zero padding rows)
+            dy_in, x_in = gather_rows(dy_in, plan), gather_rows(x_in, plan)
+        dw2 = wgrad_dw2_sm90(dy_in, hw, plan, _nan(E, D, H), order, pre_gathered=pre)
+        dw1, dw3 = wgrad_dw13_sm90(da, x_in, plan, _nan(E, H, D), _nan(E, H, D), order,
+                                   pre_gathered=pre)
         torch.cuda.synchronize()
         ref2 = _ref(dy[: ids.shape[0]], hw, plan, E, True)
         ref13 = _ref(x[: ids.shape[0]], da, plan, E, False)
@@ -125,7 +129,8 @@ def test_real_30b_shape_matches_grouped_mm_and_reruns_bitwise():
     assert torch.equal(again[0], dw1) and torch.equal(again[1], dw3), "reruns must be bitwise"
 
 
-def test_backward_with_the_sm90_weight_gradients_matches_the_reference(monkeypatch):
+@pytest.mark.parametrize("variant", ["B_SM90", "B_SM90_PRE_GATHERED"])
+def test_backward_with_the_sm90_weight_gradients_matches_the_reference(monkeypatch, variant):
     from torchtitan_megamoe.ops import reference
 
     # the module, not the package's `backward` function of the same name
@@ -135,9 +140,10 @@ def test_backward_with_the_sm90_weight_gradients_matches_the_reference(monkeypat
 
     def force_sm90(name, key, cands, launch):
         if name in ("bwd_wgrad_dw2", "bwd_wgrad_dw13"):
-            assert bwd.B_SM90 in cands, "the sm90 weight gradients must be offered here"
+            forced = getattr(bwd, variant)
+            assert forced in cands, "the sm90 weight gradients must be offered here"
             picked.append(name)
-            return bwd.B_SM90
+            return forced
         return real_pick(name, key, cands, launch)
 
     monkeypatch.setattr(bwd, "pick_config", force_sm90)

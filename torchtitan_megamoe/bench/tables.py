@@ -12,10 +12,12 @@ BWD_STAGES = [
     ("A with GEMM 1 recomputed (unused path)", "A_dgrad_l2_swiglu_recompute", None),
     ("wgrad dw2", "B_dw2", "B_dw2_cublas"),
     ("wgrad dw2, sm90 kernel (dy gathered inside)", "B_dw2_sm90", None),
+    ("wgrad dw2, sm90 kernel on gathered dy rows", "B_dw2_sm90_pre", None),
     ("wgrad dw1", "B_dw1", None),
     ("wgrad dw3", "B_dw3", None),
     ("wgrad dw1 + dw3", "B_dw13", "B_dw13_cublas"),
     ("wgrad dw1 + dw3, sm90 kernel (x gathered inside)", "B_dw13_sm90", None),
+    ("wgrad dw1 + dw3, sm90 kernel on gathered x rows", "B_dw13_sm90_pre", None),
     ("C: dgrad L1", "C_dgrad_l1", "C_dgrad_l1_cublas"),
     ("C: dgrad L1, sm90 kernel (dx in row space)", "C_dgrad_l1_sm90", None),
     ("combine (dx, d topk_weights)", "combine", None),
@@ -25,7 +27,8 @@ BWD_STAGES = [
     ("backward total, recompute path (no saved a)", "total_recompute", None),
 ]
 # stages timed only where the sm90 kernels run (an sm_90 GPU with nvcc); '-' elsewhere
-SM90_ONLY_STAGES = {"B_dw2_sm90", "B_dw13_sm90", "C_dgrad_l1_sm90", "combine_rows"}
+SM90_ONLY_STAGES = {"B_dw2_sm90", "B_dw2_sm90_pre", "B_dw13_sm90", "B_dw13_sm90_pre",
+                    "C_dgrad_l1_sm90", "combine_rows"}
 
 
 def _tflops(flops: float, ms: float | None) -> str:

@@ -194,6 +194,7 @@ enum Mode : int {
   MODE_ROWS_NMAJOR = 2,   // ROWS: in by TMA, w (and w') N-major
   MODE_WGRAD_GATHER_A = 3,  // WGRAD: A (dy rows) gathered, B (hw) by TMA
   MODE_WGRAD_GATHER_B = 4,  // WGRAD: A ([da1 | da3]) by TMA, B (x rows) gathered
+  MODE_WGRAD_TMA = 5,       // WGRAD: both from row-space tensors by TMA (rows gathered before)
 };
 
 // GATHER: w1_map / w3_map are the two weights, in_map unused. ROWS: w1_map = w3_map = the
@@ -427,26 +428,28 @@ __global__ void __launch_bounds__(THREADS, 1)
               }
             }
           }
-          // The gathered operand, coalesced as GEMM 1's gather: 8 consecutive threads copy one
-          // 128-byte row of a box (thread t: chunk t % 8 of rows t / 8 + 16 i), so every warp
-          // request reads whole 128-byte lines instead of a 16-byte piece of 32 rows.
-          constexpr int BOXES = (GATHER_A ? BM : TILE_N) / 64;
-          const int c = tid % 8, rsub = tid / 8;
-          const __nv_bfloat16* src =
-              p.x + (GATHER_A ? pid_m * BM : pid_n * TILE_N) + c * 8;
-          const uint32_t dst = GATHER_A ? a_smem : b_smem;
+          if constexpr (GATHERS) {
+            // The gathered operand, coalesced as GEMM 1's gather: 8 consecutive threads copy one
+            // 128-byte row of a box (thread t: chunk t % 8 of rows t / 8 + 16 i), so every warp
+            // request reads whole 128-byte lines instead of a 16-byte piece of 32 rows.
+            constexpr int BOXES = (GATHER_A ? BM : TILE_N) / 64;
+            const int c = tid % 8, rsub = tid / 8;
+            const __nv_bfloat16* src =
+                p.x + (GATHER_A ? pid_m * BM : pid_n * TILE_N) + c * 8;
+            const uint32_t dst = GATHER_A ? a_smem : b_smem;
 #pragma unroll
-          for (int i = 0; i < ROW_PASSES; ++i) {
-            const int row = rsub + 16 * i;
-            const __nv_bfloat16* row_src =
-                src + (slot[i] >= 0 ? static_cast<long long>(slot[i] / p.top_k) * p.stride_x : 0);
+            for (int i = 0; i < ROW_PASSES; ++i) {
+              const int row = rsub + 16 * i;
+              const __nv_bfloat16* row_src =
+                  src + (slot[i] >= 0 ? static_cast<long long>(slot[i] / p.top_k) * p.stride_x : 0);
 #pragma unroll
-            for (int bx = 0; bx < BOXES; ++bx) {
-              cp_async_16(dst + bx * NMAJOR_BOX_BYTES + swizzled_offset<128>(row, c),
-                          row_src + bx * 64, slot[i] >= 0 ? 16 : 0);
+              for (int bx = 0; bx < BOXES; ++bx) {
+                cp_async_16(dst + bx * NMAJOR_BOX_BYTES + swizzled_offset<128>(row, c),
+                            row_src + bx * 64, slot[i] >= 0 ? 16 : 0);
+              }
             }
+            gathers_issued(full);
           }
-          gathers_issued(full);
         } else if constexpr (NMAJOR) {
           const int k0 = kb * BK;
           const bool first = k0 < p.k_split;
@@ -877,22 +880,27 @@ extern "C" int megamoe_gemm_rows(const void* in, const void* w, const void* w2, 
 }
 
 // C entry point (ctypes) of the WGRAD mode (see the header): for every expert e of the plan,
-//   gather_a 1 (dw2):    out[e] [M, N] = dy[tok(r)]^T @ rows[r]   (dy [tokens, M], rows = hw)
-//   gather_a 0 (dw1|3):  out[e] [M, N] = rows[r]^T @ x[tok(r)]    (rows = [da1 | da3], x)
+//   gather 1 (dw2):    out[e] [M, N] = dy[tok(r)]^T @ rows[r]   (dy [tokens, M], rows = hw)
+//   gather 0 (dw1|3):  out[e] [M, N] = rows[r]^T @ x[tok(r)]    (rows = [da1 | da3], x)
+//   gather 2 (either): out[e] [M, N] = tokens[r]^T @ rows[r]    (both [num_rows, .] row space)
 // summed over the rows r of e's segment; M rows [0, m_split) of each expert's gradient go to
 // out0 [E, m_split, N], the others (if M > m_split) to out1. `tokens` (stride_tokens per row)
-// is the gathered tensor, `rows` [num_rows, gather_a ? N : M] the row-space one; bf16, unit
-// column stride. expert_order: the experts' unit order (nullptr: 0..E-1). Shapes are checked by
+// is the gathered tensor (gather 2: A's row-space tensor), `rows` [num_rows, gather == 0 ? M :
+// N] the row-space one; bf16, unit column stride. expert_order: the experts' unit order (nullptr: 0..E-1). Shapes are checked by
 // the Python wrapper (ops/cuda/wgrad.py): M % 128 == 0, m_split % 128 == 0, N % 256 == 0,
 // plan_bm % 64 == 0. ticket: a zeroed device int (dynamic order) or nullptr.
 extern "C" int megamoe_wgrad(const void* tokens, long long stride_tokens, const void* rows,
                              long long num_rows, void* out0, void* out1, const int* row_slot,
                              const int* seg_start, const int* expert_order, int E, int M, int N,
-                             int m_split, int top_k, int gather_a, int num_sms, int* ticket,
+                             int m_split, int top_k, int gather, int num_sms, int* ticket,
                              void* stream) {
   using namespace megamoe::grouped;
-  CUtensorMap rows_map, out0_map, out1_map;
-  int rc = make_map(&rows_map, rows, num_rows, gather_a ? N : M, BK, 64);
+  CUtensorMap rows_map, a_rows_map, out0_map, out1_map;
+  int rc = make_map(&rows_map, rows, num_rows, gather == 0 ? M : N, BK, 64);
+  if (rc == 0) {
+    rc = gather == 2 ? make_map(&a_rows_map, tokens, num_rows, M, BK, 64)
+                     : (a_rows_map = rows_map, 0);
+  }
   if (rc == 0) rc = make_map(&out0_map, out0, static_cast<long long>(E) * m_split, N, 64, 64);
   if (rc == 0) {
     rc = make_map(&out1_map, M > m_split ? out1 : out0, static_cast<long long>(E) * m_split, N,
@@ -916,8 +924,12 @@ extern "C" int megamoe_wgrad(const void* tokens, long long stride_tokens, const 
   p.group_m = 1;
   p.ticket = ticket;
   cudaStream_t s = static_cast<cudaStream_t>(stream);
-  // B by TMA (dw2) travels in w1_map; A by TMA (dw1|dw3) in in_map
-  if (gather_a) {
+  // B by TMA travels in w1_map, A by TMA in in_map
+  if (gather == 2) {
+    return launch<1, MODE_WGRAD_TMA>(rows_map, rows_map, out0_map, out1_map, a_rows_map, p,
+                                     num_sms, s);
+  }
+  if (gather == 1) {
     return launch<1, MODE_WGRAD_GATHER_A>(rows_map, rows_map, out0_map, out1_map, rows_map, p,
                                           num_sms, s);
   }

@@ -88,7 +88,7 @@ from torchtitan_megamoe.ops.cuda.sm90 import sm90_usable
 from torchtitan_megamoe.ops.triton.bwd_combine import bwd_combine
 from torchtitan_megamoe.ops.triton.bwd_common import interpreting
 from torchtitan_megamoe.ops.triton.bwd_cublas import (
-    bwd_impl, dgrad_l1_cublas, dgrad_l2_swiglu_cublas, is_cublas, stage_candidates,
+    bwd_impl, dgrad_l1_cublas, dgrad_l2_swiglu_cublas, gather_rows, is_cublas, stage_candidates,
     wgrad_dw13_cublas, wgrad_dw2_cublas,
 )
 from torchtitan_megamoe.ops.triton.bwd_dgrad_l1 import dgrad_l1
@@ -150,11 +150,13 @@ def c_sm90_fits(da: torch.Tensor, w1: torch.Tensor) -> bool:
             and sm90_usable(da))
 
 
-# Weight gradients as csrc/grouped_gemm_sm90.cu's WGRAD mode (the token-indexed operand
-# gathered in the kernel, no gathered copy; longest expert first): a candidate of dw2 and of
-# dw1|dw3 under MEGAMOE_BWD_IMPL=auto where it builds, the shapes fit and the parameters are
-# contiguous bf16 (the gradients are written in their layout).
+# Weight gradients as csrc/grouped_gemm_sm90.cu's WGRAD mode (longest expert first): the
+# token-indexed operand gathered in the kernel (no gathered copy), or gathered into the row
+# space first (as the _grouped_mm side does; dw2 reuses kernel A's dy rows) and read by TMA.
+# Candidates of dw2 and of dw1|dw3 under MEGAMOE_BWD_IMPL=auto where the kernel builds, the
+# shapes fit and the parameters are contiguous bf16 (the gradients are written in their layout).
 B_SM90 = dict(impl="sm90")
+B_SM90_PRE_GATHERED = dict(impl="sm90", pre_gathered=True)
 
 
 def b_sm90_fits(x: torch.Tensor, params: tuple) -> bool:
@@ -284,6 +286,11 @@ def backward_local(grad_out, x, topk_ids, topk_weights, w1, w2, w3, saved=None, 
 
     def launch_dw2(cfg):
         if cfg.get("impl") == "sm90":
+            if cfg.get("pre_gathered"):
+                rows = shared.get("dy_rows")
+                return sm90_wgrad.wgrad_dw2_sm90(
+                    gather_rows(dy, plan) if rows is None else rows, hw, plan,
+                    torch.empty_like(params[1]), order, pre_gathered=True)
             return sm90_wgrad.wgrad_dw2_sm90(dy, hw, plan, torch.empty_like(params[1]), order)
         if is_cublas(cfg):
             return wgrad_dw2_cublas(dy, hw, plan, params[1], dy_rows=shared.get("dy_rows"))
@@ -292,8 +299,11 @@ def backward_local(grad_out, x, topk_ids, topk_weights, w1, w2, w3, saved=None, 
 
     def launch_dw13(cfg):
         if cfg.get("impl") == "sm90":
-            return sm90_wgrad.wgrad_dw13_sm90(da, x, plan, torch.empty_like(params[0]),
-                                              torch.empty_like(params[2]), order)
+            pre = bool(cfg.get("pre_gathered"))
+            return sm90_wgrad.wgrad_dw13_sm90(da, gather_rows(x, plan) if pre else x, plan,
+                                              torch.empty_like(params[0]),
+                                              torch.empty_like(params[2]), order,
+                                              pre_gathered=pre)
         if is_cublas(cfg):
             return wgrad_dw13_cublas(da, x, plan, params[0], params[2])
         return tuple(wgrad(a, x, torch.empty_like(p), plan, a_gather=False, b_gather=True,
@@ -302,7 +312,7 @@ def backward_local(grad_out, x, topk_ids, topk_weights, w1, w2, w3, saved=None, 
 
     b_stage = stage_candidates(b_cands, D, H, E)
     if block_m == BLOCK_M and b_sm90_fits(x, params):
-        b_stage = b_stage + [B_SM90]
+        b_stage = b_stage + [B_SM90, B_SM90_PRE_GATHERED]
     dw2 = launch_dw2(pick_config("bwd_wgrad_dw2", key, b_stage, launch_dw2))
     del hw
     shared.clear()

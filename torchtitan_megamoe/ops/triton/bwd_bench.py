@@ -216,6 +216,13 @@ def bench_shape(name, tokens, iters, shape=None, device="cuda", block_m=BLOCK_M,
         order = longest_first(plan)
         stages["B_dw2_sm90"] = (lambda: wgrad_dw2_sm90(dy, hw, plan, dw2, order), 2 * nkdh)
         stages["B_dw13_sm90"] = (lambda: wgrad_dw13_sm90(da, x, plan, dw, dw_b, order), 4 * nkdh)
+        # the same kernels on rows gathered first (the gathers included, as the tuner times it)
+        stages["B_dw2_sm90_pre"] = (
+            lambda: wgrad_dw2_sm90(gather_rows(dy, plan, out=dy_rows), hw, plan, dw2, order,
+                                   pre_gathered=True), 2 * nkdh)
+        stages["B_dw13_sm90_pre"] = (
+            lambda: wgrad_dw13_sm90(da, gather_rows(x, plan, out=x_rows), plan, dw, dw_b, order,
+                                    pre_gathered=True), 4 * nkdh)
     for stage, (fn, flops) in stages.items():
         ms = median_ms(fn, iters)
         res[f"{stage}_ms"] = ms
