@@ -185,12 +185,12 @@ def test_backward_with_the_sm90_kernel_c_matches_the_reference(monkeypatch):
     picked = []
     real_pick = bwd.pick_config
 
-    def force_c(name, key, cands, launch):
+    def force_c(name, key, cands, launch, outputs=None):
         if name == "bwd_dgrad_l1":
             assert bwd.C_SM90 in cands, "the sm90 kernel C must be offered at this shape"
             picked.append(name)
             return bwd.C_SM90
-        return real_pick(name, key, cands, launch)
+        return real_pick(name, key, cands, launch, outputs)
 
     monkeypatch.setattr(bwd, "pick_config", force_c)
     T, K, E, D, H = 4096, 8, 32, 1024, 512

@@ -85,7 +85,7 @@ def test_gemm1_tuner_picks_one_kernel_for_the_saving_and_plain_forward(monkeypat
     the GPU once the CUDA kernel became a candidate)."""
     keys = []
 
-    def record(name, key, cands, launch):
+    def record(name, key, cands, launch, outputs=None):
         keys.append(key)
         return cands[0]
 

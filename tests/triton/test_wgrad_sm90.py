@@ -138,13 +138,13 @@ def test_backward_with_the_sm90_weight_gradients_matches_the_reference(monkeypat
     picked = []
     real_pick = bwd.pick_config
 
-    def force_sm90(name, key, cands, launch):
+    def force_sm90(name, key, cands, launch, outputs=None):
         if name in ("bwd_wgrad_dw2", "bwd_wgrad_dw13"):
             forced = getattr(bwd, variant)
             assert forced in cands, "the sm90 weight gradients must be offered here"
             picked.append(name)
             return forced
-        return real_pick(name, key, cands, launch)
+        return real_pick(name, key, cands, launch, outputs)
 
     monkeypatch.setattr(bwd, "pick_config", force_sm90)
     T, K, E, D, H = 4096, 8, 32, 1024, 512

@@ -272,7 +272,13 @@ def backward_local(grad_out, x, topk_ids, topk_weights, w1, w2, w3, saved=None, 
 
     if saved:
         a_cands = stage_candidates(a_cands, D, H, E)
-    a_cfg = pick_config(a_name, key, a_cands, launch_a)
+    # checked on the used rows (the sides' buffers past them differ) and on d(topk_weights)'s
+    # per-row sum of partials (the sides keep different numbers of partials)
+    def a_outputs(res):
+        used = int(plan.num_rows_used)
+        return res[0][:used], res[1][:used], res[2].sum(0)[:used]
+
+    a_cfg = pick_config(a_name, key, a_cands, launch_a, outputs=a_outputs)
     da, hw, part = launch_a(a_cfg)
     if not is_cublas(a_cfg):
         shared.clear()
@@ -313,12 +319,14 @@ def backward_local(grad_out, x, topk_ids, topk_weights, w1, w2, w3, saved=None, 
     b_stage = stage_candidates(b_cands, D, H, E)
     if block_m == BLOCK_M and b_sm90_fits(x, params):
         b_stage = b_stage + [B_SM90, B_SM90_PRE_GATHERED]
-    dw2 = launch_dw2(pick_config("bwd_wgrad_dw2", key, b_stage, launch_dw2))
+    dw2 = launch_dw2(pick_config("bwd_wgrad_dw2", key, b_stage, launch_dw2,
+                                 outputs=lambda r: (r,)))
     del hw
     shared.clear()
     if wait_x is not None:
         wait_x()
-    dw1, dw3 = launch_dw13(pick_config("bwd_wgrad_dw13", key, b_stage, launch_dw13))
+    dw1, dw3 = launch_dw13(pick_config("bwd_wgrad_dw13", key, b_stage, launch_dw13,
+                                       outputs=lambda r: r))
 
     # Kernel C (or _grouped_mm, or the sm90 kernel), then the combine. Each side allocates its
     # dx rows itself (the cuBLAS side only after its second GEMM's output is freed): [T*K, D]
@@ -335,7 +343,13 @@ def backward_local(grad_out, x, topk_ids, topk_weights, w1, w2, w3, saved=None, 
     c_stage = stage_candidates(c_cands, D, H, E)
     if block_m == BLOCK_M and c_sm90_fits(da, w1):
         c_stage = c_stage + [C_SM90]
-    dx_slot, in_rows = launch_c(pick_config("bwd_dgrad_l1", key, c_stage, launch_c))
+    # checked on a sample of the live slots' rows, wherever each side keeps them
+    def c_outputs(res):
+        live = torch.nonzero(plan.slot_row >= 0).squeeze(1)[::61]
+        return (res[0][plan.slot_row[live].long()] if res[1] else res[0][live],)
+
+    dx_slot, in_rows = launch_c(pick_config("bwd_dgrad_l1", key, c_stage, launch_c,
+                                            outputs=c_outputs))
     del da
     dx, dtw = bwd_combine(dx_slot, part, plan, dx_dtype=x.dtype, dtw_dtype=topk_weights.dtype,
                           rows=in_rows)

@@ -221,5 +221,6 @@ def gemm1_swiglu(
     # checkpointing recomputes a forward with save_a whose first run had none, and the Triton
     # and CUDA kernels round SwiGLU differently.
     key = (_bucket(R), H, D, E, plan.block_m)
-    launch(pick_config("gemm1_swiglu", key, cands, launch))
+    launch(pick_config("gemm1_swiglu", key, cands, launch,
+                       outputs=lambda _: (h, a) if save_a else (h,)))
     return (h, a) if save_a else h

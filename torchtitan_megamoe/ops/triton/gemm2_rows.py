@@ -173,5 +173,6 @@ def gemm2_rows(
     bf16 = h.dtype == w2.dtype == y.dtype == torch.bfloat16
     if config is None and bf16 and shape_supported(D, H, plan.block_m) and sm90_usable(h):
         cands += SM90_CONFIGS
-    launch(pick_config("gemm2_rows", (_bucket(R), H, D, E, plan.block_m), cands, launch))
+    launch(pick_config("gemm2_rows", (_bucket(R), H, D, E, plan.block_m), cands, launch,
+                       outputs=lambda _: (y,)))
     return y

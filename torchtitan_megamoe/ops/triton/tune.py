@@ -4,6 +4,13 @@ triton.autotune would re-run every candidate on the first call of each key too; 
 same with device events, but also (a) returns the first candidate without timing under the CPU
 interpreter, during CUDA graph capture or with MEGAMOE_TRITON_TUNE=0, and (b) lets callers pin a
 config (tests). Candidates write the same outputs, so timing them in place is harmless.
+
+(c) With ``outputs``, every candidate's result is also checked against the first candidate's
+(the trusted Triton kernels come first) before it is timed: a candidate whose output differs by
+more than CHECK_TOL (relative Frobenius, on a sample of at most ~1M elements per tensor) is
+never picked and its entry in TIMINGS says why. Implementations differ only by bf16 rounding
+(~1e-3); a broken kernel (a new shape, a new GPU) differs by O(1). This is the guard that keeps
+a fast but wrong hand-written kernel out of a training run.
 """
 
 import os
@@ -44,7 +51,53 @@ def warp_spec_allowed(name: str) -> bool:
     return name in os.environ.get("MEGAMOE_TRITON_WS", "").split(",")
 
 
-def pick_config(name: str, key: tuple, candidates: list, launch) -> dict:
+CHECK_TOL = 5e-2
+
+
+def _sample(t: torch.Tensor) -> torch.Tensor:
+    flat = t.reshape(-1)
+    step = max(1, flat.numel() >> 20) | 1  # odd: does not alias row lengths of powers of two
+    return flat[::step].clone()
+
+
+def output_mismatch(got: tuple, ref: tuple) -> float:
+    """Largest relative Frobenius difference of got's tensors from ref's; positions equal in
+    both (NaN included: memory no candidate wrote) count as agreeing; inf when the shapes
+    differ or a difference is not finite."""
+    worst = 0.0
+    for g, r in zip(got, ref, strict=True):
+        if g.shape != r.shape:
+            return float("inf")
+        g, r = g.double(), r.double()
+        same = (g == r) | (g.isnan() & r.isnan())
+        d = torch.where(same, 0.0, g - r)
+        if not bool(torch.isfinite(d).all()):
+            return float("inf")
+        scale = torch.where(same, 0.0, r).norm().clamp_min(1e-30)
+        worst = max(worst, float(d.norm() / scale) if bool((d != 0).any()) else 0.0)
+    return worst
+
+
+def _time_ms(launch, cfg) -> float:
+    """Median of 10 launches, CUDA events."""
+    torch.cuda.synchronize()
+    start = torch.cuda.Event(enable_timing=True)
+    end = torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(10):
+        start.record()
+        launch(cfg)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    times.sort()
+    return times[len(times) // 2]
+
+
+def pick_config(name: str, key: tuple, candidates: list, launch, outputs=None) -> dict:
+    """The fastest candidate for (name, key), timed once and cached. ``outputs(result)``: the
+    tensors a launch wrote, from its return value, to check each candidate against the first
+    (see the module docstring); None: no check."""
     if len(candidates) > 1:
         candidates = [c for c in candidates if not c.get("WARP_SPEC") or warp_spec_allowed(name)]
     if len(candidates) == 1 or not _tuning_enabled():
@@ -52,25 +105,25 @@ def pick_config(name: str, key: tuple, candidates: list, launch) -> dict:
     k = (name, key)
     if k in _CHOSEN:
         return _CHOSEN[k]
-    results = []
+    results, ref = [], None
     for cfg in candidates:
         try:
-            launch(cfg)  # compile + warm
+            res = launch(cfg)  # compile + warm
         except Exception as err:  # a config the compiler rejects (e.g. out of shared memory)
             results.append((cfg, float("inf"), repr(err)[:200]))
             continue
-        torch.cuda.synchronize()
-        start = torch.cuda.Event(enable_timing=True)
-        end = torch.cuda.Event(enable_timing=True)
-        times = []
-        for _ in range(10):
-            start.record()
-            launch(cfg)
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end))
-        times.sort()
-        results.append((cfg, times[len(times) // 2], ""))
+        if outputs is not None:
+            got = tuple(_sample(t) for t in outputs(res))
+            if ref is None:
+                ref = got
+            else:
+                err = output_mismatch(got, ref)
+                if err > CHECK_TOL:
+                    results.append((cfg, float("inf"),
+                                    f"wrong result: rel. difference {err:.2e} from the first "
+                                    f"candidate's (tolerance {CHECK_TOL})"))
+                    continue
+        results.append((cfg, _time_ms(launch, cfg), ""))
     best = min(results, key=lambda r: r[1])
     if best[1] == float("inf"):
         raise RuntimeError(f"{name}: every candidate config failed: {results}")
