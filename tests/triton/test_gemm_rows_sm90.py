@@ -213,3 +213,45 @@ def test_backward_with_the_sm90_kernel_c_matches_the_reference(monkeypatch):
         assert err <= 1e-2, (name, err)
     again = bwd.backward_local(dy, x, ids, tw, w1, w2, w3)
     assert all(torch.equal(a, b) for a, b in zip(got, again)), "reruns must be bitwise equal"
+
+
+def test_saved_backward_with_the_sm90_kernel_a_matches_the_reference(monkeypatch):
+    """Kernel A's saved path with its dh GEMM forced to the sm90 N-major ROWS mode (w2 as
+    stored, on the gathered dy rows, then the SwiGLU rows kernel): every gradient against the
+    reference backend, and bitwise reruns."""
+    from torchtitan_megamoe.ops import reference
+    from torchtitan_megamoe.ops.triton.forward import forward_ep1
+
+    bwd = importlib.import_module("torchtitan_megamoe.ops.triton.backward")
+    picked = []
+    real_pick = bwd.pick_config
+
+    def force_a(name, key, cands, launch, outputs=None):
+        if name == "bwd_dgrad_l2_swiglu_saved":
+            assert bwd.A_SM90 in cands, "the sm90 kernel A must be offered at this shape"
+            picked.append(name)
+            return bwd.A_SM90
+        return real_pick(name, key, cands, launch, outputs)
+
+    monkeypatch.setattr(bwd, "pick_config", force_a)
+    T, K, E, D, H = 4096, 8, 32, 1024, 512
+    g = torch.Generator(device="cuda").manual_seed(11)
+    x = torch.randn(T, D, device="cuda", generator=g).bfloat16()
+    w1 = (torch.randn(E, H, D, device="cuda", generator=g) / D**0.5).bfloat16()
+    w3 = (torch.randn(E, H, D, device="cuda", generator=g) / D**0.5).bfloat16()
+    w2 = (torch.randn(E, D, H, device="cuda", generator=g) / H**0.5).bfloat16()
+    ids = torch.stack([torch.randperm(E, device="cuda", generator=g)[:K] for _ in range(T)])
+    ids[::5, 0] = -1
+    ids[ids == 3] = -1  # an empty expert
+    tw = torch.rand(T, K, device="cuda", generator=g)
+    dy = torch.randn(T, D, device="cuda", generator=g).bfloat16()
+    _, saved = forward_ep1(x, ids, tw, w1, w2, w3, save=True)
+    got = bwd.backward_local(dy, x, ids, tw, w1, w2, w3, saved=saved)
+    assert picked
+    ref = reference.backward(dy, x, ids, tw, w1, w2, w3, None, "bf16")
+    for name, a, r in zip(("dx", "dtw", "dw1", "dw2", "dw3"), got, ref):
+        assert a.dtype == r.dtype and a.shape == r.shape, name
+        err = float((a.double() - r.double()).norm() / r.double().norm())
+        assert err <= 1e-2, (name, err)
+    again = bwd.backward_local(dy, x, ids, tw, w1, w2, w3, saved=saved)
+    assert all(torch.equal(a, b) for a, b in zip(got, again)), "reruns must be bitwise equal"

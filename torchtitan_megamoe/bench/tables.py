@@ -8,7 +8,8 @@ BWD_STAGES = [
     ("fwd: GEMM 1 + SwiGLU (inference)", "fwd_gemm1", None),
     ("fwd: GEMM 1 + SwiGLU + store a1/a3 (training)", "fwd_gemm1_save_a", None),
     ("plan (built by the forward, reused)", "plan", None),
-    ("A: dgrad L2 + SwiGLU on saved a1/a3", "A_dgrad_l2_swiglu", None),
+    ("A: dgrad L2 + SwiGLU on saved a1/a3", "A_dgrad_l2_swiglu", "A_dgrad_l2_swiglu_cublas"),
+    ("A: sm90 dh GEMM + SwiGLU rows kernel (dy gather included)", "A_dgrad_l2_swiglu_sm90", None),
     ("A with GEMM 1 recomputed (unused path)", "A_dgrad_l2_swiglu_recompute", None),
     ("wgrad dw2", "B_dw2", "B_dw2_cublas"),
     ("wgrad dw2, sm90 kernel (dy gathered inside)", "B_dw2_sm90", None),
@@ -27,7 +28,7 @@ BWD_STAGES = [
     ("backward total, recompute path (no saved a)", "total_recompute", None),
 ]
 # stages timed only where the sm90 kernels run (an sm_90 GPU with nvcc); '-' elsewhere
-SM90_ONLY_STAGES = {"B_dw2_sm90", "B_dw2_sm90_pre", "B_dw13_sm90", "B_dw13_sm90_pre",
+SM90_ONLY_STAGES = {"A_dgrad_l2_swiglu_sm90", "B_dw2_sm90", "B_dw2_sm90_pre", "B_dw13_sm90", "B_dw13_sm90_pre",
                     "C_dgrad_l1_sm90", "combine_rows"}
 
 

@@ -156,6 +156,16 @@ def c_sm90_fits(da: torch.Tensor, w1: torch.Tensor) -> bool:
 # Candidates of dw2 and of dw1|dw3 under MEGAMOE_BWD_IMPL=auto where the kernel builds, the
 # shapes fit and the parameters are contiguous bf16 (the gradients are written in their layout).
 B_SM90 = dict(impl="sm90")
+
+# Kernel A's saved path with its dh GEMM as the sm90 N-major ROWS mode (w2 [E, D, H] as stored)
+# on the gathered dy rows, then the SwiGLU backward rows kernel: the cuBLAS side's structure.
+A_SM90 = dict(impl="sm90")
+
+
+def a_sm90_fits(x: torch.Tensor, w2: torch.Tensor) -> bool:
+    E, D, H = w2.shape
+    return (bwd_impl() == "auto" and x.dtype == w2.dtype == torch.bfloat16
+            and sm90_rows.shape_supported(H, D, BLOCK_M) and sm90_usable(x))
 B_SM90_PRE_GATHERED = dict(impl="sm90", pre_gathered=True)
 
 
@@ -255,23 +265,27 @@ def backward_local(grad_out, x, topk_ids, topk_weights, w1, w2, w3, saved=None, 
     a_bufs, shared = {}, {}
 
     def launch_a(cfg):
-        n_h = 1 if is_cublas(cfg) else -(-H // cfg["block_n"])
+        rows_side = is_cublas(cfg) or cfg.get("impl") == "sm90"  # dh GEMM, then the rows kernel
+        n_h = 1 if rows_side else -(-H // cfg["block_n"])
         if a_bufs.get("n_h") != n_h:
             a_bufs.update(n_h=n_h, out=(
                 torch.empty(R, 2 * H, dtype=x.dtype, device=x.device),
                 torch.empty(R, H, dtype=x.dtype, device=x.device),
                 torch.empty(n_h, R, dtype=torch.float32, device=x.device),
             ))
-        if is_cublas(cfg):
+        if rows_side:
             *res, shared["dy_rows"] = dgrad_l2_swiglu_cublas(
                 dy, a_saved, topk_weights, w2, plan, out=a_bufs["out"],
-                dy_rows=shared.get("dy_rows"))
+                dy_rows=shared.get("dy_rows"), sm90=not is_cublas(cfg))
             return tuple(res)
         return dgrad_l2_swiglu(dy, x, topk_weights, w1, w2, w3, plan, out=a_bufs["out"],
                                a=a_saved, **cfg)
 
     if saved:
         a_cands = stage_candidates(a_cands, D, H, E)
+        if block_m == BLOCK_M and a_sm90_fits(x, w2):
+            a_cands = a_cands + [A_SM90]
+
     # checked on the used rows (the sides' buffers past them differ) and on d(topk_weights)'s
     # per-row sum of partials (the sides keep different numbers of partials)
     def a_outputs(res):
@@ -280,7 +294,7 @@ def backward_local(grad_out, x, topk_ids, topk_weights, w1, w2, w3, saved=None, 
 
     a_cfg = pick_config(a_name, key, a_cands, launch_a, outputs=a_outputs)
     da, hw, part = launch_a(a_cfg)
-    if not is_cublas(a_cfg):
+    if not (is_cublas(a_cfg) or a_cfg.get("impl") == "sm90"):  # no dy rows for dw2 to reuse
         shared.clear()
     del a_bufs, a_saved
 

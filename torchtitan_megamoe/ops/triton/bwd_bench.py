@@ -32,13 +32,14 @@ from torchtitan_megamoe.ops.triton import tune
 from torchtitan_megamoe.ops.cuda.gemm_rows import gemm_rows_nmajor_sm90
 from torchtitan_megamoe.ops.cuda.wgrad import wgrad_dw2_sm90, wgrad_dw13_sm90
 from torchtitan_megamoe.ops.triton.backward import (
-    A_CANDIDATES, A_SAVED_CANDIDATES, B_CANDIDATES, BLOCK_M, C_CANDIDATES, C_SM90, backward_local,
-    b_sm90_fits, c_sm90_fits,
+    A_CANDIDATES, A_SAVED_CANDIDATES, B_CANDIDATES, BLOCK_M, C_CANDIDATES, C_SM90, a_sm90_fits,
+    b_sm90_fits, backward_local, c_sm90_fits,
 )
 from torchtitan_megamoe.ops.triton.bwd_wgrad import longest_first
 from torchtitan_megamoe.ops.triton.bwd_combine import bwd_combine
 from torchtitan_megamoe.ops.triton.bwd_cublas import (
-    IMPL_ENV, dgrad_l1_cublas, gather_rows, segment_ends, wgrad_dw13_cublas, wgrad_dw2_cublas,
+    IMPL_ENV, dgrad_l1_cublas, dgrad_l2_swiglu_cublas, gather_rows, segment_ends,
+    wgrad_dw13_cublas, wgrad_dw2_cublas,
 )
 from torchtitan_megamoe.ops.triton.bwd_dgrad_l1 import dgrad_l1
 from torchtitan_megamoe.ops.triton.bwd_dgrad_l2_swiglu import dgrad_l2_swiglu
@@ -183,6 +184,8 @@ def bench_shape(name, tokens, iters, shape=None, device="cuda", block_m=BLOCK_M,
         "plan": (lambda: build_plan(ids, E, block_m), 0),
         "A_dgrad_l2_swiglu": (lambda: dgrad_l2_swiglu(dy, x, tw, w1, w2, w3, plan, a=a_saved,
                                                       **cfg_a), 2 * nkdh),
+        "A_dgrad_l2_swiglu_cublas": (
+            lambda: dgrad_l2_swiglu_cublas(dy, a_saved, tw, w2, plan, dy_rows=dy_rows), 2 * nkdh),
         "A_dgrad_l2_swiglu_recompute": (
             lambda: dgrad_l2_swiglu(dy, x, tw, w1, w2, w3, plan, **cfg_a_rc), 6 * nkdh),
         "B_dw2": (kernel_b(dy, hw, dw2, True, cfg_w2), 2 * nkdh),
@@ -212,6 +215,10 @@ def bench_shape(name, tokens, iters, shape=None, device="cuda", block_m=BLOCK_M,
         stages["combine_rows"] = (
             lambda: bwd_combine(dx_rows_sm90, part, plan, dx_dtype=x.dtype, dtw_dtype=tw.dtype,
                                 rows=True), 0)
+    if block_m == BLOCK_M and a_sm90_fits(x, w2):
+        stages["A_dgrad_l2_swiglu_sm90"] = (
+            lambda: dgrad_l2_swiglu_cublas(dy, a_saved, tw, w2, plan, dy_rows=dy_rows, sm90=True),
+            2 * nkdh)
     if block_m == BLOCK_M and b_sm90_fits(x, (w1, w2, w3)):
         order = longest_first(plan)
         stages["B_dw2_sm90"] = (lambda: wgrad_dw2_sm90(dy, hw, plan, dw2, order), 2 * nkdh)

@@ -189,14 +189,22 @@ def wgrad_dw2_cublas(dy: torch.Tensor, hw: torch.Tensor, plan: Plan,
 
 def dgrad_l2_swiglu_cublas(dy: torch.Tensor, a: torch.Tensor, topk_weights: torch.Tensor,
                            w2: torch.Tensor, plan: Plan, out: tuple | None = None,
-                           dy_rows: torch.Tensor | None = None):
+                           dy_rows: torch.Tensor | None = None, sm90: bool = False):
     """Kernel A's cuBLAS side, on the forward's saved a = [a1 | a3]: dh = dy_rows @ w2[e] as one
     M-grouped GEMM (bf16 dh), then the SwiGLU backward rows kernel (bwd_swiglu.py). Returns
-    (da, hw, part [1, R_max], dy_rows); dy_rows (zero padding rows) can feed the dw2 GEMM."""
+    (da, hw, part [1, R_max], dy_rows); dy_rows (zero padding rows) can feed the dw2 GEMM.
+    ``sm90``: the dh GEMM is csrc/grouped_gemm_sm90.cu's N-major ROWS mode (w2 read as stored,
+    as kernel C reads w1) instead of torch._grouped_mm."""
     from torchtitan_megamoe.ops.triton.bwd_swiglu import swiglu_bwd_rows
 
     dy_rows = gather_rows(dy, plan, out=dy_rows)
-    dh = torch._grouped_mm(dy_rows, w2, offs=segment_ends(plan))
+    if sm90:
+        from torchtitan_megamoe.ops.cuda.gemm_rows import gemm_rows_nmajor_sm90
+
+        dh = torch.empty(plan.max_rows, w2.shape[2], dtype=dy.dtype, device=dy.device)
+        gemm_rows_nmajor_sm90(dy_rows, (w2,), plan, dh, defines=("MEGAMOE_SM90_TMA_STORE=1",))
+    else:
+        dh = torch._grouped_mm(dy_rows, w2, offs=segment_ends(plan))
     return (*swiglu_bwd_rows(dh, a, topk_weights, plan, out=out), dy_rows)
 
 
