@@ -28,6 +28,7 @@ def test_gemm1_swiglu_sm90_builds_without_spills(tmp_path, monkeypatch, defines)
     lib_path = build.build("grouped_gemm_sm90", defines)
     lib = ctypes.CDLL(str(lib_path))  # loads without a GPU (cudart binds the driver lazily)
     assert lib.megamoe_gemm1_swiglu and lib.megamoe_gemm_rows and lib.megamoe_error_string
+    assert lib.megamoe_wgrad and lib.megamoe_dgrad_swiglu
     log = (lib_path.parent / "build.log").read_text()
     spills = [int(n) for n in re.findall(r"(\d+) bytes spill stores", log)]
     assert spills and max(spills) <= 64, log  # a few bytes of the producer's row pointers

@@ -10,7 +10,13 @@
 //     expert's rows):  dw[e] = A_e^T @ B_e  with A_e, B_e the rows of expert e's segment; one
 //     of the two operands is gathered by token (dw2: A = dy rows, B = hw; dw1|dw3: A = [da1 |
 //     da3], B = x rows), the other read by TMA from the row space.
-// The GATHER mode is described first; the ROWS and WGRAD modes' differences follow it.
+//   megamoe_dgrad_swiglu (DGRAD_SWIGLU mode, the backward's kernel A on the forward's saved
+//     a = [a1 | a3]): dh[r] = dy_tok(r) @ w2[e] (dy gathered as GEMM 1 gathers x, w2 [E, D, H]
+//     N-major as ROWS_NMAJOR reads it), and in the epilogue the SwiGLU backward with the row's
+//     routing weight w: da1 = w dh a3 silu'(a1), da3 = w dh silu(a1), hw = w silu(a1) a3, and
+//     per 256-column H tile the partial <dh, h> of d(topk_weights).
+// The GATHER mode is described first; the ROWS, WGRAD and DGRAD_SWIGLU modes' differences
+// follow it.
 // for the rows r of a plan (ops/triton/plan.py): row r reads token row_slot[r] / top_k of x
 // (a gather: no permuted copy of x exists), padding rows (slot -1) read zeros, every 128-row
 // tile belongs to one expert e = tile_expert[tile], tiles with e < 0 are skipped (another launch
@@ -68,6 +74,13 @@
 //   t / 8 + 16 i, zeros for padding rows), so full[s] takes 128 cp.async arrivals plus the
 //   expect_tx one, as in GATHER. Padding rows contribute 0: the gathered operand is zero there and the TMA one
 //   finite. dw1|dw3: M tiles below m_split go to the first output, the others to the second.
+// DGRAD_SWIGLU mode (cluster 1 only): the producer gathers the dy rows exactly as GATHER gathers
+//   x (128 threads, cp.async, full[s] = 128 arrivals + the B bytes) and loads the w2 tile as the
+//   four N-major boxes of ROWS_NMAJOR; the tile is 128 rows x 256 H columns. The epilogue reads
+//   the row's slot, routing weight and saved a1/a3 pairs straight from global memory in the
+//   accumulator's layout, stores da1, da3 and hw as bf16 pairs, and sums <dh, h> over the
+//   thread's 64 columns, then over the quad's 4 lanes (fixed order: deterministic) into
+//   part[pid_n, row].
 // Waits on: nothing outside the launch. Signals: nothing; h (and a) / out are complete with the
 // launch.
 //
@@ -162,6 +175,12 @@ struct Params {
   // the two outputs (h_map, a_map; = M for one output); x: the gathered operand's token rows
   const int* seg_start;
   const int* expert_order;
+  // DGRAD_SWIGLU: a = the saved [a1 | a3] (read), h = da [R, 2H] (written), and these
+  const float* topk_w;  // [T * K] routing weights by slot
+  __nv_bfloat16* hw;    // [R, H]
+  float* part;          // [H / 256, part_stride]
+  long long stride_hw;
+  long long part_stride;
   int M;
   int m_split;
   int num_experts;
@@ -195,6 +214,7 @@ enum Mode : int {
   MODE_WGRAD_GATHER_A = 3,  // WGRAD: A (dy rows) gathered, B (hw) by TMA
   MODE_WGRAD_GATHER_B = 4,  // WGRAD: A ([da1 | da3]) by TMA, B (x rows) gathered
   MODE_WGRAD_TMA = 5,       // WGRAD: both from row-space tensors by TMA (rows gathered before)
+  MODE_DGRAD_SWIGLU = 6,    // kernel A: dy rows gathered, w2 N-major, SwiGLU backward epilogue
 };
 
 // GATHER: w1_map / w3_map are the two weights, in_map unused. ROWS: w1_map = w3_map = the
@@ -210,8 +230,9 @@ __global__ void __launch_bounds__(THREADS, 1)
                         const __grid_constant__ CUtensorMap in_map, const Params p) {
   constexpr bool ROWS = MODE != MODE_GEMM1;     // 256-column tiles, one B operand
   constexpr bool NMAJOR = MODE >= MODE_ROWS_NMAJOR;  // B N-major (transposed wgmma B)
-  constexpr bool WGRAD = MODE >= MODE_WGRAD_GATHER_A;  // A M-major too; K = the expert's rows
-  constexpr bool GATHER_A = MODE == MODE_GEMM1 || MODE == MODE_WGRAD_GATHER_A;
+  constexpr bool WGRAD = MODE >= MODE_WGRAD_GATHER_A && MODE <= MODE_WGRAD_TMA;  // K = expert rows
+  constexpr bool GATHER_ROWS = MODE == MODE_GEMM1 || MODE == MODE_DGRAD_SWIGLU;  // K-major gather
+  constexpr bool GATHER_A = GATHER_ROWS || MODE == MODE_WGRAD_GATHER_A;
   constexpr bool GATHER_B = MODE == MODE_WGRAD_GATHER_B;
   constexpr bool GATHERS = GATHER_A || GATHER_B;  // the producer's 128 threads issue cp.async
   static_assert(!ROWS || CLUSTER == 1, "ROWS and WGRAD modes: cluster 1 only");
@@ -384,7 +405,7 @@ __global__ void __launch_bounds__(THREADS, 1)
 #pragma unroll
       for (int i = 0; i < PASSES; ++i) {
         const int slot =
-                MODE == MODE_GEMM1 && expert >= 0 ? p.row_slot[pid_m * BM + i * ROWS_PER_PASS + rg]
+                GATHER_ROWS && expert >= 0 ? p.row_slot[pid_m * BM + i * ROWS_PER_PASS + rg]
                                               : -1;
         tok[i] = slot >= 0 ? slot / p.top_k : -1;
       }
@@ -401,6 +422,19 @@ __global__ void __launch_bounds__(THREADS, 1)
         }
       };
       load_slots(0);
+      // GATHER_ROWS: this thread's 16-byte chunk c of the K step of the tile's rows rg + 16 i
+      // (8 threads per 128-byte row), zeros for padding rows
+      auto gather_rows = [&](uint32_t a_smem, int kb) {
+#pragma unroll
+        for (int i = 0; i < PASSES; ++i) {
+          const int r = i * ROWS_PER_PASS + rg;
+          const uint32_t dst = a_smem + swizzled_offset<ROW_BYTES>(r, c);
+          const bool valid = LOAD_A && tok[i] >= 0;
+          const __nv_bfloat16* src =
+              p.x + (valid ? static_cast<long long>(tok[i]) * p.stride_x : 0) + kb * BK + c * 8;
+          cp_async_16(dst, src, valid ? 16 : 0);
+        }
+      };
       for (int kb = 0; kb < k_blocks; ++kb) {
         int slot[ROW_PASSES];
 #pragma unroll
@@ -450,6 +484,17 @@ __global__ void __launch_bounds__(THREADS, 1)
             }
             gathers_issued(full);
           }
+        } else if constexpr (MODE == MODE_DGRAD_SWIGLU) {
+          if (tid == 0) {
+            mbar_arrive_expect_tx(full, B_BYTES);
+#pragma unroll
+            for (int j = 0; j < TILE_N / 64; ++j) {
+              tma_load_2d(b_smem + j * NMAJOR_BOX_BYTES, &w1_map, pid_n * TILE_N + 64 * j,
+                          expert * p.k_split + kb * BK, full);
+            }
+          }
+          gather_rows(a_smem, kb);
+          gathers_issued(full);
         } else if constexpr (NMAJOR) {
           const int k0 = kb * BK;
           const bool first = k0 < p.k_split;
@@ -484,15 +529,7 @@ __global__ void __launch_bounds__(THREADS, 1)
               tma_load_2d(b_smem + B_BYTES / 2, &w3_map, kb * BK, w_row_b1, full);
             }
           }
-#pragma unroll
-          for (int i = 0; i < PASSES; ++i) {
-            const int r = i * ROWS_PER_PASS + rg;
-            const uint32_t dst = a_smem + swizzled_offset<ROW_BYTES>(r, c);
-            const bool valid = LOAD_A && tok[i] >= 0;
-            const __nv_bfloat16* src =
-                p.x + (valid ? static_cast<long long>(tok[i]) * p.stride_x : 0) + kb * BK + c * 8;
-            cp_async_16(dst, src, valid ? 16 : 0);
-          }
+          gather_rows(a_smem, kb);
           gathers_issued(full);
         }
         if (++stage == STAGES) {
@@ -605,6 +642,50 @@ __global__ void __launch_bounds__(THREADS, 1)
       // Epilogue. Accumulator register 4j + q of thread (warp, lane) holds row
       // 16 warp + lane/4 + 8 (q/2) and column 8j + 2 (lane%4) + q%2 of the 64x256 block; j < 16
       // is a1, j >= 16 the a3 of column 8 (j - 16) + ...
+      if constexpr (MODE == MODE_DGRAD_SWIGLU) {
+        // SwiGLU backward on the tile's dh (fp32, in the accumulators): see the header
+        const int H = p.N;
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+          const long long row =
+              static_cast<long long>(pid_m) * BM + cw * 64 + warp * 16 + lane / 4 + 8 * half;
+          const int slot = p.row_slot[row];
+          const float w = slot >= 0 ? p.topk_w[slot] : 0.f;
+          const __nv_bfloat16* a_row = p.a + row * p.stride_a;
+          __nv_bfloat16* da_row = p.h + row * p.stride_h;
+          __nv_bfloat16* hw_row = p.hw + row * p.stride_hw;
+          float dot = 0.f;
+#pragma unroll
+          for (int j = 0; j < 32; ++j) {
+            const int col = pid_n * TILE_N + 8 * j + 2 * (lane % 4);
+            const float2 a1 = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(a_row + col));
+            const float2 a3 =
+                __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(a_row + H + col));
+            float da1[2], da3[2], hw[2];
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+              const float x1 = e ? a1.y : a1.x, x3 = e ? a3.y : a3.x;
+              const float dh = acc[4 * j + 2 * half + e];
+              const float sig = 1.0f / (1.0f + __expf(-x1));
+              const float silu = x1 * sig;
+              const float h = silu * x3;
+              dot += dh * h;
+              const float dhw = dh * w;
+              da1[e] = dhw * x3 * (sig + silu * (1.0f - sig));
+              da3[e] = dhw * silu;
+              hw[e] = h * w;
+            }
+            *reinterpret_cast<__nv_bfloat162*>(da_row + col) = __floats2bfloat162_rn(da1[0], da1[1]);
+            *reinterpret_cast<__nv_bfloat162*>(da_row + H + col) =
+                __floats2bfloat162_rn(da3[0], da3[1]);
+            *reinterpret_cast<__nv_bfloat162*>(hw_row + col) = __floats2bfloat162_rn(hw[0], hw[1]);
+          }
+          dot += __shfl_xor_sync(0xffffffffu, dot, 1);
+          dot += __shfl_xor_sync(0xffffffffu, dot, 2);
+          if (lane % 4 == 0) p.part[pid_n * p.part_stride + row] = dot;
+        }
+        continue;
+      }
       // where the tile goes: its rows of the row space (GATHER, ROWS), or of the expert's
       // gradient in the first or second output (WGRAD)
       const bool second = WGRAD && pid_m * BM >= p.m_split;
@@ -935,6 +1016,47 @@ extern "C" int megamoe_wgrad(const void* tokens, long long stride_tokens, const 
   }
   return launch<1, MODE_WGRAD_GATHER_B>(rows_map, rows_map, out0_map, out1_map, rows_map, p,
                                         num_sms, s);
+}
+
+// C entry point (ctypes) of the DGRAD_SWIGLU mode (see the header), kernel A on the saved a:
+// dy [tokens, D] (stride_dy per row, gathered by row_slot / top_k), w2 [E, D, H] contiguous,
+// a = [a1 | a3], da [rows, 2H] and hw [rows, H] contiguous bf16, part [H / 256, rows] fp32,
+// topk_w [tokens * top_k] fp32. Shapes are checked by the Python wrapper
+// (ops/cuda/dgrad_swiglu.py): H % 256 == 0, D % 64 == 0, plan_bm % 128 == 0.
+extern "C" int megamoe_dgrad_swiglu(const void* dy, long long stride_dy, const void* w2,
+                                    const void* a, void* da, void* hw, float* part,
+                                    const float* topk_w, const int* row_slot,
+                                    const int* tile_expert, const int* num_rows_used, int E, int D,
+                                    int H, int top_k, int plan_bm, long long rows, int num_sms,
+                                    int* ticket, void* stream) {
+  using namespace megamoe::grouped;
+  CUtensorMap w2_map;
+  int rc = make_map(&w2_map, w2, static_cast<long long>(E) * D, H, BK, 64);
+  if (rc != 0) return rc;
+  Params p = {};
+  p.x = static_cast<const __nv_bfloat16*>(dy);
+  p.stride_x = stride_dy;
+  p.a = static_cast<__nv_bfloat16*>(const_cast<void*>(a));
+  p.stride_a = 2LL * H;
+  p.h = static_cast<__nv_bfloat16*>(da);
+  p.stride_h = 2LL * H;
+  p.hw = static_cast<__nv_bfloat16*>(hw);
+  p.stride_hw = H;
+  p.part = part;
+  p.part_stride = rows;
+  p.topk_w = topk_w;
+  p.row_slot = row_slot;
+  p.tile_expert = tile_expert;
+  p.num_rows_used = num_rows_used;
+  p.N = H;
+  p.K = D;
+  p.k_split = D;
+  p.top_k = top_k;
+  p.plan_bm = plan_bm;
+  p.group_m = 8;
+  p.ticket = ticket;
+  return launch<1, MODE_DGRAD_SWIGLU>(w2_map, w2_map, w2_map, w2_map, w2_map, p, num_sms,
+                                      static_cast<cudaStream_t>(stream));
 }
 
 extern "C" const char* megamoe_error_string(int code) {

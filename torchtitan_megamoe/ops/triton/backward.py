@@ -79,9 +79,12 @@ Not implemented here: FP8 backward (precision "fp8" / "fp8_bwd": use backend="re
 and overlap of kernel C with the weight-gradient launches on a second stream.
 """
 
+import os
+
 import torch
 import torch.distributed as dist
 
+from torchtitan_megamoe.ops.cuda import dgrad_swiglu as sm90_dgrad
 from torchtitan_megamoe.ops.cuda import gemm_rows as sm90_rows
 from torchtitan_megamoe.ops.cuda import wgrad as sm90_wgrad
 from torchtitan_megamoe.ops.cuda.sm90 import sm90_usable
@@ -166,6 +169,19 @@ def a_sm90_fits(x: torch.Tensor, w2: torch.Tensor) -> bool:
     E, D, H = w2.shape
     return (bwd_impl() == "auto" and x.dtype == w2.dtype == torch.bfloat16
             and sm90_rows.shape_supported(H, D, BLOCK_M) and sm90_usable(x))
+
+
+# Kernel A's saved path in one sm90 launch (DGRAD_SWIGLU mode: dy rows gathered inside, the
+# SwiGLU backward in the epilogue; ops/cuda/dgrad_swiglu.py). Written without device time: it
+# is offered only with MEGAMOE_SM90_FUSED_A=1 until tests/triton/test_dgrad_swiglu_sm90.py has
+# passed on a GPU and the layer has been timed with it (docs/PERF.md).
+A_SM90_FUSED = dict(impl="sm90_fused", block_n=256)
+
+
+def a_sm90_fused_offered(x: torch.Tensor, w2: torch.Tensor) -> bool:
+    E, D, H = w2.shape
+    return (os.environ.get("MEGAMOE_SM90_FUSED_A") == "1" and a_sm90_fits(x, w2)
+            and sm90_dgrad.shape_supported(D, H, BLOCK_M))
 B_SM90_PRE_GATHERED = dict(impl="sm90", pre_gathered=True)
 
 
@@ -273,6 +289,9 @@ def backward_local(grad_out, x, topk_ids, topk_weights, w1, w2, w3, saved=None, 
                 torch.empty(R, H, dtype=x.dtype, device=x.device),
                 torch.empty(n_h, R, dtype=torch.float32, device=x.device),
             ))
+        if cfg.get("impl") == "sm90_fused":
+            return sm90_dgrad.dgrad_l2_swiglu_sm90(dy, a_saved, topk_weights, w2, plan,
+                                                   out=a_bufs["out"])
         if rows_side:
             *res, shared["dy_rows"] = dgrad_l2_swiglu_cublas(
                 dy, a_saved, topk_weights, w2, plan, out=a_bufs["out"],
@@ -285,6 +304,8 @@ def backward_local(grad_out, x, topk_ids, topk_weights, w1, w2, w3, saved=None, 
         a_cands = stage_candidates(a_cands, D, H, E)
         if block_m == BLOCK_M and a_sm90_fits(x, w2):
             a_cands = a_cands + [A_SM90]
+        if block_m == BLOCK_M and a_sm90_fused_offered(x, w2):
+            a_cands = a_cands + [A_SM90_FUSED]
 
     # checked on the used rows (the sides' buffers past them differ) and on d(topk_weights)'s
     # per-row sum of partials (the sides keep different numbers of partials)

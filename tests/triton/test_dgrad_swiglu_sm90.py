@@ -1,0 +1,157 @@
+"""csrc/grouped_gemm_sm90.cu's DGRAD_SWIGLU mode (kernel A on the saved a1/a3 in one launch) on an
+H200 (marked gpu; skipped without an sm_90 GPU and nvcc): da, hw and the d(topk_weights)
+partials against float64 math on uneven routings with the outputs poisoned (NaN) first, the
+real Qwen3-30B shape against the Triton kernel A, bitwise reruns, and the saved-path backward
+with it forced against the reference backend."""
+
+import importlib
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from moe_math import routings
+from torchtitan_megamoe.ops.cuda.dgrad_swiglu import dgrad_l2_swiglu_sm90
+from torchtitan_megamoe.ops.cuda.sm90 import sm90_buildable
+from torchtitan_megamoe.ops.triton.bwd_dgrad_l2_swiglu import dgrad_l2_swiglu
+from torchtitan_megamoe.ops.triton.plan import build_plan
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(
+        not torch.cuda.is_available() or not sm90_buildable(torch.empty(1, device="cuda")),
+        reason="needs an sm_90 GPU and nvcc",
+    ),
+]
+BM = 128
+
+
+def _nan(*shape, dtype=torch.bfloat16):
+    return torch.full(shape, float("nan"), dtype=dtype, device="cuda")
+
+
+def _saved_a(plan, H, g):
+    """[a1 | a3] as the forward saves it: random used rows, zero padding rows."""
+    used = int(plan.num_rows_used)
+    a = torch.zeros(plan.max_rows, 2 * H, device="cuda").bfloat16()
+    a[:used] = torch.randn(used, 2 * H, device="cuda", generator=g).bfloat16()
+    a[plan.row_slot < 0] = 0
+    return a
+
+
+def _f64(dy, a, tw, w2, plan):
+    """float64 (da, hw, <dh, h>) of the used rows (zeros for padding rows)."""
+    used = int(plan.num_rows_used)
+    H = w2.shape[2]
+    slot = plan.row_slot[:used].long()
+    expert = plan.tile_expert.repeat_interleave(plan.block_m)[:used].long()
+    real = slot >= 0
+    tok = torch.where(real, slot // plan.top_k, 0)
+    dyr = dy[tok].double() * real[:, None]
+    w = torch.where(real, tw.reshape(-1)[slot.clamp(min=0)].double(), 0.0)
+    dh = torch.zeros(used, H, dtype=torch.float64, device="cuda")
+    for e in expert.unique().tolist():
+        m = expert == e
+        dh[m] = dyr[m] @ w2[e].double()
+    a1, a3 = a[:used, :H].double(), a[:used, H:].double()
+    sig = torch.sigmoid(a1)
+    silu = F.silu(a1)
+    h = silu * a3
+    da1 = w[:, None] * dh * a3 * (sig + silu * (1 - sig))
+    da3 = w[:, None] * dh * silu
+    return torch.cat([da1, da3], 1), w[:, None] * h, (dh * h).sum(1)
+
+
+def _err(x, ref):
+    return float((x.double() - ref).norm() / ref.norm().clamp_min(1e-30))
+
+
+@pytest.mark.parametrize("T,K,E,D,H", [(700, 4, 8, 256, 256), (333, 2, 5, 640, 512)],
+                         ids=["k_blocks_4", "k_blocks_10"])
+def test_vs_float64_on_uneven_routings(T, K, E, D, H):
+    g = torch.Generator(device="cuda").manual_seed(0)
+    w2 = (torch.randn(E, D, H, device="cuda", generator=g) / D**0.5).bfloat16()
+    dy = torch.randn(T, D, device="cuda", generator=g).bfloat16()
+    tw = torch.rand(T, K, device="cuda", generator=g)
+    for name, ids in routings(T, K, E):
+        plan = build_plan(ids.cuda(), E, BM)
+        n = ids.shape[0]
+        a = _saved_a(plan, H, g)
+        R = plan.max_rows
+        out = (_nan(R, 2 * H), _nan(R, H), _nan(H // 256, R, dtype=torch.float32))
+        da, hw, part = dgrad_l2_swiglu_sm90(dy[:n], a, tw[:n], w2, plan, out=out)
+        torch.cuda.synchronize()
+        used = int(plan.num_rows_used)
+        ref_da, ref_hw, ref_dot = _f64(dy[:n], a, tw[:n], w2, plan)
+        for got, ref, what in ((da[:used], ref_da, "da"), (hw[:used], ref_hw, "hw"),
+                               (part[:, :used].sum(0), ref_dot, "part")):
+            assert not got.isnan().any(), (name, what, "left unwritten")
+            assert _err(got, ref) <= 1e-2, (name, what, _err(got, ref))
+        pad = plan.row_slot[:used] < 0
+        assert torch.all(da[:used][pad] == 0) and torch.all(hw[:used][pad] == 0)
+        assert torch.isnan(da[used:]).all(), "wrote rows past the used ones"
+
+
+def test_real_30b_shape_matches_the_triton_kernel_a_and_reruns_bitwise():
+    T, K, E, D, H = 16384, 8, 128, 2048, 768
+    g = torch.Generator(device="cuda").manual_seed(1)
+    w2 = (torch.randn(E, D, H, device="cuda", generator=g) / D**0.5).bfloat16()
+    dy = torch.randn(T, D, device="cuda", generator=g).bfloat16()
+    probs = torch.softmax(torch.randn(E, device="cuda", generator=g) * 1.5, 0)
+    ids = torch.multinomial(probs.expand(T, E), K, replacement=False, generator=g)
+    ids[::17, -1] = -1
+    tw = torch.softmax(torch.randn(T, K, device="cuda", generator=g), -1)
+    plan = build_plan(ids, E, BM)
+    a = _saved_a(plan, H, g)
+    da, hw, part = dgrad_l2_swiglu_sm90(dy, a, tw, w2, plan)
+    x = torch.zeros(T, D, device="cuda").bfloat16()  # unused on the saved path
+    w13 = torch.zeros(E, H, D, device="cuda").bfloat16()
+    tda, thw, tpart = dgrad_l2_swiglu(dy, x, tw, w13, w2, w13, plan, a=a, block_m=128,
+                                      block_n=128, block_k=64, num_warps=8, num_stages=3,
+                                      use_tma=True)
+    used = int(plan.num_rows_used)
+    assert _err(da[:used], tda[:used].double()) < 1e-2
+    assert _err(hw[:used], thw[:used].double()) < 1e-2
+    assert _err(part[:, :used].sum(0), tpart[:, :used].sum(0).double()) < 1e-2
+    da2, hw2, part2 = dgrad_l2_swiglu_sm90(dy, a, tw, w2, plan)
+    assert torch.equal(da2[:used], da[:used]) and torch.equal(hw2[:used], hw[:used])
+    assert torch.equal(part2[:, :used], part[:, :used]), "reruns must be bitwise identical"
+
+
+def test_saved_backward_with_the_fused_kernel_a_matches_the_reference(monkeypatch):
+    from torchtitan_megamoe.ops import reference
+    from torchtitan_megamoe.ops.triton.forward import forward_ep1
+
+    monkeypatch.setenv("MEGAMOE_SM90_FUSED_A", "1")
+    bwd = importlib.import_module("torchtitan_megamoe.ops.triton.backward")
+    picked = []
+    real_pick = bwd.pick_config
+
+    def force_a(name, key, cands, launch, outputs=None):
+        if name == "bwd_dgrad_l2_swiglu_saved":
+            assert bwd.A_SM90_FUSED in cands, "the fused sm90 kernel A must be offered here"
+            picked.append(name)
+            return bwd.A_SM90_FUSED
+        return real_pick(name, key, cands, launch, outputs)
+
+    monkeypatch.setattr(bwd, "pick_config", force_a)
+    T, K, E, D, H = 4096, 8, 32, 1024, 512
+    g = torch.Generator(device="cuda").manual_seed(13)
+    x = torch.randn(T, D, device="cuda", generator=g).bfloat16()
+    w1 = (torch.randn(E, H, D, device="cuda", generator=g) / D**0.5).bfloat16()
+    w3 = (torch.randn(E, H, D, device="cuda", generator=g) / D**0.5).bfloat16()
+    w2 = (torch.randn(E, D, H, device="cuda", generator=g) / H**0.5).bfloat16()
+    ids = torch.stack([torch.randperm(E, device="cuda", generator=g)[:K] for _ in range(T)])
+    ids[::5, 0] = -1
+    ids[ids == 3] = -1
+    tw = torch.rand(T, K, device="cuda", generator=g)
+    dy = torch.randn(T, D, device="cuda", generator=g).bfloat16()
+    _, saved = forward_ep1(x, ids, tw, w1, w2, w3, save=True)
+    got = bwd.backward_local(dy, x, ids, tw, w1, w2, w3, saved=saved)
+    assert picked
+    ref = reference.backward(dy, x, ids, tw, w1, w2, w3, None, "bf16")
+    for name, a_, r in zip(("dx", "dtw", "dw1", "dw2", "dw3"), got, ref):
+        assert a_.dtype == r.dtype and a_.shape == r.shape, name
+        assert _err(a_, r.double()) <= 1e-2, (name, _err(a_, r.double()))
+    again = bwd.backward_local(dy, x, ids, tw, w1, w2, w3, saved=saved)
+    assert all(torch.equal(a_, b) for a_, b in zip(got, again)), "reruns must be bitwise equal"
