@@ -1,5 +1,5 @@
-// Grouped GEMMs over a plan's row space, warp-specialized for Hopper (sm_90a). Two entry
-// points share one kernel template:
+// Grouped GEMMs over a plan's row space, warp-specialized for Hopper (sm_90a). Four entry
+// points share one kernel template (its MODE parameter):
 //   megamoe_gemm1_swiglu (GATHER mode, GEMM 1 with SwiGLU in the epilogue):
 //     h[r] = silu(x_tok(r) @ w1[e]^T) * (x_tok(r) @ w3[e]^T)
 //   megamoe_gemm_rows (ROWS mode, GEMM 2 and the backward's dgrad of linear 1):
@@ -9,7 +9,8 @@
 //   megamoe_wgrad (WGRAD mode, the backward's weight gradients, fp32 accumulation over the
 //     expert's rows):  dw[e] = A_e^T @ B_e  with A_e, B_e the rows of expert e's segment; one
 //     of the two operands is gathered by token (dw2: A = dy rows, B = hw; dw1|dw3: A = [da1 |
-//     da3], B = x rows), the other read by TMA from the row space.
+//     da3], B = x rows), the other read by TMA from the row space (or both by TMA from rows
+//     gathered before: WGRAD_TMA).
 //   megamoe_dgrad_swiglu (DGRAD_SWIGLU mode, the backward's kernel A on the forward's saved
 //     a = [a1 | a3]): dh[r] = dy_tok(r) @ w2[e] (dy gathered as GEMM 1 gathers x, w2 [E, D, H]
 //     N-major as ROWS_NMAJOR reads it), and in the epilogue the SwiGLU backward with the row's
@@ -17,7 +18,8 @@
 //     per 256-column H tile the partial <dh, h> of d(topk_weights).
 // The GATHER mode is described first; the ROWS, WGRAD and DGRAD_SWIGLU modes' differences
 // follow it.
-// for the rows r of a plan (ops/triton/plan.py): row r reads token row_slot[r] / top_k of x
+//
+// GATHER: for the rows r of a plan (ops/triton/plan.py): row r reads token row_slot[r] / top_k of x
 // (a gather: no permuted copy of x exists), padding rows (slot -1) read zeros, every 128-row
 // tile belongs to one expert e = tile_expert[tile], tiles with e < 0 are skipped (another launch
 // of a phased plan computes them). Optional pre-activation store a = [a1 | a3] [R, 2H] (what the
@@ -72,8 +74,9 @@
 //   rows are one box). The TMA operand comes as boxes of the row-space tensor; the gathered one
 //   by cp.async from its token rows (thread t: 16-byte chunk t % 8 of every box row of rows
 //   t / 8 + 16 i, zeros for padding rows), so full[s] takes 128 cp.async arrivals plus the
-//   expect_tx one, as in GATHER. Padding rows contribute 0: the gathered operand is zero there and the TMA one
-//   finite. dw1|dw3: M tiles below m_split go to the first output, the others to the second.
+//   expect_tx one, as in GATHER. Padding rows contribute 0: the gathered operand is zero there
+//   and the TMA one finite. dw1|dw3: M tiles below m_split go to the first output, the others
+//   to the second. WGRAD_TMA: no gathers, one producer thread, as ROWS.
 // DGRAD_SWIGLU mode (cluster 1 only): the producer gathers the dy rows exactly as GATHER gathers
 //   x (128 threads, cp.async, full[s] = 128 arrivals + the B bytes) and loads the w2 tile as the
 //   four N-major boxes of ROWS_NMAJOR; the tile is 128 rows x 256 H columns. The epilogue reads
@@ -84,11 +87,14 @@
 // Waits on: nothing outside the launch. Signals: nothing; h (and a) / out are complete with the
 // launch.
 //
-// Measured (docs/PERF.md, H200, 2026-11-30): correct at every tested routing and shape. With
-// the dynamic tile order it is level with the Triton kernel (the static order read 3x Triton's
-// DRAM bytes at 235B); with MEGAMOE_SM90_TMA_STORE=1 it beats it at the 30B shape (1.37 vs
-// 1.44 ms; 1.51 vs 1.79 with the a1/a3 store) and loses at 235B (5.8 vs 5.1). The GEMM 1 tuner
-// offers it (MEGAMOE_CUDA=0: never) and keeps whichever is faster per shape.
+// Measured (docs/PERF.md, H200, 2026-11-30): GEMM 2 0.70 vs Triton 0.77 ms at 30B; kernel C
+// 1.25 vs 1.47 (657 TFLOP/s); the weight gradients on pre-gathered rows 2-8% ahead of
+// torch._grouped_mm, with the in-kernel gather 7-26% behind it; kernel A in one launch not
+// measured yet. GEMM 1: with the dynamic tile order level with the Triton kernel (the static
+// order read 3x Triton's DRAM bytes at 235B); with MEGAMOE_SM90_TMA_STORE=1 ahead at the 30B
+// shape (1.37 vs 1.44 ms; 1.51 vs 1.79 with the a1/a3 store), behind at 235B (5.8 vs 5.1).
+// Every mode is a tuner candidate (MEGAMOE_CUDA=0: never); the tuner keeps whichever is
+// faster per shape, after checking its result against the first candidate's.
 
 #include <cuda.h>
 #include <cuda_bf16.h>
@@ -658,7 +664,8 @@ __global__ void __launch_bounds__(THREADS, 1)
 #pragma unroll
           for (int j = 0; j < 32; ++j) {
             const int col = pid_n * TILE_N + 8 * j + 2 * (lane % 4);
-            const float2 a1 = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(a_row + col));
+            const float2 a1 =
+                __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(a_row + col));
             const float2 a3 =
                 __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(a_row + H + col));
             float da1[2], da3[2], hw[2];
@@ -675,7 +682,8 @@ __global__ void __launch_bounds__(THREADS, 1)
               da3[e] = dhw * silu;
               hw[e] = h * w;
             }
-            *reinterpret_cast<__nv_bfloat162*>(da_row + col) = __floats2bfloat162_rn(da1[0], da1[1]);
+            *reinterpret_cast<__nv_bfloat162*>(da_row + col) =
+                __floats2bfloat162_rn(da1[0], da1[1]);
             *reinterpret_cast<__nv_bfloat162*>(da_row + H + col) =
                 __floats2bfloat162_rn(da3[0], da3[1]);
             *reinterpret_cast<__nv_bfloat162*>(hw_row + col) = __floats2bfloat162_rn(hw[0], hw[1]);
@@ -967,9 +975,9 @@ extern "C" int megamoe_gemm_rows(const void* in, const void* w, const void* w2, 
 // summed over the rows r of e's segment; M rows [0, m_split) of each expert's gradient go to
 // out0 [E, m_split, N], the others (if M > m_split) to out1. `tokens` (stride_tokens per row)
 // is the gathered tensor (gather 2: A's row-space tensor), `rows` [num_rows, gather == 0 ? M :
-// N] the row-space one; bf16, unit column stride. expert_order: the experts' unit order (nullptr: 0..E-1). Shapes are checked by
-// the Python wrapper (ops/cuda/wgrad.py): M % 128 == 0, m_split % 128 == 0, N % 256 == 0,
-// plan_bm % 64 == 0. ticket: a zeroed device int (dynamic order) or nullptr.
+// N] the row-space one; bf16, unit column stride. expert_order: the experts' unit order
+// (nullptr: 0..E-1). Shapes are checked by the Python wrapper (ops/cuda/wgrad.py): M % 128 ==
+// 0, m_split % 128 == 0, N % 256 == 0, plan_bm % 64 == 0. ticket: a zeroed device int (dynamic order) or nullptr.
 extern "C" int megamoe_wgrad(const void* tokens, long long stride_tokens, const void* rows,
                              long long num_rows, void* out0, void* out1, const int* row_slot,
                              const int* seg_start, const int* expert_order, int E, int M, int N,
