@@ -153,13 +153,6 @@ def c_sm90_fits(da: torch.Tensor, w1: torch.Tensor) -> bool:
             and sm90_usable(da))
 
 
-# Weight gradients as csrc/grouped_gemm_sm90.cu's WGRAD mode (longest expert first): the
-# token-indexed operand gathered in the kernel (no gathered copy), or gathered into the row
-# space first (as the _grouped_mm side does; dw2 reuses kernel A's dy rows) and read by TMA.
-# Candidates of dw2 and of dw1|dw3 under MEGAMOE_BWD_IMPL=auto where the kernel builds, the
-# shapes fit and the parameters are contiguous bf16 (the gradients are written in their layout).
-B_SM90 = dict(impl="sm90")
-
 # Kernel A's saved path with its dh GEMM as the sm90 N-major ROWS mode (w2 [E, D, H] as stored)
 # on the gathered dy rows, then the SwiGLU backward rows kernel: the cuBLAS side's structure.
 A_SM90 = dict(impl="sm90")
@@ -182,6 +175,14 @@ def a_sm90_fused_offered(x: torch.Tensor, w2: torch.Tensor) -> bool:
     E, D, H = w2.shape
     return (os.environ.get("MEGAMOE_SM90_FUSED_A") == "1" and a_sm90_fits(x, w2)
             and sm90_dgrad.shape_supported(D, H, BLOCK_M))
+
+
+# Weight gradients as csrc/grouped_gemm_sm90.cu's WGRAD mode (longest expert first): the
+# token-indexed operand gathered in the kernel (no gathered copy), or gathered into the row
+# space first (as the _grouped_mm side does; dw2 reuses kernel A's dy rows) and read by TMA.
+# Candidates of dw2 and of dw1|dw3 under MEGAMOE_BWD_IMPL=auto where the kernel builds, the
+# shapes fit and the parameters are contiguous bf16 (the gradients are written in their layout).
+B_SM90 = dict(impl="sm90")
 B_SM90_PRE_GATHERED = dict(impl="sm90", pre_gathered=True)
 
 
@@ -190,6 +191,7 @@ def b_sm90_fits(x: torch.Tensor, params: tuple) -> bool:
     return (bwd_impl() == "auto" and x.dtype == torch.bfloat16
             and all(p.dtype == torch.bfloat16 and p.is_contiguous() for p in params)
             and sm90_wgrad.shapes_supported(D, H, BLOCK_M) and sm90_usable(x))
+
 
 # The CPU interpreter runs numpy per program: small tiles keep CI quick and still cover several
 # tiles per expert and partial tiles; shapes the tiles divide take the TMA path.
