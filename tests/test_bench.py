@@ -128,3 +128,25 @@ def test_bwd_stage_breakdown_and_table(monkeypatch):
     layer = next(line for line in lines if line.startswith("| layer:"))
     assert "| 2.500 | - |" in layer
     assert bench.bwd_table([{"shape": "x", "ours_fwd_ms": 1.0}]) == ""
+
+
+def test_tuner_lines_name_the_pick_and_every_rejected_candidate():
+    from torchtitan_megamoe.bench.tables import tuner_lines
+
+    inf = float("inf")
+    r = {"tuned": {
+        "gemm2_rows[1]": [
+            {"config": {"BLOCK_M": 128}, "ms": 0.80, "err": ""},
+            {"config": {"IMPL": "sm90"}, "ms": 0.70, "err": ""},
+        ],
+        "gemm1_swiglu[1]": [
+            {"config": {"BLOCK_M": 128}, "ms": 1.50, "err": ""},
+            {"config": {"IMPL": "sm90"}, "ms": inf,
+             "err": "wrong result: rel. difference 1.4e+00 from the first candidate's"},
+        ],
+    }}
+    lines = tuner_lines([r, r]).splitlines()
+    assert len(lines) == 2  # one per kernel key, however many shapes repeat it
+    assert lines[0] == "tuner gemm2_rows[1]: sm90 0.700 ms (best triton: 0.800)"
+    assert lines[1].startswith("tuner gemm1_swiglu[1]: triton 1.500 ms; REJECTED by the "
+                               "output check: sm90 (wrong result")

@@ -13,7 +13,7 @@ import torch
 from torchtitan_megamoe.bench.ep import bench_shape_ep
 from torchtitan_megamoe.bench.ep1 import bench_shape
 from torchtitan_megamoe.bench.shapes import SHAPES
-from torchtitan_megamoe.bench.tables import bwd_table, ep_table, table
+from torchtitan_megamoe.bench.tables import bwd_table, ep_table, table, tuner_lines
 
 
 def _meta() -> dict:
@@ -111,6 +111,9 @@ def main(argv=None) -> int:
     bwd = bwd_table(results)
     if bwd:
         print(bwd)
+    tuned = tuner_lines(results)
+    if tuned:
+        print(tuned)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"meta": _meta(), "results": results}, f, indent=1)

@@ -152,3 +152,38 @@ def ep_table(results: list[dict]) -> str:
         notes.append("EP exchange buffers per rank (outside the caching allocator): "
                      + ", ".join(mem))
     return "\n".join(lines + notes)
+
+
+def _impl(cfg: dict) -> str:
+    """A tuner candidate's short name: sm90 (+ its knobs), cublas, or triton."""
+    impl = cfg.get("IMPL") or cfg.get("impl") or "triton"
+    extra = [k for k in ("pre_gathered",) if cfg.get(k)]
+    return "+".join([impl] + extra)
+
+
+def tuner_lines(results: list[dict]) -> str:
+    """One line per tuned kernel (the forward GEMMs' keys; the backward's are in the stage
+    table): the picked side and time, the best other side, and every candidate the output
+    check rejected (see ops/triton/tune.py)."""
+    lines = []
+    seen = set()
+    for r in results:
+        for key, cands in r.get("tuned", {}).items():
+            if key in seen or not cands:
+                continue
+            seen.add(key)
+            ok = sorted((c for c in cands if c["ms"] != float("inf")), key=lambda c: c["ms"])
+            rejected = [c for c in cands if "wrong result" in (c.get("err") or "")]
+            if not ok:
+                lines.append(f"tuner {key}: every candidate failed")
+                continue
+            best = ok[0]
+            other = next((c for c in ok if _impl(c["config"]) != _impl(best["config"])), None)
+            line = f"tuner {key}: {_impl(best['config'])} {best['ms']:.3f} ms"
+            if other:
+                line += f" (best {_impl(other['config'])}: {other['ms']:.3f})"
+            if rejected:
+                line += "; REJECTED by the output check: " + ", ".join(
+                    f"{_impl(c['config'])} ({c['err']})" for c in rejected)
+            lines.append(line)
+    return "\n".join(lines)
