@@ -10,6 +10,7 @@ BWD_STAGES = [
     ("plan (built by the forward, reused)", "plan", None),
     ("A: dgrad L2 + SwiGLU on saved a1/a3", "A_dgrad_l2_swiglu", "A_dgrad_l2_swiglu_cublas"),
     ("A: sm90 dh GEMM + SwiGLU rows kernel (dy gather included)", "A_dgrad_l2_swiglu_sm90", None),
+    ("A: sm90 in one launch (MEGAMOE_SM90_FUSED_A=1)", "A_dgrad_l2_swiglu_sm90_fused", None),
     ("A with GEMM 1 recomputed (unused path)", "A_dgrad_l2_swiglu_recompute", None),
     ("wgrad dw2", "B_dw2", "B_dw2_cublas"),
     ("wgrad dw2, sm90 kernel (dy gathered inside)", "B_dw2_sm90", None),
@@ -28,8 +29,9 @@ BWD_STAGES = [
     ("backward total, recompute path (no saved a)", "total_recompute", None),
 ]
 # stages timed only where the sm90 kernels run (an sm_90 GPU with nvcc); '-' elsewhere
-SM90_ONLY_STAGES = {"A_dgrad_l2_swiglu_sm90", "B_dw2_sm90", "B_dw2_sm90_pre", "B_dw13_sm90", "B_dw13_sm90_pre",
-                    "C_dgrad_l1_sm90", "combine_rows"}
+SM90_ONLY_STAGES = {"A_dgrad_l2_swiglu_sm90", "A_dgrad_l2_swiglu_sm90_fused", "B_dw2_sm90",
+                    "B_dw2_sm90_pre", "B_dw13_sm90", "B_dw13_sm90_pre", "C_dgrad_l1_sm90",
+                    "combine_rows"}
 
 
 def _tflops(flops: float, ms: float | None) -> str:

@@ -29,11 +29,12 @@ import os
 import torch
 
 from torchtitan_megamoe.ops.triton import tune
+from torchtitan_megamoe.ops.cuda.dgrad_swiglu import dgrad_l2_swiglu_sm90
 from torchtitan_megamoe.ops.cuda.gemm_rows import gemm_rows_nmajor_sm90
 from torchtitan_megamoe.ops.cuda.wgrad import wgrad_dw2_sm90, wgrad_dw13_sm90
 from torchtitan_megamoe.ops.triton.backward import (
     A_CANDIDATES, A_SAVED_CANDIDATES, B_CANDIDATES, BLOCK_M, C_CANDIDATES, C_SM90, a_sm90_fits,
-    b_sm90_fits, backward_local, c_sm90_fits,
+    a_sm90_fused_offered, b_sm90_fits, backward_local, c_sm90_fits,
 )
 from torchtitan_megamoe.ops.triton.bwd_wgrad import longest_first
 from torchtitan_megamoe.ops.triton.bwd_combine import bwd_combine
@@ -219,6 +220,9 @@ def bench_shape(name, tokens, iters, shape=None, device="cuda", block_m=BLOCK_M,
         stages["A_dgrad_l2_swiglu_sm90"] = (
             lambda: dgrad_l2_swiglu_cublas(dy, a_saved, tw, w2, plan, dy_rows=dy_rows, sm90=True),
             2 * nkdh)
+    if block_m == BLOCK_M and a_sm90_fused_offered(x, w2):  # MEGAMOE_SM90_FUSED_A=1
+        stages["A_dgrad_l2_swiglu_sm90_fused"] = (
+            lambda: dgrad_l2_swiglu_sm90(dy, a_saved, tw, w2, plan), 2 * nkdh)
     if block_m == BLOCK_M and b_sm90_fits(x, (w1, w2, w3)):
         order = longest_first(plan)
         stages["B_dw2_sm90"] = (lambda: wgrad_dw2_sm90(dy, hw, plan, dw2, order), 2 * nkdh)
