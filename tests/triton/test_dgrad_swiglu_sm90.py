@@ -4,30 +4,19 @@ partials against float64 math on uneven routings with the outputs poisoned (NaN)
 real Qwen3-30B shape against the Triton kernel A, bitwise reruns, and the saved-path backward
 with it forced against the reference backend."""
 
-import importlib
-
 import pytest
 import torch
 import torch.nn.functional as F
 
 from moe_math import routings
+from sm90_checks import SM90_GPU, forced_backward_matches_reference, nan_tensor, rel_err
 from torchtitan_megamoe.ops.cuda.dgrad_swiglu import dgrad_l2_swiglu_sm90
-from torchtitan_megamoe.ops.cuda.sm90 import sm90_buildable
 from torchtitan_megamoe.ops.triton.bwd_dgrad_l2_swiglu import dgrad_l2_swiglu
 from torchtitan_megamoe.ops.triton.plan import build_plan
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(
-        not torch.cuda.is_available() or not sm90_buildable(torch.empty(1, device="cuda")),
-        reason="needs an sm_90 GPU and nvcc",
-    ),
-]
+pytestmark = SM90_GPU
 BM = 128
 
-
-def _nan(*shape, dtype=torch.bfloat16):
-    return torch.full(shape, float("nan"), dtype=dtype, device="cuda")
 
 
 def _saved_a(plan, H, g):
@@ -62,9 +51,6 @@ def _f64(dy, a, tw, w2, plan):
     return torch.cat([da1, da3], 1), w[:, None] * h, (dh * h).sum(1)
 
 
-def _err(x, ref):
-    return float((x.double() - ref).norm() / ref.norm().clamp_min(1e-30))
-
 
 @pytest.mark.parametrize("T,K,E,D,H", [(700, 4, 8, 256, 256), (333, 2, 5, 640, 512)],
                          ids=["k_blocks_4", "k_blocks_10"])
@@ -78,7 +64,7 @@ def test_vs_float64_on_uneven_routings(T, K, E, D, H):
         n = ids.shape[0]
         a = _saved_a(plan, H, g)
         R = plan.max_rows
-        out = (_nan(R, 2 * H), _nan(R, H), _nan(H // 256, R, dtype=torch.float32))
+        out = (nan_tensor(R, 2 * H), nan_tensor(R, H), nan_tensor(H // 256, R, dtype=torch.float32))
         da, hw, part = dgrad_l2_swiglu_sm90(dy[:n], a, tw[:n], w2, plan, out=out)
         torch.cuda.synchronize()
         used = int(plan.num_rows_used)
@@ -86,7 +72,7 @@ def test_vs_float64_on_uneven_routings(T, K, E, D, H):
         for got, ref, what in ((da[:used], ref_da, "da"), (hw[:used], ref_hw, "hw"),
                                (part[:, :used].sum(0), ref_dot, "part")):
             assert not got.isnan().any(), (name, what, "left unwritten")
-            assert _err(got, ref) <= 1e-2, (name, what, _err(got, ref))
+            assert rel_err(got, ref) <= 1e-2, (name, what, rel_err(got, ref))
         pad = plan.row_slot[:used] < 0
         assert torch.all(da[:used][pad] == 0) and torch.all(hw[:used][pad] == 0)
         assert torch.isnan(da[used:]).all(), "wrote rows past the used ones"
@@ -110,48 +96,15 @@ def test_real_30b_shape_matches_the_triton_kernel_a_and_reruns_bitwise():
                                       block_n=128, block_k=64, num_warps=8, num_stages=3,
                                       use_tma=True)
     used = int(plan.num_rows_used)
-    assert _err(da[:used], tda[:used].double()) < 1e-2
-    assert _err(hw[:used], thw[:used].double()) < 1e-2
-    assert _err(part[:, :used].sum(0), tpart[:, :used].sum(0).double()) < 1e-2
+    assert rel_err(da[:used], tda[:used].double()) < 1e-2
+    assert rel_err(hw[:used], thw[:used].double()) < 1e-2
+    assert rel_err(part[:, :used].sum(0), tpart[:, :used].sum(0).double()) < 1e-2
     da2, hw2, part2 = dgrad_l2_swiglu_sm90(dy, a, tw, w2, plan)
     assert torch.equal(da2[:used], da[:used]) and torch.equal(hw2[:used], hw[:used])
     assert torch.equal(part2[:, :used], part[:, :used]), "reruns must be bitwise identical"
 
 
 def test_saved_backward_with_the_fused_kernel_a_matches_the_reference(monkeypatch):
-    from torchtitan_megamoe.ops import reference
-    from torchtitan_megamoe.ops.triton.forward import forward_ep1
-
     monkeypatch.setenv("MEGAMOE_SM90_FUSED_A", "1")
-    bwd = importlib.import_module("torchtitan_megamoe.ops.triton.backward")
-    picked = []
-    real_pick = bwd.pick_config
-
-    def force_a(name, key, cands, launch, outputs=None):
-        if name == "bwd_dgrad_l2_swiglu_saved":
-            assert bwd.A_SM90_FUSED in cands, "the fused sm90 kernel A must be offered here"
-            picked.append(name)
-            return bwd.A_SM90_FUSED
-        return real_pick(name, key, cands, launch, outputs)
-
-    monkeypatch.setattr(bwd, "pick_config", force_a)
-    T, K, E, D, H = 4096, 8, 32, 1024, 512
-    g = torch.Generator(device="cuda").manual_seed(13)
-    x = torch.randn(T, D, device="cuda", generator=g).bfloat16()
-    w1 = (torch.randn(E, H, D, device="cuda", generator=g) / D**0.5).bfloat16()
-    w3 = (torch.randn(E, H, D, device="cuda", generator=g) / D**0.5).bfloat16()
-    w2 = (torch.randn(E, D, H, device="cuda", generator=g) / H**0.5).bfloat16()
-    ids = torch.stack([torch.randperm(E, device="cuda", generator=g)[:K] for _ in range(T)])
-    ids[::5, 0] = -1
-    ids[ids == 3] = -1
-    tw = torch.rand(T, K, device="cuda", generator=g)
-    dy = torch.randn(T, D, device="cuda", generator=g).bfloat16()
-    _, saved = forward_ep1(x, ids, tw, w1, w2, w3, save=True)
-    got = bwd.backward_local(dy, x, ids, tw, w1, w2, w3, saved=saved)
-    assert picked
-    ref = reference.backward(dy, x, ids, tw, w1, w2, w3, None, "bf16")
-    for name, a_, r in zip(("dx", "dtw", "dw1", "dw2", "dw3"), got, ref):
-        assert a_.dtype == r.dtype and a_.shape == r.shape, name
-        assert _err(a_, r.double()) <= 1e-2, (name, _err(a_, r.double()))
-    again = bwd.backward_local(dy, x, ids, tw, w1, w2, w3, saved=saved)
-    assert all(torch.equal(a_, b) for a_, b in zip(got, again)), "reruns must be bitwise equal"
+    forced_backward_matches_reference(
+        monkeypatch, {"bwd_dgrad_l2_swiglu_saved": "A_SM90_FUSED"}, seed=13, saved=True)

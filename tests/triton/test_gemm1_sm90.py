@@ -8,18 +8,12 @@ import torch
 import torch.nn.functional as F
 
 from moe_math import make_weights, routings
+from sm90_checks import SM90_GPU, nan_tensor
 from torchtitan_megamoe.ops.cuda.gemm1_swiglu import gemm1_swiglu_sm90
-from torchtitan_megamoe.ops.cuda.sm90 import sm90_buildable
 from torchtitan_megamoe.ops.triton import gemm1_swiglu as g1
 from torchtitan_megamoe.ops.triton.plan import build_phased_plan, build_plan
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(
-        not torch.cuda.is_available() or not sm90_buildable(torch.empty(1, device="cuda")),
-        reason="needs an sm_90 GPU and nvcc",
-    ),
-]
+pytestmark = SM90_GPU
 BM = 128
 
 
@@ -51,9 +45,6 @@ def _check(h, a, a1, a3, slot, tol=1e-2):
         assert torch.all(a[:used][slot < 0] == 0)
 
 
-def _nan(shape):
-    return torch.full(shape, float("nan"), dtype=torch.bfloat16, device="cuda")
-
 
 CLUSTERS = pytest.mark.parametrize("cluster", [1, 2], ids=["cta", "cluster2"])
 GROUPS = pytest.mark.parametrize("group_m", [8, 0], ids=["group8", "wave"])
@@ -77,12 +68,12 @@ def test_vs_float64_on_uneven_routings(T, K, E, D, H, cluster, group_m, defines)
     for name, ids in routings(T, K, E):
         ids = ids.cuda()
         plan = build_plan(ids, E, BM)
-        h, a = _nan((plan.max_rows, H)), _nan((plan.max_rows, 2 * H))
+        h, a = nan_tensor(plan.max_rows, H), nan_tensor(plan.max_rows, 2 * H)
         gemm1_swiglu_sm90(x[: ids.shape[0]], w1, w3, plan, h, a, group_m, cluster, defines)
         torch.cuda.synchronize()
         a1, a3, slot = _ref_rows(x[: ids.shape[0]], K, plan, w1, w3)
         _check(h, a, a1, a3, slot)
-        h2 = _nan((plan.max_rows, H))
+        h2 = nan_tensor(plan.max_rows, H)
         gemm1_swiglu_sm90(x[: ids.shape[0]], w1, w3, plan, h2, None, group_m, cluster, defines)
         used = int(plan.num_rows_used)
         assert torch.equal(h2[:used], h[:used]), name
@@ -96,7 +87,7 @@ def test_phased_plan_writes_only_its_phase(cluster):
     ids = torch.stack([torch.randperm(E)[:K] for _ in range(T)]).cuda()
     phase = (torch.arange(T, device="cuda") % 3 == 0).int()
     plan, phase_tiles = build_phased_plan(ids, E, BM, phase, 2)
-    h = _nan((plan.max_rows, H))
+    h = nan_tensor(plan.max_rows, H)
     tile_of_row = lambda tiles: tiles.repeat_interleave(BM)[: plan.max_rows]  # noqa: E731
     p0 = type(plan)(**{**plan.__dict__, "tile_expert": phase_tiles[0]})
     gemm1_swiglu_sm90(x, w1, w3, p0, h, cluster=cluster)
@@ -120,18 +111,18 @@ def test_real_30b_shape_matches_triton_and_float64(cluster, defines):
     ids = torch.multinomial(probs.expand(T, E), K, replacement=False)
     ids[::17, -1] = -1
     plan = build_plan(ids, E, BM)
-    h, a = _nan((plan.max_rows, H)), _nan((plan.max_rows, 2 * H))
+    h, a = nan_tensor(plan.max_rows, H), nan_tensor(plan.max_rows, 2 * H)
     gemm1_swiglu_sm90(x, w1, w3, plan, h, a, cluster=cluster, defines=defines)
     a1, a3, slot = _ref_rows(x, K, plan, w1, w3)
     _check(h, a, a1, a3, slot)
     used = int(plan.num_rows_used)
     tri = g1.gemm1_swiglu(x, w1, w3, plan, config=g1.GPU_CONFIGS[0])
     assert float((h[:used].float() - tri[:used].float()).norm() / tri[:used].float().norm()) < 1e-2
-    h2 = _nan((plan.max_rows, H))
+    h2 = nan_tensor(plan.max_rows, H)
     gemm1_swiglu_sm90(x, w1, w3, plan, h2, cluster=cluster, defines=defines)
     assert torch.equal(h2[:used], h[:used]), "two runs must be bitwise identical"
     if cluster == 1:
         # the tile order (global ticket or static stride) must not change any tile's result
-        h3 = _nan((plan.max_rows, H))
+        h3 = nan_tensor(plan.max_rows, H)
         gemm1_swiglu_sm90(x, w1, w3, plan, h3, cluster=1, defines=defines, dynamic=False)
         assert torch.equal(h3[:used], h[:used]), "static and dynamic tile orders differ"

@@ -6,39 +6,28 @@ pipeline depth, phased plans, both epilogues, and the real Qwen3-30B shape again
 kernels (bitwise reruns, static vs dynamic tile order); the backward with the sm90 kernel C
 forced against the reference backend."""
 
-import importlib
-
 import pytest
 import torch
 
 from moe_math import routings
+from sm90_checks import SM90_GPU, forced_backward_matches_reference, nan_tensor
 from torchtitan_megamoe.ops.cuda.gemm_rows import gemm_rows_nmajor_sm90, gemm_rows_sm90
-from torchtitan_megamoe.ops.cuda.sm90 import sm90_buildable
 from torchtitan_megamoe.ops.triton import gemm2_rows as g2
 from torchtitan_megamoe.ops.triton.plan import build_phased_plan, build_plan
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(
-        not torch.cuda.is_available() or not sm90_buildable(torch.empty(1, device="cuda")),
-        reason="needs an sm_90 GPU and nvcc",
-    ),
-]
+pytestmark = SM90_GPU
 BM = 128
 EPILOGUES = pytest.mark.parametrize(
     "defines", [(), ("MEGAMOE_SM90_TMA_STORE=1",), ("MEGAMOE_SM90_TMA_STORE=1", "MEGAMOE_SM90_WGMMA_LAG=1")],
     ids=["registers", "tma_store", "tma_store_lag1"])
 
 
-def _nan(shape):
-    return torch.full(shape, float("nan"), dtype=torch.bfloat16, device="cuda")
-
 
 def _rows_input(plan, K, seed=0):
     """in [R_max, K] as GEMM 1 leaves it: random used rows, zero padding rows, NaN past them."""
     g = torch.Generator(device="cuda").manual_seed(seed)
     used = int(plan.num_rows_used)
-    inp = _nan((plan.max_rows, K))
+    inp = nan_tensor(plan.max_rows, K)
     inp[:used] = torch.randn(used, K, device="cuda", generator=g).bfloat16()
     inp[:used][plan.row_slot[:used] < 0] = 0
     return inp
@@ -71,7 +60,7 @@ def test_vs_float64_on_uneven_routings(T, K, E, N, KD, group_m, defines):
     for name, ids in routings(T, K, E):
         plan = build_plan(ids.cuda(), E, BM)
         inp = _rows_input(plan, KD)
-        out = _nan((plan.max_rows, N))
+        out = nan_tensor(plan.max_rows, N)
         gemm_rows_sm90(inp, w, plan, out, group_m=group_m, defines=defines)
         torch.cuda.synchronize()
         _check(out, inp, w, plan)
@@ -84,7 +73,7 @@ def test_phased_plan_writes_only_its_phase():
     phase = (torch.arange(T, device="cuda") % 3 == 0).int()
     plan, phase_tiles = build_phased_plan(ids, E, BM, phase, 2)
     inp = _rows_input(plan, KD, seed=3)
-    out = _nan((plan.max_rows, N))
+    out = nan_tensor(plan.max_rows, N)
     tile_of_row = lambda tiles: tiles.repeat_interleave(BM)[: plan.max_rows]  # noqa: E731
     p0 = type(plan)(**{**plan.__dict__, "tile_expert": phase_tiles[0]})
     gemm_rows_sm90(inp, w, p0, out)
@@ -100,10 +89,10 @@ def test_bad_shapes_name_the_requirement():
     plan = build_plan(ids, 4, BM)
     w = torch.randn(4, 192, 128, device="cuda").bfloat16()  # N not a multiple of 256
     with pytest.raises(ValueError, match="out columns % 256"):
-        gemm_rows_sm90(_rows_input(plan, 128), w, plan, _nan((plan.max_rows, 192)))
+        gemm_rows_sm90(_rows_input(plan, 128), w, plan, nan_tensor(plan.max_rows, 192))
     w = torch.randn(4, 256, 128, device="cuda")
     with pytest.raises(TypeError, match="w must be bfloat16"):
-        gemm_rows_sm90(_rows_input(plan, 128), w, plan, _nan((plan.max_rows, 256)))
+        gemm_rows_sm90(_rows_input(plan, 128), w, plan, nan_tensor(plan.max_rows, 256))
 
 
 @pytest.mark.parametrize("defines", [(), ("MEGAMOE_SM90_TMA_STORE=1",)], ids=["registers", "tma_store"])
@@ -116,16 +105,16 @@ def test_real_30b_shape_matches_triton_and_float64(defines):
     ids[::17, -1] = -1
     plan = build_plan(ids, E, BM)
     h = _rows_input(plan, H)
-    y = _nan((plan.max_rows, D))
+    y = nan_tensor(plan.max_rows, D)
     gemm_rows_sm90(h, w2, plan, y, defines=defines)
     _check(y, h, w2, plan)
     used = int(plan.num_rows_used)
     tri = g2.gemm2_rows(h, w2, plan, config=g2.GPU_CONFIGS[0])
     assert float((y[:used].float() - tri[:used].float()).norm() / tri[:used].float().norm()) < 1e-2
-    y2 = _nan((plan.max_rows, D))
+    y2 = nan_tensor(plan.max_rows, D)
     gemm_rows_sm90(h, w2, plan, y2, defines=defines)
     assert torch.equal(y2[:used], y[:used]), "two runs must be bitwise identical"
-    y3 = _nan((plan.max_rows, D))
+    y3 = nan_tensor(plan.max_rows, D)
     gemm_rows_sm90(h, w2, plan, y3, defines=defines, dynamic=False)
     assert torch.equal(y3[:used], y[:used]), "static and dynamic tile orders differ"
 
@@ -140,7 +129,7 @@ def test_nmajor_vs_float64_on_uneven_routings(T, K, E, N, KS, n_weights, defines
     for name, ids in routings(T, K, E):
         plan = build_plan(ids.cuda(), E, BM)
         inp = _rows_input(plan, KS * n_weights, seed=1)
-        out = _nan((plan.max_rows, N))
+        out = nan_tensor(plan.max_rows, N)
         gemm_rows_nmajor_sm90(inp, ws, plan, out, defines=defines)
         torch.cuda.synchronize()
         _check(out, inp, ws, plan)
@@ -160,7 +149,7 @@ def test_nmajor_real_30b_kernel_c_matches_triton():
     ids[::17, -1] = -1
     plan = build_plan(ids, E, BM)
     da = _rows_input(plan, 2 * H, seed=2)
-    dx_rows = _nan((plan.max_rows, D))
+    dx_rows = nan_tensor(plan.max_rows, D)
     defines = ("MEGAMOE_SM90_TMA_STORE=1",)
     gemm_rows_nmajor_sm90(da, (w1, w3), plan, dx_rows, defines=defines)
     _check(dx_rows, da, (w1, w3), plan)
@@ -168,7 +157,7 @@ def test_nmajor_real_30b_kernel_c_matches_triton():
     live = plan.slot_row >= 0
     ours = dx_rows[plan.slot_row[live].long()].float()
     assert float((ours - tri[live].float()).norm() / tri[live].float().norm()) < 1e-2
-    again = _nan((plan.max_rows, D))
+    again = nan_tensor(plan.max_rows, D)
     gemm_rows_nmajor_sm90(da, (w1, w3), plan, again, defines=defines)
     used = int(plan.num_rows_used)
     assert torch.equal(again[:used], dx_rows[:used]), "two runs must be bitwise identical"
@@ -177,81 +166,13 @@ def test_nmajor_real_30b_kernel_c_matches_triton():
 def test_backward_with_the_sm90_kernel_c_matches_the_reference(monkeypatch):
     """The whole backward with kernel C forced to the sm90 candidate (row-space dx, combine
     through slot_row): every gradient against the reference backend, and bitwise reruns."""
-    from torchtitan_megamoe.ops import reference
-
-    # the module, not the package's `backward` function of the same name
-    bwd = importlib.import_module("torchtitan_megamoe.ops.triton.backward")
-
-    picked = []
-    real_pick = bwd.pick_config
-
-    def force_c(name, key, cands, launch, outputs=None):
-        if name == "bwd_dgrad_l1":
-            assert bwd.C_SM90 in cands, "the sm90 kernel C must be offered at this shape"
-            picked.append(name)
-            return bwd.C_SM90
-        return real_pick(name, key, cands, launch, outputs)
-
-    monkeypatch.setattr(bwd, "pick_config", force_c)
-    T, K, E, D, H = 4096, 8, 32, 1024, 512
-    g = torch.Generator(device="cuda").manual_seed(7)
-    x = torch.randn(T, D, device="cuda", generator=g).bfloat16()
-    w1 = (torch.randn(E, H, D, device="cuda", generator=g) / D**0.5).bfloat16()
-    w3 = (torch.randn(E, H, D, device="cuda", generator=g) / D**0.5).bfloat16()
-    w2 = (torch.randn(E, D, H, device="cuda", generator=g) / H**0.5).bfloat16()
-    ids = torch.stack([torch.randperm(E, device="cuda", generator=g)[:K] for _ in range(T)])
-    ids[::5, 0] = -1
-    ids[ids == 3] = -1  # an empty expert
-    tw = torch.rand(T, K, device="cuda", generator=g)
-    dy = torch.randn(T, D, device="cuda", generator=g).bfloat16()
-    got = bwd.backward_local(dy, x, ids, tw, w1, w2, w3)
-    assert picked
-    ref = reference.backward(dy, x, ids, tw, w1, w2, w3, None, "bf16")
-    for name, a, r in zip(("dx", "dtw", "dw1", "dw2", "dw3"), got, ref):
-        assert a.dtype == r.dtype and a.shape == r.shape, name
-        err = float((a.double() - r.double()).norm() / r.double().norm())
-        assert err <= 1e-2, (name, err)
-    again = bwd.backward_local(dy, x, ids, tw, w1, w2, w3)
-    assert all(torch.equal(a, b) for a, b in zip(got, again)), "reruns must be bitwise equal"
+    forced_backward_matches_reference(monkeypatch, {"bwd_dgrad_l1": "C_SM90"}, seed=7,
+                                      saved=False)
 
 
 def test_saved_backward_with_the_sm90_kernel_a_matches_the_reference(monkeypatch):
     """Kernel A's saved path with its dh GEMM forced to the sm90 N-major ROWS mode (w2 as
     stored, on the gathered dy rows, then the SwiGLU rows kernel): every gradient against the
     reference backend, and bitwise reruns."""
-    from torchtitan_megamoe.ops import reference
-    from torchtitan_megamoe.ops.triton.forward import forward_ep1
-
-    bwd = importlib.import_module("torchtitan_megamoe.ops.triton.backward")
-    picked = []
-    real_pick = bwd.pick_config
-
-    def force_a(name, key, cands, launch, outputs=None):
-        if name == "bwd_dgrad_l2_swiglu_saved":
-            assert bwd.A_SM90 in cands, "the sm90 kernel A must be offered at this shape"
-            picked.append(name)
-            return bwd.A_SM90
-        return real_pick(name, key, cands, launch, outputs)
-
-    monkeypatch.setattr(bwd, "pick_config", force_a)
-    T, K, E, D, H = 4096, 8, 32, 1024, 512
-    g = torch.Generator(device="cuda").manual_seed(11)
-    x = torch.randn(T, D, device="cuda", generator=g).bfloat16()
-    w1 = (torch.randn(E, H, D, device="cuda", generator=g) / D**0.5).bfloat16()
-    w3 = (torch.randn(E, H, D, device="cuda", generator=g) / D**0.5).bfloat16()
-    w2 = (torch.randn(E, D, H, device="cuda", generator=g) / H**0.5).bfloat16()
-    ids = torch.stack([torch.randperm(E, device="cuda", generator=g)[:K] for _ in range(T)])
-    ids[::5, 0] = -1
-    ids[ids == 3] = -1  # an empty expert
-    tw = torch.rand(T, K, device="cuda", generator=g)
-    dy = torch.randn(T, D, device="cuda", generator=g).bfloat16()
-    _, saved = forward_ep1(x, ids, tw, w1, w2, w3, save=True)
-    got = bwd.backward_local(dy, x, ids, tw, w1, w2, w3, saved=saved)
-    assert picked
-    ref = reference.backward(dy, x, ids, tw, w1, w2, w3, None, "bf16")
-    for name, a, r in zip(("dx", "dtw", "dw1", "dw2", "dw3"), got, ref):
-        assert a.dtype == r.dtype and a.shape == r.shape, name
-        err = float((a.double() - r.double()).norm() / r.double().norm())
-        assert err <= 1e-2, (name, err)
-    again = bwd.backward_local(dy, x, ids, tw, w1, w2, w3, saved=saved)
-    assert all(torch.equal(a, b) for a, b in zip(got, again)), "reruns must be bitwise equal"
+    forced_backward_matches_reference(monkeypatch, {"bwd_dgrad_l2_swiglu_saved": "A_SM90"},
+                                      seed=11, saved=True)

@@ -6,30 +6,19 @@ padding rows random (they must add nothing); the real Qwen3-30B shape against th
 side, bitwise reruns, and the backward with the sm90 weight gradients forced against the
 reference backend."""
 
-import importlib
-
 import pytest
 import torch
 
 from moe_math import routings
-from torchtitan_megamoe.ops.cuda.sm90 import sm90_buildable
+from sm90_checks import SM90_GPU, forced_backward_matches_reference, nan_tensor, rel_err
 from torchtitan_megamoe.ops.cuda.wgrad import wgrad_dw13_sm90, wgrad_dw2_sm90
 from torchtitan_megamoe.ops.triton.bwd_cublas import gather_rows, grouped_wgrad
 from torchtitan_megamoe.ops.triton.bwd_wgrad import longest_first
 from torchtitan_megamoe.ops.triton.plan import build_plan
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(
-        not torch.cuda.is_available() or not sm90_buildable(torch.empty(1, device="cuda")),
-        reason="needs an sm_90 GPU and nvcc",
-    ),
-]
+pytestmark = SM90_GPU
 BM = 128
 
-
-def _nan(*shape):
-    return torch.full(shape, float("nan"), dtype=torch.bfloat16, device="cuda")
 
 
 def _ref(tokens, rows, plan, E, gathered_first):
@@ -49,9 +38,6 @@ def _ref(tokens, rows, plan, E, gathered_first):
     return out
 
 
-def _err(a, ref):
-    return float((a.double() - ref).norm() / ref.norm().clamp_min(1e-30))
-
 
 @pytest.mark.parametrize("pre", [False, True], ids=["gather_inside", "pre_gathered"])
 @pytest.mark.parametrize("ordered", [True, False], ids=["longest_first", "natural"])
@@ -69,8 +55,8 @@ def test_vs_float64_on_uneven_routings(T, K, E, D, H, ordered, pre):
         dy_in, x_in = dy[: ids.shape[0]], x[: ids.shape[0]]
         if pre:  # the token rows gathered into the row space first (zero padding rows)
             dy_in, x_in = gather_rows(dy_in, plan), gather_rows(x_in, plan)
-        dw2 = wgrad_dw2_sm90(dy_in, hw, plan, _nan(E, D, H), order, pre_gathered=pre)
-        dw1, dw3 = wgrad_dw13_sm90(da, x_in, plan, _nan(E, H, D), _nan(E, H, D), order,
+        dw2 = wgrad_dw2_sm90(dy_in, hw, plan, nan_tensor(E, D, H), order, pre_gathered=pre)
+        dw1, dw3 = wgrad_dw13_sm90(da, x_in, plan, nan_tensor(E, H, D), nan_tensor(E, H, D), order,
                                    pre_gathered=pre)
         torch.cuda.synchronize()
         ref2 = _ref(dy[: ids.shape[0]], hw, plan, E, True)
@@ -80,7 +66,7 @@ def test_vs_float64_on_uneven_routings(T, K, E, D, H, ordered, pre):
                                (dw3, ref13[:, H:], "dw3")):
             assert not got.isnan().any(), (name, what, "tiles left unwritten")
             assert torch.all(got[empty] == 0), (name, what, "an empty expert's gradient is 0")
-            assert _err(got, ref) <= 1e-2, (name, what, _err(got, ref))
+            assert rel_err(got, ref) <= 1e-2, (name, what, rel_err(got, ref))
 
 
 def test_bad_shapes_name_the_requirement():
@@ -88,11 +74,11 @@ def test_bad_shapes_name_the_requirement():
     plan = build_plan(ids, 4, BM)
     dy = torch.randn(64, 256, device="cuda").bfloat16()
     with pytest.raises(ValueError, match="columns % 256"):
-        wgrad_dw2_sm90(dy, _nan(plan.max_rows, 192), plan, _nan(4, 256, 192))
+        wgrad_dw2_sm90(dy, nan_tensor(plan.max_rows, 192), plan, nan_tensor(4, 256, 192))
     with pytest.raises(TypeError, match="output 0 must be bfloat16"):
-        wgrad_dw2_sm90(dy, _nan(plan.max_rows, 256), plan, torch.empty(4, 256, 256, device="cuda"))
+        wgrad_dw2_sm90(dy, nan_tensor(plan.max_rows, 256), plan, torch.empty(4, 256, 256, device="cuda"))
     with pytest.raises(ValueError, match="3 experts|the plan has 4 experts"):
-        wgrad_dw2_sm90(dy, _nan(plan.max_rows, 256), plan, _nan(3, 256, 256))
+        wgrad_dw2_sm90(dy, nan_tensor(plan.max_rows, 256), plan, nan_tensor(3, 256, 256))
 
 
 def test_real_30b_shape_matches_grouped_mm_and_reruns_bitwise():
@@ -108,8 +94,8 @@ def test_real_30b_shape_matches_grouped_mm_and_reruns_bitwise():
     hw = torch.randn(plan.max_rows, H, device="cuda").bfloat16()
     da = torch.randn(plan.max_rows, 2 * H, device="cuda").bfloat16()
     order = longest_first(plan)
-    dw2 = wgrad_dw2_sm90(dy, hw, plan, _nan(E, D, H), order)
-    dw1, dw3 = wgrad_dw13_sm90(da, x, plan, _nan(E, H, D), _nan(E, H, D), order)
+    dw2 = wgrad_dw2_sm90(dy, hw, plan, nan_tensor(E, D, H), order)
+    dw1, dw3 = wgrad_dw13_sm90(da, x, plan, nan_tensor(E, H, D), nan_tensor(E, H, D), order)
     # the _grouped_mm side needs zero padding rows in both operands: zero them in hw / da
     pad = plan.row_slot < 0
     hw[pad] = 0
@@ -120,50 +106,17 @@ def test_real_30b_shape_matches_grouped_mm_and_reruns_bitwise():
     ref3 = grouped_wgrad(da[:, H:], x_rows, plan, dw3)
     for got, ref in ((dw2, ref2), (dw1, ref1), (dw3, ref3)):
         assert not got.isnan().any()
-        assert _err(got, ref.double()) < 1e-2
+        assert rel_err(got, ref.double()) < 1e-2
     assert torch.all(dw2[7] == 0) and torch.all(dw1[7] == 0)
     hw2, da2 = torch.randn_like(hw), torch.randn_like(da)  # other padding values: same result
     hw2[~pad], da2[~pad] = hw[~pad], da[~pad]
-    assert torch.equal(wgrad_dw2_sm90(dy, hw2, plan, _nan(E, D, H), order), dw2)
-    again = wgrad_dw13_sm90(da2, x, plan, _nan(E, H, D), _nan(E, H, D), order)
+    assert torch.equal(wgrad_dw2_sm90(dy, hw2, plan, nan_tensor(E, D, H), order), dw2)
+    again = wgrad_dw13_sm90(da2, x, plan, nan_tensor(E, H, D), nan_tensor(E, H, D), order)
     assert torch.equal(again[0], dw1) and torch.equal(again[1], dw3), "reruns must be bitwise"
 
 
 @pytest.mark.parametrize("variant", ["B_SM90", "B_SM90_PRE_GATHERED"])
 def test_backward_with_the_sm90_weight_gradients_matches_the_reference(monkeypatch, variant):
-    from torchtitan_megamoe.ops import reference
-
-    # the module, not the package's `backward` function of the same name
-    bwd = importlib.import_module("torchtitan_megamoe.ops.triton.backward")
-    picked = []
-    real_pick = bwd.pick_config
-
-    def force_sm90(name, key, cands, launch, outputs=None):
-        if name in ("bwd_wgrad_dw2", "bwd_wgrad_dw13"):
-            forced = getattr(bwd, variant)
-            assert forced in cands, "the sm90 weight gradients must be offered here"
-            picked.append(name)
-            return forced
-        return real_pick(name, key, cands, launch, outputs)
-
-    monkeypatch.setattr(bwd, "pick_config", force_sm90)
-    T, K, E, D, H = 4096, 8, 32, 1024, 512
-    g = torch.Generator(device="cuda").manual_seed(7)
-    x = torch.randn(T, D, device="cuda", generator=g).bfloat16()
-    w1 = (torch.randn(E, H, D, device="cuda", generator=g) / D**0.5).bfloat16()
-    w3 = (torch.randn(E, H, D, device="cuda", generator=g) / D**0.5).bfloat16()
-    w2 = (torch.randn(E, D, H, device="cuda", generator=g) / H**0.5).bfloat16()
-    ids = torch.stack([torch.randperm(E, device="cuda", generator=g)[:K] for _ in range(T)])
-    ids[::5, 0] = -1
-    ids[ids == 3] = -1  # an empty expert
-    tw = torch.rand(T, K, device="cuda", generator=g)
-    dy = torch.randn(T, D, device="cuda", generator=g).bfloat16()
-    got = bwd.backward_local(dy, x, ids, tw, w1, w2, w3)
-    assert sorted(picked) == ["bwd_wgrad_dw13", "bwd_wgrad_dw2"]
-    ref = reference.backward(dy, x, ids, tw, w1, w2, w3, None, "bf16")
-    for name, a, r in zip(("dx", "dtw", "dw1", "dw2", "dw3"), got, ref):
-        assert a.dtype == r.dtype and a.shape == r.shape, name
-        assert _err(a, r.double()) <= 1e-2, (name, _err(a, r.double()))
-    assert torch.all(got[2][3] == 0) and torch.all(got[3][3] == 0)
-    again = bwd.backward_local(dy, x, ids, tw, w1, w2, w3)
-    assert all(torch.equal(a, b) for a, b in zip(got, again)), "reruns must be bitwise equal"
+    got = forced_backward_matches_reference(
+        monkeypatch, {"bwd_wgrad_dw2": variant, "bwd_wgrad_dw13": variant}, seed=7, saved=False)
+    assert torch.all(got[2][3] == 0) and torch.all(got[3][3] == 0)  # the empty expert
