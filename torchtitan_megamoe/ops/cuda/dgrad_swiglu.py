@@ -17,18 +17,12 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from torchtitan_megamoe.ops.cuda.gemm_rows import BK, BM, BN, shape_supported
 from torchtitan_megamoe.ops.cuda.sm90 import (check_bf16_rows, check_plan, grouped_gemm_library,
-                                               raise_on_error)
+                                               launch_context, raise_on_error)
 
 if TYPE_CHECKING:  # ops/triton imports this module: no runtime import back
     from torchtitan_megamoe.ops.triton.plan import Plan
-
-BM, BN, BK = 128, 256, 64
-
-
-def shape_supported(D: int, H: int, block_m: int) -> bool:
-    return H % BN == 0 and D % BK == 0 and block_m % BM == 0
-
 
 def dgrad_l2_swiglu_sm90(dy: torch.Tensor, a: torch.Tensor, topk_weights: torch.Tensor,
                          w2: torch.Tensor, plan: Plan, out: tuple | None = None,
@@ -36,7 +30,7 @@ def dgrad_l2_swiglu_sm90(dy: torch.Tensor, a: torch.Tensor, topk_weights: torch.
     """(da, hw, part): see the module docstring. ``out``: (da, hw, part) to write."""
     E, D, H = w2.shape
     who = "dgrad_l2_swiglu_sm90"
-    if not shape_supported(D, H, plan.block_m):
+    if not shape_supported(H, D, plan.block_m):  # the dh GEMM: N = H, K = D, as ROWS tiles it
         raise ValueError(f"{who} needs hidden % {BN} == 0, dim % {BK} == 0 and a plan block_m "
                          f"multiple of {BM}; got hidden={H}, dim={D}, block_m={plan.block_m}")
     R = plan.max_rows
@@ -59,9 +53,7 @@ def dgrad_l2_swiglu_sm90(dy: torch.Tensor, a: torch.Tensor, topk_weights: torch.
                          f"{plan.num_tokens * plan.top_k}")
     check_plan(plan, dy.device, who, ("row_slot", "tile_expert", "num_rows_used"))
     lib = grouped_gemm_library(tuple(defines))
-    num_sms = torch.cuda.get_device_properties(dy.device).multi_processor_count
-    stream = torch.cuda.current_stream(dy.device).cuda_stream
-    ticket = torch.zeros(1, dtype=torch.int32, device=dy.device)
+    num_sms, stream, ticket = launch_context(dy.device)
     rc = lib.megamoe_dgrad_swiglu(
         dy.data_ptr(), dy.stride(0), w2.data_ptr(), a.data_ptr(), da.data_ptr(), hw.data_ptr(),
         part.data_ptr(), tw.data_ptr(), plan.row_slot.data_ptr(), plan.tile_expert.data_ptr(),

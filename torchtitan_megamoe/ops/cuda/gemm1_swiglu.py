@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from torchtitan_megamoe.ops.cuda.sm90 import (check_bf16_rows, check_plan, grouped_gemm_library,
-                                               raise_on_error)
+                                               launch_context, raise_on_error)
 
 if TYPE_CHECKING:  # ops/triton imports this module: no runtime import back
     from torchtitan_megamoe.ops.triton.plan import Plan
@@ -53,13 +53,10 @@ def gemm1_swiglu_sm90(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, plan:
     assert x.shape[1] == D and h.shape == (plan.max_rows, H)
     assert a is None or a.shape == (plan.max_rows, 2 * H)
     lib = grouped_gemm_library(tuple(defines))
-    num_sms = torch.cuda.get_device_properties(x.device).multi_processor_count
+    num_sms, stream, ticket = launch_context(x.device, dynamic and cluster == 1)
     num_n = H // BN
     if group_m == 0:
         group_m = max(1, num_sms // cluster // num_n)
-    stream = torch.cuda.current_stream(x.device).cuda_stream
-    # a fresh zero per call (stream-ordered memset): launches on other streams never share it
-    ticket = torch.zeros(1, dtype=torch.int32, device=x.device) if dynamic and cluster == 1 else None
     rc = lib.megamoe_gemm1_swiglu(
         x.data_ptr(), w1.data_ptr(), w3.data_ptr(), h.data_ptr(),
         a.data_ptr() if a is not None else None,

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from torchtitan_megamoe.ops.cuda.sm90 import (check_bf16_rows, check_plan, grouped_gemm_library,
-                                               raise_on_error)
+                                               launch_context, raise_on_error)
 
 if TYPE_CHECKING:  # ops/triton imports this module: no runtime import back
     from torchtitan_megamoe.ops.triton.plan import Plan
@@ -66,10 +66,7 @@ def _launch(who, inp, ws, plan, out, E, N, K, k_split, n_major, group_m, defines
         raise ValueError(f"{who}: inp {tuple(inp.shape)} and out {tuple(out.shape)} must be "
                          f"[{R}, {K}] and [{R}, {N}] (the plan's row space)")
     lib = grouped_gemm_library(tuple(defines))
-    num_sms = torch.cuda.get_device_properties(inp.device).multi_processor_count
-    stream = torch.cuda.current_stream(inp.device).cuda_stream
-    # a fresh zero per call (stream-ordered memset): launches on other streams never share it
-    ticket = torch.zeros(1, dtype=torch.int32, device=inp.device) if dynamic else None
+    num_sms, stream, ticket = launch_context(inp.device, dynamic)
     rc = lib.megamoe_gemm_rows(
         inp.data_ptr(), ws[0].data_ptr(), ws[-1].data_ptr(), out.data_ptr(),
         plan.tile_expert.data_ptr(), plan.num_rows_used.data_ptr(), E, N, K, k_split,

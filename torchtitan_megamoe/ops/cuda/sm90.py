@@ -48,6 +48,16 @@ def grouped_gemm_library(defines: tuple = ()) -> ctypes.CDLL:
     return lib
 
 
+def launch_context(device: torch.device, ticket: bool = True):
+    """(SM count, the current stream's handle, a fresh zeroed int32 ticket or None) for a
+    persistent launch on ``device``. The ticket is the dynamic tile order's counter; a new one
+    per call (a stream-ordered memset) so launches on other streams never share it."""
+    num_sms = torch.cuda.get_device_properties(device).multi_processor_count
+    stream = torch.cuda.current_stream(device).cuda_stream
+    zero = torch.zeros(1, dtype=torch.int32, device=device) if ticket else None
+    return num_sms, stream, zero
+
+
 def check_plan(plan, device: torch.device, who: str, names=("tile_expert", "num_rows_used")):
     for name in names:
         t = getattr(plan, name)

@@ -19,7 +19,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from torchtitan_megamoe.ops.cuda.sm90 import check_bf16_rows, grouped_gemm_library, raise_on_error
+from torchtitan_megamoe.ops.cuda.sm90 import (check_bf16_rows, check_plan, grouped_gemm_library,
+                                               launch_context, raise_on_error)
 
 if TYPE_CHECKING:  # ops/triton imports this module: no runtime import back
     from torchtitan_megamoe.ops.triton.plan import Plan
@@ -82,19 +83,14 @@ def _launch(who, tokens, rows, outs, plan, E, M, N, m_split, gather, expert_orde
             or (gather == 2 and (tokens.shape[0] != R or not tokens.is_contiguous()))):
         raise ValueError(f"{who}: operand shapes {tuple(tokens.shape)}, {tuple(rows.shape)} "
                          f"do not match the gradient [{E}, {M}, {N}] and R_max {R}")
-    for name in ("row_slot", "seg_start"):
-        t = getattr(plan, name)
-        if t.dtype != torch.int32 or not t.is_contiguous() or t.device != rows.device:
-            raise ValueError(f"{who}: plan.{name} must be contiguous int32 on {rows.device}")
+    check_plan(plan, rows.device, who, ("row_slot", "seg_start"))
     if plan.seg_start.numel() != E + 1:
         raise ValueError(f"{who}: the plan has {plan.seg_start.numel() - 1} experts, the "
                          f"gradient {E}")
     if expert_order is not None:
         expert_order = expert_order.to(torch.int32).contiguous()
     lib = grouped_gemm_library(tuple(defines))
-    num_sms = torch.cuda.get_device_properties(rows.device).multi_processor_count
-    stream = torch.cuda.current_stream(rows.device).cuda_stream
-    ticket = torch.zeros(1, dtype=torch.int32, device=rows.device)
+    num_sms, stream, ticket = launch_context(rows.device)
     rc = lib.megamoe_wgrad(
         tokens.data_ptr(), tokens.stride(0), rows.data_ptr(), R, outs[0].data_ptr(),
         outs[-1].data_ptr(), plan.row_slot.data_ptr(), plan.seg_start.data_ptr(),

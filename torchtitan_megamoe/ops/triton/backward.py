@@ -172,9 +172,8 @@ A_SM90_FUSED = dict(impl="sm90_fused", block_n=256)
 
 
 def a_sm90_fused_offered(x: torch.Tensor, w2: torch.Tensor) -> bool:
-    E, D, H = w2.shape
-    return (os.environ.get("MEGAMOE_SM90_FUSED_A") == "1" and a_sm90_fits(x, w2)
-            and sm90_dgrad.shape_supported(D, H, BLOCK_M))
+    # the same tiles as the dh GEMM of A_SM90 (a_sm90_fits checks them)
+    return os.environ.get("MEGAMOE_SM90_FUSED_A") == "1" and a_sm90_fits(x, w2)
 
 
 # Weight gradients as csrc/grouped_gemm_sm90.cu's WGRAD mode (longest expert first): the
