@@ -12,19 +12,20 @@ import sys
 import torch
 
 from torchtitan_megamoe.bench.shapes import SHAPES
-from torchtitan_megamoe.ops.cuda.wgrad import DEFAULT_DEFINES, wgrad_dw2_sm90, wgrad_dw13_sm90
+from torchtitan_megamoe.ops.cuda.sm90 import BULK_STORE
+from torchtitan_megamoe.ops.cuda.wgrad import wgrad_dw2_sm90, wgrad_dw13_sm90
 from torchtitan_megamoe.ops.triton.bwd_cublas import gather_rows, wgrad_dw13_cublas, wgrad_dw2_cublas
 from torchtitan_megamoe.ops.triton.bwd_wgrad import longest_first
 from torchtitan_megamoe.ops.triton.plan import build_plan
 from torchtitan_megamoe.timing import median_ms
 
 VARIANTS = {
-    "default": DEFAULT_DEFINES,
-    "lag1": DEFAULT_DEFINES + ("MEGAMOE_SM90_WGMMA_LAG=1",),
-    "bk32_8stages": DEFAULT_DEFINES + ("MEGAMOE_SM90_BK=32", "MEGAMOE_SM90_STAGES=8"),
-    "bk32_8stages_lag1": DEFAULT_DEFINES + ("MEGAMOE_SM90_BK=32", "MEGAMOE_SM90_STAGES=8",
+    "default": BULK_STORE,
+    "lag1": BULK_STORE + ("MEGAMOE_SM90_WGMMA_LAG=1",),
+    "bk32_8stages": BULK_STORE + ("MEGAMOE_SM90_BK=32", "MEGAMOE_SM90_STAGES=8"),
+    "bk32_8stages_lag1": BULK_STORE + ("MEGAMOE_SM90_BK=32", "MEGAMOE_SM90_STAGES=8",
                                             "MEGAMOE_SM90_WGMMA_LAG=1"),
-    "producer_fence": DEFAULT_DEFINES + ("MEGAMOE_SM90_PRODUCER_FENCE=1",),
+    "producer_fence": BULK_STORE + ("MEGAMOE_SM90_PRODUCER_FENCE=1",),
     "registers_epilogue": (),
 }
 

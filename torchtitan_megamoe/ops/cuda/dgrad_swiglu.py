@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from torchtitan_megamoe.ops.cuda.gemm_rows import BK, BM, BN, shape_supported
-from torchtitan_megamoe.ops.cuda.sm90 import (check_bf16_rows, check_plan, grouped_gemm_library,
+from torchtitan_megamoe.ops.cuda.sm90 import (BULK_STORE, check_bf16_rows, check_plan, grouped_gemm_library,
                                                launch_context, raise_on_error)
 
 if TYPE_CHECKING:  # ops/triton imports this module: no runtime import back
@@ -26,7 +26,7 @@ if TYPE_CHECKING:  # ops/triton imports this module: no runtime import back
 
 def dgrad_l2_swiglu_sm90(dy: torch.Tensor, a: torch.Tensor, topk_weights: torch.Tensor,
                          w2: torch.Tensor, plan: Plan, out: tuple | None = None,
-                         defines: tuple = ("MEGAMOE_SM90_TMA_STORE=1",)):
+                         defines: tuple = BULK_STORE):
     """(da, hw, part): see the module docstring. ``out``: (da, hw, part) to write."""
     E, D, H = w2.shape
     who = "dgrad_l2_swiglu_sm90"

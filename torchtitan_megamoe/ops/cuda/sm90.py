@@ -11,6 +11,11 @@ import torch
 from torchtitan_megamoe.ops.cuda.build import load, nvcc_path
 
 
+BULK_STORE = ("MEGAMOE_SM90_TMA_STORE=1",)
+"""The build the tuner candidates use: the epilogue stages each tile in shared memory and writes
+it with bulk tensor stores (it won every GEMM it was measured on, docs/PERF.md)."""
+
+
 def sm90_buildable(x: torch.Tensor) -> bool:
     """True where the kernels can run: an sm_90 GPU and nvcc to build them (not the interpreter)."""
     if os.environ.get("TRITON_INTERPRET") == "1":

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from torchtitan_megamoe.ops.cuda.sm90 import (check_bf16_rows, check_plan, grouped_gemm_library,
+from torchtitan_megamoe.ops.cuda.sm90 import (BULK_STORE, check_bf16_rows, check_plan, grouped_gemm_library,
                                                launch_context, raise_on_error)
 
 if TYPE_CHECKING:  # ops/triton imports this module: no runtime import back
@@ -33,12 +33,9 @@ def shapes_supported(D: int, H: int, block_m: int) -> bool:
     return D % BM == 0 and H % BM == 0 and H % BN == 0 and D % BN == 0 and block_m % BK == 0
 
 
-DEFAULT_DEFINES = ("MEGAMOE_SM90_TMA_STORE=1",)
-
-
 def wgrad_dw2_sm90(dy: torch.Tensor, hw: torch.Tensor, plan: Plan, dw2: torch.Tensor,
                    expert_order: torch.Tensor | None = None,
-                   defines: tuple = DEFAULT_DEFINES, pre_gathered: bool = False) -> torch.Tensor:
+                   defines: tuple = BULK_STORE, pre_gathered: bool = False) -> torch.Tensor:
     """dw2 [E, D, H] (written; returned) from dy [T, D] (rows gathered by token; with
     ``pre_gathered`` dy rows [R_max, D]) and hw [R_max, H] (row space). ``defines``: the .cu
     file's MEGAMOE_SM90_* knobs (measuring)."""
@@ -50,7 +47,7 @@ def wgrad_dw2_sm90(dy: torch.Tensor, hw: torch.Tensor, plan: Plan, dw2: torch.Te
 
 def wgrad_dw13_sm90(da: torch.Tensor, x: torch.Tensor, plan: Plan, dw1: torch.Tensor,
                     dw3: torch.Tensor, expert_order: torch.Tensor | None = None,
-                    defines: tuple = DEFAULT_DEFINES, pre_gathered: bool = False):
+                    defines: tuple = BULK_STORE, pre_gathered: bool = False):
     """(dw1, dw3) [E, H, D] (written; returned) from da = [da1 | da3] [R_max, 2H] (row space)
     and x [T, D] (rows gathered by token; with ``pre_gathered`` x rows [R_max, D])."""
     E, H, D = dw1.shape

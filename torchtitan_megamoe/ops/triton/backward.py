@@ -87,7 +87,7 @@ import torch.distributed as dist
 from torchtitan_megamoe.ops.cuda import dgrad_swiglu as sm90_dgrad
 from torchtitan_megamoe.ops.cuda import gemm_rows as sm90_rows
 from torchtitan_megamoe.ops.cuda import wgrad as sm90_wgrad
-from torchtitan_megamoe.ops.cuda.sm90 import sm90_usable
+from torchtitan_megamoe.ops.cuda.sm90 import BULK_STORE, sm90_usable
 from torchtitan_megamoe.ops.triton.bwd_combine import bwd_combine
 from torchtitan_megamoe.ops.triton.bwd_common import interpreting
 from torchtitan_megamoe.ops.triton.bwd_cublas import (
@@ -143,7 +143,7 @@ C_CANDIDATES = [
 # stored, TMA for both, bulk-store epilogue): it writes dx in the plan's row space [R_max, D]
 # (whole tiles; the combine then reads slot s's row through slot_row) instead of scattering
 # rows into slots. Offered under MEGAMOE_BWD_IMPL=auto where it builds and the shape fits.
-C_SM90 = dict(impl="sm90", defines=("MEGAMOE_SM90_TMA_STORE=1",))
+C_SM90 = dict(impl="sm90", defines=BULK_STORE)
 
 
 def c_sm90_fits(da: torch.Tensor, w1: torch.Tensor) -> bool:

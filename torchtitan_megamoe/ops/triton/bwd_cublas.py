@@ -200,9 +200,10 @@ def dgrad_l2_swiglu_cublas(dy: torch.Tensor, a: torch.Tensor, topk_weights: torc
     dy_rows = gather_rows(dy, plan, out=dy_rows)
     if sm90:
         from torchtitan_megamoe.ops.cuda.gemm_rows import gemm_rows_nmajor_sm90
+        from torchtitan_megamoe.ops.cuda.sm90 import BULK_STORE
 
         dh = torch.empty(plan.max_rows, w2.shape[2], dtype=dy.dtype, device=dy.device)
-        gemm_rows_nmajor_sm90(dy_rows, (w2,), plan, dh, defines=("MEGAMOE_SM90_TMA_STORE=1",))
+        gemm_rows_nmajor_sm90(dy_rows, (w2,), plan, dh, defines=BULK_STORE)
     else:
         dh = torch._grouped_mm(dy_rows, w2, offs=segment_ends(plan))
     return (*swiglu_bwd_rows(dh, a, topk_weights, plan, out=out), dy_rows)

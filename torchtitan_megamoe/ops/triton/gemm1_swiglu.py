@@ -24,7 +24,7 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from torchtitan_megamoe.ops.cuda.gemm1_swiglu import gemm1_swiglu_sm90, shape_supported
-from torchtitan_megamoe.ops.cuda.sm90 import sm90_usable
+from torchtitan_megamoe.ops.cuda.sm90 import BULK_STORE, sm90_usable
 from torchtitan_megamoe.ops.triton.plan import Plan
 from torchtitan_megamoe.ops.triton.tiling import (
     cast_out, grouped_tile, launch_config, persistent_programs,
@@ -157,7 +157,7 @@ GPU_CONFIGS = [
 # other variants never won; scripts/ncu_gemm1.py still times them.
 SM90_CONFIGS = [
     dict(IMPL="sm90", BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, CLUSTER=1,
-         DEFINES=("MEGAMOE_SM90_TMA_STORE=1",)),
+         DEFINES=BULK_STORE),
     dict(IMPL="sm90", BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, CLUSTER=1),
 ]
 

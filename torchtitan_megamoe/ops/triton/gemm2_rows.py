@@ -19,7 +19,7 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from torchtitan_megamoe.ops.cuda.gemm_rows import gemm_rows_sm90, shape_supported
-from torchtitan_megamoe.ops.cuda.sm90 import sm90_usable
+from torchtitan_megamoe.ops.cuda.sm90 import BULK_STORE, sm90_usable
 from torchtitan_megamoe.ops.triton.plan import Plan
 from torchtitan_megamoe.ops.triton.tiling import cast_out, grouped_tile, launch_config
 from torchtitan_megamoe.ops.triton.tune import bucket as _bucket
@@ -119,7 +119,7 @@ GPU_CONFIGS = [
 # and the shape fits its 128 x 256 tiles. The bulk-store epilogue variant first: it won GEMM 1.
 SM90_CONFIGS = [
     dict(IMPL="sm90", BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, GROUP_M=8,
-         DEFINES=("MEGAMOE_SM90_TMA_STORE=1",)),
+         DEFINES=BULK_STORE),
     dict(IMPL="sm90", BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, GROUP_M=8),
 ]
 
