@@ -3,7 +3,13 @@ with each compile-time variant, next to the _grouped_mm side (gathers included),
 medians of 10; NCU=1 launches each once after a warm-up instead, for Nsight Compute:
 
     python3 scripts/wgrad_variants.py 30b
-    NCU=1 VARIANTS=default ncu --kernel-name regex:grouped_gemm ... python3 scripts/wgrad_variants.py 30b
+    # the dw1|dw3 launch of the default variant (launches: dw2, dw1|dw3, dw2, dw1|dw3)
+    NCU=1 VARIANTS=default ncu --clock-control none --kernel-name grouped_gemm_kernel \
+        --launch-skip 3 --launch-count 1 --import-source no --section SpeedOfLight \
+        --section WarpStateStats --section SourceCounters -f -o $OUT/dw13 \
+        python3 scripts/wgrad_variants.py 30b
+    # then, as scripts/ncu_stalls.sh does: ncu -i $OUT/dw13.ncu-rep --page source --csv
+    # --print-source sass > dw13.sass.csv; python3 scripts/ncu_stalls_summary.py dw13.sass.csv
 """
 
 import os
