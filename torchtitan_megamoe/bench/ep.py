@@ -7,7 +7,7 @@ import traceback
 
 import torch
 
-from torchtitan_megamoe.bench.profile import profile_kernels
+from torchtitan_megamoe.bench.profile import profile_kernels, timeline
 from torchtitan_megamoe.bench.shapes import SHAPES, _rel_err, build_stock_moe, shard_stock_experts
 from torchtitan_megamoe.timing import back_to_back_ms, median_ms, peak_extra_mib
 from torchtitan_megamoe.router import route
@@ -99,6 +99,8 @@ def bench_shape_ep(key: str, tokens: int, iters: int, warmup: int, backward: boo
                             lambda: ours_layer(x, *mine_w, group), rank,
                             host_fn=lambda: triton_backend.forward(
                                 x, ids, scores, *mine_w, group, "bf16"))
+            timeline(f"{shape['name']} EP={world} ours fwd",
+                     lambda: ours_layer(x, *mine_w, group), rank)
         if backward:
             profile_kernels(f"{shape['name']} EP={world} ours fwd+bwd",
                             lambda: ours_layer(xg, *mine_w, group).backward(grad), rank)

@@ -6,7 +6,7 @@ import traceback
 
 import torch
 
-from torchtitan_megamoe.bench.profile import profile_kernels
+from torchtitan_megamoe.bench.profile import profile_kernels, timeline
 from torchtitan_megamoe.bench.shapes import SHAPES, build_stock_moe
 from torchtitan_megamoe.timing import median_ms, peak_extra_mib
 from torchtitan_megamoe.router import route
@@ -92,6 +92,8 @@ def bench_shape(key: str, tokens: int, iters: int, warmup: int, backward: bool, 
             "ours_router_ms": median_ms(lambda: route(moe.router, x2, moe.expert_bias), iters,
                                         warmup),
         }
+        if profile:
+            timeline(f"{shape['name']} EP=1 ours fwd (no grad)", lambda: ours_layer(x), 0)
         if backend == "triton":
             res["stages_ms"] = _stage_times(x2, ids, scores, ex.w1, ex.w2, ex.w3, iters, warmup)
 
@@ -133,6 +135,7 @@ def bench_shape(key: str, tokens: int, iters: int, warmup: int, backward: bool, 
             res["ours_fwdbwd_peak_mib"] = peak_extra_mib(fresh(ours_step))
         if profile:
             profile_kernels(f"{shape['name']} EP=1 ours fwd+bwd", ours_step, 0)
+            timeline(f"{shape['name']} EP=1 ours fwd+bwd", fresh(ours_step), 0)
             profile_kernels(f"{shape['name']} EP=1 stock fwd+bwd", stock_step, 0)
         moe.zero_grad(set_to_none=True)
     from torchtitan_megamoe.ops.triton import tune

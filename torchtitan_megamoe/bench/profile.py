@@ -52,3 +52,59 @@ def profile_kernels(title: str, fn, rank: int, calls: int = 3, rows: int = 40,
             pstats.Stats(host, stream=text).sort_stats(order).print_stats(rows)
             print(f"--- host (cProfile, {calls} calls, sorted by {order}):", flush=True)
             print("\n".join(text.getvalue().splitlines()[-rows - 2:]), flush=True)
+
+
+LAUNCH_APIS = ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernelEx",
+               "cudaMemsetAsync", "cudaMemcpyAsync")
+"""Host runtime calls that put work on the GPU (what the timeline pairs with kernels)."""
+
+
+def timeline(title: str, fn, rank: int, rows: int = 90) -> None:
+    """Rank 0 prints one call of fn as a time line: every host launch call (H) and every GPU
+    kernel (G) with its start (us from the call's first host event), duration and the idle
+    time the GPU spent before it. The sum of the idle gaps is the latency the host's issue
+    adds to a waited call (kernels themselves are in the other profile's table)."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    def sync():
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+
+    fn()
+    sync()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        fn()
+        sync()
+    if rank != 0:
+        return
+    events = [e for e in prof.events() if e.time_range.end > e.time_range.start]
+    if not events:
+        print(f"--- timeline: {title}: no events", flush=True)
+        return
+    t0 = min(e.time_range.start for e in events if e.device_type == DeviceType.CPU)
+    gpu = sorted((e for e in events if e.device_type == DeviceType.CUDA),
+                 key=lambda e: e.time_range.start)
+    host = sorted((e for e in events if e.device_type == DeviceType.CPU
+                   and any(e.name.startswith(api) for api in LAUNCH_APIS)),
+                  key=lambda e: e.time_range.start)
+    lines = [(e.time_range.start - t0, "H", f"{e.name}") for e in host]
+    idle_total, busy_total, last_end = 0.0, 0.0, None
+    for e in gpu:
+        start = e.time_range.start - t0
+        idle = 0.0 if last_end is None else max(0.0, e.time_range.start - last_end)
+        idle_total += idle
+        busy_total += e.time_range.end - e.time_range.start
+        last_end = e.time_range.end if last_end is None else max(last_end, e.time_range.end)
+        lines.append((start, "G", f"{e.time_range.end - e.time_range.start:9.1f} us  idle "
+                                  f"{idle:7.1f}  {e.name[:70]}"))
+    lines.sort(key=lambda x: x[0])
+    first_gpu = gpu[0].time_range.start - t0 if gpu else 0.0
+    end = (last_end - t0) if last_end is not None else 0.0
+    print(f"--- timeline: {title}: {len(host)} host launches, {len(gpu)} GPU kernels; first "
+          f"kernel at {first_gpu:.1f} us, last ends at {end:.1f} us; GPU busy {busy_total:.1f} "
+          f"us, idle between kernels {idle_total:.1f} us", flush=True)
+    for t, kind, text in lines[:rows]:
+        print(f"{kind} {t:9.1f}  {text}", flush=True)
+    if len(lines) > rows:
+        print(f"... {len(lines) - rows} more", flush=True)

@@ -571,6 +571,13 @@ __global__ void __launch_bounds__(THREADS, 1)
       if (!t.any) continue;
       const bool active = t.expert >= 0;
       const int pid_m = t.pid_m, pid_n = t.pid_n, k_blocks = t.k_blocks;
+      // Padding skip: a segment's padding rows sit at its end and segments are aligned to the
+      // plan's 128-row multiple, so when this warpgroup's first row is padding (slot -1) all
+      // its 64 rows are; its MMAs would only multiply zeros. It passes the stages on and
+      // writes zeros, what the MMAs would have given (~half the plan's padding compute, ~3%
+      // of the rows at 128 experts). Not in WGRAD, whose K loop is the rows.
+      const bool zero_rows = !WGRAD && active && p.row_slot != nullptr &&
+                             p.row_slot[pid_m * BM + cw * 64] < 0;
       // Frees a ring slot in every CTA of the cluster (the peer's producer may multicast into
       // it): the whole warpgroup is past the slot before its one arrival per CTA. The arrivals
       // are predicated instructions, not a branch (see mbar_wait), so a wgmma batch can stay in
@@ -591,24 +598,24 @@ __global__ void __launch_bounds__(THREADS, 1)
           phase ^= 1;
         }
       };
-      if (!active) {
-        // idle in this unit (the peer is not): pass every stage on
+      if (!active || zero_rows) {
+        // idle in this unit (the peer is not), or nothing but padding rows: pass every stage on
         for (int kb = 0; kb < k_blocks; ++kb) {
           mbar_wait(full_bar + 8 * stage, phase);
           release(stage, true);
           advance();
         }
-        continue;
+        if (!active) continue;
       }
       // The whole wgmma pipeline of the tile sits on one path: no branch between a batch's
       // issue and its wait (ptxas would serialize the wgmmas otherwise).
-      if (WGRAD && k_blocks == 0) {
-        // an expert without rows: its gradient tile is zero
+      if ((WGRAD && k_blocks == 0) || zero_rows) {
+        // an expert without rows (its gradient tile is zero), or padding rows
 #pragma unroll
         for (int i = 0; i < 128; ++i) acc[i] = 0.f;
       }
       int prev = stage;
-      for (int kb = 0; kb < k_blocks; ++kb) {
+      for (int kb = 0; kb < (zero_rows ? 0 : k_blocks); ++kb) {
         mbar_wait(full_bar + 8 * stage, phase);
         // the cp.async rows are generic-proxy writes; wgmma reads through the async proxy
         // (no gathers: TMA wrote both operands, nothing to fence)
@@ -644,7 +651,8 @@ __global__ void __launch_bounds__(THREADS, 1)
       wgmma_wait<0>();
 #pragma unroll
       for (int i = 0; i < 128; ++i) fence_reg(acc[i]);
-      if (MEGAMOE_SM90_WGMMA_LAG) release(prev, true);  // lag 0 freed every slot already
+      // lag 0 freed every slot already; no slot is held when the loop did not run
+      if (MEGAMOE_SM90_WGMMA_LAG) release(prev, k_blocks > 0 && !zero_rows);
       // Epilogue. Accumulator register 4j + q of thread (warp, lane) holds row
       // 16 warp + lane/4 + 8 (q/2) and column 8j + 2 (lane%4) + q%2 of the 64x256 block; j < 16
       // is a1, j >= 16 the a3 of column 8 (j - 16) + ...
@@ -922,11 +930,13 @@ extern "C" int megamoe_gemm1_swiglu(const void* x, const void* w1, const void* w
 // C entry point (ctypes) of the ROWS mode (see the header): out[r] = in[r] @ w[e]^T with w
 // [E, N, K] (n_major 0), or in[r, :k_split] @ w[e] + in[r, k_split:] @ w2[e] with w, w2
 // [E, k_split, N] (n_major 1; w2 only read when K > k_split), for the used rows of a plan.
-// in [rows, K] and out [rows, N] contiguous bf16, weights contiguous. Shapes are checked by the
+// in [rows, K] and out [rows, N] contiguous bf16, weights contiguous; row_slot: the plan's
+// (padding rows -1; tiles' padding halves are skipped) or nullptr. Shapes are checked by the
 // Python wrapper (ops/cuda/gemm_rows.py): N % 256 == 0, K and k_split % 64 == 0, plan_bm %
 // 128 == 0. ticket: a zeroed device int (dynamic tile order) or nullptr (static).
 extern "C" int megamoe_gemm_rows(const void* in, const void* w, const void* w2, void* out,
-                                 const int* tile_expert, const int* num_rows_used, int E, int N,
+                                 const int* row_slot, const int* tile_expert,
+                                 const int* num_rows_used, int E, int N,
                                  int K, int k_split, int n_major, int plan_bm, int group_m,
                                  long long rows, int num_sms, int* ticket, void* stream) {
   using namespace megamoe::grouped;
@@ -951,6 +961,7 @@ extern "C" int megamoe_gemm_rows(const void* in, const void* w, const void* w2, 
   }
   Params p = {};
   p.h = static_cast<__nv_bfloat16*>(out);
+  p.row_slot = row_slot;  // nullptr: no padding skip
   p.tile_expert = tile_expert;
   p.num_rows_used = num_rows_used;
   p.N = N;

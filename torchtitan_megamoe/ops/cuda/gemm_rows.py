@@ -6,8 +6,9 @@ A and B by TMA, tiles of 128 rows x 256 output columns, K steps of 64 (see the .
 - ``gemm_rows_nmajor_sm90``: out[r] = in[r, :Ks] @ w[e] + in[r, Ks:] @ w'[e], w, w' [E, Ks, N]
   (the backward's dgrad of linear 1: [da1 | da3] against w1 and w3, as stored, no transpose).
 
-Both write only the used rows of ``out`` (padding rows of ``in`` are zeros, so theirs are too)
-and skip the tiles whose tile_expert is -1.
+Both write only the used rows of ``out`` (padding rows of ``in`` are zeros, so theirs are too;
+a tile half that holds only padding rows is written as zeros without its MMAs) and skip the
+tiles whose tile_expert is -1.
 """
 
 from __future__ import annotations
@@ -60,7 +61,7 @@ def _launch(who, inp, ws, plan, out, E, N, K, k_split, n_major, group_m, defines
     check_bf16_rows(who, inp=inp, out=out, **dict(zip(names, ws)))
     if not (inp.is_contiguous() and out.is_contiguous() and all(w.is_contiguous() for w in ws)):
         raise ValueError(f"{who}: inp, the weights and out must be contiguous")
-    check_plan(plan, inp.device, who)
+    check_plan(plan, inp.device, who, ("row_slot", "tile_expert", "num_rows_used"))
     R = plan.max_rows
     if inp.shape != (R, K) or out.shape != (R, N):
         raise ValueError(f"{who}: inp {tuple(inp.shape)} and out {tuple(out.shape)} must be "
@@ -69,7 +70,7 @@ def _launch(who, inp, ws, plan, out, E, N, K, k_split, n_major, group_m, defines
     num_sms, stream, ticket = launch_context(inp.device, dynamic)
     rc = lib.megamoe_gemm_rows(
         inp.data_ptr(), ws[0].data_ptr(), ws[-1].data_ptr(), out.data_ptr(),
-        plan.tile_expert.data_ptr(), plan.num_rows_used.data_ptr(), E, N, K, k_split,
+        plan.row_slot.data_ptr(), plan.tile_expert.data_ptr(), plan.num_rows_used.data_ptr(), E, N, K, k_split,
         int(n_major), plan.block_m, group_m, R, num_sms,
         ticket.data_ptr() if ticket is not None else None, stream,
     )
