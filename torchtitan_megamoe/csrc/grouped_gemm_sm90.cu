@@ -147,6 +147,9 @@ constexpr int PASSES = BM / ROWS_PER_PASS;
 // shape: the stores cost 0.19 of GEMM 1's 1.52 ms, 2026-11-30).
 #define MEGAMOE_SM90_TMA_STORE 0
 #endif
+#ifndef MEGAMOE_SM90_PAD_SKIP
+#define MEGAMOE_SM90_PAD_SKIP 1  // 0 only for measuring: warpgroups of padding rows still multiply
+#endif
 #ifndef MEGAMOE_SM90_LOAD
 #define MEGAMOE_SM90_LOAD 3  // measuring only: bit 0 loads A (x rows), bit 1 loads B (weights)
 #endif
@@ -567,17 +570,24 @@ __global__ void __launch_bounds__(THREADS, 1)
         u = static_unit(it);
       }
       if (u >= num_units) break;
-      const Tile t = decode(u);
-      if (!t.any) continue;
-      const bool active = t.expert >= 0;
-      const int pid_m = t.pid_m, pid_n = t.pid_n, k_blocks = t.k_blocks;
       // Padding skip: a segment's padding rows sit at its end and segments are aligned to the
       // plan's 128-row multiple, so when this warpgroup's first row is padding (slot -1) all
       // its 64 rows are; its MMAs would only multiply zeros. It passes the stages on and
       // writes zeros, what the MMAs would have given (~half the plan's padding compute, ~3%
-      // of the rows at 128 experts). Not in WGRAD, whose K loop is the rows.
-      const bool zero_rows = !WGRAD && active && p.row_slot != nullptr &&
-                             p.row_slot[pid_m * BM + cw * 64] < 0;
+      // of the rows at 128 experts). Not in WGRAD, whose K loop is the rows. The slot is
+      // loaded before decode's tile_expert load so that the two latencies overlap.
+      int first_slot = 0;
+      if (!WGRAD && MEGAMOE_SM90_PAD_SKIP && p.row_slot != nullptr) {
+        int um, pn;
+        grouped_tile(u, num_um, num_n, group_m, um, pn);
+        const int m = um * CLUSTER + rank;
+        if (m < num_m) first_slot = p.row_slot[m * BM + cw * 64];
+      }
+      const Tile t = decode(u);
+      if (!t.any) continue;
+      const bool active = t.expert >= 0;
+      const int pid_m = t.pid_m, pid_n = t.pid_n, k_blocks = t.k_blocks;
+      const bool zero_rows = active && first_slot < 0;
       // Frees a ring slot in every CTA of the cluster (the peer's producer may multicast into
       // it): the whole warpgroup is past the slot before its one arrival per CTA. The arrivals
       // are predicated instructions, not a branch (see mbar_wait), so a wgmma batch can stay in

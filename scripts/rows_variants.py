@@ -1,0 +1,63 @@
+"""The sm90 row-space GEMMs (csrc/grouped_gemm_sm90.cu: GEMM 1 + SwiGLU, GEMM 2, the N-major
+kernel C) at one Qwen3 shape with and without a compile-time knob, CUDA-event medians of 20,
+each pair measured in the same process (the A/B of a kernel change, e.g. the padding skip):
+
+    python3 scripts/rows_variants.py 30b            # default vs MEGAMOE_SM90_PAD_SKIP=0
+    KNOB=MEGAMOE_SM90_WGMMA_LAG=1 python3 scripts/rows_variants.py 235b
+"""
+
+import os
+import sys
+
+import torch
+
+from torchtitan_megamoe.bench.shapes import SHAPES
+from torchtitan_megamoe.ops.cuda.gemm1_swiglu import gemm1_swiglu_sm90
+from torchtitan_megamoe.ops.cuda.gemm_rows import gemm_rows_nmajor_sm90, gemm_rows_sm90
+from torchtitan_megamoe.ops.cuda.sm90 import BULK_STORE
+from torchtitan_megamoe.ops.triton.plan import build_plan
+from torchtitan_megamoe.timing import median_ms
+
+
+def main(shape_name: str = "30b") -> None:
+    shape = SHAPES[shape_name]
+    D, H, E, K, T = shape["dim"], shape["hidden"], shape["experts"], shape["top_k"], 16384
+    knob = os.environ.get("KNOB", "MEGAMOE_SM90_PAD_SKIP=0")
+    variants = {"default": BULK_STORE, knob: BULK_STORE + (knob,)}
+    torch.manual_seed(0)
+    ids = torch.stack([torch.randperm(E, device="cuda")[:K] for _ in range(T)])
+    plan = build_plan(ids, E, 128)
+    R = plan.max_rows
+    pad = plan.row_slot < 0
+    x = torch.randn(T, D, device="cuda").bfloat16()
+    w1 = (torch.randn(E, H, D, device="cuda") / D**0.5).bfloat16()
+    w3 = (torch.randn(E, H, D, device="cuda") / D**0.5).bfloat16()
+    w2 = (torch.randn(E, D, H, device="cuda") / H**0.5).bfloat16()
+    h = torch.randn(R, H, device="cuda").bfloat16()
+    h[pad] = 0
+    da = torch.randn(R, 2 * H, device="cuda").bfloat16()
+    da[pad] = 0
+    hout = torch.empty(R, H, device="cuda", dtype=torch.bfloat16)
+    y = torch.empty(R, D, device="cuda", dtype=torch.bfloat16)
+    dx = torch.empty(R, D, device="cuda", dtype=torch.bfloat16)
+    used = int(plan.num_rows_used)
+    print(f"{shape['name']}: rows used {used} (padding {int(pad[:used].sum())}), knob {knob}")
+    kernels = {
+        "gemm1_swiglu": lambda d: gemm1_swiglu_sm90(x, w1, w3, plan, hout, cluster=1, defines=d),
+        "gemm2_rows": lambda d: gemm_rows_sm90(h, w2, plan, y, defines=d),
+        "dgrad_l1 (C)": lambda d: gemm_rows_nmajor_sm90(da, (w1, w3), plan, dx, defines=d),
+    }
+    print("| kernel | " + " | ".join(variants) + " | ratio |")
+    print("| --- | " + " | ".join("---" for _ in variants) + " | --- |")
+    for name, run in kernels.items():
+        outs, times = [], []
+        for defines in variants.values():
+            times.append(median_ms(lambda d=defines: run(d), 20, 3))
+            outs.append({"gemm1_swiglu": hout, "gemm2_rows": y}.get(name, dx)[:used].clone())
+        same = all(torch.equal(outs[0], o) for o in outs[1:])
+        print(f"| {name} | " + " | ".join(f"{t:.3f}" for t in times)
+              + f" | {times[1] / times[0]:.3f} | {'bitwise equal' if same else 'DIFFER'}")
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:])
