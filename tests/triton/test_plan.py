@@ -181,3 +181,36 @@ def test_phased_plan_kernels_match_torch_path(P, E, case, monkeypatch):
     assert int(a.num_rows_used) == int(b.num_rows_used)
     for x, y in zip(ta, tb):
         assert torch.equal(x.int(), y.int())
+
+
+@pytest.mark.parametrize("use_kernels", [False, True], ids=["torch", "kernels"])
+@pytest.mark.parametrize("bad,ok", [(None, 1), (9, 0), (-2, 0), (8, 0), (7, 1), (-1, 1)])
+def test_plan_checks_the_id_range(monkeypatch, use_kernels, bad, ok):
+    # id_limit 8: ids must lie in [-1, 8); the bad id sits in the last sub-block of a chunk
+    # after the first (TARGET_CHUNKS 2 gives several chunks with SUB > 1)
+    from torchtitan_megamoe.ops.triton import plan_kernels
+
+    monkeypatch.setattr(plan_kernels, "TARGET_CHUNKS", 2)
+    g = torch.Generator().manual_seed(5)
+    ids = torch.randint(-1, 8, (171, 5), generator=g)
+    if bad is not None:
+        ids[170, 4] = bad
+    plan = build_plan(ids, 8, 16, use_kernels=use_kernels, id_limit=8)
+    assert plan.ids_ok.dtype == torch.int32 and plan.ids_ok.dim() == 0
+    assert int(plan.ids_ok) == ok
+    assert build_plan(ids.clamp(-1, 7), 8, 16, use_kernels=use_kernels).ids_ok is None
+
+
+def test_forward_asserts_on_out_of_range_ids():
+    # the Triton forward's plan check, as the op's CUDA path relies on (on CPU the assert
+    # fails at once; on a GPU it fails the stream with the same message)
+    from torchtitan_megamoe.ops.triton.forward import forward_ep1
+
+    T, K, E, D, H = 8, 2, 4, 16, 16
+    x = torch.randn(T, D)
+    ids = torch.randint(0, E, (T, K))
+    ids[3, 1] = E
+    w1, w3 = torch.randn(E, H, D), torch.randn(E, H, D)
+    w2 = torch.randn(E, D, H)
+    with pytest.raises(RuntimeError, match=r"topk_ids must lie in \[-1, 4\)"):
+        forward_ep1(x, ids, torch.rand(T, K), w1, w2, w3)

@@ -86,8 +86,14 @@ def mega_moe(
         precision: ``bf16``, ``fp8`` (blockwise FP8 forward and backward) or ``fp8_bwd``
             (BF16 forward, FP8 backward).
     """
-    check_args(x, topk_ids, topk_weights, w1, w2, w3, group=group, precision=precision)
+    check_args(x, topk_ids, topk_weights, w1, w2, w3, group=group, precision=precision,
+               check_ids=False)
     backend = resolve_backend(backend, x, group)
+    # The Triton EP=1 forward checks the ids inside its plan kernels on CUDA (one device
+    # assert instead of six launches before the layer's first kernel, host time a waited
+    # call pays); every other path checks them here.
+    if not (backend == "triton" and x.is_cuda and group_size(group) == 1):
+        _check_ids(topk_ids, w1.shape[0] * group_size(group), group)
     group_name = "" if group is None else group.group_name
     # Keep activations for a backward only when one can follow: inference and no_grad
     # evaluation skip the extra stores (and their memory); save_activations="never" opts out.
@@ -134,8 +140,10 @@ def check_args(
     *,
     group: dist.ProcessGroup | None = None,
     precision: str = "bf16",
+    check_ids: bool = True,
 ) -> None:
-    """Raise early, with the fix in the message, on anything the op cannot compute correctly."""
+    """Raise early, with the fix in the message, on anything the op cannot compute correctly.
+    ``check_ids=False``: the caller checks the id range (mega_moe: where its backend does not)."""
     if precision not in PRECISIONS:
         raise ValueError(
             f"mega_moe: unknown precision {precision!r}; choose one of {', '.join(PRECISIONS)}"
@@ -189,18 +197,22 @@ def check_args(
             f"mega_moe: precision={precision!r} uses 128-wide scaling blocks and needs dim and "
             f"hidden % 128 == 0, got dim={D}, hidden={H}; use precision='bf16'"
         )
-    num_experts = E * group_size(group)
-    _check_ids(topk_ids, num_experts, group)
+    if check_ids:
+        _check_ids(topk_ids, E * group_size(group), group)
+
+
+def ids_range_message(num_experts: int, ep_size: int) -> str:
+    return (
+        f"mega_moe: topk_ids must lie in [-1, {num_experts}) (-1 drops a slot; "
+        f"{num_experts} = local experts x group size {ep_size})"
+    )
 
 
 def _check_ids(topk_ids: torch.Tensor, num_experts: int, group) -> None:
     if topk_ids.numel() == 0:
         return
     bad = (topk_ids < -1) | (topk_ids >= num_experts)
-    msg = (
-        f"mega_moe: topk_ids must lie in [-1, {num_experts}) (-1 drops a slot; "
-        f"{num_experts} = local experts x group size {group_size(group)})"
-    )
+    msg = ids_range_message(num_experts, group_size(group))
     if topk_ids.is_cuda or torch.compiler.is_compiling():
         # A host-side check would sync the stream every layer (and break a compiled graph);
         # the async assert fails on the device instead, with this message.

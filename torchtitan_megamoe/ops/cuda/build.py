@@ -23,10 +23,17 @@ plain sm_90 pass that rejects them, the -gencode form does not."""
 
 
 def nvcc_path() -> str | None:
-    home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH")
+    # every forward asks (through sm90_usable): the PATH search once per environment
+    env = os.environ
+    return _find_nvcc(env.get("CUDA_HOME"), env.get("CUDA_PATH"), env.get("PATH"))
+
+
+@functools.lru_cache(maxsize=8)
+def _find_nvcc(cuda_home: str | None, cuda_path: str | None, path: str | None) -> str | None:
+    home = cuda_home or cuda_path
     if home and (Path(home) / "bin" / "nvcc").exists():
         return str(Path(home) / "bin" / "nvcc")
-    return shutil.which("nvcc")
+    return shutil.which("nvcc", path=path)
 
 
 def nvcc_command(source: Path, output: Path, nvcc: str, defines: tuple = ()) -> list[str]:

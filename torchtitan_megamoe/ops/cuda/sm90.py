@@ -4,6 +4,7 @@ library (one build per set of compile-time knobs, both entry points typed)."""
 from __future__ import annotations
 
 import ctypes
+import functools
 import os
 
 import torch
@@ -57,10 +58,15 @@ def launch_context(device: torch.device, ticket: bool = True):
     """(SM count, the current stream's handle, a fresh zeroed int32 ticket or None) for a
     persistent launch on ``device``. The ticket is the dynamic tile order's counter; a new one
     per call (a stream-ordered memset) so launches on other streams never share it."""
-    num_sms = torch.cuda.get_device_properties(device).multi_processor_count
+    num_sms = _num_sms(device.index if device.index is not None else torch.cuda.current_device())
     stream = torch.cuda.current_stream(device).cuda_stream
     zero = torch.zeros(1, dtype=torch.int32, device=device) if ticket else None
     return num_sms, stream, zero
+
+
+@functools.cache
+def _num_sms(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
 
 
 def check_plan(plan, device: torch.device, who: str, names=("tile_expert", "num_rows_used")):

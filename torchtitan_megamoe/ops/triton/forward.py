@@ -59,7 +59,11 @@ def forward_ep1(
     block_m, gemm1_config, gemm2_config = interpret_defaults(block_m, gemm1_config, gemm2_config)
     x = x.contiguous()
     w1, w2, w3 = w1.contiguous(), w2.contiguous(), w3.contiguous()
-    plan = build_plan(topk_ids, w1.shape[0], block_m)
+    E = w1.shape[0]
+    plan = build_plan(topk_ids, E, block_m, id_limit=E)
+    from torchtitan_megamoe.ops.api import ids_range_message  # api imports this package lazily
+
+    torch._assert_async(plan.ids_ok, ids_range_message(E, 1))
     if save:
         h, a = gemm1_swiglu(x, w1, w3, plan, config=gemm1_config, save_a=True)
     else:

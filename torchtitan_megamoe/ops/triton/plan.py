@@ -52,6 +52,10 @@ class Plan:
     block_m: int
     """Tile height every segment is padded to."""
 
+    ids_ok: torch.Tensor | None = None
+    """0-d int32, 1 when every id lay in [-1, id_limit) (build_plan's ``id_limit``), else 0;
+    None when the plan was built without the check."""
+
     @property
     def max_rows(self) -> int:
         """R_max: static upper bound of rows in use."""
@@ -77,6 +81,7 @@ def build_plan(
     rank: int = 0,
     ep_size: int = 1,
     use_kernels: bool = False,
+    id_limit: int = 0,
 ) -> Plan:
     """Lay out the slots of ``topk_ids`` [T, K] (global expert ids, -1 = dropped) that belong to
     this rank's experts [rank*E_local, (rank+1)*E_local), grouped by local expert.
@@ -84,6 +89,8 @@ def build_plan(
     Everything runs on ``topk_ids.device`` with fixed output shapes; no host synchronization.
     CUDA inputs (or ``use_kernels=True``, e.g. under TRITON_INTERPRET=1) take the Triton path
     (plan_kernels.py); CPU inputs the torch-op path. Both give identical tensors.
+    ``id_limit`` > 0: also check every id against [-1, id_limit) on the device, into
+    plan.ids_ok (the count kernels do it in passing: no extra launch, no host sync).
     """
     if topk_ids.dim() != 2:
         raise ValueError(f"topk_ids must be [T, K], got shape {tuple(topk_ids.shape)}")
@@ -105,13 +112,13 @@ def build_plan(
         # to issue on the H200 machine, time the GPU spent idle.
         from torchtitan_megamoe.ops.triton.plan_kernels import plan_tensors
 
-        row_slot, slot_row, tile_expert, seg_start, count, _ = plan_tensors(
-            topk_ids.contiguous(), E, block_m, rank, R_max
+        row_slot, slot_row, tile_expert, seg_start, count, _, ids_ok = plan_tensors(
+            topk_ids.contiguous(), E, block_m, rank, R_max, id_limit=id_limit
         )
         return Plan(
             row_slot=row_slot, slot_row=slot_row, tile_expert=tile_expert,
             seg_start=seg_start, count=count, num_rows_used=seg_start[E],
-            num_tokens=T, top_k=K, num_local_experts=E, block_m=block_m,
+            num_tokens=T, top_k=K, num_local_experts=E, block_m=block_m, ids_ok=ids_ok,
         )
 
     dev = topk_ids.device
@@ -157,7 +164,12 @@ def build_plan(
     tile_expert = torch.where(tile_expert < E, tile_expert, torch.full_like(tile_expert, -1))
 
     i32 = torch.int32
+    ids_ok = None
+    if id_limit > 0:
+        ids = topk_ids.reshape(-1)
+        ids_ok = ((ids >= -1) & (ids < id_limit)).all().to(i32)
     return Plan(
+        ids_ok=ids_ok,
         row_slot=row_slot.to(i32),
         slot_row=slot_row.to(i32),
         tile_expert=tile_expert.to(i32),
@@ -199,7 +211,7 @@ def build_phased_plan(
         # than the kernels take on the GPU)
         from torchtitan_megamoe.ops.triton.plan_kernels import plan_tensors
 
-        row_slot, slot_row, tile_expert, seg_start, count, tiles = plan_tensors(
+        row_slot, slot_row, tile_expert, seg_start, count, tiles, _ = plan_tensors(
             topk_ids.contiguous(), E, block_m, 0, max_rows(T * K, E, block_m, P), phase, P
         )
         plan = Plan(

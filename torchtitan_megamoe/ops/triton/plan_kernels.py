@@ -37,18 +37,24 @@ def _local_key(ids_ptr, phase_ptr, slots, S, RANK_BASE, TOP_K, E: tl.constexpr,
 
 @triton.jit
 def _plan_count_kernel(
-    ids_ptr, phase_ptr, chunk_count_ptr, row_slot_ptr, S, R_MAX, RANK_BASE, ROWS_PER_PROG, TOP_K,
-    E: tl.constexpr, E_PAD: tl.constexpr, BLOCK: tl.constexpr, SUB: tl.constexpr,
-    P: tl.constexpr,
+    ids_ptr, phase_ptr, chunk_count_ptr, chunk_bad_ptr, row_slot_ptr, S, R_MAX, RANK_BASE,
+    ROWS_PER_PROG, TOP_K, ID_LIMIT, E: tl.constexpr, E_PAD: tl.constexpr, BLOCK: tl.constexpr,
+    SUB: tl.constexpr, P: tl.constexpr, CHECK: tl.constexpr,
 ):
     c = tl.program_id(0)
     experts = tl.arange(0, E_PAD)
     hist = tl.zeros((E_PAD,), tl.int32)
+    bad = tl.zeros((BLOCK,), tl.int32)
     for j in range(SUB):
         slots = (c * SUB + j) * BLOCK + tl.arange(0, BLOCK)
         key = _local_key(ids_ptr, phase_ptr, slots, S, RANK_BASE, TOP_K, E, P)
         hist += tl.sum((key[:, None] == experts[None, :]).to(tl.int32), axis=0)
+        if CHECK:
+            g = tl.load(ids_ptr + slots, mask=slots < S, other=-1).to(tl.int64)
+            bad += ((g < -1) | (g >= ID_LIMIT)).to(tl.int32)
     tl.store(chunk_count_ptr + c * E_PAD + experts, hist)
+    if CHECK:
+        tl.store(chunk_bad_ptr + c, tl.sum(bad, axis=0))
     for r0 in range(0, ROWS_PER_PROG, BLOCK):
         rows = c * ROWS_PER_PROG + r0 + tl.arange(0, BLOCK)
         tl.store(row_slot_ptr + rows, tl.full((BLOCK,), -1, tl.int32), mask=rows < R_MAX)
@@ -56,14 +62,16 @@ def _plan_count_kernel(
 
 @triton.jit
 def _plan_scan_kernel(
-    chunk_count_ptr, chunk_off_ptr, count_ptr, seg_start_ptr, tile_expert_ptr,
-    seg_real_ptr, count_real_ptr, phase_tiles_ptr,
+    chunk_count_ptr, chunk_off_ptr, chunk_bad_ptr, ids_ok_ptr, count_ptr, seg_start_ptr,
+    tile_expert_ptr, seg_real_ptr, count_real_ptr, phase_tiles_ptr,
     num_chunks, num_tiles,
     E: tl.constexpr, E_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
     CB: tl.constexpr, TB: tl.constexpr, P: tl.constexpr, ER_PAD: tl.constexpr,
+    CHECK: tl.constexpr,
 ):
     experts = tl.arange(0, E_PAD)
     carry = tl.zeros((E_PAD,), tl.int32)
+    bad = tl.zeros((CB,), tl.int32)
     for c0 in range(0, num_chunks, CB):
         chunks = c0 + tl.arange(0, CB)
         offs = chunks[:, None] * E_PAD + experts[None, :]
@@ -72,6 +80,11 @@ def _plan_scan_kernel(
         incl = tl.cumsum(cnt, axis=0)
         tl.store(chunk_off_ptr + offs, incl - cnt + carry[None, :], mask=m)
         carry += tl.sum(cnt, axis=0)
+        if CHECK:
+            bad += tl.load(chunk_bad_ptr + chunks, mask=chunks < num_chunks, other=0)
+    if CHECK:
+        # 1 when every id lies in [-1, ID_LIMIT): what torch._assert_async checks
+        tl.store(ids_ok_ptr, (tl.sum(bad, axis=0) == 0).to(tl.int32))
     in_e = experts < E
     tl.store(count_ptr + experts, carry, mask=in_e)
     padded = (carry + BLOCK_M - 1) // BLOCK_M * BLOCK_M
@@ -134,10 +147,13 @@ TARGET_CHUNKS = 256
 
 
 def plan_tensors(topk_ids: torch.Tensor, E: int, block_m: int, rank: int, R_max: int,
-                 phase: torch.Tensor | None = None, phases: int = 1):
-    """(row_slot, slot_row, tile_expert, seg_start, count, phase_tiles) as int32 tensors, same
-    layout as the torch path of build_plan (phases = 1; phase_tiles is None) or of
-    build_phased_plan (``phase`` [T] per token; phase_tiles [phases, num_tiles])."""
+                 phase: torch.Tensor | None = None, phases: int = 1, id_limit: int = 0):
+    """(row_slot, slot_row, tile_expert, seg_start, count, phase_tiles, ids_ok) as int32
+    tensors, same layout as the torch path of build_plan (phases = 1; phase_tiles is None) or of
+    build_phased_plan (``phase`` [T] per token; phase_tiles [phases, num_tiles]).
+    ``id_limit`` > 0: the count kernels also check every id against [-1, id_limit) and ids_ok
+    (0-d) is 1 when all are in range, 0 otherwise (no host sync; the caller asserts on the
+    device); ``id_limit`` 0: no check, ids_ok is None."""
     dev = topk_ids.device
     S = topk_ids.numel()
     K = topk_ids.shape[1] if topk_ids.dim() == 2 else 1
@@ -160,6 +176,9 @@ def plan_tensors(topk_ids: torch.Tensor, E: int, block_m: int, rank: int, R_max:
     slot_row = torch.empty(S, dtype=i32, device=dev)
     tile_expert = torch.empty(num_tiles, dtype=i32, device=dev)
     seg_virt = torch.empty(EV + 1, dtype=i32, device=dev)
+    check = id_limit > 0
+    chunk_bad = torch.empty(num_chunks, dtype=i32, device=dev) if check else chunk_count
+    ids_ok = torch.empty((), dtype=i32, device=dev) if check else chunk_count
     count_virt = torch.empty(EV, dtype=i32, device=dev)
     if P > 1:
         seg_start = torch.empty(E + 1, dtype=i32, device=dev)
@@ -170,19 +189,20 @@ def plan_tensors(topk_ids: torch.Tensor, E: int, block_m: int, rank: int, R_max:
         seg_start, count, phase_tiles, phase = seg_virt, count_virt, tile_expert, ids
     rank_base = rank * E
     _plan_count_kernel[(num_chunks,)](
-        ids, phase, chunk_count, row_slot, S, R_max, rank_base, rows_per_prog, K,
-        E=EV, E_PAD=E_PAD, BLOCK=BLOCK, SUB=SUB, P=P, num_warps=8,
+        ids, phase, chunk_count, chunk_bad, row_slot, S, R_max, rank_base, rows_per_prog, K,
+        id_limit, E=EV, E_PAD=E_PAD, BLOCK=BLOCK, SUB=SUB, P=P, CHECK=check, num_warps=8,
     )
     _plan_scan_kernel[(1,)](
-        chunk_count, chunk_off, count_virt, seg_virt, tile_expert, seg_start, count,
-        phase_tiles, num_chunks, num_tiles,
+        chunk_count, chunk_off, chunk_bad, ids_ok, count_virt, seg_virt, tile_expert, seg_start,
+        count, phase_tiles, num_chunks, num_tiles,
         E=EV, E_PAD=E_PAD, BLOCK_M=block_m, CB=max(1, min(64, 8192 // E_PAD)),
         TB=max(1, min(128, 8192 // E_PAD)), P=P, ER_PAD=triton.next_power_of_2(E + 1),
-        num_warps=8,
+        CHECK=check, num_warps=8,
     )
     if S:
         _plan_place_kernel[(num_chunks,)](
             ids, phase, chunk_off, seg_virt, slot_row, row_slot, S, rank_base, K,
             E=EV, E_PAD=E_PAD, BLOCK=BLOCK, SUB=SUB, P=P, num_warps=8,
         )
-    return row_slot, slot_row, tile_expert, seg_start, count, (phase_tiles if P > 1 else None)
+    return (row_slot, slot_row, tile_expert, seg_start, count, (phase_tiles if P > 1 else None),
+            ids_ok if check else None)
