@@ -3,8 +3,10 @@
 ``route(router, x, expert_bias)`` returns what ``router(x, expert_bias)`` returns (TorchTitan
 0.2.2's ``TokenChoiceTopKRouter.forward``: gate, softmax or sigmoid in fp32, top-k of the
 biased scores, gating values gathered from the unbiased scores, optional normalization, scale,
-tokens per expert), with ``torch.topk`` replaced by ``megamoe::router_topk`` (see
-ops/triton/topk.py: ~115 us -> a few us per layer call at 16384 tokens x 128 experts).
+tokens per expert). Eager calls run everything after the softmax as one launch
+(ops/triton/topk.topk_gate: selection, gating values, normalization, scale, counts); a traced
+graph replaces only ``torch.topk`` (~115 us at 16384 tokens x 128 experts) by the
+``megamoe::router_topk`` custom op and leaves the rest to compile.
 
 Only the plain configuration takes this path: the router is exactly TokenChoiceTopKRouter, no
 node-limited (grouped) routing, no debug load-balance override, a CUDA input (or ``kernel=True``
@@ -19,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torchtitan.models.moe.moe import TokenChoiceTopKRouter
 
-from torchtitan_megamoe.ops.triton.topk import MAX_EXPERTS, router_topk, topk_indices
+from torchtitan_megamoe.ops.triton.topk import MAX_EXPERTS, router_topk, topk_gate
 
 
 def fast_path_ok(router, x: torch.Tensor, kernel: bool | None = None) -> bool:
@@ -39,16 +41,19 @@ def route(router, x: torch.Tensor, expert_bias: torch.Tensor | None = None,
     if not fast_path_ok(router, x, kernel):
         return router(x, expert_bias)
     scores = router.gate(x)
-    # fp32, as stock does, to avoid loss explosions
+    # fp32, as stock does, to avoid loss explosions (softmax's dtype argument casts its input
+    # first: the same values as stock's .to(float32) without the copy's launch)
     if router.score_func == "sigmoid":
         scores = torch.sigmoid(scores.to(torch.float32))
     else:
-        scores = F.softmax(scores.to(torch.float32), dim=1)
+        scores = F.softmax(scores, dim=1, dtype=torch.float32)
     bias = None if expert_bias is None else expert_bias.detach().to(torch.float32).contiguous()
-    # the custom op only where a graph is traced; eager calls skip its dispatch cost
-    topk = router_topk if torch.compiler.is_compiling() else topk_indices
+    if not torch.compiler.is_compiling():
+        # eager: selection, gating values, normalization, scale and counts in one launch
+        return topk_gate(scores, router.top_k, bias, router.route_norm, router.route_scale)
+    # a traced graph: the top-k as one opaque custom op, the rest as torch ops compile fuses
     with torch.no_grad():
-        selected = topk(scores.detach(), router.top_k, bias)
+        selected = router_topk(scores.detach(), router.top_k, bias)
     # the gating values come from the unbiased scores (the bias only steers the choice)
     top_scores = scores.gather(dim=1, index=selected)
     if router.route_norm:

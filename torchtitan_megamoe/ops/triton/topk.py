@@ -11,8 +11,13 @@ lower expert index comes first, NaN counts as larger than any number (torch.topk
 the result is one of the index sets torch.topk may return. The gating values are not computed
 here: the caller gathers them from the unbiased scores, so autograd sees plain torch ops.
 
+topk_gate (eager) goes one step further: the same selection, the gating values, their
+normalization and scale, and the tokens per expert in the same launch (_topk_gate_kernel), so
+the router issues three launches (gate, softmax, this) instead of eleven before the layer's
+first big kernel, where the host's issue time is not hidden.
+
 Tiles: BLOCK_T tokens x BLOCK_E (>= E, power of 2) experts per program, fp32.
-Waits on: nothing. Signals: nothing.
+Waits on: nothing. Signals: nothing (topk_gate: atomics on the zeroed counts).
 """
 
 import torch
@@ -46,6 +51,45 @@ def _topk_kernel(s_ptr, bias_ptr, idx_ptr, T, E, stride_s, HAS_BIAS: tl.constexp
         taken = taken | (cols[None, :] == j[:, None])
 
 
+@triton.jit
+def _topk_gate_kernel(s_ptr, bias_ptr, idx_ptr, val_ptr, cnt_ptr, T, E, stride_s, scale,
+                      HAS_BIAS: tl.constexpr, NORM: tl.constexpr, K: tl.constexpr,
+                      K_PAD: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr):
+    """_topk_kernel plus what the router does with the choice: the gating values gathered from
+    the unbiased scores, normalized over the row (NORM) and scaled, and the tokens per expert
+    (integer atomics into cnt: exact, so deterministic)."""
+    rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    cols = tl.arange(0, BLOCK_E)
+    ks = tl.arange(0, K_PAD)
+    in_t = rows < T
+    in_e = cols < E
+    raw = tl.load(s_ptr + rows.to(tl.int64)[:, None] * stride_s + cols[None, :],
+                  mask=in_t[:, None] & in_e[None, :], other=0.0).to(tl.float32)
+    s = raw
+    if HAS_BIAS:
+        s += tl.load(bias_ptr + cols, mask=in_e, other=0.0).to(tl.float32)[None, :]
+    s = tl.where(s != s, float("inf"), s)
+    taken = (cols[None, :] >= E) | (rows[:, None] < 0)
+    vals = tl.zeros((BLOCK_T, K_PAD), tl.float32)
+    for k in tl.static_range(K):
+        live = tl.where(taken, -float("inf"), s)
+        best = tl.max(live, axis=1)
+        hit = (live == best[:, None]) & ~taken
+        j = tl.min(tl.where(hit, cols[None, :], BLOCK_E), axis=1)
+        pick = cols[None, :] == j[:, None]
+        g = tl.sum(tl.where(pick, raw, 0.0), axis=1)
+        vals = tl.where(ks[None, :] == k, g[:, None], vals)
+        tl.store(idx_ptr + rows.to(tl.int64) * K + k, j.to(tl.int64), mask=in_t)
+        taken = taken | pick
+    if NORM:
+        vals = vals / (tl.sum(vals, axis=1) + 1e-20)[:, None]
+    vals = vals * scale
+    tl.store(val_ptr + rows.to(tl.int64)[:, None] * K + ks[None, :], vals,
+             mask=in_t[:, None] & (ks[None, :] < K))
+    chosen = taken & in_e[None, :] & in_t[:, None]
+    tl.atomic_add(cnt_ptr + cols, tl.sum(chosen.to(tl.int64), axis=0), mask=in_e)
+
+
 def topk_indices_reference(scores: torch.Tensor, k: int, bias: torch.Tensor | None = None):
     """The same order in plain torch: a stable descending sort, NaN first."""
     s = scores.float() if bias is None else scores.float() + bias.float()
@@ -59,9 +103,8 @@ def supported(scores: torch.Tensor, k: int) -> bool:
 
 
 def topk_indices(scores: torch.Tensor, k: int, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """[T, k] int64 indices of the k largest (scores + bias) per row (see the module docstring).
-    Eager callers use this directly: the custom op below adds ~20 us of dispatch per call, and
-    the router runs before the layer's first big kernel, where host time is not hidden."""
+    """[T, k] int64 indices of the k largest (scores + bias) per row (see the module docstring):
+    the launch behind the router_topk custom op (eager routers call topk_gate instead)."""
     if not supported(scores, k):
         raise ValueError(
             f"router_topk: needs 2-D float scores with 0 < k <= experts <= {MAX_EXPERTS}, got "
@@ -83,6 +126,69 @@ def topk_indices(scores: torch.Tensor, k: int, bias: torch.Tensor | None = None)
         HAS_BIAS=bias is not None, K=k, BLOCK_T=BLOCK_T, BLOCK_E=BLOCK_E, num_warps=4,
     )
     return idx
+
+
+def _launch_gate(scores, k, bias, norm, scale):
+    T, E = scores.shape
+    idx = torch.empty((T, k), dtype=torch.int64, device=scores.device)
+    vals = torch.empty((T, k), dtype=torch.float32, device=scores.device)
+    counts = torch.zeros(E, dtype=torch.int64, device=scores.device)
+    if T == 0:
+        return vals, idx, counts
+    BLOCK_E = triton.next_power_of_2(E)
+    BLOCK_T = max(1, min(64, 4096 // BLOCK_E))
+    _topk_gate_kernel[(triton.cdiv(T, BLOCK_T),)](
+        scores, bias if bias is not None else scores, idx, vals, counts, T, E, scores.stride(0),
+        float(scale), HAS_BIAS=bias is not None, NORM=bool(norm), K=k,
+        K_PAD=triton.next_power_of_2(k), BLOCK_T=BLOCK_T, BLOCK_E=BLOCK_E, num_warps=4,
+    )
+    return vals, idx, counts
+
+
+class _TopKGate(torch.autograd.Function):
+    """(gating values, indices, tokens per expert) of the router from its fp32 scores; the
+    gradient flows back to the scores only (at the chosen columns), as through stock's
+    gather / normalize / scale."""
+
+    @staticmethod
+    def forward(ctx, scores, k, bias, norm, scale):
+        vals, idx, counts = _launch_gate(scores, k, bias, norm, scale)
+        ctx.save_for_backward(scores, idx)
+        ctx.norm, ctx.scale = norm, scale
+        ctx.mark_non_differentiable(idx, counts)
+        return vals, idx, counts
+
+    @staticmethod
+    def backward(ctx, dvals, _didx, _dcounts):
+        scores, idx = ctx.saved_tensors
+        dout = dvals * ctx.scale
+        if ctx.norm:
+            # out_j = g_j / (sum g + eps): dg_i = (dout_i - sum_j dout_j out'_j) / (sum g + eps)
+            g = scores.gather(1, idx)
+            denom = g.sum(dim=-1, keepdim=True) + 1e-20
+            dout = (dout - (dout * (g / denom)).sum(dim=-1, keepdim=True)) / denom
+        return torch.zeros_like(scores).scatter_(1, idx, dout), None, None, None, None
+
+
+def topk_gate(scores: torch.Tensor, k: int, bias: torch.Tensor | None, norm: bool,
+              scale: float):
+    """What TorchTitan's TokenChoiceTopKRouter computes after its scores, in one launch (plus
+    the counts' zero fill): (top_scores [T, k] fp32, selected [T, k] int64, tokens per expert
+    [E] int64). top_scores = scores[selected] (/ their row sum + 1e-20 with ``norm``) *
+    ``scale``; selected as topk_indices (by scores + bias). Differentiable in ``scores``.
+    Eager only: a compiled graph uses router_topk and torch ops (see router.py)."""
+    if not supported(scores, k) or scores.dtype != torch.float32:
+        raise ValueError(
+            f"topk_gate: needs 2-D fp32 scores with 0 < k <= experts <= {MAX_EXPERTS}, got "
+            f"{tuple(scores.shape)} {scores.dtype}, k={k}"
+        )
+    E = scores.shape[1]
+    if scores.stride(1) != 1:
+        scores = scores.contiguous()
+    if bias is not None and (bias.shape != (E,) or not bias.is_contiguous()):
+        raise ValueError(f"topk_gate: bias must be a contiguous [{E}] vector, got "
+                         f"{tuple(bias.shape)}")
+    return _TopKGate.apply(scores, k, bias, norm, scale)
 
 
 @torch.library.custom_op("megamoe::router_topk", mutates_args=())
