@@ -72,7 +72,7 @@ def test_route_kernel_matches_reference(T, K, R, E_local, case, block_t, id_dtyp
     w_dtype = torch.bfloat16 if id_dtype == torch.int32 else torch.float32
     weights = weights.to(w_dtype)
     C = T + 3  # regions longer than this batch: unused rows must read as "no slot"
-    owner, ret_slot, pos, meta = ep_route_tensors(
+    owner, ret_slot, pos, meta, _ = ep_route_tensors(
         ids.to(id_dtype).to(DEV), weights.to(DEV), E_local, R, C, block_t=block_t
     )
     w_owner, w_ret, w_pos, w_ids, w_w, n = reference(ids, weights, E_local, R, C)
@@ -105,7 +105,7 @@ def test_route_kernel_overwrites_stale_outputs(monkeypatch):
     import torchtitan_megamoe.ops.triton.ep_route_kernel as mod
 
     monkeypatch.setattr(mod.torch, "empty", poisoned_empty)
-    owner, ret_slot, pos, meta = ep_route_tensors(ids, weights, E_local, R, C, block_t=8)
+    owner, ret_slot, pos, meta, _ = ep_route_tensors(ids, weights, E_local, R, C, block_t=8)
     monkeypatch.undo()
     for t in (owner, ret_slot, pos, meta[..., :K]):
         assert not (t == -77).any()
@@ -148,7 +148,7 @@ def test_route_kernel_gpu_30b_shape(R, E_local):
     ids = torch.randint(0, R * E_local, (T, K), device="cuda", generator=g)
     ids[torch.rand(T, K, device="cuda", generator=g) < 0.05] = -1
     weights = torch.rand(T, K, device="cuda", generator=g).bfloat16()
-    owner, ret_slot, pos, meta = ep_route_tensors(ids, weights, E_local, R, T)
+    owner, ret_slot, pos, meta, _ = ep_route_tensors(ids, weights, E_local, R, T)
     w_owner, w_pos_t, w_meta = reference_vectorized(ids, weights, E_local, R, T)
     assert torch.equal(owner, w_owner)
     assert torch.equal(pos, w_pos_t.t())
@@ -157,3 +157,16 @@ def test_route_kernel_gpu_30b_shape(R, E_local):
     own = owner.clamp(min=0)
     want_ret = (own * T + torch.arange(T, device="cuda")[:, None]) * K + torch.arange(K, device="cuda")
     assert torch.equal(ret_slot, torch.where(owner >= 0, want_ret, -1))
+
+
+@pytest.mark.parametrize("bad,ok", [(None, 1), (8, 0), (-2, 0), (7, 1)])
+def test_route_kernel_checks_the_id_range(bad, ok):
+    # R 2 x E_local 4: ids must lie in [-1, 8); the bad id in the last of several token tiles
+    g = torch.Generator().manual_seed(7)
+    ids = torch.randint(-1, 8, (37, 3), generator=g).to(DEV)
+    if bad is not None:
+        ids[36, 2] = bad
+    weights = torch.rand(37, 3, generator=g).to(DEV)
+    *_, ids_ok = ep_route_tensors(ids, weights, 4, 2, 40, block_t=8, check_ids=True)
+    assert ids_ok.dtype == torch.int32 and int(ids_ok) == ok
+    assert ep_route_tensors(ids.clamp(-1, 7), weights, 4, 2, 40, block_t=8)[-1] is None

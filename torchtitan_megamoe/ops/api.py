@@ -89,10 +89,10 @@ def mega_moe(
     check_args(x, topk_ids, topk_weights, w1, w2, w3, group=group, precision=precision,
                check_ids=False)
     backend = resolve_backend(backend, x, group)
-    # The Triton EP=1 forward checks the ids inside its plan kernels on CUDA (one device
-    # assert instead of six launches before the layer's first kernel, host time a waited
-    # call pays); every other path checks them here.
-    if not (backend == "triton" and x.is_cuda and group_size(group) == 1):
+    # The Triton forward checks the ids on CUDA inside its first kernels (EP=1: the plan's
+    # count kernels, EP > 1: the route kernel), one device assert instead of six launches
+    # before the layer's first kernel, host time a waited call pays; other paths check here.
+    if not (backend == "triton" and x.is_cuda):
         _check_ids(topk_ids, w1.shape[0] * group_size(group), group)
     group_name = "" if group is None else group.group_name
     # Keep activations for a backward only when one can follow: inference and no_grad

@@ -95,7 +95,7 @@ def forward_ep(x, topk_ids, topk_weights, w1, w2, w3, group, block_m, gemm1_conf
     w1, w2, w3 = w1.contiguous(), w2.contiguous(), w3.contiguous()
     E_local, H, D = w1.shape
     T = x.shape[0]
-    route = TokenRoute(topk_ids, topk_weights, E_local, group, D, x.dtype)
+    route = TokenRoute(topk_ids, topk_weights, E_local, group, D, x.dtype, check_ids=True)
     ex, R, C, K, me = route.ex, route.R, route.C, route.K, route.ex.rank
     peers = [d for d in range(R) if d != me]
 

@@ -53,7 +53,7 @@ class TokenRoute:
     """The routing of this rank's tokens [T, K] over an EP group of R ranks with E_local experts
     each: ``pos[t, d]`` = row of token t in its region on rank d (-1: t has no expert on d)."""
 
-    def __init__(self, topk_ids, topk_weights, E_local, group, D, dtype):
+    def __init__(self, topk_ids, topk_weights, E_local, group, D, dtype, check_ids=False):
         T, K = topk_ids.shape
         self.T, self.K, self.E_local = T, K, E_local
         self.ex = get_exchange(group, T, exchange_widths(D, K, dtype), topk_ids.device)
@@ -63,9 +63,14 @@ class TokenRoute:
         # where it does not go) and the metadata regions: local ids of the slots d owns (-1 elsewhere and in unused rows) and the
         # routing weights' bit patterns. Whole regions travel (C x 2K int32, ~1 MB at
         # C = 16384, K = 8), so rows a source did not fill this call never show stale ids.
-        self.owner, self._ret_slot, self.pos, self.meta = ep_route_tensors(
-            topk_ids, topk_weights, E_local, R, C
+        self.owner, self._ret_slot, self.pos, self.meta, ids_ok = ep_route_tensors(
+            topk_ids, topk_weights, E_local, R, C, check_ids=check_ids
         )
+        if check_ids:
+            # check_ids: the forward's (mega_moe leaves the id range to this kernel on CUDA)
+            from torchtitan_megamoe.ops.api import ids_range_message  # api imports us lazily
+
+            torch._assert_async(ids_ok, ids_range_message(E_local * R, R))
 
     def send_meta(self) -> None:
         """Store every destination's metadata region (no barrier)."""

@@ -32,9 +32,10 @@ import triton.language as tl
 
 @triton.jit
 def _ep_route_kernel(
-    ids_ptr, w_ptr, owner_ptr, ret_slot_ptr, pos_ptr, meta_ptr,
+    ids_ptr, w_ptr, owner_ptr, ret_slot_ptr, pos_ptr, meta_ptr, ok_ptr,
     T, C, E_local, stride_ids_t, stride_ids_k, stride_w_t, stride_w_k,
     R: tl.constexpr, K: tl.constexpr, K_PAD: tl.constexpr, BLOCK_T: tl.constexpr,
+    CHECK: tl.constexpr,
 ):
     d = tl.program_id(0)
     kk = tl.arange(0, K_PAD)
@@ -48,6 +49,10 @@ def _ep_route_kernel(
     own = tl.where(g >= 0, g // E_local, -1)
     slot = t64[:, None] * K + kk[None, :]
     if d == 0:
+        if CHECK:
+            # 1 when every id of the tile lies in [-1, R * E_local)
+            bad = tl.sum(tl.sum(((g < -1) | (g >= R * E_local)).to(tl.int32), axis=1), axis=0)
+            tl.store(ok_ptr + tl.program_id(1), (bad == 0).to(tl.int32))
         tl.store(owner_ptr + slot, own.to(tl.int64), mask=m)
         tl.store(ret_slot_ptr + slot, tl.full((BLOCK_T, K_PAD), -1, tl.int64),
                  mask=m & ((own < 0) | (own >= R)))
@@ -69,11 +74,13 @@ def _ep_route_kernel(
 
 
 def ep_route_tensors(topk_ids: torch.Tensor, topk_weights: torch.Tensor, E_local: int, R: int,
-                     C: int, block_t: int | None = None):
-    """(owner, ret_slot [T, K] int64, pos [T, R] int32, meta [R, C, 2K] int32; see the module
-    docstring) of this rank's routing over R ranks of E_local experts
+                     C: int, block_t: int | None = None, check_ids: bool = False):
+    """(owner, ret_slot [T, K] int64, pos [T, R] int32, meta [R, C, 2K] int32, ids_ok; see the
+    module docstring) of this rank's routing over R ranks of E_local experts
     each, C rows per region (C >= T). ``block_t`` (a power of two) overrides the token tile;
-    tests lower it to cover many blocks."""
+    tests lower it to cover many blocks. ``check_ids``: ids_ok is a 0-d int32, 1 when every id
+    lies in [-1, R * E_local) (the tiles check in passing; one reduction launch, no host sync),
+    else None."""
     T, K = topk_ids.shape
     if topk_weights.shape != (T, K):
         raise ValueError(f"ep_route: topk_weights {tuple(topk_weights.shape)} vs ids {(T, K)}")
@@ -89,10 +96,12 @@ def ep_route_tensors(topk_ids: torch.Tensor, topk_weights: torch.Tensor, E_local
     # 2 x 32 programs at T = C = 16384, K = 8, R = 2 (one program per destination walking all
     # tokens took 124 us on the H200; the identity layout needs no scan, so tiles are independent)
     BLOCK_T = block_t or max(16, min(1024, 4096 // K_PAD))
-    _ep_route_kernel[(R, triton.cdiv(C, BLOCK_T))](
-        topk_ids, topk_weights, owner, ret_slot, pos, meta,
+    blocks = triton.cdiv(C, BLOCK_T)
+    ok = torch.empty(blocks, dtype=torch.int32, device=dev) if check_ids else pos
+    _ep_route_kernel[(R, blocks)](
+        topk_ids, topk_weights, owner, ret_slot, pos, meta, ok,
         T, C, E_local, topk_ids.stride(0), topk_ids.stride(1),
         topk_weights.stride(0), topk_weights.stride(1),
-        R=R, K=K, K_PAD=K_PAD, BLOCK_T=BLOCK_T, num_warps=8,
+        R=R, K=K, K_PAD=K_PAD, BLOCK_T=BLOCK_T, CHECK=check_ids, num_warps=8,
     )
-    return owner, ret_slot, pos, meta
+    return owner, ret_slot, pos, meta, (ok.amin() if check_ids else None)
