@@ -5,20 +5,31 @@ The torch-op version of the plan is ~25 tiny launches; on the H200 machine the h
 shape). These three kernels compute the same layout, bit for bit.
 
 Slots are cut into chunks of SUB x BLOCK; each program of a launch owns one chunk and walks its
-SUB sub-blocks in order.
-  count  (grid = chunks): per-chunk histogram over local experts ([BLOCK, E_PAD] one-hot sum);
-         also fills its share of row_slot with -1 (padding rows stay -1).
+SUB sub-blocks in order. Bins ("keys") are the local experts (with phases: local * P + phase),
+plus bin E for slots not computed here; E_PAD > E bins.
+  count  (grid = chunks): per-chunk histogram of the keys (tl.histogram); fills its share of
+         row_slot, tile_expert (and the phase tiles) with -1, which the unused rows and tiles
+         keep; with an id limit, counts the ids outside [-1, limit).
          Waits on: nothing. Signals: nothing (the next launch reads its output).
-  scan   (grid = 1): exclusive prefix of the chunk histograms per expert (chunk_off), expert
-         totals (count), padded segment starts (seg_start), tile_expert for every tile.
-  place  (grid = chunks): rank of each slot among the earlier slots of its expert in its chunk
-         (cumsum of the one-hot, plus a per-expert count carried across sub-blocks), row = seg_start[e] + chunk_off[chunk, e] + rank; writes
-         slot_row and row_slot[row]. Increasing slot order inside each expert, as the torch path.
+  scan   (grid = 1): exclusive prefix of the chunk histograms per key (chunk_off), totals
+         (count), padded segment starts (seg_start), the id check's verdict.
+  place  (grid = chunks): per sub-block, sorts key * BLOCK + lane (one tl.sort: slots of one key
+         end up together, in increasing slot order), so the slot at sorted position p has rank
+         p - (slots of smaller keys) in its key, and row = seg_start[key] + chunk_off[chunk,
+         key] + (its key's slots in earlier sub-blocks) + rank: one per-key base (through a
+         per-chunk scratch row) plus p. Writes slot_row, row_slot[row], and tile_expert[row /
+         block_m] at every row that starts a tile (a segment's first row of each tile is a real
+         row: segments are padded to whole tiles, never by a whole tile). Increasing slot
+         order inside each expert, as the torch path.
+Measured before the sort (one-hot [BLOCK, E_PAD] cumsums, the tile map in the one-program
+scan): 25 + 35 + 46 us at 30B EP=1, 68 + 50 + 108 us at EP=2 (docs/PERF.md).
 """
 
 import torch
 import triton
 import triton.language as tl
+
+from torchtitan_megamoe.ops.triton.tune import interpreting
 
 
 @triton.jit
@@ -36,10 +47,19 @@ def _local_key(ids_ptr, phase_ptr, slots, S, RANK_BASE, TOP_K, E: tl.constexpr,
 
 
 @triton.jit
+def _fill(ptr, n, first, count, BLOCK: tl.constexpr):
+    """ptr[first : first + count] = -1 (clipped to n)."""
+    for i0 in range(0, count, BLOCK):
+        i = first + i0 + tl.arange(0, BLOCK)
+        tl.store(ptr + i, tl.full((BLOCK,), -1, tl.int32), mask=(i < n) & (i < first + count))
+
+
+@triton.jit
 def _plan_count_kernel(
-    ids_ptr, phase_ptr, chunk_count_ptr, chunk_bad_ptr, row_slot_ptr, S, R_MAX, RANK_BASE,
-    ROWS_PER_PROG, TOP_K, ID_LIMIT, E: tl.constexpr, E_PAD: tl.constexpr, BLOCK: tl.constexpr,
-    SUB: tl.constexpr, P: tl.constexpr, CHECK: tl.constexpr,
+    ids_ptr, phase_ptr, chunk_count_ptr, chunk_bad_ptr, row_slot_ptr, tiles_ptr, S, R_MAX,
+    NUM_TILE_ENTRIES, RANK_BASE, ROWS_PER_PROG, TILES_PER_PROG, TOP_K, ID_LIMIT,
+    E: tl.constexpr, E_PAD: tl.constexpr, BLOCK: tl.constexpr, SUB: tl.constexpr,
+    P: tl.constexpr, CHECK: tl.constexpr,
 ):
     c = tl.program_id(0)
     experts = tl.arange(0, E_PAD)
@@ -48,26 +68,24 @@ def _plan_count_kernel(
     for j in range(SUB):
         slots = (c * SUB + j) * BLOCK + tl.arange(0, BLOCK)
         key = _local_key(ids_ptr, phase_ptr, slots, S, RANK_BASE, TOP_K, E, P)
-        hist += tl.sum((key[:, None] == experts[None, :]).to(tl.int32), axis=0)
+        hist += tl.histogram(key, E_PAD)
         if CHECK:
             g = tl.load(ids_ptr + slots, mask=slots < S, other=-1).to(tl.int64)
             bad += ((g < -1) | (g >= ID_LIMIT)).to(tl.int32)
     tl.store(chunk_count_ptr + c * E_PAD + experts, hist)
     if CHECK:
         tl.store(chunk_bad_ptr + c, tl.sum(bad, axis=0))
-    for r0 in range(0, ROWS_PER_PROG, BLOCK):
-        rows = c * ROWS_PER_PROG + r0 + tl.arange(0, BLOCK)
-        tl.store(row_slot_ptr + rows, tl.full((BLOCK,), -1, tl.int32), mask=rows < R_MAX)
+    _fill(row_slot_ptr, R_MAX, c * ROWS_PER_PROG, ROWS_PER_PROG, BLOCK)
+    # tile_expert, then (with phases) the P phase maps: one flat array
+    _fill(tiles_ptr, NUM_TILE_ENTRIES, c * TILES_PER_PROG, TILES_PER_PROG, BLOCK)
 
 
 @triton.jit
 def _plan_scan_kernel(
     chunk_count_ptr, chunk_off_ptr, chunk_bad_ptr, ids_ok_ptr, count_ptr, seg_start_ptr,
-    tile_expert_ptr, seg_real_ptr, count_real_ptr, phase_tiles_ptr,
-    num_chunks, num_tiles,
+    seg_real_ptr, count_real_ptr, num_chunks,
     E: tl.constexpr, E_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
-    CB: tl.constexpr, TB: tl.constexpr, P: tl.constexpr, ER_PAD: tl.constexpr,
-    CHECK: tl.constexpr,
+    CB: tl.constexpr, P: tl.constexpr, ER_PAD: tl.constexpr, CHECK: tl.constexpr,
 ):
     experts = tl.arange(0, E_PAD)
     carry = tl.zeros((E_PAD,), tl.int32)
@@ -87,24 +105,10 @@ def _plan_scan_kernel(
         tl.store(ids_ok_ptr, (tl.sum(bad, axis=0) == 0).to(tl.int32))
     in_e = experts < E
     tl.store(count_ptr + experts, carry, mask=in_e)
-    padded = (carry + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    padded = tl.where(in_e, (carry + BLOCK_M - 1) // BLOCK_M * BLOCK_M, 0)
     seg_end = tl.cumsum(padded, axis=0)
     tl.store(seg_start_ptr + experts + 1, seg_end, mask=in_e)
     tl.store(seg_start_ptr + experts, seg_end - padded, mask=in_e)
-    # expert of a tile = number of segment ends at or before its first row
-    seg_end_e = tl.where(in_e, seg_end, 2147483647)
-    for t0 in range(0, num_tiles, TB):
-        tiles = t0 + tl.arange(0, TB)
-        before = (seg_end_e[None, :] <= (tiles * BLOCK_M)[:, None]).to(tl.int32)
-        e = tl.sum(before, axis=1)
-        in_t = tiles < num_tiles
-        # with phases, e is a virtual expert: real expert e // P, phase e % P
-        real = tl.where(e < E, e // P, -1)
-        tl.store(tile_expert_ptr + tiles, real, mask=in_t)
-        if P > 1:
-            for p in tl.static_range(P):
-                tl.store(phase_tiles_ptr + p * num_tiles + tiles,
-                         tl.where(e % P == p, real, -1), mask=in_t)
     if P > 1:
         # real experts' segments: [seg_start[e*P], seg_start[(e+1)*P]) (the virtual starts were
         # stored above; the barrier makes them visible to every thread of this program)
@@ -118,32 +122,48 @@ def _plan_scan_kernel(
 
 @triton.jit
 def _plan_place_kernel(
-    ids_ptr, phase_ptr, chunk_off_ptr, seg_start_ptr, slot_row_ptr, row_slot_ptr, S, RANK_BASE,
-    TOP_K, E: tl.constexpr, E_PAD: tl.constexpr, BLOCK: tl.constexpr, SUB: tl.constexpr,
-    P: tl.constexpr,
+    ids_ptr, phase_ptr, chunk_off_ptr, seg_start_ptr, base_ptr, slot_row_ptr, row_slot_ptr,
+    tile_expert_ptr, phase_tiles_ptr, S, RANK_BASE, TOP_K, num_tiles,
+    E: tl.constexpr, E_PAD: tl.constexpr, BLOCK: tl.constexpr, SUB: tl.constexpr,
+    P: tl.constexpr, BLOCK_M: tl.constexpr,
 ):
     c = tl.program_id(0)
     experts = tl.arange(0, E_PAD)
-    # rows this chunk already placed per expert, carried across its sub-blocks
-    run = tl.zeros((E_PAD,), tl.int32)
+    lanes = tl.arange(0, BLOCK)
+    in_e = experts < E
+    # first row of each key in this chunk, advanced past each sub-block's rows
+    first = tl.load(seg_start_ptr + experts, mask=in_e, other=0) + tl.load(
+        chunk_off_ptr + c * E_PAD + experts, mask=in_e, other=0)
     for j in range(SUB):
-        slots = (c * SUB + j) * BLOCK + tl.arange(0, BLOCK)
-        key = _local_key(ids_ptr, phase_ptr, slots, S, RANK_BASE, TOP_K, E, P)
-        valid = key < E
-        onehot = (key[:, None] == experts[None, :]).to(tl.int32)
-        # the one-hot picks column key: rank = (inclusive count in this sub-block + run)[key] - 1
-        rank = tl.sum((tl.cumsum(onehot, axis=0) + run[None, :]) * onehot, axis=1) - 1
-        run += tl.sum(onehot, axis=0)
-        base = tl.load(seg_start_ptr + key, mask=valid, other=0) + tl.load(
-            chunk_off_ptr + c * E_PAD + key, mask=valid, other=0
-        )
-        row = tl.where(valid, base + rank, -1)
-        tl.store(slot_row_ptr + slots, row, mask=slots < S)
-        tl.store(row_slot_ptr + row, slots, mask=valid)
+        slots0 = (c * SUB + j) * BLOCK
+        key = _local_key(ids_ptr, phase_ptr, slots0 + lanes, S, RANK_BASE, TOP_K, E, P)
+        hist = tl.histogram(key, E_PAD)
+        # the row of sorted position p is base[key] + p, base = first - (slots of smaller keys)
+        tl.store(base_ptr + c * E_PAD + experts, first - (tl.cumsum(hist, axis=0) - hist))
+        tl.debug_barrier()  # the base row is read back by other threads
+        v = tl.sort(key * BLOCK + lanes, 0)
+        skey = v // BLOCK
+        slot = slots0 + v % BLOCK
+        valid = skey < E
+        row = tl.load(base_ptr + c * E_PAD + skey, mask=valid, other=0) + lanes
+        tl.store(slot_row_ptr + slot, tl.where(valid, row, -1), mask=slot < S)
+        tl.store(row_slot_ptr + row, slot, mask=valid)
+        # a row at a tile boundary starts a tile of its key's expert (and phase)
+        starts = valid & (row % BLOCK_M == 0)
+        tl.store(tile_expert_ptr + row // BLOCK_M, skey // P, mask=starts)
+        if P > 1:
+            tl.store(phase_tiles_ptr + (skey % P) * num_tiles + row // BLOCK_M, skey // P,
+                     mask=starts)
+        first += hist
+        tl.debug_barrier()  # every thread has read the base row before the next store
 
 
 TARGET_CHUNKS = 256
 """Chunks (programs) per launch the sub-block count aims for; tests lower it to cover SUB > 1."""
+
+BLOCK_SLOTS = 512
+"""Slots per sub-block (one tl.sort each); the interpreter uses 16 (several sub-blocks and
+chunks at test sizes)."""
 
 
 def plan_tensors(topk_ids: torch.Tensor, E: int, block_m: int, rank: int, R_max: int,
@@ -159,50 +179,55 @@ def plan_tensors(topk_ids: torch.Tensor, E: int, block_m: int, rank: int, R_max:
     K = topk_ids.shape[1] if topk_ids.dim() == 2 else 1
     ids = topk_ids.reshape(-1)
     P = phases
-    EV = E * P  # bins of the histogram: (local expert, phase) pairs
-    E_PAD = max(16, triton.next_power_of_2(EV))
-    # keep the [BLOCK, E_PAD] one-hot at 16K int32 per program (64 registers a thread at 8 warps)
-    BLOCK = max(16, min(128, 16384 // E_PAD))
-    # a chunk = SUB sub-blocks of BLOCK slots; ~256 chunks keep the single-program scan short
+    EV = E * P  # keys: (local expert, phase) pairs, and EV for slots not computed here
+    E_PAD = max(16, triton.next_power_of_2(EV + 1))
+    BLOCK = 16 if interpreting() else BLOCK_SLOTS
+    # a chunk = SUB sub-blocks of BLOCK slots; ~TARGET_CHUNKS chunks keep the one-program scan
+    # short
     SUB = triton.next_power_of_2(max(1, min(16, triton.cdiv(S, BLOCK * TARGET_CHUNKS))))
     num_chunks = max(1, triton.cdiv(S, BLOCK * SUB))
     num_tiles = R_max // block_m
-    rows_per_prog = triton.cdiv(triton.cdiv(R_max, num_chunks), BLOCK) * BLOCK
+    rows_per_prog = triton.cdiv(R_max, num_chunks)
+    tile_entries = num_tiles * (P + 1 if P > 1 else 1)
+    tiles_per_prog = triton.cdiv(tile_entries, num_chunks)
 
     i32 = torch.int32
     chunk_count = torch.empty((num_chunks, E_PAD), dtype=i32, device=dev)
     chunk_off = torch.empty((num_chunks, E_PAD), dtype=i32, device=dev)
+    base = torch.empty((num_chunks, E_PAD), dtype=i32, device=dev)
     row_slot = torch.empty(R_max, dtype=i32, device=dev)
     slot_row = torch.empty(S, dtype=i32, device=dev)
-    tile_expert = torch.empty(num_tiles, dtype=i32, device=dev)
+    # tile_expert and the phase maps in one buffer, filled with -1 by one loop
+    tiles = torch.empty(tile_entries, dtype=i32, device=dev)
+    tile_expert = tiles[:num_tiles]
+    phase_tiles = tiles[num_tiles:].view(P, num_tiles) if P > 1 else tile_expert
     seg_virt = torch.empty(EV + 1, dtype=i32, device=dev)
+    count_virt = torch.empty(EV, dtype=i32, device=dev)
     check = id_limit > 0
     chunk_bad = torch.empty(num_chunks, dtype=i32, device=dev) if check else chunk_count
     ids_ok = torch.empty((), dtype=i32, device=dev) if check else chunk_count
-    count_virt = torch.empty(EV, dtype=i32, device=dev)
     if P > 1:
         seg_start = torch.empty(E + 1, dtype=i32, device=dev)
         count = torch.empty(E, dtype=i32, device=dev)
-        phase_tiles = torch.empty((P, num_tiles), dtype=i32, device=dev)
         phase = phase.to(i32).contiguous()
     else:
-        seg_start, count, phase_tiles, phase = seg_virt, count_virt, tile_expert, ids
+        seg_start, count, phase = seg_virt, count_virt, ids
     rank_base = rank * E
     _plan_count_kernel[(num_chunks,)](
-        ids, phase, chunk_count, chunk_bad, row_slot, S, R_max, rank_base, rows_per_prog, K,
-        id_limit, E=EV, E_PAD=E_PAD, BLOCK=BLOCK, SUB=SUB, P=P, CHECK=check, num_warps=8,
+        ids, phase, chunk_count, chunk_bad, row_slot, tiles, S, R_max, tile_entries, rank_base,
+        rows_per_prog, tiles_per_prog, K, id_limit, E=EV, E_PAD=E_PAD, BLOCK=BLOCK, SUB=SUB,
+        P=P, CHECK=check, num_warps=8,
     )
     _plan_scan_kernel[(1,)](
-        chunk_count, chunk_off, chunk_bad, ids_ok, count_virt, seg_virt, tile_expert, seg_start,
-        count, phase_tiles, num_chunks, num_tiles,
-        E=EV, E_PAD=E_PAD, BLOCK_M=block_m, CB=max(1, min(64, 8192 // E_PAD)),
-        TB=max(1, min(128, 8192 // E_PAD)), P=P, ER_PAD=triton.next_power_of_2(E + 1),
-        CHECK=check, num_warps=8,
+        chunk_count, chunk_off, chunk_bad, ids_ok, count_virt, seg_virt, seg_start, count,
+        num_chunks, E=EV, E_PAD=E_PAD, BLOCK_M=block_m, CB=max(1, min(64, 8192 // E_PAD)),
+        P=P, ER_PAD=triton.next_power_of_2(E + 1), CHECK=check, num_warps=8,
     )
     if S:
         _plan_place_kernel[(num_chunks,)](
-            ids, phase, chunk_off, seg_virt, slot_row, row_slot, S, rank_base, K,
-            E=EV, E_PAD=E_PAD, BLOCK=BLOCK, SUB=SUB, P=P, num_warps=8,
+            ids, phase, chunk_off, seg_virt, base, slot_row, row_slot, tile_expert,
+            phase_tiles, S, rank_base, K, num_tiles, E=EV, E_PAD=E_PAD, BLOCK=BLOCK, SUB=SUB,
+            P=P, BLOCK_M=block_m, num_warps=8,
         )
     return (row_slot, slot_row, tile_expert, seg_start, count, (phase_tiles if P > 1 else None),
             ids_ok if check else None)
