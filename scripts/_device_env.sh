@@ -47,6 +47,10 @@ env_report() {
     || echo "torchtitan not installed"
   command -v cc gcc || echo "no C compiler (Inductor/Triton need one)"
   git log -1 --format='commit %H %s' 2>/dev/null || true
+  # The device's copy of .git can lag the working tree it runs (every call of 2026-11-30's
+  # second session printed the session's first commit): the sources' hash names the code
+  # itself; `bash scripts/source_hash.sh` here prints the same for a checkout.
+  echo "sources $(bash scripts/source_hash.sh)"
 }
 
 # Seconds each of the next `runs` runs may take: RUN_TIMEOUT_S, less when the remaining budget
