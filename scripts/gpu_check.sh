@@ -41,8 +41,10 @@ echo "MEGAMOE_TRITON_WS=$ws"
 
 rc=0
 if [ "${SKIP_TESTS:-0}" != 1 ]; then
-  # shellcheck disable=SC2086
-  timeout "${PYTEST_TIMEOUT_S:-300}" python3 -m pytest -q -rs --durations=12 --continue-on-collection-errors ${PYTEST_ARGS:--m gpu tests} \
+  # PYTEST_ARGS is split as a shell line, so quoted parts stay one argument
+  # (PYTEST_ARGS="-m gpu tests/triton -k 'uneven or phased'")
+  eval "pytest_args=(${PYTEST_ARGS:--m gpu tests})"
+  timeout "${PYTEST_TIMEOUT_S:-300}" python3 -m pytest -q -rs --durations=12 --continue-on-collection-errors "${pytest_args[@]}" \
     2>&1 | tee "$OUT/pytest.log" | tail -40
   rc=${PIPESTATUS[0]}
   echo "pytest exit: $rc"
