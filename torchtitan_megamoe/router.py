@@ -41,12 +41,11 @@ def route(router, x: torch.Tensor, expert_bias: torch.Tensor | None = None,
     if not fast_path_ok(router, x, kernel):
         return router(x, expert_bias)
     scores = router.gate(x)
-    # fp32, as stock does, to avoid loss explosions (softmax's dtype argument casts its input
-    # first: the same values as stock's .to(float32) without the copy's launch)
+    # fp32, as stock does, to avoid loss explosions
     if router.score_func == "sigmoid":
         scores = torch.sigmoid(scores.to(torch.float32))
     else:
-        scores = F.softmax(scores, dim=1, dtype=torch.float32)
+        scores = F.softmax(scores.to(torch.float32), dim=1)
     bias = None if expert_bias is None else expert_bias.detach().to(torch.float32).contiguous()
     if not torch.compiler.is_compiling():
         # eager: selection, gating values, normalization, scale and counts in one launch
