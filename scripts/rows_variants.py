@@ -1,12 +1,16 @@
 """The sm90 row-space GEMMs (csrc/grouped_gemm_sm90.cu: GEMM 1 + SwiGLU, GEMM 2, the N-major
-kernel C) at one Qwen3 shape with and without a compile-time knob, CUDA-event medians of 20,
-each pair measured in the same process (the A/B of a kernel change, e.g. the padding skip):
+kernel C) at one Qwen3 shape with and without a compile-time knob, in the same process (the
+A/B of a kernel change, e.g. the padding skip). The variants alternate, ROUNDS (default 5)
+rounds of a CUDA-event median of 10 each, and the table gives the median of the rounds: a
+single median per variant drifted by 5-10% between neighbouring measurements on the H200
+(docs/PERF.md, padding skip), more than most kernel changes move:
 
     python3 scripts/rows_variants.py 30b            # default vs MEGAMOE_SM90_PAD_SKIP=0
     KNOB=MEGAMOE_SM90_WGMMA_LAG=1 python3 scripts/rows_variants.py 235b
 """
 
 import os
+import statistics
 import sys
 
 import torch
@@ -47,16 +51,22 @@ def main(shape_name: str = "30b") -> None:
         "gemm2_rows": lambda d: gemm_rows_sm90(h, w2, plan, y, defines=d),
         "dgrad_l1 (C)": lambda d: gemm_rows_nmajor_sm90(da, (w1, w3), plan, dx, defines=d),
     }
-    print("| kernel | " + " | ".join(variants) + " | ratio |")
-    print("| --- | " + " | ".join("---" for _ in variants) + " | --- |")
+    print("| kernel | " + " | ".join(variants) + " | ratio | outputs |")
+    print("| --- | " + " | ".join("---" for _ in variants) + " | --- | --- |")
+    rounds = int(os.environ.get("ROUNDS", "5"))
     for name, run in kernels.items():
-        outs, times = [], []
+        out = {"gemm1_swiglu": hout, "gemm2_rows": y}.get(name, dx)
+        outs, samples = [], [[] for _ in variants]
         for defines in variants.values():
-            times.append(median_ms(lambda d=defines: run(d), 20, 3))
-            outs.append({"gemm1_swiglu": hout, "gemm2_rows": y}.get(name, dx)[:used].clone())
+            run(defines)  # build and warm each variant before the rounds
+            outs.append(out[:used].clone())
+        for _ in range(rounds):
+            for i, defines in enumerate(variants.values()):
+                samples[i].append(median_ms(lambda d=defines: run(d), 10, 2))
+        times = [statistics.median(t) for t in samples]
         same = all(torch.equal(outs[0], o) for o in outs[1:])
         print(f"| {name} | " + " | ".join(f"{t:.3f}" for t in times)
-              + f" | {times[1] / times[0]:.3f} | {'bitwise equal' if same else 'DIFFER'}")
+              + f" | {times[1] / times[0]:.3f} | {'bitwise equal' if same else 'DIFFER'} |")
 
 
 if __name__ == "__main__":
