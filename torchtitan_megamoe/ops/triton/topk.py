@@ -13,8 +13,8 @@ here: the caller gathers them from the unbiased scores, so autograd sees plain t
 
 topk_gate (eager) goes one step further: the same selection, the gating values, their
 normalization and scale, and the tokens per expert in the same launch (_topk_gate_kernel), so
-the router issues three launches (gate, softmax, this) instead of eleven before the layer's
-first big kernel, where the host's issue time is not hidden.
+the router issues five launches (gate, fp32 cast, softmax, the counts' zero fill, this) instead
+of eleven before the layer's first big kernel, where the host's issue time is not hidden.
 
 Tiles: BLOCK_T tokens x BLOCK_E (>= E, power of 2) experts per program, fp32.
 Waits on: nothing. Signals: nothing (topk_gate: atomics on the zeroed counts).
