@@ -73,3 +73,15 @@ def forced_backward_matches_reference(monkeypatch, forced: dict, seed: int, save
     again = bwd.backward_local(dy, x, ids, tw, w1, w2, w3, **kw)
     assert all(torch.equal(a, b) for a, b in zip(got, again)), "reruns must be bitwise equal"
     return got
+
+
+def skewed_ids(T: int, K: int, E: int, generator=None, never: int | None = None) -> torch.Tensor:
+    """[T, K] expert ids of the real-shape tests: drawn from a skewed softmax over the experts
+    (some hot, some cold), every 17th token's last slot dropped (-1); ``never``: an expert no
+    token picks. Draws the same random numbers as the inline form the tests had."""
+    probs = torch.softmax(torch.randn(E, device="cuda", generator=generator) * 1.5, 0)
+    if never is not None:
+        probs[never] = 0
+    ids = torch.multinomial(probs.expand(T, E), K, replacement=False, generator=generator)
+    ids[::17, -1] = -1
+    return ids

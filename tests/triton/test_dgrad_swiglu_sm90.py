@@ -9,7 +9,8 @@ import torch
 import torch.nn.functional as F
 
 from moe_math import routings
-from sm90_checks import SM90_GPU, forced_backward_matches_reference, nan_tensor, rel_err
+from sm90_checks import (SM90_GPU, forced_backward_matches_reference, nan_tensor, rel_err,
+                         skewed_ids)
 from torchtitan_megamoe.ops.cuda.dgrad_swiglu import dgrad_l2_swiglu_sm90
 from torchtitan_megamoe.ops.triton.bwd_dgrad_l2_swiglu import dgrad_l2_swiglu
 from torchtitan_megamoe.ops.triton.plan import build_plan
@@ -83,9 +84,7 @@ def test_real_30b_shape_matches_the_triton_kernel_a_and_reruns_bitwise():
     g = torch.Generator(device="cuda").manual_seed(1)
     w2 = (torch.randn(E, D, H, device="cuda", generator=g) / D**0.5).bfloat16()
     dy = torch.randn(T, D, device="cuda", generator=g).bfloat16()
-    probs = torch.softmax(torch.randn(E, device="cuda", generator=g) * 1.5, 0)
-    ids = torch.multinomial(probs.expand(T, E), K, replacement=False, generator=g)
-    ids[::17, -1] = -1
+    ids = skewed_ids(T, K, E, generator=g)
     tw = torch.softmax(torch.randn(T, K, device="cuda", generator=g), -1)
     plan = build_plan(ids, E, BM)
     a = _saved_a(plan, H, g)

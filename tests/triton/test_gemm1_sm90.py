@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from moe_math import make_weights, routings
-from sm90_checks import SM90_GPU, nan_tensor
+from sm90_checks import SM90_GPU, nan_tensor, skewed_ids
 from torchtitan_megamoe.ops.cuda.gemm1_swiglu import gemm1_swiglu_sm90
 from torchtitan_megamoe.ops.triton import gemm1_swiglu as g1
 from torchtitan_megamoe.ops.triton.plan import build_phased_plan, build_plan
@@ -107,9 +107,7 @@ def test_real_30b_shape_matches_triton_and_float64(cluster, defines):
     x = torch.randn(T, D, device="cuda").bfloat16()
     w1 = (torch.randn(E, H, D, device="cuda") / D**0.5).bfloat16()
     w3 = (torch.randn(E, H, D, device="cuda") / D**0.5).bfloat16()
-    probs = torch.softmax(torch.randn(E, device="cuda") * 1.5, 0)
-    ids = torch.multinomial(probs.expand(T, E), K, replacement=False)
-    ids[::17, -1] = -1
+    ids = skewed_ids(T, K, E)
     plan = build_plan(ids, E, BM)
     h, a = nan_tensor(plan.max_rows, H), nan_tensor(plan.max_rows, 2 * H)
     gemm1_swiglu_sm90(x, w1, w3, plan, h, a, cluster=cluster, defines=defines)

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from moe_math import routings
-from sm90_checks import SM90_GPU, forced_backward_matches_reference, nan_tensor
+from sm90_checks import SM90_GPU, forced_backward_matches_reference, nan_tensor, skewed_ids
 from torchtitan_megamoe.ops.cuda.gemm_rows import gemm_rows_nmajor_sm90, gemm_rows_sm90
 from torchtitan_megamoe.ops.triton import gemm2_rows as g2
 from torchtitan_megamoe.ops.triton.plan import build_phased_plan, build_plan
@@ -100,9 +100,7 @@ def test_real_30b_shape_matches_triton_and_float64(defines):
     T, K, E, D, H = 16384, 8, 128, 2048, 768
     torch.manual_seed(0)
     w2 = (torch.randn(E, D, H, device="cuda") / H**0.5).bfloat16()
-    probs = torch.softmax(torch.randn(E, device="cuda") * 1.5, 0)
-    ids = torch.multinomial(probs.expand(T, E), K, replacement=False)
-    ids[::17, -1] = -1
+    ids = skewed_ids(T, K, E)
     plan = build_plan(ids, E, BM)
     h = _rows_input(plan, H)
     y = nan_tensor(plan.max_rows, D)
@@ -144,9 +142,7 @@ def test_nmajor_real_30b_kernel_c_matches_triton():
     torch.manual_seed(0)
     w1 = (torch.randn(E, H, D, device="cuda") / D**0.5).bfloat16()
     w3 = (torch.randn(E, H, D, device="cuda") / D**0.5).bfloat16()
-    probs = torch.softmax(torch.randn(E, device="cuda") * 1.5, 0)
-    ids = torch.multinomial(probs.expand(T, E), K, replacement=False)
-    ids[::17, -1] = -1
+    ids = skewed_ids(T, K, E)
     plan = build_plan(ids, E, BM)
     da = _rows_input(plan, 2 * H, seed=2)
     dx_rows = nan_tensor(plan.max_rows, D)

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from moe_math import routings
-from sm90_checks import SM90_GPU, forced_backward_matches_reference, nan_tensor, rel_err
+from sm90_checks import (SM90_GPU, forced_backward_matches_reference, nan_tensor, rel_err,
+                         skewed_ids)
 from torchtitan_megamoe.ops.cuda.wgrad import wgrad_dw13_sm90, wgrad_dw2_sm90
 from torchtitan_megamoe.ops.triton.bwd_cublas import gather_rows, grouped_wgrad
 from torchtitan_megamoe.ops.triton.bwd_wgrad import longest_first
@@ -84,10 +85,7 @@ def test_bad_shapes_name_the_requirement():
 def test_real_30b_shape_matches_grouped_mm_and_reruns_bitwise():
     T, K, E, D, H = 16384, 8, 128, 2048, 768
     torch.manual_seed(0)
-    probs = torch.softmax(torch.randn(E, device="cuda") * 1.5, 0)
-    probs[7] = 0  # one expert never chosen
-    ids = torch.multinomial(probs.expand(T, E), K, replacement=False)
-    ids[::17, -1] = -1
+    ids = skewed_ids(T, K, E, never=7)  # one expert never chosen
     plan = build_plan(ids, E, BM)
     dy = torch.randn(T, D, device="cuda").bfloat16()
     x = torch.randn(T, D, device="cuda").bfloat16()

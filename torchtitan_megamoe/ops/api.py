@@ -86,8 +86,7 @@ def mega_moe(
         precision: ``bf16``, ``fp8`` (blockwise FP8 forward and backward) or ``fp8_bwd``
             (BF16 forward, FP8 backward).
     """
-    check_args(x, topk_ids, topk_weights, w1, w2, w3, group=group, precision=precision,
-               check_ids=False)
+    check_args(x, topk_ids, topk_weights, w1, w2, w3, group=group, precision=precision)
     backend = resolve_backend(backend, x, group)
     # The Triton forward checks the ids on CUDA inside its first kernels (EP=1: the plan's
     # count kernels, EP > 1: the route kernel), one device assert instead of six launches
@@ -140,10 +139,9 @@ def check_args(
     *,
     group: dist.ProcessGroup | None = None,
     precision: str = "bf16",
-    check_ids: bool = True,
 ) -> None:
-    """Raise early, with the fix in the message, on anything the op cannot compute correctly.
-    ``check_ids=False``: the caller checks the id range (mega_moe: where its backend does not)."""
+    """Raise early, with the fix in the message, on anything the op cannot compute correctly
+    (the id range apart: mega_moe checks it where its backend's kernels do not)."""
     if precision not in PRECISIONS:
         raise ValueError(
             f"mega_moe: unknown precision {precision!r}; choose one of {', '.join(PRECISIONS)}"
@@ -197,8 +195,6 @@ def check_args(
             f"mega_moe: precision={precision!r} uses 128-wide scaling blocks and needs dim and "
             f"hidden % 128 == 0, got dim={D}, hidden={H}; use precision='bf16'"
         )
-    if check_ids:
-        _check_ids(topk_ids, E * group_size(group), group)
 
 
 def ids_range_message(num_experts: int, ep_size: int) -> str:

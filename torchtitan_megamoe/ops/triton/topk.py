@@ -29,26 +29,40 @@ MAX_EXPERTS = 1024
 
 
 @triton.jit
+def _row_scores(s_ptr, bias_ptr, rows, cols, T, E, stride_s, HAS_BIAS: tl.constexpr):
+    """(raw [BLOCK_T, BLOCK_E] fp32 scores, the ranking key: raw + bias with NaN as +inf, which
+    ranks above every number as in torch.topk); 0 outside the T x E block."""
+    in_e = cols < E
+    raw = tl.load(s_ptr + rows.to(tl.int64)[:, None] * stride_s + cols[None, :],
+                  mask=(rows < T)[:, None] & in_e[None, :], other=0.0).to(tl.float32)
+    key = raw
+    if HAS_BIAS:
+        key += tl.load(bias_ptr + cols, mask=in_e, other=0.0).to(tl.float32)[None, :]
+    return raw, tl.where(key != key, float("inf"), key)
+
+
+@triton.jit
+def _next_best(key, taken, cols, BLOCK_E: tl.constexpr):
+    """(j [BLOCK_T], pick [BLOCK_T, BLOCK_E]): per row the lowest untaken column holding the
+    row's best key (-inf rows: the lowest untaken), and that column as a mask."""
+    live = tl.where(taken, -float("inf"), key)
+    best = tl.max(live, axis=1)
+    hit = (live == best[:, None]) & ~taken
+    j = tl.min(tl.where(hit, cols[None, :], BLOCK_E), axis=1)
+    return j, cols[None, :] == j[:, None]
+
+
+@triton.jit
 def _topk_kernel(s_ptr, bias_ptr, idx_ptr, T, E, stride_s, HAS_BIAS: tl.constexpr,
                  K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     cols = tl.arange(0, BLOCK_E)
-    in_t = rows < T
-    in_e = cols < E
-    s = tl.load(s_ptr + rows.to(tl.int64)[:, None] * stride_s + cols[None, :],
-                mask=in_t[:, None] & in_e[None, :], other=0.0).to(tl.float32)
-    if HAS_BIAS:
-        s += tl.load(bias_ptr + cols, mask=in_e, other=0.0).to(tl.float32)[None, :]
-    s = tl.where(s != s, float("inf"), s)  # NaN ranks above every number, as in torch.topk
+    _, key = _row_scores(s_ptr, bias_ptr, rows, cols, T, E, stride_s, HAS_BIAS)
     taken = (cols[None, :] >= E) | (rows[:, None] < 0)  # [BLOCK_T, BLOCK_E]; padding columns
     for k in tl.static_range(K):
-        live = tl.where(taken, -float("inf"), s)
-        best = tl.max(live, axis=1)
-        # lowest untaken column holding the row's best value (-inf rows: lowest untaken)
-        hit = (live == best[:, None]) & ~taken
-        j = tl.min(tl.where(hit, cols[None, :], BLOCK_E), axis=1)
-        tl.store(idx_ptr + rows.to(tl.int64) * K + k, j.to(tl.int64), mask=in_t)
-        taken = taken | (cols[None, :] == j[:, None])
+        j, pick = _next_best(key, taken, cols, BLOCK_E)
+        tl.store(idx_ptr + rows.to(tl.int64) * K + k, j.to(tl.int64), mask=rows < T)
+        taken = taken | pick
 
 
 @triton.jit
@@ -62,21 +76,11 @@ def _topk_gate_kernel(s_ptr, bias_ptr, idx_ptr, val_ptr, cnt_ptr, T, E, stride_s
     cols = tl.arange(0, BLOCK_E)
     ks = tl.arange(0, K_PAD)
     in_t = rows < T
-    in_e = cols < E
-    raw = tl.load(s_ptr + rows.to(tl.int64)[:, None] * stride_s + cols[None, :],
-                  mask=in_t[:, None] & in_e[None, :], other=0.0).to(tl.float32)
-    s = raw
-    if HAS_BIAS:
-        s += tl.load(bias_ptr + cols, mask=in_e, other=0.0).to(tl.float32)[None, :]
-    s = tl.where(s != s, float("inf"), s)
+    raw, key = _row_scores(s_ptr, bias_ptr, rows, cols, T, E, stride_s, HAS_BIAS)
     taken = (cols[None, :] >= E) | (rows[:, None] < 0)
     vals = tl.zeros((BLOCK_T, K_PAD), tl.float32)
     for k in tl.static_range(K):
-        live = tl.where(taken, -float("inf"), s)
-        best = tl.max(live, axis=1)
-        hit = (live == best[:, None]) & ~taken
-        j = tl.min(tl.where(hit, cols[None, :], BLOCK_E), axis=1)
-        pick = cols[None, :] == j[:, None]
+        j, pick = _next_best(key, taken, cols, BLOCK_E)
         g = tl.sum(tl.where(pick, raw, 0.0), axis=1)
         vals = tl.where(ks[None, :] == k, g[:, None], vals)
         tl.store(idx_ptr + rows.to(tl.int64) * K + k, j.to(tl.int64), mask=in_t)
@@ -86,8 +90,8 @@ def _topk_gate_kernel(s_ptr, bias_ptr, idx_ptr, val_ptr, cnt_ptr, T, E, stride_s
     vals = vals * scale
     tl.store(val_ptr + rows.to(tl.int64)[:, None] * K + ks[None, :], vals,
              mask=in_t[:, None] & (ks[None, :] < K))
-    chosen = taken & in_e[None, :] & in_t[:, None]
-    tl.atomic_add(cnt_ptr + cols, tl.sum(chosen.to(tl.int64), axis=0), mask=in_e)
+    chosen = taken & (cols < E)[None, :] & in_t[:, None]
+    tl.atomic_add(cnt_ptr + cols, tl.sum(chosen.to(tl.int64), axis=0), mask=cols < E)
 
 
 def topk_indices_reference(scores: torch.Tensor, k: int, bias: torch.Tensor | None = None):

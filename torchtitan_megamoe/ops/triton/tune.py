@@ -17,6 +17,8 @@ import os
 
 import torch
 
+from torchtitan_megamoe.timing import median_ms
+
 _CHOSEN: dict = {}
 TIMINGS: dict = {}
 """(kernel name, shape key) -> [(config, ms)], for the benchmark's report."""
@@ -79,19 +81,8 @@ def output_mismatch(got: tuple, ref: tuple) -> float:
 
 
 def _time_ms(launch, cfg) -> float:
-    """Median of 10 launches, CUDA events."""
-    torch.cuda.synchronize()
-    start = torch.cuda.Event(enable_timing=True)
-    end = torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(10):
-        start.record()
-        launch(cfg)
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    times.sort()
-    return times[len(times) // 2]
+    """Median of 10 launches (CUDA events); the tests replace it with fixed times."""
+    return median_ms(lambda: launch(cfg), 10)
 
 
 def pick_config(name: str, key: tuple, candidates: list, launch, outputs=None) -> dict:
