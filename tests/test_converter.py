@@ -244,6 +244,7 @@ def _meta_model(args=None):
         (dict(precision="fp8", backend="auto"), r"precision='fp8' has no Hopper kernels yet"),
         (dict(precision="fp8_bwd", backend="triton"), r"use precision='bf16', or backend='reference'"),
         (dict(save_activations="always"), r"save_activations='always' is not one of"),
+        (dict(save_activations="sometimes"), r"\('auto', 'keep', 'never'\)"),
         (dict(max_tokens_per_rank=-1), r"max_tokens_per_rank=-1 must be >= 0"),
     ],
 )
@@ -255,10 +256,33 @@ def test_rejects_bad_settings(settings, match):
 def test_runtime_knobs_reach_the_op(monkeypatch):
     from torchtitan_megamoe.ops import api, exchange
 
-    monkeypatch.setattr(api, "_SAVE_ACTIVATIONS", "auto")
+    monkeypatch.setattr(api, "_SAVE_ACTIVATIONS", "keep")
     monkeypatch.setattr(exchange, "_MAX_TOKENS_PER_RANK", 0)
     MegaMoEConverter(job_config(save_activations="never", max_tokens_per_rank=4096), None)
     assert api._SAVE_ACTIVATIONS == "never" and exchange._MAX_TOKENS_PER_RANK == 4096
+
+
+@pytest.mark.parametrize(
+    "setting, ac_mode, ac_option, expected",
+    [
+        ("auto", "selective", "op", "never"),  # stock's per-op SAC keeps no expert activations
+        ("auto", "selective", "2", "keep"),  # per-layer SAC: the layer is recomputed whole
+        ("auto", "full", "op", "keep"),
+        ("auto", "none", "op", "keep"),
+        ("keep", "selective", "op", "keep"),  # explicit: memory for speed
+        ("never", "full", "op", "never"),
+    ],
+)
+def test_save_activations_auto_follows_activation_checkpointing(
+        monkeypatch, setting, ac_mode, ac_option, expected):
+    from torchtitan_megamoe.ops import api
+
+    monkeypatch.setattr(api, "_SAVE_ACTIVATIONS", "keep")
+    jc = job_config(save_activations=setting)
+    jc.activation_checkpoint.mode = ac_mode
+    jc.activation_checkpoint.selective_ac_option = ac_option
+    MegaMoEConverter(jc, None)
+    assert api._SAVE_ACTIVATIONS == expected
 
 
 @pytest.mark.parametrize(

@@ -245,5 +245,5 @@ def test_save_activations_never_keeps_nothing():
         with pytest.raises(ValueError, match="save_activations"):
             api.set_save_activations("sometimes")
     finally:
-        api.set_save_activations("auto")
+        api.set_save_activations("keep")
     assert seen == [False]

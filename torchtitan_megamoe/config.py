@@ -26,15 +26,20 @@ class MegaMoE:
     ``fp8_bwd``: BF16 forward, FP8 backward. The FP8 modes exist only as the reference backend's
     emulation so far (numerics checks); the converter rejects them with the Hopper kernels."""
 
-    save_activations: Literal["auto", "never"] = "auto"
-    """What the fused op keeps from its forward for the backward. ``auto``: the Triton backend
+    save_activations: Literal["auto", "keep", "never"] = "auto"
+    """What the fused op keeps from its forward for the backward. ``keep``: the Triton backend
     keeps GEMM 1's pre-activations a1/a3 (bf16) so the backward does not recompute GEMM 1 -
     0.42 GiB per MoE layer at 30B-A3B and 16384 tokens per GPU, 0.84 GiB at 235B-A22B (stock
-    TorchTitan keeps 1.06 / 2.13 GiB of routed activations), and at EP > 1 only while that
-    bound holds in the receive layout (EP=2 yes, EP >= 4 no). ``never``: keep nothing, recompute
-    (30B backward 5.6 -> 8.9 ms per layer, measured on H200). Per-op selective AC keeps the op's
-    outputs for every layer, so this memory scales with the number of layers; full AC keeps it
-    for one layer at a time."""
+    TorchTitan keeps 1.06 / 2.13 GiB of routed activations when it keeps any), and at EP > 1
+    only while that bound holds in the receive layout (EP=2 yes, EP >= 4 no). ``never``: keep
+    nothing; the backward runs GEMM 1 again (~1.5 ms per layer at 30B-A3B on H200, bitwise the
+    same gradients). ``auto``: ``never`` under per-op selective AC, ``keep`` otherwise. Per-op
+    SAC keeps the op's outputs for every layer while stock TorchTitan 0.2.2's per-op SAC keeps
+    no expert activations (``_grouped_mm`` is not in its save list: it recomputes its experts),
+    so keeping them would put the step's peak memory above stock's (measured on 2 H200s:
+    +0.47 GiB for 2 layers at 4096 tokens); under full AC or no AC ``keep`` costs at most
+    stock's memory. Choose ``keep`` under per-op SAC to trade that memory for the faster
+    backward."""
 
     max_tokens_per_rank: int = 0
     """Capacity of the expert-parallel token exchange (EP > 1), in tokens per rank (local batch

@@ -51,6 +51,26 @@ def triton_shape_error(dim: int, hidden_dim: int) -> str | None:
     return "; ".join(problems) or None
 
 
+CONFIG_SAVE_MODES = ("auto",) + SAVE_MODES
+"""``[megamoe] save_activations``: the op's modes, and ``auto`` (resolve_save_activations)."""
+
+
+def resolve_save_activations(cfg: MegaMoEConfig, job_config: JobConfig) -> str:
+    """The op's save mode for this job: ``auto`` is ``never`` under per-op selective AC (where
+    stock TorchTitan keeps no expert activations, so keeping ours would raise the peak above
+    stock's), else ``keep``; an explicit ``keep`` / ``never`` is taken as is."""
+    if cfg.save_activations != "auto":
+        return cfg.save_activations
+    ac = getattr(job_config, "activation_checkpoint", None)
+    per_op_sac = (ac is not None and ac.mode == "selective"
+                  and str(ac.selective_ac_option) == "op")
+    if per_op_sac:
+        logger.info("megamoe: save_activations='auto' -> 'never' under per-op selective AC "
+                    "(GEMM 1 runs again in the backward; 'keep' trades memory for speed)")
+        return "never"
+    return "keep"
+
+
 def validate_settings(cfg: MegaMoEConfig) -> None:
     """Check the ``[megamoe]`` values (TOML/CLI strings are not checked against Literal types)."""
     if cfg.backend not in BACKENDS:
@@ -58,9 +78,10 @@ def validate_settings(cfg: MegaMoEConfig) -> None:
             f"[megamoe] backend={cfg.backend!r} is not one of {BACKENDS}; "
             "use 'auto' unless you need to force an implementation."
         )
-    if cfg.save_activations not in SAVE_MODES:
+    if cfg.save_activations not in CONFIG_SAVE_MODES:
         raise ValueError(
-            f"[megamoe] save_activations={cfg.save_activations!r} is not one of {SAVE_MODES}."
+            f"[megamoe] save_activations={cfg.save_activations!r} is not one of "
+            f"{CONFIG_SAVE_MODES}."
         )
     if cfg.max_tokens_per_rank < 0:
         raise ValueError(
@@ -248,7 +269,7 @@ class MegaMoEConverter:
         validate_settings(cfg)
         validate_job(job_config, parallel_dims)
         set_max_tokens_per_rank(cfg.max_tokens_per_rank)
-        set_save_activations(cfg.save_activations)
+        set_save_activations(resolve_save_activations(cfg, job_config))
         self.cfg = cfg
         self.ep_degree = _degrees(job_config, parallel_dims)["ep"]
 

@@ -170,5 +170,5 @@ def test_saved_backward_with_the_sm90_kernel_a_matches_the_reference(monkeypatch
     """Kernel A's saved path with its dh GEMM forced to the sm90 N-major ROWS mode (w2 as
     stored, on the gathered dy rows, then the SwiGLU rows kernel): every gradient against the
     reference backend, and bitwise reruns."""
-    forced_backward_matches_reference(monkeypatch, {"bwd_dgrad_l2_swiglu_saved": "A_SM90"},
+    forced_backward_matches_reference(monkeypatch, {"bwd_dgrad_l2_swiglu": "A_SM90"},
                                       seed=11, saved=True)

@@ -34,15 +34,16 @@ import torch.distributed as dist
 
 BACKENDS = ("auto", "triton", "reference")
 PRECISIONS = ("bf16", "fp8", "fp8_bwd")
-SAVE_MODES = ("auto", "never")
+SAVE_MODES = ("keep", "never")
 
-_SAVE_ACTIVATIONS = "auto"
+_SAVE_ACTIVATIONS = "keep"
 
 
 def set_save_activations(mode: str) -> None:
-    """``auto``: backends keep what their backward can reuse (the triton backend: GEMM 1's
+    """``keep``: backends keep what their backward can reuse (the triton backend: GEMM 1's
     pre-activations, when no larger than stock's saved activations); ``never``: keep nothing,
-    the backward recomputes (less memory, more time). The ``[megamoe] save_activations`` knob."""
+    the backward recomputes (less memory, more time). Set by the converter from ``[megamoe]
+    save_activations`` (config.py, whose ``auto`` picks one of the two)."""
     global _SAVE_ACTIVATIONS
     if mode not in SAVE_MODES:
         raise ValueError(

@@ -2,9 +2,10 @@
 
     plan      unpacked from what the forward saved (plan.unpack_plan: views, no work); rebuilt
               with build_plan only when nothing was saved (saved=None)
+    GEMM 1    only when nothing was saved: the forward's gemm1_swiglu (same kernel and tuned
+              pick) with its a = [a1 | a3] store, h dropped
     kernel A  bwd_dgrad_l2_swiglu: dh = dy@w2 (one dgrad GEMM, K-dim = D) with a1, a3 loaded
-              from the forward's saved a = [a1 | a3] (saved=None: recomputes a1 = x@w1^T,
-              a3 = x@w3^T in the same K loop); SwiGLU backward with the routing weight ->
+              from a; SwiGLU backward with the routing weight ->
               da = [da1 | da3], hw = w*h, and per-H-tile partials of d(topk_weights) = <dh, h>
               (no second GEMM for <dy, y>)
     kernel B  bwd_wgrad x3 (or _grouped_mm, see below): dw2[e] = sum_r dy_r^T hw_r,
@@ -30,14 +31,16 @@ the plan. Per layer at T = 16384, K = 8, E = 128, block_m = 128 (R_max = 147,328
     235B (D=4096, H=1536): a 864 MiB + plan 1.1 MiB = 0.84 GiB
 Stock TorchTitan keeps its routed activations per layer instead (at least the permuted input
 and a1, a3, h: T*K*(D + 3H) bf16): 1.06 GiB at 30B, 2.13 GiB at 235B, so the saved path keeps
-40% of stock's. a is saved in bf16 (as stock autograd saves a1/a3), so the saved path's
-gradients differ from the recompute path's (fp32 a1/a3) by that rounding, not bitwise; each
-path is bitwise repeatable. The op returns the saved tensors as extra outputs (api.py): with
+40% of stock's. a is saved in bf16 (as stock autograd saves a1/a3). The recompute path
+(saved=None) runs GEMM 1 again, storing a only, and then the same kernels: its gradients equal
+the saved path's bit for bit, at the cost of one GEMM 1 (~1.5 ms at the 30B shape) and a
+transient a during kernel A. The op returns the saved tensors as extra outputs (api.py): with
 selective AC and the op in the save list they live from the forward to the backward (no
 recompute of the op); with full AC the layer's forward is recomputed in the backward and they
 live only during that layer's backward. The op saves them even under no_grad (the forward
-cannot tell); there they are freed as soon as the forward returns. saved=None (EP path where
-ep_forward.keeps_saved says no, direct callers) recomputes GEMM 1 and the plan as before.
+cannot tell); there they are freed as soon as the forward returns. saved=None (save_activations
+"never", which "auto" implies under per-op selective AC; the EP path where
+ep_forward.keeps_saved says no; direct callers) recomputes GEMM 1 and the plan.
 
 cuBLAS candidates (bwd_cublas.py). The weight-gradient stages (dw2; dw1 + dw3) and kernel C
 each also have a torch._grouped_mm candidate: K-grouped GEMMs over the padded segments on
@@ -54,6 +57,8 @@ any saved activation does until its node's backward ends):
     hw       [R_max, H]  bf16        live from kernel A to the dw2 launch (freed before C)
     part     [H/block_n, R_max] fp32 live from kernel A to the combine (block_n = 64)
     dx_slot  [T*K, D]    bf16        live from kernel C to the combine
+    a        [R_max, 2H] bf16        recompute path only: from GEMM 1 to the end of kernel A
+                                     (GEMM 1's h, [R_max, H], only during GEMM 1)
     Triton side: peak = da + max(hw, dx_slot) + part.
     cuBLAS side adds, per stage (each freed when its stage returns):
       dw2:    dy_rows [R_max, D] bf16          -> da + hw + part + dy_rows
@@ -98,6 +103,8 @@ from torchtitan_megamoe.ops.triton.bwd_dgrad_l1 import dgrad_l1
 from torchtitan_megamoe.ops.triton.bwd_dgrad_l2_swiglu import dgrad_l2_swiglu
 from torchtitan_megamoe.ops.triton.bwd_ep import backward_ep
 from torchtitan_megamoe.ops.triton.bwd_wgrad import longest_first, wgrad
+from torchtitan_megamoe.ops.triton.forward import interpret_defaults
+from torchtitan_megamoe.ops.triton.gemm1_swiglu import gemm1_swiglu
 from torchtitan_megamoe.ops.triton.plan import build_plan, unpack_plan
 from torchtitan_megamoe.ops.triton.tune import bucket, pick_config
 
@@ -105,24 +112,17 @@ BLOCK_M = 128
 """Plan tile height on the GPU (row tile of kernels A and C)."""
 
 # Hopper candidates, timed once per shape by tune.pick_config (the first one is used as is under
-# the interpreter, during graph capture or with MEGAMOE_TRITON_TUNE=0). Offline sm_90a compiles
-# with Triton 3.6 (ptxas -v): with TMA weight loads kernel A spilled 0-40 bytes, with pointer
-# loads 120-700 bytes (its three fp32 accumulators plus 64-bit pointer tensors), 128x128 tiles
-# spilled kilobytes (with Triton 3.9 and the TMA stores of da/hw: no spills at the TMA configs); kernels B and C spill nothing at these tiles (B at 128x256: dw2 4 bytes,
-# dw1/dw3 800 bytes; the tuner keeps what runs fastest). TMA applies only when the tiles divide D and H; otherwise the same config
-# runs with pointer loads. Few candidates: each one is a compile on first use.
+# the interpreter, during graph capture or with MEGAMOE_TRITON_TUNE=0). Kernels B and C spill
+# nothing at these tiles in offline sm_90a compiles (B at 128x256: dw2 4 bytes, dw1/dw3 800
+# bytes; the tuner keeps what runs fastest). TMA applies only when the tiles divide D and H;
+# otherwise the same config runs with pointer loads. Few candidates: each one is a compile on
+# first use.
+# Kernel A is one plain dgrad GEMM (dy rows @ w2[e], K-dim = D) plus an epilogue that loads the
+# a1/a3 tiles by TMA: one fp32 accumulator. Offline sm_90a compiles (Triton 3.9,
+# bwd_compile_check.py): 128x64 at 8 warps spills nothing (193 registers), 128x128 spills 248
+# bytes (the epilogue's elementwise tiles), 128x64 at 4 warps 580 bytes (left out); the
+# pointer-load fallback (uneven D/H) 236 bytes.
 A_CANDIDATES = [
-    dict(block_m=128, block_n=64, block_k=64, num_warps=8, num_stages=3, use_tma=True),
-    dict(block_m=64, block_n=64, block_k=64, num_warps=8, num_stages=3, use_tma=True),
-    dict(block_m=64, block_n=128, block_k=64, num_warps=8, num_stages=3, use_tma=True),
-    dict(block_m=128, block_n=64, block_k=32, num_warps=8, num_stages=4, use_tma=False),
-]
-# Kernel A with the forward's saved pre-activations is one plain dgrad GEMM (dy rows @ w2[e],
-# K-dim = D) plus an epilogue that loads the a1/a3 tiles by TMA: one fp32 accumulator. Offline
-# sm_90a compiles (Triton 3.9, bwd_compile_check.py): 128x64 at 8 warps spills nothing (193
-# registers), 128x128 spills 248 bytes (the epilogue's elementwise tiles), 128x64 at 4 warps
-# 580 bytes (left out); the pointer-load fallback (uneven D/H) 236 bytes.
-A_SAVED_CANDIDATES = [
     dict(block_m=128, block_n=64, block_k=64, num_warps=8, num_stages=3, use_tma=True),
     dict(block_m=128, block_n=64, block_k=64, num_warps=8, num_stages=4, use_tma=True),
     dict(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=3, use_tma=True),
@@ -241,16 +241,14 @@ def backward_local(grad_out, x, topk_ids, topk_weights, w1, w2, w3, saved=None, 
     sequence) recomputes both.
 
     Stage order: A, dw2, dw1/dw3, C, combine. ``wait_x()`` (the EP backward's hook, bwd_ep.py)
-    is called right before the first kernel that reads x (dw1/dw3; kernel A when it recomputes
-    GEMM 1), so x can still be in flight under kernel A and dw2."""
+    is called right before the first kernel that reads x (dw1/dw3, or the recompute's GEMM 1),
+    so x can still be in flight under kernel A and dw2."""
     if interpreting():
         block_m, a_cands, b_cands, c_cands = (
             INTERPRET_BLOCK_M, [INTERPRET_A], [INTERPRET_B], [INTERPRET_C]
         )
-        a_saved_cands = a_cands
     else:
         block_m, a_cands, b_cands, c_cands = BLOCK_M, A_CANDIDATES, B_CANDIDATES, C_CANDIDATES
-        a_saved_cands = A_SAVED_CANDIDATES
     T, D = x.shape
     if T == 0:  # e.g. an EP rank that receives no rows
         return (torch.empty_like(x), torch.empty_like(topk_weights),
@@ -264,14 +262,16 @@ def backward_local(grad_out, x, topk_ids, topk_weights, w1, w2, w3, saved=None, 
     if saved:
         a_saved, packed = saved
         plan = unpack_plan(packed, T, topk_ids.shape[1], E, block_m)
-        a_name, a_cands = "bwd_dgrad_l2_swiglu_saved", a_saved_cands
     else:
-        a_saved = None
         plan = build_plan(topk_ids, E, block_m)
-        a_name = "bwd_dgrad_l2_swiglu"
         if wait_x is not None:
-            wait_x()  # kernel A recomputes GEMM 1 from x
+            wait_x()  # GEMM 1 reads x
             wait_x = None
+        # GEMM 1 again with the forward's kernel and tuned pick (the same key), so a is bitwise
+        # the forward's and the gradients equal the saved path's bit for bit; h is not needed.
+        g1_config = interpret_defaults(block_m, None, None)[1]
+        _h, a_saved = gemm1_swiglu(x, w1, w3, plan, config=g1_config, save_a=True)
+        del _h
     R = plan.max_rows
     # Bucketed: under EP, R changes every step. The forced side is part of the key, so a
     # forced run never reuses what auto picked (or the reverse).
@@ -298,15 +298,13 @@ def backward_local(grad_out, x, topk_ids, topk_weights, w1, w2, w3, saved=None, 
                 dy, a_saved, topk_weights, w2, plan, out=a_bufs["out"],
                 dy_rows=shared.get("dy_rows"), sm90=not is_cublas(cfg))
             return tuple(res)
-        return dgrad_l2_swiglu(dy, x, topk_weights, w1, w2, w3, plan, out=a_bufs["out"],
-                               a=a_saved, **cfg)
+        return dgrad_l2_swiglu(dy, a_saved, topk_weights, w2, plan, out=a_bufs["out"], **cfg)
 
-    if saved:
-        a_cands = stage_candidates(a_cands, D, H, E)
-        if block_m == BLOCK_M and a_sm90_fits(x, w2):
-            a_cands = a_cands + [A_SM90]
-        if block_m == BLOCK_M and a_sm90_fused_offered(x, w2):
-            a_cands = a_cands + [A_SM90_FUSED]
+    a_cands = stage_candidates(a_cands, D, H, E)
+    if block_m == BLOCK_M and a_sm90_fits(x, w2):
+        a_cands = a_cands + [A_SM90]
+    if block_m == BLOCK_M and a_sm90_fused_offered(x, w2):
+        a_cands = a_cands + [A_SM90_FUSED]
 
     # checked on the used rows (the sides' buffers past them differ) and on d(topk_weights)'s
     # per-row sum of partials (the sides keep different numbers of partials)
@@ -314,7 +312,7 @@ def backward_local(grad_out, x, topk_ids, topk_weights, w1, w2, w3, saved=None, 
         used = int(plan.num_rows_used)
         return res[0][:used], res[1][:used], res[2].sum(0)[:used]
 
-    a_cfg = pick_config(a_name, key, a_cands, launch_a, outputs=a_outputs)
+    a_cfg = pick_config("bwd_dgrad_l2_swiglu", key, a_cands, launch_a, outputs=a_outputs)
     da, hw, part = launch_a(a_cfg)
     if not (is_cublas(a_cfg) or a_cfg.get("impl") == "sm90"):  # no dy rows for dw2 to reuse
         shared.clear()

@@ -9,11 +9,12 @@ total, the peak memory each call allocates on top of its inputs, and the tuner's
 timings of the auto run (which side it picked per stage).
 
 The backward runs as training runs it: on what forward_ep1(..., save=True) saved (GEMM 1's
-pre-activations and the packed plan), so "A_dgrad_l2_swiglu" is the SAVED kernel A (a dgrad GEMM,
-2*T*K*D*H flops) and the totals include no plan rebuild. For comparison "total_recompute_ms"
-is the Triton side with saved=None, "A_dgrad_l2_swiglu_recompute" the recompute kernel A
-(6*T*K*D*H flops) and "plan" the plan rebuild it pays; "fwd_gemm1" / "fwd_gemm1_save_a" time the
-forward's GEMM 1 + SwiGLU without / with the extra store of a (the forward's cost of saving).
+pre-activations and the packed plan), so kernel A "A_dgrad_l2_swiglu" is a dgrad GEMM
+(2*T*K*D*H flops) and the totals include no plan rebuild. For comparison "total_recompute_ms"
+is the tuner's pick with saved=None (what save_activations="never" runs: the plan and GEMM 1
+with its a store again, then the same stages; "plan" and "fwd_gemm1_save_a" time those two);
+"fwd_gemm1" / "fwd_gemm1_save_a" time the forward's GEMM 1 + SwiGLU without / with the extra
+store of a (the forward's cost of saving).
 
 Stage keys: Triton kernels "B_dw2", "B_dw1", "B_dw3", "B_dw13" (dw1 + dw3), "C_dgrad_l1";
 their _grouped_mm counterparts "B_dw2_cublas", "B_dw13_cublas", "C_dgrad_l1_cublas" (each with
@@ -33,7 +34,7 @@ from torchtitan_megamoe.ops.cuda.dgrad_swiglu import dgrad_l2_swiglu_sm90
 from torchtitan_megamoe.ops.cuda.gemm_rows import gemm_rows_nmajor_sm90
 from torchtitan_megamoe.ops.cuda.wgrad import wgrad_dw2_sm90, wgrad_dw13_sm90
 from torchtitan_megamoe.ops.triton.backward import (
-    A_CANDIDATES, A_SAVED_CANDIDATES, B_CANDIDATES, BLOCK_M, C_CANDIDATES, C_SM90, a_sm90_fits,
+    A_CANDIDATES, B_CANDIDATES, BLOCK_M, C_CANDIDATES, C_SM90, a_sm90_fits,
     a_sm90_fused_offered, b_sm90_fits, backward_local, c_sm90_fits,
 )
 from torchtitan_megamoe.ops.triton.bwd_wgrad import longest_first
@@ -48,7 +49,7 @@ from torchtitan_megamoe.ops.triton.bwd_wgrad import wgrad
 from torchtitan_megamoe.ops.triton.forward import forward_ep1, interpret_defaults
 from torchtitan_megamoe.ops.triton.gemm1_swiglu import gemm1_swiglu
 from torchtitan_megamoe.ops.triton.plan import build_plan
-from torchtitan_megamoe.ops.triton.tune import bucket, interpreting, pick_config
+from torchtitan_megamoe.ops.triton.tune import bucket, pick_config
 from torchtitan_megamoe.timing import median_ms
 
 SHAPES = {"30b": (2048, 768, 128, 8), "235b": (4096, 1536, 128, 8)}
@@ -88,7 +89,7 @@ def _whole(side, args, iters, saved=None):
     return _with_side(side, run)
 
 
-TUNED_STAGES = ("bwd_dgrad_l2_swiglu_saved", "bwd_wgrad_dw2", "bwd_wgrad_dw13", "bwd_dgrad_l1")
+TUNED_STAGES = ("bwd_dgrad_l2_swiglu", "bwd_wgrad_dw2", "bwd_wgrad_dw13", "bwd_dgrad_l1")
 """Backward stages with a Triton and a cuBLAS side, as the tuner names them."""
 
 
@@ -102,8 +103,6 @@ def bench_shape(name, tokens, iters, shape=None, device="cuda", block_m=BLOCK_M,
     D, H, E, K = shape or SHAPES[name]
     dev = device
     a_cands, b_cands, c_cands = candidates
-    # backward_local's list for the saved kernel A: the interpreter's one tile, else its own
-    a_saved_cands = a_cands if interpreting() else A_SAVED_CANDIDATES
     g = torch.Generator(device=dev).manual_seed(0)
     x = torch.randn(tokens, D, device=dev, generator=g).bfloat16()
     dy = torch.randn(tokens, D, device=dev, generator=g).bfloat16()
@@ -125,7 +124,7 @@ def bench_shape(name, tokens, iters, shape=None, device="cuda", block_m=BLOCK_M,
         res[f"total{sfx}_ms"] = ms
         res[f"total{sfx}_tflops"] = 12 * nkdh / ms / 1e9  # GEMM 1 is not recomputed
         res[f"peak_extra{sfx}_gib"] = peak
-    ms, peak = _whole("triton", args, iters)
+    ms, peak = _whole("auto", args, iters)
     res["total_recompute_ms"] = ms
     res["total_recompute_tflops"] = 16 * nkdh / ms / 1e9
     res["peak_extra_recompute_gib"] = peak
@@ -135,12 +134,11 @@ def bench_shape(name, tokens, iters, shape=None, device="cuda", block_m=BLOCK_M,
     R = plan.max_rows
     base_key = (bucket(R), D, H, E, block_m)
     key = base_key + ("triton",)
-    cfg_a = _chosen("bwd_dgrad_l2_swiglu_saved", key, a_saved_cands)
-    cfg_a_rc = _chosen("bwd_dgrad_l2_swiglu", key, a_cands)
+    cfg_a = _chosen("bwd_dgrad_l2_swiglu", key, a_cands)
     cfg_w2 = _chosen("bwd_wgrad_dw2", key, b_cands)
     cfg_w13 = _chosen("bwd_wgrad_dw13", key, b_cands)
     cfg_c = _chosen("bwd_dgrad_l1", key, c_cands)
-    res["configs"] = {"A": cfg_a, "A_recompute": cfg_a_rc, "dw2": cfg_w2, "dw13": cfg_w13,
+    res["configs"] = {"A": cfg_a, "dw2": cfg_w2, "dw13": cfg_w13,
                       "C": cfg_c}
     # What the auto run's tuner measured per stage (ms per candidate) and picked.
     auto_key = base_key + ("auto",)
@@ -154,7 +152,7 @@ def bench_shape(name, tokens, iters, shape=None, device="cuda", block_m=BLOCK_M,
         if (stage, auto_key) in tune._CHOSEN
     }
 
-    da, hw, part = dgrad_l2_swiglu(dy, x, tw, w1, w2, w3, plan, a=a_saved, **cfg_a)
+    da, hw, part = dgrad_l2_swiglu(dy, a_saved, tw, w2, plan, **cfg_a)
     g1_cfg = interpret_defaults(block_m, None, None)[1]  # None on the GPU: the tuner's pick
     dw = torch.empty_like(w1)
     dw_b = torch.empty_like(w3)
@@ -183,12 +181,10 @@ def bench_shape(name, tokens, iters, shape=None, device="cuda", block_m=BLOCK_M,
         "fwd_gemm1_save_a": (lambda: gemm1_swiglu(x, w1, w3, plan, config=g1_cfg, save_a=True),
                              4 * nkdh),
         "plan": (lambda: build_plan(ids, E, block_m), 0),
-        "A_dgrad_l2_swiglu": (lambda: dgrad_l2_swiglu(dy, x, tw, w1, w2, w3, plan, a=a_saved,
-                                                      **cfg_a), 2 * nkdh),
+        "A_dgrad_l2_swiglu": (lambda: dgrad_l2_swiglu(dy, a_saved, tw, w2, plan, **cfg_a),
+                              2 * nkdh),
         "A_dgrad_l2_swiglu_cublas": (
             lambda: dgrad_l2_swiglu_cublas(dy, a_saved, tw, w2, plan, dy_rows=dy_rows), 2 * nkdh),
-        "A_dgrad_l2_swiglu_recompute": (
-            lambda: dgrad_l2_swiglu(dy, x, tw, w1, w2, w3, plan, **cfg_a_rc), 6 * nkdh),
         "B_dw2": (kernel_b(dy, hw, dw2, True, cfg_w2), 2 * nkdh),
         "B_dw1": (kernel_b(da1, x, dw, False, cfg_w13), 2 * nkdh),
         "B_dw3": (kernel_b(da3, x, dw, False, cfg_w13), 2 * nkdh),

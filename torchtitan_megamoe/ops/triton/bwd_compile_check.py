@@ -20,7 +20,7 @@ from triton.compiler import ASTSource
 
 from torchtitan_megamoe.ops.triton import bwd_combine, bwd_dgrad_l1, bwd_dgrad_l2_swiglu, bwd_wgrad
 from torchtitan_megamoe.ops.triton.backward import (
-    A_CANDIDATES, A_SAVED_CANDIDATES, B_CANDIDATES, BLOCK_M, C_CANDIDATES,
+    A_CANDIDATES, B_CANDIDATES, BLOCK_M, C_CANDIDATES,
 )
 
 BF16 = "*bf16"
@@ -63,18 +63,15 @@ def compile_one(fn, types, constexprs, num_warps, num_stages):
             f"tma {ptx.count('cp.async.bulk.tensor')}; {_ptxas_report(ptx)}")
 
 
-def _kernel_a(cfg, saved=False):
-    """Kernel A; ``saved``: the variant that loads the forward's a1/a3 (no w1/w3 descriptors)."""
+def _kernel_a(cfg):
     bm, bn, bk, tma = cfg["block_m"], cfg["block_n"], cfg["block_k"], cfg.get("use_tma", False)
-    types = {n: BF16 for n in ("x_ptr", "dy_ptr", "w1_ptr", "w2_ptr", "w3_ptr", "da_ptr", "hw_ptr",
-                               "a_ptr")}
+    types = {n: BF16 for n in ("dy_ptr", "w2_ptr", "da_ptr", "hw_ptr", "a_ptr")}
     types.update(tw_ptr="*fp32", row_slot_ptr="*i32", tile_expert_ptr="*i32", part_ptr="*fp32")
-    w13 = _desc((bn, bk)) if tma and not saved else BF16
-    types.update(w1_desc=w13, w3_desc=w13, w2_desc=_desc((bk, bn)) if tma else BF16)
     rows = _desc((bm, bn)) if tma else BF16
-    types.update(a_desc=rows if saved else BF16, da_desc=rows, hw_desc=rows)
+    types.update(w2_desc=_desc((bk, bn)) if tma else BF16, a_desc=rows, da_desc=rows,
+                 hw_desc=rows)
     consts = dict(PLAN_BM=BLOCK_M, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, EVEN=True, USE_TMA=tma,
-                  UPCAST=False, SAVED=saved)
+                  UPCAST=False)
     return bwd_dgrad_l2_swiglu._dgrad_l2_swiglu_kernel, types, consts
 
 
@@ -108,8 +105,6 @@ def main():
     jobs = []
     for cfg in pick(A_CANDIDATES):
         jobs.append((f"A {cfg}", _kernel_a(cfg), cfg))
-    for cfg in pick(A_SAVED_CANDIDATES):
-        jobs.append((f"A saved {cfg}", _kernel_a(cfg, saved=True), cfg))
     for cfg in pick(B_CANDIDATES):
         jobs.append((f"B dw2 {cfg}", _kernel_b(cfg, True), cfg))
         jobs.append((f"B dw13 {cfg}", _kernel_b(cfg, False), cfg))
