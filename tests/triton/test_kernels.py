@@ -164,22 +164,6 @@ def test_combine(name, ids):
     assert rel_err(out, ref) < 1e-2 if ref.norm() > 0 else torch.all(out == 0)
 
 
-@pytest.mark.parametrize("max_programs", [1, 3, 7])
-def test_combine_with_few_programs_is_bitwise_the_full_grid(max_programs):
-    """max_programs (the EP return on the SMs GEMM 2 leaves free): each program walks several
-    token tiles, including a partial last one; same bits as one program per tile."""
-    ids = dict(routings(T, 3, E))["dropped"]
-    Tn, Kn = ids.shape
-    plan = build_plan(ids, E, BM)
-    y = torch.randn(plan.max_rows, 40).to(torch.bfloat16)
-    w = torch.rand(Tn, Kn)
-    full = combine_mod.combine(y, w, plan.slot_row, torch.bfloat16, block_t=4, block_d=16)
-    out = torch.full_like(full, float("nan"))
-    combine_mod.combine(y, w, plan.slot_row, torch.bfloat16, block_t=4, block_d=16, out=out,
-                        max_programs=max_programs)
-    assert Tn % 4 and torch.equal(out, full)
-
-
 def test_combine_adds_returned_partials_in_rank_order():
     """combine(returned=...): the EP source's own combine plus the partial rows the other ranks
     returned (skipping ranks a token did not go to, whose rows hold NaN poison here)."""

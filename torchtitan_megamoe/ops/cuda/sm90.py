@@ -10,7 +10,6 @@ import os
 import torch
 
 from torchtitan_megamoe.ops.cuda.build import load, nvcc_path
-from torchtitan_megamoe.ops.sm_share import persistent_ctas
 
 
 BULK_STORE = ("MEGAMOE_SM90_TMA_STORE=1",)
@@ -56,11 +55,10 @@ def grouped_gemm_library(defines: tuple = ()) -> ctypes.CDLL:
 
 
 def launch_context(device: torch.device, ticket: bool = True):
-    """(CTA count: the SM count less what sm_share.leave_sms keeps free, the current stream's
-    handle, a fresh zeroed int32 ticket or None) for a persistent launch on ``device``. The ticket is the dynamic tile order's counter; a new one
+    """(SM count, the current stream's handle, a fresh zeroed int32 ticket or None) for a
+    persistent launch on ``device``. The ticket is the dynamic tile order's counter; a new one
     per call (a stream-ordered memset) so launches on other streams never share it."""
-    num_sms = persistent_ctas(
-        _num_sms(device.index if device.index is not None else torch.cuda.current_device()))
+    num_sms = _num_sms(device.index if device.index is not None else torch.cuda.current_device())
     stream = torch.cuda.current_stream(device).cuda_stream
     zero = torch.zeros(1, dtype=torch.int32, device=device) if ticket else None
     return num_sms, stream, zero

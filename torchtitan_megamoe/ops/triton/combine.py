@@ -1,9 +1,7 @@
 """Combine: out[t] = sum_k w[t,k] * y[slot_row[t*K+k]] in fp32, k in fixed order (deterministic).
 
-Tiles: BLOCK_T tokens x BLOCK_D columns; K is unrolled. Program (p, d) takes the token tiles p,
-p + P, p + 2P, ... of column tile d (P programs along tokens: one per tile by default, fewer
-when the caller caps them, e.g. the EP forward's return to the peers, which runs on the SMs
-GEMM 2 leaves free). y is GEMM 2's row-space output [R_max, D]; slot s's row is slot_row[s]. A slot with slot_row == -1 (dropped, or expert
+Tiles: BLOCK_T tokens x BLOCK_D columns per program; K is unrolled. y is GEMM 2's row-space
+output [R_max, D]; slot s's row is slot_row[s]. A slot with slot_row == -1 (dropped, or expert
 not local) contributes exactly 0 and nothing is loaded for it.
 
 With ``returned`` (the EP forward's own region, after the exchange's barrier) it also adds the
@@ -45,21 +43,10 @@ def _combine_kernel(
     BLOCK_D: tl.constexpr,
     EMULATE_RTNE: tl.constexpr,
 ):
+    toks = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
-    in_d = cols < D
-    for tile in range(tl.program_id(0), tl.cdiv(T, BLOCK_T), tl.num_programs(0)):
-        _combine_tile(y_ptr, w_ptr, slot_row_ptr, out_ptr, part_ptr, pos_ptr, tile, cols, in_d,
-                      T, stride_y, stride_w, stride_out, stride_part_r, stride_part_row,
-                      stride_pos, ME, R, TOP_K, BLOCK_T, BLOCK_D, EMULATE_RTNE)
-
-
-@triton.jit
-def _combine_tile(y_ptr, w_ptr, slot_row_ptr, out_ptr, part_ptr, pos_ptr, tile, cols, in_d,
-                  T, stride_y, stride_w, stride_out, stride_part_r, stride_part_row, stride_pos,
-                  ME, R: tl.constexpr, TOP_K: tl.constexpr, BLOCK_T: tl.constexpr,
-                  BLOCK_D: tl.constexpr, EMULATE_RTNE: tl.constexpr):
-    toks = tile * BLOCK_T + tl.arange(0, BLOCK_T)
     in_t = toks < T
+    in_d = cols < D
     acc = tl.zeros((BLOCK_T, BLOCK_D), dtype=tl.float32)
     for k in tl.static_range(TOP_K):
         slot = toks.to(tl.int64) * TOP_K + k
@@ -91,15 +78,12 @@ def combine(
     block_d: int = 512,
     out: torch.Tensor | None = None,
     returned: tuple | None = None,
-    max_programs: int | None = None,
 ) -> torch.Tensor:
     """out [T, D] in out_dtype from GEMM 2's rows y [R_max, D] and the slots' rows slot_row
     [T*K]. ``out``: where to store (any [T, D] tensor with unit column stride, e.g. a peer
     rank's receive region: the stores then travel over NVLink). ``returned`` = (part [R, C, D],
     pos [T, R], me): the EP source's last step folded in, out[t] = sum over ranks r in order of
-    (this combine's fp32 row if r == me, else part[r, pos[t, r]] where pos[t, r] >= 0).
-    ``max_programs``: at most this many programs in all (each then walks several token tiles),
-    for a combine that shares the GPU with a persistent GEMM."""
+    (this combine's fp32 row if r == me, else part[r, pos[t, r]] where pos[t, r] >= 0)."""
     T, K = topk_weights.shape
     D = y.shape[1]
     assert slot_row.shape == (T * K,) and y.stride(1) == 1 and topk_weights.stride(1) == 1
@@ -109,11 +93,7 @@ def combine(
     if T == 0:
         return out
     block_d = min(block_d, triton.next_power_of_2(D))
-    n_d = triton.cdiv(D, block_d)
-    n_t = triton.cdiv(T, block_t)
-    if max_programs is not None:
-        n_t = max(1, min(n_t, max_programs // n_d))
-    grid = (n_t, n_d)
+    grid = (triton.cdiv(T, block_t), triton.cdiv(D, block_d))
     part, pos, me = returned if returned is not None else (out, slot_row, 0)
     R = part.shape[0] if returned is not None else 1
     if returned is not None:

@@ -17,9 +17,8 @@ on phase 0 while the peers' rows still travel:
     wait x_arrived
     GEMM 1 + SwiGLU, phase 1; GEMM 2, phase 1
                                               combine of each peer's region, stored straight
-                                              into that peer's "ret" region (NVLink stores),
-                                              on the SMs GEMM 2 leaves free (return_sms())
-    GEMM 2, phase 0, on all SMs but return_sms()
+                                              into that peer's "ret" region (NVLink stores)
+    GEMM 2, phase 0
     wait for the side stream; barrier (channel 0): every partial row is home
     combine of the own region, adding the peers' partial rows: out[t] = sum over
     ranks in fixed order, fp32 (the own partial never leaves the registers)
@@ -49,12 +48,10 @@ rows a rank computes on average. A capacity below that bound needs an overflow p
 """
 
 import dataclasses
-import os
 
 import torch
 
 from torchtitan_megamoe.ops.exchange import capacity_hint
-from torchtitan_megamoe.ops.sm_share import leave_sms
 from torchtitan_megamoe.ops.triton.combine import combine
 from torchtitan_megamoe.ops.triton.ep_route import TokenRoute
 from torchtitan_megamoe.ops.triton.forward import interpret_defaults, saved_like
@@ -80,21 +77,6 @@ def phase_of_row(R: int, C: int, rank: int, device) -> torch.Tensor:
         if not (t.is_cuda and torch.cuda.is_current_stream_capturing()):
             _PHASE_OF_ROW[key] = t
     return t
-
-
-RETURN_SMS_DEFAULT = 16
-RETURN_PROGRAMS_PER_SM = 2
-"""The return combine's CTAs per free SM: each walks its token tiles in a loop, so all must be
-resident at once (a CTA that waits for a slot would start after the others' whole walk); the
-combine takes 148-208 registers per thread at 4 warps (ptxas, sm_90a), so two fit on an SM."""
-
-
-def return_sms() -> int:
-    """SMs the own tokens' GEMM 2 leaves to the return of the peers' partial rows, a combine
-    bound by NVLink, not by SMs: run beside GEMM 2 instead of before it (on every SM it ran
-    alone for 194 us at the 30B shape, EP=2, docs/PERF.md). MEGAMOE_EP_RETURN_SMS overrides
-    the default (0: no SMs kept, the combine on a full grid, as before)."""
-    return int(os.environ.get("MEGAMOE_EP_RETURN_SMS", RETURN_SMS_DEFAULT))
 
 
 def keeps_saved(R, C, K, E_local, D, H, block_m) -> bool:
@@ -152,18 +134,17 @@ def forward_ep(x, topk_ids, topk_weights, w1, w2, w3, group, block_m, gemm1_conf
     y = torch.empty((plan.max_rows, D), dtype=x.dtype, device=x.device)
     gemm2_rows(h, w2, others, config=gemm2_config, out=y)
 
-    sms = return_sms() if ex.overlaps else 0
-    programs = sms * RETURN_PROGRAMS_PER_SM if sms else None
+    def combine_region(s):
+        slots = slice(s * C * K, (s + 1) * C * K)
+        combine(y, weights[s * C:(s + 1) * C], plan.slot_row[slots], x.dtype,
+                out=ex.send_region(s, "ret"))
 
     def return_peers():
         for s in peers:
-            slots = slice(s * C * K, (s + 1) * C * K)
-            combine(y, weights[s * C:(s + 1) * C], plan.slot_row[slots], x.dtype,
-                    out=ex.send_region(s, "ret"), max_programs=programs)
+            combine_region(s)
 
     returned = ex.run_async(return_peers) if ex.overlaps else return_peers()
-    with leave_sms(sms):
-        gemm2_rows(h, w2, own, config=gemm2_config, out=y)
+    gemm2_rows(h, w2, own, config=gemm2_config, out=y)
     if ex.overlaps:
         torch.cuda.current_stream(x.device).wait_event(returned)
     ex.exchange(["ret"])

@@ -4,7 +4,6 @@ import torch
 import triton
 import triton.language as tl
 
-from torchtitan_megamoe.ops.sm_share import persistent_ctas
 from torchtitan_megamoe.ops.triton.tune import interpreting
 
 
@@ -33,11 +32,10 @@ def launch_config(cfg: dict, num_tiles: int, device: torch.device,
 
 
 def persistent_programs(device: torch.device) -> int:
-    """Programs of a persistent launch: one per SM, less what sm_share.leave_sms keeps free (a
-    few under the CPU interpreter)."""
+    """Programs of a persistent launch: one per SM (a few under the CPU interpreter)."""
     if interpreting() or device.type != "cuda":
         return 3
-    return persistent_ctas(torch.cuda.get_device_properties(device).multi_processor_count)
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 @triton.jit
