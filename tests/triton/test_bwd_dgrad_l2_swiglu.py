@@ -125,6 +125,7 @@ def test_dgrad_l2_swiglu_gpu_30b_shape():
     # Spot-check slots of a few tokens in float64 on the GPU (the closed form of every slot
     # would gather [T, K, H, D] weights).
     sig = torch.nn.functional.silu
+    dtw, ref_dtw = [], []
     for t in range(0, T, 409):
         x64, dy64 = inp["x"][t].double(), inp["dy"][t].double()
         for k in range(K):
@@ -139,6 +140,8 @@ def test_dgrad_l2_swiglu_gpu_30b_shape():
             assert_close(da[r, :H], ref_da1, name="da1")
             assert_close(da[r, H:], ref_da3, name="da3")
             assert_close(hw[r], w * sig(a1) * a3, name="hw")
-            # h comes from the bf16-rounded a1/a3 (as stock autograd saves them): the 768-term
-            # dot carries that rounding, measured up to 1.25e-2 of its value on the H200
-            assert_close(part[:, r].sum(), (dh * sig(a1) * a3).sum(), tol=3e-2, name="dtw")
+            dtw.append(part[:, r].sum())
+            ref_dtw.append((dh * sig(a1) * a3).sum())
+    # h comes from the bf16-rounded a1/a3 (as stock autograd saves them), so a dot that cancels
+    # to near zero has no relative accuracy of its own: judged on the scale of all sampled dots
+    assert_close(torch.stack(dtw), torch.stack(ref_dtw), name="dtw")
