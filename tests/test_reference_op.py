@@ -204,21 +204,22 @@ def test_bad_arguments_raise_clear_errors(mutate, exc, match):
 
 @contextlib.contextmanager
 def _save_flags():
-    """The ``save`` flag of every megamoe::mega_moe call inside the block, in order."""
+    """The ``save`` flag of every forward of the op inside the block (the registered op's and
+    the eager path's: both run api._run_forward), in order."""
     from torchtitan_megamoe.ops import api
 
     seen = []
-    real = torch.ops.megamoe.mega_moe
+    real = api._run_forward
 
     def spy(*args):
         seen.append(args[-1])
         return real(*args)
 
-    api.torch.ops.megamoe.mega_moe = spy
+    api._run_forward = spy
     try:
         yield seen
     finally:
-        api.torch.ops.megamoe.mega_moe = real
+        api._run_forward = real
 
 
 def test_no_grad_call_saves_nothing():
@@ -247,3 +248,92 @@ def test_save_activations_never_keeps_nothing():
     finally:
         api.set_save_activations("keep")
     assert seen == [False]
+
+
+# ------------------------------------------------ plain eager calls skip torch.library's wrapper
+
+
+@contextlib.contextmanager
+def _paths():
+    """Which path each mega_moe call inside the block took: "eager" (_EagerMegaMoE) or "op"
+    (the registered megamoe::mega_moe)."""
+    from torchtitan_megamoe.ops import api
+
+    seen, real_eager, real_op = [], api._EagerMegaMoE.apply, api._run_forward
+    inside = []
+
+    def eager(*args):
+        seen.append("eager")
+        inside.append(True)
+        try:
+            return real_eager(*args)
+        finally:
+            inside.pop()
+
+    def fwd(*args):
+        if not inside:
+            seen.append("op")
+        return real_op(*args)
+
+    api._EagerMegaMoE.apply, api._run_forward = eager, fwd
+    try:
+        yield seen
+    finally:
+        api._EagerMegaMoE.apply, api._run_forward = real_eager, real_op
+
+
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+def test_eager_path_matches_the_registered_op_bitwise(backend, monkeypatch):
+    """A plain eager call (no compile, no dispatch mode, plain tensors) runs the op's forward
+    and backward as an autograd Function; forcing the registered op gives the same bits."""
+    from torchtitan_megamoe.ops import api
+
+    x, ids, w, w1, w2, w3 = make_inputs(21, 3, 5, 32, 48, "dropped", dtype=torch.float32)
+    if backend == "triton":
+        x, w1, w2, w3 = (t.bfloat16() for t in (x, w1, w2, w3))
+    dy = torch.randn_like(x)
+    results = {}
+    for path in ("eager", "op"):
+        if path == "op":
+            monkeypatch.setattr(api, "_plain_eager", lambda tensors: False)
+        leaves = [t.clone().requires_grad_() for t in (x, w, w1, w2, w3)]
+        with _paths() as seen:
+            out = mega_moe(leaves[0], ids, *leaves[1:], backend=backend)
+        assert seen == [path]
+        results[path] = (out, *torch.autograd.grad(out, leaves, dy))
+    for name, a, b in zip(("out", "dx", "dw", "dw1", "dw2", "dw3"), *results.values()):
+        assert torch.equal(a, b), name
+
+
+def test_selective_ac_and_dispatch_modes_see_the_registered_op():
+    """Per-op selective AC (a dispatch mode) must see megamoe::mega_moe to keep it; so must any
+    TorchDispatchMode, and tensor subclasses; a plain call takes the eager path."""
+    import functools
+
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils.checkpoint import (
+        CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts,
+    )
+
+    x, ids, w, w1, w2, w3 = make_inputs(8, 2, 3, 8, 8, "random", dtype=torch.float32)
+    w1.requires_grad_()
+
+    def layer(inp):
+        return mega_moe(inp, ids, w, w1, w2, w3, backend="reference")
+
+    def policy(ctx, op, *args, **kwargs):
+        return (CheckpointPolicy.MUST_SAVE if op is torch.ops.megamoe.mega_moe.default
+                else CheckpointPolicy.PREFER_RECOMPUTE)
+
+    class Watch(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    with _paths() as seen:
+        layer(x)
+        out = checkpoint(layer, x, use_reentrant=False, context_fn=functools.partial(
+            create_selective_checkpoint_contexts, policy))
+        out.sum().backward()  # the op was saved: not run again
+        with Watch():
+            layer(x)
+    assert seen == ["eager", "op", "op"]
