@@ -48,6 +48,7 @@ rows a rank computes on average. A capacity below that bound needs an overflow p
 """
 
 import dataclasses
+import os
 
 import torch
 
@@ -134,16 +135,27 @@ def forward_ep(x, topk_ids, topk_weights, w1, w2, w3, group, block_m, gemm1_conf
     y = torch.empty((plan.max_rows, D), dtype=x.dtype, device=x.device)
     gemm2_rows(h, w2, others, config=gemm2_config, out=y)
 
-    def combine_region(s):
+    def combine_region(s, out=None):
         slots = slice(s * C * K, (s + 1) * C * K)
-        combine(y, weights[s * C:(s + 1) * C], plan.slot_row[slots], x.dtype,
-                out=ex.send_region(s, "ret"))
+        return combine(y, weights[s * C:(s + 1) * C], plan.slot_row[slots], x.dtype,
+                       out=ex.send_region(s, "ret") if out is None else out)
 
     def return_peers():
         for s in peers:
             combine_region(s)
 
-    returned = ex.run_async(return_peers) if ex.overlaps else return_peers()
+    if ex.overlaps and os.environ.get("MEGAMOE_EP_RETURN", "direct") == "staged":
+        staged = [combine_region(s, torch.empty((C, D), dtype=x.dtype, device=x.device))
+                  for s in peers]
+
+        def send_staged():
+            for s, rows in zip(peers, staged):
+                rows.record_stream(torch.cuda.current_stream(x.device))
+                ex.send_region(s, "ret").copy_(rows)
+
+        returned = ex.run_async(send_staged)
+    else:
+        returned = ex.run_async(return_peers) if ex.overlaps else return_peers()
     gemm2_rows(h, w2, own, config=gemm2_config, out=y)
     if ex.overlaps:
         torch.cuda.current_stream(x.device).wait_event(returned)
