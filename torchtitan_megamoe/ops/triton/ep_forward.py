@@ -16,15 +16,17 @@ on phase 0 while the peers' rows still travel:
     GEMM 1 + SwiGLU, phase 0
     wait x_arrived
     GEMM 1 + SwiGLU, phase 1; GEMM 2, phase 1
-                                              combine of each peer's region, stored straight
-                                              into that peer's "ret" region (NVLink stores)
+    combine of each peer's region into a local
+    buffer (HBM-bound)
+                                              each buffer -> that peer's "ret" region (copy
+                                              engines, no SMs)
     GEMM 2, phase 0
     wait for the side stream; barrier (channel 0): every partial row is home
     combine of the own region, adding the peers' partial rows: out[t] = sum over
     ranks in fixed order, fp32 (the own partial never leaves the registers)
 
-So the dispatch hides under GEMM 1 of the own tokens and the return under GEMM 2 of the own
-tokens. No host sync and no data-dependent shape anywhere, so the call is capturable. Without
+So the dispatch hides under GEMM 1 of the own tokens and the return's transfer under GEMM 2
+of the own tokens. No host sync and no data-dependent shape anywhere, so the call is capturable. Without
 symmetric memory (gloo, CPU) the same steps run in order on one stream with all_to_all moves
 (that is what the CPU tests cover).
 
@@ -45,10 +47,11 @@ Memory. Exchange buffers, shared by all layers (ops/exchange.py): 3 x [R, C, D] 
 metadata, C = tokens per rank. Per call: h [R_max, H] and GEMM 2's rows y [R_max, D], with R_max
 the static bound for R*C*K received slots (any routing may send every slot here): ~R times the
 rows a rank computes on average. A capacity below that bound needs an overflow path (not built).
+With symmetric memory, the staged return rows: (R - 1) x [C, D] x.dtype until their copies end
+(EP=2, C = 16384: 64 MiB at 30B, 128 MiB at 235B; EP=8: 448 / 896 MiB).
 """
 
 import dataclasses
-import os
 
 import torch
 
@@ -135,27 +138,27 @@ def forward_ep(x, topk_ids, topk_weights, w1, w2, w3, group, block_m, gemm1_conf
     y = torch.empty((plan.max_rows, D), dtype=x.dtype, device=x.device)
     gemm2_rows(h, w2, others, config=gemm2_config, out=y)
 
-    def combine_region(s, out=None):
+    def combine_region(s, out):
         slots = slice(s * C * K, (s + 1) * C * K)
-        return combine(y, weights[s * C:(s + 1) * C], plan.slot_row[slots], x.dtype,
-                       out=ex.send_region(s, "ret") if out is None else out)
+        return combine(y, weights[s * C:(s + 1) * C], plan.slot_row[slots], x.dtype, out=out)
 
-    def return_peers():
-        for s in peers:
-            combine_region(s)
-
-    if ex.overlaps and os.environ.get("MEGAMOE_EP_RETURN", "direct") == "staged":
+    if ex.overlaps:
+        # combined here (HBM-bound, every SM), sent by the copy engines beside GEMM 2: a combine
+        # storing straight into the peers' regions ran at NVLink speed on every SM, between the
+        # two GEMM 2 launches (docs/PERF.md, 2026-11-30: 2.769 -> 2.721 ms at 30B, 10.009 ->
+        # 9.810 at 235B, EP=2 back to back)
         staged = [combine_region(s, torch.empty((C, D), dtype=x.dtype, device=x.device))
                   for s in peers]
 
         def send_staged():
             for s, rows in zip(peers, staged):
-                rows.record_stream(torch.cuda.current_stream(x.device))
+                rows.record_stream(torch.cuda.current_stream(x.device))  # used on this stream
                 ex.send_region(s, "ret").copy_(rows)
 
         returned = ex.run_async(send_staged)
     else:
-        returned = ex.run_async(return_peers) if ex.overlaps else return_peers()
+        for s in peers:
+            combine_region(s, ex.send_region(s, "ret"))
     gemm2_rows(h, w2, own, config=gemm2_config, out=y)
     if ex.overlaps:
         torch.cuda.current_stream(x.device).wait_event(returned)
