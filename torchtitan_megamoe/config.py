@@ -32,7 +32,7 @@ class MegaMoE:
     0.42 GiB per MoE layer at 30B-A3B and 16384 tokens per GPU, 0.84 GiB at 235B-A22B (stock
     TorchTitan keeps 1.06 / 2.13 GiB of routed activations when it keeps any), and at EP > 1
     only while that bound holds in the receive layout (EP=2 yes, EP >= 4 no). ``never``: keep
-    nothing; the backward runs GEMM 1 again (~1.5 ms per layer at 30B-A3B on H200, bitwise the
+    nothing; the backward runs GEMM 1 again (+1.7 ms per layer at 30B-A3B on H200, bitwise the
     same gradients). ``auto``: ``never`` under per-op selective AC, ``keep`` otherwise. Per-op
     SAC keeps the op's outputs for every layer while stock TorchTitan 0.2.2's per-op SAC keeps
     no expert activations (``_grouped_mm`` is not in its save list: it recomputes its experts),

@@ -33,7 +33,7 @@ Stock TorchTitan keeps its routed activations per layer instead (at least the pe
 and a1, a3, h: T*K*(D + 3H) bf16): 1.06 GiB at 30B, 2.13 GiB at 235B, so the saved path keeps
 40% of stock's. a is saved in bf16 (as stock autograd saves a1/a3). The recompute path
 (saved=None) runs GEMM 1 again, storing a only, and then the same kernels: its gradients equal
-the saved path's bit for bit, at the cost of one GEMM 1 (~1.5 ms at the 30B shape) and a
+the saved path's bit for bit, at the cost of one GEMM 1 (+1.7 ms at the 30B shape, H200) and a
 transient a during kernel A. The op returns the saved tensors as extra outputs (api.py): with
 selective AC and the op in the save list they live from the forward to the backward (no
 recompute of the op); with full AC the layer's forward is recomputed in the backward and they
