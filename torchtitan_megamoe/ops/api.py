@@ -14,7 +14,10 @@ pre-activations and the packed plan; reference and Triton EP > 1: nothing, they 
 an output of the forward op so that selective activation checkpointing with the op in its save
 list keeps it (no recompute of the op), while full AC recomputes the forward and holds it only
 during that layer's backward. Autograd saves the inputs and ``saved`` (non-differentiable, never
-given a gradient). The public ``mega_moe()`` returns ``out`` only.
+given a gradient). The public ``mega_moe()`` returns ``out`` only. Calls that nothing but
+autograd sees (plain eager: no compile, no dispatch mode such as selective AC's, plain tensors)
+run the same forward and backward functions as an autograd Function (_EagerMegaMoE) without
+the custom op's per-call wrapping.
 
 Backends are modules with
     forward(x, topk_ids, topk_weights, w1, w2, w3, group, precision, save=False)
@@ -357,8 +360,9 @@ class _EagerMegaMoE(torch.autograd.Function):
     """The registered op's forward and backward (_run_forward, _run_backward) as a plain
     autograd Function, for calls that nothing but autograd sees (_plain_eager): torch.library's
     per-call wrapping of a custom op (argument re-packing, tensor-list pytrees, output alias
-    checks) cost ~0.2 ms of host time per forward with autograd on this project's CPU
-    (docs/PERF.md), before the layer's first kernel. Same saved tensors, same gradients (bit for
+    checks) cost 0.24 ms of host time per forward with autograd and 0.57 ms per forward +
+    backward on the H200 machines' host (scripts/op_overhead.py, docs/PERF.md), before the
+    layer's first kernel. Same saved tensors, same gradients (bit for
     bit: the same functions run); compile, export, selective AC and tensor subclasses keep the
     registered op, which they need to see."""
 
