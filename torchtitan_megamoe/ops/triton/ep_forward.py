@@ -138,27 +138,23 @@ def forward_ep(x, topk_ids, topk_weights, w1, w2, w3, group, block_m, gemm1_conf
     y = torch.empty((plan.max_rows, D), dtype=x.dtype, device=x.device)
     gemm2_rows(h, w2, others, config=gemm2_config, out=y)
 
-    def combine_region(s, out):
+    # The peers' rows: combined here (HBM-bound, every SM), then sent by the copy engines beside
+    # GEMM 2 (a combine storing straight into the peers' regions ran at NVLink speed on every SM
+    # between the two GEMM 2 launches: docs/PERF.md, 2026-11-30, 2.769 -> 2.721 ms at 30B,
+    # 10.009 -> 9.810 at 235B, EP=2 back to back). Without symmetric memory the same steps run
+    # in order.
+    staged = []
+    for s in peers:
         slots = slice(s * C * K, (s + 1) * C * K)
-        return combine(y, weights[s * C:(s + 1) * C], plan.slot_row[slots], x.dtype, out=out)
+        staged.append(combine(y, weights[s * C:(s + 1) * C], plan.slot_row[slots], x.dtype))
 
-    if ex.overlaps:
-        # combined here (HBM-bound, every SM), sent by the copy engines beside GEMM 2: a combine
-        # storing straight into the peers' regions ran at NVLink speed on every SM, between the
-        # two GEMM 2 launches (docs/PERF.md, 2026-11-30: 2.769 -> 2.721 ms at 30B, 10.009 ->
-        # 9.810 at 235B, EP=2 back to back)
-        staged = [combine_region(s, torch.empty((C, D), dtype=x.dtype, device=x.device))
-                  for s in peers]
-
-        def send_staged():
-            for s, rows in zip(peers, staged):
+    def send_staged():
+        for s, rows in zip(peers, staged):
+            if ex.overlaps:
                 rows.record_stream(torch.cuda.current_stream(x.device))  # used on this stream
-                ex.send_region(s, "ret").copy_(rows)
+            ex.send_region(s, "ret").copy_(rows)
 
-        returned = ex.run_async(send_staged)
-    else:
-        for s in peers:
-            combine_region(s, ex.send_region(s, "ret"))
+    returned = ex.run_async(send_staged) if ex.overlaps else send_staged()
     gemm2_rows(h, w2, own, config=gemm2_config, out=y)
     if ex.overlaps:
         torch.cuda.current_stream(x.device).wait_event(returned)
