@@ -102,6 +102,8 @@ def test_ep1_cli_reference_smoke():
     assert r["rel_err_vs_stock"] < 2e-2 and r["stock_fwdbwd_ms"] > 0 and r["ours_fwdbwd_ms"] > 0
     assert "bwd_stages" not in r  # the stage breakdown belongs to the triton backend
     assert "| tiny (smoke) | fwdbwd |" in proc.stdout
+    assert r["ours_fwd_host_ms"] > 0 and r["stock_fwd_host_ms"] > 0
+    assert "fwd host issue time" in proc.stdout
 
 
 def test_bwd_stage_breakdown_and_table(monkeypatch):
@@ -161,3 +163,13 @@ def test_timeline_prints_one_call(capsys):
     out = capsys.readouterr().out
     assert "--- timeline: cpu matmul:" in out
     assert "GPU busy" in out
+
+
+def test_host_issue_ms_is_the_median_host_time_of_a_call():
+    import time
+
+    from torchtitan_megamoe.timing import host_issue_ms
+
+    delays = iter([0.0, 0.002, 0.002, 0.030, 0.002])  # one outlier: the median ignores it
+    ms = host_issue_ms(lambda: time.sleep(next(delays)), iters=4, warmup=1)
+    assert 2.0 <= ms < 20.0

@@ -55,6 +55,26 @@ def back_to_back_ms(fn, iters: int, warmup: int = 0) -> float:
     return start.elapsed_time(end) / iters
 
 
+def host_issue_ms(fn, iters: int, warmup: int = 0) -> float:
+    """Median over ``iters`` calls of the host's time to return from ``fn`` with the device idle
+    before each call (synchronized first, not after): how long a waited call keeps the device
+    waiting for launches before its work queues up. A call that syncs inside measures its device
+    time too. Wall time per call without CUDA (the whole call)."""
+    for _ in range(warmup):
+        fn()
+    cuda = torch.cuda.is_available()
+    times = []
+    for _ in range(iters):
+        if cuda:
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e3)
+    if cuda:
+        torch.cuda.synchronize()
+    return statistics.median(times)
+
+
 def peak_extra_mib(fn) -> float:
     """Peak of the caching allocator's memory above its level before one call of ``fn``, in
     MiB: the call's transient workspace plus what it returns (0 without CUDA)."""

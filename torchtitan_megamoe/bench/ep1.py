@@ -8,7 +8,7 @@ import torch
 
 from torchtitan_megamoe.bench.profile import profile_kernels, timeline
 from torchtitan_megamoe.bench.shapes import SHAPES, build_stock_moe
-from torchtitan_megamoe.timing import median_ms, peak_extra_mib
+from torchtitan_megamoe.timing import host_issue_ms, median_ms, peak_extra_mib
 from torchtitan_megamoe.router import route
 
 
@@ -91,6 +91,10 @@ def bench_shape(key: str, tokens: int, iters: int, warmup: int, backward: bool, 
             "router_ms": median_ms(lambda: moe.router(x2, moe.expert_bias), iters, warmup),
             "ours_router_ms": median_ms(lambda: route(moe.router, x2, moe.expert_bias), iters,
                                         warmup),
+            # host time to issue one waited forward (the part of ours_fwd_ms the device may
+            # spend idle, waiting for launches)
+            "stock_fwd_host_ms": host_issue_ms(lambda: moe(x), iters, warmup),
+            "ours_fwd_host_ms": host_issue_ms(lambda: ours_layer(x), iters, warmup),
         }
         if profile:
             timeline(f"{shape['name']} EP=1 ours fwd (no grad)", lambda: ours_layer(x), 0)

@@ -67,6 +67,11 @@ def table(results: list[dict]) -> str:
         if r.get("router_ms") and r.get("ours_router_ms"):
             lines.append(f"{r['shape']} router alone (gate, scores, top-k, counts): stock "
                          f"{r['router_ms']:.3f} ms, ours {r['ours_router_ms']:.3f} ms")
+    for r in results:
+        if r.get("stock_fwd_host_ms") and r.get("ours_fwd_host_ms"):
+            lines.append(f"{r['shape']} fwd host issue time (device idle before the call, "
+                         f"median): stock {r['stock_fwd_host_ms']:.3f} ms, ours "
+                         f"{r['ours_fwd_host_ms']:.3f} ms")
     return "\n".join(lines)
 
 
