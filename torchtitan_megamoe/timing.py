@@ -11,15 +11,11 @@ def median_ms(fn, iters: int, warmup: int = 0) -> float:
 
     On the GPU each call is bracketed by CUDA events and waited for, so the time is the
     device's; without CUDA (the CPU smoke runs of the benchmarks) it is wall time."""
+    if not torch.cuda.is_available():
+        return host_issue_ms(fn, iters, warmup)  # wall time per call
     for _ in range(warmup):
         fn()
     times = []
-    if not torch.cuda.is_available():
-        for _ in range(iters):
-            t0 = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t0) * 1e3)
-        return statistics.median(times)
     torch.cuda.synchronize()
     for _ in range(iters):
         start = torch.cuda.Event(enable_timing=True)
