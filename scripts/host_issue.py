@@ -78,6 +78,24 @@ def main(key: str = "30b", iters: int = 50) -> None:
             rows.append(steps())
         torch.cuda.synchronize()
         med = [statistics.median(r[i] for r in rows) for i in range(len(names))]
+        # the same rounds with the device kept busy by a sleep kernel queued after the sync
+        # (launches then queue behind it), and with the host spinning on an event instead of
+        # blocking in synchronize: which of the two makes a waited call's steps slow
+        variants = {}
+        for label in ("device busy", "host spins"):
+            vrows = []
+            for _ in range(iters):
+                if label == "device busy":
+                    torch.cuda.synchronize()
+                    torch.cuda._sleep(int(2e7))  # ~10 ms
+                else:
+                    ev = torch.cuda.Event()
+                    ev.record()
+                    while not ev.query():
+                        pass
+                vrows.append(steps())
+            torch.cuda.synchronize()
+            variants[label] = [statistics.median(r[i] for r in vrows) for i in range(len(names))]
         layer_us = statistics.median(whole(layer) for _ in range(iters))
         router_us = statistics.median(whole(lambda: route(moe.router, x, moe.expert_bias))
                                       for _ in range(iters))
@@ -87,9 +105,59 @@ def main(key: str = "30b", iters: int = 50) -> None:
     for n, v in zip(names, med):
         print(f"  {n:<14}{v:8.1f}")
     print(f"  {'sum':<14}{sum(med):8.1f}")
+    for label, v in variants.items():
+        print(f"  {label}: " + ", ".join(f"{n} {u:.1f}" for n, u in zip(names, v))
+              + f"; sum {sum(v):.1f}")
     print(f"  {'layer (route + mega_moe)':<26}{layer_us:8.1f}  of which route {router_us:.1f}")
     print(f"  {'stock MoE (syncs inside)':<26}{stock_us:8.1f}")
     _launcher_share()
+    _tight_loops(x, ex, E, moe, route, build_plan, gemm1_swiglu, gemm2_rows, combine, BLOCK_M)
+    if "--cprofile" in sys.argv:
+        import cProfile
+        import pstats
+
+        prof = cProfile.Profile()
+        with torch.no_grad():
+            torch.cuda.synchronize()
+            prof.enable()
+            for _ in range(30):
+                steps()
+            prof.disable()
+            torch.cuda.synchronize()
+        for order in ("tottime", "cumulative"):
+            print(f"--- cProfile of 30 rounds of the steps, by {order}:")
+            pstats.Stats(prof).sort_stats(order).print_stats(45)
+
+
+def _tight_loops(x, ex, E, moe, route, build_plan, gemm1_swiglu, gemm2_rows, combine, block_m,
+                 n=100):
+    """Each step alone, called n times in a row while the device is kept busy (the host never
+    waits): its steady-state host cost, against the in-sequence numbers above."""
+    with torch.no_grad():
+        scores, ids, _ = route(moe.router, x, moe.expert_bias)
+        plan = build_plan(ids, E, block_m, id_limit=E)
+        h = gemm1_swiglu(x, ex.w1, ex.w3, plan)
+        y = gemm2_rows(h, ex.w2, plan)
+        calls = {
+            "route": lambda: route(moe.router, x, moe.expert_bias),
+            "build_plan": lambda: build_plan(ids, E, block_m, id_limit=E),
+            "gemm1": lambda: gemm1_swiglu(x, ex.w1, ex.w3, plan),
+            "gemm2": lambda: gemm2_rows(h, ex.w2, plan),
+            "combine": lambda: combine(y, scores, plan.slot_row, x.dtype),
+        }
+        out = []
+        for name, fn in calls.items():
+            torch.cuda.synchronize()
+            torch.cuda._sleep(int(2e9))  # ~1 s of device time: the queue never drains
+            for _ in range(20):
+                fn()
+            t0 = time.perf_counter()
+            for _ in range(n if name in ("route", "build_plan", "combine") else n // 10):
+                fn()
+            k = n if name in ("route", "build_plan", "combine") else n // 10
+            out.append(f"{name} {(time.perf_counter() - t0) / k * 1e6:.1f}")
+            torch.cuda.synchronize()
+    print("steady-state host cost per call, device busy (us): " + ", ".join(out))
 
 
 def _launcher_share(n: int = 2000) -> None:

@@ -124,3 +124,35 @@ def test_real_30b_shape_matches_triton_and_float64(cluster, defines):
         h3 = nan_tensor(plan.max_rows, H)
         gemm1_swiglu_sm90(x, w1, w3, plan, h3, cluster=1, defines=defines, dynamic=False)
         assert torch.equal(h3[:used], h[:used]), "static and dynamic tile orders differ"
+
+
+def test_ticket_left_zeroed_for_the_next_launch():
+    """Launches on one stream share its ticket (ops/cuda/sm90.launch_context): each must leave
+    it at zero, or the next launch would skip tiles (left NaN here). Also on a second stream,
+    with another routing, and with launches of different unit counts back to back."""
+    from torchtitan_megamoe.ops.cuda.sm90 import launch_context
+
+    T, K, E, D, H = 1000, 4, 8, 256, 256
+    torch.manual_seed(1)
+    x = torch.randn(T, D, device="cuda").bfloat16()
+    w1 = (torch.randn(E, H, D, device="cuda") / D**0.5).bfloat16()
+    w3 = (torch.randn(E, H, D, device="cuda") / D**0.5).bfloat16()
+    plans = [build_plan(skewed_ids(T, K, E), E, BM),
+             build_plan(torch.randint(0, E, (T // 3, K), device="cuda"), E, BM)]
+    ref = []
+    for plan in plans:
+        h = nan_tensor(plan.max_rows, H)
+        gemm1_swiglu_sm90(x, w1, w3, plan, h, cluster=1, dynamic=False)  # static order: no ticket
+        ref.append(h)
+    side = torch.cuda.Stream()
+    for stream in (torch.cuda.current_stream(), side):
+        with torch.cuda.stream(stream):
+            for i in (0, 1, 0, 0, 1):
+                plan = plans[i]
+                used = int(plan.num_rows_used)
+                h = nan_tensor(plan.max_rows, H)
+                gemm1_swiglu_sm90(x, w1, w3, plan, h, cluster=1)
+                assert torch.equal(h[:used], ref[i][:used]), "a launch skipped tiles"
+            ticket = launch_context(x.device)[2]
+            assert int(ticket) == 0, "the ticket was not left zeroed"
+    torch.cuda.synchronize()

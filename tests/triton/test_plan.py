@@ -87,6 +87,13 @@ def test_plan_kernels_match_torch_path(case):
         assert getattr(b, f).dtype == torch.int32
         assert torch.equal(getattr(a, f), getattr(b, f)), f
     assert int(a.num_rows_used) == int(b.num_rows_used)
+    # the kernels' plan packs without a copy (a view of its own storage), the torch path with
+    # one; both give the same vector
+    from torchtitan_megamoe.ops.triton.plan import pack_plan
+
+    pa, pb = pack_plan(a), pack_plan(b)
+    assert torch.equal(pa, pb)
+    assert pb.untyped_storage().data_ptr() == b.row_slot.untyped_storage().data_ptr()
 
 
 def test_plan_kernels_many_chunks_and_experts():

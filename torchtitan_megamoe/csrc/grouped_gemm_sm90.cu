@@ -196,7 +196,8 @@ struct Params {
   int top_k;
   int plan_bm;
   int group_m;
-  int* ticket;  // dynamic tile order: a zeroed int the CTAs take unit numbers from; nullptr: static
+  int* ticket;  // dynamic tile order: a zeroed int the CTAs take unit numbers from (zeroed again
+               // by the last taker); nullptr: static
   long long stride_x;
   long long stride_h;
   long long stride_a;
@@ -394,7 +395,12 @@ __global__ void __launch_bounds__(THREADS, 1)
         const int slot = it & 1;
         if (tid == 0) {
           mbar_wait(unit_empty + 8 * slot, ((it >> 1) & 1) ^ 1);
-          unit_id[slot] = atomicAdd(p.ticket, 1);
+          const int got = atomicAdd(p.ticket, 1);
+          // Every CTA takes exactly one number >= num_units (then stops), so the taker of
+          // num_units + gridDim.x - 1 is the last one to touch the ticket: it zeroes it for the
+          // next launch on this stream (ops/cuda/sm90.py keeps one ticket pool per stream).
+          if (got == num_units + static_cast<int>(gridDim.x) - 1) atomicExch(p.ticket, 0);
+          unit_id[slot] = got;
           mbar_arrive(unit_full + 8 * slot);  // release: the consumers' wait acquires the id
         }
         if (GATHERS) named_barrier(3, 128);
@@ -881,7 +887,8 @@ static int launch(const CUtensorMap& w1_map, const CUtensorMap& w3_map, const CU
 // megamoe_error_string for the message. Shapes are checked by the Python wrapper
 // (ops/cuda/gemm1_swiglu.py): H % 128 == 0, D % 64 == 0, plan_bm % 128 == 0, 16-byte aligned
 // rows and pointers. cluster: 1, or 2 (pairs of CTAs share each weight tile by multicast).
-// ticket: a zeroed device int (cluster 1 only) for the dynamic tile order, or nullptr (static).
+// ticket: a zeroed device int (cluster 1 only; the launch leaves it zeroed) for the dynamic
+// tile order, or nullptr (static).
 // rows: rows of h (and a), the extent of their tensor maps (TMA_STORE).
 extern "C" int megamoe_gemm1_swiglu(const void* x, const void* w1, const void* w3, void* h,
                                     void* a, const int* row_slot, const int* tile_expert,
@@ -943,7 +950,7 @@ extern "C" int megamoe_gemm1_swiglu(const void* x, const void* w1, const void* w
 // in [rows, K] and out [rows, N] contiguous bf16, weights contiguous; row_slot: the plan's
 // (padding rows -1; tiles' padding halves are skipped) or nullptr. Shapes are checked by the
 // Python wrapper (ops/cuda/gemm_rows.py): N % 256 == 0, K and k_split % 64 == 0, plan_bm %
-// 128 == 0. ticket: a zeroed device int (dynamic tile order) or nullptr (static).
+// 128 == 0. ticket: a zeroed device int (dynamic tile order; left zeroed) or nullptr (static).
 extern "C" int megamoe_gemm_rows(const void* in, const void* w, const void* w2, void* out,
                                  const int* row_slot, const int* tile_expert,
                                  const int* num_rows_used, int E, int N,
@@ -998,7 +1005,7 @@ extern "C" int megamoe_gemm_rows(const void* in, const void* w, const void* w2, 
 // is the gathered tensor (gather 2: A's row-space tensor), `rows` [num_rows, gather == 0 ? M :
 // N] the row-space one; bf16, unit column stride. expert_order: the experts' unit order
 // (nullptr: 0..E-1). Shapes are checked by the Python wrapper (ops/cuda/wgrad.py): M % 128 ==
-// 0, m_split % 128 == 0, N % 256 == 0, plan_bm % 64 == 0. ticket: a zeroed device int (dynamic order) or nullptr.
+// 0, m_split % 128 == 0, N % 256 == 0, plan_bm % 64 == 0. ticket: a zeroed device int (dynamic order; left zeroed) or nullptr.
 extern "C" int megamoe_wgrad(const void* tokens, long long stride_tokens, const void* rows,
                              long long num_rows, void* out0, void* out1, const int* row_slot,
                              const int* seg_start, const int* expert_order, int E, int M, int N,

@@ -35,6 +35,8 @@ import importlib
 import torch
 import torch.distributed as dist
 
+from torchtitan_megamoe.ops.device import capability
+
 BACKENDS = ("auto", "triton", "reference")
 PRECISIONS = ("bf16", "fp8", "fp8_bwd")
 SAVE_MODES = ("keep", "never")
@@ -132,7 +134,7 @@ def resolve_backend(backend: str, x: torch.Tensor, group: dist.ProcessGroup | No
         )
     if backend != "auto":
         return backend
-    if x.is_cuda and torch.cuda.get_device_capability(x.device) == (9, 0):
+    if x.is_cuda and capability(x.device) == (9, 0):
         triton_backend = backend_module("triton")
         if triton_backend.supports(x, group):
             return "triton"

@@ -4,12 +4,12 @@ library (one build per set of compile-time knobs, both entry points typed)."""
 from __future__ import annotations
 
 import ctypes
-import functools
 import os
 
 import torch
 
 from torchtitan_megamoe.ops.cuda.build import load, nvcc_path
+from torchtitan_megamoe.ops.device import capability, sm_count
 
 
 BULK_STORE = ("MEGAMOE_SM90_TMA_STORE=1",)
@@ -19,11 +19,9 @@ it with bulk tensor stores (it won every GEMM it was measured on, docs/PERF.md).
 
 def sm90_buildable(x: torch.Tensor) -> bool:
     """True where the kernels can run: an sm_90 GPU and nvcc to build them (not the interpreter)."""
-    if os.environ.get("TRITON_INTERPRET") == "1":
+    if os.environ.get("TRITON_INTERPRET") == "1" or x.device.type != "cuda":
         return False
-    if x.device.type != "cuda" or torch.cuda.get_device_capability(x.device) != (9, 0):
-        return False
-    return nvcc_path() is not None
+    return capability(x.device) == (9, 0) and nvcc_path() is not None
 
 
 def sm90_usable(x: torch.Tensor) -> bool:
@@ -55,18 +53,32 @@ def grouped_gemm_library(defines: tuple = ()) -> ctypes.CDLL:
 
 
 def launch_context(device: torch.device, ticket: bool = True):
-    """(SM count, the current stream's handle, a fresh zeroed int32 ticket or None) for a
-    persistent launch on ``device``. The ticket is the dynamic tile order's counter; a new one
-    per call (a stream-ordered memset) so launches on other streams never share it."""
-    num_sms = _num_sms(device.index if device.index is not None else torch.cuda.current_device())
+    """(SM count, the current stream's handle, a zeroed int32 ticket or None) for a persistent
+    launch on ``device``. The ticket is the dynamic tile order's counter. Each launch leaves
+    its ticket zeroed (the last CTA to take a number resets it), so each stream keeps one: a launch
+    starts only after the previous one on its stream ended, and launches on other streams
+    never share it. No allocation or fill kernel per launch (each cost the host
+    ~10 us before the GEMM it precedes)."""
+    num_sms = sm_count(device)
     stream = torch.cuda.current_stream(device).cuda_stream
-    zero = torch.zeros(1, dtype=torch.int32, device=device) if ticket else None
-    return num_sms, stream, zero
+    return num_sms, stream, (_ticket(device, stream) if ticket else None)
 
 
-@functools.cache
-def _num_sms(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
+_TICKETS: dict = {}
+"""(device index, stream handle) -> that stream's ticket: one int32 on the device, zero between
+launches (each launch leaves it zeroed, and a stream runs its launches one after another)."""
+
+
+def _ticket(device: torch.device, stream: int) -> torch.Tensor:
+    if torch.cuda.is_current_stream_capturing():
+        # a graph keeps its own zeroed ticket (a memset node replayed with it); one made here
+        # for the pool would live in the graph's private memory
+        return torch.zeros(1, dtype=torch.int32, device=device)
+    key = (device.index, stream)  # the default stream's handle is 0 on every device
+    t = _TICKETS.get(key)
+    if t is None:
+        t = _TICKETS[key] = torch.zeros(1, dtype=torch.int32, device=device)
+    return t
 
 
 def check_plan(plan, device: torch.device, who: str, names=("tile_expert", "num_rows_used")):

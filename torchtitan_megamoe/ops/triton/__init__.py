@@ -12,6 +12,7 @@ its GEMMs (ep_forward.py), the backward does not yet.
 
 import torch
 
+from torchtitan_megamoe.ops.device import capability
 # backward.py must be imported here, before `def backward` below: importing a submodule sets the
 # package attribute of the same name, so a lazy import would replace the function by the module.
 from torchtitan_megamoe.ops.triton.backward import backward as _backward_ep1
@@ -39,7 +40,7 @@ def supports(x: torch.Tensor, group) -> bool:
     """Whether backend="auto" may pick these kernels for ``x`` (weights are checked in forward)."""
     if x.dtype not in _SUPPORTED_DTYPES:
         return False
-    if not x.is_cuda or torch.cuda.get_device_capability(x.device)[0] != 9:
+    if not x.is_cuda or capability(x.device)[0] != 9:
         return False
     return x.dim() == 2 and x.shape[1] % min_multiple() == 0
 
@@ -61,7 +62,7 @@ def check_inputs(x, w1, group, precision) -> None:
             raise ValueError(
                 "mega_moe backend='triton' needs CUDA tensors; use backend='reference' on CPU"
             )
-        major, minor = torch.cuda.get_device_capability(x.device)
+        major, minor = capability(x.device)
         if major != 9:
             raise ValueError(
                 f"mega_moe backend='triton' targets Hopper (SM90), this GPU is SM{major}{minor}; "

@@ -56,6 +56,10 @@ class Plan:
     """0-d int32, 1 when every id lay in [-1, id_limit) (build_plan's ``id_limit``), else 0;
     None when the plan was built without the check."""
 
+    packed: torch.Tensor | None = None
+    """The first five vectors as one flat view in pack_plan's layout, where they were allocated
+    that way (the plan kernels, one phase); None: pack_plan copies them."""
+
     @property
     def max_rows(self) -> int:
         """R_max: static upper bound of rows in use."""
@@ -112,13 +116,14 @@ def build_plan(
         # to issue on the H200 machine, time the GPU spent idle.
         from torchtitan_megamoe.ops.triton.plan_kernels import plan_tensors
 
-        row_slot, slot_row, tile_expert, seg_start, count, _, ids_ok = plan_tensors(
+        row_slot, slot_row, tile_expert, seg_start, count, _, ids_ok, packed = plan_tensors(
             topk_ids.contiguous(), E, block_m, rank, R_max, id_limit=id_limit
         )
         return Plan(
             row_slot=row_slot, slot_row=slot_row, tile_expert=tile_expert,
             seg_start=seg_start, count=count, num_rows_used=seg_start[E],
             num_tokens=T, top_k=K, num_local_experts=E, block_m=block_m, ids_ok=ids_ok,
+            packed=packed,
         )
 
     dev = topk_ids.device
@@ -211,7 +216,7 @@ def build_phased_plan(
         # than the kernels take on the GPU)
         from torchtitan_megamoe.ops.triton.plan_kernels import plan_tensors
 
-        row_slot, slot_row, tile_expert, seg_start, count, tiles, _ = plan_tensors(
+        row_slot, slot_row, tile_expert, seg_start, count, tiles, _, _ = plan_tensors(
             topk_ids.contiguous(), E, block_m, 0, max_rows(T * K, E, block_m, P), phase, P
         )
         plan = Plan(
@@ -240,7 +245,10 @@ def build_phased_plan(
 def pack_plan(plan: Plan) -> torch.Tensor:
     """The plan's int32 tensors as one flat int32 tensor (what the forward saves for the
     backward): [row_slot R_max | slot_row T*K | tile_expert R_max/block_m | seg_start E+1 |
-    count E]. Its length is a static function of (T, K, E_local, block_m)."""
+    count E]. Its length is a static function of (T, K, E_local, block_m). A view of the plan's
+    own storage where the plan kernels laid it out so (no copy kernel in the forward)."""
+    if plan.packed is not None:
+        return plan.packed
     return torch.cat([plan.row_slot, plan.slot_row, plan.tile_expert, plan.seg_start, plan.count])
 
 

@@ -166,14 +166,19 @@ BLOCK_SLOTS = 512
 chunks at test sizes)."""
 
 
+def _fit(t: torch.Tensor, n: int) -> torch.Tensor:
+    return t if t.numel() == n else t[:n]
+
+
 def plan_tensors(topk_ids: torch.Tensor, E: int, block_m: int, rank: int, R_max: int,
                  phase: torch.Tensor | None = None, phases: int = 1, id_limit: int = 0):
-    """(row_slot, slot_row, tile_expert, seg_start, count, phase_tiles, ids_ok) as int32
-    tensors, same layout as the torch path of build_plan (phases = 1; phase_tiles is None) or of
+    """(row_slot, slot_row, tile_expert, seg_start, count, phase_tiles, ids_ok, packed) as
+    int32 tensors, same layout as the torch path of build_plan (phases = 1; phase_tiles is None) or of
     build_phased_plan (``phase`` [T] per token; phase_tiles [phases, num_tiles]).
     ``id_limit`` > 0: the count kernels also check every id against [-1, id_limit) and ids_ok
     (0-d) is 1 when all are in range, 0 otherwise (no host sync; the caller asserts on the
-    device); ``id_limit`` 0: no check, ids_ok is None."""
+    device); ``id_limit`` 0: no check, ids_ok is None. ``packed`` (phases = 1; else None): the
+    first five as one flat view, plan.pack_plan's layout."""
     dev = topk_ids.device
     S = topk_ids.numel()
     K = topk_ids.shape[1] if topk_ids.dim() == 2 else 1
@@ -191,25 +196,30 @@ def plan_tensors(topk_ids: torch.Tensor, E: int, block_m: int, rank: int, R_max:
     tile_entries = num_tiles * (P + 1 if P > 1 else 1)
     tiles_per_prog = triton.cdiv(tile_entries, num_chunks)
 
-    i32 = torch.int32
-    chunk_count = torch.empty((num_chunks, E_PAD), dtype=i32, device=dev)
-    chunk_off = torch.empty((num_chunks, E_PAD), dtype=i32, device=dev)
-    base = torch.empty((num_chunks, E_PAD), dtype=i32, device=dev)
-    row_slot = torch.empty(R_max, dtype=i32, device=dev)
-    slot_row = torch.empty(S, dtype=i32, device=dev)
-    # tile_expert and the phase maps in one buffer, filled with -1 by one loop
-    tiles = torch.empty(tile_entries, dtype=i32, device=dev)
-    tile_expert = tiles[:num_tiles]
-    phase_tiles = tiles[num_tiles:].view(P, num_tiles) if P > 1 else tile_expert
-    seg_virt = torch.empty(EV + 1, dtype=i32, device=dev)
-    count_virt = torch.empty(EV, dtype=i32, device=dev)
+    # every int32 vector of the plan carved from one allocation: ten torch.empty calls cost the
+    # H200 machine's host ~60 us in a waited forward, before the first GEMM. The plan's own
+    # vectors come first, back to back in plan.pack_plan's order (P = 1: the packed plan is a
+    # view, no copy); the scratch parts after them start 16-byte aligned.
     check = id_limit > 0
-    chunk_bad = torch.empty(num_chunks, dtype=i32, device=dev) if check else chunk_count
-    ids_ok = torch.empty((), dtype=i32, device=dev) if check else chunk_count
+    main = [R_max, S, tile_entries, EV + 1, EV]
+    scratch = [num_chunks * E_PAD] * 3 + [num_chunks if check else 0, 1 if check else 0]
     if P > 1:
-        seg_start = torch.empty(E + 1, dtype=i32, device=dev)
-        count = torch.empty(E, dtype=i32, device=dev)
-        phase = phase.to(i32).contiguous()
+        scratch += [E + 1, E]
+    sizes = main + [-(-n // 4) * 4 for n in scratch]
+    sizes.insert(len(main), -sum(main) % 4)
+    parts = torch.empty(sum(sizes), dtype=torch.int32, device=dev).split(sizes)
+    row_slot, slot_row, tiles, seg_virt, count_virt = parts[:5]
+    packed = None if P > 1 else parts[0].as_strided((sum(main),), (1,))
+    chunk_count, chunk_off, base = (_fit(t, num_chunks * E_PAD).view(num_chunks, E_PAD)
+                                    for t in parts[6:9])
+    # tile_expert and the phase maps in one buffer, filled with -1 by one loop
+    tile_expert = tiles if P == 1 else tiles[:num_tiles]
+    phase_tiles = tiles[num_tiles:].view(P, num_tiles) if P > 1 else tile_expert
+    chunk_bad = _fit(parts[9], num_chunks) if check else chunk_count
+    ids_ok = parts[10][:1].view(()) if check else chunk_count
+    if P > 1:
+        seg_start, count = _fit(parts[11], E + 1), _fit(parts[12], E)
+        phase = phase.to(torch.int32).contiguous()
     else:
         seg_start, count, phase = seg_virt, count_virt, ids
     rank_base = rank * E
@@ -230,4 +240,4 @@ def plan_tensors(topk_ids: torch.Tensor, E: int, block_m: int, rank: int, R_max:
             P=P, BLOCK_M=block_m, num_warps=8,
         )
     return (row_slot, slot_row, tile_expert, seg_start, count, (phase_tiles if P > 1 else None),
-            ids_ok if check else None)
+            ids_ok if check else None, packed)

@@ -4,6 +4,7 @@ import torch
 import triton
 import triton.language as tl
 
+from torchtitan_megamoe.ops.device import sm_count
 from torchtitan_megamoe.ops.triton.tune import interpreting
 
 
@@ -35,7 +36,7 @@ def persistent_programs(device: torch.device) -> int:
     """Programs of a persistent launch: one per SM (a few under the CPU interpreter)."""
     if interpreting() or device.type != "cuda":
         return 3
-    return torch.cuda.get_device_properties(device).multi_processor_count
+    return sm_count(device)
 
 
 @triton.jit

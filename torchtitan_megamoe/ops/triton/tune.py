@@ -89,13 +89,15 @@ def pick_config(name: str, key: tuple, candidates: list, launch, outputs=None) -
     """The fastest candidate for (name, key), timed once and cached. ``outputs(result)``: the
     tensors a launch wrote, from its return value, to check each candidate against the first
     (see the module docstring); None: no check."""
-    if len(candidates) > 1:
-        candidates = [c for c in candidates if not c.get("WARP_SPEC") or warp_spec_allowed(name)]
-    if len(candidates) == 1 or not _tuning_enabled():
+    if len(candidates) == 1:
         return candidates[0]
     k = (name, key)
-    if k in _CHOSEN:
-        return _CHOSEN[k]
+    chosen = _CHOSEN.get(k)
+    if chosen is not None and _tuning_enabled():  # every call after the first: kept short
+        return chosen
+    candidates = [c for c in candidates if not c.get("WARP_SPEC") or warp_spec_allowed(name)]
+    if len(candidates) == 1 or not _tuning_enabled():
+        return candidates[0]
     results, ref = [], None
     for cfg in candidates:
         try:

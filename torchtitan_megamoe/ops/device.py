@@ -1,0 +1,29 @@
+"""What the op's wrappers ask of a CUDA device on every call (its compute capability, its SM
+count), asked of torch once per device: each torch.cuda query costs the H200 machine's host
+several microseconds, and a waited forward pays them before its first GEMM."""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+
+def capability(device: torch.device) -> tuple[int, int]:
+    """(major, minor) of a CUDA ``device``."""
+    return _properties(_index(device))[0]
+
+
+def sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA ``device``."""
+    return _properties(_index(device))[1]
+
+
+def _index(device: torch.device) -> int:
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
+@functools.cache
+def _properties(index: int) -> tuple[tuple[int, int], int]:
+    p = torch.cuda.get_device_properties(index)
+    return (p.major, p.minor), p.multi_processor_count
