@@ -13,8 +13,14 @@ here: the caller gathers them from the unbiased scores, so autograd sees plain t
 
 topk_gate (eager) goes one step further: the same selection, the gating values, their
 normalization and scale, and the tokens per expert in the same launch (_topk_gate_kernel), so
-the router issues five launches (gate, fp32 cast, softmax, the counts' zero fill, this) instead
-of eleven before the layer's first big kernel, where the host's issue time is not hidden.
+a sigmoid router issues five launches (gate, fp32 cast, sigmoid, the counts' zero fill, this)
+instead of eleven before the layer's first big kernel, where the host's issue time is not
+hidden (~30-40 us of host time per launch, the GPU idle meanwhile in a waited forward).
+topk_softmax_gate (eager softmax routers) also takes the fp32 cast and the softmax into that
+launch (SOFTMAX: it reads the gate's raw logits and stores the fp32 scores for the backward), so
+those routers issue three (gate, zero fill, this). Its backward returns d(logits) directly,
+with the kernels autograd ran for the two ops (aten's fp32 softmax backward on the saved
+scores, then the cast's).
 
 Tiles: BLOCK_T tokens x BLOCK_E (>= E, power of 2) experts per program, fp32.
 Waits on: nothing. Signals: nothing (topk_gate: atomics on the zeroed counts).
@@ -23,18 +29,37 @@ Waits on: nothing. Signals: nothing (topk_gate: atomics on the zeroed counts).
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra import libdevice
+
+from torchtitan_megamoe.ops.triton.tune import interpreting
 
 MAX_EXPERTS = 1024
 """Above this a row no longer sits comfortably in one program's registers (torch.topk then)."""
 
 
 @triton.jit
-def _row_scores(s_ptr, bias_ptr, rows, cols, T, E, stride_s, HAS_BIAS: tl.constexpr):
+def _row_scores(s_ptr, bias_ptr, rows, cols, T, E, stride_s, HAS_BIAS: tl.constexpr,
+                SOFTMAX: tl.constexpr, LIBDEVICE_EXP: tl.constexpr):
     """(raw [BLOCK_T, BLOCK_E] fp32 scores, the ranking key: raw + bias with NaN as +inf, which
-    ranks above every number as in torch.topk); 0 outside the T x E block."""
+    ranks above every number as in torch.topk); 0 outside the T x E block.
+
+    SOFTMAX: s_ptr holds logits (any float dtype) and raw is their fp32 softmax over the row's
+    E columns as torch.softmax computes it (the row max subtracted, exp, IEEE division by the
+    row sum); padding columns take no part (exp(-inf) = 0) and hold 0; a row of -inf only gives
+    NaN, as in torch. LIBDEVICE_EXP: libdevice's expf (what torch's CUDA softmax calls, <= 2
+    ulp) rather than tl.exp, which compiles to ex2.approx (off by up to ~|x| * 6e-8 relative);
+    the interpreter has no libdevice, and its tl.exp is numpy's."""
     in_e = cols < E
     raw = tl.load(s_ptr + rows.to(tl.int64)[:, None] * stride_s + cols[None, :],
                   mask=(rows < T)[:, None] & in_e[None, :], other=0.0).to(tl.float32)
+    if SOFTMAX:
+        x = tl.where(in_e[None, :], raw, -float("inf"))  # rows past T: 0s, so no NaN there
+        z = x - tl.max(x, axis=1)[:, None]
+        if LIBDEVICE_EXP:
+            ez = libdevice.exp(z)
+        else:
+            ez = tl.exp(z)
+        raw = tl.where(in_e[None, :], tl.math.div_rn(ez, tl.sum(ez, axis=1)[:, None]), 0.0)
     key = raw
     if HAS_BIAS:
         key += tl.load(bias_ptr + cols, mask=in_e, other=0.0).to(tl.float32)[None, :]
@@ -57,7 +82,7 @@ def _topk_kernel(s_ptr, bias_ptr, idx_ptr, T, E, stride_s, HAS_BIAS: tl.constexp
                  K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     cols = tl.arange(0, BLOCK_E)
-    _, key = _row_scores(s_ptr, bias_ptr, rows, cols, T, E, stride_s, HAS_BIAS)
+    _, key = _row_scores(s_ptr, bias_ptr, rows, cols, T, E, stride_s, HAS_BIAS, False, False)
     taken = (cols[None, :] >= E) | (rows[:, None] < 0)  # [BLOCK_T, BLOCK_E]; padding columns
     for k in tl.static_range(K):
         j, pick = _next_best(key, taken, cols, BLOCK_E)
@@ -66,17 +91,24 @@ def _topk_kernel(s_ptr, bias_ptr, idx_ptr, T, E, stride_s, HAS_BIAS: tl.constexp
 
 
 @triton.jit
-def _topk_gate_kernel(s_ptr, bias_ptr, idx_ptr, val_ptr, cnt_ptr, T, E, stride_s, scale,
-                      HAS_BIAS: tl.constexpr, NORM: tl.constexpr, K: tl.constexpr,
-                      K_PAD: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr):
+def _topk_gate_kernel(s_ptr, bias_ptr, idx_ptr, val_ptr, cnt_ptr, sm_ptr, T, E, stride_s, scale,
+                      HAS_BIAS: tl.constexpr, NORM: tl.constexpr, SOFTMAX: tl.constexpr,
+                      LIBDEVICE_EXP: tl.constexpr, K: tl.constexpr, K_PAD: tl.constexpr,
+                      BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr):
     """_topk_kernel plus what the router does with the choice: the gating values gathered from
     the unbiased scores, normalized over the row (NORM) and scaled, and the tokens per expert
-    (integer atomics into cnt: exact, so deterministic)."""
+    (integer atomics into cnt: exact, so deterministic). SOFTMAX: s_ptr holds the gate's logits,
+    the scores are their fp32 softmax (see _row_scores), also stored to sm_ptr (contiguous
+    [T, E] fp32) for the backward."""
     rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     cols = tl.arange(0, BLOCK_E)
     ks = tl.arange(0, K_PAD)
     in_t = rows < T
-    raw, key = _row_scores(s_ptr, bias_ptr, rows, cols, T, E, stride_s, HAS_BIAS)
+    raw, key = _row_scores(s_ptr, bias_ptr, rows, cols, T, E, stride_s, HAS_BIAS, SOFTMAX,
+                           LIBDEVICE_EXP)
+    if SOFTMAX:
+        tl.store(sm_ptr + rows.to(tl.int64)[:, None] * E + cols[None, :], raw,
+                 mask=in_t[:, None] & (cols < E)[None, :])
     taken = (cols[None, :] >= E) | (rows[:, None] < 0)
     vals = tl.zeros((BLOCK_T, K_PAD), tl.float32)
     for k in tl.static_range(K):
@@ -132,21 +164,39 @@ def topk_indices(scores: torch.Tensor, k: int, bias: torch.Tensor | None = None)
     return idx
 
 
-def _launch_gate(scores, k, bias, norm, scale):
+def _launch_gate(scores, k, bias, norm, scale, softmax=False):
+    """(vals, idx, counts, the fp32 softmax of ``scores`` [T, E] with ``softmax`` else None)."""
     T, E = scores.shape
     idx = torch.empty((T, k), dtype=torch.int64, device=scores.device)
     vals = torch.empty((T, k), dtype=torch.float32, device=scores.device)
     counts = torch.zeros(E, dtype=torch.int64, device=scores.device)
+    probs = torch.empty((T, E), dtype=torch.float32, device=scores.device) if softmax else None
     if T == 0:
-        return vals, idx, counts
+        return vals, idx, counts, probs
     BLOCK_E = triton.next_power_of_2(E)
     BLOCK_T = max(1, min(64, 4096 // BLOCK_E))
     _topk_gate_kernel[(triton.cdiv(T, BLOCK_T),)](
-        scores, bias if bias is not None else scores, idx, vals, counts, T, E, scores.stride(0),
-        float(scale), HAS_BIAS=bias is not None, NORM=bool(norm), K=k,
+        scores, bias if bias is not None else scores, idx, vals, counts,
+        probs if softmax else vals, T, E, scores.stride(0), float(scale),
+        HAS_BIAS=bias is not None, NORM=bool(norm), SOFTMAX=bool(softmax),
+        LIBDEVICE_EXP=bool(softmax) and not interpreting(), K=k,
         K_PAD=triton.next_power_of_2(k), BLOCK_T=BLOCK_T, BLOCK_E=BLOCK_E, num_warps=4,
     )
-    return vals, idx, counts
+    return vals, idx, counts, probs
+
+
+def _dscores(scores, idx, dvals, norm, scale):
+    """[T, E] gradient of the scores (non-zero at the k chosen columns only) from that of the
+    gating values, as autograd takes it through stock's gather / normalize / scale."""
+    if dvals is None:  # not materialized: only idx or counts reached the loss
+        return None
+    dout = dvals * scale
+    if norm:
+        # out_j = g_j / (sum g + eps): dg_i = (dout_i - sum_j dout_j out'_j) / (sum g + eps)
+        g = scores.gather(1, idx)
+        denom = g.sum(dim=-1, keepdim=True) + 1e-20
+        dout = (dout - (dout * (g / denom)).sum(dim=-1, keepdim=True)) / denom
+    return torch.zeros_like(scores).scatter_(1, idx, dout)
 
 
 class _TopKGate(torch.autograd.Function):
@@ -156,22 +206,56 @@ class _TopKGate(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, scores, k, bias, norm, scale):
-        vals, idx, counts = _launch_gate(scores, k, bias, norm, scale)
+        vals, idx, counts, _ = _launch_gate(scores, k, bias, norm, scale)
         ctx.save_for_backward(scores, idx)
         ctx.norm, ctx.scale = norm, scale
         ctx.mark_non_differentiable(idx, counts)
+        ctx.set_materialize_grads(False)  # no zero fills for idx's and counts' (unused) grads
         return vals, idx, counts
 
     @staticmethod
     def backward(ctx, dvals, _didx, _dcounts):
         scores, idx = ctx.saved_tensors
-        dout = dvals * ctx.scale
-        if ctx.norm:
-            # out_j = g_j / (sum g + eps): dg_i = (dout_i - sum_j dout_j out'_j) / (sum g + eps)
-            g = scores.gather(1, idx)
-            denom = g.sum(dim=-1, keepdim=True) + 1e-20
-            dout = (dout - (dout * (g / denom)).sum(dim=-1, keepdim=True)) / denom
-        return torch.zeros_like(scores).scatter_(1, idx, dout), None, None, None, None
+        return _dscores(scores, idx, dvals, ctx.norm, ctx.scale), None, None, None, None
+
+
+class _TopKSoftmaxGate(torch.autograd.Function):
+    """_TopKGate on softmax(logits.float()) computed in the same launch; the gradient flows
+    back to the logits, in their dtype, as through stock's cast and softmax."""
+
+    @staticmethod
+    def forward(ctx, logits, k, bias, norm, scale):
+        vals, idx, counts, probs = _launch_gate(logits, k, bias, norm, scale, softmax=True)
+        ctx.save_for_backward(probs, idx)  # the fp32 scores: an intermediate, not recomputed
+        ctx.norm, ctx.scale, ctx.dtype = norm, scale, logits.dtype
+        ctx.mark_non_differentiable(idx, counts)
+        ctx.set_materialize_grads(False)
+        return vals, idx, counts
+
+    @staticmethod
+    def backward(ctx, dvals, _didx, _dcounts):
+        probs, idx = ctx.saved_tensors
+        dscores = _dscores(probs, idx, dvals, ctx.norm, ctx.scale)
+        if dscores is None:
+            return None, None, None, None, None
+        # stock's two backward kernels: aten's softmax backward in fp32, s * (g - sum_j g_j s_j),
+        # then the cast's (a no-op for fp32 logits)
+        dlogits = torch._softmax_backward_data(dscores, probs, 1, torch.float32)
+        return dlogits.to(ctx.dtype), None, None, None, None
+
+
+def _gate_inputs(name, x, k, bias, what, dtypes):
+    """x with unit column stride, after the checks topk_gate and topk_softmax_gate share."""
+    if not supported(x, k) or x.dtype not in dtypes:
+        raise ValueError(
+            f"{name}: needs 2-D {what} with 0 < k <= experts <= {MAX_EXPERTS}, got "
+            f"{tuple(x.shape)} {x.dtype}, k={k}"
+        )
+    E = x.shape[1]
+    if bias is not None and (bias.shape != (E,) or not bias.is_contiguous()):
+        raise ValueError(f"{name}: bias must be a contiguous [{E}] vector, got "
+                         f"{tuple(bias.shape)}")
+    return x if x.stride(1) == 1 else x.contiguous()
 
 
 def topk_gate(scores: torch.Tensor, k: int, bias: torch.Tensor | None, norm: bool,
@@ -181,18 +265,19 @@ def topk_gate(scores: torch.Tensor, k: int, bias: torch.Tensor | None, norm: boo
     [E] int64). top_scores = scores[selected] (/ their row sum + 1e-20 with ``norm``) *
     ``scale``; selected as topk_indices (by scores + bias). Differentiable in ``scores``.
     Eager only: a compiled graph uses router_topk and torch ops (see router.py)."""
-    if not supported(scores, k) or scores.dtype != torch.float32:
-        raise ValueError(
-            f"topk_gate: needs 2-D fp32 scores with 0 < k <= experts <= {MAX_EXPERTS}, got "
-            f"{tuple(scores.shape)} {scores.dtype}, k={k}"
-        )
-    E = scores.shape[1]
-    if scores.stride(1) != 1:
-        scores = scores.contiguous()
-    if bias is not None and (bias.shape != (E,) or not bias.is_contiguous()):
-        raise ValueError(f"topk_gate: bias must be a contiguous [{E}] vector, got "
-                         f"{tuple(bias.shape)}")
+    scores = _gate_inputs("topk_gate", scores, k, bias, "fp32 scores", (torch.float32,))
     return _TopKGate.apply(scores, k, bias, norm, scale)
+
+
+def topk_softmax_gate(logits: torch.Tensor, k: int, bias: torch.Tensor | None, norm: bool,
+                      scale: float):
+    """topk_gate(torch.softmax(logits.float(), dim=1), k, bias, norm, scale) in one launch (plus
+    the counts' zero fill): the fp32 cast and the softmax happen in the kernel, which also keeps
+    the fp32 scores for the backward. ``logits``: the gate's output [T, E], fp32, bf16 or fp16,
+    any row stride. Differentiable in ``logits`` (the gradient comes back in their dtype)."""
+    logits = _gate_inputs("topk_softmax_gate", logits, k, bias, "fp32/bf16/fp16 logits",
+                          (torch.float32, torch.bfloat16, torch.float16))
+    return _TopKSoftmaxGate.apply(logits, k, bias, norm, scale)
 
 
 @torch.library.custom_op("megamoe::router_topk", mutates_args=())
