@@ -1,8 +1,8 @@
-"""The routing plan in three small Triton launches (GPU path of plan.build_plan).
+"""The routing plan in two small Triton launches (GPU path of plan.build_plan).
 
 The torch-op version of the plan is ~25 tiny launches; on the H200 machine the host needs
 ~1 ms to issue them while the GPU idles (measured: plan 1.16 ms of a 3.9 ms forward at the 30B
-shape). These three kernels compute the same layout, bit for bit.
+shape). These two kernels compute the same layout, bit for bit.
 
 Slots are cut into chunks of SUB x BLOCK; each program of a launch owns one chunk and walks its
 SUB sub-blocks in order. Bins ("keys") are the local experts (with phases: local * P + phase),
@@ -11,18 +11,23 @@ plus bin E for slots not computed here; E_PAD > E bins.
          row_slot, tile_expert (and the phase tiles) with -1, which the unused rows and tiles
          keep; with an id limit, counts the ids outside [-1, limit).
          Waits on: nothing. Signals: nothing (the next launch reads its output).
-  scan   (grid = 1): exclusive prefix of the chunk histograms per key (chunk_off), totals
-         (count), padded segment starts (seg_start), the id check's verdict.
-  place  (grid = chunks): per sub-block, sorts key * BLOCK + lane (one tl.sort: slots of one key
-         end up together, in increasing slot order), so the slot at sorted position p has rank
-         p - (slots of smaller keys) in its key, and row = seg_start[key] + chunk_off[chunk,
-         key] + (its key's slots in earlier sub-blocks) + rank: one per-key base (through a
-         per-chunk scratch row) plus p. Writes slot_row, row_slot[row], and tile_expert[row /
-         block_m] at every row that starts a tile (a segment's first row of each tile is a real
-         row: segments are padded to whole tiles, never by a whole tile). Increasing slot
-         order inside each expert, as the torch path.
-Measured before the sort (one-hot [BLOCK, E_PAD] cumsums, the tile map in the one-program
-scan): 25 + 35 + 46 us at 30B EP=1, 68 + 50 + 108 us at EP=2 (docs/PERF.md).
+  place  (grid = chunks): first the scan, redone by every program (_chunk_prefix: the
+         exclusive prefix of the chunk histograms per key up to its chunk, the totals, the
+         padded segment starts; program 0 stores count, seg_start and the id check's verdict),
+         then per sub-block it sorts key * BLOCK + lane (one tl.sort: slots of one key end up
+         together, in increasing slot order), so the slot at sorted position p has rank
+         p - (slots of smaller keys) in its key, and row = seg_start[key] + (the key's slots in
+         earlier chunks and sub-blocks) + rank: one per-key base (through a per-chunk scratch
+         row) plus p. Writes slot_row, row_slot[row], and tile_expert[row / block_m] at every
+         row that starts a tile (a segment's first row of each tile is a real row: segments are
+         padded to whole tiles, never by a whole tile). Increasing slot order inside each
+         expert, as the torch path.
+         Waits on: the count launch (stream order). Signals: nothing.
+The scan was a one-program launch of its own until 2026-11-30 (session 14): each launch before
+the first GEMM costs the H200 host ~30-40 us in a waited forward, more than the ~5 us of L2
+reads the redundant scans add. Measured before the sort (one-hot [BLOCK, E_PAD] cumsums, the
+tile map in the one-program scan): 25 + 35 + 46 us at 30B EP=1, 68 + 50 + 108 us at EP=2
+(docs/PERF.md).
 """
 
 import torch
@@ -81,59 +86,66 @@ def _plan_count_kernel(
 
 
 @triton.jit
-def _plan_scan_kernel(
-    chunk_count_ptr, chunk_off_ptr, chunk_bad_ptr, ids_ok_ptr, count_ptr, seg_start_ptr,
-    seg_real_ptr, count_real_ptr, num_chunks,
-    E: tl.constexpr, E_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
-    CB: tl.constexpr, P: tl.constexpr, ER_PAD: tl.constexpr, CHECK: tl.constexpr,
-):
+def _chunk_prefix(chunk_count_ptr, chunk_bad_ptr, ids_ok_ptr, count_ptr, seg_start_ptr,
+                  seg_real_ptr, count_real_ptr, c, num_chunks,
+                  E: tl.constexpr, E_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
+                  CB: tl.constexpr, P: tl.constexpr, ER_PAD: tl.constexpr, CHECK: tl.constexpr):
+    """First row of each key's slots in chunk c: seg_start[key] + the key's slots in chunks
+    before c. Every program sums the chunk histograms itself (num_chunks x E_PAD int32 from L2:
+    256 KiB at 30B), so no launch of its own sits between count and place; program 0 also
+    stores the totals (count), the padded segment starts, the id check's verdict and (with
+    phases) the real experts' segments."""
     experts = tl.arange(0, E_PAD)
-    carry = tl.zeros((E_PAD,), tl.int32)
+    total = tl.zeros((E_PAD,), tl.int32)
+    before = tl.zeros((E_PAD,), tl.int32)
     bad = tl.zeros((CB,), tl.int32)
     for c0 in range(0, num_chunks, CB):
         chunks = c0 + tl.arange(0, CB)
-        offs = chunks[:, None] * E_PAD + experts[None, :]
         m = (chunks < num_chunks)[:, None]
-        cnt = tl.load(chunk_count_ptr + offs, mask=m, other=0)
-        incl = tl.cumsum(cnt, axis=0)
-        tl.store(chunk_off_ptr + offs, incl - cnt + carry[None, :], mask=m)
-        carry += tl.sum(cnt, axis=0)
+        cnt = tl.load(chunk_count_ptr + chunks[:, None] * E_PAD + experts[None, :], mask=m,
+                      other=0)
+        total += tl.sum(cnt, axis=0)
+        before += tl.sum(tl.where((chunks < c)[:, None], cnt, 0), axis=0)
         if CHECK:
             bad += tl.load(chunk_bad_ptr + chunks, mask=chunks < num_chunks, other=0)
-    if CHECK:
-        # 1 when every id lies in [-1, ID_LIMIT): what torch._assert_async checks
-        tl.store(ids_ok_ptr, (tl.sum(bad, axis=0) == 0).to(tl.int32))
     in_e = experts < E
-    tl.store(count_ptr + experts, carry, mask=in_e)
-    padded = tl.where(in_e, (carry + BLOCK_M - 1) // BLOCK_M * BLOCK_M, 0)
+    padded = tl.where(in_e, (total + BLOCK_M - 1) // BLOCK_M * BLOCK_M, 0)
     seg_end = tl.cumsum(padded, axis=0)
-    tl.store(seg_start_ptr + experts + 1, seg_end, mask=in_e)
-    tl.store(seg_start_ptr + experts, seg_end - padded, mask=in_e)
-    if P > 1:
-        # real experts' segments: [seg_start[e*P], seg_start[(e+1)*P]) (the virtual starts were
-        # stored above; the barrier makes them visible to every thread of this program)
-        tl.debug_barrier()
-        er = tl.arange(0, ER_PAD)
-        lo = tl.load(seg_start_ptr + er * P, mask=er <= E // P, other=0)
-        hi = tl.load(seg_start_ptr + (er + 1) * P, mask=er < E // P, other=0)
-        tl.store(seg_real_ptr + er, lo, mask=er <= E // P)
-        tl.store(count_real_ptr + er, hi - lo, mask=er < E // P)
+    if c == 0:
+        if CHECK:
+            # 1 when every id lies in [-1, ID_LIMIT): what torch._assert_async checks
+            tl.store(ids_ok_ptr, (tl.sum(bad, axis=0) == 0).to(tl.int32))
+        tl.store(count_ptr + experts, total, mask=in_e)
+        tl.store(seg_start_ptr + experts + 1, seg_end, mask=in_e)
+        tl.store(seg_start_ptr + experts, seg_end - padded, mask=in_e)
+        if P > 1:
+            # real experts' segments: [seg_start[e*P], seg_start[(e+1)*P]) (the virtual starts
+            # were stored above; the barrier makes them visible to every thread of this program)
+            tl.debug_barrier()
+            er = tl.arange(0, ER_PAD)
+            lo = tl.load(seg_start_ptr + er * P, mask=er <= E // P, other=0)
+            hi = tl.load(seg_start_ptr + (er + 1) * P, mask=er < E // P, other=0)
+            tl.store(seg_real_ptr + er, lo, mask=er <= E // P)
+            tl.store(count_real_ptr + er, hi - lo, mask=er < E // P)
+    return tl.where(in_e, seg_end - padded + before, 0)
 
 
 @triton.jit
 def _plan_place_kernel(
-    ids_ptr, phase_ptr, chunk_off_ptr, seg_start_ptr, base_ptr, slot_row_ptr, row_slot_ptr,
+    ids_ptr, phase_ptr, chunk_count_ptr, chunk_bad_ptr, ids_ok_ptr, count_ptr, seg_start_ptr,
+    seg_real_ptr, count_real_ptr, num_chunks, base_ptr, slot_row_ptr, row_slot_ptr,
     tile_expert_ptr, phase_tiles_ptr, S, RANK_BASE, TOP_K, num_tiles,
     E: tl.constexpr, E_PAD: tl.constexpr, BLOCK: tl.constexpr, SUB: tl.constexpr,
-    P: tl.constexpr, BLOCK_M: tl.constexpr,
+    P: tl.constexpr, BLOCK_M: tl.constexpr, CB: tl.constexpr, ER_PAD: tl.constexpr,
+    CHECK: tl.constexpr,
 ):
     c = tl.program_id(0)
     experts = tl.arange(0, E_PAD)
     lanes = tl.arange(0, BLOCK)
-    in_e = experts < E
     # first row of each key in this chunk, advanced past each sub-block's rows
-    first = tl.load(seg_start_ptr + experts, mask=in_e, other=0) + tl.load(
-        chunk_off_ptr + c * E_PAD + experts, mask=in_e, other=0)
+    first = _chunk_prefix(chunk_count_ptr, chunk_bad_ptr, ids_ok_ptr, count_ptr, seg_start_ptr,
+                          seg_real_ptr, count_real_ptr, c, num_chunks, E, E_PAD, BLOCK_M, CB, P,
+                          ER_PAD, CHECK)
     for j in range(SUB):
         slots0 = (c * SUB + j) * BLOCK
         key = _local_key(ids_ptr, phase_ptr, slots0 + lanes, S, RANK_BASE, TOP_K, E, P)
@@ -187,7 +199,7 @@ def plan_tensors(topk_ids: torch.Tensor, E: int, block_m: int, rank: int, R_max:
     EV = E * P  # keys: (local expert, phase) pairs, and EV for slots not computed here
     E_PAD = max(16, triton.next_power_of_2(EV + 1))
     BLOCK = 16 if interpreting() else BLOCK_SLOTS
-    # a chunk = SUB sub-blocks of BLOCK slots; ~TARGET_CHUNKS chunks keep the one-program scan
+    # a chunk = SUB sub-blocks of BLOCK slots; ~TARGET_CHUNKS chunks keep each program's scan
     # short
     SUB = triton.next_power_of_2(max(1, min(16, triton.cdiv(S, BLOCK * TARGET_CHUNKS))))
     num_chunks = max(1, triton.cdiv(S, BLOCK * SUB))
@@ -202,7 +214,7 @@ def plan_tensors(topk_ids: torch.Tensor, E: int, block_m: int, rank: int, R_max:
     # view, no copy); the scratch parts after them start 16-byte aligned.
     check = id_limit > 0
     main = [R_max, S, tile_entries, EV + 1, EV]
-    scratch = [num_chunks * E_PAD] * 3 + [num_chunks if check else 0, 1 if check else 0]
+    scratch = [num_chunks * E_PAD] * 2 + [num_chunks if check else 0, 1 if check else 0]
     if P > 1:
         scratch += [E + 1, E]
     sizes = main + [-(-n // 4) * 4 for n in scratch]
@@ -210,15 +222,15 @@ def plan_tensors(topk_ids: torch.Tensor, E: int, block_m: int, rank: int, R_max:
     parts = torch.empty(sum(sizes), dtype=torch.int32, device=dev).split(sizes)
     row_slot, slot_row, tiles, seg_virt, count_virt = parts[:5]
     packed = None if P > 1 else parts[0].as_strided((sum(main),), (1,))
-    chunk_count, chunk_off, base = (_fit(t, num_chunks * E_PAD).view(num_chunks, E_PAD)
-                                    for t in parts[6:9])
+    chunk_count, base = (_fit(t, num_chunks * E_PAD).view(num_chunks, E_PAD)
+                         for t in parts[6:8])
     # tile_expert and the phase maps in one buffer, filled with -1 by one loop
     tile_expert = tiles if P == 1 else tiles[:num_tiles]
     phase_tiles = tiles[num_tiles:].view(P, num_tiles) if P > 1 else tile_expert
-    chunk_bad = _fit(parts[9], num_chunks) if check else chunk_count
-    ids_ok = parts[10][:1].view(()) if check else chunk_count
+    chunk_bad = _fit(parts[8], num_chunks) if check else chunk_count
+    ids_ok = parts[9][:1].view(()) if check else chunk_count
     if P > 1:
-        seg_start, count = _fit(parts[11], E + 1), _fit(parts[12], E)
+        seg_start, count = _fit(parts[10], E + 1), _fit(parts[11], E)
         phase = phase.to(torch.int32).contiguous()
     else:
         seg_start, count, phase = seg_virt, count_virt, ids
@@ -228,16 +240,14 @@ def plan_tensors(topk_ids: torch.Tensor, E: int, block_m: int, rank: int, R_max:
         rows_per_prog, tiles_per_prog, K, id_limit, E=EV, E_PAD=E_PAD, BLOCK=BLOCK, SUB=SUB,
         P=P, CHECK=check, num_warps=8,
     )
-    _plan_scan_kernel[(1,)](
-        chunk_count, chunk_off, chunk_bad, ids_ok, count_virt, seg_virt, seg_start, count,
-        num_chunks, E=EV, E_PAD=E_PAD, BLOCK_M=block_m, CB=max(1, min(64, 8192 // E_PAD)),
-        P=P, ER_PAD=triton.next_power_of_2(E + 1), CHECK=check, num_warps=8,
+    # one launch after the count: its programs also take the scan's place (_chunk_prefix); it
+    # runs even without slots, since program 0 writes seg_start, count and ids_ok
+    _plan_place_kernel[(num_chunks,)](
+        ids, phase, chunk_count, chunk_bad, ids_ok, count_virt, seg_virt, seg_start, count,
+        num_chunks, base, slot_row, row_slot, tile_expert, phase_tiles, S, rank_base, K,
+        num_tiles, E=EV, E_PAD=E_PAD, BLOCK=BLOCK, SUB=SUB, P=P, BLOCK_M=block_m,
+        CB=max(1, min(64, 8192 // E_PAD)), ER_PAD=triton.next_power_of_2(E + 1), CHECK=check,
+        num_warps=8,
     )
-    if S:
-        _plan_place_kernel[(num_chunks,)](
-            ids, phase, chunk_off, seg_virt, base, slot_row, row_slot, tile_expert,
-            phase_tiles, S, rank_base, K, num_tiles, E=EV, E_PAD=E_PAD, BLOCK=BLOCK, SUB=SUB,
-            P=P, BLOCK_M=block_m, num_warps=8,
-        )
     return (row_slot, slot_row, tile_expert, seg_start, count, (phase_tiles if P > 1 else None),
             ids_ok if check else None, packed)
