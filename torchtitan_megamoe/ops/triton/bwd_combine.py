@@ -18,6 +18,7 @@ import triton
 import triton.language as tl
 
 from torchtitan_megamoe.ops.triton.plan import Plan
+from torchtitan_megamoe.ops.triton.tiling import cdiv
 
 
 @triton.jit
@@ -86,7 +87,7 @@ def bwd_combine(
     dtw = torch.empty(T, K, dtype=dtw_dtype, device=dx_slot.device)
     if T == 0:
         return dx, dtw
-    grid = (triton.cdiv(T, block_t), triton.cdiv(D, block_d))
+    grid = (cdiv(T, block_t), cdiv(D, block_d))
     _bwd_combine_kernel[grid](
         dx_slot, part, plan.slot_row, dx, dtw,
         T, D, plan.max_rows,

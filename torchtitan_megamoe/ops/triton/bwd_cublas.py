@@ -46,6 +46,7 @@ import triton.language as tl
 
 from torchtitan_megamoe.ops.triton.bwd_common import interpreting
 from torchtitan_megamoe.ops.triton.plan import Plan
+from torchtitan_megamoe.ops.triton.tiling import cdiv, next_power_of_2
 
 IMPL_ENV = "MEGAMOE_BWD_IMPL"
 IMPLS = ("auto", "triton", "cublas")
@@ -143,8 +144,8 @@ def gather_rows(src: torch.Tensor, plan: Plan, block_r: int = 16, block_c: int =
         torch.index_select(src, 0, slot.clamp(min=0) // plan.top_k, out=out)
         return out.masked_fill_((slot < 0)[:, None], 0)
     dst = out
-    block_c = min(block_c, triton.next_power_of_2(C))
-    grid = (triton.cdiv(R, block_r), triton.cdiv(C, block_c))
+    block_c = min(block_c, next_power_of_2(C))
+    grid = (cdiv(R, block_r), cdiv(C, block_c))
     _gather_rows_kernel[grid](
         src, dst, plan.row_slot, plan.num_rows_used,
         R, C, plan.top_k, src.stride(0), dst.stride(0),

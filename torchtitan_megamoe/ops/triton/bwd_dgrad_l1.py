@@ -20,6 +20,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from torchtitan_megamoe.ops.triton.bwd_common import interpreting, mma
 from torchtitan_megamoe.ops.triton.plan import Plan
+from torchtitan_megamoe.ops.triton.tiling import cdiv
 
 
 @triton.jit
@@ -118,7 +119,7 @@ def dgrad_l1(
         d3 = TensorDescriptor.from_tensor(w3.view(E * H, D), [block_k, block_n])
     else:
         d1, d3 = w1, w3
-    grid = (plan.num_tiles * triton.cdiv(D, block_n),)
+    grid = (plan.num_tiles * cdiv(D, block_n),)
     _dgrad_l1_kernel[grid](
         da, w1, w3, d1, d3, out,
         plan.row_slot, plan.tile_expert,

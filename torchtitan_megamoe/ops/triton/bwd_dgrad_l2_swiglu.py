@@ -40,6 +40,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from torchtitan_megamoe.ops.triton.bwd_common import interpreting, mma
 from torchtitan_megamoe.ops.triton.plan import Plan
+from torchtitan_megamoe.ops.triton.tiling import cdiv
 
 
 @triton.jit
@@ -167,7 +168,7 @@ def dgrad_l2_swiglu(
     T, D = dy.shape
     E, _, H = w2.shape
     R = plan.max_rows
-    n_tiles_h = triton.cdiv(H, block_n)
+    n_tiles_h = cdiv(H, block_n)
     if out is None:
         da = torch.empty(R, 2 * H, dtype=dy.dtype, device=dy.device)
         hw = torch.empty(R, H, dtype=dy.dtype, device=dy.device)

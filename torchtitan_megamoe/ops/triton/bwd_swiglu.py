@@ -21,6 +21,7 @@ import triton
 import triton.language as tl
 
 from torchtitan_megamoe.ops.triton.plan import Plan
+from torchtitan_megamoe.ops.triton.tiling import next_power_of_2
 
 
 @triton.jit
@@ -77,7 +78,7 @@ def swiglu_bwd_rows(dh: torch.Tensor, a: torch.Tensor, topk_weights: torch.Tenso
     for t in (dh, a, da, hw):
         assert t.stride(-1) == 1
     tw = topk_weights.reshape(-1).contiguous()
-    block_h = min(block_h, triton.next_power_of_2(H))
+    block_h = min(block_h, next_power_of_2(H))
     _swiglu_bwd_rows_kernel[(R // block_r,)](
         dh, a, tw, plan.row_slot, plan.num_rows_used, da, hw, part,
         H, dh.stride(0), a.stride(0), da.stride(0), hw.stride(0),

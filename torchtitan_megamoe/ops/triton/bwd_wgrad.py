@@ -28,6 +28,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from torchtitan_megamoe.ops.triton.bwd_common import interpreting, mma
 from torchtitan_megamoe.ops.triton.plan import Plan
+from torchtitan_megamoe.ops.triton.tiling import cdiv
 
 
 @triton.jit
@@ -145,7 +146,7 @@ def wgrad(
     a_desc, b_desc = descs
     if expert_order is None:
         expert_order = longest_first(plan)
-    grid = (E * triton.cdiv(M, block_m) * triton.cdiv(N, block_n),)
+    grid = (E * cdiv(M, block_m) * cdiv(N, block_n),)
     _wgrad_kernel[grid](
         a, b, a if a_desc is None else a_desc, b if b_desc is None else b_desc, out,
         plan.seg_start, plan.count, plan.row_slot, expert_order,

@@ -16,7 +16,7 @@ import triton
 import triton.language as tl
 
 from torchtitan_megamoe.ops.triton.sum_partials import add_partials
-from torchtitan_megamoe.ops.triton.tiling import cast_out
+from torchtitan_megamoe.ops.triton.tiling import cast_out, cdiv, next_power_of_2
 from torchtitan_megamoe.ops.triton.tune import interpreter_needs_f32_dot
 
 
@@ -92,8 +92,8 @@ def combine(
     assert out.shape == (T, D) and out.stride(1) == 1 and out.dtype == out_dtype
     if T == 0:
         return out
-    block_d = min(block_d, triton.next_power_of_2(D))
-    grid = (triton.cdiv(T, block_t), triton.cdiv(D, block_d))
+    block_d = min(block_d, next_power_of_2(D))
+    grid = (cdiv(T, block_t), cdiv(D, block_d))
     part, pos, me = returned if returned is not None else (out, slot_row, 0)
     R = part.shape[0] if returned is not None else 1
     if returned is not None:

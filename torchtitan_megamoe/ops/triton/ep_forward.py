@@ -51,8 +51,6 @@ With symmetric memory, the staged return rows: (R - 1) x [C, D] x.dtype until th
 (EP=2, C = 16384: 64 MiB at 30B, 128 MiB at 235B; EP=8: 448 / 896 MiB).
 """
 
-import dataclasses
-
 import torch
 
 from torchtitan_megamoe.ops.exchange import capacity_hint
@@ -117,10 +115,10 @@ def forward_ep(x, topk_ids, topk_weights, w1, w2, w3, group, block_m, gemm1_conf
     else:
         send_x()
         ex.exchange(["meta", "x"])
-    ids, weights = route.received()
+    ids, weights = route.received(weights_view=True)
     plan, phase_tiles = build_phased_plan(ids, E_local, block_m,
                                           phase_of_row(R, C, me, ids.device), PHASES)
-    own, others = (dataclasses.replace(plan, tile_expert=t) for t in phase_tiles)
+    own, others = (plan.with_tiles(t) for t in phase_tiles)
     xr = route.recv_rows("x")
     keep = save and keeps_saved(R, C, K, E_local, D, H, block_m)
 

@@ -91,11 +91,14 @@ class TokenRoute:
         self._send_rows(rows)
         self.ex.exchange(["meta", *rows])
 
-    def received(self):
-        """(ids [R*C, K] local expert ids or -1, weights [R*C, K] fp32) of the received tokens."""
+    def received(self, weights_view: bool = False):
+        """(ids [R*C, K] local expert ids or -1, weights [R*C, K] fp32) of the received tokens.
+        ``weights_view``: the weights as a strided view of the metadata (unit column stride, as
+        the forward's combine reads them) instead of a contiguous copy: one launch less."""
         meta = self.ex.recv["meta"].view(self.R * self.C, 2 * self.K)
         ids = meta[:, : self.K].contiguous()
-        weights = meta[:, self.K:].contiguous().view(torch.float32)
+        weights = meta[:, self.K:]
+        weights = (weights if weights_view else weights.contiguous()).view(torch.float32)
         return ids, weights
 
     def recv_rows(self, name) -> torch.Tensor:

@@ -29,6 +29,8 @@ import torch
 import triton
 import triton.language as tl
 
+from torchtitan_megamoe.ops.triton.tiling import cdiv, next_power_of_2
+
 
 @triton.jit
 def _ep_route_kernel(
@@ -91,12 +93,12 @@ def ep_route_tensors(topk_ids: torch.Tensor, topk_weights: torch.Tensor, E_local
     ret_slot = torch.empty((T, K), dtype=torch.int64, device=dev)
     pos = torch.empty((T, R), dtype=torch.int32, device=dev)
     meta = torch.empty((R, C, 2 * K), dtype=torch.int32, device=dev)
-    K_PAD = triton.next_power_of_2(K)
+    K_PAD = next_power_of_2(K)
     # [BLOCK_T, K_PAD] tiles of ~4K elements; one program per (destination, token tile):
     # 2 x 32 programs at T = C = 16384, K = 8, R = 2 (one program per destination walking all
     # tokens took 124 us on the H200; the identity layout needs no scan, so tiles are independent)
     BLOCK_T = block_t or max(16, min(1024, 4096 // K_PAD))
-    blocks = triton.cdiv(C, BLOCK_T)
+    blocks = cdiv(C, BLOCK_T)
     ok = torch.empty(blocks, dtype=torch.int32, device=dev) if check_ids else pos
     _ep_route_kernel[(R, blocks)](
         topk_ids, topk_weights, owner, ret_slot, pos, meta, ok,

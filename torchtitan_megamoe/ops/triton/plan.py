@@ -69,6 +69,14 @@ class Plan:
     def num_tiles(self) -> int:
         return self.tile_expert.numel()
 
+    def with_tiles(self, tile_expert: torch.Tensor) -> "Plan":
+        """This plan with another tile map (one phase's tiles of a phased plan): a shallow
+        copy, a quarter of dataclasses.replace's host time (which re-runs __init__)."""
+        other = object.__new__(Plan)
+        other.__dict__.update(self.__dict__)
+        other.tile_expert = tile_expert
+        return other
+
 
 def max_rows(num_slots: int, num_local_experts: int, block_m: int, phases: int = 1) -> int:
     """R_max = T*K + E_local*phases*(block_m-1), rounded up to block_m: the most rows any routing

@@ -35,6 +35,7 @@ import triton
 import triton.language as tl
 
 from torchtitan_megamoe.ops.triton.tune import interpreting
+from torchtitan_megamoe.ops.triton.tiling import cdiv, next_power_of_2
 
 
 @triton.jit
@@ -197,16 +198,16 @@ def plan_tensors(topk_ids: torch.Tensor, E: int, block_m: int, rank: int, R_max:
     ids = topk_ids.reshape(-1)
     P = phases
     EV = E * P  # keys: (local expert, phase) pairs, and EV for slots not computed here
-    E_PAD = max(16, triton.next_power_of_2(EV + 1))
+    E_PAD = max(16, next_power_of_2(EV + 1))
     BLOCK = 16 if interpreting() else BLOCK_SLOTS
     # a chunk = SUB sub-blocks of BLOCK slots; ~TARGET_CHUNKS chunks keep each program's scan
     # short
-    SUB = triton.next_power_of_2(max(1, min(16, triton.cdiv(S, BLOCK * TARGET_CHUNKS))))
-    num_chunks = max(1, triton.cdiv(S, BLOCK * SUB))
+    SUB = next_power_of_2(max(1, min(16, cdiv(S, BLOCK * TARGET_CHUNKS))))
+    num_chunks = max(1, cdiv(S, BLOCK * SUB))
     num_tiles = R_max // block_m
-    rows_per_prog = triton.cdiv(R_max, num_chunks)
+    rows_per_prog = cdiv(R_max, num_chunks)
     tile_entries = num_tiles * (P + 1 if P > 1 else 1)
-    tiles_per_prog = triton.cdiv(tile_entries, num_chunks)
+    tiles_per_prog = cdiv(tile_entries, num_chunks)
 
     # every int32 vector of the plan carved from one allocation: ten torch.empty calls cost the
     # H200 machine's host ~60 us in a waited forward, before the first GEMM. The plan's own
@@ -246,7 +247,7 @@ def plan_tensors(topk_ids: torch.Tensor, E: int, block_m: int, rank: int, R_max:
         ids, phase, chunk_count, chunk_bad, ids_ok, count_virt, seg_virt, seg_start, count,
         num_chunks, base, slot_row, row_slot, tile_expert, phase_tiles, S, rank_base, K,
         num_tiles, E=EV, E_PAD=E_PAD, BLOCK=BLOCK, SUB=SUB, P=P, BLOCK_M=block_m,
-        CB=max(1, min(64, 8192 // E_PAD)), ER_PAD=triton.next_power_of_2(E + 1), CHECK=check,
+        CB=max(1, min(64, 8192 // E_PAD)), ER_PAD=next_power_of_2(E + 1), CHECK=check,
         num_warps=8,
     )
     return (row_slot, slot_row, tile_expert, seg_start, count, (phase_tiles if P > 1 else None),

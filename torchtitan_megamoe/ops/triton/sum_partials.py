@@ -14,6 +14,8 @@ import torch
 import triton
 import triton.language as tl
 
+from torchtitan_megamoe.ops.triton.tiling import cdiv, next_power_of_2
+
 
 @triton.jit
 def add_partials(acc, part_ptr, pos_ptr, toks, cols, in_t, in_d, stride_part_r,
@@ -69,9 +71,9 @@ def sum_partials(part: torch.Tensor, pos: torch.Tensor, out_dtype: torch.dtype) 
     if T == 0:
         return out
     assert part.stride(2) == 1 and pos.stride(1) == 1
-    block_d = min(512, triton.next_power_of_2(D))
+    block_d = min(512, next_power_of_2(D))
     block_t = 4
-    grid = (triton.cdiv(T, block_t), triton.cdiv(D, block_d))
+    grid = (cdiv(T, block_t), cdiv(D, block_d))
     _sum_partials_kernel[grid](
         part, pos, out, T, D, part.stride(0), part.stride(1), pos.stride(0), out.stride(0),
         R=R, BLOCK_T=block_t, BLOCK_D=block_d, num_warps=4,

@@ -32,6 +32,18 @@ def launch_config(cfg: dict, num_tiles: int, device: torch.device,
     return cfg, grid
 
 
+def cdiv(a: int, b: int) -> int:
+    """triton.cdiv for host ints. Triton's host helpers are constexpr functions whose call
+    wrapping costs the H200 host several microseconds each, ~15 of them before a forward's
+    first GEMM."""
+    return (a + b - 1) // b
+
+
+def next_power_of_2(n: int) -> int:
+    """triton.next_power_of_2 for host ints (0 for n <= 0, as Triton's)."""
+    return 0 if n <= 0 else 1 << (n - 1).bit_length()
+
+
 def persistent_programs(device: torch.device) -> int:
     """Programs of a persistent launch: one per SM (a few under the CPU interpreter)."""
     if interpreting() or device.type != "cuda":

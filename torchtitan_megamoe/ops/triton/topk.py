@@ -32,6 +32,7 @@ import triton.language as tl
 from triton.language.extra import libdevice
 
 from torchtitan_megamoe.ops.triton.tune import interpreting
+from torchtitan_megamoe.ops.triton.tiling import cdiv, next_power_of_2
 
 MAX_EXPERTS = 1024
 """Above this a row no longer sits comfortably in one program's registers (torch.topk then)."""
@@ -155,9 +156,9 @@ def topk_indices(scores: torch.Tensor, k: int, bias: torch.Tensor | None = None)
     idx = torch.empty((T, k), dtype=torch.int64, device=scores.device)
     if T == 0:
         return idx
-    BLOCK_E = triton.next_power_of_2(E)
+    BLOCK_E = next_power_of_2(E)
     BLOCK_T = max(1, min(64, 4096 // BLOCK_E))
-    _topk_kernel[(triton.cdiv(T, BLOCK_T),)](
+    _topk_kernel[(cdiv(T, BLOCK_T),)](
         scores, bias if bias is not None else scores, idx, T, E, scores.stride(0),
         HAS_BIAS=bias is not None, K=k, BLOCK_T=BLOCK_T, BLOCK_E=BLOCK_E, num_warps=4,
     )
@@ -173,14 +174,14 @@ def _launch_gate(scores, k, bias, norm, scale, softmax=False):
     probs = torch.empty((T, E), dtype=torch.float32, device=scores.device) if softmax else None
     if T == 0:
         return vals, idx, counts, probs
-    BLOCK_E = triton.next_power_of_2(E)
+    BLOCK_E = next_power_of_2(E)
     BLOCK_T = max(1, min(64, 4096 // BLOCK_E))
-    _topk_gate_kernel[(triton.cdiv(T, BLOCK_T),)](
+    _topk_gate_kernel[(cdiv(T, BLOCK_T),)](
         scores, bias if bias is not None else scores, idx, vals, counts,
         probs if softmax else vals, T, E, scores.stride(0), float(scale),
         HAS_BIAS=bias is not None, NORM=bool(norm), SOFTMAX=bool(softmax),
         LIBDEVICE_EXP=bool(softmax) and not interpreting(), K=k,
-        K_PAD=triton.next_power_of_2(k), BLOCK_T=BLOCK_T, BLOCK_E=BLOCK_E, num_warps=4,
+        K_PAD=next_power_of_2(k), BLOCK_T=BLOCK_T, BLOCK_E=BLOCK_E, num_warps=4,
     )
     return vals, idx, counts, probs
 

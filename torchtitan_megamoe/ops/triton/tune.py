@@ -85,16 +85,23 @@ def _time_ms(launch, cfg) -> float:
     return median_ms(lambda: launch(cfg), 10)
 
 
+def tuned(name: str, key: tuple) -> dict | None:
+    """What pick_config returns for (name, key) once it has timed them (and tuning is on);
+    None before. Lets a wrapper skip building its candidate list on every later call."""
+    chosen = _CHOSEN.get((name, key))
+    return chosen if chosen is not None and _tuning_enabled() else None
+
+
 def pick_config(name: str, key: tuple, candidates: list, launch, outputs=None) -> dict:
     """The fastest candidate for (name, key), timed once and cached. ``outputs(result)``: the
     tensors a launch wrote, from its return value, to check each candidate against the first
     (see the module docstring); None: no check."""
     if len(candidates) == 1:
         return candidates[0]
-    k = (name, key)
-    chosen = _CHOSEN.get(k)
-    if chosen is not None and _tuning_enabled():  # every call after the first: kept short
+    chosen = tuned(name, key)
+    if chosen is not None:
         return chosen
+    k = (name, key)
     candidates = [c for c in candidates if not c.get("WARP_SPEC") or warp_spec_allowed(name)]
     if len(candidates) == 1 or not _tuning_enabled():
         return candidates[0]
