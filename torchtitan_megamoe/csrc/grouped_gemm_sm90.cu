@@ -85,7 +85,8 @@
 //   thread's 64 columns, then over the quad's 4 lanes (fixed order: deterministic) into
 //   part[pid_n, row].
 // Waits on: nothing outside the launch. Signals: nothing; h (and a) / out are complete with the
-// launch.
+// launch, and the dynamic order's ticket is zero again (the CTA taking the last number resets
+// it), so the next launch on the stream reuses it (ops/cuda/sm90.py launch_context).
 //
 // Measured (docs/PERF.md, H200, 2026-11-30): GEMM 2 0.70 vs Triton 0.77 ms at 30B; kernel C
 // 1.25 vs 1.47 (657 TFLOP/s); the weight gradients on pre-gathered rows 2-8% ahead of
