@@ -19,6 +19,7 @@
 #
 # Tolerance: losses must agree within RTOL (1e-2) relative at every step; see summary.md.
 # Env knobs: SETUPS ("a b"), RTOL, ATOL, RUN_TIMEOUT_S (per torchrun, default 150),
+# MIN_RUN_S (default 45: a setup whose runs would get less is skipped, exit 2),
 # BUDGET_S (whole script, default 540: later runs get shorter timeouts; LATER_S, default 80, is
 # kept back per setup still to come), EXTRA_ARGS (appended to
 # every run, e.g. a tiny CPU flavor), CONFIG, NPROC, WHEELS=0 (use the current env, not .whl),
@@ -63,6 +64,7 @@ setup_args() {
 # Per-run timeouts: run_timeout (_device_env.sh) with LATER_S (default 80) kept back per setup
 # still to come.
 LATER_S=${LATER_S:-80}
+MIN_RUN_S=${MIN_RUN_S:-45}
 
 count_setups() { echo $#; }
 remaining=$(count_setups $SETUPS)
@@ -72,6 +74,14 @@ for s in $SETUPS; do
   args=$(setup_args "$s") || { bad_setup=1; continue; }
   remaining=$((remaining - 1))
   t=$(run_timeout 2 "$remaining")
+  if [ "$t" -lt "$MIN_RUN_S" ]; then
+    # a run needs ~45 s (start-up, compile or tuning, 20 steps; session 14 lost setup b to
+    # 25 s runs): skip rather than spend device time on runs that cannot finish
+    echo "[megamoe.ab] skipped: BUDGET_S=$BUDGET_S leaves ${t} s per run, under" \
+      "MIN_RUN_S=$MIN_RUN_S; raise BUDGET_S or run fewer SETUPS" | tee "$WORK/ab_$s.out"
+    bad_setup=1
+    continue
+  fi
   echo "=== setup $s: $args $EXTRA_ARGS (timeout ${t} s per run, $((SECONDS - START)) s elapsed)"
   # shellcheck disable=SC2086
   timeout -k 15 $((2 * t + 60)) $PY -m torchtitan_megamoe.ab --config "$CONFIG" --nproc "$NPROC" \
