@@ -67,3 +67,18 @@ def test_mismatch_measure():
     c = a.clone()
     c[0] = 1.005
     assert 0 < tune.output_mismatch((c,), (a,)) < 1e-2
+
+
+def test_tuned_is_the_pick_once_timed_and_none_otherwise(tuner, monkeypatch):
+    """tune.tuned lets a wrapper skip building its candidates on later calls: None before the
+    first pick_config of a key, that pick after, and None while tuning is off (where
+    pick_config returns the first candidate)."""
+    out = torch.zeros(8)
+    write = lambda o: o.fill_(1.0)  # noqa: E731
+    assert tune.tuned("check", 3) is None
+    picked = _run(out, [write, write], {0: 2.0, 1: 1.0}, tuner, key=3)
+    assert picked["id"] == 1 and tune.tuned("check", 3) is picked
+    assert tune.tuned("check", 4) is None
+    monkeypatch.setattr(tune, "_tuning_enabled", lambda: False)
+    assert tune.tuned("check", 3) is None
+    assert tune.pick_config("check", 3, [dict(id=0), dict(id=1)], None)["id"] == 0
