@@ -255,31 +255,36 @@ def test_save_activations_never_keeps_nothing():
 
 @contextlib.contextmanager
 def _paths():
-    """Which path each mega_moe call inside the block took: "eager" (_EagerMegaMoE) or "op"
-    (the registered megamoe::mega_moe)."""
+    """Which path each mega_moe call inside the block took: "eager" (_EagerMegaMoE), "direct"
+    (a plain call no gradient can flow through: the forward alone) or "op" (the registered
+    megamoe::mega_moe)."""
     from torchtitan_megamoe.ops import api
 
-    seen, real_eager, real_op = [], api._EagerMegaMoE.apply, api._run_forward
-    inside = []
+    seen, inside = [], []
+    real = api._EagerMegaMoE.apply, api._forward_only, api._run_forward
 
-    def eager(*args):
-        seen.append("eager")
-        inside.append(True)
-        try:
-            return real_eager(*args)
-        finally:
-            inside.pop()
+    def recorded(name, fn):
+        def call(*args):
+            seen.append(name)
+            inside.append(True)
+            try:
+                return fn(*args)
+            finally:
+                inside.pop()
+        return call
 
     def fwd(*args):
         if not inside:
             seen.append("op")
-        return real_op(*args)
+        return real[2](*args)
 
-    api._EagerMegaMoE.apply, api._run_forward = eager, fwd
+    api._EagerMegaMoE.apply = recorded("eager", real[0])
+    api._forward_only = recorded("direct", real[1])
+    api._run_forward = fwd
     try:
         yield seen
     finally:
-        api._EagerMegaMoE.apply, api._run_forward = real_eager, real_op
+        api._EagerMegaMoE.apply, api._forward_only, api._run_forward = real
 
 
 @pytest.mark.parametrize("backend", ["reference", "triton"])
@@ -336,4 +341,23 @@ def test_selective_ac_and_dispatch_modes_see_the_registered_op():
         out.sum().backward()  # the op was saved: not run again
         with Watch():
             layer(x)
-    assert seen == ["eager", "op", "op"]
+        with torch.no_grad():
+            layer(x)
+    assert seen == ["eager", "op", "op", "direct"]
+
+
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+def test_calls_without_gradients_skip_autograd(backend):
+    """Under no_grad, or with no input requiring grad, a plain call runs the forward alone (no
+    autograd Function, no node): the same bits as the autograd path's output."""
+    x, ids, w, w1, w2, w3 = make_inputs(21, 3, 5, 32, 48, "dropped", dtype=torch.float32)
+    if backend == "triton":
+        x, w1, w2, w3 = (t.bfloat16() for t in (x, w1, w2, w3))
+    with _paths() as seen:
+        plain = mega_moe(x, ids, w, w1, w2, w3, backend=backend)
+        with torch.no_grad():
+            nograd = mega_moe(x, ids, w, w1.requires_grad_(), w2, w3, backend=backend)
+        tracked = mega_moe(x, ids, w, w1, w2, w3, backend=backend)
+    assert seen == ["direct", "direct", "eager"]
+    assert plain.grad_fn is None and nograd.grad_fn is None and tracked.grad_fn is not None
+    assert torch.equal(plain, tracked) and torch.equal(nograd, tracked)

@@ -102,14 +102,14 @@ def mega_moe(
     group_name = "" if group is None else group.group_name
     # Keep activations for a backward only when one can follow: inference and no_grad
     # evaluation skip the extra stores (and their memory); save_activations="never" opts out.
-    save = (
-        _SAVE_ACTIVATIONS != "never"
-        and torch.is_grad_enabled()
-        and any(t.requires_grad for t in (x, topk_weights, w1, w2, w3))
-    )
+    needs_grad = torch.is_grad_enabled() and any(
+        t.requires_grad for t in (x, topk_weights, w1, w2, w3))
+    save = _SAVE_ACTIVATIONS != "never" and needs_grad
     args = (x, topk_ids, topk_weights, w1, w2, w3, group_name, backend, precision, save)
     if _plain_eager(args[:6]):
-        return _EagerMegaMoE.apply(*args)
+        # no gradient can flow (inference, no_grad, full AC's first forward): not even an
+        # autograd Function, whose apply costs the host ~10 us before the layer's first kernel
+        return _EagerMegaMoE.apply(*args) if needs_grad else _forward_only(*args)
     out, _saved = torch.ops.megamoe.mega_moe(*args)
     return out
 
@@ -356,6 +356,11 @@ def _backward(ctx, grad_out, _grad_saved):
 
 
 _mega_moe_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+def _forward_only(*args):
+    """A plain eager call that no gradient can flow through: the op's forward, nothing else."""
+    return _run_forward(*args)[0]
 
 
 class _EagerMegaMoE(torch.autograd.Function):
