@@ -30,6 +30,7 @@ def main(key: str = "30b", iters: int = 50) -> None:
     from torchtitan_megamoe.ops.triton.gemm2_rows import gemm2_rows
     from torchtitan_megamoe.ops.triton.plan import build_plan
     from torchtitan_megamoe.router import route
+    from torchtitan_megamoe.timing import host_issue_ms
 
     shape = SHAPES[key]
     dev = torch.device("cuda")
@@ -55,12 +56,6 @@ def main(key: str = "30b", iters: int = 50) -> None:
         combine(y, scores, plan.slot_row, x.dtype)
         marks.append(time.perf_counter())
         return [(b - a) * 1e6 for a, b in zip(marks, marks[1:])]
-
-    def whole(fn):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        fn()
-        return (time.perf_counter() - t0) * 1e6
 
     def layer():
         scores, ids, _ = route(moe.router, x, moe.expert_bias)
@@ -96,10 +91,10 @@ def main(key: str = "30b", iters: int = 50) -> None:
                 vrows.append(steps())
             torch.cuda.synchronize()
             variants[label] = [statistics.median(r[i] for r in vrows) for i in range(len(names))]
-        layer_us = statistics.median(whole(layer) for _ in range(iters))
-        router_us = statistics.median(whole(lambda: route(moe.router, x, moe.expert_bias))
-                                      for _ in range(iters))
-        stock_us = statistics.median(whole(lambda: moe(x.view(1, T, D))) for _ in range(iters))
+        # the whole waited call: host_issue_ms (the bench's measure) in microseconds
+        layer_us = host_issue_ms(layer, iters) * 1e3
+        router_us = host_issue_ms(lambda: route(moe.router, x, moe.expert_bias), iters) * 1e3
+        stock_us = host_issue_ms(lambda: moe(x.view(1, T, D)), iters) * 1e3
         torch.cuda.synchronize()
     print(f"host issue per step, {shape['name']}, {T} tokens, median of {iters} (us):")
     for n, v in zip(names, med):
@@ -147,14 +142,14 @@ def _tight_loops(x, ex, E, moe, route, build_plan, gemm1_swiglu, gemm2_rows, com
         }
         out = []
         for name, fn in calls.items():
+            k = n // 10 if name.startswith("gemm") else n  # the GEMMs' ~1 ms each: fewer calls
             torch.cuda.synchronize()
             torch.cuda._sleep(int(2e9))  # ~1 s of device time: the queue never drains
             for _ in range(20):
                 fn()
             t0 = time.perf_counter()
-            for _ in range(n if name in ("route", "build_plan", "combine") else n // 10):
+            for _ in range(k):
                 fn()
-            k = n if name in ("route", "build_plan", "combine") else n // 10
             out.append(f"{name} {(time.perf_counter() - t0) / k * 1e6:.1f}")
             torch.cuda.synchronize()
     print("steady-state host cost per call, device busy (us): " + ", ".join(out))

@@ -1,6 +1,6 @@
 """What the op's wrappers ask of a CUDA device on every call (its compute capability, its SM
-count), asked of torch once per device: each torch.cuda query costs the H200 machine's host
-several microseconds, and a waited forward pays them before its first GEMM."""
+count), asked of torch once per device: each torch.cuda query is Python and driver work on the host,
+which a waited forward pays before its first GEMM."""
 
 from __future__ import annotations
 

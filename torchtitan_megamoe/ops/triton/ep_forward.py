@@ -115,7 +115,7 @@ def forward_ep(x, topk_ids, topk_weights, w1, w2, w3, group, block_m, gemm1_conf
     else:
         send_x()
         ex.exchange(["meta", "x"])
-    ids, weights = route.received(weights_view=True)
+    ids, weights = route.received()
     plan, phase_tiles = build_phased_plan(ids, E_local, block_m,
                                           phase_of_row(R, C, me, ids.device), PHASES)
     own, others = (plan.with_tiles(t) for t in phase_tiles)

@@ -91,15 +91,13 @@ class TokenRoute:
         self._send_rows(rows)
         self.ex.exchange(["meta", *rows])
 
-    def received(self, weights_view: bool = False):
+    def received(self):
         """(ids [R*C, K] local expert ids or -1, weights [R*C, K] fp32) of the received tokens.
-        ``weights_view``: the weights as a strided view of the metadata (unit column stride, as
-        the forward's combine reads them) instead of a contiguous copy: one launch less."""
+        The weights are a strided view of the metadata (unit column stride: the combines read
+        them so, the backward's kernels flatten them), one copy launch less than a contiguous
+        copy; the plan kernels read the ids flat, so those are copied."""
         meta = self.ex.recv["meta"].view(self.R * self.C, 2 * self.K)
-        ids = meta[:, : self.K].contiguous()
-        weights = meta[:, self.K:]
-        weights = (weights if weights_view else weights.contiguous()).view(torch.float32)
-        return ids, weights
+        return meta[:, : self.K].contiguous(), meta[:, self.K:].view(torch.float32)
 
     def recv_rows(self, name) -> torch.Tensor:
         return self.ex.recv[name].view(self.R * self.C, -1)

@@ -71,7 +71,8 @@ class Plan:
 
     def with_tiles(self, tile_expert: torch.Tensor) -> "Plan":
         """This plan with another tile map (one phase's tiles of a phased plan): a shallow
-        copy, a quarter of dataclasses.replace's host time (which re-runs __init__)."""
+        copy: dataclasses.replace re-runs __init__ and its field handling, host time on the
+        way to the GEMMs."""
         other = object.__new__(Plan)
         other.__dict__.update(self.__dict__)
         other.tile_expert = tile_expert

@@ -24,8 +24,9 @@ plus bin E for slots not computed here; E_PAD > E bins.
          expert, as the torch path.
          Waits on: the count launch (stream order). Signals: nothing.
 The scan was a one-program launch of its own until 2026-11-30 (session 14): each launch before
-the first GEMM costs the H200 host ~30-40 us in a waited forward, more than the ~5 us of L2
-reads the redundant scans add. Measured before the sort (one-hot [BLOCK, E_PAD] cumsums, the
+the first GEMM costs the H200 host tens of microseconds in a waited forward (scripts/host_issue.py,
+docs/PERF.md session 14), more than the redundant scans' reads (256 KiB of L2 per program at
+30B; estimated at a few microseconds, not measured alone). Measured before the sort (one-hot [BLOCK, E_PAD] cumsums, the
 tile map in the one-program scan): 25 + 35 + 46 us at 30B EP=1, 68 + 50 + 108 us at EP=2
 (docs/PERF.md).
 """
@@ -209,8 +210,9 @@ def plan_tensors(topk_ids: torch.Tensor, E: int, block_m: int, rank: int, R_max:
     tile_entries = num_tiles * (P + 1 if P > 1 else 1)
     tiles_per_prog = cdiv(tile_entries, num_chunks)
 
-    # every int32 vector of the plan carved from one allocation: ten torch.empty calls cost the
-    # H200 machine's host ~60 us in a waited forward, before the first GEMM. The plan's own
+    # every int32 vector of the plan carved from one allocation: torch.empty costs the H200
+    # machine's host 2.3-3.7 us a call in a loop, ~3x that in a waited forward
+    # (scripts/host_issue.py), and the plan needed ten before the first GEMM. The plan's own
     # vectors come first, back to back in plan.pack_plan's order (P = 1: the packed plan is a
     # view, no copy); the scratch parts after them start 16-byte aligned.
     check = id_limit > 0
@@ -220,9 +222,10 @@ def plan_tensors(topk_ids: torch.Tensor, E: int, block_m: int, rank: int, R_max:
         scratch += [E + 1, E]
     sizes = main + [-(-n // 4) * 4 for n in scratch]
     sizes.insert(len(main), -sum(main) % 4)
-    parts = torch.empty(sum(sizes), dtype=torch.int32, device=dev).split(sizes)
+    buf = torch.empty(sum(sizes), dtype=torch.int32, device=dev)
+    parts = buf.split(sizes)
     row_slot, slot_row, tiles, seg_virt, count_virt = parts[:5]
-    packed = None if P > 1 else parts[0].as_strided((sum(main),), (1,))
+    packed = None if P > 1 else buf[:sum(main)]
     chunk_count, base = (_fit(t, num_chunks * E_PAD).view(num_chunks, E_PAD)
                          for t in parts[6:8])
     # tile_expert and the phase maps in one buffer, filled with -1 by one loop

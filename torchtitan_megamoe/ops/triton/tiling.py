@@ -33,9 +33,9 @@ def launch_config(cfg: dict, num_tiles: int, device: torch.device,
 
 
 def cdiv(a: int, b: int) -> int:
-    """triton.cdiv for host ints. Triton's host helpers are constexpr functions whose call
-    wrapping costs the H200 host several microseconds each, ~15 of them before a forward's
-    first GEMM."""
+    """triton.cdiv for host ints. Triton's host helpers are constexpr functions that wrap
+    every call (argument unwrapping, an import), and the launchers make ~15 such calls before a
+    forward's first GEMM."""
     return (a + b - 1) // b
 
 
