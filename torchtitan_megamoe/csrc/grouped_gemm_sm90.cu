@@ -79,11 +79,14 @@
 //   to the second. WGRAD_TMA: no gathers, one producer thread, as ROWS.
 // DGRAD_SWIGLU mode (cluster 1 only): the producer gathers the dy rows exactly as GATHER gathers
 //   x (128 threads, cp.async, full[s] = 128 arrivals + the B bytes) and loads the w2 tile as the
-//   four N-major boxes of ROWS_NMAJOR; the tile is 128 rows x 256 H columns. The epilogue reads
-//   the row's slot, routing weight and saved a1/a3 pairs straight from global memory in the
-//   accumulator's layout, stores da1, da3 and hw as bf16 pairs, and sums <dh, h> over the
-//   thread's 64 columns, then over the quad's 4 lanes (fixed order: deterministic) into
-//   part[pid_n, row].
+//   four N-major boxes of ROWS_NMAJOR; the tile is 128 rows x 256 H columns. After a tile's K
+//   steps the producer fills EPI_STAGES more ring stages, one per 64 columns, with the saved a1
+//   and a3 boxes by TMA, so they arrive while the consumers still multiply. The epilogue reads
+//   them from shared memory in the accumulator's layout (the row's slot and routing weight were
+//   loaded before the K loop), writes da1 and da3 over them and hw into the stage's third box,
+//   and one thread per warpgroup stores the three by bulk tensor stores, then frees the stage
+//   once they are read. <dh, h> is summed over the thread's 64 columns, then over the quad's 4
+//   lanes (fixed order: deterministic) into part[pid_n, row].
 // Waits on: nothing outside the launch. Signals: nothing; h (and a) / out are complete with the
 // launch, and the dynamic order's ticket is zero again (the CTA taking the last number resets
 // it), so the next launch on the stream reuses it (ops/cuda/sm90.py launch_context).
@@ -162,6 +165,11 @@ constexpr int B_BYTES = 2 * BN * BK * 2;
 constexpr int STAGE_BYTES = A_BYTES + B_BYTES;
 constexpr int NMAJOR_BOX_BYTES = BK * 128;  // NMAJOR: one [BK, 64] box of the B stage
 constexpr int THREADS = 384;
+// DGRAD_SWIGLU: the epilogue runs on EPI_STAGES more ring stages per tile, one per 64 of its 256
+// columns: [a1 box | a3 box | hw staging], each [128 rows, 64] bf16 in the 128-byte swizzle (a
+// stage of BK 64 holds exactly the three). da1 and da3 overwrite a1 and a3 in place.
+constexpr int EPI_STAGES = 4;
+constexpr int EPI_IN_BYTES = 128 * 64 * 2;
 // TMA_STORE: one [64 rows, 128 columns] bf16 tile per consumer warpgroup, as two boxes of 64
 // columns (128-byte rows, 128-byte swizzle), after the ring
 constexpr int EPI_BOX_BYTES = 64 * 64 * 2;
@@ -185,11 +193,9 @@ struct Params {
   // the two outputs (h_map, a_map; = M for one output); x: the gathered operand's token rows
   const int* seg_start;
   const int* expert_order;
-  // DGRAD_SWIGLU: a = the saved [a1 | a3] (read), h = da [R, 2H] (written), and these
+  // DGRAD_SWIGLU (a, da and hw travel as tensor maps)
   const float* topk_w;  // [T * K] routing weights by slot
-  __nv_bfloat16* hw;    // [R, H]
   float* part;          // [H / 256, part_stride]
-  long long stride_hw;
   long long part_stride;
   int M;
   int m_split;
@@ -248,6 +254,9 @@ __global__ void __launch_bounds__(THREADS, 1)
   constexpr bool GATHERS = GATHER_A || GATHER_B;  // the producer's 128 threads issue cp.async
   static_assert(!ROWS || CLUSTER == 1, "ROWS and WGRAD modes: cluster 1 only");
   constexpr int TILE_N = ROWS ? 2 * BN : BN;  // output columns of a tile (per operand in GATHER)
+  static_assert(MODE != MODE_DGRAD_SWIGLU || (BK == 64 && TILE_N == 64 * EPI_STAGES &&
+                                               STAGE_BYTES == 3 * EPI_IN_BYTES),
+                "DGRAD_SWIGLU: the epilogue stages need BK 64");
   extern __shared__ __align__(1024) uint8_t smem_raw[];
   // the swizzled tiles need their 8-row groups aligned (1024 bytes covers both swizzles)
   uint8_t* smem = reinterpret_cast<uint8_t*>(
@@ -553,6 +562,29 @@ __global__ void __launch_bounds__(THREADS, 1)
           phase ^= 1;
         }
       }
+      if constexpr (MODE == MODE_DGRAD_SWIGLU) {
+        // The epilogue's stages: per 64 columns of the tile, the saved a1 and a3 [128 rows, 64]
+        // boxes, loaded while the consumers still multiply (see EPI_STAGES). full[s] takes the
+        // same 129 arrivals as a K step: thread 0's expect_tx and one from every thread.
+#pragma unroll 1
+        for (int c = 0; c < EPI_STAGES; ++c) {
+          mbar_wait(empty_bar + 8 * stage, phase ^ 1);
+          const uint32_t full = full_bar + 8 * stage;
+          const uint32_t slot_smem = smem_base + stage * STAGE_BYTES;
+          flush_pending();
+          if (tid == 0) {
+            const int col = pid_n * TILE_N + 64 * c;
+            mbar_arrive_expect_tx(full, 2 * EPI_IN_BYTES);
+            tma_load_2d(slot_smem, &in_map, col, pid_m * BM, full);
+            tma_load_2d(slot_smem + EPI_IN_BYTES, &in_map, p.N + col, pid_m * BM, full);
+          }
+          mbar_arrive(full);
+          if (++stage == STAGES) {
+            stage = 0;
+            phase ^= 1;
+          }
+        }
+      }
     }
     flush_pending();
   } else {
@@ -590,8 +622,28 @@ __global__ void __launch_bounds__(THREADS, 1)
         const int m = um * CLUSTER + rank;
         if (m < num_m) first_slot = p.row_slot[m * BM + cw * 64];
       }
+      // DGRAD_SWIGLU: the slots of this thread's two epilogue rows, and after decode's loads
+      // their routing weights, all used only after the K loop (their latency hides in it)
+      int row_slot2[2] = {-1, -1};
+      if constexpr (MODE == MODE_DGRAD_SWIGLU) {
+        int um, pn;
+        grouped_tile(u, num_um, num_n, group_m, um, pn);
+        if (um < num_m) {
+#pragma unroll
+          for (int half = 0; half < 2; ++half) {
+            row_slot2[half] = p.row_slot[um * BM + cw * 64 + warp * 16 + lane / 4 + 8 * half];
+          }
+        }
+      }
       const Tile t = decode(u);
       if (!t.any) continue;
+      float row_w[2] = {0.f, 0.f};
+      if constexpr (MODE == MODE_DGRAD_SWIGLU) {
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+          if (row_slot2[half] >= 0) row_w[half] = p.topk_w[row_slot2[half]];
+        }
+      }
       const bool active = t.expert >= 0;
       const int pid_m = t.pid_m, pid_n = t.pid_n, k_blocks = t.k_blocks;
       const bool zero_rows = active && first_slot < 0;
@@ -674,48 +726,74 @@ __global__ void __launch_bounds__(THREADS, 1)
       // 16 warp + lane/4 + 8 (q/2) and column 8j + 2 (lane%4) + q%2 of the 64x256 block; j < 16
       // is a1, j >= 16 the a3 of column 8 (j - 16) + ...
       if constexpr (MODE == MODE_DGRAD_SWIGLU) {
-        // SwiGLU backward on the tile's dh (fp32, in the accumulators): see the header
+        // SwiGLU backward on the tile's dh (fp32, in the accumulators), 64 columns per epilogue
+        // stage (see EPI_STAGES): this warpgroup's rows [64 cw, +64) of the stage's a1 and a3
+        // boxes are read from shared memory in the accumulator's layout, da1 and da3 written
+        // back over them and hw into the third box, then thread 0 stores the three [64, 64]
+        // boxes. Waits on: full[s] (the producer's a1/a3 loads). Signals: empty[s] once the
+        // store engine has read the stage.
         const int H = p.N;
+        float dot[2] = {0.f, 0.f};
+#pragma unroll
+        for (int c = 0; c < EPI_STAGES; ++c) {
+          mbar_wait(full_bar + 8 * stage, phase);
+          const uint32_t a1_s = smem_base + stage * STAGE_BYTES + cw * (EPI_IN_BYTES / 2);
+          const uint32_t a3_s = a1_s + EPI_IN_BYTES;
+          const uint32_t hw_s = a3_s + EPI_IN_BYTES;
+#pragma unroll
+          for (int jj = 0; jj < 8; ++jj) {
+#pragma unroll
+            for (int half = 0; half < 2; ++half) {
+              const uint32_t off =
+                  swizzled_offset<128>(warp * 16 + lane / 4 + 8 * half, jj) + 4 * (lane % 4);
+              const uint32_t a1_bits = ld_shared_b32(a1_s + off);
+              const uint32_t a3_bits = ld_shared_b32(a3_s + off);
+              const float2 a1 = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&a1_bits));
+              const float2 a3 = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&a3_bits));
+              const float w = row_w[half];
+              float da1[2], da3[2], hw[2];
+#pragma unroll
+              for (int e = 0; e < 2; ++e) {
+                const float x1 = e ? a1.y : a1.x, x3 = e ? a3.y : a3.x;
+                const float dh = acc[4 * (8 * c + jj) + 2 * half + e];
+                const float sig = 1.0f / (1.0f + __expf(-x1));
+                const float silu = x1 * sig;
+                const float h = silu * x3;
+                dot[half] += dh * h;
+                const float dhw = dh * w;
+                da1[e] = dhw * x3 * (sig + silu * (1.0f - sig));
+                da3[e] = dhw * silu;
+                hw[e] = h * w;
+              }
+              __nv_bfloat162 v1 = __floats2bfloat162_rn(da1[0], da1[1]);
+              __nv_bfloat162 v3 = __floats2bfloat162_rn(da3[0], da3[1]);
+              __nv_bfloat162 vh = __floats2bfloat162_rn(hw[0], hw[1]);
+              st_shared_b32(a1_s + off, *reinterpret_cast<uint32_t*>(&v1));
+              st_shared_b32(a3_s + off, *reinterpret_cast<uint32_t*>(&v3));
+              st_shared_b32(hw_s + off, *reinterpret_cast<uint32_t*>(&vh));
+            }
+          }
+          fence_proxy_async();  // the st.shared writes, before the store engine reads them
+          named_barrier(1 + cw, 128);
+          if (tid % 128 == 0) {
+            const int col = pid_n * TILE_N + 64 * c, row = pid_m * BM + cw * 64;
+            tma_store_2d(&h_map, col, row, a1_s);
+            tma_store_2d(&h_map, H + col, row, a3_s);
+            tma_store_2d(&a_map, col, row, hw_s);
+            bulk_commit();
+            bulk_wait_read<0>();
+            mbar_arrive(empty_bar + 8 * stage);
+          }
+          advance();
+        }
 #pragma unroll
         for (int half = 0; half < 2; ++half) {
+          float d = dot[half];
+          d += __shfl_xor_sync(0xffffffffu, d, 1);
+          d += __shfl_xor_sync(0xffffffffu, d, 2);
           const long long row =
               static_cast<long long>(pid_m) * BM + cw * 64 + warp * 16 + lane / 4 + 8 * half;
-          const int slot = p.row_slot[row];
-          const float w = slot >= 0 ? p.topk_w[slot] : 0.f;
-          const __nv_bfloat16* a_row = p.a + row * p.stride_a;
-          __nv_bfloat16* da_row = p.h + row * p.stride_h;
-          __nv_bfloat16* hw_row = p.hw + row * p.stride_hw;
-          float dot = 0.f;
-#pragma unroll
-          for (int j = 0; j < 32; ++j) {
-            const int col = pid_n * TILE_N + 8 * j + 2 * (lane % 4);
-            const float2 a1 =
-                __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(a_row + col));
-            const float2 a3 =
-                __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(a_row + H + col));
-            float da1[2], da3[2], hw[2];
-#pragma unroll
-            for (int e = 0; e < 2; ++e) {
-              const float x1 = e ? a1.y : a1.x, x3 = e ? a3.y : a3.x;
-              const float dh = acc[4 * j + 2 * half + e];
-              const float sig = 1.0f / (1.0f + __expf(-x1));
-              const float silu = x1 * sig;
-              const float h = silu * x3;
-              dot += dh * h;
-              const float dhw = dh * w;
-              da1[e] = dhw * x3 * (sig + silu * (1.0f - sig));
-              da3[e] = dhw * silu;
-              hw[e] = h * w;
-            }
-            *reinterpret_cast<__nv_bfloat162*>(da_row + col) =
-                __floats2bfloat162_rn(da1[0], da1[1]);
-            *reinterpret_cast<__nv_bfloat162*>(da_row + H + col) =
-                __floats2bfloat162_rn(da3[0], da3[1]);
-            *reinterpret_cast<__nv_bfloat162*>(hw_row + col) = __floats2bfloat162_rn(hw[0], hw[1]);
-          }
-          dot += __shfl_xor_sync(0xffffffffu, dot, 1);
-          dot += __shfl_xor_sync(0xffffffffu, dot, 2);
-          if (lane % 4 == 0) p.part[pid_n * p.part_stride + row] = dot;
+          if (lane % 4 == 0) p.part[pid_n * p.part_stride + row] = d;
         }
         continue;
       }
@@ -809,7 +887,7 @@ __global__ void __launch_bounds__(THREADS, 1)
       }
     }
     // the last tile's bulk stores complete before the CTA exits
-    if (MEGAMOE_SM90_TMA_STORE && tid % 128 == 0) bulk_wait<0>();
+    if ((MEGAMOE_SM90_TMA_STORE || MODE == MODE_DGRAD_SWIGLU) && tid % 128 == 0) bulk_wait<0>();
   }
   if constexpr (CLUSTER > 1) {
     cluster_sync();  // no CTA exits while its peer may still arrive on or multicast into it
@@ -1067,18 +1145,17 @@ extern "C" int megamoe_dgrad_swiglu(const void* dy, long long stride_dy, const v
                                     int H, int top_k, int plan_bm, long long rows, int num_sms,
                                     int* ticket, void* stream) {
   using namespace megamoe::grouped;
-  CUtensorMap w2_map;
+  // w2 as kernel C's N-major boxes; a loaded as [128 rows, 64] boxes; da and hw stored as
+  // [64 rows, 64] boxes (both in the 128-byte swizzle)
+  CUtensorMap w2_map, a_map, da_map, hw_map;
   int rc = make_map(&w2_map, w2, static_cast<long long>(E) * D, H, BK, 64);
+  if (rc == 0) rc = make_map(&a_map, a, rows, 2LL * H, BM, 64);
+  if (rc == 0) rc = make_map(&da_map, da, rows, 2LL * H, 64, 64);
+  if (rc == 0) rc = make_map(&hw_map, hw, rows, H, 64, 64);
   if (rc != 0) return rc;
   Params p = {};
   p.x = static_cast<const __nv_bfloat16*>(dy);
   p.stride_x = stride_dy;
-  p.a = static_cast<__nv_bfloat16*>(const_cast<void*>(a));
-  p.stride_a = 2LL * H;
-  p.h = static_cast<__nv_bfloat16*>(da);
-  p.stride_h = 2LL * H;
-  p.hw = static_cast<__nv_bfloat16*>(hw);
-  p.stride_hw = H;
   p.part = part;
   p.part_stride = rows;
   p.topk_w = topk_w;
@@ -1092,13 +1169,18 @@ extern "C" int megamoe_dgrad_swiglu(const void* dy, long long stride_dy, const v
   p.plan_bm = plan_bm;
   p.group_m = 8;
   p.ticket = ticket;
-  return launch<1, MODE_DGRAD_SWIGLU>(w2_map, w2_map, w2_map, w2_map, w2_map, p, num_sms,
+#if MEGAMOE_SM90_BK == 64
+  return launch<1, MODE_DGRAD_SWIGLU>(w2_map, w2_map, da_map, hw_map, a_map, p, num_sms,
                                       static_cast<cudaStream_t>(stream));
+#else
+  return -4;  // the epilogue stages hold three [128, 64] boxes: a BK 64 stage
+#endif
 }
 
 extern "C" const char* megamoe_error_string(int code) {
   if (code == -1) return "cuTensorMapEncodeTiled not found through the CUDA runtime";
   if (code == -2) return "cuTensorMapEncodeTiled rejected a tensor map";
   if (code == -3) return "cluster must be 1 or 2";
+  if (code == -4) return "megamoe_dgrad_swiglu needs a build with MEGAMOE_SM90_BK=64";
   return cudaGetErrorString(static_cast<cudaError_t>(code));
 }
