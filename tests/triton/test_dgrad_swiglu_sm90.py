@@ -1,8 +1,8 @@
 """csrc/grouped_gemm_sm90.cu's DGRAD_SWIGLU mode (kernel A on the saved a1/a3 in one launch) on an
 H200 (marked gpu; skipped without an sm_90 GPU and nvcc): da, hw and the d(topk_weights)
-partials against float64 math on uneven routings with the outputs poisoned (NaN) first, the
-real Qwen3-30B shape against the Triton kernel A, bitwise reruns, and the saved-path backward
-with it forced against the reference backend."""
+partials (and the gathered dy rows it can store) against float64 math on uneven routings with
+the outputs poisoned (NaN) first, the real Qwen3-30B shape against the Triton kernel A, bitwise
+reruns, and the saved-path backward with it forced against the reference backend."""
 
 import pytest
 import torch
@@ -12,6 +12,7 @@ from moe_math import routings
 from sm90_checks import (SM90_GPU, forced_backward_matches_reference, nan_tensor, rel_err,
                          skewed_ids)
 from torchtitan_megamoe.ops.cuda.dgrad_swiglu import dgrad_l2_swiglu_sm90
+from torchtitan_megamoe.ops.triton.bwd_cublas import gather_rows
 from torchtitan_megamoe.ops.triton.bwd_dgrad_l2_swiglu import dgrad_l2_swiglu
 from torchtitan_megamoe.ops.triton.plan import build_plan
 
@@ -66,9 +67,14 @@ def test_vs_float64_on_uneven_routings(T, K, E, D, H):
         a = _saved_a(plan, H, g)
         R = plan.max_rows
         out = (nan_tensor(R, 2 * H), nan_tensor(R, H), nan_tensor(H // 256, R, dtype=torch.float32))
-        da, hw, part = dgrad_l2_swiglu_sm90(dy[:n], a, tw[:n], w2, plan, out=out)
+        dy_rows = nan_tensor(R, D)
+        da, hw, part = dgrad_l2_swiglu_sm90(dy[:n], a, tw[:n], w2, plan, out=out,
+                                            dy_rows=dy_rows)
         torch.cuda.synchronize()
         used = int(plan.num_rows_used)
+        # the gathered dy rows it stored: exactly gather_rows' copy (zeros on padding rows)
+        assert torch.equal(dy_rows[:used], gather_rows(dy[:n], plan)[:used]), name
+        assert torch.isnan(dy_rows[used:]).all(), "stored dy rows past the used ones"
         ref_da, ref_hw, ref_dot = _f64(dy[:n], a, tw[:n], w2, plan)
         for got, ref, what in ((da[:used], ref_da, "da"), (hw[:used], ref_hw, "hw"),
                                (part[:, :used].sum(0), ref_dot, "part")):
@@ -95,7 +101,9 @@ def test_real_30b_shape_matches_the_triton_kernel_a_and_reruns_bitwise():
     assert rel_err(da[:used], tda[:used].double()) < 1e-2
     assert rel_err(hw[:used], thw[:used].double()) < 1e-2
     assert rel_err(part[:, :used].sum(0), tpart[:, :used].sum(0).double()) < 1e-2
-    da2, hw2, part2 = dgrad_l2_swiglu_sm90(dy, a, tw, w2, plan)
+    dy_rows = nan_tensor(plan.max_rows, D)
+    da2, hw2, part2 = dgrad_l2_swiglu_sm90(dy, a, tw, w2, plan, dy_rows=dy_rows)
+    assert torch.equal(dy_rows[:used], gather_rows(dy, plan)[:used])
     assert torch.equal(da2[:used], da[:used]) and torch.equal(hw2[:used], hw[:used])
     assert torch.equal(part2[:, :used], part[:, :used]), "reruns must be bitwise identical"
 

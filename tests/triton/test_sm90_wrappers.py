@@ -63,3 +63,7 @@ def test_dgrad_swiglu_needs_256_wide_hidden_and_matching_buffers(plan):
         dgrad_l2_swiglu_sm90(_bf16(T, 256), _bf16(R, 256), tw, _bf16(E, 256, 256), plan)
     with pytest.raises(ValueError, match="topk_weights has 64 entries"):
         dgrad_l2_swiglu_sm90(_bf16(T, 256), _bf16(R, 512), tw[:, :1], _bf16(E, 256, 256), plan)
+    with pytest.raises(ValueError, match=r"dy_rows must be a contiguous torch.bfloat16 \[%d, 256\]"
+                       % R):
+        dgrad_l2_swiglu_sm90(_bf16(T, 256), _bf16(R, 512), tw, _bf16(E, 256, 256), plan,
+                             dy_rows=_bf16(T, 256))

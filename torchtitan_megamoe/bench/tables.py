@@ -10,7 +10,7 @@ BWD_STAGES = [
     ("plan (built by the forward, reused)", "plan", None),
     ("A: dgrad L2 + SwiGLU on saved a1/a3", "A_dgrad_l2_swiglu", "A_dgrad_l2_swiglu_cublas"),
     ("A: sm90 dh GEMM + SwiGLU rows kernel (dy gather included)", "A_dgrad_l2_swiglu_sm90", None),
-    ("A: sm90 in one launch (MEGAMOE_SM90_FUSED_A=1)", "A_dgrad_l2_swiglu_sm90_fused", None),
+    ("A: sm90 in one launch (dy rows stored for dw2)", "A_dgrad_l2_swiglu_sm90_fused", None),
     ("wgrad dw2", "B_dw2", "B_dw2_cublas"),
     ("wgrad dw2, sm90 kernel (dy gathered inside)", "B_dw2_sm90", None),
     ("wgrad dw2, sm90 kernel on gathered dy rows", "B_dw2_sm90_pre", None),

@@ -86,7 +86,10 @@
 //   loaded before the K loop), writes da1 and da3 over them and hw into the stage's third box,
 //   and one thread per warpgroup stores the three by bulk tensor stores, then frees the stage
 //   once they are read. <dh, h> is summed over the thread's 64 columns, then over the quad's 4
-//   lanes (fixed order: deterministic) into part[pid_n, row].
+//   lanes (fixed order: deterministic) into part[pid_n, row]. Optionally (store_gathered) the
+//   tiles with pid_n 0 also store the gathered dy rows of each K step into a row-space copy
+//   [rows, D] (zeros on padding rows), which the dw2 weight gradient then reads by TMA instead
+//   of gathering dy again.
 // Waits on: nothing outside the launch. Signals: nothing; h (and a) / out are complete with the
 // launch, and the dynamic order's ticket is zero again (the CTA taking the last number resets
 // it), so the next launch on the stream reuses it (ops/cuda/sm90.py launch_context).
@@ -151,6 +154,19 @@ constexpr int PASSES = BM / ROWS_PER_PASS;
 // shape: the stores cost 0.19 of GEMM 1's 1.52 ms, 2026-11-30).
 #define MEGAMOE_SM90_TMA_STORE 0
 #endif
+#ifndef MEGAMOE_SM90_EPI_SIGMOID
+// DGRAD_SWIGLU's sigmoid: 0 1 / (1 + __expf(-x)) (IEEE division), 1 the same with an
+// approximate division (__fdividef: MUFU.RCP), 2 0.5 tanh(0.5 x) + 0.5 (tanh.approx, one MUFU),
+// 3 measuring only: no sigmoid (sig = x), to time the epilogue without its MUFU chain.
+// Kernel A at 30B (scripts/dgrad_variants.py, H200, 2026-11-30): 1.083 / 0.880 / 0.840 /
+// 0.834 ms; tanh.approx's relative error (~2^-11) is below the bf16 outputs' rounding
+#define MEGAMOE_SM90_EPI_SIGMOID 2
+#endif
+#ifndef MEGAMOE_SM90_EPI_LAZY
+// DGRAD_SWIGLU: 1 frees an epilogue stage only after the next stage's stores are issued (its
+// bulk reads then overlap the next stage's math), 0 right after its own stores are read
+#define MEGAMOE_SM90_EPI_LAZY 0
+#endif
 #ifndef MEGAMOE_SM90_PAD_SKIP
 #define MEGAMOE_SM90_PAD_SKIP 1  // 0 only for measuring: warpgroups of padding rows still multiply
 #endif
@@ -193,8 +209,10 @@ struct Params {
   // the two outputs (h_map, a_map; = M for one output); x: the gathered operand's token rows
   const int* seg_start;
   const int* expert_order;
-  // DGRAD_SWIGLU (a, da and hw travel as tensor maps)
+  // DGRAD_SWIGLU (a, da and hw travel as tensor maps; so do the gathered dy rows, in w3_map,
+  // when store_gathered is set)
   const float* topk_w;  // [T * K] routing weights by slot
+  int store_gathered;
   float* part;          // [H / 256, part_stride]
   long long part_stride;
   int M;
@@ -224,6 +242,20 @@ __device__ __forceinline__ float silu_mul(float a1, float a3) {
   return a1 / (1.0f + __expf(-a1)) * a3;
 }
 
+__device__ __forceinline__ float epi_sigmoid(float x) {
+  if constexpr (MEGAMOE_SM90_EPI_SIGMOID == 1) {
+    return __fdividef(1.0f, 1.0f + __expf(-x));
+  } else if constexpr (MEGAMOE_SM90_EPI_SIGMOID == 2) {
+    float t;
+    asm("tanh.approx.f32 %0, %1;" : "=f"(t) : "f"(0.5f * x));
+    return fmaf(0.5f, t, 0.5f);
+  } else if constexpr (MEGAMOE_SM90_EPI_SIGMOID == 3) {
+    return x;
+  } else {
+    return 1.0f / (1.0f + __expf(-x));
+  }
+}
+
 enum Mode : int {
   MODE_GEMM1 = 0,         // GATHER: x rows gathered, w1|w3 K-major, SwiGLU epilogue
   MODE_ROWS = 1,          // ROWS: in by TMA, w K-major
@@ -237,7 +269,8 @@ enum Mode : int {
 // GATHER: w1_map / w3_map are the two weights, in_map unused. ROWS: w1_map = w3_map = the
 // weight (NMAJOR: w and w'), in_map = `in`, h_map = out (TMA_STORE), a_map unused. WGRAD:
 // in_map = A's row-space tensor (GATHER_B) or w1_map = B's (GATHER_A); h_map, a_map = the two
-// outputs.
+// outputs. DGRAD_SWIGLU: w1_map = w2, w3_map = the gathered dy rows' copy (store_gathered),
+// in_map = a, h_map = da, a_map = hw.
 template <int CLUSTER, int MODE>
 __global__ void __launch_bounds__(THREADS, 1)
     grouped_gemm_kernel(const __grid_constant__ CUtensorMap w1_map,
@@ -667,10 +700,27 @@ __global__ void __launch_bounds__(THREADS, 1)
           phase ^= 1;
         }
       };
+      // DGRAD_SWIGLU with store_gathered: the warpgroup's thread 0 stores its 64 gathered dy
+      // rows of each K step (a [64, 64] box, the one tile per M tile with pid_n 0) into the
+      // row-space copy that dw2 reads, then waits until the store engine has read them before
+      // the slot is freed (well within the stage's MMAs)
+      const bool store_rows =
+          MODE == MODE_DGRAD_SWIGLU && p.store_gathered && pid_n == 0 && tid % 128 == 0;
+      auto store_gathered = [&](int kb) {
+        if constexpr (MODE == MODE_DGRAD_SWIGLU) {
+          tma_store_2d_commit_if(&w3_map, kb * BK, pid_m * BM + cw * 64,
+                                 smem_base + stage * STAGE_BYTES + cw * 64 * ROW_BYTES, store_rows);
+        }
+      };
       if (!active || zero_rows) {
         // idle in this unit (the peer is not), or nothing but padding rows: pass every stage on
         for (int kb = 0; kb < k_blocks; ++kb) {
           mbar_wait(full_bar + 8 * stage, phase);
+          if constexpr (MODE == MODE_DGRAD_SWIGLU) {
+            fence_proxy_async();  // the zero-filled gathers, for the store engine
+            store_gathered(kb);
+            bulk_wait_read_all_if(store_rows);
+          }
           release(stage, true);
           advance();
         }
@@ -689,6 +739,7 @@ __global__ void __launch_bounds__(THREADS, 1)
         // the cp.async rows are generic-proxy writes; wgmma reads through the async proxy
         // (no gathers: TMA wrote both operands, nothing to fence)
         if (GATHERS && !MEGAMOE_SM90_PRODUCER_FENCE) fence_proxy_async();
+        store_gathered(kb);
         // this warpgroup's 64 rows of A: rows [64 cw, +64) (K-major) or box cw (M-major)
         const uint32_t a_smem =
             smem_base + stage * STAGE_BYTES + (WGRAD ? cw * NMAJOR_BOX_BYTES : cw * 64 * ROW_BYTES);
@@ -709,9 +760,11 @@ __global__ void __launch_bounds__(THREADS, 1)
           // keep this batch queued on the tensor cores while the previous one retires, then
           // free the previous batch's slot
           wgmma_wait<1>();
+          if (MODE == MODE_DGRAD_SWIGLU) bulk_wait_read_all_if(store_rows);
           release(prev, kb > 0);
         } else {
           wgmma_wait<0>();
+          if (MODE == MODE_DGRAD_SWIGLU) bulk_wait_read_all_if(store_rows);
           release(stage, true);
         }
         prev = stage;
@@ -756,7 +809,7 @@ __global__ void __launch_bounds__(THREADS, 1)
               for (int e = 0; e < 2; ++e) {
                 const float x1 = e ? a1.y : a1.x, x3 = e ? a3.y : a3.x;
                 const float dh = acc[4 * (8 * c + jj) + 2 * half + e];
-                const float sig = 1.0f / (1.0f + __expf(-x1));
+                const float sig = epi_sigmoid(x1);
                 const float silu = x1 * sig;
                 const float h = silu * x3;
                 dot[half] += dh * h;
@@ -781,9 +834,16 @@ __global__ void __launch_bounds__(THREADS, 1)
             tma_store_2d(&h_map, H + col, row, a3_s);
             tma_store_2d(&a_map, col, row, hw_s);
             bulk_commit();
-            bulk_wait_read<0>();
-            mbar_arrive(empty_bar + 8 * stage);
+            if (MEGAMOE_SM90_EPI_LAZY && c > 0) {
+              bulk_wait_read<1>();  // the previous stage's stores have read it
+              mbar_arrive(empty_bar + 8 * prev);
+            }
+            if (!MEGAMOE_SM90_EPI_LAZY || c == EPI_STAGES - 1) {
+              bulk_wait_read<0>();
+              mbar_arrive(empty_bar + 8 * stage);
+            }
           }
+          prev = stage;
           advance();
         }
 #pragma unroll
@@ -1139,7 +1199,7 @@ extern "C" int megamoe_wgrad(const void* tokens, long long stride_tokens, const 
 // topk_w [tokens * top_k] fp32. Shapes are checked by the Python wrapper
 // (ops/cuda/dgrad_swiglu.py): H % 256 == 0, D % 64 == 0, plan_bm % 128 == 0.
 extern "C" int megamoe_dgrad_swiglu(const void* dy, long long stride_dy, const void* w2,
-                                    const void* a, void* da, void* hw, float* part,
+                                    const void* a, void* da, void* hw, void* dy_rows, float* part,
                                     const float* topk_w, const int* row_slot,
                                     const int* tile_expert, const int* num_rows_used, int E, int D,
                                     int H, int top_k, int plan_bm, long long rows, int num_sms,
@@ -1147,13 +1207,16 @@ extern "C" int megamoe_dgrad_swiglu(const void* dy, long long stride_dy, const v
   using namespace megamoe::grouped;
   // w2 as kernel C's N-major boxes; a loaded as [128 rows, 64] boxes; da and hw stored as
   // [64 rows, 64] boxes (both in the 128-byte swizzle)
-  CUtensorMap w2_map, a_map, da_map, hw_map;
+  CUtensorMap w2_map, a_map, da_map, hw_map, rows_map;
   int rc = make_map(&w2_map, w2, static_cast<long long>(E) * D, H, BK, 64);
   if (rc == 0) rc = make_map(&a_map, a, rows, 2LL * H, BM, 64);
   if (rc == 0) rc = make_map(&da_map, da, rows, 2LL * H, 64, 64);
   if (rc == 0) rc = make_map(&hw_map, hw, rows, H, 64, 64);
+  if (rc == 0 && dy_rows != nullptr) rc = make_map(&rows_map, dy_rows, rows, D, 64, 64);
   if (rc != 0) return rc;
+  if (dy_rows == nullptr) rows_map = w2_map;  // never used
   Params p = {};
+  p.store_gathered = dy_rows != nullptr;
   p.x = static_cast<const __nv_bfloat16*>(dy);
   p.stride_x = stride_dy;
   p.part = part;
@@ -1170,7 +1233,7 @@ extern "C" int megamoe_dgrad_swiglu(const void* dy, long long stride_dy, const v
   p.group_m = 8;
   p.ticket = ticket;
 #if MEGAMOE_SM90_BK == 64
-  return launch<1, MODE_DGRAD_SWIGLU>(w2_map, w2_map, da_map, hw_map, a_map, p, num_sms,
+  return launch<1, MODE_DGRAD_SWIGLU>(w2_map, rows_map, da_map, hw_map, a_map, p, num_sms,
                                       static_cast<cudaStream_t>(stream));
 #else
   return -4;  // the epilogue stages hold three [128, 64] boxes: a BK 64 stage

@@ -8,7 +8,9 @@ forward's saved pre-activations in one launch,
 with w the routing weight of row r's slot, a = [a1 | a3] [R_max, 2H] the saved pre-activations.
 Same outputs as ops/triton/bwd_dgrad_l2_swiglu.dgrad_l2_swiglu(..., a=a) with block_n 256 (da
 [R_max, 2H], hw [R_max, H], part [H / 256, R_max]), so the two are candidates of one tuner
-entry; only the used rows are written.
+entry; only the used rows are written. With ``dy_rows`` [R_max, D] the kernel also stores the
+dy rows it gathers there (row r = dy[tok(r)], zeros on padding rows; used rows only), what
+ops/triton/bwd_cublas.gather_rows(dy, plan) gives, for the dw2 weight gradient to read.
 """
 
 from __future__ import annotations
@@ -26,8 +28,9 @@ if TYPE_CHECKING:  # ops/triton imports this module: no runtime import back
 
 def dgrad_l2_swiglu_sm90(dy: torch.Tensor, a: torch.Tensor, topk_weights: torch.Tensor,
                          w2: torch.Tensor, plan: Plan, out: tuple | None = None,
-                         defines: tuple = BULK_STORE):
-    """(da, hw, part): see the module docstring. ``out``: (da, hw, part) to write."""
+                         defines: tuple = BULK_STORE, dy_rows: torch.Tensor | None = None):
+    """(da, hw, part): see the module docstring. ``out``: (da, hw, part) to write; ``dy_rows``:
+    where to store the gathered dy rows too (None: nowhere)."""
     E, D, H = w2.shape
     who = "dgrad_l2_swiglu_sm90"
     if not shape_supported(H, D, plan.block_m):  # the dh GEMM: N = H, K = D, as ROWS tiles it
@@ -42,6 +45,10 @@ def dgrad_l2_swiglu_sm90(dy: torch.Tensor, a: torch.Tensor, topk_weights: torch.
     check_bf16_rows(who, dy=dy, w2=w2, a=a, da=da, hw=hw)
     if not all(t.is_contiguous() for t in (w2, a, da, hw, part)):
         raise ValueError(f"{who}: w2, a, da, hw and part must be contiguous")
+    if dy_rows is not None and (dy_rows.shape != (R, D) or dy_rows.dtype != dy.dtype
+                                or not dy_rows.is_contiguous() or dy_rows.device != dy.device):
+        raise ValueError(f"{who}: dy_rows must be a contiguous {dy.dtype} [{R}, {D}] tensor on "
+                         f"{dy.device}, got {dy_rows.dtype} {tuple(dy_rows.shape)}")
     if (a.shape != (R, 2 * H) or da.shape != (R, 2 * H) or hw.shape != (R, H)
             or part.shape != (H // BN, R) or part.dtype != torch.float32 or dy.shape[1] != D):
         raise ValueError(f"{who}: shapes dy {tuple(dy.shape)}, a {tuple(a.shape)}, da "
@@ -56,7 +63,7 @@ def dgrad_l2_swiglu_sm90(dy: torch.Tensor, a: torch.Tensor, topk_weights: torch.
     num_sms, stream, ticket = launch_context(dy.device)
     rc = lib.megamoe_dgrad_swiglu(
         dy.data_ptr(), dy.stride(0), w2.data_ptr(), a.data_ptr(), da.data_ptr(), hw.data_ptr(),
-        part.data_ptr(), tw.data_ptr(), plan.row_slot.data_ptr(), plan.tile_expert.data_ptr(),
+        None if dy_rows is None else dy_rows.data_ptr(), part.data_ptr(), tw.data_ptr(), plan.row_slot.data_ptr(), plan.tile_expert.data_ptr(),
         plan.num_rows_used.data_ptr(), E, D, H, plan.top_k, plan.block_m, R, num_sms,
         ticket.data_ptr(), stream,
     )

@@ -165,15 +165,15 @@ def a_sm90_fits(x: torch.Tensor, w2: torch.Tensor) -> bool:
 
 
 # Kernel A's saved path in one sm90 launch (DGRAD_SWIGLU mode: dy rows gathered inside, the
-# SwiGLU backward in the epilogue; ops/cuda/dgrad_swiglu.py). Written without device time: it
-# is offered only with MEGAMOE_SM90_FUSED_A=1 until tests/triton/test_dgrad_swiglu_sm90.py has
-# passed on a GPU and the layer has been timed with it (docs/PERF.md).
+# SwiGLU backward in the epilogue; ops/cuda/dgrad_swiglu.py). It also stores the dy rows it
+# gathers, so like the two-step sides it leaves dw2 its gathered dy rows and the tuner compares
+# like with like. Offered where A_SM90 is; MEGAMOE_SM90_FUSED_A=0 withholds it.
 A_SM90_FUSED = dict(impl="sm90_fused", block_n=256)
 
 
 def a_sm90_fused_offered(x: torch.Tensor, w2: torch.Tensor) -> bool:
     # the same tiles as the dh GEMM of A_SM90 (a_sm90_fits checks them)
-    return os.environ.get("MEGAMOE_SM90_FUSED_A") == "1" and a_sm90_fits(x, w2)
+    return os.environ.get("MEGAMOE_SM90_FUSED_A", "1") != "0" and a_sm90_fits(x, w2)
 
 
 # Weight gradients as csrc/grouped_gemm_sm90.cu's WGRAD mode (longest expert first): the
@@ -291,8 +291,10 @@ def backward_local(grad_out, x, topk_ids, topk_weights, w1, w2, w3, saved=None, 
                 torch.empty(n_h, R, dtype=torch.float32, device=x.device),
             ))
         if cfg.get("impl") == "sm90_fused":
+            if shared.get("dy_rows") is None:
+                shared["dy_rows"] = torch.empty(R, D, dtype=x.dtype, device=x.device)
             return sm90_dgrad.dgrad_l2_swiglu_sm90(dy, a_saved, topk_weights, w2, plan,
-                                                   out=a_bufs["out"])
+                                                   out=a_bufs["out"], dy_rows=shared["dy_rows"])
         if rows_side:
             *res, shared["dy_rows"] = dgrad_l2_swiglu_cublas(
                 dy, a_saved, topk_weights, w2, plan, out=a_bufs["out"],
@@ -314,8 +316,8 @@ def backward_local(grad_out, x, topk_ids, topk_weights, w1, w2, w3, saved=None, 
 
     a_cfg = pick_config("bwd_dgrad_l2_swiglu", key, a_cands, launch_a, outputs=a_outputs)
     da, hw, part = launch_a(a_cfg)
-    if not (is_cublas(a_cfg) or a_cfg.get("impl") == "sm90"):  # no dy rows for dw2 to reuse
-        shared.clear()
+    if not (is_cublas(a_cfg) or a_cfg.get("impl") in ("sm90", "sm90_fused")):
+        shared.clear()  # no dy rows for dw2 to reuse
     del a_bufs, a_saved
 
     # Weight gradients (kernel B or _grouped_mm): dw2 first so hw is freed before kernel C

@@ -216,9 +216,10 @@ def bench_shape(name, tokens, iters, shape=None, device="cuda", block_m=BLOCK_M,
         stages["A_dgrad_l2_swiglu_sm90"] = (
             lambda: dgrad_l2_swiglu_cublas(dy, a_saved, tw, w2, plan, dy_rows=dy_rows, sm90=True),
             2 * nkdh)
-    if block_m == BLOCK_M and a_sm90_fused_offered(x, w2):  # MEGAMOE_SM90_FUSED_A=1
+    if block_m == BLOCK_M and a_sm90_fused_offered(x, w2):
+        # with the dy rows stored for dw2, as the tuner times it
         stages["A_dgrad_l2_swiglu_sm90_fused"] = (
-            lambda: dgrad_l2_swiglu_sm90(dy, a_saved, tw, w2, plan), 2 * nkdh)
+            lambda: dgrad_l2_swiglu_sm90(dy, a_saved, tw, w2, plan, dy_rows=dy_rows), 2 * nkdh)
     if block_m == BLOCK_M and b_sm90_fits(x, (w1, w2, w3)):
         order = longest_first(plan)
         stages["B_dw2_sm90"] = (lambda: wgrad_dw2_sm90(dy, hw, plan, dw2, order), 2 * nkdh)
