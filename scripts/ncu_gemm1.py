@@ -54,6 +54,10 @@ def main(shape_name: str = "235b") -> None:
         "sm90_c1_no_store": dict(c1, DEFINES=("MEGAMOE_SM90_STORE=0",)),
         "sm90_c1_no_store_lag1": dict(c1, DEFINES=("MEGAMOE_SM90_STORE=0", "MEGAMOE_SM90_WGMMA_LAG=1")),
         "sm90_c1_tma": dict(c1, DEFINES=("MEGAMOE_SM90_TMA_STORE=1",)),
+        # SwiGLU with the IEEE division (the default's sigmoid divides approximately)
+        "sm90_c1_tma_exact_div": dict(c1, DEFINES=("MEGAMOE_SM90_TMA_STORE=1",
+                                                   "MEGAMOE_SM90_SIGMOID=0")),
+        "sm90_c1_tma_tanh": dict(c1, DEFINES=("MEGAMOE_SM90_TMA_STORE=1", "MEGAMOE_SM90_SIGMOID=2")),
         "sm90_c1_tma_lag1": dict(c1, DEFINES=("MEGAMOE_SM90_TMA_STORE=1", "MEGAMOE_SM90_WGMMA_LAG=1")),
         "sm90_c1_tma_bk32_lag1": dict(c1, DEFINES=(
             "MEGAMOE_SM90_TMA_STORE=1", "MEGAMOE_SM90_BK=32", "MEGAMOE_SM90_STAGES=8",

@@ -154,13 +154,15 @@ constexpr int PASSES = BM / ROWS_PER_PASS;
 // shape: the stores cost 0.19 of GEMM 1's 1.52 ms, 2026-11-30).
 #define MEGAMOE_SM90_TMA_STORE 0
 #endif
-#ifndef MEGAMOE_SM90_EPI_SIGMOID
-// DGRAD_SWIGLU's sigmoid: 0 1 / (1 + __expf(-x)) (IEEE division), 1 the same with an
-// approximate division (__fdividef: MUFU.RCP), 2 0.5 tanh(0.5 x) + 0.5 (tanh.approx, one MUFU),
-// 3 measuring only: no sigmoid (sig = x), to time the epilogue without its MUFU chain.
-// Kernel A at 30B (scripts/dgrad_variants.py, H200, 2026-11-30): 1.083 / 0.880 / 0.840 /
-// 0.834 ms; tanh.approx's relative error (~2^-11) is below the bf16 outputs' rounding
-#define MEGAMOE_SM90_EPI_SIGMOID 2
+#ifndef MEGAMOE_SM90_SIGMOID
+// The epilogues' sigmoid (GEMM 1's SwiGLU, kernel A's SwiGLU backward): 0 1 / (1 + __expf(-x))
+// with IEEE division, 1 the same with an approximate division (__fdividef: MUFU.RCP, ~2 ulp,
+// relative accuracy kept for any x), 2 0.5 tanh(0.5 x) + 0.5 (tanh.approx: one MUFU, but an
+// absolute error of ~2^-12, i.e. a large relative one where the sigmoid is tiny, x < ~-4),
+// 3 measuring only: no sigmoid (sig = x). Kernel A at 30B (scripts/dgrad_variants.py, H200,
+// 2026-11-30): 1.083 / 0.880 / 0.840 / 0.834 ms; its consumers run the epilogue with two warps
+// per scheduler, so the dependent chain of the IEEE division set the pace.
+#define MEGAMOE_SM90_SIGMOID 1
 #endif
 #ifndef MEGAMOE_SM90_EPI_LAZY
 // DGRAD_SWIGLU: 1 frees an epilogue stage only after the next stage's stores are issued (its
@@ -238,22 +240,24 @@ __device__ __forceinline__ void grouped_tile(int t, int num_m, int num_n, int gr
   pid_n = (t % per_group) / size;
 }
 
-__device__ __forceinline__ float silu_mul(float a1, float a3) {
-  return a1 / (1.0f + __expf(-a1)) * a3;
-}
-
 __device__ __forceinline__ float epi_sigmoid(float x) {
-  if constexpr (MEGAMOE_SM90_EPI_SIGMOID == 1) {
+  if constexpr (MEGAMOE_SM90_SIGMOID == 1) {
     return __fdividef(1.0f, 1.0f + __expf(-x));
-  } else if constexpr (MEGAMOE_SM90_EPI_SIGMOID == 2) {
+  } else if constexpr (MEGAMOE_SM90_SIGMOID == 2) {
     float t;
     asm("tanh.approx.f32 %0, %1;" : "=f"(t) : "f"(0.5f * x));
     return fmaf(0.5f, t, 0.5f);
-  } else if constexpr (MEGAMOE_SM90_EPI_SIGMOID == 3) {
+  } else if constexpr (MEGAMOE_SM90_SIGMOID == 3) {
     return x;
   } else {
     return 1.0f / (1.0f + __expf(-x));
   }
+}
+
+__device__ __forceinline__ float silu_mul(float a1, float a3) {
+  if constexpr (MEGAMOE_SM90_SIGMOID == 0) return a1 / (1.0f + __expf(-a1)) * a3;
+  if constexpr (MEGAMOE_SM90_SIGMOID == 1) return __fdividef(a1, 1.0f + __expf(-a1)) * a3;
+  return a1 * epi_sigmoid(a1) * a3;
 }
 
 enum Mode : int {
