@@ -94,12 +94,12 @@
 // launch, and the dynamic order's ticket is zero again (the CTA taking the last number resets
 // it), so the next launch on the stream reuses it (ops/cuda/sm90.py launch_context).
 //
-// Measured (docs/PERF.md, H200, 2026-11-30): GEMM 2 0.70 vs Triton 0.77 ms at 30B; kernel C
-// 1.25 vs 1.47 (657 TFLOP/s); the weight gradients on pre-gathered rows 2-8% ahead of
-// torch._grouped_mm, with the in-kernel gather 7-26% behind it; kernel A in one launch not
-// measured yet. GEMM 1: with the dynamic tile order level with the Triton kernel (the static
-// order read 3x Triton's DRAM bytes at 235B); with MEGAMOE_SM90_TMA_STORE=1 ahead at the 30B
-// shape (1.37 vs 1.44 ms; 1.51 vs 1.79 with the a1/a3 store), behind at 235B (5.8 vs 5.1).
+// Measured (docs/PERF.md, H200, 2026-11-30): GEMM 2 0.69-0.76 vs Triton 0.76-0.81 ms at 30B;
+// kernel C 1.25-1.28 vs 1.47-1.49; the weight gradients on pre-gathered rows 2-8% ahead of
+// torch._grouped_mm, with the in-kernel gather 7-26% behind it; kernel A in one launch 0.92-1.0
+// ms at 30B (dy rows stored) vs 1.14-1.19 for the dy gather + dh GEMM + SwiGLU rows kernel.
+// GEMM 1 (bulk-store epilogue, approximate-division sigmoid): 1.27 vs Triton 1.41-1.43 ms at 30B
+// (1.44 vs 1.83 with the a1/a3 store), level with Triton at 235B (5.29-5.42 vs 5.31-5.47).
 // Every mode is a tuner candidate (MEGAMOE_CUDA=0: never); the tuner keeps whichever is
 // faster per shape, after checking its result against the first candidate's.
 

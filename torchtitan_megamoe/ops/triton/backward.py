@@ -7,7 +7,8 @@
     kernel A  bwd_dgrad_l2_swiglu: dh = dy@w2 (one dgrad GEMM, K-dim = D) with a1, a3 loaded
               from a; SwiGLU backward with the routing weight ->
               da = [da1 | da3], hw = w*h, and per-H-tile partials of d(topk_weights) = <dh, h>
-              (no second GEMM for <dy, y>)
+              (no second GEMM for <dy, y>); on sm90 GPUs usually the one-launch Hopper kernel
+              (ops/cuda/dgrad_swiglu.py), which also stores the dy rows it gathers for dw2
     kernel B  bwd_wgrad x3 (or _grouped_mm, see below): dw2[e] = sum_r dy_r^T hw_r,
               dw1[e] = sum_r da1_r^T x_r, dw3[e] = sum_r da3_r^T x_r (fp32 accumulate, fixed
               row order, param dtype/layout)
@@ -62,6 +63,8 @@ any saved activation does until its node's backward ends):
     Triton side: peak = da + max(hw, dx_slot) + part.
     cuBLAS side adds, per stage (each freed when its stage returns):
       dw2:    dy_rows [R_max, D] bf16          -> da + hw + part + dy_rows
+              (kernel A's cuBLAS / sm90 sides, the one-launch sm90 kernel included, gather
+              or store dy_rows already: it lives from kernel A to the dw2 launch)
       dw1/3:  x_rows  [R_max, D] bf16 (shared) -> da + part + x_rows
       C:      dx_rows [R_max, D] bf16 + the second GEMM's [R_max, D] output, then dx_slot
               -> da + part + 2 [R_max, D]
