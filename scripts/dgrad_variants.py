@@ -17,12 +17,11 @@ import sys
 
 import torch
 
-from torchtitan_megamoe.bench.shapes import SHAPES
+from torchtitan_megamoe.bench.shapes import variant_setup
 from torchtitan_megamoe.ops.cuda.dgrad_swiglu import dgrad_l2_swiglu_sm90
 from torchtitan_megamoe.ops.cuda.gemm_rows import gemm_rows_nmajor_sm90
 from torchtitan_megamoe.ops.cuda.sm90 import BULK_STORE
 from torchtitan_megamoe.ops.triton.bwd_cublas import dgrad_l2_swiglu_cublas, gather_rows
-from torchtitan_megamoe.ops.triton.plan import build_plan
 from torchtitan_megamoe.timing import median_ms
 
 VARIANTS = {
@@ -35,11 +34,7 @@ VARIANTS = {
 
 
 def main(shape_name: str) -> None:
-    shape = SHAPES[shape_name]
-    D, H, E, K, T = shape["dim"], shape["hidden"], shape["experts"], shape["top_k"], 16384
-    torch.manual_seed(0)
-    ids = torch.stack([torch.randperm(E, device="cuda")[:K] for _ in range(T)])
-    plan = build_plan(ids, E, 128)
+    D, H, E, K, T, plan = variant_setup(shape_name)
     dy = torch.randn(T, D, device="cuda").bfloat16()
     w2 = (torch.randn(E, D, H, device="cuda") / D**0.5).bfloat16()
     a = torch.randn(plan.max_rows, 2 * H, device="cuda").bfloat16()

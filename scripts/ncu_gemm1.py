@@ -12,7 +12,7 @@ import sys
 
 import torch
 
-from torchtitan_megamoe.bench.shapes import SHAPES
+from torchtitan_megamoe.bench.shapes import SHAPES, uniform_routing
 from torchtitan_megamoe.ops.triton import gemm1_swiglu as g1
 from torchtitan_megamoe.ops.triton.plan import build_plan
 from torchtitan_megamoe.timing import median_ms
@@ -35,7 +35,7 @@ def main(shape_name: str = "235b") -> None:
     x = torch.randn(T, D, device="cuda").bfloat16()
     w1 = (torch.randn(E, H, D, device="cuda") / D**0.5).bfloat16()
     w3 = (torch.randn(E, H, D, device="cuda") / D**0.5).bfloat16()
-    ids = torch.stack([torch.randperm(E, device="cuda")[:K] for _ in range(T)])
+    ids = uniform_routing(E, K, T)
     plan = build_plan(ids, E, 128)
     sm90 = dict(IMPL="sm90", BLOCK_M=128, BLOCK_N=128, BLOCK_K=64)
     c1 = dict(sm90, GROUP_M=8, CLUSTER=1)

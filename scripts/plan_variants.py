@@ -12,6 +12,7 @@ import os
 
 import torch
 
+from torchtitan_megamoe.bench.shapes import uniform_routing
 from torchtitan_megamoe.ops.triton import plan_kernels
 from torchtitan_megamoe.ops.triton.plan import max_rows
 from torchtitan_megamoe.timing import back_to_back_ms, median_ms
@@ -31,10 +32,10 @@ def main() -> None:
     torch.manual_seed(0)
     cases = []
     T, K, E = 16384, 8, 128
-    ids = torch.stack([torch.randperm(E, device="cuda")[:K] for _ in range(T)])
+    ids = uniform_routing(E, K, T)
     cases.append(("EP=1 30B", ids, E, 1, None, max_rows(T * K, E, 128)))
     El, P = 64, 2
-    ids2 = torch.stack([torch.randperm(2 * El, device="cuda")[:K] for _ in range(2 * T)])
+    ids2 = uniform_routing(2 * El, K, 2 * T)
     ids2 = torch.where(ids2 < El, ids2, -1)  # the other rank's experts: not here
     phase = (torch.arange(2 * T, device="cuda") >= T).int()
     cases.append(("EP=2 phased", ids2, El, P, phase, max_rows(2 * T * K, El, 128, P)))

@@ -15,22 +15,17 @@ import sys
 
 import torch
 
-from torchtitan_megamoe.bench.shapes import SHAPES
+from torchtitan_megamoe.bench.shapes import variant_setup
 from torchtitan_megamoe.ops.cuda.gemm1_swiglu import gemm1_swiglu_sm90
 from torchtitan_megamoe.ops.cuda.gemm_rows import gemm_rows_nmajor_sm90, gemm_rows_sm90
 from torchtitan_megamoe.ops.cuda.sm90 import BULK_STORE
-from torchtitan_megamoe.ops.triton.plan import build_plan
 from torchtitan_megamoe.timing import median_ms
 
 
 def main(shape_name: str = "30b") -> None:
-    shape = SHAPES[shape_name]
-    D, H, E, K, T = shape["dim"], shape["hidden"], shape["experts"], shape["top_k"], 16384
     knob = os.environ.get("KNOB", "MEGAMOE_SM90_PAD_SKIP=0")
     variants = {"default": BULK_STORE, knob: BULK_STORE + (knob,)}
-    torch.manual_seed(0)
-    ids = torch.stack([torch.randperm(E, device="cuda")[:K] for _ in range(T)])
-    plan = build_plan(ids, E, 128)
+    D, H, E, K, T, plan = variant_setup(shape_name)
     R = plan.max_rows
     pad = plan.row_slot < 0
     x = torch.randn(T, D, device="cuda").bfloat16()
@@ -45,7 +40,7 @@ def main(shape_name: str = "30b") -> None:
     y = torch.empty(R, D, device="cuda", dtype=torch.bfloat16)
     dx = torch.empty(R, D, device="cuda", dtype=torch.bfloat16)
     used = int(plan.num_rows_used)
-    print(f"{shape['name']}: rows used {used} (padding {int(pad[:used].sum())}), knob {knob}")
+    print(f"{shape_name}: rows used {used} (padding {int(pad[:used].sum())}), knob {knob}")
     kernels = {
         "gemm1_swiglu": lambda d: gemm1_swiglu_sm90(x, w1, w3, plan, hout, cluster=1, defines=d),
         "gemm2_rows": lambda d: gemm_rows_sm90(h, w2, plan, y, defines=d),

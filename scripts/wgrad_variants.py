@@ -17,12 +17,11 @@ import sys
 
 import torch
 
-from torchtitan_megamoe.bench.shapes import SHAPES
+from torchtitan_megamoe.bench.shapes import variant_setup
 from torchtitan_megamoe.ops.cuda.sm90 import BULK_STORE
 from torchtitan_megamoe.ops.cuda.wgrad import wgrad_dw2_sm90, wgrad_dw13_sm90
 from torchtitan_megamoe.ops.triton.bwd_cublas import gather_rows, wgrad_dw13_cublas, wgrad_dw2_cublas
 from torchtitan_megamoe.ops.triton.bwd_wgrad import longest_first
-from torchtitan_megamoe.ops.triton.plan import build_plan
 from torchtitan_megamoe.timing import median_ms
 
 VARIANTS = {
@@ -37,11 +36,7 @@ VARIANTS = {
 
 
 def main(shape_name: str = "30b") -> None:
-    shape = SHAPES[shape_name]
-    D, H, E, K, T = shape["dim"], shape["hidden"], shape["experts"], shape["top_k"], 16384
-    torch.manual_seed(0)
-    ids = torch.stack([torch.randperm(E, device="cuda")[:K] for _ in range(T)])
-    plan = build_plan(ids, E, 128)
+    D, H, E, K, T, plan = variant_setup(shape_name)
     dy = torch.randn(T, D, device="cuda").bfloat16()
     x = torch.randn(T, D, device="cuda").bfloat16()
     hw = torch.randn(plan.max_rows, H, device="cuda").bfloat16()
