@@ -12,7 +12,7 @@ CPU_ENV := MEGAMOE_CPU=1 HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 HF_HOME=$(CURDIR
 NPROC ?= 1
 SMOKE_TOML := train_configs/qwen3_moe_tiny_cpu.toml
 
-.PHONY: setup smoke test test-fast ab ab-ep2 bench gpu-check clean
+.PHONY: cuda-cache setup smoke test test-fast ab ab-ep2 bench gpu-check clean
 
 # torch is pinned to the CPU build that the machine image carries (a plain `torch` from PyPI
 # would pull a multi-GB CUDA build onto a machine with no GPU).
@@ -55,6 +55,10 @@ bench:
 	$(PYTHON) -m torchtitan_megamoe.bench
 gpu-check:
 	bash scripts/gpu_check.sh
+# Here (nvcc, no GPU needed): the sm90 kernels' tuner builds into .cuda_cache, which the device
+# scripts use when it is carried along (carry=[".whl", ".cuda_cache"]): no nvcc time there.
+cuda-cache: setup
+	MEGAMOE_CUDA_CACHE=$(CURDIR)/.cuda_cache $(PY) -m torchtitan_megamoe.ops.cuda.sm90
 
 clean:
 	rm -rf outputs

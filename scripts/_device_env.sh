@@ -14,6 +14,10 @@
 #   run_timeout R L    seconds each of the next R runs may take within BUDGET_S (see below)
 
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+# a carried .cuda_cache (`make cuda-cache`, then carry=[".whl", ".cuda_cache"]) holds the sm90
+# kernels already compiled: no nvcc run on the device (same source and nvcc version only)
+[ -d "$(dirname "${BASH_SOURCE[0]}")/../.cuda_cache" ] && \
+  export MEGAMOE_CUDA_CACHE=${MEGAMOE_CUDA_CACHE:-$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)/.cuda_cache}
 export PYTHONUNBUFFERED=1
 START=$SECONDS
 OUT=${OUT:-$PWD/.out}

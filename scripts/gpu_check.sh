@@ -9,6 +9,8 @@
 #     --platform manylinux2014_x86_64 -d .whl torchtitan==0.2.2 tyro==1.0.17 \
 #     docstring-parser==0.18.0 typeguard==4.6.1 torchdata==0.11.0 \
 #     datasets==5.2.0 dill==0.4.1 multiprocess==0.70.19
+# Compile the sm90 kernels here first (`make cuda-cache`, ~30 s, nvcc without a GPU) and carry
+# them: carry=[".whl", ".cuda_cache"] saves the device machine its nvcc time.
 # Env knobs: BENCH_ARGS (extra args of python -m torchtitan_megamoe.bench), PYTEST_ARGS (default "-m gpu tests"),
 # SKIP_TESTS=1, SKIP_BENCH=1, SKIP_WS_PROBE=1 (no warp-specialized candidates), WHEELS=0 (use the
 # current env, not .whl), BENCH_NPROC=2 (EP=2 bench under torchrun, on kind nvidia-h200-x2),

@@ -63,3 +63,24 @@ def test_cpu_never_offers_the_cuda_candidates(monkeypatch):
     h = g1.gemm1_swiglu(x, w, w, plan)
     g2.gemm2_rows(h, torch.randn(2, 256, 128).bfloat16(), plan)  # a shape the kernel fits
     assert not calls
+
+
+def test_prebuilt_builds_cover_every_candidate_and_default():
+    """`make cuda-cache` compiles sm90.TUNER_BUILDS ahead of time; a candidate or wrapper
+    default outside that set would still be compiled on the GPU machine, in device time."""
+    import importlib
+    import inspect
+
+    from torchtitan_megamoe.ops.cuda import dgrad_swiglu, gemm1_swiglu, gemm_rows, wgrad
+    from torchtitan_megamoe.ops.cuda.sm90 import TUNER_BUILDS
+
+    backward = importlib.import_module("torchtitan_megamoe.ops.triton.backward")  # not the function
+
+    used = {tuple(c.get("DEFINES", ())) for c in g1.SM90_CONFIGS + g2.SM90_CONFIGS}
+    used.add(tuple(backward.C_SM90["defines"]))
+    wrappers = [dgrad_swiglu.dgrad_l2_swiglu_sm90, gemm1_swiglu.gemm1_swiglu_sm90,
+                gemm_rows.gemm_rows_sm90, gemm_rows.gemm_rows_nmajor_sm90,
+                wgrad.wgrad_dw2_sm90, wgrad.wgrad_dw13_sm90]
+    for fn in wrappers:
+        used.add(tuple(inspect.signature(fn).parameters["defines"].default))
+    assert used <= set(TUNER_BUILDS), used - set(TUNER_BUILDS)

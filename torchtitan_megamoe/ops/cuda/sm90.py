@@ -17,6 +17,13 @@ BULK_STORE = ("MEGAMOE_SM90_TMA_STORE=1",)
 it with bulk tensor stores (it won every GEMM it was measured on, docs/PERF.md)."""
 
 
+TUNER_BUILDS = ((), BULK_STORE)
+"""Every build of csrc/grouped_gemm_sm90.cu that a tuner candidate or a default launch uses
+(tests/triton/test_cuda_build.py keeps this in step with the candidate lists). ``python -m
+torchtitan_megamoe.ops.cuda.sm90`` compiles them into $MEGAMOE_CUDA_CACHE ahead of time, e.g.
+into .cuda_cache here to carry to a GPU machine (scripts/_device_env.sh uses it there)."""
+
+
 def sm90_buildable(x: torch.Tensor) -> bool:
     """True where the kernels can run: an sm_90 GPU and nvcc to build them (not the interpreter)."""
     if os.environ.get("TRITON_INTERPRET") == "1" or x.device.type != "cuda":
@@ -100,3 +107,10 @@ def check_bf16_rows(who: str, **tensors) -> None:
 def raise_on_error(lib: ctypes.CDLL, rc: int, who: str) -> None:
     if rc != 0:
         raise RuntimeError(f"{who} launch failed: {lib.megamoe_error_string(rc).decode()}")
+
+
+if __name__ == "__main__":
+    from torchtitan_megamoe.ops.cuda.build import build
+
+    for defines in TUNER_BUILDS:
+        print(build("grouped_gemm_sm90", defines))
