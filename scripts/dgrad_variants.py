@@ -25,10 +25,12 @@ from torchtitan_megamoe.ops.triton.bwd_cublas import dgrad_l2_swiglu_cublas, gat
 from torchtitan_megamoe.timing import median_ms
 
 VARIANTS = {
-    "default": BULK_STORE,  # the sigmoid with an approximate division (MEGAMOE_SM90_SIGMOID=1)
+    # the sigmoid with an approximate division (MEGAMOE_SM90_SIGMOID=1), each epilogue stage
+    # freed once the next one's stores are issued (MEGAMOE_SM90_EPI_LAZY=1)
+    "default": BULK_STORE,
     "exact_div": BULK_STORE + ("MEGAMOE_SM90_SIGMOID=0",),
     "tanh": BULK_STORE + ("MEGAMOE_SM90_SIGMOID=2",),
-    "lazy": BULK_STORE + ("MEGAMOE_SM90_EPI_LAZY=1",),
+    "eager_release": BULK_STORE + ("MEGAMOE_SM90_EPI_LAZY=0",),
     "no_sigmoid_measuring": BULK_STORE + ("MEGAMOE_SM90_SIGMOID=3",),
 }
 

@@ -166,8 +166,10 @@ constexpr int PASSES = BM / ROWS_PER_PASS;
 #endif
 #ifndef MEGAMOE_SM90_EPI_LAZY
 // DGRAD_SWIGLU: 1 frees an epilogue stage only after the next stage's stores are issued (its
-// bulk reads then overlap the next stage's math), 0 right after its own stores are read
-#define MEGAMOE_SM90_EPI_LAZY 0
+// bulk reads then overlap the next stage's math), 0 right after its own stores are read.
+// Kernel A, 1 vs 0 (scripts/dgrad_variants.py, H200, 2026-11-30): 0.964 vs 1.007 ms at 30B,
+// 3.306 vs 3.445 at 235B (approximate-division sigmoid; repeated in session 15's last call)
+#define MEGAMOE_SM90_EPI_LAZY 1
 #endif
 #ifndef MEGAMOE_SM90_PAD_SKIP
 #define MEGAMOE_SM90_PAD_SKIP 1  // 0 only for measuring: warpgroups of padding rows still multiply
