@@ -58,6 +58,11 @@ def main(shape_name: str = "235b") -> None:
         "sm90_c1_tma_exact_div": dict(c1, DEFINES=("MEGAMOE_SM90_TMA_STORE=1",
                                                    "MEGAMOE_SM90_SIGMOID=0")),
         "sm90_c1_tma_tanh": dict(c1, DEFINES=("MEGAMOE_SM90_TMA_STORE=1", "MEGAMOE_SM90_SIGMOID=2")),
+        # two staging tiles per warpgroup (the training forward's three stores per tile), 3 stages
+        "sm90_c1_tma_2_buffers": dict(c1, DEFINES=("MEGAMOE_SM90_TMA_STORE=1",
+                                                   "MEGAMOE_SM90_EPI_BUFFERS=2",
+                                                   "MEGAMOE_SM90_STAGES=3")),
+        "sm90_c1_tma_stages3": dict(c1, DEFINES=("MEGAMOE_SM90_TMA_STORE=1", "MEGAMOE_SM90_STAGES=3")),
         "sm90_c1_tma_lag1": dict(c1, DEFINES=("MEGAMOE_SM90_TMA_STORE=1", "MEGAMOE_SM90_WGMMA_LAG=1")),
         "sm90_c1_tma_bk32_lag1": dict(c1, DEFINES=(
             "MEGAMOE_SM90_TMA_STORE=1", "MEGAMOE_SM90_BK=32", "MEGAMOE_SM90_STAGES=8",

@@ -7,6 +7,7 @@ single median per variant drifted by 5-10% between neighbouring measurements on 
 
     python3 scripts/rows_variants.py 30b            # default vs MEGAMOE_SM90_PAD_SKIP=0
     KNOB=MEGAMOE_SM90_WGMMA_LAG=1 python3 scripts/rows_variants.py 235b
+    KNOB=MEGAMOE_SM90_EPI_BUFFERS=2,MEGAMOE_SM90_STAGES=3 python3 scripts/rows_variants.py 30b
 """
 
 import os
@@ -23,8 +24,8 @@ from torchtitan_megamoe.timing import median_ms
 
 
 def main(shape_name: str = "30b") -> None:
-    knob = os.environ.get("KNOB", "MEGAMOE_SM90_PAD_SKIP=0")
-    variants = {"default": BULK_STORE, knob: BULK_STORE + (knob,)}
+    knob = os.environ.get("KNOB", "MEGAMOE_SM90_PAD_SKIP=0")  # a comma list for several
+    variants = {"default": BULK_STORE, knob: BULK_STORE + tuple(knob.split(","))}
     D, H, E, K, T, plan = variant_setup(shape_name)
     R = plan.max_rows
     pad = plan.row_slot < 0

@@ -21,8 +21,10 @@ needs_nvcc = pytest.mark.skipif(build.nvcc_path() is None, reason="needs nvcc")
 @pytest.mark.parametrize("defines", [(), ("MEGAMOE_SM90_PRODUCER_FENCE=1", "MEGAMOE_SM90_WGMMA_LAG=1"),
                                      ("MEGAMOE_SM90_WGMMA_LAG=1",),
                                      ("MEGAMOE_SM90_BK=32", "MEGAMOE_SM90_STAGES=8"),
-                                     ("MEGAMOE_SM90_TMA_STORE=1", "MEGAMOE_SM90_WGMMA_LAG=1")],
-                         ids=["default", "knobs", "lag1", "bk32", "tma_store"])
+                                     ("MEGAMOE_SM90_TMA_STORE=1", "MEGAMOE_SM90_WGMMA_LAG=1"),
+                                     ("MEGAMOE_SM90_TMA_STORE=1", "MEGAMOE_SM90_EPI_BUFFERS=2",
+                                      "MEGAMOE_SM90_STAGES=3")],
+                         ids=["default", "knobs", "lag1", "bk32", "tma_store", "tma_store_2_buffers"])
 def test_gemm1_swiglu_sm90_builds_without_spills(tmp_path, monkeypatch, defines):
     monkeypatch.setenv("MEGAMOE_CUDA_CACHE", str(tmp_path))
     lib_path = build.build("grouped_gemm_sm90", defines)

@@ -53,8 +53,10 @@ VARIANTS = pytest.mark.parametrize(
     "defines", [(), ("MEGAMOE_SM90_WGMMA_LAG=1",), ("MEGAMOE_SM90_PRODUCER_FENCE=1",),
                 ("MEGAMOE_SM90_BK=32", "MEGAMOE_SM90_STAGES=8", "MEGAMOE_SM90_WGMMA_LAG=1",
                  "MEGAMOE_SM90_PRODUCER_FENCE=1"),
-                ("MEGAMOE_SM90_TMA_STORE=1",), ("MEGAMOE_SM90_TMA_STORE=1", "MEGAMOE_SM90_WGMMA_LAG=1")],
-    ids=["default", "lag1", "producer_fence", "bk32_8stages", "tma_store", "tma_store_lag1"])
+                ("MEGAMOE_SM90_TMA_STORE=1",), ("MEGAMOE_SM90_TMA_STORE=1", "MEGAMOE_SM90_WGMMA_LAG=1"),
+                ("MEGAMOE_SM90_TMA_STORE=1", "MEGAMOE_SM90_EPI_BUFFERS=2", "MEGAMOE_SM90_STAGES=3")],
+    ids=["default", "lag1", "producer_fence", "bk32_8stages", "tma_store", "tma_store_lag1",
+         "tma_store_2_buffers"])
 
 
 @CLUSTERS

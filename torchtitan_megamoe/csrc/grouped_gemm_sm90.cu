@@ -154,6 +154,13 @@ constexpr int PASSES = BM / ROWS_PER_PASS;
 // shape: the stores cost 0.19 of GEMM 1's 1.52 ms, 2026-11-30).
 #define MEGAMOE_SM90_TMA_STORE 0
 #endif
+#ifndef MEGAMOE_SM90_EPI_BUFFERS
+// TMA_STORE: staging tiles per consumer warpgroup. 2: the epilogue's stores alternate between
+// two, so writing one waits only for the store before last to have read it (GEMM 2 stages two
+// column halves per tile, GEMM 1's training forward three tiles) instead of the one just
+// issued; 32 KiB more shared memory, so it needs MEGAMOE_SM90_STAGES=3. Not measured yet.
+#define MEGAMOE_SM90_EPI_BUFFERS 1
+#endif
 #ifndef MEGAMOE_SM90_SIGMOID
 // The epilogues' sigmoid (GEMM 1's SwiGLU, kernel A's SwiGLU backward): 0 1 / (1 + __expf(-x))
 // with IEEE division, 1 the same with an approximate division (__fdividef: MUFU.RCP, ~2 ulp,
@@ -193,7 +200,9 @@ constexpr int EPI_IN_BYTES = 128 * 64 * 2;
 // TMA_STORE: one [64 rows, 128 columns] bf16 tile per consumer warpgroup, as two boxes of 64
 // columns (128-byte rows, 128-byte swizzle), after the ring
 constexpr int EPI_BOX_BYTES = 64 * 64 * 2;
-constexpr int EPI_BYTES = MEGAMOE_SM90_TMA_STORE ? 2 * 2 * EPI_BOX_BYTES : 0;
+constexpr int EPI_BUFFERS = MEGAMOE_SM90_EPI_BUFFERS;
+static_assert(EPI_BUFFERS == 1 || EPI_BUFFERS == 2, "MEGAMOE_SM90_EPI_BUFFERS must be 1 or 2");
+constexpr int EPI_BYTES = MEGAMOE_SM90_TMA_STORE ? EPI_BUFFERS * 2 * 2 * EPI_BOX_BYTES : 0;
 // + ring barriers, the tile scheduler's 2-slot ring (4 barriers, 2 ids), alignment
 constexpr int SMEM_BYTES = STAGES * STAGE_BYTES + EPI_BYTES + 2 * STAGES * 8 + 64 + 1024;
 static_assert(SMEM_BYTES <= 227 * 1024, "shared memory: fewer stages");
@@ -636,6 +645,7 @@ __global__ void __launch_bounds__(THREADS, 1)
     float acc[128];
     int stage = 0;
     uint32_t phase = 0;
+    [[maybe_unused]] int epi_buf = 0;  // TMA_STORE: the staging tile the next store uses
     for (int it = 0;; ++it) {
       int u;
       if (dynamic) {
@@ -871,12 +881,14 @@ __global__ void __launch_bounds__(THREADS, 1)
       const CUtensorMap* out_map = second ? &a_map : &h_map;
       if constexpr (MEGAMOE_SM90_TMA_STORE != 0) {
         // Stage one [64, 128] bf16 tile of this warpgroup's rows, then one thread stores it
-        // as two boxes. Waits on: its previous store's reads of the tile. Signals: nothing
-        // (the launch's end completes the stores).
-        const uint32_t tile = epi_smem + cw * 2 * EPI_BOX_BYTES;
+        // as two boxes. Waits on: the reads of the last store from the same staging tile (the
+        // previous one, or with EPI_BUFFERS 2 the one before it). Signals: nothing (the
+        // launch's end completes the stores).
         const int out_row = out_row0 + cw * 64;
         auto stage_out = [&](const CUtensorMap* map, int out_col, int which) {
-          if (tid % 128 == 0) bulk_wait_read<0>();
+          const uint32_t tile = epi_smem + (cw * EPI_BUFFERS + epi_buf) * 2 * EPI_BOX_BYTES;
+          if (EPI_BUFFERS == 2) epi_buf ^= 1;
+          if (tid % 128 == 0) bulk_wait_read<EPI_BUFFERS - 1>();
           named_barrier(1 + cw, 128);
 #pragma unroll
           for (int j = 0; j < 16; ++j) {
