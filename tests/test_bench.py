@@ -104,6 +104,8 @@ def test_ep1_cli_reference_smoke():
     assert "| tiny (smoke) | fwdbwd |" in proc.stdout
     assert r["ours_fwd_host_ms"] > 0 and r["stock_fwd_host_ms"] > 0
     assert "fwd host issue time" in proc.stdout
+    assert all(r[f"{who}_{tag}_b2b_ms"] > 0 for who in ("ours", "stock") for tag in ("fwd", "fwdbwd"))
+    assert "calls back to back (no wait per call, GPU-bound" in proc.stdout
 
 
 def test_bwd_stage_breakdown_and_table(monkeypatch):

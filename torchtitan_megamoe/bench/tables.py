@@ -37,6 +37,20 @@ def _tflops(flops: float, ms: float | None) -> str:
     return f"{flops / (ms * 1e-3) / 1e12:.0f}" if ms else "n/a"
 
 
+def _b2b_line(results: list[dict], head: str) -> str:
+    """One line of the back-to-back times (``{who}_{tag}_b2b_ms``) of every result: stock, ours,
+    their ratio and, where measured, ours at EP=1; '' when no result has them."""
+    b2b = []
+    for r in results:
+        for tag in ("fwd", "fwdbwd"):
+            o, st, e1 = (r.get(f"{who}_{tag}_b2b_ms") for who in ("ours", "stock", "ours_ep1"))
+            if o:
+                b2b.append(f"{r['shape']} {tag}: stock {st or float('nan'):.3f}, ours {o:.3f}"
+                           + (f" ({st / o:.2f}x)" if st else "")
+                           + (f", ours EP=1 {e1:.3f} (EP=N/EP=1 {o / e1:.2f}x)" if e1 else ""))
+    return head + "; ".join(b2b) if b2b else ""
+
+
 def table(results: list[dict]) -> str:
     lines = [
         "| shape | pass | stock ms | ours ms | speedup | ours TFLOP/s | floor ms | floor/ours |",
@@ -67,6 +81,10 @@ def table(results: list[dict]) -> str:
         if r.get("router_ms") and r.get("ours_router_ms"):
             lines.append(f"{r['shape']} router alone (gate, scores, top-k, counts): stock "
                          f"{r['router_ms']:.3f} ms, ours {r['ours_router_ms']:.3f} ms")
+    b2b = _b2b_line(results, "calls back to back (no wait per call, GPU-bound; ms per call; "
+                             "fwdbwd with fresh .grad): ")
+    if b2b:
+        lines.append(b2b)
     for r in results:
         if r.get("stock_fwd_host_ms") and r.get("ours_fwd_host_ms"):
             lines.append(f"{r['shape']} fwd host issue time (device idle before the call, "
@@ -133,16 +151,9 @@ def ep_table(results: list[dict]) -> str:
                 + f"{r[f'floor_{tag}_ms'] / ours:.2f} | "
                 + (f"{ep1:.3f} | {ours / ep1:.2f}x" if ep1 else "n/a | n/a") + " |")
     errs = [f"{r['shape']}: {r['stock_error']}" for r in results if "stock_error" in r]
-    b2b = []
-    for r in results:
-        for tag in ("fwd", "fwdbwd"):
-            o, st, e1 = (r.get(f"{who}_{tag}_b2b_ms") for who in ("ours", "stock", "ours_ep1"))
-            if o:
-                b2b.append(f"{r['shape']} {tag}: stock {st or float('nan'):.3f}, ours {o:.3f}"
-                           + (f" ({st / o:.2f}x)" if st else "")
-                           + (f", ours EP=1 {e1:.3f} (EP=N/EP=1 {o / e1:.2f}x)" if e1 else ""))
+    b2b = _b2b_line(results, "calls back to back (no wait per call; ms per call): ")
     if b2b:
-        lines.append("calls back to back (no wait per call; ms per call): " + "; ".join(b2b))
+        lines.append(b2b)
     peaks = []
     for r in results:
         for tag in ("fwd", "fwdbwd"):
