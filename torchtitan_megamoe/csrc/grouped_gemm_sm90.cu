@@ -662,25 +662,22 @@ __global__ void __launch_bounds__(THREADS, 1)
       // plan's 128-row multiple, so when this warpgroup's first row is padding (slot -1) all
       // its 64 rows are; its MMAs would only multiply zeros. It passes the stages on and
       // writes zeros, what the MMAs would have given (~half the plan's padding compute, ~3%
-      // of the rows at 128 experts). Not in WGRAD, whose K loop is the rows. The slot is
-      // loaded before decode's tile_expert load so that the two latencies overlap.
+      // of the rows at 128 experts). Not in WGRAD, whose K loop is the rows. DGRAD_SWIGLU
+      // also takes the slots of this thread's two epilogue rows (their routing weights follow
+      // decode's loads; all are used only after the K loop). The slots are loaded before
+      // decode's tile_expert load so that the latencies overlap.
       int first_slot = 0;
-      if (!WGRAD && MEGAMOE_SM90_PAD_SKIP && p.row_slot != nullptr) {
+      int row_slot2[2] = {-1, -1};
+      if (!WGRAD && p.row_slot != nullptr) {
         int um, pn;
         grouped_tile(u, num_um, num_n, group_m, um, pn);
         const int m = um * CLUSTER + rank;
-        if (m < num_m) first_slot = p.row_slot[m * BM + cw * 64];
-      }
-      // DGRAD_SWIGLU: the slots of this thread's two epilogue rows, and after decode's loads
-      // their routing weights, all used only after the K loop (their latency hides in it)
-      int row_slot2[2] = {-1, -1};
-      if constexpr (MODE == MODE_DGRAD_SWIGLU) {
-        int um, pn;
-        grouped_tile(u, num_um, num_n, group_m, um, pn);
-        if (um < num_m) {
+        if (m < num_m) {
+          const int* rows = p.row_slot + m * BM + cw * 64;
+          if (MEGAMOE_SM90_PAD_SKIP) first_slot = rows[0];
+          if constexpr (MODE == MODE_DGRAD_SWIGLU) {
 #pragma unroll
-          for (int half = 0; half < 2; ++half) {
-            row_slot2[half] = p.row_slot[um * BM + cw * 64 + warp * 16 + lane / 4 + 8 * half];
+            for (int half = 0; half < 2; ++half) row_slot2[half] = rows[warp * 16 + lane / 4 + 8 * half];
           }
         }
       }
