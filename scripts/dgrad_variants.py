@@ -32,6 +32,10 @@ VARIANTS = {
     "tanh": BULK_STORE + ("MEGAMOE_SM90_SIGMOID=2",),
     "eager_release": BULK_STORE + ("MEGAMOE_SM90_EPI_LAZY=0",),
     "no_sigmoid_measuring": BULK_STORE + ("MEGAMOE_SM90_SIGMOID=3",),
+    # the epilogue's loads and math, but no stores of da and hw
+    "no_store_measuring": BULK_STORE + ("MEGAMOE_SM90_STORE=0",),
+    # no epilogue at all: the dh GEMM with the in-kernel dy gather alone
+    "no_epilogue_measuring": BULK_STORE + ("MEGAMOE_SM90_DGRAD_EPI=0",),
 }
 
 

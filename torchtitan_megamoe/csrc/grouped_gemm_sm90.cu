@@ -132,7 +132,7 @@ constexpr int PASSES = BM / ROWS_PER_PASS;
 #define MEGAMOE_SM90_L2_PROMOTION 3  // TMA weight reads: 0 none, 1 64 B, 2 128 B, 3 256 B
 #endif
 #ifndef MEGAMOE_SM90_STORE
-#define MEGAMOE_SM90_STORE 1  // 0 only for measuring: the epilogue computes but stores nothing
+#define MEGAMOE_SM90_STORE 1  // 0 only for measuring: the epilogue computes (and stages) but stores nothing
 #endif
 #ifndef MEGAMOE_SM90_WGMMA_LAG
 #define MEGAMOE_SM90_WGMMA_LAG 0  // wgmma batches left in flight before a slot is freed (0 or 1)
@@ -180,6 +180,11 @@ constexpr int PASSES = BM / ROWS_PER_PASS;
 #endif
 #ifndef MEGAMOE_SM90_PAD_SKIP
 #define MEGAMOE_SM90_PAD_SKIP 1  // 0 only for measuring: warpgroups of padding rows still multiply
+#endif
+#ifndef MEGAMOE_SM90_DGRAD_EPI
+// DGRAD_SWIGLU, measuring only: 0 skips the epilogue (no a1/a3 loads, no math, no stores), so
+// the kernel times its dh GEMM with the in-kernel dy gather alone
+#define MEGAMOE_SM90_DGRAD_EPI 1
 #endif
 #ifndef MEGAMOE_SM90_LOAD
 #define MEGAMOE_SM90_LOAD 3  // measuring only: bit 0 loads A (x rows), bit 1 loads B (weights)
@@ -610,7 +615,7 @@ __global__ void __launch_bounds__(THREADS, 1)
           phase ^= 1;
         }
       }
-      if constexpr (MODE == MODE_DGRAD_SWIGLU) {
+      if constexpr (MODE == MODE_DGRAD_SWIGLU && MEGAMOE_SM90_DGRAD_EPI) {
         // The epilogue's stages: per 64 columns of the tile, the saved a1 and a3 [128 rows, 64]
         // boxes, loaded while the consumers still multiply (see EPI_STAGES). full[s] takes the
         // same 129 arrivals as a K step: thread 0's expect_tx and one from every thread.
@@ -791,7 +796,10 @@ __global__ void __launch_bounds__(THREADS, 1)
       // Epilogue. Accumulator register 4j + q of thread (warp, lane) holds row
       // 16 warp + lane/4 + 8 (q/2) and column 8j + 2 (lane%4) + q%2 of the 64x256 block; j < 16
       // is a1, j >= 16 the a3 of column 8 (j - 16) + ...
-      if constexpr (MODE == MODE_DGRAD_SWIGLU) {
+      if constexpr (MODE == MODE_DGRAD_SWIGLU && !MEGAMOE_SM90_DGRAD_EPI) {
+        if (acc[0] == 12345.f && acc[1] == 777.f) p.part[0] = acc[2];  // keeps the MMAs' result live
+        continue;
+      } else if constexpr (MODE == MODE_DGRAD_SWIGLU) {
         // SwiGLU backward on the tile's dh (fp32, in the accumulators), 64 columns per epilogue
         // stage (see EPI_STAGES): this warpgroup's rows [64 cw, +64) of the stage's a1 and a3
         // boxes are read from shared memory in the accumulator's layout, da1 and da3 written
@@ -843,9 +851,11 @@ __global__ void __launch_bounds__(THREADS, 1)
           named_barrier(1 + cw, 128);
           if (tid % 128 == 0) {
             const int col = pid_n * TILE_N + 64 * c, row = pid_m * BM + cw * 64;
-            tma_store_2d(&h_map, col, row, a1_s);
-            tma_store_2d(&h_map, H + col, row, a3_s);
-            tma_store_2d(&a_map, col, row, hw_s);
+            if (MEGAMOE_SM90_STORE) {
+              tma_store_2d(&h_map, col, row, a1_s);
+              tma_store_2d(&h_map, H + col, row, a3_s);
+              tma_store_2d(&a_map, col, row, hw_s);
+            }
             bulk_commit();
             if (MEGAMOE_SM90_EPI_LAZY && c > 0) {
               bulk_wait_read<1>();  // the previous stage's stores have read it
@@ -913,8 +923,10 @@ __global__ void __launch_bounds__(THREADS, 1)
           fence_proxy_async();  // the st.shared writes, before the store engine reads them
           named_barrier(1 + cw, 128);
           if (tid % 128 == 0) {
-            tma_store_2d(map, out_col, out_row, tile);
-            tma_store_2d(map, out_col + 64, out_row, tile + EPI_BOX_BYTES);
+            if (MEGAMOE_SM90_STORE) {
+              tma_store_2d(map, out_col, out_row, tile);
+              tma_store_2d(map, out_col + 64, out_row, tile + EPI_BOX_BYTES);
+            }
             bulk_commit();
           }
         };
