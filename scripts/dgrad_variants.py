@@ -7,6 +7,8 @@ gathers (as the backward runs it). CUDA-event medians of 10:
     source scripts/_device_env.sh; install_wheels  # the package and wheels on PYTHONPATH
     python3 scripts/dgrad_variants.py 30b [235b ...]
     VARIANTS=default,tanh python3 scripts/dgrad_variants.py 30b
+    SCRIPT=scripts/dgrad_variants.py KERNEL='grouped_gemm_kernel<1, 6>' VARIANTS=default \
+        bash scripts/ncu_stalls.sh  # where its warps stall
 
 Each variant's outputs are checked against the first one's (relative Frobenius error of da) so a
 fast but wrong variant shows up as such.
@@ -63,9 +65,16 @@ def main(shape_name: str) -> None:
     runs["default_storing_dy_rows"] = lambda: dgrad_l2_swiglu_sm90(dy, a, tw, w2, plan,
                                                                    dy_rows=dy_rows)[0]
     only = os.environ.get("VARIANTS")
+    ncu = os.environ.get("NCU") == "1"
     ref = None
     for name, fn in runs.items():
-        if only and name not in only.split(",") and not name.startswith("two_step"):
+        if only and name not in only.split(",") and not (name.startswith("two_step") and not ncu):
+            continue
+        if ncu:  # under ncu (scripts/ncu_stalls.sh): a warm-up and one profiled launch each
+            fn()
+            fn()
+            torch.cuda.synchronize()
+            print(f"{shape_name} {name}: launched", flush=True)
             continue
         ms = median_ms(fn, 10, 2)
         out = fn()

@@ -4,6 +4,8 @@
 # starved by the producer, WARPGROUP.DEPBAR = tensor-core bound, ...).
 #
 #   SHAPE=235b VARIANTS="triton_persistent sm90_c1_lag1" bash scripts/ncu_stalls.sh
+#   SCRIPT=scripts/dgrad_variants.py KERNEL='grouped_gemm_kernel<1, 6>' VARIANTS="default" \
+#     bash scripts/ncu_stalls.sh   # kernel A (MODE 6) instead: any script with an NCU=1 mode
 #
 # Writes $OUT/<variant>.ncu-rep and prints, per variant, the stall reasons summed over the
 # kernel and the 25 SASS lines with the most stall samples (scripts/ncu_stalls_summary.py).
@@ -11,15 +13,15 @@ source "$(dirname "$0")/_device_env.sh"
 install_wheels || exit 1
 SHAPE=${SHAPE:-235b}
 for v in ${VARIANTS:-triton_persistent sm90_c1_lag1}; do
-  VARIANTS=$v NCU=1 timeout 240 ncu --clock-control none --kernel-name regex:gemm1 \
-    --launch-skip 1 --launch-count 1 --import-source no \
+  VARIANTS=$v NCU=1 timeout 240 ncu --clock-control none --kernel-name-base demangled \
+    --kernel-name "regex:${KERNEL:-gemm1}" --launch-skip 1 --launch-count 1 --import-source no \
     --section SpeedOfLight --section WarpStateStats --section SourceCounters \
-    -f -o "$OUT/$v" python3 scripts/ncu_gemm1.py "$SHAPE" > "/tmp/$v.ncu.log" 2>&1 \
-    || { tail -20 "/tmp/$v.ncu.log"; continue; }
-  ncu -i "$OUT/$v.ncu-rep" --page source --csv --print-source sass > "$OUT/$v.sass.csv" 2>&1
-  ncu -i "$OUT/$v.ncu-rep" --page details --section WarpStateStats --section SpeedOfLight \
-    > "$OUT/$v.details.txt" 2>&1
+    -f -o "$OUT/$SHAPE-$v" python3 "${SCRIPT:-scripts/ncu_gemm1.py}" "$SHAPE" > "/tmp/$SHAPE-$v.ncu.log" 2>&1 \
+    || { tail -20 "/tmp/$SHAPE-$v.ncu.log"; continue; }
+  ncu -i "$OUT/$SHAPE-$v.ncu-rep" --page source --csv --print-source sass > "$OUT/$SHAPE-$v.sass.csv" 2>&1
+  ncu -i "$OUT/$SHAPE-$v.ncu-rep" --page details --section WarpStateStats --section SpeedOfLight \
+    > "$OUT/$SHAPE-$v.details.txt" 2>&1
   echo "=== $SHAPE $v"
-  grep -E "Duration|Throughput|Stall|Warp Cycles|Issued" "$OUT/$v.details.txt" | head -20
-  python3 scripts/ncu_stalls_summary.py "$OUT/$v.sass.csv"
+  grep -E "Duration|Throughput|Stall|Warp Cycles|Issued" "$OUT/$SHAPE-$v.details.txt" | head -20
+  python3 scripts/ncu_stalls_summary.py "$OUT/$SHAPE-$v.sass.csv"
 done
