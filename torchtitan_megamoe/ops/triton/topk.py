@@ -165,8 +165,9 @@ def topk_indices(scores: torch.Tensor, k: int, bias: torch.Tensor | None = None)
     return idx
 
 
-def _launch_gate(scores, k, bias, norm, scale, softmax=False):
-    """(vals, idx, counts, the fp32 softmax of ``scores`` [T, E] with ``softmax`` else None)."""
+def _launch_gate(scores, k, bias, norm, scale, softmax=False, block_t=None, num_warps=4):
+    """(vals, idx, counts, the fp32 softmax of ``scores`` [T, E] with ``softmax`` else None).
+    block_t / num_warps: the tile (scripts/topk_variants.py times the choices)."""
     T, E = scores.shape
     idx = torch.empty((T, k), dtype=torch.int64, device=scores.device)
     vals = torch.empty((T, k), dtype=torch.float32, device=scores.device)
@@ -175,13 +176,13 @@ def _launch_gate(scores, k, bias, norm, scale, softmax=False):
     if T == 0:
         return vals, idx, counts, probs
     BLOCK_E = next_power_of_2(E)
-    BLOCK_T = max(1, min(64, 4096 // BLOCK_E))
+    BLOCK_T = block_t or max(1, min(64, 4096 // BLOCK_E))
     _topk_gate_kernel[(cdiv(T, BLOCK_T),)](
         scores, bias if bias is not None else scores, idx, vals, counts,
         probs if softmax else vals, T, E, scores.stride(0), float(scale),
         HAS_BIAS=bias is not None, NORM=bool(norm), SOFTMAX=bool(softmax),
         LIBDEVICE_EXP=bool(softmax) and not interpreting(), K=k,
-        K_PAD=next_power_of_2(k), BLOCK_T=BLOCK_T, BLOCK_E=BLOCK_E, num_warps=4,
+        K_PAD=next_power_of_2(k), BLOCK_T=BLOCK_T, BLOCK_E=BLOCK_E, num_warps=num_warps,
     )
     return vals, idx, counts, probs
 
