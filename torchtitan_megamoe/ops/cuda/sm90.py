@@ -17,14 +17,7 @@ BULK_STORE = ("MEGAMOE_SM90_TMA_STORE=1",)
 it with bulk tensor stores (it won every GEMM it was measured on, docs/PERF.md)."""
 
 
-BULK_STORE_2_BUFFERS = BULK_STORE + ("MEGAMOE_SM90_EPI_BUFFERS=2", "MEGAMOE_SM90_STAGES=3")
-"""Two staging tiles per consumer warpgroup, so GEMM 2's second column half does not wait for
-the first half's store; it costs a ring stage (3 instead of 4). A GEMM 2 candidate only: at the
-30B shape 0.721 vs 0.747 ms, at 235B 2.940 vs 2.906, and it slowed GEMM 1 (docs/PERF.md,
-session 16), so the tuner picks it per shape."""
-
-
-TUNER_BUILDS = ((), BULK_STORE, BULK_STORE_2_BUFFERS)
+TUNER_BUILDS = ((), BULK_STORE)
 """Every build of csrc/grouped_gemm_sm90.cu that a tuner candidate or a default launch uses
 (tests/triton/test_cuda_build.py keeps this in step with the candidate lists). ``python -m
 torchtitan_megamoe.ops.cuda.sm90`` compiles them into $MEGAMOE_CUDA_CACHE ahead of time, e.g.

@@ -19,7 +19,7 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from torchtitan_megamoe.ops.cuda.gemm_rows import gemm_rows_sm90, shape_supported
-from torchtitan_megamoe.ops.cuda.sm90 import BULK_STORE, BULK_STORE_2_BUFFERS, sm90_usable
+from torchtitan_megamoe.ops.cuda.sm90 import BULK_STORE, sm90_usable
 from torchtitan_megamoe.ops.triton.plan import Plan
 from torchtitan_megamoe.ops.triton.tiling import cast_out, grouped_tile, launch_config
 from torchtitan_megamoe.ops.triton.tune import bucket as _bucket
@@ -121,8 +121,6 @@ SM90_CONFIGS = [
     dict(IMPL="sm90", BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, GROUP_M=8,
          DEFINES=BULK_STORE),
     dict(IMPL="sm90", BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, GROUP_M=8),
-    dict(IMPL="sm90", BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, GROUP_M=8,
-         DEFINES=BULK_STORE_2_BUFFERS),
 ]
 
 
