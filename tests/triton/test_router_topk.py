@@ -78,7 +78,8 @@ def test_route_matches_stock_router_values_and_grads(score_func, route_norm, bia
 
 def _check_route_against_stock(r, x, eb):
     """route (the fast path) and the stock router on the same x: same choice and counts,
-    values within an ulp or two, same gradients of x and of the gate weight."""
+    values within an ulp or two, the same gradients of x and of the gate weight (fp32: within
+    fp32 rounding; bf16: within a bf16 rounding of the largest)."""
     ts, idx, n = r(x, eb)
     x2 = x.detach().clone().requires_grad_()
     ts2, idx2, n2 = route(r, x2, eb, kernel=True)
@@ -94,8 +95,16 @@ def _check_route_against_stock(r, x, eb):
     gw = r.gate.weight.grad.clone()
     r.gate.weight.grad = None
     (ts2.gather(1, order2.indices) * w).sum().backward()
-    torch.testing.assert_close(x2.grad, x.grad)
-    torch.testing.assert_close(r.gate.weight.grad, gw)
+    if x.dtype == torch.float32:
+        torch.testing.assert_close(x2.grad, x.grad)
+        torch.testing.assert_close(r.gate.weight.grad, gw)
+    else:
+        # the fused backward sums the softmax backward's K products in its own order: d(logits)
+        # may round to the neighbouring bf16 value, which the gate's bf16 matmuls carry into
+        # both gradients at the scale of their largest entries
+        for got, want in ((x2.grad, x.grad), (r.gate.weight.grad, gw)):
+            torch.testing.assert_close(got, want, rtol=2 ** -7,
+                                       atol=2 ** -6 * want.abs().max().item())
 
 
 def test_other_configurations_take_the_stock_path():
@@ -276,7 +285,8 @@ def test_topk_softmax_gate_rejects_what_it_cannot_do():
 
 def test_route_softmax_runs_no_cast_or_softmax_ops():
     """The eager softmax route: the gate's matmul, the counts' zero fill and the fused kernel,
-    no cast and no softmax kernels (forward or backward beyond aten's softmax backward)."""
+    no cast and no softmax kernels; its backward is the fused backward kernel, no softmax
+    backward, gather, scatter or cast of autograd's."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     class Ops(TorchDispatchMode):
@@ -295,7 +305,8 @@ def test_route_softmax_runs_no_cast_or_softmax_ops():
     assert not [n for n in ops.names if "softmax" in n or "_to_copy" in n], ops.names
     with Ops() as ops:
         ts.sum().backward()
-    assert [n for n in ops.names if "softmax" in n] == ["_softmax_backward_data.default"]
+    assert not [n for n in ops.names
+                if any(op in n for op in ("softmax", "gather", "scatter", "_to_copy"))], ops.names
 
 
 def test_route_bf16_softmax_matches_stock_router():

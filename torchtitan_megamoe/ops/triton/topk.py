@@ -18,9 +18,10 @@ instead of eleven before the layer's first big kernel, where the host's issue ti
 hidden (~30-40 us of host time per launch, the GPU idle meanwhile in a waited forward).
 topk_softmax_gate (eager softmax routers) also takes the fp32 cast and the softmax into that
 launch (SOFTMAX: it reads the gate's raw logits and stores the fp32 scores for the backward), so
-those routers issue three (gate, zero fill, this). Its backward returns d(logits) directly,
-with the kernels autograd ran for the two ops (aten's fp32 softmax backward on the saved
-scores, then the cast's).
+those routers issue three (gate, zero fill, this). The backward of both is one launch too
+(_topk_gate_bwd_kernel): the gradient of the scores through the gather / normalize / scale,
+and for topk_softmax_gate on through the softmax (on the saved fp32 scores) and the cast, where
+autograd would run ~12 small kernels.
 
 Tiles: BLOCK_T tokens x BLOCK_E (>= E, power of 2) experts per program, fp32.
 Waits on: nothing. Signals: nothing (topk_gate: atomics on the zeroed counts).
@@ -127,6 +128,46 @@ def _topk_gate_kernel(s_ptr, bias_ptr, idx_ptr, val_ptr, cnt_ptr, sm_ptr, T, E, 
     tl.atomic_add(cnt_ptr + cols, tl.sum(chosen.to(tl.int64), axis=0), mask=cols < E)
 
 
+@triton.jit
+def _topk_gate_bwd_kernel(p_ptr, idx_ptr, dv_ptr, out_ptr, T, E, stride_p, scale, NORM: tl.constexpr,
+                          SOFTMAX: tl.constexpr, K: tl.constexpr, K_PAD: tl.constexpr,
+                          BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr):
+    """The router tail's backward in one launch, the ops autograd ran for stock's gather /
+    normalize / scale (and, SOFTMAX, aten's softmax backward), in the same fp32 arithmetic:
+    g = scores[idx], dout = dvals * scale, with NORM dout = (dout - sum(dout * g / den)) / den
+    (den = sum g + 1e-20), dscores = dout scattered to the chosen columns (0 elsewhere), and
+    SOFTMAX: d(logits) = p * (dscores - sum(dscores * p)) with p the saved fp32 softmax, stored
+    in out's dtype. p_ptr: [T, E] fp32, unit column stride; idx, dvals: [T, K] contiguous;
+    out: [T, E] contiguous."""
+    rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    cols = tl.arange(0, BLOCK_E)
+    ks = tl.arange(0, K_PAD)
+    in_t = rows < T
+    tile = in_t[:, None] & (cols < E)[None, :]
+    r64 = rows.to(tl.int64)
+    p = tl.load(p_ptr + r64[:, None] * stride_p + cols[None, :], mask=tile, other=0.0)
+    kmask = in_t[:, None] & (ks < K)[None, :]
+    idx = tl.load(idx_ptr + r64[:, None] * K + ks[None, :], mask=kmask, other=-1).to(tl.int32)
+    dout = tl.load(dv_ptr + r64[:, None] * K + ks[None, :], mask=kmask, other=0.0) * scale
+    if NORM:
+        g = tl.zeros((BLOCK_T, K_PAD), tl.float32)
+        for k in tl.static_range(K):
+            j = tl.sum(tl.where(ks[None, :] == k, idx, 0), axis=1)
+            gk = tl.sum(tl.where(cols[None, :] == j[:, None], p, 0.0), axis=1)
+            g = tl.where(ks[None, :] == k, gk[:, None], g)
+        den = tl.sum(g, axis=1)[:, None] + 1e-20
+        dout = (dout - tl.sum(dout * (g / den), axis=1)[:, None]) / den
+    ds = tl.zeros((BLOCK_T, BLOCK_E), tl.float32)
+    for k in tl.static_range(K):
+        j = tl.sum(tl.where(ks[None, :] == k, idx, 0), axis=1)
+        dk = tl.sum(tl.where(ks[None, :] == k, dout, 0.0), axis=1)
+        ds = tl.where(cols[None, :] == j[:, None], dk[:, None], ds)
+    if SOFTMAX:
+        ds = p * (ds - tl.sum(ds * p, axis=1)[:, None])
+    tl.store(out_ptr + r64[:, None] * E + cols[None, :], ds.to(out_ptr.dtype.element_ty),
+             mask=tile)
+
+
 def topk_indices_reference(scores: torch.Tensor, k: int, bias: torch.Tensor | None = None):
     """The same order in plain torch: a stable descending sort, NaN first."""
     s = scores.float() if bias is None else scores.float() + bias.float()
@@ -187,18 +228,28 @@ def _launch_gate(scores, k, bias, norm, scale, softmax=False, block_t=None, num_
     return vals, idx, counts, probs
 
 
-def _dscores(scores, idx, dvals, norm, scale):
-    """[T, E] gradient of the scores (non-zero at the k chosen columns only) from that of the
-    gating values, as autograd takes it through stock's gather / normalize / scale."""
+def _gate_backward(scores, idx, dvals, norm, scale, softmax_dtype=None):
+    """[T, E] gradient of the fp32 scores from that of the gating values (non-zero at the k
+    chosen columns only), as autograd takes it through stock's gather / normalize / scale;
+    with ``softmax_dtype`` the scores are the saved softmax and the result is the gradient of
+    the logits, in that dtype (aten's softmax backward, then the cast). One launch
+    (_topk_gate_bwd_kernel) instead of the ~12 small ones autograd would run."""
     if dvals is None:  # not materialized: only idx or counts reached the loss
         return None
-    dout = dvals * scale
-    if norm:
-        # out_j = g_j / (sum g + eps): dg_i = (dout_i - sum_j dout_j out'_j) / (sum g + eps)
-        g = scores.gather(1, idx)
-        denom = g.sum(dim=-1, keepdim=True) + 1e-20
-        dout = (dout - (dout * (g / denom)).sum(dim=-1, keepdim=True)) / denom
-    return torch.zeros_like(scores).scatter_(1, idx, dout)
+    T, E = scores.shape
+    k = idx.shape[1]
+    out = torch.empty((T, E), dtype=softmax_dtype or torch.float32, device=scores.device)
+    if T == 0:
+        return out
+    BLOCK_E = next_power_of_2(E)
+    BLOCK_T = max(1, min(64, 4096 // BLOCK_E))
+    _topk_gate_bwd_kernel[(cdiv(T, BLOCK_T),)](
+        scores, idx, dvals.float().contiguous(), out, T, E, scores.stride(0), float(scale),
+        NORM=bool(norm),
+        SOFTMAX=softmax_dtype is not None, K=k, K_PAD=next_power_of_2(k), BLOCK_T=BLOCK_T,
+        BLOCK_E=BLOCK_E, num_warps=4,
+    )
+    return out
 
 
 class _TopKGate(torch.autograd.Function):
@@ -218,7 +269,7 @@ class _TopKGate(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dvals, _didx, _dcounts):
         scores, idx = ctx.saved_tensors
-        return _dscores(scores, idx, dvals, ctx.norm, ctx.scale), None, None, None, None
+        return _gate_backward(scores, idx, dvals, ctx.norm, ctx.scale), None, None, None, None
 
 
 class _TopKSoftmaxGate(torch.autograd.Function):
@@ -237,13 +288,9 @@ class _TopKSoftmaxGate(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dvals, _didx, _dcounts):
         probs, idx = ctx.saved_tensors
-        dscores = _dscores(probs, idx, dvals, ctx.norm, ctx.scale)
-        if dscores is None:
-            return None, None, None, None, None
-        # stock's two backward kernels: aten's softmax backward in fp32, s * (g - sum_j g_j s_j),
-        # then the cast's (a no-op for fp32 logits)
-        dlogits = torch._softmax_backward_data(dscores, probs, 1, torch.float32)
-        return dlogits.to(ctx.dtype), None, None, None, None
+        # stock's softmax backward (fp32, s * (g - sum_j g_j s_j)) and the cast's, in the launch
+        dlogits = _gate_backward(probs, idx, dvals, ctx.norm, ctx.scale, softmax_dtype=ctx.dtype)
+        return dlogits, None, None, None, None
 
 
 def _gate_inputs(name, x, k, bias, what, dtypes):
