@@ -158,7 +158,9 @@ constexpr int PASSES = BM / ROWS_PER_PASS;
 // TMA_STORE: staging tiles per consumer warpgroup. 2: the epilogue's stores alternate between
 // two, so writing one waits only for the store before last to have read it (GEMM 2 stages two
 // column halves per tile, GEMM 1's training forward three tiles) instead of the one just
-// issued; 32 KiB more shared memory, so it needs MEGAMOE_SM90_STAGES=3. Not measured yet.
+// issued; 32 KiB more shared memory, so it needs MEGAMOE_SM90_STAGES=3. Measured (H200,
+// 2026-11-30, docs/PERF.md session 16): GEMM 2 at 30B -3.4% alone but level inside the tuner,
+// the gathering GEMM 1 up to +12% (the lost stage), so it stays off.
 #define MEGAMOE_SM90_EPI_BUFFERS 1
 #endif
 #ifndef MEGAMOE_SM90_SIGMOID
