@@ -26,8 +26,6 @@ from torchtitan_megamoe.ops.cuda.sm90 import BULK_STORE
 from torchtitan_megamoe.ops.triton.bwd_cublas import dgrad_l2_swiglu_cublas, gather_rows
 from torchtitan_megamoe.timing import median_ms
 
-EPI_DEFER = BULK_STORE + ("MEGAMOE_SM90_EPI_DEFER=1",)
-
 VARIANTS = {
     # the sigmoid with an approximate division (MEGAMOE_SM90_SIGMOID=1), each epilogue stage
     # freed once the next one's stores are issued (MEGAMOE_SM90_EPI_LAZY=1)
@@ -40,8 +38,6 @@ VARIANTS = {
     "no_store_measuring": BULK_STORE + ("MEGAMOE_SM90_STORE=0",),
     # no epilogue at all: the dh GEMM with the in-kernel dy gather alone
     "no_epilogue_measuring": BULK_STORE + ("MEGAMOE_SM90_DGRAD_EPI=0",),
-    # the epilogue's second half under the next tile's first two K steps
-    "defer": EPI_DEFER,
 }
 
 
@@ -68,9 +64,6 @@ def main(shape_name: str) -> None:
     # what the tuner times: the dy rows stored for dw2 as well
     runs["default_storing_dy_rows"] = lambda: dgrad_l2_swiglu_sm90(dy, a, tw, w2, plan,
                                                                    dy_rows=dy_rows)[0]
-    runs["defer_storing_dy_rows"] = lambda: dgrad_l2_swiglu_sm90(dy, a, tw, w2, plan,
-                                                                 dy_rows=dy_rows,
-                                                                 defines=EPI_DEFER)[0]
     only = os.environ.get("VARIANTS")
     ncu = os.environ.get("NCU") == "1"
     ref = None

@@ -12,7 +12,6 @@ from moe_math import routings
 from sm90_checks import (SM90_GPU, forced_backward_matches_reference, nan_tensor, rel_err,
                          skewed_ids)
 from torchtitan_megamoe.ops.cuda.dgrad_swiglu import dgrad_l2_swiglu_sm90
-from torchtitan_megamoe.ops.cuda.sm90 import BULK_STORE
 from torchtitan_megamoe.ops.triton.bwd_cublas import gather_rows
 from torchtitan_megamoe.ops.triton.bwd_dgrad_l2_swiglu import dgrad_l2_swiglu
 from torchtitan_megamoe.ops.triton.plan import build_plan
@@ -55,16 +54,9 @@ def _f64(dy, a, tw, w2, plan):
 
 
 
-# the default build, and the one that defers half of each tile's epilogue into the next tile's
-# K loop (MEGAMOE_SM90_EPI_DEFER=1: dh rounded to bf16 for that half)
-BUILDS = {"default": BULK_STORE, "epi_defer": BULK_STORE + ("MEGAMOE_SM90_EPI_DEFER=1",)}
-
-
-@pytest.mark.parametrize("build", BUILDS)
-@pytest.mark.parametrize("T,K,E,D,H", [(700, 4, 8, 256, 256), (333, 2, 5, 640, 512),
-                                       (300, 2, 3, 128, 256)],
-                         ids=["k_blocks_4", "k_blocks_10", "k_blocks_2"])
-def test_vs_float64_on_uneven_routings(T, K, E, D, H, build):
+@pytest.mark.parametrize("T,K,E,D,H", [(700, 4, 8, 256, 256), (333, 2, 5, 640, 512)],
+                         ids=["k_blocks_4", "k_blocks_10"])
+def test_vs_float64_on_uneven_routings(T, K, E, D, H):
     g = torch.Generator(device="cuda").manual_seed(0)
     w2 = (torch.randn(E, D, H, device="cuda", generator=g) / D**0.5).bfloat16()
     dy = torch.randn(T, D, device="cuda", generator=g).bfloat16()
@@ -77,7 +69,7 @@ def test_vs_float64_on_uneven_routings(T, K, E, D, H, build):
         out = (nan_tensor(R, 2 * H), nan_tensor(R, H), nan_tensor(H // 256, R, dtype=torch.float32))
         dy_rows = nan_tensor(R, D)
         da, hw, part = dgrad_l2_swiglu_sm90(dy[:n], a, tw[:n], w2, plan, out=out,
-                                            dy_rows=dy_rows, defines=BUILDS[build])
+                                            dy_rows=dy_rows)
         torch.cuda.synchronize()
         used = int(plan.num_rows_used)
         # the gathered dy rows it stored: exactly gather_rows' copy (zeros on padding rows)
@@ -93,8 +85,7 @@ def test_vs_float64_on_uneven_routings(T, K, E, D, H, build):
         assert torch.isnan(da[used:]).all(), "wrote rows past the used ones"
 
 
-@pytest.mark.parametrize("build", BUILDS)
-def test_real_30b_shape_matches_the_triton_kernel_a_and_reruns_bitwise(build):
+def test_real_30b_shape_matches_the_triton_kernel_a_and_reruns_bitwise():
     T, K, E, D, H = 16384, 8, 128, 2048, 768
     g = torch.Generator(device="cuda").manual_seed(1)
     w2 = (torch.randn(E, D, H, device="cuda", generator=g) / D**0.5).bfloat16()
@@ -103,7 +94,7 @@ def test_real_30b_shape_matches_the_triton_kernel_a_and_reruns_bitwise(build):
     tw = torch.softmax(torch.randn(T, K, device="cuda", generator=g), -1)
     plan = build_plan(ids, E, BM)
     a = _saved_a(plan, H, g)
-    da, hw, part = dgrad_l2_swiglu_sm90(dy, a, tw, w2, plan, defines=BUILDS[build])
+    da, hw, part = dgrad_l2_swiglu_sm90(dy, a, tw, w2, plan)
     tda, thw, tpart = dgrad_l2_swiglu(dy, a, tw, w2, plan, block_m=128, block_n=128,
                                       block_k=64, num_warps=8, num_stages=3, use_tma=True)
     used = int(plan.num_rows_used)
@@ -111,8 +102,7 @@ def test_real_30b_shape_matches_the_triton_kernel_a_and_reruns_bitwise(build):
     assert rel_err(hw[:used], thw[:used].double()) < 1e-2
     assert rel_err(part[:, :used].sum(0), tpart[:, :used].sum(0).double()) < 1e-2
     dy_rows = nan_tensor(plan.max_rows, D)
-    da2, hw2, part2 = dgrad_l2_swiglu_sm90(dy, a, tw, w2, plan, dy_rows=dy_rows,
-                                           defines=BUILDS[build])
+    da2, hw2, part2 = dgrad_l2_swiglu_sm90(dy, a, tw, w2, plan, dy_rows=dy_rows)
     assert torch.equal(dy_rows[:used], gather_rows(dy, plan)[:used])
     assert torch.equal(da2[:used], da[:used]) and torch.equal(hw2[:used], hw[:used])
     assert torch.equal(part2[:, :used], part[:, :used]), "reruns must be bitwise identical"

@@ -188,20 +188,6 @@ constexpr int PASSES = BM / ROWS_PER_PASS;
 // the kernel times its dh GEMM with the in-kernel dy gather alone
 #define MEGAMOE_SM90_DGRAD_EPI 1
 #endif
-#ifndef MEGAMOE_SM90_EPI_DEFER
-// DGRAD_SWIGLU with the bulk-store build (TMA_STORE=1): 1 defers the second half of a tile's
-// epilogue (its stages 2 and 3, columns [128, 256)) into the next tile's first two K steps, so
-// that half of the SwiGLU backward runs while the tensor cores multiply. After the K loop the
-// consumers run stages 0 and 1 from the accumulators as before and write dh's columns [128,
-// 256) as bf16 into the 32 KiB staging area (unused by this mode otherwise; each thread reads
-// back only what it wrote). The producer loads the deferred stages' a1/a3 boxes interleaved
-// with the next tile's K steps (ring order ... K E0 E1 | K0 E2 K1 E3 K2 ...); each of those K
-// steps issues its wgmma batch, runs the stage (no branch until the batch's wait), then waits.
-// The last tile's stages follow its K loop. Needs 2+ K steps per tile and WGMMA_LAG 0.
-// (Deferring all four stages needs dh's 64 packed registers beside the 128 accumulators:
-// ptxas, capped at 168 per thread by the 384-thread CTA, spilled 482 bytes, so half it is.)
-#define MEGAMOE_SM90_EPI_DEFER 0
-#endif
 #ifndef MEGAMOE_SM90_LOAD
 #define MEGAMOE_SM90_LOAD 3  // measuring only: bit 0 loads A (x rows), bit 1 loads B (weights)
 #endif
@@ -213,14 +199,6 @@ constexpr int B_BYTES = 2 * BN * BK * 2;
 constexpr int STAGE_BYTES = A_BYTES + B_BYTES;
 constexpr int NMAJOR_BOX_BYTES = BK * 128;  // NMAJOR: one [BK, 64] box of the B stage
 constexpr int THREADS = 384;
-constexpr bool EPI_DEFER = MEGAMOE_SM90_EPI_DEFER != 0;
-static_assert(!EPI_DEFER || (MEGAMOE_SM90_WGMMA_LAG == 0 && MEGAMOE_SM90_TMA_STORE),
-              "MEGAMOE_SM90_EPI_DEFER needs WGMMA_LAG 0 and TMA_STORE 1");
-constexpr int EPI_DEFERRED = 2;  // EPI_DEFER: the epilogue stages run under the next tile
-template <int N>
-struct Int {
-  static constexpr int value = N;
-};
 // DGRAD_SWIGLU: the epilogue runs on EPI_STAGES more ring stages per tile, one per 64 of its 256
 // columns: [a1 box | a3 box | hw staging], each [128 rows, 64] bf16 in the 128-byte swizzle (a
 // stage of BK 64 holds exactly the three). da1 and da3 overwrite a1 and a3 in place.
@@ -475,31 +453,6 @@ __global__ void __launch_bounds__(THREADS, 1)
         cp_async_arrive_noinc(full);
       }
     };
-    // DGRAD_SWIGLU: stage c of a tile's epilogue, the saved a1 and a3 [128 rows, 64] boxes of
-    // its columns [64 c, +64) (see EPI_STAGES). full[s] takes the same 129 arrivals as a K
-    // step: thread 0's expect_tx and one from every thread.
-    auto load_epi = [&](int c, int epi_pid_m, int epi_pid_n) {
-      mbar_wait(empty_bar + 8 * stage, phase ^ 1);
-      const uint32_t full = full_bar + 8 * stage;
-      const uint32_t slot_smem = smem_base + stage * STAGE_BYTES;
-      flush_pending();
-      if (tid == 0) {
-        const int col = epi_pid_n * TILE_N + 64 * c;
-        mbar_arrive_expect_tx(full, 2 * EPI_IN_BYTES);
-        tma_load_2d(slot_smem, &in_map, col, epi_pid_m * BM, full);
-        tma_load_2d(slot_smem + EPI_IN_BYTES, &in_map, p.N + col, epi_pid_m * BM, full);
-      }
-      mbar_arrive(full);
-      if (++stage == STAGES) {
-        stage = 0;
-        phase ^= 1;
-      }
-    };
-    // EPI_DEFER: the tile whose epilogue stages are still to be loaded (interleaved with the
-    // next tile's first K steps, or after the last tile)
-    [[maybe_unused]] bool epi_pending = false;
-    [[maybe_unused]] int epi_pid_m = 0, epi_pid_n = 0;
-    constexpr bool DEFER = MODE == MODE_DGRAD_SWIGLU && EPI_DEFER && MEGAMOE_SM90_DGRAD_EPI;
     // no gathers (ROWS): thread 0 issues every TMA load; the other producer threads idle
     for (int it = 0; GATHERS || tid == 0; ++it) {
       int u;
@@ -663,30 +616,28 @@ __global__ void __launch_bounds__(THREADS, 1)
           stage = 0;
           phase ^= 1;
         }
-        if constexpr (DEFER) {
-          if (epi_pending && kb < EPI_DEFERRED) {
-            load_epi(EPI_STAGES - EPI_DEFERRED + kb, epi_pid_m, epi_pid_n);
+      }
+      if constexpr (MODE == MODE_DGRAD_SWIGLU && MEGAMOE_SM90_DGRAD_EPI) {
+        // The epilogue's stages: per 64 columns of the tile, the saved a1 and a3 [128 rows, 64]
+        // boxes, loaded while the consumers still multiply (see EPI_STAGES). full[s] takes the
+        // same 129 arrivals as a K step: thread 0's expect_tx and one from every thread.
+#pragma unroll 1
+        for (int c = 0; c < EPI_STAGES; ++c) {
+          mbar_wait(empty_bar + 8 * stage, phase ^ 1);
+          const uint32_t full = full_bar + 8 * stage;
+          const uint32_t slot_smem = smem_base + stage * STAGE_BYTES;
+          flush_pending();
+          if (tid == 0) {
+            const int col = pid_n * TILE_N + 64 * c;
+            mbar_arrive_expect_tx(full, 2 * EPI_IN_BYTES);
+            tma_load_2d(slot_smem, &in_map, col, pid_m * BM, full);
+            tma_load_2d(slot_smem + EPI_IN_BYTES, &in_map, p.N + col, pid_m * BM, full);
           }
-        }
-      }
-      if constexpr (DEFER) {
-#pragma unroll 1
-        for (int c = 0; c < EPI_STAGES - EPI_DEFERRED; ++c) load_epi(c, pid_m, pid_n);
-        epi_pending = true;
-        epi_pid_m = pid_m;
-        epi_pid_n = pid_n;
-      } else if constexpr (MODE == MODE_DGRAD_SWIGLU && MEGAMOE_SM90_DGRAD_EPI) {
-        // the tile's epilogue stages, loaded while the consumers still multiply
-#pragma unroll 1
-        for (int c = 0; c < EPI_STAGES; ++c) load_epi(c, pid_m, pid_n);
-      }
-    }
-    if constexpr (DEFER) {
-      // the last tile's epilogue stages
-      if (epi_pending) {
-#pragma unroll 1
-        for (int c = EPI_STAGES - EPI_DEFERRED; c < EPI_STAGES; ++c) {
-          load_epi(c, epi_pid_m, epi_pid_n);
+          mbar_arrive(full);
+          if (++stage == STAGES) {
+            stage = 0;
+            phase ^= 1;
+          }
         }
       }
     }
@@ -702,118 +653,6 @@ __global__ void __launch_bounds__(THREADS, 1)
     int stage = 0;
     uint32_t phase = 0;
     [[maybe_unused]] int epi_buf = 0;  // TMA_STORE: the staging tile the next store uses
-    // EPI_DEFER (DGRAD_SWIGLU): the tile whose last EPI_DEFERRED epilogue stages are still to
-    // run (its dh columns for them wait in the staging area, see dh_staged), its rows' routing
-    // weights and <dh, h> sums so far
-    constexpr bool DEFER = MODE == MODE_DGRAD_SWIGLU && EPI_DEFER && MEGAMOE_SM90_DGRAD_EPI;
-    [[maybe_unused]] bool epi_pending = false;
-    [[maybe_unused]] float epi_w[2] = {0.f, 0.f}, epi_dot[2] = {0.f, 0.f};
-    [[maybe_unused]] int epi_pid_m = 0, epi_pid_n = 0;
-    auto next_slot = [&]() {
-      if (++stage == STAGES) {
-        stage = 0;
-        phase ^= 1;
-      }
-    };
-    auto free_slot = [&](int s) {  // cluster 1 (DGRAD_SWIGLU): this CTA's slot only
-      named_barrier(1 + cw, 128);
-      mbar_arrive_if(empty_bar + 8 * s, tid % 128 == 0);
-    };
-    // EPI_DEFER: where dh's column pair (8 (8 c + jj) + 2 (lane%4), row 16 warp + lane/4 +
-    // 8 half of this warpgroup's 64) of a deferred stage c waits: box c - 2 of the staging area,
-    // [128 rows, 64] bf16 each in the 128-byte swizzle
-    auto dh_staged = [&](int c, int jj, int half) {
-      return epi_smem + (c - (EPI_STAGES - EPI_DEFERRED)) * EPI_IN_BYTES + cw * (64 * 128) +
-             swizzled_offset<128>(warp * 16 + lane / 4 + 8 * half, jj) + 4 * (lane % 4);
-    };
-    // EPI_DEFER: stage c of a tile's epilogue from ring slot s (its a1/a3 boxes), dh from the
-    // accumulators (the tile just multiplied, stages 0, 1) or from the staging area (the
-    // deferred stages): the SwiGLU backward, da1 and da3 over a1 and a3, hw into the third box,
-    // then the warpgroup's thread 0 stores the three boxes. No branch and no wait (the deferred
-    // stages run between a wgmma batch's issue and its wait); the caller frees the slot once
-    // the stores have read it.
-    auto epi_math = [&](auto cc, int s) {
-      if constexpr (DEFER) {
-        constexpr int c = decltype(cc)::value;
-        constexpr bool staged = c >= EPI_STAGES - EPI_DEFERRED;
-        const uint32_t a1_s = smem_base + s * STAGE_BYTES + cw * (EPI_IN_BYTES / 2);
-        const uint32_t a3_s = a1_s + EPI_IN_BYTES;
-        const uint32_t hw_s = a3_s + EPI_IN_BYTES;
-#pragma unroll
-        for (int jj = 0; jj < 8; ++jj) {
-#pragma unroll
-          for (int half = 0; half < 2; ++half) {
-            const uint32_t off =
-                swizzled_offset<128>(warp * 16 + lane / 4 + 8 * half, jj) + 4 * (lane % 4);
-            const uint32_t a1_bits = ld_shared_b32(a1_s + off);
-            const uint32_t a3_bits = ld_shared_b32(a3_s + off);
-            const float2 a1 = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&a1_bits));
-            const float2 a3 = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&a3_bits));
-            float2 dh2;
-            if constexpr (staged) {
-              const uint32_t dh_bits = ld_shared_b32(dh_staged(c, jj, half));
-              dh2 = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&dh_bits));
-            } else {
-              dh2 = make_float2(acc[4 * (8 * c + jj) + 2 * half], acc[4 * (8 * c + jj) + 2 * half + 1]);
-            }
-            const float w = epi_w[half];
-            float da1[2], da3[2], hw[2];
-#pragma unroll
-            for (int e = 0; e < 2; ++e) {
-              const float x1 = e ? a1.y : a1.x, x3 = e ? a3.y : a3.x, dh = e ? dh2.y : dh2.x;
-              const float sig = epi_sigmoid(x1);
-              const float silu = x1 * sig;
-              const float h = silu * x3;
-              epi_dot[half] += dh * h;
-              const float dhw = dh * w;
-              da1[e] = dhw * x3 * (sig + silu * (1.0f - sig));
-              da3[e] = dhw * silu;
-              hw[e] = h * w;
-            }
-            __nv_bfloat162 v1 = __floats2bfloat162_rn(da1[0], da1[1]);
-            __nv_bfloat162 v3 = __floats2bfloat162_rn(da3[0], da3[1]);
-            __nv_bfloat162 vh = __floats2bfloat162_rn(hw[0], hw[1]);
-            st_shared_b32(a1_s + off, *reinterpret_cast<uint32_t*>(&v1));
-            st_shared_b32(a3_s + off, *reinterpret_cast<uint32_t*>(&v3));
-            st_shared_b32(hw_s + off, *reinterpret_cast<uint32_t*>(&vh));
-          }
-        }
-        fence_proxy_async();  // the st.shared writes, before the store engine reads them
-        named_barrier(1 + cw, 128);
-        const bool leader = tid % 128 == 0;
-        const int col = epi_pid_n * TILE_N + 64 * c, row = epi_pid_m * BM + cw * 64;
-        tma_store_2d_if(&h_map, col, row, a1_s, leader);
-        tma_store_2d_if(&h_map, p.N + col, row, a3_s, leader);
-        tma_store_2d_if(&a_map, col, row, hw_s, leader);
-        bulk_commit_if(leader);
-      }
-    };
-    // EPI_DEFER: after the deferred tile's last stage, its rows' <dh, h> (summed over the
-    // thread's columns, then over the quad's 4 lanes in a fixed order) into part[pid_n, row]
-    auto epi_part = [&]() {
-      if constexpr (DEFER) {
-#pragma unroll
-        for (int half = 0; half < 2; ++half) {
-          float d = epi_dot[half];
-          d += __shfl_xor_sync(0xffffffffu, d, 1);
-          d += __shfl_xor_sync(0xffffffffu, d, 2);
-          const long long row = static_cast<long long>(epi_pid_m) * BM + cw * 64 + warp * 16 +
-                                lane / 4 + 8 * half;
-          if (lane % 4 == 0) p.part[epi_pid_n * p.part_stride + row] = d;
-          epi_dot[half] = 0.f;
-        }
-      }
-    };
-    // EPI_DEFER: a whole epilogue stage where no wgmma batch is in flight
-    auto epi_stage = [&](auto cc) {
-      mbar_wait(full_bar + 8 * stage, phase);
-      const int s = stage;
-      epi_math(cc, s);
-      bulk_wait_read_all_if(tid % 128 == 0);
-      free_slot(s);
-      next_slot();
-    };
-    static_assert(EPI_STAGES == 4 && EPI_DEFERRED == 2, "EPI_DEFER's stage lists below");
     for (int it = 0;; ++it) {
       int u;
       if (dynamic) {
@@ -904,16 +743,6 @@ __global__ void __launch_bounds__(THREADS, 1)
           }
           release(stage, true);
           advance();
-          if constexpr (DEFER) {
-            if (epi_pending && kb == 0) epi_stage(Int<2>{});
-            if (epi_pending && kb == 1) epi_stage(Int<3>{});
-          }
-        }
-        if constexpr (DEFER) {
-          if (epi_pending) {
-            epi_part();
-            epi_pending = false;
-          }
         }
         if (!active) continue;
       }
@@ -924,48 +753,8 @@ __global__ void __launch_bounds__(THREADS, 1)
 #pragma unroll
         for (int i = 0; i < 128; ++i) acc[i] = 0.f;
       }
-      int kb_first = 0;
-      if constexpr (DEFER) {
-        // the deferred tile's epilogue stages under this tile's first K steps: K step kb's
-        // slot, then epilogue stage 2 + kb's (the producer's order); the batch is issued, the
-        // stage runs, then the batch is waited for and both slots are freed
-        auto k_step_with_epi = [&](auto kk, auto cc) {
-          constexpr int kb = decltype(kk)::value;
-          mbar_wait(full_bar + 8 * stage, phase);
-          if (!MEGAMOE_SM90_PRODUCER_FENCE) fence_proxy_async();
-          store_gathered(kb);
-          const int ks = stage;
-          next_slot();
-          mbar_wait(full_bar + 8 * stage, phase);
-          const int es = stage;
-          next_slot();
-          const uint32_t a_smem = smem_base + ks * STAGE_BYTES + cw * 64 * ROW_BYTES;
-          const uint32_t b_smem = smem_base + ks * STAGE_BYTES + A_BYTES;
-          wgmma_fence();
-#pragma unroll
-          for (int k = 0; k < BK / 16; ++k) {
-            wgmma_m64n256k16<false, true>(acc, smem_desc_swizzled<ROW_BYTES>(a_smem + k * 32),
-                                          smem_desc_nmajor128(b_smem + k * 16 * 128,
-                                                              NMAJOR_BOX_BYTES),
-                                          (kb > 0 || k > 0) ? 1 : 0);
-          }
-          wgmma_commit();
-          epi_math(cc, es);
-          wgmma_wait<0>();
-          bulk_wait_read_all_if(tid % 128 == 0);  // the dy rows' store and the stage's stores
-          free_slot(ks);
-          free_slot(es);
-        };
-        if (epi_pending && !zero_rows) {
-          k_step_with_epi(Int<0>{}, Int<2>{});
-          k_step_with_epi(Int<1>{}, Int<3>{});
-          epi_part();
-          epi_pending = false;
-          kb_first = EPI_DEFERRED;
-        }
-      }
       int prev = stage;
-      for (int kb = kb_first; kb < (zero_rows ? 0 : k_blocks); ++kb) {
+      for (int kb = 0; kb < (zero_rows ? 0 : k_blocks); ++kb) {
         mbar_wait(full_bar + 8 * stage, phase);
         // the cp.async rows are generic-proxy writes; wgmma reads through the async proxy
         // (no gathers: TMA wrote both operands, nothing to fence)
@@ -1009,31 +798,7 @@ __global__ void __launch_bounds__(THREADS, 1)
       // Epilogue. Accumulator register 4j + q of thread (warp, lane) holds row
       // 16 warp + lane/4 + 8 (q/2) and column 8j + 2 (lane%4) + q%2 of the 64x256 block; j < 16
       // is a1, j >= 16 the a3 of column 8 (j - 16) + ...
-      if constexpr (DEFER) {
-        // stages 0 and 1 now (the accumulators' dh); dh's columns of stages 2 and 3 to the
-        // staging area as bf16: they run under the next tile's first K steps (or after the
-        // loop). Each thread reads back only its own writes: no barrier.
-        epi_w[0] = row_w[0];
-        epi_w[1] = row_w[1];
-        epi_pid_m = pid_m;
-        epi_pid_n = pid_n;
-        epi_stage(Int<0>{});
-        epi_stage(Int<1>{});
-#pragma unroll
-        for (int c = EPI_STAGES - EPI_DEFERRED; c < EPI_STAGES; ++c) {
-#pragma unroll
-          for (int jj = 0; jj < 8; ++jj) {
-#pragma unroll
-            for (int half = 0; half < 2; ++half) {
-              const int r = 4 * (8 * c + jj) + 2 * half;
-              __nv_bfloat162 v = __floats2bfloat162_rn(acc[r], acc[r + 1]);
-              st_shared_b32(dh_staged(c, jj, half), *reinterpret_cast<uint32_t*>(&v));
-            }
-          }
-        }
-        epi_pending = true;
-        continue;
-      } else if constexpr (MODE == MODE_DGRAD_SWIGLU && !MEGAMOE_SM90_DGRAD_EPI) {
+      if constexpr (MODE == MODE_DGRAD_SWIGLU && !MEGAMOE_SM90_DGRAD_EPI) {
         if (acc[0] == 12345.f && acc[1] == 777.f) p.part[0] = acc[2];  // keeps the MMAs' result live
         continue;
       } else if constexpr (MODE == MODE_DGRAD_SWIGLU) {
@@ -1208,13 +973,6 @@ __global__ void __launch_bounds__(THREADS, 1)
             *reinterpret_cast<__nv_bfloat162*>(arow + p.N) = __floats2bfloat162_rn(a3x, a3y);
           }
         }
-      }
-    }
-    if constexpr (DEFER) {
-      if (epi_pending) {  // the last tile's deferred stages, after its K loop
-        epi_stage(Int<2>{});
-        epi_stage(Int<3>{});
-        epi_part();
       }
     }
     // the last tile's bulk stores complete before the CTA exits

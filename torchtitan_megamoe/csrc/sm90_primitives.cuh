@@ -166,21 +166,6 @@ __device__ __forceinline__ void tma_store_2d_commit_if(const CUtensorMap* map, i
       "r"(c0), "r"(c1), "r"(src), "r"(static_cast<uint32_t>(pred))
       : "memory");
 }
-// tma_store_2d where `pred` holds (predicated, as above; commit with bulk_commit_if)
-__device__ __forceinline__ void tma_store_2d_if(const CUtensorMap* map, int c0, int c1,
-                                                uint32_t src, bool pred) {
-  asm volatile(
-      "{\n .reg .pred p;\n setp.ne.b32 p, %4, 0;\n"
-      " @p cp.async.bulk.tensor.2d.global.shared::cta.bulk_group [%0, {%1, %2}], [%3];\n}" ::"l"(
-          reinterpret_cast<uint64_t>(map)),
-      "r"(c0), "r"(c1), "r"(src), "r"(static_cast<uint32_t>(pred))
-      : "memory");
-}
-__device__ __forceinline__ void bulk_commit_if(bool pred) {
-  asm volatile("{\n .reg .pred p;\n setp.ne.b32 p, %0, 0;\n @p cp.async.bulk.commit_group;\n}" ::"r"(
-                   static_cast<uint32_t>(pred))
-               : "memory");
-}
 // bulk_wait_read<0> where `pred` holds (predicated, as above)
 __device__ __forceinline__ void bulk_wait_read_all_if(bool pred) {
   asm volatile(
