@@ -54,8 +54,9 @@ def _f64(dy, a, tw, w2, plan):
 
 
 
-@pytest.mark.parametrize("T,K,E,D,H", [(700, 4, 8, 256, 256), (333, 2, 5, 640, 512)],
-                         ids=["k_blocks_4", "k_blocks_10"])
+@pytest.mark.parametrize("T,K,E,D,H", [(700, 4, 8, 256, 256), (333, 2, 5, 640, 512),
+                                       (300, 2, 3, 128, 256)],
+                         ids=["k_blocks_4", "k_blocks_10", "k_blocks_2"])
 def test_vs_float64_on_uneven_routings(T, K, E, D, H):
     g = torch.Generator(device="cuda").manual_seed(0)
     w2 = (torch.randn(E, D, H, device="cuda", generator=g) / D**0.5).bfloat16()
