@@ -46,6 +46,10 @@
 //     warpgroup on empty[s] (2 per CTA complete it). After the K loop: SwiGLU in fp32 and bf16
 //     stores of h (and a) straight from registers; meanwhile the producer already fills the ring
 //     with the next tile's stages.
+//   Why the epilogue is not overlapped with the next tile's MMAs (docs/PERF.md, session 16):
+//     a fourth (epilogue) warpgroup does not compile (ptxas caps a 512-thread CTA at 128
+//     registers per thread; the m64n256k16 wgmma needs 154: C7602), and running half the
+//     epilogue between the next tile's first wgmma batches and their waits measured slower.
 // Clusters of 2 (CLUSTER = 2): a unit is M tiles 2u, 2u+1 x one N tile, CTA rank r computes
 //   M tile 2u + r, and both CTAs walk the same units in lockstep. When both tiles belong to one
 //   expert ("shared"), CTA r loads only weight tile r (w1 or w3) and multicasts it to both, so
