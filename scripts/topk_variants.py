@@ -1,8 +1,9 @@
 """The router's top-k launch (ops/triton/topk.py, _topk_gate_kernel with the softmax, as the
 Qwen3 routers run it) at 16384 tokens x 128 experts, top 8, per tile choice: BLOCK_T tokens per
 program x num_warps. GPU time per launch: 20 launches captured in a CUDA graph, the graph's
-replays timed by CUDA events (median of 20), so the host's launch cost is left out; each choice's indices, gating values and fp32
-scores are compared with the current default's (a tile change may reorder the softmax's sums):
+replays timed by CUDA events (median of 20), so the host's launch cost is left out. Each
+choice's indices, gating values and fp32 scores are compared with the current default's (a tile
+change may reorder the softmax's sums):
 
     source scripts/_device_env.sh; install_wheels
     python3 scripts/topk_variants.py
@@ -43,8 +44,8 @@ def main() -> None:
             dv = (vals - ref[0]).abs().max().item()
             dp = (probs - ref[3]).abs().max().item()
             print(f"block_t {block_t:3d} warps {num_warps}: {us:7.1f} us  indices "
-                  f"{'equal' if same_idx else 'DIFFER'}, max |dvals| {dv:.1e}, max |dprobs| {dp:.1e}",
-                  flush=True)
+                  f"{'equal' if same_idx else 'DIFFER'}, max |dvals| {dv:.1e}, "
+                  f"max |dprobs| {dp:.1e}", flush=True)
 
 
 if __name__ == "__main__":
