@@ -82,3 +82,22 @@ def test_tuned_is_the_pick_once_timed_and_none_otherwise(tuner, monkeypatch):
     monkeypatch.setattr(tune, "_tuning_enabled", lambda: False)
     assert tune.tuned("check", 3) is None
     assert tune.pick_config("check", 3, [dict(id=0), dict(id=1)], None)["id"] == 0
+
+
+def test_a_candidate_builder_runs_only_until_a_pick_is_cached(tuner):
+    """pick_config takes a function for the candidate list (the backward's stages build theirs
+    that way): called for the first pick of a key, not once the pick is cached."""
+    out = torch.zeros(8)
+    tuner.update({0: 2.0, 1: 1.0})
+    built = []
+
+    def candidates():
+        built.append(1)
+        return [dict(id=0), dict(id=1)]
+
+    def launch(cfg):
+        return out.fill_(1.0)
+
+    for _ in range(3):
+        assert tune.pick_config("lazy", 5, candidates, launch, outputs=lambda r: (r,))["id"] == 1
+    assert len(built) == 1

@@ -109,7 +109,7 @@ from torchtitan_megamoe.ops.triton.bwd_wgrad import longest_first, wgrad
 from torchtitan_megamoe.ops.triton.forward import interpret_defaults
 from torchtitan_megamoe.ops.triton.gemm1_swiglu import gemm1_swiglu
 from torchtitan_megamoe.ops.triton.plan import build_plan, unpack_plan
-from torchtitan_megamoe.ops.triton.tune import bucket, pick_config, tuned
+from torchtitan_megamoe.ops.triton.tune import bucket, pick_config
 
 BLOCK_M = 128
 """Plan tile height on the GPU (row tile of kernels A and C)."""
@@ -305,8 +305,8 @@ def backward_local(grad_out, x, topk_ids, topk_weights, w1, w2, w3, saved=None, 
             return tuple(res)
         return dgrad_l2_swiglu(dy, a_saved, topk_weights, w2, plan, out=a_bufs["out"], **cfg)
 
-    # Each stage's candidate list is built only until the tuner has picked (host time: the
-    # backward's stages run back to back, nothing hides their issue cost at small batches).
+    # Each stage's candidate list is a function, built only until the tuner has picked (host
+    # time: the backward's stages run back to back, nothing hides their issue cost).
     def a_stage():
         stage = stage_candidates(a_cands, D, H, E)
         if block_m == BLOCK_M and a_sm90_fits(x, w2):
@@ -321,8 +321,7 @@ def backward_local(grad_out, x, topk_ids, topk_weights, w1, w2, w3, saved=None, 
         used = int(plan.num_rows_used)
         return res[0][:used], res[1][:used], res[2].sum(0)[:used]
 
-    a_cfg = (tuned("bwd_dgrad_l2_swiglu", key)
-             or pick_config("bwd_dgrad_l2_swiglu", key, a_stage(), launch_a, outputs=a_outputs))
+    a_cfg = pick_config("bwd_dgrad_l2_swiglu", key, a_stage, launch_a, outputs=a_outputs)
     da, hw, part = launch_a(a_cfg)
     if not (is_cublas(a_cfg) or a_cfg.get("impl") in ("sm90", "sm90_fused")):
         shared.clear()  # no dy rows for dw2 to reuse
@@ -366,16 +365,14 @@ def backward_local(grad_out, x, topk_ids, topk_weights, w1, w2, w3, saved=None, 
             stage = stage + [B_SM90, B_SM90_PRE_GATHERED]
         return stage
 
-    dw2 = launch_dw2(tuned("bwd_wgrad_dw2", key)
-                     or pick_config("bwd_wgrad_dw2", key, b_stage(), launch_dw2,
-                                    outputs=lambda r: (r,)))
+    dw2 = launch_dw2(pick_config("bwd_wgrad_dw2", key, b_stage, launch_dw2,
+                                 outputs=lambda r: (r,)))
     del hw
     shared.clear()
     if wait_x is not None:
         wait_x()
-    dw1, dw3 = launch_dw13(tuned("bwd_wgrad_dw13", key)
-                           or pick_config("bwd_wgrad_dw13", key, b_stage(), launch_dw13,
-                                          outputs=lambda r: r))
+    dw1, dw3 = launch_dw13(pick_config("bwd_wgrad_dw13", key, b_stage, launch_dw13,
+                                       outputs=lambda r: r))
 
     # Kernel C (or _grouped_mm, or the sm90 kernel), then the combine. Each side allocates its
     # dx rows itself (the cuBLAS side only after its second GEMM's output is freed): [T*K, D]
@@ -400,9 +397,8 @@ def backward_local(grad_out, x, topk_ids, topk_weights, w1, w2, w3, saved=None, 
         live = torch.nonzero(plan.slot_row >= 0).squeeze(1)[::61]
         return (res[0][plan.slot_row[live].long()] if res[1] else res[0][live],)
 
-    dx_slot, in_rows = launch_c(tuned("bwd_dgrad_l1", key)
-                                or pick_config("bwd_dgrad_l1", key, c_stage(), launch_c,
-                                               outputs=c_outputs))
+    dx_slot, in_rows = launch_c(pick_config("bwd_dgrad_l1", key, c_stage, launch_c,
+                                            outputs=c_outputs))
     del da
     dx, dtw = bwd_combine(dx_slot, part, plan, dx_dtype=x.dtype, dtw_dtype=topk_weights.dtype,
                           rows=in_rows)

@@ -30,7 +30,7 @@ from torchtitan_megamoe.ops.triton.tiling import (
     cast_out, grouped_tile, launch_config, persistent_programs,
 )
 from torchtitan_megamoe.ops.triton.tune import bucket as _bucket
-from torchtitan_megamoe.ops.triton.tune import interpreter_needs_f32_dot, pick_config, tuned
+from torchtitan_megamoe.ops.triton.tune import interpreter_needs_f32_dot, pick_config
 
 
 @triton.jit
@@ -214,14 +214,15 @@ def gemm1_swiglu(
     # checkpointing recomputes a forward with save_a whose first run had none, and the Triton
     # and CUDA kernels round SwiGLU differently.
     key = (_bucket(R), H, D, E, plan.block_m)
-    cfg = config or tuned("gemm1_swiglu", key)
-    if cfg is None:
+    def candidates():  # built only until the tuner has picked (pick_config)
         cands = [c for c in GPU_CONFIGS if H % c["BLOCK_N"] == 0 and D % c["BLOCK_K"] == 0]
         if any(c["BLOCK_N"] == 128 for c in cands):
             cands = [c for c in cands if c["BLOCK_N"] == 128]
         if shape_supported(H, D, plan.block_m) and sm90_usable(x):
             cands += SM90_CONFIGS
-        cfg = pick_config("gemm1_swiglu", key, cands, launch,
-                          outputs=lambda _: (h, a) if save_a else (h,))
+        return cands
+
+    cfg = config or pick_config("gemm1_swiglu", key, candidates, launch,
+                                outputs=lambda _: (h, a) if save_a else (h,))
     launch(cfg)
     return (h, a) if save_a else h

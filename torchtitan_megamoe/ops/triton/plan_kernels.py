@@ -24,11 +24,11 @@ plus bin E for slots not computed here; E_PAD > E bins.
          expert, as the torch path.
          Waits on: the count launch (stream order). Signals: nothing.
 The scan was a one-program launch of its own until 2026-11-30 (session 14): each launch before
-the first GEMM costs the H200 host tens of microseconds in a waited forward (scripts/host_issue.py,
-docs/PERF.md session 14), more than the redundant scans' reads (256 KiB of L2 per program at
-30B; estimated at a few microseconds, not measured alone). Measured before the sort (one-hot [BLOCK, E_PAD] cumsums, the
-tile map in the one-program scan): 25 + 35 + 46 us at 30B EP=1, 68 + 50 + 108 us at EP=2
-(docs/PERF.md).
+the first GEMM costs the H200 host tens of microseconds in a waited forward
+(scripts/host_issue.py, docs/PERF.md session 14), more than the redundant scans' reads (256 KiB
+of L2 per program at 30B; estimated at a few microseconds, not measured alone). Measured before
+the sort (one-hot [BLOCK, E_PAD] cumsums, the tile map in the one-program scan): 25 + 35 + 46 us
+at 30B EP=1, 68 + 50 + 108 us at EP=2 (docs/PERF.md).
 """
 
 import torch

@@ -92,10 +92,17 @@ def tuned(name: str, key: tuple) -> dict | None:
     return chosen if chosen is not None and _tuning_enabled() else None
 
 
-def pick_config(name: str, key: tuple, candidates: list, launch, outputs=None) -> dict:
-    """The fastest candidate for (name, key), timed once and cached. ``outputs(result)``: the
-    tensors a launch wrote, from its return value, to check each candidate against the first
-    (see the module docstring); None: no check."""
+def pick_config(name: str, key: tuple, candidates, launch, outputs=None) -> dict:
+    """The fastest candidate for (name, key), timed once and cached. ``candidates``: the list,
+    or a function that builds it, called only while no pick is cached (building it costs host
+    time on every call otherwise). ``outputs(result)``: the tensors a launch wrote, from its
+    return value, to check each candidate against the first (see the module docstring); None:
+    no check."""
+    if callable(candidates):
+        chosen = tuned(name, key)
+        if chosen is not None:
+            return chosen
+        candidates = candidates()
     if len(candidates) == 1:
         return candidates[0]
     chosen = tuned(name, key)
