@@ -121,17 +121,18 @@ def test_real_30b_shape_matches_triton_and_float64(cluster, defines):
     h2 = nan_tensor(plan.max_rows, H)
     gemm1_swiglu_sm90(x, w1, w3, plan, h2, cluster=cluster, defines=defines)
     assert torch.equal(h2[:used], h[:used]), "two runs must be bitwise identical"
-    if cluster == 1:
-        # the tile order (global ticket or static stride) must not change any tile's result
-        h3 = nan_tensor(plan.max_rows, H)
-        gemm1_swiglu_sm90(x, w1, w3, plan, h3, cluster=1, defines=defines, dynamic=False)
-        assert torch.equal(h3[:used], h[:used]), "static and dynamic tile orders differ"
+    # the tile order (global ticket or static stride) must not change any tile's result
+    h3 = nan_tensor(plan.max_rows, H)
+    gemm1_swiglu_sm90(x, w1, w3, plan, h3, cluster=cluster, defines=defines, dynamic=False)
+    assert torch.equal(h3[:used], h[:used]), "static and dynamic tile orders differ"
 
 
-def test_ticket_left_zeroed_for_the_next_launch():
+@CLUSTERS
+def test_ticket_left_zeroed_for_the_next_launch(cluster):
     """Launches on one stream share its ticket (ops/cuda/sm90.launch_context): each must leave
     it at zero, or the next launch would skip tiles (left NaN here). Also on a second stream,
-    with another routing, and with launches of different unit counts back to back."""
+    with another routing, with launches of different unit counts back to back, and with
+    clusters (one taker per cluster) between launches without."""
     from torchtitan_megamoe.ops.cuda.sm90 import launch_context
 
     T, K, E, D, H = 1000, 4, 8, 256, 256
@@ -149,11 +150,11 @@ def test_ticket_left_zeroed_for_the_next_launch():
     side = torch.cuda.Stream()
     for stream in (torch.cuda.current_stream(), side):
         with torch.cuda.stream(stream):
-            for i in (0, 1, 0, 0, 1):
+            for i, c in ((0, cluster), (1, cluster), (0, 1), (0, cluster), (1, 3 - cluster)):
                 plan = plans[i]
                 used = int(plan.num_rows_used)
                 h = nan_tensor(plan.max_rows, H)
-                gemm1_swiglu_sm90(x, w1, w3, plan, h, cluster=1)
+                gemm1_swiglu_sm90(x, w1, w3, plan, h, cluster=c)
                 assert torch.equal(h[:used], ref[i][:used]), "a launch skipped tiles"
             ticket = launch_context(x.device)[2]
             assert int(ticket) == 0, "the ticket was not left zeroed"
