@@ -13,7 +13,6 @@ import sys
 import torch
 
 from torchtitan_megamoe.bench.shapes import SHAPES, uniform_routing
-from torchtitan_megamoe.ops.cuda.sm90 import BULK_STORE
 from torchtitan_megamoe.ops.triton import gemm1_swiglu as g1
 from torchtitan_megamoe.ops.triton.plan import build_plan
 from torchtitan_megamoe.timing import median_ms
@@ -96,11 +95,6 @@ def main(shape_name: str = "235b") -> None:
         # measuring only (wrong results): which operand's loads miss L2
         "sm90_c1_no_a": dict(c1, DEFINES=("MEGAMOE_SM90_LOAD=2",)),
         "sm90_c1_no_b": dict(c1, DEFINES=("MEGAMOE_SM90_LOAD=1",)),
-        # clusters of 2 sharing each weight tile by multicast, in the dynamic (one ticket per
-        # cluster) and static orders, against sm90_c1_tma (the tuner's sm90 candidate)
-        "sm90_c2_tma_g4": dict(c2, DEFINES=BULK_STORE),
-        "sm90_c2_tma_g8": dict(c2, GROUP_M=8, DEFINES=BULK_STORE),
-        "sm90_c2_tma_static": dict(c2, STATIC=True, DEFINES=BULK_STORE),
         "sm90_c1_g16": dict(c1, GROUP_M=16),
         "sm90_c1_g4": dict(c1, GROUP_M=4),
     }

@@ -8,10 +8,6 @@ single median per variant drifted by 5-10% between neighbouring measurements on 
     python3 scripts/rows_variants.py 30b            # default vs MEGAMOE_SM90_PAD_SKIP=0
     KNOB=MEGAMOE_SM90_WGMMA_LAG=1 python3 scripts/rows_variants.py 235b
     KNOB=MEGAMOE_SM90_EPI_BUFFERS=2,MEGAMOE_SM90_STAGES=3 python3 scripts/rows_variants.py 30b
-    KNOB= CLUSTER=2 python3 scripts/rows_variants.py 235b  # CTA pairs multicasting the weights
-
-CLUSTER (default 1) is the second variant's cluster size (the first runs with 1); an empty KNOB
-leaves its build the default one.
 """
 
 import os
@@ -29,10 +25,7 @@ from torchtitan_megamoe.timing import median_ms
 
 def main(shape_name: str = "30b") -> None:
     knob = os.environ.get("KNOB", "MEGAMOE_SM90_PAD_SKIP=0")  # a comma list for several
-    cluster = int(os.environ.get("CLUSTER", "1"))
-    label = ",".join(filter(None, [knob, f"cluster {cluster}" if cluster != 1 else ""]))
-    variants = {"default": (BULK_STORE, 1),
-                label: (BULK_STORE + tuple(filter(None, knob.split(","))), cluster)}
+    variants = {"default": BULK_STORE, knob: BULK_STORE + tuple(knob.split(","))}
     D, H, E, K, T, plan = variant_setup(shape_name)
     R = plan.max_rows
     pad = plan.row_slot < 0
@@ -48,13 +41,11 @@ def main(shape_name: str = "30b") -> None:
     y = torch.empty(R, D, device="cuda", dtype=torch.bfloat16)
     dx = torch.empty(R, D, device="cuda", dtype=torch.bfloat16)
     used = int(plan.num_rows_used)
-    print(f"{shape_name}: rows used {used} (padding {int(pad[:used].sum())}), variant {label}")
+    print(f"{shape_name}: rows used {used} (padding {int(pad[:used].sum())}), knob {knob}")
     kernels = {
-        "gemm1_swiglu": lambda d, c: gemm1_swiglu_sm90(x, w1, w3, plan, hout, cluster=c,
-                                                       defines=d),
-        "gemm2_rows": lambda d, c: gemm_rows_sm90(h, w2, plan, y, defines=d, cluster=c),
-        "dgrad_l1 (C)": lambda d, c: gemm_rows_nmajor_sm90(da, (w1, w3), plan, dx, defines=d,
-                                                           cluster=c),
+        "gemm1_swiglu": lambda d: gemm1_swiglu_sm90(x, w1, w3, plan, hout, cluster=1, defines=d),
+        "gemm2_rows": lambda d: gemm_rows_sm90(h, w2, plan, y, defines=d),
+        "dgrad_l1 (C)": lambda d: gemm_rows_nmajor_sm90(da, (w1, w3), plan, dx, defines=d),
     }
     print("| kernel | " + " | ".join(variants) + " | ratio | outputs |")
     print("| --- | " + " | ".join("---" for _ in variants) + " | --- | --- |")
@@ -62,12 +53,12 @@ def main(shape_name: str = "30b") -> None:
     for name, run in kernels.items():
         out = {"gemm1_swiglu": hout, "gemm2_rows": y}.get(name, dx)
         outs, samples = [], [[] for _ in variants]
-        for defines, c in variants.values():
-            run(defines, c)  # build and warm each variant before the rounds
+        for defines in variants.values():
+            run(defines)  # build and warm each variant before the rounds
             outs.append(out[:used].clone())
         for _ in range(rounds):
-            for i, (defines, c) in enumerate(variants.values()):
-                samples[i].append(median_ms(lambda d=defines, c=c: run(d, c), 10, 2))
+            for i, defines in enumerate(variants.values()):
+                samples[i].append(median_ms(lambda d=defines: run(d), 10, 2))
         times = [statistics.median(t) for t in samples]
         same = all(torch.equal(outs[0], o) for o in outs[1:])
         print(f"| {name} | " + " | ".join(f"{t:.3f}" for t in times)

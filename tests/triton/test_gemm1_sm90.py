@@ -121,18 +121,17 @@ def test_real_30b_shape_matches_triton_and_float64(cluster, defines):
     h2 = nan_tensor(plan.max_rows, H)
     gemm1_swiglu_sm90(x, w1, w3, plan, h2, cluster=cluster, defines=defines)
     assert torch.equal(h2[:used], h[:used]), "two runs must be bitwise identical"
-    # the tile order (global ticket or static stride) must not change any tile's result
-    h3 = nan_tensor(plan.max_rows, H)
-    gemm1_swiglu_sm90(x, w1, w3, plan, h3, cluster=cluster, defines=defines, dynamic=False)
-    assert torch.equal(h3[:used], h[:used]), "static and dynamic tile orders differ"
+    if cluster == 1:
+        # the tile order (global ticket or static stride) must not change any tile's result
+        h3 = nan_tensor(plan.max_rows, H)
+        gemm1_swiglu_sm90(x, w1, w3, plan, h3, cluster=1, defines=defines, dynamic=False)
+        assert torch.equal(h3[:used], h[:used]), "static and dynamic tile orders differ"
 
 
-@CLUSTERS
-def test_ticket_left_zeroed_for_the_next_launch(cluster):
+def test_ticket_left_zeroed_for_the_next_launch():
     """Launches on one stream share its ticket (ops/cuda/sm90.launch_context): each must leave
     it at zero, or the next launch would skip tiles (left NaN here). Also on a second stream,
-    with another routing, with launches of different unit counts back to back, and with
-    clusters (one taker per cluster) between launches without."""
+    with another routing, and with launches of different unit counts back to back."""
     from torchtitan_megamoe.ops.cuda.sm90 import launch_context
 
     T, K, E, D, H = 1000, 4, 8, 256, 256
@@ -150,11 +149,11 @@ def test_ticket_left_zeroed_for_the_next_launch(cluster):
     side = torch.cuda.Stream()
     for stream in (torch.cuda.current_stream(), side):
         with torch.cuda.stream(stream):
-            for i, c in ((0, cluster), (1, cluster), (0, 1), (0, cluster), (1, 3 - cluster)):
+            for i in (0, 1, 0, 0, 1):
                 plan = plans[i]
                 used = int(plan.num_rows_used)
                 h = nan_tensor(plan.max_rows, H)
-                gemm1_swiglu_sm90(x, w1, w3, plan, h, cluster=c)
+                gemm1_swiglu_sm90(x, w1, w3, plan, h, cluster=1)
                 assert torch.equal(h[:used], ref[i][:used]), "a launch skipped tiles"
             ticket = launch_context(x.device)[2]
             assert int(ticket) == 0, "the ticket was not left zeroed"

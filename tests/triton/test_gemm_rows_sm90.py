@@ -21,8 +21,7 @@ EPILOGUES = pytest.mark.parametrize(
     "defines", [(), ("MEGAMOE_SM90_TMA_STORE=1",), ("MEGAMOE_SM90_TMA_STORE=1", "MEGAMOE_SM90_WGMMA_LAG=1"),
                 ("MEGAMOE_SM90_TMA_STORE=1", "MEGAMOE_SM90_EPI_BUFFERS=2", "MEGAMOE_SM90_STAGES=3")],
     ids=["registers", "tma_store", "tma_store_lag1", "tma_store_2_buffers"])
-# CTA pairs that multicast each weight tile both M tiles share (one ticket per pair)
-CLUSTERS = pytest.mark.parametrize("cluster", [1, 2], ids=["cta", "cluster2"])
+
 
 
 def _rows_input(plan, K, seed=0):
@@ -53,24 +52,22 @@ def _check(out, inp, w, plan, tol=1e-2):
     assert torch.isnan(out[used:]).all(), "wrote rows past the used ones"
 
 
-@CLUSTERS
 @EPILOGUES
 @pytest.mark.parametrize("group_m", [8, 1])
 @pytest.mark.parametrize("T,K,E,N,KD", [(700, 4, 8, 256, 256), (333, 2, 5, 512, 640)],
                          ids=["k_blocks_4", "k_blocks_10"])
-def test_vs_float64_on_uneven_routings(T, K, E, N, KD, group_m, defines, cluster):
+def test_vs_float64_on_uneven_routings(T, K, E, N, KD, group_m, defines):
     w = (torch.randn(E, N, KD, device="cuda") / KD**0.5).bfloat16()
     for name, ids in routings(T, K, E):
         plan = build_plan(ids.cuda(), E, BM)
         inp = _rows_input(plan, KD)
         out = nan_tensor(plan.max_rows, N)
-        gemm_rows_sm90(inp, w, plan, out, group_m=group_m, defines=defines, cluster=cluster)
+        gemm_rows_sm90(inp, w, plan, out, group_m=group_m, defines=defines)
         torch.cuda.synchronize()
         _check(out, inp, w, plan)
 
 
-@CLUSTERS
-def test_phased_plan_writes_only_its_phase(cluster):
+def test_phased_plan_writes_only_its_phase():
     T, K, E, N, KD = 600, 4, 6, 256, 256
     w = (torch.randn(E, N, KD, device="cuda") / KD**0.5).bfloat16()
     ids = torch.stack([torch.randperm(E)[:K] for _ in range(T)]).cuda()
@@ -80,11 +77,11 @@ def test_phased_plan_writes_only_its_phase(cluster):
     out = nan_tensor(plan.max_rows, N)
     tile_of_row = lambda tiles: tiles.repeat_interleave(BM)[: plan.max_rows]  # noqa: E731
     p0 = type(plan)(**{**plan.__dict__, "tile_expert": phase_tiles[0]})
-    gemm_rows_sm90(inp, w, p0, out, cluster=cluster)
+    gemm_rows_sm90(inp, w, p0, out)
     torch.cuda.synchronize()
     assert torch.isnan(out[tile_of_row(phase_tiles[0]) < 0]).all(), "wrote another phase's tiles"
     p1 = type(plan)(**{**plan.__dict__, "tile_expert": phase_tiles[1]})
-    gemm_rows_sm90(inp, w, p1, out, cluster=cluster)
+    gemm_rows_sm90(inp, w, p1, out)
     _check(out, inp, w, plan)
 
 
@@ -119,26 +116,20 @@ def test_real_30b_shape_matches_triton_and_float64(defines):
     y3 = nan_tensor(plan.max_rows, D)
     gemm_rows_sm90(h, w2, plan, y3, defines=defines, dynamic=False)
     assert torch.equal(y3[:used], y[:used]), "static and dynamic tile orders differ"
-    for dynamic in (True, False):
-        # CTA pairs multicasting the weight tiles: the same sums in the same order per tile
-        y4 = nan_tensor(plan.max_rows, D)
-        gemm_rows_sm90(h, w2, plan, y4, defines=defines, dynamic=dynamic, cluster=2)
-        assert torch.equal(y4[:used], y[:used]), f"cluster 2 (dynamic {dynamic}) differs"
 
 
-@CLUSTERS
 @EPILOGUES
 @pytest.mark.parametrize("n_weights", [1, 2])
 @pytest.mark.parametrize("T,K,E,N,KS", [(700, 4, 8, 256, 128), (333, 2, 5, 512, 320)],
                          ids=["k_blocks_2_per_weight", "k_blocks_5_per_weight"])
-def test_nmajor_vs_float64_on_uneven_routings(T, K, E, N, KS, n_weights, defines, cluster):
+def test_nmajor_vs_float64_on_uneven_routings(T, K, E, N, KS, n_weights, defines):
     ws = tuple((torch.randn(E, KS, N, device="cuda") / (KS * n_weights) ** 0.5).bfloat16()
                for _ in range(n_weights))
     for name, ids in routings(T, K, E):
         plan = build_plan(ids.cuda(), E, BM)
         inp = _rows_input(plan, KS * n_weights, seed=1)
         out = nan_tensor(plan.max_rows, N)
-        gemm_rows_nmajor_sm90(inp, ws, plan, out, defines=defines, cluster=cluster)
+        gemm_rows_nmajor_sm90(inp, ws, plan, out, defines=defines)
         torch.cuda.synchronize()
         _check(out, inp, ws, plan)
 
@@ -167,9 +158,6 @@ def test_nmajor_real_30b_kernel_c_matches_triton():
     gemm_rows_nmajor_sm90(da, (w1, w3), plan, again, defines=defines)
     used = int(plan.num_rows_used)
     assert torch.equal(again[:used], dx_rows[:used]), "two runs must be bitwise identical"
-    pair = nan_tensor(plan.max_rows, D)
-    gemm_rows_nmajor_sm90(da, (w1, w3), plan, pair, defines=defines, cluster=2)
-    assert torch.equal(pair[:used], dx_rows[:used]), "cluster 2 differs from cluster 1"
 
 
 def test_backward_with_the_sm90_kernel_c_matches_the_reference(monkeypatch):

@@ -311,8 +311,7 @@ __global__ void __launch_bounds__(THREADS, 1)
   constexpr bool GATHER_A = GATHER_ROWS || MODE == MODE_WGRAD_GATHER_A;
   constexpr bool GATHER_B = MODE == MODE_WGRAD_GATHER_B;
   constexpr bool GATHERS = GATHER_A || GATHER_B;  // the producer's 128 threads issue cp.async
-  static_assert(!(WGRAD || MODE == MODE_DGRAD_SWIGLU) || CLUSTER == 1,
-                "WGRAD and DGRAD_SWIGLU modes: cluster 1 only");
+  static_assert(!ROWS || CLUSTER == 1, "ROWS and WGRAD modes: cluster 1 only");
   constexpr int TILE_N = ROWS ? 2 * BN : BN;  // output columns of a tile (per operand in GATHER)
   static_assert(MODE != MODE_DGRAD_SWIGLU || (BK == 64 && TILE_N == 64 * EPI_STAGES &&
                                                STAGE_BYTES == 3 * EPI_IN_BYTES),
@@ -330,10 +329,7 @@ __global__ void __launch_bounds__(THREADS, 1)
   const uint32_t unit_empty = unit_full + 2 * 8;
   volatile int* unit_id = reinterpret_cast<volatile int*>(smem + STAGES * STAGE_BYTES +
                                                           EPI_BYTES + 2 * STAGES * 8 + 4 * 8);
-  // the producer warpgroup's own copy of each slot's unit (see the producer's dynamic branch)
-  volatile int* producer_unit = unit_id + 2;
-  const uint32_t unit_id_addr = smem_u32(const_cast<int*>(unit_id));
-  const bool dynamic = p.ticket != nullptr;
+  const bool dynamic = CLUSTER == 1 && p.ticket != nullptr;
 
   const int tid = threadIdx.x;
   const int wg = tid / 128;
@@ -344,10 +340,8 @@ __global__ void __launch_bounds__(THREADS, 1)
       mbar_init(empty_bar + 8 * s, 2 * CLUSTER);  // one per consumer warpgroup of each CTA
     }
     for (int s = 0; s < 2; ++s) {
-      mbar_init(unit_full + 8 * s, 1);  // CTA 0's producer thread 0 published unit_id[s] here
-      // (used in CTA 0 only) every reader has read unit_id[s]: both consumer warpgroups of
-      // each CTA, and with a cluster the peer's producer thread 0
-      mbar_init(unit_empty + 8 * s, 2 * CLUSTER + (CLUSTER - 1));
+      mbar_init(unit_full + 8 * s, 1);   // the producer's thread 0 published unit_id[s]
+      mbar_init(unit_empty + 8 * s, 2);  // both consumer warpgroups have read it
     }
     mbar_init_fence();
     tma_prefetch_desc(&w1_map);
@@ -373,15 +367,12 @@ __global__ void __launch_bounds__(THREADS, 1)
   const int unit_stride = gridDim.x / CLUSTER;
   const int group_m = p.group_m;
 
-  // Unit of the it-th tile this CTA computes. Static: every gridDim-th unit from blockIdx.
-  // Dynamic: CTA 0's producer thread 0 takes the next unit number from the global ticket and
+  // Unit of the it-th tile this CTA computes. Static: every gridDim-th unit from blockIdx. Dynamic
+  // (CLUSTER 1): the producer's thread 0 takes the next unit number from the global ticket and
   // passes it to its warpgroup (named barrier 3) and to the consumers (unit_full/unit_empty
   // ring), so the CTAs walk the units in one global order however they drift apart: the
   // weights of the units in flight stay in L2 (the static stride let slow and fast SMs spread
-  // over several experts' weights: 3x Triton's DRAM traffic at 235B, docs/PERF.md). With a
-  // cluster it also stores the number into the peer's unit_id slot and arrives on the peer's
-  // unit_full (cluster-scope release); the peer's readers arrive on CTA 0's unit_empty, which
-  // alone guards the slot's reuse, so both CTAs walk the same units.
+  // over several experts' weights: 3x Triton's DRAM traffic at 235B, docs/PERF.md).
   auto static_unit = [&](int it) { return first_unit + it * unit_stride; };
 
   // Expert of each CTA's M tile in unit (um); -1 past the used rows or for another phase.
@@ -472,37 +463,17 @@ __global__ void __launch_bounds__(THREADS, 1)
       if (dynamic) {
         const int slot = it & 1;
         if (tid == 0) {
-          int got;
-          if (rank == 0) {
-            if (CLUSTER > 1) {
-              mbar_wait_cluster(unit_empty + 8 * slot, ((it >> 1) & 1) ^ 1);
-            } else {
-              mbar_wait(unit_empty + 8 * slot, ((it >> 1) & 1) ^ 1);
-            }
-            got = atomicAdd(p.ticket, 1);
-            // Every cluster takes exactly one number >= num_units (then stops), so the taker
-            // of num_units + clusters - 1 is the last one to touch the ticket: it zeroes it for
-            // the next launch on this stream (ops/cuda/sm90.py keeps one ticket per stream).
-            if (got == num_units + static_cast<int>(gridDim.x) / CLUSTER - 1) {
-              atomicExch(p.ticket, 0);
-            }
-            unit_id[slot] = got;
-            mbar_arrive(unit_full + 8 * slot);  // release: the consumers' wait acquires the id
-            if constexpr (CLUSTER > 1) {
-              st_shared_cluster_u32(unit_id_addr + 4 * slot, 1, static_cast<uint32_t>(got));
-              mbar_arrive_release_cluster_if(unit_full + 8 * slot, 1, true);
-            }
-          } else {
-            mbar_wait_cluster(unit_full + 8 * slot, (it >> 1) & 1);
-            got = unit_id[slot];
-            mbar_arrive_release_cluster_if(unit_empty + 8 * slot, 0, true);
-          }
-          // The warpgroup reads its copy, which only this thread writes, two units later
-          // (after the next named barrier): the shared slot may be refilled once read.
-          producer_unit[slot] = got;
+          mbar_wait(unit_empty + 8 * slot, ((it >> 1) & 1) ^ 1);
+          const int got = atomicAdd(p.ticket, 1);
+          // Every CTA takes exactly one number >= num_units (then stops), so the taker of
+          // num_units + gridDim.x - 1 is the last one to touch the ticket: it zeroes it for the
+          // next launch on this stream (ops/cuda/sm90.py keeps one ticket pool per stream).
+          if (got == num_units + static_cast<int>(gridDim.x) - 1) atomicExch(p.ticket, 0);
+          unit_id[slot] = got;
+          mbar_arrive(unit_full + 8 * slot);  // release: the consumers' wait acquires the id
         }
         if (GATHERS) named_barrier(3, 128);
-        u = producer_unit[slot];
+        u = unit_id[slot];
       } else {
         u = static_unit(it);
       }
@@ -608,8 +579,6 @@ __global__ void __launch_bounds__(THREADS, 1)
           }
           gather_rows(a_smem, kb);
           gathers_issued(full);
-        } else if (ROWS && CLUSTER > 1 && expert < 0) {
-          mbar_arrive(full);  // idle in this unit (the peer is not): complete it without data
         } else if constexpr (NMAJOR) {
           const int k0 = kb * BK;
           const bool first = k0 < p.k_split;
@@ -617,31 +586,15 @@ __global__ void __launch_bounds__(THREADS, 1)
           const int k_row = expert * p.k_split + (first ? k0 : k0 - p.k_split);
           mbar_arrive_expect_tx(full, A_BYTES + B_BYTES);
           tma_load_2d(a_smem, &in_map, k0, pid_m * BM, full);
-          // cluster, same expert in both CTAs: each loads half of the B boxes for both
-          constexpr int BOXES = TILE_N / 64;
 #pragma unroll
-          for (int j = 0; j < BOXES; ++j) {
-            const uint32_t dst = b_smem + j * NMAJOR_BOX_BYTES;
-            const int col = pid_n * TILE_N + 64 * j;
-            if (CLUSTER > 1 && shared) {
-              if (j / (BOXES / CLUSTER) == static_cast<int>(rank)) {
-                tma_load_2d_multicast(dst, w_map, col, k_row, full, (1u << CLUSTER) - 1);
-              }
-            } else {
-              tma_load_2d(dst, w_map, col, k_row, full);
-            }
+          for (int j = 0; j < TILE_N / 64; ++j) {
+            tma_load_2d(b_smem + j * NMAJOR_BOX_BYTES, w_map, pid_n * TILE_N + 64 * j, k_row, full);
           }
         } else if constexpr (ROWS) {
           mbar_arrive_expect_tx(full, A_BYTES + B_BYTES);
           tma_load_2d(a_smem, &in_map, kb * BK, pid_m * BM, full);
-          if (CLUSTER > 1 && shared) {
-            // same expert in both CTAs: each loads one of the two row halves of w's tile for both
-            tma_load_2d_multicast(b_smem + rank * (B_BYTES / 2), &w1_map, kb * BK,
-                                  rank == 0 ? w_row : w_row_b1, full, (1u << CLUSTER) - 1);
-          } else {
-            tma_load_2d(b_smem, &w1_map, kb * BK, w_row, full);
-            tma_load_2d(b_smem + B_BYTES / 2, &w3_map, kb * BK, w_row_b1, full);
-          }
+          tma_load_2d(b_smem, &w1_map, kb * BK, w_row, full);
+          tma_load_2d(b_smem + B_BYTES / 2, &w3_map, kb * BK, w_row_b1, full);
         } else if (expert < 0) {
           // idle in this unit (the peer is not): complete the stage without data
           flush_pending();
@@ -708,18 +661,10 @@ __global__ void __launch_bounds__(THREADS, 1)
       int u;
       if (dynamic) {
         const int slot = it & 1;
-        if (CLUSTER > 1) {
-          mbar_wait_cluster(unit_full + 8 * slot, (it >> 1) & 1);
-        } else {
-          mbar_wait(unit_full + 8 * slot, (it >> 1) & 1);
-        }
+        mbar_wait(unit_full + 8 * slot, (it >> 1) & 1);
         u = unit_id[slot];
         named_barrier(1 + cw, 128);  // the whole warpgroup has read the slot
-        if (CLUSTER > 1) {
-          mbar_arrive_release_cluster_if(unit_empty + 8 * slot, 0, tid % 128 == 0);
-        } else {
-          mbar_arrive_if(unit_empty + 8 * slot, tid % 128 == 0);
-        }
+        mbar_arrive_if(unit_empty + 8 * slot, tid % 128 == 0);
       } else {
         u = static_unit(it);
       }
@@ -1114,8 +1059,8 @@ static int launch(const CUtensorMap& w1_map, const CUtensorMap& w3_map, const CU
 // megamoe_error_string for the message. Shapes are checked by the Python wrapper
 // (ops/cuda/gemm1_swiglu.py): H % 128 == 0, D % 64 == 0, plan_bm % 128 == 0, 16-byte aligned
 // rows and pointers. cluster: 1, or 2 (pairs of CTAs share each weight tile by multicast).
-// ticket: a zeroed device int (the launch leaves it zeroed) for the dynamic tile order, or
-// nullptr (static).
+// ticket: a zeroed device int (cluster 1 only; the launch leaves it zeroed) for the dynamic
+// tile order, or nullptr (static).
 // rows: rows of h (and a), the extent of their tensor maps (TMA_STORE).
 extern "C" int megamoe_gemm1_swiglu(const void* x, const void* w1, const void* w3, void* h,
                                     void* a, const int* row_slot, const int* tile_expert,
@@ -1157,7 +1102,7 @@ extern "C" int megamoe_gemm1_swiglu(const void* x, const void* w1, const void* w
   p.top_k = top_k;
   p.plan_bm = plan_bm;
   p.group_m = group_m;
-  p.ticket = ticket;
+  p.ticket = cluster == 1 ? ticket : nullptr;
   p.stride_x = stride_x;
   p.stride_h = stride_h;
   p.stride_a = stride_a;
@@ -1177,15 +1122,12 @@ extern "C" int megamoe_gemm1_swiglu(const void* x, const void* w1, const void* w
 // in [rows, K] and out [rows, N] contiguous bf16, weights contiguous; row_slot: the plan's
 // (padding rows -1; tiles' padding halves are skipped) or nullptr. Shapes are checked by the
 // Python wrapper (ops/cuda/gemm_rows.py): N % 256 == 0, K and k_split % 64 == 0, plan_bm %
-// 128 == 0. cluster: 1, or 2 (pairs of CTAs share each weight tile by multicast when both M
-// tiles belong to one expert). ticket: a zeroed device int (dynamic tile order; left zeroed)
-// or nullptr (static).
+// 128 == 0. ticket: a zeroed device int (dynamic tile order; left zeroed) or nullptr (static).
 extern "C" int megamoe_gemm_rows(const void* in, const void* w, const void* w2, void* out,
                                  const int* row_slot, const int* tile_expert,
                                  const int* num_rows_used, int E, int N,
                                  int K, int k_split, int n_major, int plan_bm, int group_m,
-                                 long long rows, int num_sms, int cluster, int* ticket,
-                                 void* stream) {
+                                 long long rows, int num_sms, int* ticket, void* stream) {
   using namespace megamoe::grouped;
   CUtensorMap w_map, w2_map, in_map, out_map;
   int rc;
@@ -1220,14 +1162,10 @@ extern "C" int megamoe_gemm_rows(const void* in, const void* w, const void* w2, 
   p.ticket = ticket;
   p.stride_h = N;
   cudaStream_t s = static_cast<cudaStream_t>(stream);
-  if (cluster != 1 && cluster != 2) return -3;
   if (n_major) {
-    return cluster == 2
-               ? launch<2, MODE_ROWS_NMAJOR>(w_map, w2_map, out_map, out_map, in_map, p, num_sms, s)
-               : launch<1, MODE_ROWS_NMAJOR>(w_map, w2_map, out_map, out_map, in_map, p, num_sms, s);
+    return launch<1, MODE_ROWS_NMAJOR>(w_map, w2_map, out_map, out_map, in_map, p, num_sms, s);
   }
-  return cluster == 2 ? launch<2, MODE_ROWS>(w_map, w2_map, out_map, out_map, in_map, p, num_sms, s)
-                      : launch<1, MODE_ROWS>(w_map, w2_map, out_map, out_map, in_map, p, num_sms, s);
+  return launch<1, MODE_ROWS>(w_map, w2_map, out_map, out_map, in_map, p, num_sms, s);
 }
 
 // C entry point (ctypes) of the WGRAD mode (see the header): for every expert e of the plan,

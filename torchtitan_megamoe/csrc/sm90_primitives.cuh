@@ -87,42 +87,6 @@ __device__ __forceinline__ void mbar_arrive_cluster_if(uint32_t bar, uint32_t ct
       : "memory");
 }
 
-// The dynamic tile order of a cluster (grouped_gemm_sm90.cu): CTA 0 hands each unit number to
-// its peer through the peer's shared memory. Cluster-scope release/acquire, because the data an
-// arrival publishes (or, for the "slot read" arrivals, the read it follows) lives in another
-// CTA's shared memory.
-
-// Stores v at the shared-memory offset `addr` of CTA `cta` of the cluster.
-__device__ __forceinline__ void st_shared_cluster_u32(uint32_t addr, uint32_t cta, uint32_t v) {
-  uint32_t remote;
-  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(addr), "r"(cta));
-  asm volatile("st.shared::cluster.u32 [%0], %1;" ::"r"(remote), "r"(v) : "memory");
-}
-
-// Arrival on the barrier at offset `bar` of CTA `cta` (this one included), ordered after every
-// earlier memory access of this thread at cluster scope, by the threads whose `pred` is set.
-__device__ __forceinline__ void mbar_arrive_release_cluster_if(uint32_t bar, uint32_t cta,
-                                                               bool pred) {
-  uint32_t remote;
-  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(bar), "r"(cta));
-  asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %1, 0;\n"
-      "@p mbarrier.arrive.release.cluster.shared::cluster.b64 _, [%0];\n}\n" ::"r"(remote),
-      "r"(static_cast<uint32_t>(pred))
-      : "memory");
-}
-
-// mbar_wait with cluster-scope acquire: the completed phase's arrivals may come from the peer.
-__device__ __forceinline__ void mbar_wait_cluster(uint32_t bar, uint32_t parity) {
-  asm volatile(
-      "{\n.reg .pred p;\n"
-      "WAIT:\n"
-      "mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 p, [%0], %1;\n"
-      "@!p bra WAIT;\n}\n" ::"r"(bar),
-      "r"(parity)
-      : "memory");
-}
-
 // Named barrier over `threads` threads (a warpgroup: 128) with id 1..15 (0 is __syncthreads).
 __device__ __forceinline__ void named_barrier(uint32_t id, uint32_t threads) {
   asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(threads) : "memory");

@@ -36,7 +36,7 @@ def gemm1_swiglu_sm90(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, plan:
     third less L2 -> SM traffic per stage (measured: less DRAM traffic, no less time).
     ``group_m``: M tiles (pairs with cluster 2) that sweep one N tile together; 0: one group
     per wave of resident CTAs. ``defines``: the .cu file's compile-time knobs (MEGAMOE_SM90_*),
-    for measuring variants. ``dynamic``: CTAs (clusters) take their tiles from a global ticket
+    for measuring variants. ``dynamic`` (cluster 1): CTAs take their tiles from a global ticket
     in one order, instead of every gridDim-th tile (whose CTAs drift apart and spread over
     more experts' weights than L2 holds)."""
     E, H, D = w1.shape
@@ -53,7 +53,7 @@ def gemm1_swiglu_sm90(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, plan:
     assert x.shape[1] == D and h.shape == (plan.max_rows, H)
     assert a is None or a.shape == (plan.max_rows, 2 * H)
     lib = grouped_gemm_library(tuple(defines))
-    num_sms, stream, ticket = launch_context(x.device, dynamic)
+    num_sms, stream, ticket = launch_context(x.device, dynamic and cluster == 1)
     num_n = H // BN
     if group_m == 0:
         group_m = max(1, num_sms // cluster // num_n)

@@ -31,32 +31,27 @@ def shape_supported(N: int, K: int, block_m: int) -> bool:
 
 
 def gemm_rows_sm90(inp: torch.Tensor, w: torch.Tensor, plan: Plan, out: torch.Tensor,
-                   group_m: int = 8, defines: tuple = (), dynamic: bool = True,
-                   cluster: int = 1) -> None:
+                   group_m: int = 8, defines: tuple = (), dynamic: bool = True) -> None:
     """Writes out [R_max, N] = inp [R_max, K] @ w[e]^T (w [E, N, K]) for the used rows of
-    ``plan``. ``group_m``: M tiles (pairs with cluster 2) that sweep one N tile together.
-    ``defines``: the .cu file's MEGAMOE_SM90_* knobs. ``dynamic``: tiles from a global ticket
-    in one order, ``cluster`` 2: CTA pairs that multicast shared weight tiles (see
+    ``plan``. ``group_m``: M tiles that sweep one N tile together. ``defines``: the .cu file's
+    MEGAMOE_SM90_* knobs. ``dynamic``: tiles from a global ticket in one order (see
     gemm1_swiglu_sm90)."""
     E, N, K = w.shape
-    _launch("gemm_rows_sm90", inp, (w,), plan, out, E, N, K, K, False, group_m, defines, dynamic,
-            cluster)
+    _launch("gemm_rows_sm90", inp, (w,), plan, out, E, N, K, K, False, group_m, defines, dynamic)
 
 
 def gemm_rows_nmajor_sm90(inp: torch.Tensor, ws: tuple, plan: Plan, out: torch.Tensor,
-                          group_m: int = 8, defines: tuple = (), dynamic: bool = True,
-                          cluster: int = 1) -> None:
+                          group_m: int = 8, defines: tuple = (), dynamic: bool = True) -> None:
     """Writes out [R_max, N] = sum_i inp[:, i*Ks:(i+1)*Ks] @ ws[i][e] for the used rows of
     ``plan``; ws: one or two [E, Ks, N] weights (N contiguous), inp [R_max, len(ws) * Ks]."""
     if not 1 <= len(ws) <= 2 or any(t.shape != ws[0].shape for t in ws):
         raise ValueError("gemm_rows_nmajor_sm90: ws must be one or two weights of one shape")
     E, Ks, N = ws[0].shape
     _launch("gemm_rows_nmajor_sm90", inp, tuple(ws), plan, out, E, N, Ks * len(ws), Ks, True,
-            group_m, defines, dynamic, cluster)
+            group_m, defines, dynamic)
 
 
-def _launch(who, inp, ws, plan, out, E, N, K, k_split, n_major, group_m, defines, dynamic,
-            cluster):
+def _launch(who, inp, ws, plan, out, E, N, K, k_split, n_major, group_m, defines, dynamic):
     if not shape_supported(N, K, plan.block_m) or k_split % BK:
         raise ValueError(
             f"{who} needs out columns % {BN} == 0, K (and each weight's K) % {BK} == 0 and a "
@@ -76,7 +71,7 @@ def _launch(who, inp, ws, plan, out, E, N, K, k_split, n_major, group_m, defines
     rc = lib.megamoe_gemm_rows(
         inp.data_ptr(), ws[0].data_ptr(), ws[-1].data_ptr(), out.data_ptr(),
         plan.row_slot.data_ptr(), plan.tile_expert.data_ptr(), plan.num_rows_used.data_ptr(), E, N, K, k_split,
-        int(n_major), plan.block_m, group_m, R, num_sms, cluster,
+        int(n_major), plan.block_m, group_m, R, num_sms,
         ticket.data_ptr() if ticket is not None else None, stream,
     )
     raise_on_error(lib, rc, who)

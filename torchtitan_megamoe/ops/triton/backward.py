@@ -382,8 +382,7 @@ def backward_local(grad_out, x, topk_ids, topk_weights, w1, w2, w3, saved=None, 
             return dgrad_l1_cublas(da, w1, w3, plan), False
         if cfg.get("impl") == "sm90":
             dx_rows = torch.empty(R, D, dtype=x.dtype, device=x.device)
-            sm90_rows.gemm_rows_nmajor_sm90(da, (w1, w3), plan, dx_rows, defines=cfg["defines"],
-                                            cluster=cfg.get("cluster", 1))
+            sm90_rows.gemm_rows_nmajor_sm90(da, (w1, w3), plan, dx_rows, defines=cfg["defines"])
             return dx_rows, True
         return dgrad_l1(da, w1, w3, plan, out_dtype=x.dtype, **cfg), False
 

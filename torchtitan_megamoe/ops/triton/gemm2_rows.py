@@ -148,7 +148,7 @@ def gemm2_rows(
         assert plan.block_m % bm == 0 and D % bn == 0 and H % bk == 0, (cfg, D, H)
         if cfg.get("IMPL") == "sm90":
             gemm_rows_sm90(h, w2, plan, y, group_m=cfg["GROUP_M"], defines=cfg.get("DEFINES", ()),
-                           dynamic=not cfg.get("STATIC", False), cluster=cfg.get("CLUSTER", 1))
+                           dynamic=not cfg.get("STATIC", False))
             return
         num_m = R // bm
         cfg, grid = launch_config(cfg, num_m * (D // bn), h.device,
