@@ -8,7 +8,11 @@ single median per variant drifted by 5-10% between neighbouring measurements on 
     python3 scripts/rows_variants.py 30b            # default vs MEGAMOE_SM90_PAD_SKIP=0
     KNOB=MEGAMOE_SM90_WGMMA_LAG=1 python3 scripts/rows_variants.py 235b
     KNOB=MEGAMOE_SM90_EPI_BUFFERS=2,MEGAMOE_SM90_STAGES=3 python3 scripts/rows_variants.py 30b
-    KNOB=pingpong python3 scripts/rows_variants.py 30b  # GEMM 2 and kernel C: the ping-pong kernel
+
+KERNELS (a comma list of the table's kernel names) picks rows. NCU=1: each kernel of the
+variant named by VARIANTS (default, or the knob) is only launched twice, for Nsight Compute:
+    SHAPE=30b SCRIPT=scripts/rows_variants.py KERNEL=grouped_gemm_kernel VARIANTS=default \
+        KERNELS=gemm2_rows bash scripts/ncu_stalls.sh
 """
 
 import os
@@ -26,9 +30,7 @@ from torchtitan_megamoe.timing import median_ms
 
 def main(shape_name: str = "30b") -> None:
     knob = os.environ.get("KNOB", "MEGAMOE_SM90_PAD_SKIP=0")  # a comma list for several
-    pingpong = knob == "pingpong"  # csrc/rows_pingpong_sm90.cu instead of a knob of the ROWS mode
-    variants = {"default": (BULK_STORE, False),
-                knob: ((), True) if pingpong else (BULK_STORE + tuple(knob.split(",")), False)}
+    variants = {"default": BULK_STORE, knob: BULK_STORE + tuple(knob.split(","))}
     D, H, E, K, T, plan = variant_setup(shape_name)
     R = plan.max_rows
     pad = plan.row_slot < 0
@@ -46,26 +48,33 @@ def main(shape_name: str = "30b") -> None:
     used = int(plan.num_rows_used)
     print(f"{shape_name}: rows used {used} (padding {int(pad[:used].sum())}), knob {knob}")
     kernels = {
-        "gemm1_swiglu": lambda d, pp: gemm1_swiglu_sm90(x, w1, w3, plan, hout, cluster=1,
-                                                        defines=d),
-        "gemm2_rows": lambda d, pp: gemm_rows_sm90(h, w2, plan, y, defines=d, pingpong=pp),
-        "dgrad_l1 (C)": lambda d, pp: gemm_rows_nmajor_sm90(da, (w1, w3), plan, dx, defines=d,
-                                                            pingpong=pp),
+        "gemm1_swiglu": lambda d: gemm1_swiglu_sm90(x, w1, w3, plan, hout, cluster=1, defines=d),
+        "gemm2_rows": lambda d: gemm_rows_sm90(h, w2, plan, y, defines=d),
+        "dgrad_l1 (C)": lambda d: gemm_rows_nmajor_sm90(da, (w1, w3), plan, dx, defines=d),
     }
-    if pingpong:
-        del kernels["gemm1_swiglu"]  # no ping-pong GEMM 1
+    only = os.environ.get("KERNELS")
+    if only:
+        kernels = {k: v for k, v in kernels.items() if k in only.split(",")}
+    if os.environ.get("NCU") == "1":
+        defines = variants[os.environ.get("VARIANTS", "default")]
+        for name, run in kernels.items():
+            run(defines)
+            run(defines)
+            torch.cuda.synchronize()
+            print(f"{shape_name} {name}: launched", flush=True)
+        return
     print("| kernel | " + " | ".join(variants) + " | ratio | outputs |")
     print("| --- | " + " | ".join("---" for _ in variants) + " | --- | --- |")
     rounds = int(os.environ.get("ROUNDS", "5"))
     for name, run in kernels.items():
         out = {"gemm1_swiglu": hout, "gemm2_rows": y}.get(name, dx)
         outs, samples = [], [[] for _ in variants]
-        for defines, pp in variants.values():
-            run(defines, pp)  # build and warm each variant before the rounds
+        for defines in variants.values():
+            run(defines)  # build and warm each variant before the rounds
             outs.append(out[:used].clone())
         for _ in range(rounds):
-            for i, (defines, pp) in enumerate(variants.values()):
-                samples[i].append(median_ms(lambda d=defines, pp=pp: run(d, pp), 10, 2))
+            for i, defines in enumerate(variants.values()):
+                samples[i].append(median_ms(lambda d=defines: run(d), 10, 2))
         times = [statistics.median(t) for t in samples]
         same = all(torch.equal(outs[0], o) for o in outs[1:])
         print(f"| {name} | " + " | ".join(f"{t:.3f}" for t in times)

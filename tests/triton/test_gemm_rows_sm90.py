@@ -21,11 +21,6 @@ EPILOGUES = pytest.mark.parametrize(
     "defines", [(), ("MEGAMOE_SM90_TMA_STORE=1",), ("MEGAMOE_SM90_TMA_STORE=1", "MEGAMOE_SM90_WGMMA_LAG=1"),
                 ("MEGAMOE_SM90_TMA_STORE=1", "MEGAMOE_SM90_EPI_BUFFERS=2", "MEGAMOE_SM90_STAGES=3")],
     ids=["registers", "tma_store", "tma_store_lag1", "tma_store_2_buffers"])
-# csrc/rows_pingpong_sm90.cu (no compile-time knobs) next to the ROWS mode's epilogues
-KERNELS = pytest.mark.parametrize(
-    "defines,pingpong",
-    [(d, False) for d in EPILOGUES.args[1]] + [((), True)],
-    ids=EPILOGUES.kwargs["ids"] + ["pingpong"])
 
 
 
@@ -57,23 +52,22 @@ def _check(out, inp, w, plan, tol=1e-2):
     assert torch.isnan(out[used:]).all(), "wrote rows past the used ones"
 
 
-@KERNELS
+@EPILOGUES
 @pytest.mark.parametrize("group_m", [8, 1])
 @pytest.mark.parametrize("T,K,E,N,KD", [(700, 4, 8, 256, 256), (333, 2, 5, 512, 640)],
                          ids=["k_blocks_4", "k_blocks_10"])
-def test_vs_float64_on_uneven_routings(T, K, E, N, KD, group_m, defines, pingpong):
+def test_vs_float64_on_uneven_routings(T, K, E, N, KD, group_m, defines):
     w = (torch.randn(E, N, KD, device="cuda") / KD**0.5).bfloat16()
     for name, ids in routings(T, K, E):
         plan = build_plan(ids.cuda(), E, BM)
         inp = _rows_input(plan, KD)
         out = nan_tensor(plan.max_rows, N)
-        gemm_rows_sm90(inp, w, plan, out, group_m=group_m, defines=defines, pingpong=pingpong)
+        gemm_rows_sm90(inp, w, plan, out, group_m=group_m, defines=defines)
         torch.cuda.synchronize()
         _check(out, inp, w, plan)
 
 
-@pytest.mark.parametrize("pingpong", [False, True], ids=["rows", "pingpong"])
-def test_phased_plan_writes_only_its_phase(pingpong):
+def test_phased_plan_writes_only_its_phase():
     T, K, E, N, KD = 600, 4, 6, 256, 256
     w = (torch.randn(E, N, KD, device="cuda") / KD**0.5).bfloat16()
     ids = torch.stack([torch.randperm(E)[:K] for _ in range(T)]).cuda()
@@ -83,11 +77,11 @@ def test_phased_plan_writes_only_its_phase(pingpong):
     out = nan_tensor(plan.max_rows, N)
     tile_of_row = lambda tiles: tiles.repeat_interleave(BM)[: plan.max_rows]  # noqa: E731
     p0 = type(plan)(**{**plan.__dict__, "tile_expert": phase_tiles[0]})
-    gemm_rows_sm90(inp, w, p0, out, pingpong=pingpong)
+    gemm_rows_sm90(inp, w, p0, out)
     torch.cuda.synchronize()
     assert torch.isnan(out[tile_of_row(phase_tiles[0]) < 0]).all(), "wrote another phase's tiles"
     p1 = type(plan)(**{**plan.__dict__, "tile_expert": phase_tiles[1]})
-    gemm_rows_sm90(inp, w, p1, out, pingpong=pingpong)
+    gemm_rows_sm90(inp, w, p1, out)
     _check(out, inp, w, plan)
 
 
@@ -124,51 +118,18 @@ def test_real_30b_shape_matches_triton_and_float64(defines):
     assert torch.equal(y3[:used], y[:used]), "static and dynamic tile orders differ"
 
 
-def test_pingpong_real_30b_shape_and_a_384_column_output():
-    """The ping-pong kernel at the 30B GEMM 2 shape against float64 and the ROWS mode, bitwise
-    reruns in both tile orders; and an output of 384 columns (a multiple of its 128-column
-    tiles, not of the ROWS mode's 256), K-major and N-major."""
-    T, K, E, D, H = 16384, 8, 128, 2048, 768
-    torch.manual_seed(0)
-    w2 = (torch.randn(E, D, H, device="cuda") / H**0.5).bfloat16()
-    plan = build_plan(skewed_ids(T, K, E), E, BM)
-    h = _rows_input(plan, H)
-    y = nan_tensor(plan.max_rows, D)
-    gemm_rows_sm90(h, w2, plan, y, pingpong=True)
-    _check(y, h, w2, plan)
-    used = int(plan.num_rows_used)
-    rows = nan_tensor(plan.max_rows, D)
-    gemm_rows_sm90(h, w2, plan, rows, defines=("MEGAMOE_SM90_TMA_STORE=1",))
-    assert float((y[:used].float() - rows[:used].float()).norm() / rows[:used].float().norm()) < 1e-2
-    for dynamic in (True, False):
-        again = nan_tensor(plan.max_rows, D)
-        gemm_rows_sm90(h, w2, plan, again, dynamic=dynamic, pingpong=True)
-        assert torch.equal(again[:used], y[:used]), f"rerun differs (dynamic {dynamic})"
-    T, K, E, N, KS = 900, 4, 6, 384, 192
-    plan = build_plan(skewed_ids(T, K, E), E, BM)
-    w = (torch.randn(E, N, 2 * KS, device="cuda") / (2 * KS) ** 0.5).bfloat16()
-    inp = _rows_input(plan, 2 * KS, seed=5)
-    out = nan_tensor(plan.max_rows, N)
-    gemm_rows_sm90(inp, w, plan, out, pingpong=True)
-    _check(out, inp, w, plan)
-    ws = tuple((torch.randn(E, KS, N, device="cuda") / (2 * KS) ** 0.5).bfloat16() for _ in range(2))
-    out = nan_tensor(plan.max_rows, N)
-    gemm_rows_nmajor_sm90(inp, ws, plan, out, pingpong=True)
-    _check(out, inp, ws, plan)
-
-
-@KERNELS
+@EPILOGUES
 @pytest.mark.parametrize("n_weights", [1, 2])
 @pytest.mark.parametrize("T,K,E,N,KS", [(700, 4, 8, 256, 128), (333, 2, 5, 512, 320)],
                          ids=["k_blocks_2_per_weight", "k_blocks_5_per_weight"])
-def test_nmajor_vs_float64_on_uneven_routings(T, K, E, N, KS, n_weights, defines, pingpong):
+def test_nmajor_vs_float64_on_uneven_routings(T, K, E, N, KS, n_weights, defines):
     ws = tuple((torch.randn(E, KS, N, device="cuda") / (KS * n_weights) ** 0.5).bfloat16()
                for _ in range(n_weights))
     for name, ids in routings(T, K, E):
         plan = build_plan(ids.cuda(), E, BM)
         inp = _rows_input(plan, KS * n_weights, seed=1)
         out = nan_tensor(plan.max_rows, N)
-        gemm_rows_nmajor_sm90(inp, ws, plan, out, defines=defines, pingpong=pingpong)
+        gemm_rows_nmajor_sm90(inp, ws, plan, out, defines=defines)
         torch.cuda.synchronize()
         _check(out, inp, ws, plan)
 
@@ -197,11 +158,6 @@ def test_nmajor_real_30b_kernel_c_matches_triton():
     gemm_rows_nmajor_sm90(da, (w1, w3), plan, again, defines=defines)
     used = int(plan.num_rows_used)
     assert torch.equal(again[:used], dx_rows[:used]), "two runs must be bitwise identical"
-    pp = nan_tensor(plan.max_rows, D)
-    gemm_rows_nmajor_sm90(da, (w1, w3), plan, pp, pingpong=True)  # the ping-pong kernel C
-    _check(pp, da, (w1, w3), plan)
-    assert float((pp[:used].float() - dx_rows[:used].float()).norm()
-                 / dx_rows[:used].float().norm()) < 1e-2
 
 
 def test_backward_with_the_sm90_kernel_c_matches_the_reference(monkeypatch):

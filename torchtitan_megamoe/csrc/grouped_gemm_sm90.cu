@@ -113,7 +113,6 @@
 #include <stdint.h>
 
 #include "sm90_primitives.cuh"
-#include "sm90_tiles.cuh"
 
 namespace megamoe {
 namespace grouped {
@@ -252,6 +251,16 @@ struct Params {
   long long stride_h;
   long long stride_a;
 };
+
+__device__ __forceinline__ void grouped_tile(int t, int num_m, int num_n, int group_m, int& pid_m,
+                                             int& pid_n) {
+  // GROUP_M consecutive M tiles sweep one N tile together (weight tiles reused from L2)
+  const int per_group = group_m * num_n;
+  const int first_m = (t / per_group) * group_m;
+  const int size = min(num_m - first_m, group_m);
+  pid_m = first_m + (t % per_group) % size;
+  pid_n = (t % per_group) / size;
+}
 
 __device__ __forceinline__ float epi_sigmoid(float x) {
   if constexpr (MEGAMOE_SM90_SIGMOID == 1) {
@@ -978,11 +987,35 @@ __global__ void __launch_bounds__(THREADS, 1)
   }
 }
 
-// Tensor map of a [rows, cols] row-major bf16 matrix (sm90_tiles.cuh) with this build's L2
-// promotion; box_cols 64 gives the 128-byte swizzle, 32 the 64-byte one.
+typedef CUresult (*EncodeTiled)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*,
+                                const cuuint64_t*, const cuuint64_t*, const cuuint32_t*,
+                                const cuuint32_t*, CUtensorMapInterleave, CUtensorMapSwizzle,
+                                CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
+
+// Tensor map of a [rows, cols] row-major bf16 matrix, boxes of box_rows x box_cols, stored in
+// shared memory with the box_cols * 2-byte swizzle (128 or 64: the layouts smem_desc_swizzled
+// and swizzled_offset describe).
 static int make_map(CUtensorMap* map, const void* ptr, long long rows, long long cols,
                     int box_rows, int box_cols = BK) {
-  return make_bf16_map(map, ptr, rows, cols, box_rows, box_cols, MEGAMOE_SM90_L2_PROMOTION);
+  static EncodeTiled encode = nullptr;
+  if (encode == nullptr) {
+    cudaDriverEntryPointQueryResult q;
+    void* fn = nullptr;
+    cudaError_t err =
+        cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000, cudaEnableDefault, &q);
+    if (err != cudaSuccess || q != cudaDriverEntryPointSuccess || fn == nullptr) return -1;
+    encode = reinterpret_cast<EncodeTiled>(fn);
+  }
+  cuuint64_t dims[2] = {static_cast<cuuint64_t>(cols), static_cast<cuuint64_t>(rows)};
+  cuuint64_t strides[1] = {static_cast<cuuint64_t>(cols) * 2};
+  cuuint32_t box[2] = {static_cast<cuuint32_t>(box_cols), static_cast<cuuint32_t>(box_rows)};
+  cuuint32_t estr[2] = {1, 1};
+  CUresult r = encode(map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, const_cast<void*>(ptr), dims,
+                      strides, box, estr, CU_TENSOR_MAP_INTERLEAVE_NONE,
+                      box_cols * 2 == 128 ? CU_TENSOR_MAP_SWIZZLE_128B : CU_TENSOR_MAP_SWIZZLE_64B,
+                      static_cast<CUtensorMapL2promotion>(MEGAMOE_SM90_L2_PROMOTION),
+                      CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  return r == CUDA_SUCCESS ? 0 : -2;
 }
 
 template <int CLUSTER, int MODE>
@@ -1241,7 +1274,8 @@ extern "C" int megamoe_dgrad_swiglu(const void* dy, long long stride_dy, const v
 }
 
 extern "C" const char* megamoe_error_string(int code) {
-  if (const char* m = megamoe::tensor_map_error(code)) return m;
+  if (code == -1) return "cuTensorMapEncodeTiled not found through the CUDA runtime";
+  if (code == -2) return "cuTensorMapEncodeTiled rejected a tensor map";
   if (code == -3) return "cluster must be 1 or 2";
   if (code == -4) return "megamoe_dgrad_swiglu needs a build with MEGAMOE_SM90_BK=64";
   return cudaGetErrorString(static_cast<cudaError_t>(code));

@@ -20,9 +20,8 @@ it with bulk tensor stores (it won every GEMM it was measured on, docs/PERF.md).
 TUNER_BUILDS = ((), BULK_STORE)
 """Every build of csrc/grouped_gemm_sm90.cu that a tuner candidate or a default launch uses
 (tests/triton/test_cuda_build.py keeps this in step with the candidate lists). ``python -m
-torchtitan_megamoe.ops.cuda.sm90`` compiles them, and csrc/rows_pingpong_sm90.cu, into
-$MEGAMOE_CUDA_CACHE ahead of time, e.g. into .cuda_cache here to carry to a GPU machine
-(scripts/_device_env.sh uses it there)."""
+torchtitan_megamoe.ops.cuda.sm90`` compiles them into $MEGAMOE_CUDA_CACHE ahead of time, e.g.
+into .cuda_cache here to carry to a GPU machine (scripts/_device_env.sh uses it there)."""
 
 
 def sm90_buildable(x: torch.Tensor) -> bool:
@@ -54,20 +53,6 @@ def grouped_gemm_library(defines: tuple = ()) -> ctypes.CDLL:
         lib.megamoe_dgrad_swiglu.argtypes = [p, ll, p, p, p, p, p, p, p, p, p, p, i, i, i, i, i,
                                              ll, i, p, p]
         lib.megamoe_dgrad_swiglu.restype = i
-        lib.megamoe_error_string.argtypes = [i]
-        lib.megamoe_error_string.restype = ctypes.c_char_p
-        lib._megamoe_typed = True
-    return lib
-
-
-def rows_pingpong_library() -> ctypes.CDLL:
-    """csrc/rows_pingpong_sm90.cu (one build: it has no compile-time knobs), entry point typed."""
-    lib = load("rows_pingpong_sm90")
-    if not getattr(lib, "_megamoe_typed", False):
-        p, i, ll = ctypes.c_void_p, ctypes.c_int, ctypes.c_longlong
-        lib.megamoe_gemm_rows_pingpong.argtypes = [p, p, p, p, p, p, p, i, i, i, i, i, i, i, ll,
-                                                   i, p, p]
-        lib.megamoe_gemm_rows_pingpong.restype = i
         lib.megamoe_error_string.argtypes = [i]
         lib.megamoe_error_string.restype = ctypes.c_char_p
         lib._megamoe_typed = True
@@ -129,4 +114,3 @@ if __name__ == "__main__":
 
     for defines in TUNER_BUILDS:
         print(build("grouped_gemm_sm90", defines))
-    print(build("rows_pingpong_sm90"))
