@@ -24,7 +24,10 @@
 # kept back per setup still to come), EXTRA_ARGS (appended to
 # every run, e.g. a tiny CPU flavor), CONFIG, NPROC, WHEELS=0 (use the current env, not .whl),
 # PYTHON (default python3), MEGAMOE_TRITON_TUNE (default 0: the first,
-# default kernel config, no per-shape timing or extra compiles; 1 times every candidate).
+# default kernel config, no per-shape timing or extra compiles; 1 times every candidate),
+# PROFILE_STEP (e.g. 8, at most --training.steps: both runs of each setup profile that step
+# with TorchTitan's profiler, and $OUT/profile_<setup>.md sets rank 0's kernel time by category
+# of the two runs side by side, torchtitan_megamoe/ab/trace.py).
 # Output ($OUT, or ./.out by hand): summary.md, train_check.tar.gz (per setup: report.md,
 # ab.png, summary.json, both logs and TOMLs), env.log.
 # Exit status: 0 every setup agrees, 1 a setup disagrees, 2 a run failed or logged no steps (for
@@ -82,12 +85,20 @@ for s in $SETUPS; do
     bad_setup=1
     continue
   fi
-  echo "=== setup $s: $args $EXTRA_ARGS (timeout ${t} s per run, $((SECONDS - START)) s elapsed)"
+  prof_args=""
+  [ -n "${PROFILE_STEP:-}" ] && prof_args="--profiling.enable_profiling --profiling.profile_freq $PROFILE_STEP"
+  echo "=== setup $s: $args $EXTRA_ARGS $prof_args (timeout ${t} s per run, $((SECONDS - START)) s elapsed)"
   # shellcheck disable=SC2086
   timeout -k 15 $((2 * t + 60)) $PY -m torchtitan_megamoe.ab --config "$CONFIG" --nproc "$NPROC" \
-    --out "$WORK/$s" --rtol "$RTOL" --atol "$ATOL" --timeout "$t" -- $args $EXTRA_ARGS \
+    --out "$WORK/$s" --rtol "$RTOL" --atol "$ATOL" --timeout "$t" -- $args $EXTRA_ARGS $prof_args \
     >"$WORK/ab_$s.out" 2>&1
   src=$?
+  if [ -n "${PROFILE_STEP:-}" ]; then
+    tr="profile_traces/iteration_$PROFILE_STEP/rank0_trace.json"
+    $PY -m torchtitan_megamoe.ab.trace "stock=$WORK/$s/stock/$tr" "megamoe=$WORK/$s/megamoe/$tr" \
+      > "$OUT/profile_$s.md" 2>&1
+    head -16 "$OUT/profile_$s.md"
+  fi
   grep '^\[megamoe.ab\]\|verdict\|max |loss' "$WORK/ab_$s.out"
   echo "setup $s: ab exit $src"
   # Stock failed (no step logged): train stock with full AC as the reference for the converter.

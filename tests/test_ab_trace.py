@@ -1,0 +1,48 @@
+"""torchtitan_megamoe.ab.trace on a small hand-written Chrome trace: categories by kernel name
+(ours before the dense-GEMM pattern), the step window, the union of overlapping kernels."""
+
+import json
+
+from torchtitan_megamoe.ab import trace
+
+
+def _kernel(name, ts, dur, stream=7):
+    return {"ph": "X", "cat": "kernel", "name": name, "ts": ts, "dur": dur, "tid": stream}
+
+
+TRACE = {"traceEvents": [
+    {"ph": "X", "cat": "user_annotation", "name": "ProfilerStep#3", "ts": 0, "dur": 900},
+    {"ph": "X", "cat": "user_annotation", "name": "ProfilerStep#2", "ts": -1000, "dur": 900},
+    _kernel("void megamoe::grouped::grouped_gemm_kernel<1, 1>(...)", 100, 200),
+    _kernel("_wgrad_kernel", 300, 100),
+    _kernel("flash_fwd_kernel", 400, 150),
+    _kernel("ncclDevKernel_ReduceScatter_Sum_f32", 450, 300, stream=9),  # overlaps the attention
+    _kernel("sm90_xmma_gemm_bf16bf16_bf16f32", 800, 250),  # runs past the step's CPU span
+    _kernel("triton_poi_fused_add_0", 1050, 10),
+    _kernel("_wgrad_kernel", -900, 50),  # the step before: not counted
+    {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "ts": 10, "dur": 5},
+]}
+
+
+def test_categories_step_window_and_union():
+    p = trace.summarize(TRACE)
+    assert p.by_category == {
+        "NCCL": 0.3, "dense GEMMs": 0.25, "megamoe sm90 GEMMs": 0.2, "attention": 0.15,
+        "megamoe Triton kernels": 0.1, "torch.compile Triton kernels": 0.01}
+    assert abs(p.step_ms - 1.06) < 1e-9  # from the step's start to the last kernel's end
+    # busy: [100, 750) and [800, 1060): the overlapping NCCL kernel counts once
+    assert abs(p.busy_ms - (0.65 + 0.26)) < 1e-9
+    assert p.top[0] == ("ncclDevKernel_ReduceScatter_Sum_f32", 1, 0.3)
+    assert trace.category("_topk_gate_bwd_kernel") == "megamoe Triton kernels"
+    assert trace.category("cutlass_grouped_mm_kernel") == "grouped GEMMs (stock experts)"
+    assert trace.category("unrelated") == "other"
+
+
+def test_report_and_cli(tmp_path, capsys):
+    path = tmp_path / "t.json"
+    path.write_text(json.dumps(TRACE))
+    assert trace.main([f"stock={path}", f"megamoe={path}"]) == 0
+    out = capsys.readouterr().out
+    assert "| step wall ms | 1.1 | 1.1 |" in out and "| NCCL (summed kernel ms) | 0.3 | 0.3 |" in out
+    assert "Top kernels, megamoe:" in out
+    assert trace.main([str(path)]) == 2  # not name=path

@@ -1,0 +1,134 @@
+"""Where a training step's GPU time goes, from the Chrome trace TorchTitan's profiler writes
+(``--profiling.enable_profiling --profiling.profile_freq N``: one trace per rank of step N,
+``<dump>/profile_traces/iteration_N/rank<r>_trace.json``).
+
+Kernels are put into categories by name (first match of ``CATEGORIES``), summed per category,
+and set against the step's wall time and the time at least one kernel ran (the union of the
+kernel intervals, over all streams). Comparing the stock and the converter trace of the same
+config shows how much of the step the MoE layers still take and what the rest is:
+
+    python -m torchtitan_megamoe.ab.trace stock=<stock trace.json> megamoe=<megamoe trace.json>
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+from dataclasses import dataclass, field
+
+_OURS = ("bwd_combine|combine|dgrad_l1|dgrad_l2_swiglu|ep_route|gather_rows|gemm1_swiglu|"
+         "gemm2_rows|plan_count|plan_place|sum_partials|swiglu_bwd_rows|topk_gate_bwd|topk_gate|"
+         "topk|wgrad")
+
+CATEGORIES = (
+    ("megamoe sm90 GEMMs", re.compile(r"grouped_gemm_kernel")),
+    ("megamoe Triton kernels", re.compile(rf"^_({_OURS})_kernel")),
+    ("attention", re.compile(r"flash|fmha|attention|sdpa|cudnn", re.I)),
+    ("NCCL", re.compile(r"nccl", re.I)),
+    ("grouped GEMMs (stock experts)", re.compile(r"grouped|group_?mm", re.I)),
+    ("dense GEMMs", re.compile(r"gemm|xmma|nvjet|cutlass|sm90_|cublas", re.I)),
+    ("torch.compile Triton kernels", re.compile(r"^triton_")),
+    ("copies and fills", re.compile(r"memcpy|memset|copy|fill", re.I)),
+)
+"""(name, pattern) pairs; the first whose pattern matches a kernel's name takes it, else
+"other". Our own kernels come first so that a name like _wgrad_kernel is not counted as a
+dense GEMM."""
+
+
+@dataclass
+class StepProfile:
+    step_ms: float  # wall time of the profiled step (its ProfilerStep annotation)
+    busy_ms: float  # time at least one kernel ran, within the step
+    by_category: dict = field(default_factory=dict)  # category -> summed kernel ms
+    top: list = field(default_factory=list)  # (kernel name, calls, summed ms), largest first
+
+
+def category(name: str) -> str:
+    for cat, pattern in CATEGORIES:
+        if pattern.search(name):
+            return cat
+    return "other"
+
+
+def _union_ms(intervals: list) -> float:
+    total, end = 0.0, float("-inf")
+    for start, stop in sorted(intervals):
+        if stop <= end:
+            continue
+        total += stop - max(start, end)
+        end = stop
+    return total / 1e3
+
+
+def summarize(trace: dict, top: int = 15) -> StepProfile:
+    """The profile of the last ProfilerStep in ``trace`` (a loaded Chrome trace; times in µs).
+    Without a ProfilerStep annotation every kernel counts and the step is their span."""
+    events = trace.get("traceEvents", trace) if isinstance(trace, dict) else trace
+    steps = [e for e in events if e.get("ph") == "X" and str(e.get("name", "")).startswith(
+        "ProfilerStep#")]
+    kernels = [e for e in events if e.get("ph") == "X" and e.get("cat") == "kernel"]
+    if steps:
+        step = max(steps, key=lambda e: e["ts"])
+        lo, hi = step["ts"], step["ts"] + step["dur"]
+        # a step's kernels may run past its CPU span (queued work): keep those launched in it
+        kernels = [k for k in kernels if k["ts"] >= lo]
+        hi = max([hi] + [k["ts"] + k["dur"] for k in kernels])
+    elif kernels:
+        lo = min(k["ts"] for k in kernels)
+        hi = max(k["ts"] + k["dur"] for k in kernels)
+    else:
+        return StepProfile(0.0, 0.0)
+    by_cat: dict = {}
+    by_name: dict = {}
+    for k in kernels:
+        ms = k["dur"] / 1e3
+        cat = category(k["name"])
+        by_cat[cat] = by_cat.get(cat, 0.0) + ms
+        calls, total = by_name.get(k["name"], (0, 0.0))
+        by_name[k["name"]] = (calls + 1, total + ms)
+    ranked = sorted(((n, c, t) for n, (c, t) in by_name.items()), key=lambda r: -r[2])
+    return StepProfile(
+        step_ms=(hi - lo) / 1e3,
+        busy_ms=_union_ms([(k["ts"], k["ts"] + k["dur"]) for k in kernels]),
+        by_category=dict(sorted(by_cat.items(), key=lambda kv: -kv[1])),
+        top=ranked[:top],
+    )
+
+
+def report(profiles: dict) -> str:
+    """A markdown table per category (one column per profile) and each profile's top kernels."""
+    names = list(profiles)
+    cats = []
+    for p in profiles.values():
+        cats += [c for c in p.by_category if c not in cats]
+    lines = ["| | " + " | ".join(names) + " |", "| --- |" + " --- |" * len(names)]
+    lines.append("| step wall ms | " + " | ".join(f"{p.step_ms:.1f}" for p in profiles.values())
+                 + " |")
+    lines.append("| GPU busy ms (any kernel running) | "
+                 + " | ".join(f"{p.busy_ms:.1f}" for p in profiles.values()) + " |")
+    for c in cats:
+        lines.append(f"| {c} (summed kernel ms) | "
+                     + " | ".join(f"{p.by_category.get(c, 0.0):.1f}" for p in profiles.values())
+                     + " |")
+    for name, p in profiles.items():
+        lines += ["", f"Top kernels, {name}:", "", "| kernel | calls | ms |", "| --- | ---: | ---: |"]
+        lines += [f"| `{n[:90]}` | {c} | {t:.2f} |" for n, c, t in p.top]
+    return "\n".join(lines)
+
+
+def main(argv: list[str]) -> int:
+    if not argv or any("=" not in a for a in argv):
+        print(__doc__.strip().splitlines()[-1].strip(), file=sys.stderr)
+        return 2
+    profiles = {}
+    for arg in argv:
+        name, path = arg.split("=", 1)
+        with open(path) as f:
+            profiles[name] = summarize(json.load(f))
+    print(report(profiles))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
