@@ -35,6 +35,9 @@ def test_categories_step_window_and_union():
     assert p.top[0] == ("ncclDevKernel_ReduceScatter_Sum_f32", 1, 0.3)
     assert trace.category("_topk_gate_bwd_kernel") == "megamoe Triton kernels"
     assert trace.category("cutlass_grouped_mm_kernel") == "grouped GEMMs (stock experts)"
+    assert trace.category("_ZN7cutlass13device_kernelIN2at4cuda6detail25enable_3x_kernel_for_sm9x"
+                          "INS_4gemm6kernel13GemmUniversalINS5_16GroupProblemShapeE") == \
+        "grouped GEMMs (stock experts)"
     assert trace.category("unrelated") == "other"
 
 

@@ -26,7 +26,8 @@ CATEGORIES = (
     ("megamoe Triton kernels", re.compile(rf"^_({_OURS})_kernel")),
     ("attention", re.compile(r"flash|fmha|attention|sdpa|cudnn", re.I)),
     ("NCCL", re.compile(r"nccl", re.I)),
-    ("grouped GEMMs (stock experts)", re.compile(r"grouped|group_?mm", re.I)),
+    # torch._grouped_mm's CUTLASS kernels carry GroupProblemShape in their mangled names
+    ("grouped GEMMs (stock experts)", re.compile(r"grouped|group_?mm|GroupProblemShape", re.I)),
     ("dense GEMMs", re.compile(r"gemm|xmma|nvjet|cutlass|sm90_|cublas", re.I)),
     ("torch.compile Triton kernels", re.compile(r"^triton_")),
     ("copies and fills", re.compile(r"memcpy|memset|copy|fill", re.I)),
