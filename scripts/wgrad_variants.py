@@ -58,6 +58,14 @@ def main(shape_name: str = "30b") -> None:
                                pre_gathered=True),
         lambda: wgrad_dw13_sm90(da, gather_rows(x, plan, out=x_rows), plan, w1, w3, order,
                                 pre_gathered=True))
+    # every padding row in the K loop (plan.count = the padded segments), as before the kernels
+    # stopped after each expert's last real 64-row step
+    full = type(plan)(**{**plan.__dict__, "count": plan.seg_start.diff().contiguous()})
+    runs["pre_gathered_all_rows"] = (
+        lambda: wgrad_dw2_sm90(gather_rows(dy, plan, out=dy_rows), hw, full, w2, order,
+                               pre_gathered=True),
+        lambda: wgrad_dw13_sm90(da, gather_rows(x, plan, out=x_rows), full, w1, w3, order,
+                                pre_gathered=True))
     only = os.environ.get("VARIANTS")
     flops = 2 * plan.num_tokens * K * D * H  # per weight: dw2 once, dw1|dw3 twice
     for name, (dw2, dw13) in runs.items():

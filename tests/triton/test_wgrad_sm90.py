@@ -2,9 +2,10 @@
 gathered inside the kernel) on an H200 (marked gpu; skipped without an sm_90 GPU and nvcc):
 against float64 sums over each expert's rows on uneven routings (empty experts get zeros, a
 single token, dropped slots), the outputs poisoned (NaN) first and the row-space operand's
-padding rows random (they must add nothing); the real Qwen3-30B shape against the _grouped_mm
-side, bitwise reruns, and the backward with the sm90 weight gradients forced against the
-reference backend."""
+padding rows random (they must add nothing), and equal to running every padding row (the
+kernel skips the all-padding K steps after plan.count's real rows); the real Qwen3-30B shape
+against the _grouped_mm side, bitwise reruns, and the backward with the sm90 weight gradients
+forced against the reference backend."""
 
 import pytest
 import torch
@@ -68,6 +69,14 @@ def test_vs_float64_on_uneven_routings(T, K, E, D, H, ordered, pre):
             assert not got.isnan().any(), (name, what, "tiles left unwritten")
             assert torch.all(got[empty] == 0), (name, what, "an empty expert's gradient is 0")
             assert rel_err(got, ref) <= 1e-2, (name, what, rel_err(got, ref))
+        # the K loop stops after the last step holding a real row (plan.count); running every
+        # row of the padded segments instead only adds zeros: the same gradients
+        full = type(plan)(**{**plan.__dict__, "count": plan.seg_start.diff().contiguous()})
+        dw2_full = wgrad_dw2_sm90(dy_in, hw, full, nan_tensor(E, D, H), order, pre_gathered=pre)
+        assert torch.equal(dw2_full, dw2), (name, "skipping padding steps changed dw2")
+        dw1_full, dw3_full = wgrad_dw13_sm90(da, x_in, full, nan_tensor(E, H, D),
+                                             nan_tensor(E, H, D), order, pre_gathered=pre)
+        assert torch.equal(dw1_full, dw1) and torch.equal(dw3_full, dw3), name
 
 
 def test_bad_shapes_name_the_requirement():

@@ -233,6 +233,10 @@ struct Params {
   // the two outputs (h_map, a_map; = M for one output); x: the gathered operand's token rows
   const int* seg_start;
   const int* expert_order;
+  // WGRAD: each expert's real rows (nullptr: its whole segment). Padding rows end a segment and
+  // add zeros, so the K loop stops after the last K step holding a real row: a segment padded to
+  // 128 rows loses its last 64-row step when at most 64 of its last 128 rows are real.
+  const int* count;
   // DGRAD_SWIGLU (a, da and hw travel as tensor maps; so do the gathered dy rows, in w3_map,
   // when store_gathered is set)
   const float* topk_w;  // [T * K] routing weights by slot
@@ -399,7 +403,8 @@ __global__ void __launch_bounds__(THREADS, 1)
       t.pid_n = u % num_n;
       t.expert = p.expert_order != nullptr ? p.expert_order[ei] : ei;
       t.row0 = p.seg_start[t.expert];
-      t.k_blocks = (p.seg_start[t.expert + 1] - t.row0) / BK;
+      t.k_blocks = p.count != nullptr ? (p.count[t.expert] + BK - 1) / BK
+                                      : (p.seg_start[t.expert + 1] - t.row0) / BK;
       t.any = true;
       t.shared = false;
     } else {
@@ -1176,11 +1181,15 @@ extern "C" int megamoe_gemm_rows(const void* in, const void* w, const void* w2, 
 // out0 [E, m_split, N], the others (if M > m_split) to out1. `tokens` (stride_tokens per row)
 // is the gathered tensor (gather 2: A's row-space tensor), `rows` [num_rows, gather == 0 ? M :
 // N] the row-space one; bf16, unit column stride. expert_order: the experts' unit order
-// (nullptr: 0..E-1). Shapes are checked by the Python wrapper (ops/cuda/wgrad.py): M % 128 ==
-// 0, m_split % 128 == 0, N % 256 == 0, plan_bm % 64 == 0. ticket: a zeroed device int (dynamic order; left zeroed) or nullptr.
+// (nullptr: 0..E-1). count: each expert's real rows at the start of its segment, the rest
+// padding (the K loop skips whole 64-row steps of padding), or nullptr (every row of the
+// segment). Shapes are checked by the Python wrapper (ops/cuda/wgrad.py): M % 128 == 0,
+// m_split % 128 == 0, N % 256 == 0, plan_bm % 64 == 0. ticket: a zeroed device int (dynamic
+// order; left zeroed) or nullptr.
 extern "C" int megamoe_wgrad(const void* tokens, long long stride_tokens, const void* rows,
                              long long num_rows, void* out0, void* out1, const int* row_slot,
-                             const int* seg_start, const int* expert_order, int E, int M, int N,
+                             const int* seg_start, const int* count,
+                             const int* expert_order, int E, int M, int N,
                              int m_split, int top_k, int gather, int num_sms, int* ticket,
                              void* stream) {
   using namespace megamoe::grouped;
@@ -1204,6 +1213,7 @@ extern "C" int megamoe_wgrad(const void* tokens, long long stride_tokens, const 
   p.stride_h = N;
   p.row_slot = row_slot;
   p.seg_start = seg_start;
+  p.count = count;
   p.expert_order = expert_order;
   p.num_experts = E;
   p.M = M;

@@ -48,7 +48,7 @@ def grouped_gemm_library(defines: tuple = ()) -> ctypes.CDLL:
         lib.megamoe_gemm1_swiglu.restype = i
         lib.megamoe_gemm_rows.argtypes = [p, p, p, p, p, p, p, i, i, i, i, i, i, i, ll, i, p, p]
         lib.megamoe_gemm_rows.restype = i
-        lib.megamoe_wgrad.argtypes = [p, ll, p, ll, p, p, p, p, p, i, i, i, i, i, i, i, p, p]
+        lib.megamoe_wgrad.argtypes = [p, ll, p, ll, p, p, p, p, p, p, i, i, i, i, i, i, i, p, p]
         lib.megamoe_wgrad.restype = i
         lib.megamoe_dgrad_swiglu.argtypes = [p, ll, p, p, p, p, p, p, p, p, p, p, i, i, i, i, i,
                                              ll, i, p, p]

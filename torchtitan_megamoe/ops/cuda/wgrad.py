@@ -6,7 +6,9 @@ with the token-indexed operand gathered inside the kernel (no gathered copy of d
 - ``wgrad_dw13_sm90``: dw1[e] | dw3[e] = sum_r [da1 | da3][r]^T x[tok(r)]   ([E, H, D] each)
 
 over the rows r of expert e's segment of the plan (padding rows add 0: the gathered operand is
-zero there). An expert without rows gets a zero gradient. ``pre_gathered=True`` takes the
+zero there; the K loop stops after the last 64-row step that holds one of plan.count[e]'s real
+rows, so a build_plan segment skips its all-padding last step). An expert without rows gets a
+zero gradient. ``pre_gathered=True`` takes the
 token operand already gathered into the row space ([R_max, .], zero padding rows, e.g. the
 dy rows kernel A's cuBLAS side made): both operands then come by TMA and the kernel's
 producer is one thread. Same results as
@@ -80,7 +82,7 @@ def _launch(who, tokens, rows, outs, plan, E, M, N, m_split, gather, expert_orde
             or (gather == 2 and (tokens.shape[0] != R or not tokens.is_contiguous()))):
         raise ValueError(f"{who}: operand shapes {tuple(tokens.shape)}, {tuple(rows.shape)} "
                          f"do not match the gradient [{E}, {M}, {N}] and R_max {R}")
-    check_plan(plan, rows.device, who, ("row_slot", "seg_start"))
+    check_plan(plan, rows.device, who, ("row_slot", "seg_start", "count"))
     if plan.seg_start.numel() != E + 1:
         raise ValueError(f"{who}: the plan has {plan.seg_start.numel() - 1} experts, the "
                          f"gradient {E}")
@@ -91,7 +93,8 @@ def _launch(who, tokens, rows, outs, plan, E, M, N, m_split, gather, expert_orde
     rc = lib.megamoe_wgrad(
         tokens.data_ptr(), tokens.stride(0), rows.data_ptr(), R, outs[0].data_ptr(),
         outs[-1].data_ptr(), plan.row_slot.data_ptr(), plan.seg_start.data_ptr(),
-        expert_order.data_ptr() if expert_order is not None else None, E, M, N, m_split,
+        plan.count.data_ptr(), expert_order.data_ptr() if expert_order is not None else None,
+        E, M, N, m_split,
         plan.top_k, gather, num_sms, ticket.data_ptr(), stream,
     )
     raise_on_error(lib, rc, who)
