@@ -10,6 +10,8 @@
 # 4096 tokens per GPU, 20 steps, bf16 params, fp32 reduce):
 #   a: FSDP + EP=2 + per-op selective AC + --compile.enable   (the production combination)
 #   b: FSDP only (EP=1) + full AC
+#   t: CONFIG as written (its own parallelism, AC and compile settings), e.g. a reduced-depth
+#      A/B config of train_configs/
 #   c: (a) with [megamoe] save_activations = "keep" (a's default under per-op SAC is "never":
 #      GEMM 1 runs again in the backward, as stock's per-op SAC recomputes its experts); the
 #      memory/speed trade of keeping GEMM 1's pre-activations
@@ -60,6 +62,7 @@ setup_args() {
     a) echo "--parallelism.expert_parallel_degree 2 --activation_checkpoint.mode selective --activation_checkpoint.selective_ac_option op --compile.enable" ;;
     b) echo "--parallelism.expert_parallel_degree 1 --activation_checkpoint.mode full" ;;
     c) echo "$(setup_args a) --megamoe.save_activations keep" ;;
+    t) echo "" ;;
     *) echo "unknown setup $1" >&2; return 1 ;;
   esac
 }
@@ -138,6 +141,7 @@ desc = {
     "a": "FSDP + EP=2 + per-op SAC + compile",
     "b": "FSDP (EP=1) + full AC",
     "c": "(a) with save_activations=keep",
+    "t": "the config as written",
     "a*": "(a), stock with full AC as reference",
 }
 
