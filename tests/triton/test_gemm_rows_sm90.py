@@ -19,9 +19,8 @@ pytestmark = SM90_GPU
 BM = 128
 EPILOGUES = pytest.mark.parametrize(
     "defines", [(), ("MEGAMOE_SM90_TMA_STORE=1",), ("MEGAMOE_SM90_TMA_STORE=1", "MEGAMOE_SM90_WGMMA_LAG=1"),
-                ("MEGAMOE_SM90_TMA_STORE=1", "MEGAMOE_SM90_EPI_BUFFERS=2", "MEGAMOE_SM90_STAGES=3"),
-                ("MEGAMOE_SM90_TMA_STORE=1", "MEGAMOE_SM90_EPI_HOLD=1")],
-    ids=["registers", "tma_store", "tma_store_lag1", "tma_store_2_buffers", "tma_store_hold"])
+                ("MEGAMOE_SM90_TMA_STORE=1", "MEGAMOE_SM90_EPI_BUFFERS=2", "MEGAMOE_SM90_STAGES=3")],
+    ids=["registers", "tma_store", "tma_store_lag1", "tma_store_2_buffers"])
 
 
 

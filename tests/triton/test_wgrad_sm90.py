@@ -13,7 +13,6 @@ import torch
 from moe_math import routings
 from sm90_checks import (SM90_GPU, forced_backward_matches_reference, nan_tensor, rel_err,
                          skewed_ids)
-from torchtitan_megamoe.ops.cuda.sm90 import BULK_STORE
 from torchtitan_megamoe.ops.cuda.wgrad import wgrad_dw13_sm90, wgrad_dw2_sm90
 from torchtitan_megamoe.ops.triton.bwd_cublas import gather_rows, grouped_wgrad
 from torchtitan_megamoe.ops.triton.bwd_wgrad import longest_first
@@ -121,12 +120,6 @@ def test_real_30b_shape_matches_grouped_mm_and_reruns_bitwise():
     assert torch.equal(wgrad_dw2_sm90(dy, hw2, plan, nan_tensor(E, D, H), order), dw2)
     again = wgrad_dw13_sm90(da2, x, plan, nan_tensor(E, H, D), nan_tensor(E, H, D), order)
     assert torch.equal(again[0], dw1) and torch.equal(again[1], dw3), "reruns must be bitwise"
-    # MEGAMOE_SM90_EPI_HOLD: the second column half staged in the tile's last ring stage
-    hold = BULK_STORE + ("MEGAMOE_SM90_EPI_HOLD=1",)
-    assert torch.equal(wgrad_dw2_sm90(dy, hw2, plan, nan_tensor(E, D, H), order, hold), dw2)
-    held = wgrad_dw13_sm90(da2, x, plan, nan_tensor(E, H, D), nan_tensor(E, H, D), order, hold,
-                           pre_gathered=False)
-    assert torch.equal(held[0], dw1) and torch.equal(held[1], dw3), "the held-stage epilogue"
 
 
 @pytest.mark.parametrize("variant", ["B_SM90", "B_SM90_PRE_GATHERED"])

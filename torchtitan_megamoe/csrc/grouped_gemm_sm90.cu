@@ -184,13 +184,6 @@ constexpr int PASSES = BM / ROWS_PER_PASS;
 // 3.306 vs 3.445 at 235B (approximate-division sigmoid; repeated in session 15's last call)
 #define MEGAMOE_SM90_EPI_LAZY 1
 #endif
-#ifndef MEGAMOE_SM90_EPI_HOLD
-// ROWS and WGRAD modes with TMA_STORE and lag 0: 1 keeps a tile's last ring stage (its MMAs
-// are done) as the staging tile of the second column half, so that half is written without
-// waiting for the store engine to read the first one; the stage is freed once its stores are
-// read. 0: both halves go through the one staging tile.
-#define MEGAMOE_SM90_EPI_HOLD 0
-#endif
 #ifndef MEGAMOE_SM90_PAD_SKIP
 #define MEGAMOE_SM90_PAD_SKIP 1  // 0 only for measuring: warpgroups of padding rows still multiply
 #endif
@@ -324,9 +317,6 @@ __global__ void __launch_bounds__(THREADS, 1)
   constexpr bool GATHERS = GATHER_A || GATHER_B;  // the producer's 128 threads issue cp.async
   static_assert(!ROWS || CLUSTER == 1, "ROWS and WGRAD modes: cluster 1 only");
   constexpr int TILE_N = ROWS ? 2 * BN : BN;  // output columns of a tile (per operand in GATHER)
-  // MEGAMOE_SM90_EPI_HOLD in effect (ROWS / WGRAD epilogue: two column halves per tile)
-  constexpr bool HOLD_LAST = MEGAMOE_SM90_EPI_HOLD && MEGAMOE_SM90_TMA_STORE && ROWS &&
-                             MODE != MODE_DGRAD_SWIGLU && !MEGAMOE_SM90_WGMMA_LAG && CLUSTER == 1;
   static_assert(MODE != MODE_DGRAD_SWIGLU || (BK == 64 && TILE_N == 64 * EPI_STAGES &&
                                                STAGE_BYTES == 3 * EPI_IN_BYTES),
                 "DGRAD_SWIGLU: the epilogue stages need BK 64");
@@ -804,13 +794,11 @@ __global__ void __launch_bounds__(THREADS, 1)
         } else {
           wgmma_wait<0>();
           if (MODE == MODE_DGRAD_SWIGLU) bulk_wait_read_all_if(store_rows);
-          release(stage, !(HOLD_LAST && kb == k_blocks - 1));  // HOLD: the epilogue frees it
+          release(stage, true);
         }
         prev = stage;
         advance();
       }
-      // HOLD_LAST: the ring stage this warpgroup keeps for its epilogue (-1: none)
-      const int held = HOLD_LAST && k_blocks > 0 && !zero_rows ? prev : -1;
       wgmma_wait<0>();
 #pragma unroll
       for (int i = 0; i < 128; ++i) fence_reg(acc[i]);
@@ -915,16 +903,10 @@ __global__ void __launch_bounds__(THREADS, 1)
         // previous one, or with EPI_BUFFERS 2 the one before it). Signals: nothing (the
         // launch's end completes the stores).
         const int out_row = out_row0 + cw * 64;
-        // hold >= 0: stage through ring stage `hold` (HOLD_LAST) instead, with no wait, and free
-        // that stage once the store engine has read it
-        auto stage_out = [&](const CUtensorMap* map, int out_col, int which, int hold = -1) {
-          uint32_t tile = epi_smem + (cw * EPI_BUFFERS + epi_buf) * 2 * EPI_BOX_BYTES;
-          if (hold >= 0) {
-            tile = smem_base + hold * STAGE_BYTES + cw * 2 * EPI_BOX_BYTES;
-          } else {
-            if (EPI_BUFFERS == 2) epi_buf ^= 1;
-            if (tid % 128 == 0) bulk_wait_read<EPI_BUFFERS - 1>();
-          }
+        auto stage_out = [&](const CUtensorMap* map, int out_col, int which) {
+          const uint32_t tile = epi_smem + (cw * EPI_BUFFERS + epi_buf) * 2 * EPI_BOX_BYTES;
+          if (EPI_BUFFERS == 2) epi_buf ^= 1;
+          if (tid % 128 == 0) bulk_wait_read<EPI_BUFFERS - 1>();
           named_barrier(1 + cw, 128);
 #pragma unroll
           for (int j = 0; j < 16; ++j) {
@@ -957,22 +939,12 @@ __global__ void __launch_bounds__(THREADS, 1)
               tma_store_2d(map, out_col + 64, out_row, tile + EPI_BOX_BYTES);
             }
             bulk_commit();
-            if (hold >= 0) {
-              bulk_wait_read<0>();  // every store of this tile has read its staging
-              mbar_arrive(empty_bar + 8 * hold);
-            }
           }
         };
         if constexpr (ROWS) {
           // the two column halves of the tile, as they sit in the accumulator
           stage_out(out_map, pid_n * TILE_N, 1);
-          if constexpr (HOLD_LAST) {
-            // The held stage holds both warpgroups' operands (A rows of each, the shared B):
-            // neither writes into it before both are past their last wgmma on it. Both
-            // warpgroups of an active tile pass this barrier once, held stage or not.
-            named_barrier(4, 256);
-          }
-          stage_out(out_map, pid_n * TILE_N + BN, 3, held);
+          stage_out(out_map, pid_n * TILE_N + BN, 3);
         } else {
           stage_out(&h_map, pid_n * BN, 0);
           if (p.a != nullptr) {
