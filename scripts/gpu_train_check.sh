@@ -27,9 +27,9 @@
 # every run, e.g. a tiny CPU flavor), CONFIG, NPROC, WHEELS=0 (use the current env, not .whl),
 # PYTHON (default python3), MEGAMOE_TRITON_TUNE (default 0: the first,
 # default kernel config, no per-shape timing or extra compiles; 1 times every candidate),
-# PROFILE_STEP (e.g. 8, at most --training.steps: both runs of each setup profile that step
-# with TorchTitan's profiler, and $OUT/profile_<setup>.md sets rank 0's kernel time by category
-# of the two runs side by side, torchtitan_megamoe/ab/trace.py).
+# PROFILE_STEP (e.g. 8, from 4 to --training.steps: ab's --profile-step, both runs of each
+# setup trace that step with TorchTitan's profiler, and $OUT/profile_<setup>.md sets rank 0's
+# kernel time by category of the two runs side by side, torchtitan_megamoe/ab/trace.py).
 # Output ($OUT, or ./.out by hand): summary.md, train_check.tar.gz (per setup: report.md,
 # ab.png, summary.json, both logs and TOMLs), env.log.
 # Exit status: 0 every setup agrees, 1 a setup disagrees, 2 a run failed or logged no steps (for
@@ -89,18 +89,16 @@ for s in $SETUPS; do
     continue
   fi
   prof_args=""
-  [ -n "${PROFILE_STEP:-}" ] && prof_args="--profiling.enable_profiling --profiling.profile_freq $PROFILE_STEP"
+  [ -n "${PROFILE_STEP:-}" ] && prof_args="--profile-step $PROFILE_STEP"
   echo "=== setup $s: $args $EXTRA_ARGS $prof_args (timeout ${t} s per run, $((SECONDS - START)) s elapsed)"
   # shellcheck disable=SC2086
   timeout -k 15 $((2 * t + 60)) $PY -m torchtitan_megamoe.ab --config "$CONFIG" --nproc "$NPROC" \
-    --out "$WORK/$s" --rtol "$RTOL" --atol "$ATOL" --timeout "$t" -- $args $EXTRA_ARGS $prof_args \
+    --out "$WORK/$s" --rtol "$RTOL" --atol "$ATOL" --timeout "$t" $prof_args -- $args $EXTRA_ARGS \
     >"$WORK/ab_$s.out" 2>&1
   src=$?
-  if [ -n "${PROFILE_STEP:-}" ]; then
-    tr="profile_traces/iteration_$PROFILE_STEP/rank0_trace.json"
-    $PY -m torchtitan_megamoe.ab.trace "stock=$WORK/$s/stock/$tr" "megamoe=$WORK/$s/megamoe/$tr" \
-      > "$OUT/profile_$s.md" 2>&1
-    head -16 "$OUT/profile_$s.md"
+  if [ -n "${PROFILE_STEP:-}" ] && [ -f "$WORK/$s/profile.md" ]; then
+    cp "$WORK/$s/profile.md" "$OUT/profile_$s.md"
+    head -18 "$OUT/profile_$s.md"
   fi
   grep '^\[megamoe.ab\]\|verdict\|max |loss' "$WORK/ab_$s.out"
   echo "setup $s: ab exit $src"

@@ -2,6 +2,9 @@
 (ours before the dense-GEMM pattern), the step window, the union of overlapping kernels."""
 
 import json
+import os
+
+import pytest
 
 from torchtitan_megamoe.ab import trace
 
@@ -49,3 +52,42 @@ def test_report_and_cli(tmp_path, capsys):
     assert "| step wall ms | 1.1 | 1.1 |" in out and "| NCCL (summed kernel ms) | 0.3 | 0.3 |" in out
     assert "Top kernels, megamoe:" in out
     assert trace.main([str(path)]) == 2  # not name=path
+
+
+def test_profile_args_and_missing_traces(tmp_path):
+    assert trace.profile_args(8) == ["--profiling.enable_profiling", "--profiling.profile_freq",
+                                     "8"]
+    with pytest.raises(ValueError, match=">= 4"):
+        trace.profile_args(3)
+    assert "No trace" in trace.ab_profile(str(tmp_path), 8)
+
+
+def test_run_ab_with_a_profiled_step(tmp_path, monkeypatch):
+    """run_ab(profile_step=N) passes the profiler arguments to both runs and appends the two
+    traces' comparison to report.md and profile.md (runs faked: TorchTitan's profiler needs a
+    GPU)."""
+    from torchtitan_megamoe.ab import driver
+    from test_ab import SAMPLE
+
+    seen = []
+
+    def fake_run(cmd, log_path, env, timeout):
+        seen.append(cmd)
+        dump = cmd[cmd.index("--job.dump_folder") + 1]
+        tdir = os.path.join(dump, "profile_traces", "iteration_5")
+        os.makedirs(tdir)
+        with open(os.path.join(tdir, "rank0_trace.json"), "w") as f:
+            json.dump(TRACE, f)
+        with open(log_path, "w") as f:
+            f.write(SAMPLE)
+        return 0
+
+    monkeypatch.setattr(driver, "run_one", fake_run)
+    res = driver.run_ab("train_configs/qwen3_moe_tiny_cpu.toml", 1, str(tmp_path / "ab"),
+                        ["--training.steps", "5"], profile_step=5)
+    assert res.exit_code == 0
+    assert all(c[-3:] == ["--profiling.enable_profiling", "--profiling.profile_freq", "5"]
+               for c in seen) and len(seen) == 2
+    report = (tmp_path / "ab" / "report.md").read_text()
+    assert "## Where step 5's GPU time goes" in report and "| NCCL (summed kernel ms) |" in report
+    assert (tmp_path / "ab" / "profile.md").read_text() in report

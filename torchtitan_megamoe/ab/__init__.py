@@ -1,7 +1,7 @@
 """A/B run: the same TorchTitan config trained stock and with the ``megamoe`` converter.
 
     python -m torchtitan_megamoe.ab [--config X.toml] [--nproc N] [--out DIR] [--rtol R]
-        [--atol A] [-- <extra torchtitan args, given to both runs>]
+        [--atol A] [--profile-step N] [-- <extra torchtitan args, given to both runs>]
 
 e.g. ``python -m torchtitan_megamoe.ab --nproc 2 -- --parallelism.expert_parallel_degree 2``.
 
@@ -21,7 +21,8 @@ missing, it generates them (``torchtitan_megamoe.assets``).
 
 One module per job: ``configs`` (the two TOMLs), ``runner`` (torchrun with a timeout), ``logs``
 (step-log parsing, per-run stats), ``comparison`` (losses within tolerance), ``report``
-(markdown and PNG), ``driver`` (``run_ab``, all of it in order) and ``cli`` (``main``). The
+(markdown and PNG), ``trace`` (a profiled step's kernel time by category), ``driver``
+(``run_ab``, all of it in order) and ``cli`` (``main``). The
 names below are the tool's API (tests, scripts/*.sh): import them from here.
 """
 

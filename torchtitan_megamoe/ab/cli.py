@@ -28,12 +28,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rtol", type=float, default=DEFAULT_RTOL, help="relative loss tolerance")
     p.add_argument("--atol", type=float, default=DEFAULT_ATOL, help="absolute loss tolerance")
     p.add_argument("--timeout", type=float, default=1800.0, help="seconds per run")
+    p.add_argument("--profile-step", type=int, default=None, metavar="N",
+                   help="trace step N (>= 4) of both runs with TorchTitan's profiler; the report "
+                        "gains their kernel time by category (GPU runs)")
     args = p.parse_args(argv)
     # A SIGTERM (e.g. from `timeout`) becomes SystemExit, so the running torchrun is stopped too.
     import signal
 
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
-    res = run_ab(args.config, args.nproc, args.out, extra, args.rtol, args.atol, args.timeout)
+    res = run_ab(args.config, args.nproc, args.out, extra, args.rtol, args.atol, args.timeout,
+                 args.profile_step)
     with open(os.path.join(args.out, "report.md")) as f:
         print(f.read())
     return res.exit_code

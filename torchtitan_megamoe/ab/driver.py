@@ -18,6 +18,7 @@ from torchtitan_megamoe.ab.configs import (
 from torchtitan_megamoe.ab.logs import RunLog, parse_log_file, run_stats
 from torchtitan_megamoe.ab.report import plot, render_report
 from torchtitan_megamoe.ab.runner import _cuda_available, run_env, run_one, torchrun_command
+from torchtitan_megamoe.ab.trace import ab_profile, profile_args
 
 
 @dataclass
@@ -39,7 +40,11 @@ def run_ab(
     rtol: float = DEFAULT_RTOL,
     atol: float = DEFAULT_ATOL,
     timeout: float = 1800.0,
+    profile_step: int | None = None,
 ) -> ABResult:
+    """``profile_step``: both runs trace that training step with TorchTitan's profiler, and
+    report.md (and profile.md) gain rank 0's kernel time per category of the two side by side
+    (ab/trace.py)."""
     try:
         import tomllib
     except ModuleNotFoundError:  # Python 3.10
@@ -49,7 +54,7 @@ def run_ab(
         raise ValueError(f"nproc must be >= 1, got {nproc}")
     if not os.path.isfile(config_path):
         raise FileNotFoundError(f"config {config_path!r} not found; pass --config PATH.toml")
-    extra = list(extra or [])
+    extra = list(extra or []) + (profile_args(profile_step) if profile_step else [])
     with open(config_path, "rb") as f:
         config = tomllib.load(f)
     os.makedirs(out, exist_ok=True)
@@ -88,6 +93,11 @@ def run_ab(
     }
     with open(os.path.join(out, "report.md"), "w") as f:
         f.write(render_report(runs["stock"], runs[CONVERTER], cmp, meta))
+        if profile_step:
+            section = ab_profile(out, profile_step, ("stock", CONVERTER))
+            f.write("\n" + section)
+            with open(os.path.join(out, "profile.md"), "w") as g:
+                g.write(section)
     if runs["stock"].steps or runs[CONVERTER].steps:
         plot(runs["stock"], runs[CONVERTER], os.path.join(out, "ab.png"))
     failed_run = any(codes.values()) or not runs["stock"].steps or not runs[CONVERTER].steps

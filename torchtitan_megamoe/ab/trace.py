@@ -13,6 +13,7 @@ config shows how much of the step the MoE layers still take and what the rest is
 from __future__ import annotations
 
 import json
+import os
 import re
 import sys
 from dataclasses import dataclass, field
@@ -116,6 +117,29 @@ def report(profiles: dict) -> str:
         lines += ["", f"Top kernels, {name}:", "", "| kernel | calls | ms |", "| --- | ---: | ---: |"]
         lines += [f"| `{n[:90]}` | {c} | {t:.2f} |" for n, c, t in p.top]
     return "\n".join(lines)
+
+
+def profile_args(step: int) -> list[str]:
+    """TorchTitan arguments that trace step ``step`` (>= 4: its profiler warms up 3 steps)."""
+    if step < 4:
+        raise ValueError(f"the profiled step must be >= 4 (TorchTitan's profiler warms up for "
+                         f"3 steps before it), got {step}")
+    return ["--profiling.enable_profiling", "--profiling.profile_freq", str(step)]
+
+
+def ab_profile(out: str, step: int, runs: tuple = ("stock", "megamoe")) -> str:
+    """The markdown section comparing rank 0's traced ``step`` of an A/B's runs (each run's
+    dump folder is ``<out>/<run>``), or a line saying which trace is missing."""
+    traces = {r: f"{out}/{r}/profile_traces/iteration_{step}/rank0_trace.json" for r in runs}
+    head = f"## Where step {step}'s GPU time goes (rank 0, TorchTitan's profiler)\n\n"
+    missing = [t for t in traces.values() if not os.path.exists(t)]
+    if missing:
+        return head + f"No trace: {', '.join(missing)} (did the runs reach step {step}?)\n"
+    profiles = {}
+    for run, path in traces.items():
+        with open(path) as f:
+            profiles[run] = summarize(json.load(f))
+    return head + report(profiles) + "\n"
 
 
 def main(argv: list[str]) -> int:
