@@ -184,6 +184,13 @@ constexpr int PASSES = BM / ROWS_PER_PASS;
 // 3.306 vs 3.445 at 235B (approximate-division sigmoid; repeated in session 15's last call)
 #define MEGAMOE_SM90_EPI_LAZY 1
 #endif
+#ifndef MEGAMOE_SM90_ROWS_DEFER
+// ROWS and WGRAD modes with TMA_STORE, lag 0, one staging tile: 1 packs a tile's second column
+// half to 32 bf16x2 registers and stages and stores it while the next tile's first wgmma batch
+// runs (predicated, no branch), so its wait for the first half's store to be read and its
+// shared-memory writes leave the tensor cores' idle time. 0: both halves in the epilogue.
+#define MEGAMOE_SM90_ROWS_DEFER 0
+#endif
 #ifndef MEGAMOE_SM90_PAD_SKIP
 #define MEGAMOE_SM90_PAD_SKIP 1  // 0 only for measuring: warpgroups of padding rows still multiply
 #endif
@@ -317,6 +324,10 @@ __global__ void __launch_bounds__(THREADS, 1)
   constexpr bool GATHERS = GATHER_A || GATHER_B;  // the producer's 128 threads issue cp.async
   static_assert(!ROWS || CLUSTER == 1, "ROWS and WGRAD modes: cluster 1 only");
   constexpr int TILE_N = ROWS ? 2 * BN : BN;  // output columns of a tile (per operand in GATHER)
+  // MEGAMOE_SM90_ROWS_DEFER in effect (ROWS / WGRAD epilogue: two column halves per tile)
+  constexpr bool RDEFER = MEGAMOE_SM90_ROWS_DEFER && MEGAMOE_SM90_TMA_STORE && ROWS &&
+                          MODE != MODE_DGRAD_SWIGLU && !MEGAMOE_SM90_WGMMA_LAG &&
+                          EPI_BUFFERS == 1 && CLUSTER == 1;
   static_assert(MODE != MODE_DGRAD_SWIGLU || (BK == 64 && TILE_N == 64 * EPI_STAGES &&
                                                STAGE_BYTES == 3 * EPI_IN_BYTES),
                 "DGRAD_SWIGLU: the epilogue stages need BK 64");
@@ -662,6 +673,36 @@ __global__ void __launch_bounds__(THREADS, 1)
     int stage = 0;
     uint32_t phase = 0;
     [[maybe_unused]] int epi_buf = 0;  // TMA_STORE: the staging tile the next store uses
+    // RDEFER: the previous tile's second column half, packed, waiting to be staged and stored
+    [[maybe_unused]] uint32_t pend[32];
+    [[maybe_unused]] bool pending = false;
+    [[maybe_unused]] int pend_col = 0, pend_row = 0;
+    [[maybe_unused]] const CUtensorMap* pend_map = &h_map;
+    // Stages and stores the pending half (every instruction predicated on `pending`, so it can
+    // run while a wgmma batch is in flight). Waits on: the store engine having read the
+    // staging tile (the first half's store). Signals: nothing.
+    [[maybe_unused]] auto flush_pending = [&]() {
+      const bool pred = pending;
+      const uint32_t tile = epi_smem + cw * 2 * EPI_BOX_BYTES;
+      bulk_wait_read_all_if(pred && tid % 128 == 0);
+      named_barrier(1 + cw, 128);
+#pragma unroll
+      for (int j = 0; j < 16; ++j) {
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+          const int r = warp * 16 + lane / 4 + 8 * half;
+          st_shared_b32_if(tile + (j / 8) * EPI_BOX_BYTES + swizzled_offset<128>(r, j % 8) +
+                               4 * (lane % 4),
+                           pend[2 * j + half], pred);
+        }
+      }
+      fence_proxy_async();
+      named_barrier(1 + cw, 128);
+      const bool issue = pred && tid % 128 == 0 && MEGAMOE_SM90_STORE;
+      tma_store_2d_commit_if(pend_map, pend_col, pend_row, tile, issue);
+      tma_store_2d_commit_if(pend_map, pend_col + 64, pend_row, tile + EPI_BOX_BYTES, issue);
+      pending = false;
+    };
     for (int it = 0;; ++it) {
       int u;
       if (dynamic) {
@@ -763,7 +804,8 @@ __global__ void __launch_bounds__(THREADS, 1)
         for (int i = 0; i < 128; ++i) acc[i] = 0.f;
       }
       int prev = stage;
-      for (int kb = 0; kb < (zero_rows ? 0 : k_blocks); ++kb) {
+      // one K step: wait for its stage, issue its wgmma batch (left in flight)
+      auto issue_step = [&](int kb) {
         mbar_wait(full_bar + 8 * stage, phase);
         // the cp.async rows are generic-proxy writes; wgmma reads through the async proxy
         // (no gathers: TMA wrote both operands, nothing to fence)
@@ -785,6 +827,9 @@ __global__ void __launch_bounds__(THREADS, 1)
           wgmma_m64n256k16<WGRAD, NMAJOR>(acc, a_desc, b_desc, (kb > 0 || k > 0) ? 1 : 0);
         }
         wgmma_commit();
+      };
+      // after a K step's issue: wait for a batch and free its stage
+      auto retire_step = [&](int kb) {
         if (MEGAMOE_SM90_WGMMA_LAG) {
           // keep this batch queued on the tensor cores while the previous one retires, then
           // free the previous batch's slot
@@ -798,6 +843,24 @@ __global__ void __launch_bounds__(THREADS, 1)
         }
         prev = stage;
         advance();
+      };
+      const int steps = zero_rows ? 0 : k_blocks;
+      int kb0 = 0;
+      if constexpr (RDEFER) {
+        if (steps > 0) {
+          // the previous tile's second half goes out under this tile's first batch
+          issue_step(0);
+          flush_pending();
+          retire_step(0);
+          kb0 = 1;
+        }
+      }
+      for (int kb = kb0; kb < steps; ++kb) {
+        issue_step(kb);
+        retire_step(kb);
+      }
+      if constexpr (RDEFER) {
+        if (pending) flush_pending();  // no K step ran (padding rows, an expert without rows)
       }
       wgmma_wait<0>();
 #pragma unroll
@@ -944,7 +1007,23 @@ __global__ void __launch_bounds__(THREADS, 1)
         if constexpr (ROWS) {
           // the two column halves of the tile, as they sit in the accumulator
           stage_out(out_map, pid_n * TILE_N, 1);
-          stage_out(out_map, pid_n * TILE_N + BN, 3);
+          if constexpr (RDEFER) {
+#pragma unroll
+            for (int j = 0; j < 16; ++j) {
+#pragma unroll
+              for (int half = 0; half < 2; ++half) {
+                __nv_bfloat162 v = __floats2bfloat162_rn(acc[64 + 4 * j + 2 * half],
+                                                         acc[64 + 4 * j + 2 * half + 1]);
+                pend[2 * j + half] = *reinterpret_cast<uint32_t*>(&v);
+              }
+            }
+            pend_map = out_map;
+            pend_col = pid_n * TILE_N + BN;
+            pend_row = out_row;
+            pending = true;
+          } else {
+            stage_out(out_map, pid_n * TILE_N + BN, 3);
+          }
         } else {
           stage_out(&h_map, pid_n * BN, 0);
           if (p.a != nullptr) {
@@ -983,6 +1062,9 @@ __global__ void __launch_bounds__(THREADS, 1)
           }
         }
       }
+    }
+    if constexpr (RDEFER) {
+      if (pending) flush_pending();  // the last tile's second half
     }
     // the last tile's bulk stores complete before the CTA exits
     if ((MEGAMOE_SM90_TMA_STORE || MODE == MODE_DGRAD_SWIGLU) && tid % 128 == 0) bulk_wait<0>();

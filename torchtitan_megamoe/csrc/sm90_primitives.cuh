@@ -191,6 +191,13 @@ __device__ __forceinline__ void bulk_wait() {
 __device__ __forceinline__ void st_shared_b32(uint32_t addr, uint32_t v) {
   asm volatile("st.shared.b32 [%0], %1;" ::"r"(addr), "r"(v) : "memory");
 }
+// st_shared_b32 where `pred` holds (predicated, not a branch: a wgmma batch may be in flight)
+__device__ __forceinline__ void st_shared_b32_if(uint32_t addr, uint32_t v, bool pred) {
+  asm volatile("{\n .reg .pred p;\n setp.ne.b32 p, %2, 0;\n @p st.shared.b32 [%0], %1;\n}" ::"r"(
+                   addr),
+               "r"(v), "r"(static_cast<uint32_t>(pred))
+               : "memory");
+}
 __device__ __forceinline__ uint32_t ld_shared_b32(uint32_t addr) {
   uint32_t v;
   asm volatile("ld.shared.b32 %0, [%1];" : "=r"(v) : "r"(addr) : "memory");
