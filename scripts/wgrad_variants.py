@@ -66,12 +66,6 @@ def main(shape_name: str = "30b") -> None:
                                pre_gathered=True),
         lambda: wgrad_dw13_sm90(da, gather_rows(x, plan, out=x_rows), full, w1, w3, order,
                                 pre_gathered=True))
-    defer = BULK_STORE + ("MEGAMOE_SM90_ROWS_DEFER=1",)
-    runs["pre_gathered_defer"] = (  # each tile's second column half stored under the next tile
-        lambda: wgrad_dw2_sm90(gather_rows(dy, plan, out=dy_rows), hw, plan, w2, order, defer,
-                               pre_gathered=True),
-        lambda: wgrad_dw13_sm90(da, gather_rows(x, plan, out=x_rows), plan, w1, w3, order, defer,
-                                pre_gathered=True))
     only = os.environ.get("VARIANTS")
     flops = 2 * plan.num_tokens * K * D * H  # per weight: dw2 once, dw1|dw3 twice
     for name, (dw2, dw13) in runs.items():

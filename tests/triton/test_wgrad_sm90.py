@@ -13,7 +13,6 @@ import torch
 from moe_math import routings
 from sm90_checks import (SM90_GPU, forced_backward_matches_reference, nan_tensor, rel_err,
                          skewed_ids)
-from torchtitan_megamoe.ops.cuda.sm90 import BULK_STORE
 from torchtitan_megamoe.ops.cuda.wgrad import wgrad_dw13_sm90, wgrad_dw2_sm90
 from torchtitan_megamoe.ops.triton.bwd_cublas import gather_rows, grouped_wgrad
 from torchtitan_megamoe.ops.triton.bwd_wgrad import longest_first
@@ -121,12 +120,6 @@ def test_real_30b_shape_matches_grouped_mm_and_reruns_bitwise():
     assert torch.equal(wgrad_dw2_sm90(dy, hw2, plan, nan_tensor(E, D, H), order), dw2)
     again = wgrad_dw13_sm90(da2, x, plan, nan_tensor(E, H, D), nan_tensor(E, H, D), order)
     assert torch.equal(again[0], dw1) and torch.equal(again[1], dw3), "reruns must be bitwise"
-    # MEGAMOE_SM90_ROWS_DEFER: each tile's second column half stored under the next tile's
-    # first wgmma batch (the expert never chosen has no K steps: its half is stored at once)
-    defer = BULK_STORE + ("MEGAMOE_SM90_ROWS_DEFER=1",)
-    assert torch.equal(wgrad_dw2_sm90(dy, hw2, plan, nan_tensor(E, D, H), order, defer), dw2)
-    late = wgrad_dw13_sm90(da2, x, plan, nan_tensor(E, H, D), nan_tensor(E, H, D), order, defer)
-    assert torch.equal(late[0], dw1) and torch.equal(late[1], dw3), "the deferred epilogue"
 
 
 @pytest.mark.parametrize("variant", ["B_SM90", "B_SM90_PRE_GATHERED"])

@@ -185,11 +185,14 @@ constexpr int PASSES = BM / ROWS_PER_PASS;
 #define MEGAMOE_SM90_EPI_LAZY 1
 #endif
 #ifndef MEGAMOE_SM90_ROWS_DEFER
-// ROWS and WGRAD modes with TMA_STORE, lag 0, one staging tile: 1 packs a tile's second column
-// half to 32 bf16x2 registers and stages and stores it while the next tile's first wgmma batch
-// runs (predicated, no branch), so its wait for the first half's store to be read and its
-// shared-memory writes leave the tensor cores' idle time. 0: both halves in the epilogue.
-#define MEGAMOE_SM90_ROWS_DEFER 0
+// ROWS mode (GEMM 2, kernel C) with TMA_STORE, lag 0, one staging tile: 1 packs a tile's second
+// column half to 32 bf16x2 registers and stages and stores it while the next tile's first
+// wgmma batch runs (predicated, no branch), so its wait for the first half's store to be read
+// and its shared-memory writes leave the tensor cores' idle time. 0: both halves in the
+// epilogue. Measured (scripts/rows_variants.py, H200, 2026-11-30, docs/PERF.md session 17):
+// GEMM 2 -3% at 30B, -6% at 235B; kernel C level at 30B, -3% at 235B. Not in WGRAD, where the
+// same deferral measured -2% at 30B but +5-8% on dw2 at 235B.
+#define MEGAMOE_SM90_ROWS_DEFER 1
 #endif
 #ifndef MEGAMOE_SM90_PAD_SKIP
 #define MEGAMOE_SM90_PAD_SKIP 1  // 0 only for measuring: warpgroups of padding rows still multiply
@@ -324,10 +327,10 @@ __global__ void __launch_bounds__(THREADS, 1)
   constexpr bool GATHERS = GATHER_A || GATHER_B;  // the producer's 128 threads issue cp.async
   static_assert(!ROWS || CLUSTER == 1, "ROWS and WGRAD modes: cluster 1 only");
   constexpr int TILE_N = ROWS ? 2 * BN : BN;  // output columns of a tile (per operand in GATHER)
-  // MEGAMOE_SM90_ROWS_DEFER in effect (ROWS / WGRAD epilogue: two column halves per tile)
-  constexpr bool RDEFER = MEGAMOE_SM90_ROWS_DEFER && MEGAMOE_SM90_TMA_STORE && ROWS &&
-                          MODE != MODE_DGRAD_SWIGLU && !MEGAMOE_SM90_WGMMA_LAG &&
-                          EPI_BUFFERS == 1 && CLUSTER == 1;
+  // MEGAMOE_SM90_ROWS_DEFER in effect (the ROWS epilogue: two column halves per tile)
+  constexpr bool RDEFER = MEGAMOE_SM90_ROWS_DEFER && MEGAMOE_SM90_TMA_STORE &&
+                          (MODE == MODE_ROWS || MODE == MODE_ROWS_NMAJOR) &&
+                          !MEGAMOE_SM90_WGMMA_LAG && EPI_BUFFERS == 1 && CLUSTER == 1;
   static_assert(MODE != MODE_DGRAD_SWIGLU || (BK == 64 && TILE_N == 64 * EPI_STAGES &&
                                                STAGE_BYTES == 3 * EPI_IN_BYTES),
                 "DGRAD_SWIGLU: the epilogue stages need BK 64");
