@@ -42,6 +42,12 @@ def test_categories_step_window_and_union():
                           "INS_4gemm6kernel13GemmUniversalINS5_16GroupProblemShapeE") == \
         "grouped GEMMs (stock experts)"
     assert trace.category("unrelated") == "other"
+    assert trace.category("c10d::symmetric_memory::barrier_kernel(unsigned int**, int)") == \
+        "symmetric-memory barriers (EP sync)"
+    assert trace.category("void at::native::(anonymous namespace)::multi_tensor_apply_kernel<"
+                          ">") == "optimizer (multi-tensor apply)"
+    assert trace.category("void at::native::detail::chunk_cat_cuda_kernel<float>") == \
+        "FSDP packing (chunk_cat, split)"
 
 
 def test_report_and_cli(tmp_path, capsys):

@@ -25,8 +25,12 @@ _OURS = ("bwd_combine|combine|dgrad_l1|dgrad_l2_swiglu|ep_route|gather_rows|gemm
 CATEGORIES = (
     ("megamoe sm90 GEMMs", re.compile(r"grouped_gemm_kernel")),
     ("megamoe Triton kernels", re.compile(rf"^_({_OURS})_kernel")),
+    # the EP exchange's symmetric-memory barriers: mostly one rank waiting for the other
+    ("symmetric-memory barriers (EP sync)", re.compile(r"symmetric_memory.*barrier", re.I)),
     ("attention", re.compile(r"flash|fmha|attention|sdpa|cudnn", re.I)),
     ("NCCL", re.compile(r"nccl", re.I)),
+    ("optimizer (multi-tensor apply)", re.compile(r"multi_tensor_apply")),
+    ("FSDP packing (chunk_cat, split)", re.compile(r"chunk_cat|split_with_sizes")),
     # torch._grouped_mm's CUTLASS kernels carry GroupProblemShape in their mangled names
     ("grouped GEMMs (stock experts)", re.compile(r"grouped|group_?mm|GroupProblemShape", re.I)),
     ("dense GEMMs", re.compile(r"gemm|xmma|nvjet|cutlass|sm90_|cublas", re.I)),
