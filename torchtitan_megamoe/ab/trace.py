@@ -139,23 +139,23 @@ def ab_profile(out: str, step: int, runs: tuple = ("stock", "megamoe")) -> str:
     missing = [t for t in traces.values() if not os.path.exists(t)]
     if missing:
         return head + f"No trace: {', '.join(missing)} (did the runs reach step {step}?)\n"
+    return head + report(_load(traces)) + "\n"
+
+
+def _load(traces: dict) -> dict:
+    """name -> trace path, to name -> StepProfile."""
     profiles = {}
-    for run, path in traces.items():
+    for name, path in traces.items():
         with open(path) as f:
-            profiles[run] = summarize(json.load(f))
-    return head + report(profiles) + "\n"
+            profiles[name] = summarize(json.load(f))
+    return profiles
 
 
 def main(argv: list[str]) -> int:
     if not argv or any("=" not in a for a in argv):
         print(__doc__.strip().splitlines()[-1].strip(), file=sys.stderr)
         return 2
-    profiles = {}
-    for arg in argv:
-        name, path = arg.split("=", 1)
-        with open(path) as f:
-            profiles[name] = summarize(json.load(f))
-    print(report(profiles))
+    print(report(_load(dict(a.split("=", 1) for a in argv))))
     return 0
 
 

@@ -46,10 +46,12 @@
 //     warpgroup on empty[s] (2 per CTA complete it). After the K loop: SwiGLU in fp32 and bf16
 //     stores of h (and a) straight from registers; meanwhile the producer already fills the ring
 //     with the next tile's stages.
-//   Why the epilogue is not overlapped with the next tile's MMAs (docs/PERF.md, session 16):
-//     a fourth (epilogue) warpgroup does not compile (ptxas caps a 512-thread CTA at 128
-//     registers per thread; the m64n256k16 wgmma needs 154: C7602), and running half the
-//     epilogue between the next tile's first wgmma batches and their waits measured slower.
+//   Why most of the epilogue is not overlapped with the next tile's MMAs (docs/PERF.md,
+//     sessions 16-17; docs/EPILOGUE_OVERLAP.md): a fourth (epilogue) warpgroup does not compile
+//     (ptxas caps a 512-thread CTA at 128 registers per thread; the m64n256k16 wgmma needs 154:
+//     C7602); kernel A's SwiGLU backward run under the next tile's first K steps, consumers on
+//     alternate smaller tiles and CTA pairs sharing weights all measured slower. Only the ROWS
+//     mode's second column half moves under the next tile's first batch (ROWS_DEFER below).
 // Clusters of 2 (CLUSTER = 2): a unit is M tiles 2u, 2u+1 x one N tile, CTA rank r computes
 //   M tile 2u + r, and both CTAs walk the same units in lockstep. When both tiles belong to one
 //   expert ("shared"), CTA r loads only weight tile r (w1 or w3) and multicasts it to both, so
@@ -243,9 +245,10 @@ struct Params {
   // the two outputs (h_map, a_map; = M for one output); x: the gathered operand's token rows
   const int* seg_start;
   const int* expert_order;
-  // WGRAD: each expert's real rows (nullptr: its whole segment). Padding rows end a segment and
-  // add zeros, so the K loop stops after the last K step holding a real row: a segment padded to
-  // 128 rows loses its last 64-row step when at most 64 of its last 128 rows are real.
+  // WGRAD: each expert's rows that are not trailing padding (plan.count). Padding rows end a
+  // segment and add zeros, so the K loop stops after the last K step holding a counted row: a
+  // segment padded to 128 rows loses its last 64-row step when at most 64 of its last 128 rows
+  // are real.
   const int* count;
   // DGRAD_SWIGLU (a, da and hw travel as tensor maps; so do the gathered dy rows, in w3_map,
   // when store_gathered is set)
@@ -417,8 +420,7 @@ __global__ void __launch_bounds__(THREADS, 1)
       t.pid_n = u % num_n;
       t.expert = p.expert_order != nullptr ? p.expert_order[ei] : ei;
       t.row0 = p.seg_start[t.expert];
-      t.k_blocks = p.count != nullptr ? (p.count[t.expert] + BK - 1) / BK
-                                      : (p.seg_start[t.expert + 1] - t.row0) / BK;
+      t.k_blocks = (p.count[t.expert] + BK - 1) / BK;
       t.any = true;
       t.shared = false;
     } else {
@@ -1267,7 +1269,7 @@ extern "C" int megamoe_gemm_rows(const void* in, const void* w, const void* w2, 
 // is the gathered tensor (gather 2: A's row-space tensor), `rows` [num_rows, gather == 0 ? M :
 // N] the row-space one; bf16, unit column stride. expert_order: the experts' unit order
 // (nullptr: 0..E-1). count: each expert's real rows at the start of its segment, the rest
-// padding (the K loop skips whole 64-row steps of padding), or nullptr (every row of the
+// padding (the K loop skips whole 64-row steps of padding; a phased plan's count is its whole
 // segment). Shapes are checked by the Python wrapper (ops/cuda/wgrad.py): M % 128 == 0,
 // m_split % 128 == 0, N % 256 == 0, plan_bm % 64 == 0. ticket: a zeroed device int (dynamic
 // order; left zeroed) or nullptr.
