@@ -38,8 +38,6 @@ VARIANTS = {
     "no_store_measuring": BULK_STORE + ("MEGAMOE_SM90_STORE=0",),
     # no epilogue at all: the dh GEMM with the in-kernel dy gather alone
     "no_epilogue_measuring": BULK_STORE + ("MEGAMOE_SM90_DGRAD_EPI=0",),
-    # the dy rows by one TMA load per row instead of cp.async (no proxy fence)
-    "tma_gather": BULK_STORE + ("MEGAMOE_SM90_TMA_GATHER=1",),
 }
 
 

@@ -54,9 +54,6 @@ def main(shape_name: str = "235b") -> None:
         "sm90_c1_no_store": dict(c1, DEFINES=("MEGAMOE_SM90_STORE=0",)),
         "sm90_c1_no_store_lag1": dict(c1, DEFINES=("MEGAMOE_SM90_STORE=0", "MEGAMOE_SM90_WGMMA_LAG=1")),
         "sm90_c1_tma": dict(c1, DEFINES=("MEGAMOE_SM90_TMA_STORE=1",)),
-        # the x rows by one TMA load per row instead of cp.async (no proxy fence)
-        "sm90_c1_tma_gather": dict(c1, DEFINES=("MEGAMOE_SM90_TMA_STORE=1",
-                                                "MEGAMOE_SM90_TMA_GATHER=1")),
         # measuring only: the bulk-store epilogue stages its tiles but stores none of them
         "sm90_c1_tma_no_store": dict(c1, DEFINES=("MEGAMOE_SM90_TMA_STORE=1", "MEGAMOE_SM90_STORE=0")),
         # SwiGLU with the IEEE division (the default's sigmoid divides approximately)

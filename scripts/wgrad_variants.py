@@ -32,8 +32,6 @@ VARIANTS = {
                                             "MEGAMOE_SM90_WGMMA_LAG=1"),
     "producer_fence": BULK_STORE + ("MEGAMOE_SM90_PRODUCER_FENCE=1",),
     "registers_epilogue": (),
-    # the gathered rows by one TMA load per row instead of cp.async (no proxy fence)
-    "tma_gather": BULK_STORE + ("MEGAMOE_SM90_TMA_GATHER=1",),
 }
 
 

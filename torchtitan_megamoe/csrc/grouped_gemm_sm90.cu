@@ -39,6 +39,8 @@
 //       - all 128 threads: 8 cp.async of 16 bytes each (the gathered x rows, written in the
 //         swizzle pattern the wgmma descriptor expects), then
 //         cp.async.mbarrier.arrive.noinc(full[s]).
+//       (One TMA load per gathered row instead: correct but 1.3-2.2x slower in every mode, the
+//       TMA unit takes ~11 ns per load whatever its size; docs/PERF.md session 18, 96ffb6b.)
 //     full[s] completes after 129 arrivals and 32 KiB of TMA bytes.
 //   warpgroups 1, 2 (consumers, 232 registers): rows [0, 64) and [64, 128) of the tile. Per
 //     stage: wait full[s], issue 4 wgmma, wait for them (MEGAMOE_SM90_WGMMA_LAG 1: for the
@@ -196,17 +198,6 @@ constexpr int PASSES = BM / ROWS_PER_PASS;
 // same deferral measured -2% at 30B but +5-8% on dw2 at 235B.
 #define MEGAMOE_SM90_ROWS_DEFER 1
 #endif
-#ifndef MEGAMOE_SM90_TMA_GATHER
-// 1: the gathered rows (x in GEMM 1 and dw1|dw3, dy in kernel A and dw2) come by one TMA load
-// per row and 64 columns (a [1, 64] box of the token tensor's map, x_map) instead of 16-byte
-// cp.async: the 128-byte swizzle is a function of the shared-memory address (bits 4-6 XOR
-// 7-9), so a row loaded alone lands exactly where the cp.async gather writes it; a padding row
-// loads row -1, out of bounds, i.e. zeros. The producer's 128 threads each issue their rows'
-// loads and thread 0's arrive.expect_tx counts every byte of the stage (a row may land before
-// it: the tx-count may go below zero while the arrival is pending, as with a peer's
-// multicast), so full[s] takes one arrival and the consumers need no proxy fence. 0: cp.async.
-#define MEGAMOE_SM90_TMA_GATHER 0
-#endif
 #ifndef MEGAMOE_SM90_PAD_SKIP
 #define MEGAMOE_SM90_PAD_SKIP 1  // 0 only for measuring: warpgroups of padding rows still multiply
 #endif
@@ -219,12 +210,8 @@ constexpr int PASSES = BM / ROWS_PER_PASS;
 #define MEGAMOE_SM90_LOAD 3  // measuring only: bit 0 loads A (x rows), bit 1 loads B (weights)
 #endif
 constexpr int STAGES = MEGAMOE_SM90_STAGES;
-constexpr bool TMA_GATHER = MEGAMOE_SM90_TMA_GATHER != 0;
 constexpr bool LOAD_A = (MEGAMOE_SM90_LOAD & 1) != 0;
 constexpr bool LOAD_B = (MEGAMOE_SM90_LOAD & 2) != 0;
-static_assert(!TMA_GATHER || (BK == 64 && !MEGAMOE_SM90_PRODUCER_FENCE && LOAD_A && LOAD_B),
-              "MEGAMOE_SM90_TMA_GATHER: 64-wide K steps (the 128-byte swizzle), no "
-              "PRODUCER_FENCE, both operands loaded");
 constexpr int A_BYTES = BM * BK * 2;
 constexpr int B_BYTES = 2 * BN * BK * 2;
 constexpr int STAGE_BYTES = A_BYTES + B_BYTES;
@@ -335,16 +322,14 @@ __global__ void __launch_bounds__(THREADS, 1)
                         const __grid_constant__ CUtensorMap w3_map,
                         const __grid_constant__ CUtensorMap h_map,
                         const __grid_constant__ CUtensorMap a_map,
-                        const __grid_constant__ CUtensorMap in_map,
-                        const __grid_constant__ CUtensorMap x_map, const Params p) {
+                        const __grid_constant__ CUtensorMap in_map, const Params p) {
   constexpr bool ROWS = MODE != MODE_GEMM1;     // 256-column tiles, one B operand
   constexpr bool NMAJOR = MODE >= MODE_ROWS_NMAJOR;  // B N-major (transposed wgmma B)
   constexpr bool WGRAD = MODE >= MODE_WGRAD_GATHER_A && MODE <= MODE_WGRAD_TMA;  // K = expert rows
   constexpr bool GATHER_ROWS = MODE == MODE_GEMM1 || MODE == MODE_DGRAD_SWIGLU;  // K-major gather
   constexpr bool GATHER_A = GATHER_ROWS || MODE == MODE_WGRAD_GATHER_A;
   constexpr bool GATHER_B = MODE == MODE_WGRAD_GATHER_B;
-  constexpr bool GATHERS = GATHER_A || GATHER_B;  // the producer's 128 threads gather rows
-  constexpr bool CP_GATHERS = GATHERS && !TMA_GATHER;  // ... by cp.async (else by TMA)
+  constexpr bool GATHERS = GATHER_A || GATHER_B;  // the producer's 128 threads issue cp.async
   static_assert(!ROWS || CLUSTER == 1, "ROWS and WGRAD modes: cluster 1 only");
   constexpr int TILE_N = ROWS ? 2 * BN : BN;  // output columns of a tile (per operand in GATHER)
   // MEGAMOE_SM90_ROWS_DEFER in effect (the ROWS epilogue: two column halves per tile)
@@ -374,7 +359,7 @@ __global__ void __launch_bounds__(THREADS, 1)
   const uint32_t rank = CLUSTER > 1 ? cluster_ctarank() : 0;
   if (tid == 0) {
     for (int s = 0; s < STAGES; ++s) {
-      mbar_init(full_bar + 8 * s, CP_GATHERS ? 128 + 1 : 1);
+      mbar_init(full_bar + 8 * s, GATHERS ? 128 + 1 : 1);
       mbar_init(empty_bar + 8 * s, 2 * CLUSTER);  // one per consumer warpgroup of each CTA
     }
     for (int s = 0; s < 2; ++s) {
@@ -386,7 +371,6 @@ __global__ void __launch_bounds__(THREADS, 1)
     tma_prefetch_desc(&w3_map);
     if (ROWS) tma_prefetch_desc(&in_map);
     if (WGRAD) tma_prefetch_desc(&h_map);
-    if (GATHERS && TMA_GATHER) tma_prefetch_desc(&x_map);
   }
   if constexpr (CLUSTER > 1) {
     cluster_sync();  // the peer's barriers are initialised before any remote arrival
@@ -482,9 +466,7 @@ __global__ void __launch_bounds__(THREADS, 1)
     // Completes stage `full` once this thread's cp.async gathers land (the consumers fence
     // them), or with PRODUCER_FENCE one stage later, fenced here.
     auto gathers_issued = [&](uint32_t full) {
-      if constexpr (TMA_GATHER) {
-        // nothing: the stage completes on its TMA bytes (thread 0's expect_tx counts them)
-      } else if (MEGAMOE_SM90_PRODUCER_FENCE) {
+      if (MEGAMOE_SM90_PRODUCER_FENCE) {
         // this stage's gathers stay in flight; the previous stage's have landed once at
         // most one group is left: make them visible to wgmma, then complete that stage
         cp_async_commit();
@@ -529,11 +511,9 @@ __global__ void __launch_bounds__(THREADS, 1)
       int tok[PASSES];
 #pragma unroll
       for (int i = 0; i < PASSES; ++i) {
-        // TMA_GATHER: this thread's one row is row tid of the tile (tok[0])
-        const int r = TMA_GATHER ? tid : i * ROWS_PER_PASS + rg;
         const int slot =
-            GATHER_ROWS && expert >= 0 && (!TMA_GATHER || i == 0) ? p.row_slot[pid_m * BM + r]
-                                                                   : -1;
+                GATHER_ROWS && expert >= 0 ? p.row_slot[pid_m * BM + i * ROWS_PER_PASS + rg]
+                                              : -1;
         tok[i] = slot >= 0 ? slot / p.top_k : -1;
       }
       // WGRAD gathers: the slots of this thread's rows (t / 8 + 16 i) of the next K step, loaded
@@ -544,29 +524,22 @@ __global__ void __launch_bounds__(THREADS, 1)
       auto load_slots = [&](int kb) {
 #pragma unroll
         for (int i = 0; i < ROW_PASSES; ++i) {
-          // TMA_GATHER: this thread's one row of the K step is row tid % 64 (next_slot[0])
-          const int r = TMA_GATHER ? tid % 64 : tid / 8 + 16 * i;
-          next_slot[i] = WGRAD && GATHERS && kb < k_blocks && (!TMA_GATHER || i == 0)
-                             ? p.row_slot[t.row0 + kb * BK + r] : -1;
+          next_slot[i] = WGRAD && GATHERS && kb < k_blocks
+                             ? p.row_slot[t.row0 + kb * BK + tid / 8 + 16 * i] : -1;
         }
       };
       load_slots(0);
       // GATHER_ROWS: this thread's 16-byte chunk c of the K step of the tile's rows rg + 16 i
       // (8 threads per 128-byte row), zeros for padding rows
       auto gather_rows = [&](uint32_t a_smem, int kb) {
-        if constexpr (TMA_GATHER) {
-          // row tid: 128 bytes at line tid of the [128, 64] tile (row -1: out of bounds, zeros)
-          tma_load_2d(a_smem + tid * ROW_BYTES, &x_map, kb * BK, tok[0], full_bar + 8 * stage);
-        } else {
 #pragma unroll
-          for (int i = 0; i < PASSES; ++i) {
-            const int r = i * ROWS_PER_PASS + rg;
-            const uint32_t dst = a_smem + swizzled_offset<ROW_BYTES>(r, c);
-            const bool valid = LOAD_A && tok[i] >= 0;
-            const __nv_bfloat16* src =
-                p.x + (valid ? static_cast<long long>(tok[i]) * p.stride_x : 0) + kb * BK + c * 8;
-            cp_async_16(dst, src, valid ? 16 : 0);
-          }
+        for (int i = 0; i < PASSES; ++i) {
+          const int r = i * ROWS_PER_PASS + rg;
+          const uint32_t dst = a_smem + swizzled_offset<ROW_BYTES>(r, c);
+          const bool valid = LOAD_A && tok[i] >= 0;
+          const __nv_bfloat16* src =
+              p.x + (valid ? static_cast<long long>(tok[i]) * p.stride_x : 0) + kb * BK + c * 8;
+          cp_async_16(dst, src, valid ? 16 : 0);
         }
       };
       for (int kb = 0; kb < k_blocks; ++kb) {
@@ -581,9 +554,7 @@ __global__ void __launch_bounds__(THREADS, 1)
         if constexpr (WGRAD) {
           const int r0 = t.row0 + kb * BK;
           if (tid == 0) {
-            mbar_arrive_expect_tx(full, TMA_GATHER ? A_BYTES + B_BYTES
-                                                   : (GATHER_A ? 0 : A_BYTES) +
-                                                         (GATHER_B ? 0 : B_BYTES));
+            mbar_arrive_expect_tx(full, (GATHER_A ? 0 : A_BYTES) + (GATHER_B ? 0 : B_BYTES));
             if (!GATHER_A) {
 #pragma unroll
               for (int j = 0; j < BM / 64; ++j) {
@@ -598,20 +569,7 @@ __global__ void __launch_bounds__(THREADS, 1)
               }
             }
           }
-          if constexpr (GATHERS && TMA_GATHER) {
-            // The gathered operand by TMA: thread t loads row t % 64 of the K step into boxes
-            // t / 64 (A: 2 boxes, 128 loads) or 2 (t / 64) and 2 (t / 64) + 1 (B: 4 boxes, 256)
-            constexpr int PER_THREAD = (GATHER_A ? BM : TILE_N) / 64 / 2;
-            const int row = tid % 64;
-            const int tok_row = slot[0] >= 0 ? slot[0] / p.top_k : -1;
-            const uint32_t dst = (GATHER_A ? a_smem : b_smem) + row * 128;
-            const int col0 = GATHER_A ? pid_m * BM : pid_n * TILE_N;
-#pragma unroll
-            for (int j = 0; j < PER_THREAD; ++j) {
-              const int bx = (tid / 64) * PER_THREAD + j;
-              tma_load_2d(dst + bx * NMAJOR_BOX_BYTES, &x_map, col0 + 64 * bx, tok_row, full);
-            }
-          } else if constexpr (GATHERS) {
+          if constexpr (GATHERS) {
             // The gathered operand, coalesced as GEMM 1's gather: 8 consecutive threads copy one
             // 128-byte row of a box (thread t: chunk t % 8 of rows t / 8 + 16 i), so every warp
             // request reads whole 128-byte lines instead of a 16-byte piece of 32 rows.
@@ -635,7 +593,7 @@ __global__ void __launch_bounds__(THREADS, 1)
           }
         } else if constexpr (MODE == MODE_DGRAD_SWIGLU) {
           if (tid == 0) {
-            mbar_arrive_expect_tx(full, TMA_GATHER ? A_BYTES + B_BYTES : B_BYTES);
+            mbar_arrive_expect_tx(full, B_BYTES);
 #pragma unroll
             for (int j = 0; j < TILE_N / 64; ++j) {
               tma_load_2d(b_smem + j * NMAJOR_BOX_BYTES, &w1_map, pid_n * TILE_N + 64 * j,
@@ -663,12 +621,12 @@ __global__ void __launch_bounds__(THREADS, 1)
         } else if (expert < 0) {
           // idle in this unit (the peer is not): complete the stage without data
           flush_pending();
-          if (!TMA_GATHER) mbar_arrive(full);
+          mbar_arrive(full);
           if (tid == 0) mbar_arrive(full);
         } else {
           if (tid == 0 && !LOAD_B) mbar_arrive(full);
           if (tid == 0 && LOAD_B) {
-            mbar_arrive_expect_tx(full, TMA_GATHER && LOAD_A ? A_BYTES + B_BYTES : B_BYTES);
+            mbar_arrive_expect_tx(full, B_BYTES);
             if (CLUSTER > 1 && shared) {
               // each CTA loads one of the two weight tiles for both (same expert, same N tile)
               tma_load_2d_multicast(b_smem + rank * (B_BYTES / 2), rank == 0 ? &w1_map : &w3_map,
@@ -689,8 +647,7 @@ __global__ void __launch_bounds__(THREADS, 1)
       if constexpr (MODE == MODE_DGRAD_SWIGLU && MEGAMOE_SM90_DGRAD_EPI) {
         // The epilogue's stages: per 64 columns of the tile, the saved a1 and a3 [128 rows, 64]
         // boxes, loaded while the consumers still multiply (see EPI_STAGES). full[s] takes the
-        // same 129 arrivals as a K step: thread 0's expect_tx and one from every thread (one,
-        // thread 0's, with TMA_GATHER).
+        // same 129 arrivals as a K step: thread 0's expect_tx and one from every thread.
 #pragma unroll 1
         for (int c = 0; c < EPI_STAGES; ++c) {
           mbar_wait(empty_bar + 8 * stage, phase ^ 1);
@@ -703,7 +660,7 @@ __global__ void __launch_bounds__(THREADS, 1)
             tma_load_2d(slot_smem, &in_map, col, pid_m * BM, full);
             tma_load_2d(slot_smem + EPI_IN_BYTES, &in_map, p.N + col, pid_m * BM, full);
           }
-          if (!TMA_GATHER) mbar_arrive(full);
+          mbar_arrive(full);
           if (++stage == STAGES) {
             stage = 0;
             phase ^= 1;
@@ -859,7 +816,7 @@ __global__ void __launch_bounds__(THREADS, 1)
         mbar_wait(full_bar + 8 * stage, phase);
         // the cp.async rows are generic-proxy writes; wgmma reads through the async proxy
         // (no gathers: TMA wrote both operands, nothing to fence)
-        if (CP_GATHERS && !MEGAMOE_SM90_PRODUCER_FENCE) fence_proxy_async();
+        if (GATHERS && !MEGAMOE_SM90_PRODUCER_FENCE) fence_proxy_async();
         store_gathered(kb);
         // this warpgroup's 64 rows of A: rows [64 cw, +64) (K-major) or box cw (M-major)
         const uint32_t a_smem =
@@ -1133,7 +1090,7 @@ typedef CUresult (*EncodeTiled)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, v
 // shared memory with the box_cols * 2-byte swizzle (128 or 64: the layouts smem_desc_swizzled
 // and swizzled_offset describe).
 static int make_map(CUtensorMap* map, const void* ptr, long long rows, long long cols,
-                    int box_rows, int box_cols = BK, long long row_stride = 0) {
+                    int box_rows, int box_cols = BK) {
   static EncodeTiled encode = nullptr;
   if (encode == nullptr) {
     cudaDriverEntryPointQueryResult q;
@@ -1144,7 +1101,7 @@ static int make_map(CUtensorMap* map, const void* ptr, long long rows, long long
     encode = reinterpret_cast<EncodeTiled>(fn);
   }
   cuuint64_t dims[2] = {static_cast<cuuint64_t>(cols), static_cast<cuuint64_t>(rows)};
-  cuuint64_t strides[1] = {static_cast<cuuint64_t>(row_stride > 0 ? row_stride : cols) * 2};
+  cuuint64_t strides[1] = {static_cast<cuuint64_t>(cols) * 2};
   cuuint32_t box[2] = {static_cast<cuuint32_t>(box_cols), static_cast<cuuint32_t>(box_rows)};
   cuuint32_t estr[2] = {1, 1};
   CUresult r = encode(map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, const_cast<void*>(ptr), dims,
@@ -1155,21 +1112,10 @@ static int make_map(CUtensorMap* map, const void* ptr, long long rows, long long
   return r == CUDA_SUCCESS ? 0 : -2;
 }
 
-// TMA_GATHER: the gathered token tensor [rows, cols] (row_stride elements apart) as [1, 64]
-// boxes, one row's 128 bytes per load; otherwise `other` (never read)
-static int make_token_map(CUtensorMap* map, const void* ptr, long long rows, long long cols,
-                          long long row_stride, const CUtensorMap& other) {
-  if (!TMA_GATHER) {
-    *map = other;
-    return 0;
-  }
-  return make_map(map, ptr, rows, cols, 1, 64, row_stride);
-}
-
 template <int CLUSTER, int MODE>
 static int launch(const CUtensorMap& w1_map, const CUtensorMap& w3_map, const CUtensorMap& h_map,
-                  const CUtensorMap& a_map, const CUtensorMap& in_map, const CUtensorMap& x_map,
-                  const Params& p, int num_sms, cudaStream_t stream) {
+                  const CUtensorMap& a_map, const CUtensorMap& in_map, const Params& p,
+                  int num_sms, cudaStream_t stream) {
   static int max_clusters = 0;  // co-resident clusters of this kernel (GPC sizes may be odd)
   cudaLaunchConfig_t cfg = {};
   cudaLaunchAttribute attr[1];
@@ -1196,7 +1142,7 @@ static int launch(const CUtensorMap& w1_map, const CUtensorMap& w3_map, const CU
   cfg.gridDim = dim3(max_clusters * CLUSTER);
   cudaError_t err =
       cudaLaunchKernelEx(&cfg, grouped_gemm_kernel<CLUSTER, MODE>, w1_map, w3_map, h_map, a_map,
-                         in_map, x_map, p);
+                         in_map, p);
   return static_cast<int>(err != cudaSuccess ? err : cudaGetLastError());
 }
 
@@ -1214,8 +1160,7 @@ extern "C" int megamoe_gemm1_swiglu(const void* x, const void* w1, const void* w
                                     void* a, const int* row_slot, const int* tile_expert,
                                     const int* num_rows_used, int E, int H, int D, int top_k,
                                     int plan_bm, int group_m, long long stride_x,
-                                    long long x_rows, long long stride_h, long long stride_a,
-                                    long long rows,
+                                    long long stride_h, long long stride_a, long long rows,
                                     int num_sms, int cluster, int* ticket, void* stream) {
   using namespace megamoe::grouped;
   CUtensorMap w1_map, w3_map;
@@ -1239,9 +1184,6 @@ extern "C" int megamoe_gemm1_swiglu(const void* x, const void* w1, const void* w
     h_map = w1_map;
     a_map = w1_map;
   }
-  CUtensorMap x_map;
-  rc = make_token_map(&x_map, x, x_rows, D, stride_x, w1_map);
-  if (rc != 0) return rc;
   Params p;
   p.x = static_cast<const __nv_bfloat16*>(x);
   p.h = static_cast<__nv_bfloat16*>(h);
@@ -1260,10 +1202,10 @@ extern "C" int megamoe_gemm1_swiglu(const void* x, const void* w1, const void* w
   p.stride_a = stride_a;
   cudaStream_t s = static_cast<cudaStream_t>(stream);
   if (cluster == 2) {
-    return launch<2, MODE_GEMM1>(w1_map, w3_map, h_map, a_map, w1_map, x_map, p, num_sms, s);
+    return launch<2, MODE_GEMM1>(w1_map, w3_map, h_map, a_map, w1_map, p, num_sms, s);
   }
   if (cluster == 1) {
-    return launch<1, MODE_GEMM1>(w1_map, w3_map, h_map, a_map, w1_map, x_map, p, num_sms, s);
+    return launch<1, MODE_GEMM1>(w1_map, w3_map, h_map, a_map, w1_map, p, num_sms, s);
   }
   return -3;
 }
@@ -1315,10 +1257,9 @@ extern "C" int megamoe_gemm_rows(const void* in, const void* w, const void* w2, 
   p.stride_h = N;
   cudaStream_t s = static_cast<cudaStream_t>(stream);
   if (n_major) {
-    return launch<1, MODE_ROWS_NMAJOR>(w_map, w2_map, out_map, out_map, in_map, in_map, p,
-                                       num_sms, s);
+    return launch<1, MODE_ROWS_NMAJOR>(w_map, w2_map, out_map, out_map, in_map, p, num_sms, s);
   }
-  return launch<1, MODE_ROWS>(w_map, w2_map, out_map, out_map, in_map, in_map, p, num_sms, s);
+  return launch<1, MODE_ROWS>(w_map, w2_map, out_map, out_map, in_map, p, num_sms, s);
 }
 
 // C entry point (ctypes) of the WGRAD mode (see the header): for every expert e of the plan,
@@ -1334,8 +1275,7 @@ extern "C" int megamoe_gemm_rows(const void* in, const void* w, const void* w2, 
 // segment). Shapes are checked by the Python wrapper (ops/cuda/wgrad.py): M % 128 == 0,
 // m_split % 128 == 0, N % 256 == 0, plan_bm % 64 == 0. ticket: a zeroed device int (dynamic
 // order; left zeroed) or nullptr.
-extern "C" int megamoe_wgrad(const void* tokens, long long stride_tokens, long long token_rows,
-                             const void* rows,
+extern "C" int megamoe_wgrad(const void* tokens, long long stride_tokens, const void* rows,
                              long long num_rows, void* out0, void* out1, const int* row_slot,
                              const int* seg_start, const int* count,
                              const int* expert_order, int E, int M, int N,
@@ -1352,12 +1292,6 @@ extern "C" int megamoe_wgrad(const void* tokens, long long stride_tokens, long l
   if (rc == 0) {
     rc = make_map(&out1_map, M > m_split ? out1 : out0, static_cast<long long>(E) * m_split, N,
                   64, 64);
-  }
-  CUtensorMap tokens_map;
-  if (rc == 0) {
-    rc = gather == 2 ? (tokens_map = rows_map, 0)
-                     : make_token_map(&tokens_map, tokens, token_rows, gather == 1 ? M : N,
-                                      stride_tokens, rows_map);
   }
   if (rc != 0) return rc;
   Params p = {};
@@ -1380,15 +1314,15 @@ extern "C" int megamoe_wgrad(const void* tokens, long long stride_tokens, long l
   cudaStream_t s = static_cast<cudaStream_t>(stream);
   // B by TMA travels in w1_map, A by TMA in in_map
   if (gather == 2) {
-    return launch<1, MODE_WGRAD_TMA>(rows_map, rows_map, out0_map, out1_map, a_rows_map,
-                                     tokens_map, p, num_sms, s);
+    return launch<1, MODE_WGRAD_TMA>(rows_map, rows_map, out0_map, out1_map, a_rows_map, p,
+                                     num_sms, s);
   }
   if (gather == 1) {
-    return launch<1, MODE_WGRAD_GATHER_A>(rows_map, rows_map, out0_map, out1_map, rows_map,
-                                          tokens_map, p, num_sms, s);
+    return launch<1, MODE_WGRAD_GATHER_A>(rows_map, rows_map, out0_map, out1_map, rows_map, p,
+                                          num_sms, s);
   }
-  return launch<1, MODE_WGRAD_GATHER_B>(rows_map, rows_map, out0_map, out1_map, rows_map,
-                                        tokens_map, p, num_sms, s);
+  return launch<1, MODE_WGRAD_GATHER_B>(rows_map, rows_map, out0_map, out1_map, rows_map, p,
+                                        num_sms, s);
 }
 
 // C entry point (ctypes) of the DGRAD_SWIGLU mode (see the header), kernel A on the saved a:
@@ -1396,8 +1330,7 @@ extern "C" int megamoe_wgrad(const void* tokens, long long stride_tokens, long l
 // a = [a1 | a3], da [rows, 2H] and hw [rows, H] contiguous bf16, part [H / 256, rows] fp32,
 // topk_w [tokens * top_k] fp32. Shapes are checked by the Python wrapper
 // (ops/cuda/dgrad_swiglu.py): H % 256 == 0, D % 64 == 0, plan_bm % 128 == 0.
-extern "C" int megamoe_dgrad_swiglu(const void* dy, long long stride_dy, long long dy_rows_in,
-                                    const void* w2,
+extern "C" int megamoe_dgrad_swiglu(const void* dy, long long stride_dy, const void* w2,
                                     const void* a, void* da, void* hw, void* dy_rows, float* part,
                                     const float* topk_w, const int* row_slot,
                                     const int* tile_expert, const int* num_rows_used, int E, int D,
@@ -1414,9 +1347,6 @@ extern "C" int megamoe_dgrad_swiglu(const void* dy, long long stride_dy, long lo
   if (rc == 0 && dy_rows != nullptr) rc = make_map(&rows_map, dy_rows, rows, D, 64, 64);
   if (rc != 0) return rc;
   if (dy_rows == nullptr) rows_map = w2_map;  // never used
-  CUtensorMap dy_map;
-  rc = make_token_map(&dy_map, dy, dy_rows_in, D, stride_dy, w2_map);
-  if (rc != 0) return rc;
   Params p = {};
   p.store_gathered = dy_rows != nullptr;
   p.x = static_cast<const __nv_bfloat16*>(dy);
@@ -1435,8 +1365,8 @@ extern "C" int megamoe_dgrad_swiglu(const void* dy, long long stride_dy, long lo
   p.group_m = 8;
   p.ticket = ticket;
 #if MEGAMOE_SM90_BK == 64
-  return launch<1, MODE_DGRAD_SWIGLU>(w2_map, rows_map, da_map, hw_map, a_map, dy_map, p,
-                                      num_sms, static_cast<cudaStream_t>(stream));
+  return launch<1, MODE_DGRAD_SWIGLU>(w2_map, rows_map, da_map, hw_map, a_map, p, num_sms,
+                                      static_cast<cudaStream_t>(stream));
 #else
   return -4;  // the epilogue stages hold three [128, 64] boxes: a BK 64 stage
 #endif

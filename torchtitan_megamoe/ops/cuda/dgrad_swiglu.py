@@ -62,7 +62,7 @@ def dgrad_l2_swiglu_sm90(dy: torch.Tensor, a: torch.Tensor, topk_weights: torch.
     lib = grouped_gemm_library(tuple(defines))
     num_sms, stream, ticket = launch_context(dy.device)
     rc = lib.megamoe_dgrad_swiglu(
-        dy.data_ptr(), dy.stride(0), dy.shape[0], w2.data_ptr(), a.data_ptr(), da.data_ptr(), hw.data_ptr(),
+        dy.data_ptr(), dy.stride(0), w2.data_ptr(), a.data_ptr(), da.data_ptr(), hw.data_ptr(),
         None if dy_rows is None else dy_rows.data_ptr(), part.data_ptr(), tw.data_ptr(),
         plan.row_slot.data_ptr(), plan.tile_expert.data_ptr(),
         plan.num_rows_used.data_ptr(), E, D, H, plan.top_k, plan.block_m, R, num_sms,

@@ -61,7 +61,7 @@ def gemm1_swiglu_sm90(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, plan:
         x.data_ptr(), w1.data_ptr(), w3.data_ptr(), h.data_ptr(),
         a.data_ptr() if a is not None else None,
         plan.row_slot.data_ptr(), plan.tile_expert.data_ptr(), plan.num_rows_used.data_ptr(),
-        E, H, D, plan.top_k, plan.block_m, group_m, x.stride(0), x.shape[0], h.stride(0),
+        E, H, D, plan.top_k, plan.block_m, group_m, x.stride(0), h.stride(0),
         a.stride(0) if a is not None else 0, h.shape[0], num_sms, cluster,
         ticket.data_ptr() if ticket is not None else None, stream,
     )

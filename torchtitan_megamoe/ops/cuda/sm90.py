@@ -44,14 +44,13 @@ def grouped_gemm_library(defines: tuple = ()) -> ctypes.CDLL:
     if not getattr(lib, "_megamoe_typed", False):
         p, i, ll = ctypes.c_void_p, ctypes.c_int, ctypes.c_longlong
         lib.megamoe_gemm1_swiglu.argtypes = [p, p, p, p, p, p, p, p, i, i, i, i, i, i, ll, ll, ll,
-                                             ll, ll, i, i, p, p]
+                                             ll, i, i, p, p]
         lib.megamoe_gemm1_swiglu.restype = i
         lib.megamoe_gemm_rows.argtypes = [p, p, p, p, p, p, p, i, i, i, i, i, i, i, ll, i, p, p]
         lib.megamoe_gemm_rows.restype = i
-        lib.megamoe_wgrad.argtypes = [p, ll, ll, p, ll, p, p, p, p, p, p, i, i, i, i, i, i, i, p,
-                                      p]
+        lib.megamoe_wgrad.argtypes = [p, ll, p, ll, p, p, p, p, p, p, i, i, i, i, i, i, i, p, p]
         lib.megamoe_wgrad.restype = i
-        lib.megamoe_dgrad_swiglu.argtypes = [p, ll, ll, p, p, p, p, p, p, p, p, p, p, i, i, i, i, i,
+        lib.megamoe_dgrad_swiglu.argtypes = [p, ll, p, p, p, p, p, p, p, p, p, p, i, i, i, i, i,
                                              ll, i, p, p]
         lib.megamoe_dgrad_swiglu.restype = i
         lib.megamoe_error_string.argtypes = [i]

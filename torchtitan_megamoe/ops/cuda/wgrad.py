@@ -91,7 +91,7 @@ def _launch(who, tokens, rows, outs, plan, E, M, N, m_split, gather, expert_orde
     lib = grouped_gemm_library(tuple(defines))
     num_sms, stream, ticket = launch_context(rows.device)
     rc = lib.megamoe_wgrad(
-        tokens.data_ptr(), tokens.stride(0), tokens.shape[0], rows.data_ptr(), R, outs[0].data_ptr(),
+        tokens.data_ptr(), tokens.stride(0), rows.data_ptr(), R, outs[0].data_ptr(),
         outs[-1].data_ptr(), plan.row_slot.data_ptr(), plan.seg_start.data_ptr(),
         plan.count.data_ptr(), expert_order.data_ptr() if expert_order is not None else None,
         E, M, N, m_split,
