@@ -20,10 +20,8 @@ BM = 128
 EPILOGUES = pytest.mark.parametrize(
     "defines", [(), ("MEGAMOE_SM90_TMA_STORE=1",), ("MEGAMOE_SM90_TMA_STORE=1", "MEGAMOE_SM90_WGMMA_LAG=1"),
                 ("MEGAMOE_SM90_TMA_STORE=1", "MEGAMOE_SM90_EPI_BUFFERS=2", "MEGAMOE_SM90_STAGES=3"),
-                ("MEGAMOE_SM90_TMA_STORE=1", "MEGAMOE_SM90_ROWS_DEFER=0"),
-                ("MEGAMOE_SM90_TMA_STORE=1", "MEGAMOE_SM90_ROWS_DEFER=2")],
-    ids=["registers", "tma_store", "tma_store_lag1", "tma_store_2_buffers", "tma_store_no_defer",
-         "tma_store_defer_both"])
+                ("MEGAMOE_SM90_TMA_STORE=1", "MEGAMOE_SM90_ROWS_DEFER=0")],
+    ids=["registers", "tma_store", "tma_store_lag1", "tma_store_2_buffers", "tma_store_no_defer"])
 
 
 
@@ -57,9 +55,8 @@ def _check(out, inp, w, plan, tol=1e-2):
 
 @EPILOGUES
 @pytest.mark.parametrize("group_m", [8, 1])
-@pytest.mark.parametrize("T,K,E,N,KD", [(700, 4, 8, 256, 256), (333, 2, 5, 512, 640),
-                                        (300, 2, 3, 256, 64)],
-                         ids=["k_blocks_4", "k_blocks_10", "k_blocks_1"])
+@pytest.mark.parametrize("T,K,E,N,KD", [(700, 4, 8, 256, 256), (333, 2, 5, 512, 640)],
+                         ids=["k_blocks_4", "k_blocks_10"])
 def test_vs_float64_on_uneven_routings(T, K, E, N, KD, group_m, defines):
     w = (torch.randn(E, N, KD, device="cuda") / KD**0.5).bfloat16()
     for name, ids in routings(T, K, E):
@@ -125,11 +122,6 @@ def test_real_30b_shape_matches_triton_and_float64(defines):
         gemm_rows_sm90(h, w2, plan, y4, defines=defines + ("MEGAMOE_SM90_ROWS_DEFER=0",))
         assert torch.equal(y4[:used], y[:used]), "MEGAMOE_SM90_ROWS_DEFER changed the output"
         assert torch.isnan(y4[used:]).all(), "wrote rows past the used ones"
-        # both halves stored under the next tile's first two batches
-        y5 = nan_tensor(plan.max_rows, D)
-        gemm_rows_sm90(h, w2, plan, y5, defines=defines + ("MEGAMOE_SM90_ROWS_DEFER=2",))
-        assert torch.equal(y5[:used], y[:used]), "MEGAMOE_SM90_ROWS_DEFER=2 changed the output"
-        assert torch.isnan(y5[used:]).all(), "wrote rows past the used ones"
 
 
 @EPILOGUES
@@ -172,10 +164,6 @@ def test_nmajor_real_30b_kernel_c_matches_triton():
     gemm_rows_nmajor_sm90(da, (w1, w3), plan, again, defines=defines)
     used = int(plan.num_rows_used)
     assert torch.equal(again[:used], dx_rows[:used]), "two runs must be bitwise identical"
-    both = nan_tensor(plan.max_rows, D)  # both column halves deferred to the next tile
-    gemm_rows_nmajor_sm90(da, (w1, w3), plan, both,
-                          defines=defines + ("MEGAMOE_SM90_ROWS_DEFER=2",))
-    assert torch.equal(both[:used], dx_rows[:used]), "MEGAMOE_SM90_ROWS_DEFER=2 changed dx"
 
 
 def test_backward_with_the_sm90_kernel_c_matches_the_reference(monkeypatch):

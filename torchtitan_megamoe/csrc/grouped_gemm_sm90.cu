@@ -195,9 +195,9 @@ constexpr int PASSES = BM / ROWS_PER_PASS;
 // and its shared-memory writes leave the tensor cores' idle time. 0: both halves in the
 // epilogue. Measured (scripts/rows_variants.py, H200, 2026-11-30, docs/PERF.md session 17):
 // GEMM 2 -3% at 30B, -6% at 235B; kernel C level at 30B, -3% at 235B. Not in WGRAD, where the
-// same deferral measured -2% at 30B but +5-8% on dw2 at 235B. 2: both halves wait packed (64
-// registers); the next tile stages and stores the first under its first batch and the second
-// under its second, so the epilogue is only the packing.
+// same deferral measured -2% at 30B but +5-8% on dw2 at 235B. Deferring the first half too
+// (64 packed registers, stored under the next tile's first two batches) was bitwise equal but
+// level or slower: GEMM 2 +3% / +2%, kernel C +6% / level (30B / 235B; session 18, 42220ae).
 #define MEGAMOE_SM90_ROWS_DEFER 1
 #endif
 #ifndef MEGAMOE_SM90_PAD_SKIP
@@ -338,7 +338,6 @@ __global__ void __launch_bounds__(THREADS, 1)
   constexpr bool RDEFER = MEGAMOE_SM90_ROWS_DEFER && MEGAMOE_SM90_TMA_STORE &&
                           (MODE == MODE_ROWS || MODE == MODE_ROWS_NMAJOR) &&
                           !MEGAMOE_SM90_WGMMA_LAG && EPI_BUFFERS == 1 && CLUSTER == 1;
-  constexpr bool RDEFER2 = RDEFER && MEGAMOE_SM90_ROWS_DEFER == 2;  // both halves deferred
   static_assert(MODE != MODE_DGRAD_SWIGLU || (BK == 64 && TILE_N == 64 * EPI_STAGES &&
                                                STAGE_BYTES == 3 * EPI_IN_BYTES),
                 "DGRAD_SWIGLU: the epilogue stages need BK 64");
@@ -683,17 +682,16 @@ __global__ void __launch_bounds__(THREADS, 1)
     int stage = 0;
     uint32_t phase = 0;
     [[maybe_unused]] int epi_buf = 0;  // TMA_STORE: the staging tile the next store uses
-    // RDEFER: the previous tile's second column half (RDEFER2: and its first, pend0), packed,
-    // waiting to be staged and stored
+    // RDEFER: the previous tile's second column half, packed, waiting to be staged and stored
     [[maybe_unused]] uint32_t pend[32];
-    [[maybe_unused]] uint32_t pend0[RDEFER2 ? 32 : 1];
-    [[maybe_unused]] bool pending = false, pending0 = false;
+    [[maybe_unused]] bool pending = false;
     [[maybe_unused]] int pend_col = 0, pend_row = 0;
     [[maybe_unused]] const CUtensorMap* pend_map = &h_map;
-    // Stages and stores a pending half (every instruction predicated on `pred`, so it can run
-    // while a wgmma batch is in flight). Waits on: the store engine having read the staging
-    // tile (the last store from it). Signals: nothing.
-    [[maybe_unused]] auto flush_half = [&](const uint32_t (&regs)[32], int col, bool pred) {
+    // Stages and stores the pending half (every instruction predicated on `pending`, so it can
+    // run while a wgmma batch is in flight). Waits on: the store engine having read the
+    // staging tile (the first half's store). Signals: nothing.
+    [[maybe_unused]] auto flush_pending = [&]() {
+      const bool pred = pending;
       const uint32_t tile = epi_smem + cw * 2 * EPI_BOX_BYTES;
       bulk_wait_read_all_if(pred && tid % 128 == 0);
       named_barrier(1 + cw, 128);
@@ -704,24 +702,14 @@ __global__ void __launch_bounds__(THREADS, 1)
           const int r = warp * 16 + lane / 4 + 8 * half;
           st_shared_b32_if(tile + (j / 8) * EPI_BOX_BYTES + swizzled_offset<128>(r, j % 8) +
                                4 * (lane % 4),
-                           regs[2 * j + half], pred);
+                           pend[2 * j + half], pred);
         }
       }
       fence_proxy_async();
       named_barrier(1 + cw, 128);
       const bool issue = pred && tid % 128 == 0 && MEGAMOE_SM90_STORE;
-      tma_store_2d_commit_if(pend_map, col, pend_row, tile, issue);
-      tma_store_2d_commit_if(pend_map, col + 64, pend_row, tile + EPI_BOX_BYTES, issue);
-    };
-    // the pending first half (RDEFER2), then the pending second half
-    [[maybe_unused]] auto flush_first = [&]() {
-      if constexpr (RDEFER2) {
-        flush_half(pend0, pend_col - BN, pending0);
-        pending0 = false;
-      }
-    };
-    [[maybe_unused]] auto flush_pending = [&]() {
-      flush_half(pend, pend_col, pending);
+      tma_store_2d_commit_if(pend_map, pend_col, pend_row, tile, issue);
+      tma_store_2d_commit_if(pend_map, pend_col + 64, pend_row, tile + EPI_BOX_BYTES, issue);
       pending = false;
     };
     for (int it = 0;; ++it) {
@@ -867,22 +855,7 @@ __global__ void __launch_bounds__(THREADS, 1)
       };
       const int steps = zero_rows ? 0 : k_blocks;
       int kb0 = 0;
-      if constexpr (RDEFER2) {
-        // the previous tile's first half goes out under this tile's first batch, its second
-        // half under the second
-        if (steps > 0) {
-          issue_step(0);
-          flush_first();
-          retire_step(0);
-          kb0 = 1;
-        }
-        if (steps > 1) {
-          issue_step(1);
-          flush_pending();
-          retire_step(1);
-          kb0 = 2;
-        }
-      } else if constexpr (RDEFER) {
+      if constexpr (RDEFER) {
         if (steps > 0) {
           // the previous tile's second half goes out under this tile's first batch
           issue_step(0);
@@ -896,9 +869,7 @@ __global__ void __launch_bounds__(THREADS, 1)
         retire_step(kb);
       }
       if constexpr (RDEFER) {
-        // what no K step took (padding rows, an expert without rows, a one-step tile)
-        if (RDEFER2 && pending0) flush_first();
-        if (pending) flush_pending();
+        if (pending) flush_pending();  // no K step ran (padding rows, an expert without rows)
       }
       wgmma_wait<0>();
 #pragma unroll
@@ -1044,20 +1015,7 @@ __global__ void __launch_bounds__(THREADS, 1)
         };
         if constexpr (ROWS) {
           // the two column halves of the tile, as they sit in the accumulator
-          if constexpr (RDEFER2) {
-#pragma unroll
-            for (int j = 0; j < 16; ++j) {
-#pragma unroll
-              for (int half = 0; half < 2; ++half) {
-                __nv_bfloat162 v = __floats2bfloat162_rn(acc[4 * j + 2 * half],
-                                                         acc[4 * j + 2 * half + 1]);
-                pend0[2 * j + half] = *reinterpret_cast<uint32_t*>(&v);
-              }
-            }
-            pending0 = true;
-          } else {
-            stage_out(out_map, pid_n * TILE_N, 1);
-          }
+          stage_out(out_map, pid_n * TILE_N, 1);
           if constexpr (RDEFER) {
 #pragma unroll
             for (int j = 0; j < 16; ++j) {
@@ -1115,8 +1073,7 @@ __global__ void __launch_bounds__(THREADS, 1)
       }
     }
     if constexpr (RDEFER) {
-      if (RDEFER2 && pending0) flush_first();  // the last tile's halves
-      if (pending) flush_pending();
+      if (pending) flush_pending();  // the last tile's second half
     }
     // the last tile's bulk stores complete before the CTA exits
     if ((MEGAMOE_SM90_TMA_STORE || MODE == MODE_DGRAD_SWIGLU) && tid % 128 == 0) bulk_wait<0>();
