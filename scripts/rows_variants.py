@@ -8,6 +8,10 @@ single median per variant drifted by 5-10% between neighbouring measurements on 
     python3 scripts/rows_variants.py 30b            # default vs MEGAMOE_SM90_PAD_SKIP=0
     KNOB=MEGAMOE_SM90_WGMMA_LAG=1 python3 scripts/rows_variants.py 235b
     KNOB=MEGAMOE_SM90_EPI_BUFFERS=2,MEGAMOE_SM90_STAGES=3 python3 scripts/rows_variants.py 30b
+    KNOB=MEGAMOE_SM90_GEMM1_DEFER=0 KERNELS=gemm1_swiglu,gemm1_swiglu+a \
+        python3 scripts/rows_variants.py 235b
+
+"gemm1_swiglu+a" is the training forward's GEMM 1 (h and the saved a1/a3 pre-activations).
 
 KERNELS (a comma list of the table's kernel names) picks rows. NCU=1: each kernel of the
 variant named by VARIANTS (default, or the knob) is only launched twice, for Nsight Compute:
@@ -43,12 +47,15 @@ def main(shape_name: str = "30b") -> None:
     da = torch.randn(R, 2 * H, device="cuda").bfloat16()
     da[pad] = 0
     hout = torch.empty(R, H, device="cuda", dtype=torch.bfloat16)
+    aout = torch.empty(R, 2 * H, device="cuda", dtype=torch.bfloat16)  # the training forward's
     y = torch.empty(R, D, device="cuda", dtype=torch.bfloat16)
     dx = torch.empty(R, D, device="cuda", dtype=torch.bfloat16)
     used = int(plan.num_rows_used)
     print(f"{shape_name}: rows used {used} (padding {int(pad[:used].sum())}), knob {knob}")
     kernels = {
         "gemm1_swiglu": lambda d: gemm1_swiglu_sm90(x, w1, w3, plan, hout, cluster=1, defines=d),
+        "gemm1_swiglu+a": lambda d: gemm1_swiglu_sm90(x, w1, w3, plan, hout, aout, cluster=1,
+                                                      defines=d),
         "gemm2_rows": lambda d: gemm_rows_sm90(h, w2, plan, y, defines=d),
         "dgrad_l1 (C)": lambda d: gemm_rows_nmajor_sm90(da, (w1, w3), plan, dx, defines=d),
     }
@@ -67,16 +74,19 @@ def main(shape_name: str = "30b") -> None:
     print("| --- | " + " | ".join("---" for _ in variants) + " | --- | --- |")
     rounds = int(os.environ.get("ROUNDS", "5"))
     for name, run in kernels.items():
-        out = {"gemm1_swiglu": hout, "gemm2_rows": y}.get(name, dx)
+        out = {"gemm1_swiglu": (hout,), "gemm1_swiglu+a": (hout, aout),
+               "gemm2_rows": (y,)}.get(name, (dx,))
         outs, samples = [], [[] for _ in variants]
         for defines in variants.values():
+            for o in out:
+                o.fill_(float("nan"))  # poisoned: every row used must be written by the variant
             run(defines)  # build and warm each variant before the rounds
-            outs.append(out[:used].clone())
+            outs.append(torch.cat([o[:used] for o in out], 1))
         for _ in range(rounds):
             for i, defines in enumerate(variants.values()):
                 samples[i].append(median_ms(lambda d=defines: run(d), 10, 2))
         times = [statistics.median(t) for t in samples]
-        same = all(torch.equal(outs[0], o) for o in outs[1:])
+        same = not outs[0].isnan().any() and all(torch.equal(outs[0], o) for o in outs[1:])
         print(f"| {name} | " + " | ".join(f"{t:.3f}" for t in times)
               + f" | {times[1] / times[0]:.3f} | {'bitwise equal' if same else 'DIFFER'} |")
 

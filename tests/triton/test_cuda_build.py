@@ -22,9 +22,11 @@ needs_nvcc = pytest.mark.skipif(build.nvcc_path() is None, reason="needs nvcc")
                                      ("MEGAMOE_SM90_WGMMA_LAG=1",),
                                      ("MEGAMOE_SM90_BK=32", "MEGAMOE_SM90_STAGES=8"),
                                      ("MEGAMOE_SM90_TMA_STORE=1", "MEGAMOE_SM90_WGMMA_LAG=1"),
+                                     ("MEGAMOE_SM90_TMA_STORE=1", "MEGAMOE_SM90_GEMM1_DEFER=0"),
                                      ("MEGAMOE_SM90_TMA_STORE=1", "MEGAMOE_SM90_EPI_BUFFERS=2",
                                       "MEGAMOE_SM90_STAGES=3")],
-                         ids=["default", "knobs", "lag1", "bk32", "tma_store", "tma_store_2_buffers"])
+                         ids=["default", "knobs", "lag1", "bk32", "tma_store", "tma_store_no_defer",
+                              "tma_store_2_buffers"])
 def test_gemm1_swiglu_sm90_builds_without_spills(tmp_path, monkeypatch, defines):
     monkeypatch.setenv("MEGAMOE_CUDA_CACHE", str(tmp_path))
     lib_path = build.build("grouped_gemm_sm90", defines)

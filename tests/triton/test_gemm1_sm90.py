@@ -54,9 +54,10 @@ VARIANTS = pytest.mark.parametrize(
                 ("MEGAMOE_SM90_BK=32", "MEGAMOE_SM90_STAGES=8", "MEGAMOE_SM90_WGMMA_LAG=1",
                  "MEGAMOE_SM90_PRODUCER_FENCE=1"),
                 ("MEGAMOE_SM90_TMA_STORE=1",), ("MEGAMOE_SM90_TMA_STORE=1", "MEGAMOE_SM90_WGMMA_LAG=1"),
-                ("MEGAMOE_SM90_TMA_STORE=1", "MEGAMOE_SM90_EPI_BUFFERS=2", "MEGAMOE_SM90_STAGES=3")],
+                ("MEGAMOE_SM90_TMA_STORE=1", "MEGAMOE_SM90_EPI_BUFFERS=2", "MEGAMOE_SM90_STAGES=3"),
+                ("MEGAMOE_SM90_TMA_STORE=1", "MEGAMOE_SM90_GEMM1_DEFER=0")],
     ids=["default", "lag1", "producer_fence", "bk32_8stages", "tma_store", "tma_store_lag1",
-         "tma_store_2_buffers"])
+         "tma_store_2_buffers", "tma_store_no_defer"])
 
 
 @CLUSTERS
@@ -102,7 +103,9 @@ def test_phased_plan_writes_only_its_phase(cluster):
 
 
 @CLUSTERS
-@pytest.mark.parametrize("defines", [(), ("MEGAMOE_SM90_TMA_STORE=1",)], ids=["default", "tma_store"])
+@pytest.mark.parametrize("defines", [(), ("MEGAMOE_SM90_TMA_STORE=1",),
+                                     ("MEGAMOE_SM90_TMA_STORE=1", "MEGAMOE_SM90_GEMM1_DEFER=0")],
+                         ids=["default", "tma_store", "tma_store_no_defer"])
 def test_real_30b_shape_matches_triton_and_float64(cluster, defines):
     T, K, E, D, H = 16384, 8, 128, 2048, 768
     torch.manual_seed(0)

@@ -52,8 +52,9 @@
 //     sessions 16-17; docs/EPILOGUE_OVERLAP.md): a fourth (epilogue) warpgroup does not compile
 //     (ptxas caps a 512-thread CTA at 128 registers per thread; the m64n256k16 wgmma needs 154:
 //     C7602); kernel A's SwiGLU backward run under the next tile's first K steps, consumers on
-//     alternate smaller tiles and CTA pairs sharing weights all measured slower. Only the ROWS
-//     mode's second column half moves under the next tile's first batch (ROWS_DEFER below).
+//     alternate smaller tiles and CTA pairs sharing weights all measured slower. Only one store
+//     per tile moves under the next tile's first batch: the ROWS mode's second column half
+//     (ROWS_DEFER below) and GEMM 1's last store (GEMM1_DEFER).
 // Clusters of 2 (CLUSTER = 2): a unit is M tiles 2u, 2u+1 x one N tile, CTA rank r computes
 //   M tile 2u + r, and both CTAs walk the same units in lockstep. When both tiles belong to one
 //   expert ("shared"), CTA r loads only weight tile r (w1 or w3) and multicasts it to both, so
@@ -200,6 +201,15 @@ constexpr int PASSES = BM / ROWS_PER_PASS;
 // level or slower: GEMM 2 +3% / +2%, kernel C +6% / level (30B / 235B; session 18, 42220ae).
 #define MEGAMOE_SM90_ROWS_DEFER 1
 #endif
+#ifndef MEGAMOE_SM90_GEMM1_DEFER
+// GEMM 1 (GATHER mode) with TMA_STORE, lag 0, one staging tile, cluster 1: 1 holds the tile's
+// last [64, 128] store per warpgroup (h in inference, a3 in the training forward, after h and
+// a1) as 32 packed bf16x2 registers and stages and stores it under the next tile's first wgmma
+// batch, the ROWS_DEFER mechanism. 0: every store in the epilogue. Measured (scripts/
+// rows_variants.py, H200, 2026-12-01, docs/PERF.md session 19, outputs bitwise equal): inference
+// level at 30B, -0.9% at 235B; training forward (h, a1, a3) -1.6% at 30B, -0.9% at 235B.
+#define MEGAMOE_SM90_GEMM1_DEFER 1
+#endif
 #ifndef MEGAMOE_SM90_PAD_SKIP
 #define MEGAMOE_SM90_PAD_SKIP 1  // 0 only for measuring: warpgroups of padding rows still multiply
 #endif
@@ -338,6 +348,11 @@ __global__ void __launch_bounds__(THREADS, 1)
   constexpr bool RDEFER = MEGAMOE_SM90_ROWS_DEFER && MEGAMOE_SM90_TMA_STORE &&
                           (MODE == MODE_ROWS || MODE == MODE_ROWS_NMAJOR) &&
                           !MEGAMOE_SM90_WGMMA_LAG && EPI_BUFFERS == 1 && CLUSTER == 1;
+  // MEGAMOE_SM90_GEMM1_DEFER in effect (GEMM 1's last store per tile)
+  constexpr bool GDEFER = MEGAMOE_SM90_GEMM1_DEFER && MEGAMOE_SM90_TMA_STORE &&
+                          MODE == MODE_GEMM1 && !MEGAMOE_SM90_WGMMA_LAG && EPI_BUFFERS == 1 &&
+                          CLUSTER == 1;
+  constexpr bool DEFER = RDEFER || GDEFER;  // a tile's last store may wait for the next tile
   static_assert(MODE != MODE_DGRAD_SWIGLU || (BK == 64 && TILE_N == 64 * EPI_STAGES &&
                                                STAGE_BYTES == 3 * EPI_IN_BYTES),
                 "DGRAD_SWIGLU: the epilogue stages need BK 64");
@@ -682,7 +697,8 @@ __global__ void __launch_bounds__(THREADS, 1)
     int stage = 0;
     uint32_t phase = 0;
     [[maybe_unused]] int epi_buf = 0;  // TMA_STORE: the staging tile the next store uses
-    // RDEFER: the previous tile's second column half, packed, waiting to be staged and stored
+    // DEFER: the previous tile's last store (ROWS: its second column half), packed, waiting to
+    // be staged and stored
     [[maybe_unused]] uint32_t pend[32];
     [[maybe_unused]] bool pending = false;
     [[maybe_unused]] int pend_col = 0, pend_row = 0;
@@ -855,9 +871,9 @@ __global__ void __launch_bounds__(THREADS, 1)
       };
       const int steps = zero_rows ? 0 : k_blocks;
       int kb0 = 0;
-      if constexpr (RDEFER) {
+      if constexpr (DEFER) {
         if (steps > 0) {
-          // the previous tile's second half goes out under this tile's first batch
+          // the previous tile's deferred store goes out under this tile's first batch
           issue_step(0);
           flush_pending();
           retire_step(0);
@@ -868,7 +884,7 @@ __global__ void __launch_bounds__(THREADS, 1)
         issue_step(kb);
         retire_step(kb);
       }
-      if constexpr (RDEFER) {
+      if constexpr (DEFER) {
         if (pending) flush_pending();  // no K step ran (padding rows, an expert without rows)
       }
       wgmma_wait<0>();
@@ -975,6 +991,34 @@ __global__ void __launch_bounds__(THREADS, 1)
         // previous one, or with EPI_BUFFERS 2 the one before it). Signals: nothing (the
         // launch's end completes the stores).
         const int out_row = out_row0 + cw * 64;
+        // Accumulator pair (j, half) as packed bf16x2: which 0 h = silu(a1) a3, 1 the first
+        // column half (a1), 3 the second (a3)
+        auto out_pair = [&](int j, int half, int which) -> uint32_t {
+          const float a1x = acc[4 * j + 2 * half], a1y = acc[4 * j + 2 * half + 1];
+          const float a3x = acc[64 + 4 * j + 2 * half], a3y = acc[64 + 4 * j + 2 * half + 1];
+          float vx = a1x, vy = a1y;
+          if (which == 0) {
+            vx = silu_mul(a1x, a3x);
+            vy = silu_mul(a1y, a3y);
+          } else if (which == 3) {
+            vx = a3x;
+            vy = a3y;
+          }
+          __nv_bfloat162 v = __floats2bfloat162_rn(vx, vy);
+          return *reinterpret_cast<uint32_t*>(&v);
+        };
+        // DEFER: packs the tile's last store for flush_pending under the next tile's first batch
+        [[maybe_unused]] auto defer_out = [&](const CUtensorMap* map, int out_col, int which) {
+#pragma unroll
+          for (int j = 0; j < 16; ++j) {
+#pragma unroll
+            for (int half = 0; half < 2; ++half) pend[2 * j + half] = out_pair(j, half, which);
+          }
+          pend_map = map;
+          pend_col = out_col;
+          pend_row = out_row;
+          pending = true;
+        };
         auto stage_out = [&](const CUtensorMap* map, int out_col, int which) {
           const uint32_t tile = epi_smem + (cw * EPI_BUFFERS + epi_buf) * 2 * EPI_BOX_BYTES;
           if (EPI_BUFFERS == 2) epi_buf ^= 1;
@@ -984,23 +1028,13 @@ __global__ void __launch_bounds__(THREADS, 1)
           for (int j = 0; j < 16; ++j) {
 #pragma unroll
             for (int half = 0; half < 2; ++half) {
-              const float a1x = acc[4 * j + 2 * half], a1y = acc[4 * j + 2 * half + 1];
-              const float a3x = acc[64 + 4 * j + 2 * half], a3y = acc[64 + 4 * j + 2 * half + 1];
-              float vx = a1x, vy = a1y;  // which 1: a1
-              if (which == 0) {
-                vx = silu_mul(a1x, a3x);
-                vy = silu_mul(a1y, a3y);
-              } else if (which == 3) {
-                vx = a3x;
-                vy = a3y;
-              }
-              __nv_bfloat162 v = __floats2bfloat162_rn(vx, vy);
+              const uint32_t v = out_pair(j, half, which);
               // row r of the warpgroup's 64, column 8j + 2 (lane % 4): box j / 8, 16-byte
               // chunk j % 8, byte 4 (lane % 4) of it
               const int r = warp * 16 + lane / 4 + 8 * half;
               const uint32_t addr = tile + (j / 8) * EPI_BOX_BYTES +
                                     swizzled_offset<128>(r, j % 8) + 4 * (lane % 4);
-              st_shared_b32(addr, *reinterpret_cast<uint32_t*>(&v));
+              st_shared_b32(addr, v);
             }
           }
           fence_proxy_async();  // the st.shared writes, before the store engine reads them
@@ -1017,26 +1051,22 @@ __global__ void __launch_bounds__(THREADS, 1)
           // the two column halves of the tile, as they sit in the accumulator
           stage_out(out_map, pid_n * TILE_N, 1);
           if constexpr (RDEFER) {
-#pragma unroll
-            for (int j = 0; j < 16; ++j) {
-#pragma unroll
-              for (int half = 0; half < 2; ++half) {
-                __nv_bfloat162 v = __floats2bfloat162_rn(acc[64 + 4 * j + 2 * half],
-                                                         acc[64 + 4 * j + 2 * half + 1]);
-                pend[2 * j + half] = *reinterpret_cast<uint32_t*>(&v);
-              }
-            }
-            pend_map = out_map;
-            pend_col = pid_n * TILE_N + BN;
-            pend_row = out_row;
-            pending = true;
+            defer_out(out_map, pid_n * TILE_N + BN, 3);
           } else {
             stage_out(out_map, pid_n * TILE_N + BN, 3);
           }
+        } else if (p.a == nullptr) {
+          if constexpr (GDEFER) {
+            defer_out(&h_map, pid_n * BN, 0);
+          } else {
+            stage_out(&h_map, pid_n * BN, 0);
+          }
         } else {
           stage_out(&h_map, pid_n * BN, 0);
-          if (p.a != nullptr) {
-            stage_out(&a_map, pid_n * BN, 1);
+          stage_out(&a_map, pid_n * BN, 1);
+          if constexpr (GDEFER) {
+            defer_out(&a_map, p.N + pid_n * BN, 3);
+          } else {
             stage_out(&a_map, p.N + pid_n * BN, 3);
           }
         }
@@ -1072,8 +1102,8 @@ __global__ void __launch_bounds__(THREADS, 1)
         }
       }
     }
-    if constexpr (RDEFER) {
-      if (pending) flush_pending();  // the last tile's second half
+    if constexpr (DEFER) {
+      if (pending) flush_pending();  // the last tile's deferred store
     }
     // the last tile's bulk stores complete before the CTA exits
     if ((MEGAMOE_SM90_TMA_STORE || MODE == MODE_DGRAD_SWIGLU) && tid % 128 == 0) bulk_wait<0>();
