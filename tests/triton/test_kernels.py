@@ -99,6 +99,29 @@ def test_gemm1_tuner_picks_one_kernel_for_the_saving_and_plain_forward(monkeypat
     assert len(keys) == 2 and keys[0] == keys[1]
 
 
+def test_gemm1_tuner_times_the_candidates_with_the_a_store(monkeypatch):
+    """One pick serves the plain and the saving forward, and the a1/a3 store is what sets the
+    candidates apart in training, so the tuner's launch stores [a1 | a3] (into a scratch
+    tensor) even when the call that asks it stores none."""
+    seen = []
+
+    def tune(name, key, cands, launch, outputs=None):
+        seen.append(outputs(launch(CFG)))
+        return CFG
+
+    monkeypatch.setattr(g1, "pick_config", tune)
+    w1, _, w3 = make_weights(E, D, H, seed=5)
+    ids = next(iter(routings(T, K, E)))[1]
+    x = torch.randn(ids.shape[0], D).to(torch.bfloat16)
+    plan = build_plan(ids, E, BM)
+    h = g1.gemm1_swiglu(x, w1, w3, plan)
+    (h_tuned, a_tuned), = seen
+    h_ref, a_ref = g1.gemm1_swiglu(x, w1, w3, plan, config=CFG, save_a=True)
+    used = int(plan.num_rows_used)
+    assert h_tuned is h and a_tuned.shape == (plan.max_rows, 2 * H)
+    assert torch.equal(a_tuned[:used], a_ref[:used]) and torch.equal(h[:used], h_ref[:used])
+
+
 @pytest.mark.parametrize("name,ids", list(routings(T, K, E)), ids=lambda v: v if isinstance(v, str) else "")
 @pytest.mark.parametrize("cfg", [CFG, CFG_TMA, CFG_PERSIST, dict(CFG_PERSIST, TMA_STORE=True)],
                          ids=["ptr", "tma", "persistent", "tma_store"])

@@ -181,12 +181,13 @@ def gemm1_swiglu(
         h, a = out if save_a else (out, out)
         assert h.shape == (R, H) and a.shape[0] == R and h.is_contiguous() and a.is_contiguous()
 
-    def launch(cfg):
+    def launch(cfg, a_out=a if save_a else None):  # a_out: where a1/a3 go, None: not stored
+        store_a = a_out is not None
         bm, bn, bk = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
         assert plan.block_m % bm == 0 and H % bn == 0 and D % bk == 0, (cfg, H, D)
         if cfg.get("IMPL") == "sm90":
             group_m = 0 if cfg["GROUP_M"] == "wave" else cfg["GROUP_M"]  # 0: the kernel's wave
-            gemm1_swiglu_sm90(x, w1, w3, plan, h, a if save_a else None, group_m=group_m,
+            gemm1_swiglu_sm90(x, w1, w3, plan, h, a_out, group_m=group_m,
                               cluster=cfg["CLUSTER"], defines=cfg.get("DEFINES", ()),
                               dynamic=not cfg.get("STATIC", False))
             return
@@ -194,26 +195,38 @@ def gemm1_swiglu(
         cfg, grid = launch_config(cfg, num_m * (H // bn), x.device)
         if cfg["GROUP_M"] == "wave":
             cfg["GROUP_M"] = max(1, persistent_programs(x.device) // (H // bn))
-        d1, d3, dh, da = w1, w3, h, a  # placeholders on the pointer path
+        a_ptr = a_out if store_a else h  # a placeholder when nothing is stored
+        d1, d3, dh, da = w1, w3, h, a_ptr  # placeholders on the pointer path
         if cfg["USE_TMA"]:
             d1 = TensorDescriptor.from_tensor(w1.view(E * H, D), [bn, bk])
             d3 = TensorDescriptor.from_tensor(w3.view(E * H, D), [bn, bk])
-            if save_a:
+            if store_a:
                 dh = TensorDescriptor.from_tensor(h, [bm, bn])
-                da = TensorDescriptor.from_tensor(a, [bm, bn])
+                da = TensorDescriptor.from_tensor(a_out, [bm, bn])
         _gemm1_swiglu_kernel[grid](
-            x, w1, w3, d1, d3, h, a, dh, da, plan.row_slot, plan.tile_expert,
+            x, w1, w3, d1, d3, h, a_ptr, dh, da, plan.row_slot, plan.tile_expert,
             plan.num_rows_used, num_m, H, D,
-            x.stride(0), w1.stride(0), w1.stride(1), h.stride(0), a.stride(0),
+            x.stride(0), w1.stride(0), w1.stride(1), h.stride(0), a_ptr.stride(0),
             TOP_K=plan.top_k, PLAN_BM=plan.block_m, F32_DOT=interpreter_needs_f32_dot(),
-            SAVE_A=save_a, **cfg,
+            SAVE_A=store_a, **cfg,
         )
 
-    # One pick per shape for both variants (timed as the first call runs: with the a1/a3 store
-    # in training): h must be bitwise the same with and without the store, since activation
-    # checkpointing recomputes a forward with save_a whose first run had none, and the Triton
-    # and CUDA kernels round SwiGLU differently.
+    # One pick per shape for both variants: h must be bitwise the same with and without the
+    # store, since activation checkpointing recomputes a forward with save_a whose first run had
+    # none, and the Triton and CUDA kernels round SwiGLU differently. The candidates are timed
+    # with the a1/a3 store whichever variant runs first (a scratch a when the call has none):
+    # timed without it, the tuner once took Triton at 235B for a 4% inference lead while it is
+    # 7.19 ms against the sm90 kernel's 5.66 with it (docs/PERF.md session 19).
     key = (_bucket(R), H, D, E, plan.block_m)
+    tune_a = []  # the scratch a, made only if the tuner runs
+
+    def tune_launch(cfg):
+        if save_a:
+            return launch(cfg)
+        if not tune_a:
+            tune_a.append(torch.empty((R, 2 * H), dtype=x.dtype, device=x.device))
+        return launch(cfg, tune_a[0])
+
     def candidates():  # built only until the tuner has picked (pick_config)
         cands = [c for c in GPU_CONFIGS if H % c["BLOCK_N"] == 0 and D % c["BLOCK_K"] == 0]
         if any(c["BLOCK_N"] == 128 for c in cands):
@@ -222,7 +235,7 @@ def gemm1_swiglu(
             cands += SM90_CONFIGS
         return cands
 
-    cfg = config or pick_config("gemm1_swiglu", key, candidates, launch,
-                                outputs=lambda _: (h, a) if save_a else (h,))
+    cfg = config or pick_config("gemm1_swiglu", key, candidates, tune_launch,
+                                outputs=lambda _: (h, a if save_a else tune_a[0]))
     launch(cfg)
     return (h, a) if save_a else h
