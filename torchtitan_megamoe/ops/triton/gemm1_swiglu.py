@@ -215,8 +215,9 @@ def gemm1_swiglu(
     # store, since activation checkpointing recomputes a forward with save_a whose first run had
     # none, and the Triton and CUDA kernels round SwiGLU differently. The candidates are timed
     # with the a1/a3 store whichever variant runs first (a scratch a when the call has none):
-    # timed without it, the tuner once took Triton at 235B for a 4% inference lead while it is
-    # 7.19 ms against the sm90 kernel's 5.66 with it (docs/PERF.md session 19).
+    # timed without it, the tuner once took a Triton config at 235B for a 4% inference lead
+    # (5.20 vs 5.41 ms) that takes 7.08 ms with the store against the sm90 kernel's 5.73
+    # (docs/PERF.md session 19).
     key = (_bucket(R), H, D, E, plan.block_m)
     tune_a = []  # the scratch a, made only if the tuner runs
 
