@@ -361,3 +361,35 @@ def test_calls_without_gradients_skip_autograd(backend):
     assert seen == ["direct", "direct", "eager"]
     assert plain.grad_fn is None and nograd.grad_fn is None and tracked.grad_fn is not None
     assert torch.equal(plain, tracked) and torch.equal(nograd, tracked)
+
+
+@pytest.mark.parametrize("path", ["eager", "op", "compile"])
+def test_autocast_computes_in_its_dtype_like_a_matmul(path, monkeypatch):
+    """TorchTitan trains one device (and DDP) under torch.autocast, which does not reach a
+    custom op: mega_moe casts x and the weights to the autocast dtype itself, returns that
+    dtype and gives the fp32 leaves fp32 gradients, the same bits as casting by hand outside
+    autocast (before this, the reference backend's matmuls were recast by autocast inside the op
+    and the call failed). "op" forces the registered op, "compile" traces the call (aot_eager)."""
+    from torchtitan_megamoe.ops import api
+
+    x, ids, w, w1, w2, w3 = make_inputs(19, 3, 5, 32, 48, "dropped", dtype=torch.float32)
+    dy = torch.randn(x.shape, dtype=torch.bfloat16)
+    if path == "op":
+        monkeypatch.setattr(api, "_plain_eager", lambda tensors: False)
+
+    def layer(x, w, w1, w2, w3):
+        return mega_moe(x, ids, w, w1, w2, w3, backend="reference")
+
+    run = torch.compile(layer, backend="aot_eager", fullgraph=True) if path == "compile" else layer
+    leaves = [t.clone().requires_grad_() for t in (x, w, w1, w2, w3)]
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = run(*leaves)
+    grads = torch.autograd.grad(out, leaves, dy)
+    ref_leaves = [t.clone().requires_grad_() for t in (x, w, w1, w2, w3)]
+    cast = [t.bfloat16() if i != 1 else t for i, t in enumerate(ref_leaves)]  # w stays fp32
+    ref = layer(*cast)
+    ref_grads = torch.autograd.grad(ref, ref_leaves, dy)
+    assert out.dtype == torch.bfloat16 and torch.equal(out, ref)
+    for name, a, b in zip(("dx", "dw", "dw1", "dw2", "dw3"), grads, ref_grads):
+        assert a.dtype == torch.float32 and torch.equal(a, b), name
+    assert rel(out, oracle(x, ids, w, w1, w2, w3)) < 2e-2

@@ -30,6 +30,7 @@ Backends are modules with
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 
 import torch
@@ -92,6 +93,17 @@ def mega_moe(
         precision: ``bf16``, ``fp8`` (blockwise FP8 forward and backward) or ``fp8_bwd``
             (BF16 forward, FP8 backward).
     """
+    device_type = x.device.type
+    if torch.is_autocast_enabled(device_type):
+        # Autocast does not reach a custom op. TorchTitan trains under it on one device and
+        # under DDP (FSDP casts the parameters instead), so do what it does for a matmul: x and
+        # the weights in its dtype (the casts are differentiable: fp32 parameters get fp32
+        # gradients), out in that dtype, and none of the op's own math recast.
+        amp_dtype = torch.get_autocast_dtype(device_type)
+        x, w1, w2, w3 = (t.to(amp_dtype) if t.is_floating_point() else t for t in (x, w1, w2, w3))
+        with torch.autocast(device_type, enabled=False):
+            return mega_moe(x, topk_ids, topk_weights, w1, w2, w3, group=group, backend=backend,
+                            precision=precision)
     check_args(x, topk_ids, topk_weights, w1, w2, w3, group=group, precision=precision)
     backend = resolve_backend(backend, x, group)
     # The Triton forward checks the ids on CUDA inside its first kernels (EP=1: the plan's
@@ -250,8 +262,24 @@ def _group_from_name(group_name: str):
     return _resolve_process_group(group_name)
 
 
+def _autocast_off(device_type: str):
+    """The backends' math keeps its own dtypes: autocast off where a compiled graph or a
+    backward (full AC's recompute restores the forward's autocast state) runs the op inside
+    it; mega_moe() has already cast x and the weights."""
+    if torch.is_autocast_enabled(device_type):
+        return torch.autocast(device_type, enabled=False)
+    return contextlib.nullcontext()
+
+
 def _run_forward(x, topk_ids, topk_weights, w1, w2, w3, group_name, backend, precision, save):
     """(out, saved list): the backend's forward, for the registered op and the eager path."""
+    with _autocast_off(x.device.type):
+        return _run_forward_impl(x, topk_ids, topk_weights, w1, w2, w3, group_name, backend,
+                                 precision, save)
+
+
+def _run_forward_impl(x, topk_ids, topk_weights, w1, w2, w3, group_name, backend, precision,
+                      save):
     impl = backend_module(backend)
     if not save:
         out = impl.forward(
@@ -269,10 +297,11 @@ def _run_backward(grad_out, x, topk_ids, topk_weights, w1, w2, w3, saved, group_
                   precision):
     """(dx, dtopk_weights, dw1, dw2, dw3): the backend's backward (recomputing when ``saved``
     is empty), for the registered op and the eager path."""
-    grads = backend_module(backend).backward(
-        grad_out.contiguous(), x, topk_ids, topk_weights, w1, w2, w3,
-        _group_from_name(group_name), precision, saved=list(saved) or None,
-    )
+    with _autocast_off(x.device.type):
+        grads = backend_module(backend).backward(
+            grad_out.contiguous(), x, topk_ids, topk_weights, w1, w2, w3,
+            _group_from_name(group_name), precision, saved=list(saved) or None,
+        )
     return tuple(g.contiguous() for g in grads)
 
 
