@@ -19,6 +19,9 @@
 # EP + per-op SAC), a stock run of (a) with full AC is trained instead as the reference of the
 # converter's (a) run (AC does not change the math), so (a) stays informative.
 #
+# Both runs of a setup get PYTORCH_ALLOC_CONF=expandable_segments:True, as TorchTitan's
+# run_train.sh sets it, unless the caller sets PYTORCH_ALLOC_CONF or PYTORCH_CUDA_ALLOC_CONF
+# (torchtitan_megamoe/ab/runner.py; the peak memory compared depends on it).
 # Tolerance: losses must agree within RTOL (1e-2) relative at every step; see summary.md.
 # Env knobs: SETUPS ("a b"), RTOL, ATOL, RUN_TIMEOUT_S (per torchrun, default 150),
 # MIN_RUN_S (default 45: a setup whose runs would get less is skipped, exit 2),

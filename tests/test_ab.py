@@ -156,3 +156,14 @@ def test_summary_json_shape_from_smoke_helpers(tmp_path):
     cmp = ab.compare(_run([6.0]), _run([6.0]), 1e-5, 1e-5)
     blob = json.dumps({"stock": ab.run_stats(_run([6.0, 5.0])), "comparison": cmp.__dict__})
     assert json.loads(blob)["stock"]["steps"] == 2
+
+
+def test_runs_get_torchtitans_allocator_setting_unless_the_user_set_one(tmp_path, monkeypatch):
+    from torchtitan_megamoe.ab import run_env
+
+    for name in ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF"):
+        monkeypatch.delenv(name, raising=False)
+    assert run_env(str(tmp_path))["PYTORCH_ALLOC_CONF"] == "expandable_segments:True"
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:512")
+    env = run_env(str(tmp_path))
+    assert "PYTORCH_ALLOC_CONF" not in env and env["PYTORCH_CUDA_ALLOC_CONF"] == "max_split_size_mb:512"

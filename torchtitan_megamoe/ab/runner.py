@@ -21,6 +21,12 @@ def run_env(out: str) -> dict[str, str]:
     from torchtitan_megamoe.assets import offline_env
 
     env = dict(os.environ)
+    if "PYTORCH_ALLOC_CONF" not in env and "PYTORCH_CUDA_ALLOC_CONF" not in env:
+        # what TorchTitan's own launcher (run_train.sh) sets for every run. Without it the
+        # caching allocator's fragmentation decides the peak memory compared: one-GPU full-AC
+        # A/B at 30B shapes (docs/PERF.md session 19): 33.54 vs 37.00 GiB reserved without,
+        # 33.26 vs 31.21 with (stock vs ours)
+        env["PYTORCH_ALLOC_CONF"] = "expandable_segments:True"
     if not _cuda_available():
         env.setdefault("MEGAMOE_CPU", "1")
         # Keep the dataset's Arrow cache out of the user's HF cache, and never touch the network.
