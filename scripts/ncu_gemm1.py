@@ -97,6 +97,9 @@ def main(shape_name: str = "235b") -> None:
         "sm90_c1_no_b": dict(c1, DEFINES=("MEGAMOE_SM90_LOAD=1",)),
         "sm90_c1_g16": dict(c1, GROUP_M=16),
         "sm90_c1_g4": dict(c1, GROUP_M=4),
+        # the tuner's bulk-store build with other tile orders (one group per wave: "wave")
+        **{f"sm90_c1_tma_g{g}": dict(c1, GROUP_M=g, DEFINES=("MEGAMOE_SM90_TMA_STORE=1",))
+           for g in (4, 16, 32, "wave")},
     }
     save_a = os.environ.get("SAVE_A") == "1"  # the training forward's a1/a3 store too
     only = os.environ.get("VARIANTS")
