@@ -79,6 +79,8 @@ def mega_moe(
 
     ``out[t] = sum_k topk_weights[t,k] * w2[e] @ (silu(w1[e] @ x[t]) * (w3[e] @ x[t]))`` with
     ``e = topk_ids[t,k]`` (``-1`` drops the slot), fp32 accumulation, ``out`` in ``x.dtype``.
+    Under ``torch.autocast``, x and the weights are first cast to the autocast dtype (as for a
+    matmul), which is then out's dtype.
 
     Args:
         x: ``[T, D]`` tokens of this rank.
@@ -208,7 +210,7 @@ def check_args(
         if w.dtype != x.dtype:
             raise TypeError(
                 f"mega_moe: {name} dtype {w.dtype} differs from x dtype {x.dtype}; cast them to "
-                "one dtype (TorchTitan's FSDP mixed precision does this for you)"
+                "one dtype (TorchTitan's mixed precision, FSDP or autocast, does this for you)"
             )
     E, H, D1 = w1.shape
     if D1 != D:
