@@ -95,17 +95,14 @@ def mega_moe(
         precision: ``bf16``, ``fp8`` (blockwise FP8 forward and backward) or ``fp8_bwd``
             (BF16 forward, FP8 backward).
     """
-    device_type = x.device.type
-    if torch.is_autocast_enabled(device_type):
+    if torch.is_autocast_enabled(x.device.type):
         # Autocast does not reach a custom op. TorchTitan trains under it on one device and
         # under DDP (FSDP casts the parameters instead), so do what it does for a matmul: x and
         # the weights in its dtype (the casts are differentiable: fp32 parameters get fp32
-        # gradients), out in that dtype, and none of the op's own math recast.
-        amp_dtype = torch.get_autocast_dtype(device_type)
+        # gradients), out in that dtype; the op's own math runs with autocast off
+        # (_autocast_off).
+        amp_dtype = torch.get_autocast_dtype(x.device.type)
         x, w1, w2, w3 = (t.to(amp_dtype) if t.is_floating_point() else t for t in (x, w1, w2, w3))
-        with torch.autocast(device_type, enabled=False):
-            return mega_moe(x, topk_ids, topk_weights, w1, w2, w3, group=group, backend=backend,
-                            precision=precision)
     check_args(x, topk_ids, topk_weights, w1, w2, w3, group=group, precision=precision)
     backend = resolve_backend(backend, x, group)
     # The Triton forward checks the ids on CUDA inside its first kernels (EP=1: the plan's
@@ -265,9 +262,9 @@ def _group_from_name(group_name: str):
 
 
 def _autocast_off(device_type: str):
-    """The backends' math keeps its own dtypes: autocast off where a compiled graph or a
-    backward (full AC's recompute restores the forward's autocast state) runs the op inside
-    it; mega_moe() has already cast x and the weights."""
+    """The backends' math keeps its own dtypes: autocast off wherever the op runs inside it
+    (eager, a compiled graph, a backward: full AC's recompute restores the forward's autocast
+    state); mega_moe() has already cast x and the weights."""
     if torch.is_autocast_enabled(device_type):
         return torch.autocast(device_type, enabled=False)
     return contextlib.nullcontext()
@@ -275,23 +272,13 @@ def _autocast_off(device_type: str):
 
 def _run_forward(x, topk_ids, topk_weights, w1, w2, w3, group_name, backend, precision, save):
     """(out, saved list): the backend's forward, for the registered op and the eager path."""
-    with _autocast_off(x.device.type):
-        return _run_forward_impl(x, topk_ids, topk_weights, w1, w2, w3, group_name, backend,
-                                 precision, save)
-
-
-def _run_forward_impl(x, topk_ids, topk_weights, w1, w2, w3, group_name, backend, precision,
-                      save):
     impl = backend_module(backend)
-    if not save:
-        out = impl.forward(
-            x, topk_ids, topk_weights, w1, w2, w3, _group_from_name(group_name), precision
-        )
-        return out, []
-    out, saved = impl.forward(
-        x, topk_ids, topk_weights, w1, w2, w3, _group_from_name(group_name), precision,
-        save=True,
-    )
+    group = _group_from_name(group_name)
+    with _autocast_off(x.device.type):
+        if not save:
+            return impl.forward(x, topk_ids, topk_weights, w1, w2, w3, group, precision), []
+        out, saved = impl.forward(x, topk_ids, topk_weights, w1, w2, w3, group, precision,
+                                  save=True)
     return out, list(saved)
 
 
