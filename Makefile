@@ -58,7 +58,7 @@ gpu-check:
 # Here (nvcc, no GPU needed): the sm90 kernels' tuner builds into .cuda_cache, which the device
 # scripts use when it is carried along (carry=[".whl", ".cuda_cache"]): no nvcc time there.
 cuda-cache: setup
-	MEGAMOE_CUDA_CACHE=$(CURDIR)/.cuda_cache $(PY) -m torchtitan_megamoe.ops.cuda.sm90
+	MEGAMOE_CUDA_CACHE=$(CURDIR)/.cuda_cache $(PY) -m torchtitan_megamoe.ops.hopper.cuda.sm90
 
 clean:
 	rm -rf outputs

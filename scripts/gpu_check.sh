@@ -17,7 +17,7 @@
 # BENCH_NPROCS="1 2" (both benches in one call), BENCH_TIMEOUT_S (per bench, default 360),
 # PYTEST_TIMEOUT_S (default 300). Logs and bench.json go to $OUT (or ./.out when run by hand).
 # What the bench prints: at EP=1, stock vs ours per shape plus the backward's per-stage table
-# (ops/triton/bwd_bench.py, run inside the bench: no separate bwd_bench call); at EP=2, stock
+# (bench/backward_stages.py, run inside the bench: no separate bwd_bench call); at EP=2, stock
 # TorchTitan's ExpertParallel layer vs ours in the same run, with our EP=1 time for the ratio
 # (BENCH_ARGS=--no-ep1 skips that). EP=2 check, ~3-4 min of device time:
 #   run(command="SKIP_WS_PROBE=1 PYTEST_ARGS='-m multigpu tests/triton' BENCH_NPROC=2 bash scripts/gpu_check.sh",
@@ -33,7 +33,7 @@ env_report 2>&1 | tee "$OUT/env.log"
 ws=""
 [ "${SKIP_WS_PROBE:-0}" = 1 ] && probe_kernels="" || probe_kernels="gemm1_swiglu gemm2_rows"
 for k in $probe_kernels; do
-  if timeout 120 python3 -m torchtitan_megamoe.ops.triton.ws_probe "$k" >"$OUT/ws_probe_$k.log" 2>&1; then
+  if timeout 120 python3 -m tools.ws_probe "$k" >"$OUT/ws_probe_$k.log" 2>&1; then
     ws="$ws${ws:+,}$k"
   fi
   tail -2 "$OUT/ws_probe_$k.log"

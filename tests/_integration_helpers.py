@@ -12,7 +12,7 @@ from torchtitan.config import JobConfig
 from torchtitan.models.moe import MoEArgs
 from torchtitan.models.qwen3 import Qwen3Model, Qwen3ModelArgs
 
-from torchtitan_megamoe.config import MegaMoE as MegaMoEConfig
+from torchtitan_megamoe.config import MegaMoEConfig
 from torchtitan_megamoe.converter import MegaMoEConverter
 from torchtitan_megamoe.flavors import QWEN3_TINY_MOE_ARGS
 

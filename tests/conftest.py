@@ -2,7 +2,7 @@
 
 Triton decides at import time whether @triton.jit functions run under its CPU interpreter
 (TRITON_INTERPRET=1). Test modules outside tests/triton import TorchTitan, which imports triton,
-before tests/triton/conftest.py is loaded in a whole-suite run; without this, triton's own jit
+before tests/hopper/conftest.py is loaded in a whole-suite run; without this, triton's own jit
 helpers (tl.cdiv, tl.sigmoid) are compiled-mode objects that the interpreted kernels cannot call.
 On a CUDA machine nothing is set, so the kernels compile for the GPU.
 """

@@ -81,7 +81,7 @@ def test_expected_configs_exist():
 
 
 def test_every_toml_parses_with_megamoe_section():
-    from torchtitan_megamoe.config import MegaMoE
+    from torchtitan_megamoe.config import MegaMoEConfig
 
     paths = sorted(glob.glob(os.path.join(CONFIG_DIR, "*.toml")))
     assert paths
@@ -92,7 +92,7 @@ def test_every_toml_parses_with_megamoe_section():
         cfg = _parse(name, "--megamoe.precision", "fp8")
         assert cfg.job.custom_config_module == "torchtitan_megamoe.config", name
         section = raw.get("megamoe", {})
-        assert set(section) <= {f.name for f in dataclasses.fields(MegaMoE)}, name
+        assert set(section) <= {f.name for f in dataclasses.fields(MegaMoEConfig)}, name
         assert cfg.megamoe.precision == "fp8", name
         for key, value in section.items():
             if key != "precision":
@@ -106,11 +106,11 @@ def test_every_toml_parses_with_megamoe_section():
 
 
 def test_production_configs_set_and_document_every_megamoe_field():
-    from torchtitan_megamoe.config import MegaMoE
+    from torchtitan_megamoe.config import MegaMoEConfig
 
     for name in list(PRODUCTION):
         raw = _load_toml(name)
-        assert set(raw["megamoe"]) == {f.name for f in dataclasses.fields(MegaMoE)}, name
+        assert set(raw["megamoe"]) == {f.name for f in dataclasses.fields(MegaMoEConfig)}, name
         with open(_path(name)) as f:
             text = f.read()
         section = text[text.index("[megamoe]") :]

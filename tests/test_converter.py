@@ -24,7 +24,7 @@ from torchtitan.protocols.model_converter import (
 )
 
 from torchtitan_megamoe import converter as conv_mod
-from torchtitan_megamoe.converter import MegaMoEConverter, triton_shape_error
+from torchtitan_megamoe.converter import MegaMoEConverter, hopper_shape_error
 from torchtitan_megamoe.moe import KeepDtype, MegaExperts, MegaMoE
 from torchtitan_megamoe.parallel import install_ep_routing
 
@@ -242,7 +242,7 @@ def _meta_model(args=None):
         (dict(backend="cuda"), r"backend='cuda' is not one of"),
         (dict(precision="fp16"), r"precision='fp16' is not one of"),
         (dict(precision="fp8", backend="auto"), r"precision='fp8' has no Hopper kernels yet"),
-        (dict(precision="fp8_bwd", backend="triton"), r"use precision='bf16', or backend='reference'"),
+        (dict(precision="fp8_bwd", backend="hopper"), r"use precision='bf16', or backend='reference'"),
         (dict(save_activations="always"), r"save_activations='always' is not one of"),
         (dict(save_activations="sometimes"), r"\('auto', 'keep', 'never'\)"),
         (dict(max_tokens_per_rank=-1), r"max_tokens_per_rank=-1 must be >= 0"),
@@ -254,7 +254,8 @@ def test_rejects_bad_settings(settings, match):
 
 
 def test_runtime_knobs_reach_the_op(monkeypatch):
-    from torchtitan_megamoe.ops import api, exchange
+    from torchtitan_megamoe.ops import api
+    from torchtitan_megamoe.ops.hopper import exchange
 
     monkeypatch.setattr(api, "_SAVE_ACTIVATIONS", "keep")
     monkeypatch.setattr(exchange, "_MAX_TOKENS_PER_RANK", 0)
@@ -336,9 +337,9 @@ def test_parallel_dims_take_precedence_over_job_config():
         ),
         (
             tiny_args(),
-            job_config(backend="triton"),
+            job_config(backend="hopper"),
             ValueError,
-            r"backend='triton' cannot run this shape: hidden size dim=64 is not a multiple of "
+            r"backend='hopper' cannot run this shape: hidden size dim=64 is not a multiple of "
             r"128; expert intermediate size moe_inter_dim=32",
         ),
         (
@@ -358,10 +359,10 @@ def test_rejects_unsupported_moe(args, jc, exc, match):
 
 
 def test_triton_shapes_accepted_when_aligned():
-    assert triton_shape_error(2048, 768) is None
-    assert triton_shape_error(4096, 1536) is None
+    assert hopper_shape_error(2048, 768) is None
+    assert hopper_shape_error(4096, 1536) is None
     model = _meta_model(tiny_args(dim=128, moe_inter_dim=128))
-    MegaMoEConverter(job_config(backend="triton"), None).convert(model)
+    MegaMoEConverter(job_config(backend="hopper"), None).convert(model)
     assert all(type(b.moe) is MegaMoE for b in model.layers.values())
 
 

@@ -13,11 +13,12 @@ from typing import Literal
 
 
 @dataclass
-class MegaMoE:
-    backend: Literal["auto", "triton", "reference"] = "auto"
-    """Which implementation of the fused op runs. ``auto``: the Triton/Hopper kernels on SM90
-    GPUs, the PyTorch reference everywhere else (CPU, older GPUs). ``triton``: insist on the
-    kernels (error if they cannot run). ``reference``: plain PyTorch, any device; the oracle the
+class MegaMoEConfig:
+    backend: Literal["auto", "hopper", "reference", "triton"] = "auto"
+    """Which implementation of the fused op runs. ``auto``: the Hopper kernels (Triton and
+    CUDA C++) on SM90 GPUs, the PyTorch reference everywhere else (CPU, older GPUs). ``hopper``:
+    insist on the kernels (error if they cannot run); ``triton`` is its former name, still
+    accepted with a warning. ``reference``: plain PyTorch, any device; the oracle the
     kernels are tested against."""
 
     precision: Literal["bf16", "fp8", "fp8_bwd"] = "bf16"
@@ -53,7 +54,7 @@ class MegaMoE:
 
 @dataclass
 class JobConfig:
-    megamoe: MegaMoE = field(default_factory=MegaMoE)
+    megamoe: MegaMoEConfig = field(default_factory=MegaMoEConfig)
 
 
 def _register() -> None:

@@ -20,10 +20,12 @@ from torchtitan.models.moe.moe import GroupedExperts, MoE
 from torchtitan.protocols.model_converter import register_model_converter
 from torchtitan.tools.logging import logger
 
-from torchtitan_megamoe.config import MegaMoE as MegaMoEConfig
+from torchtitan_megamoe.config import MegaMoEConfig
 from torchtitan_megamoe.moe import MegaMoE
-from torchtitan_megamoe.ops.api import BACKENDS, PRECISIONS, SAVE_MODES, set_save_activations
-from torchtitan_megamoe.ops.exchange import set_max_tokens_per_rank
+from torchtitan_megamoe.ops.api import (
+    BACKENDS, PRECISIONS, SAVE_MODES, canonical_backend, set_save_activations,
+)
+from torchtitan_megamoe.ops.hopper.exchange import set_max_tokens_per_rank
 from torchtitan_megamoe.parallel import install_ep_routing
 
 
@@ -35,7 +37,7 @@ _SAC_LIST_MODULES = (
 )
 
 
-def triton_shape_error(dim: int, hidden_dim: int) -> str | None:
+def hopper_shape_error(dim: int, hidden_dim: int) -> str | None:
     """Why the Triton kernels cannot take this expert shape, or None if they can.
 
     ``dim``: model hidden size (D); ``hidden_dim``: expert intermediate size (H). Kept small and
@@ -72,7 +74,9 @@ def resolve_save_activations(cfg: MegaMoEConfig, job_config: JobConfig) -> str:
 
 
 def validate_settings(cfg: MegaMoEConfig) -> None:
-    """Check the ``[megamoe]`` values (TOML/CLI strings are not checked against Literal types)."""
+    """Check the ``[megamoe]`` values (TOML/CLI strings are not checked against Literal types);
+    a former backend name is rewritten to today's."""
+    cfg.backend = canonical_backend(cfg.backend)
     if cfg.backend not in BACKENDS:
         raise ValueError(
             f"[megamoe] backend={cfg.backend!r} is not one of {BACKENDS}; "
@@ -203,11 +207,11 @@ def validate_moe(
             f"and moe_inter_dim to be multiples of 128, got dim={dim}, moe_inter_dim={h}. Use "
             "[megamoe] precision='bf16' for this model."
         )
-    if cfg.backend == "triton":
-        problem = triton_shape_error(dim, h)
+    if cfg.backend == "hopper":
+        problem = hopper_shape_error(dim, h)
         if problem is not None:
             raise ValueError(
-                f"{where}: backend='triton' cannot run this shape: {problem}. Use "
+                f"{where}: backend='hopper' cannot run this shape: {problem}. Use "
                 "[megamoe] backend='auto' or 'reference', or change the model shape."
             )
 
@@ -287,7 +291,7 @@ class MegaMoEConverter:
                 if isinstance(m, MegaMoE)
             }
             for dim, hidden in sorted(shapes):
-                problem = triton_shape_error(dim, hidden)
+                problem = hopper_shape_error(dim, hidden)
                 if problem is not None:
                     logger.warning(
                         f"megamoe: backend='auto' will use the slow PyTorch reference on GPUs "

@@ -4,7 +4,7 @@
 0.2.2's ``TokenChoiceTopKRouter.forward``: gate, softmax or sigmoid in fp32, top-k of the
 biased scores, gating values gathered from the unbiased scores, optional normalization, scale,
 tokens per expert). Eager calls run everything after the gate as one launch: softmax routers
-hand the gate's raw logits to ops/triton/topk.topk_softmax_gate (fp32 cast, softmax, selection,
+hand the gate's raw logits to ops/hopper/kernels/topk.topk_softmax_gate (fp32 cast, softmax, selection,
 gating values, normalization, scale, counts), sigmoid routers their fp32 sigmoid scores to
 topk_gate (the same minus the softmax). Each launch before the MoE layer's first big GEMM costs
 ~30-40 us of host time that the GPU waits out in a waited forward, so the softmax router issues
@@ -14,7 +14,7 @@ op and leaves the rest to compile.
 
 Only the plain configuration takes this path: the router is exactly TokenChoiceTopKRouter, no
 node-limited (grouped) routing, no debug load-balance override, a CUDA input (or ``kernel=True``
-under the Triton interpreter, for tests), at most ops/triton/topk.MAX_EXPERTS experts. Anything
+under the Triton interpreter, for tests), at most ops/hopper/kernels/topk.MAX_EXPERTS experts. Anything
 else calls the stock router unchanged. The selected set equals torch.topk's up to the order of
 tied scores (ties go to the lower expert index), so routing and losses match stock's.
 """
@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torchtitan.models.moe.moe import TokenChoiceTopKRouter
 
-from torchtitan_megamoe.ops.triton.topk import (MAX_EXPERTS, router_topk, topk_gate,
+from torchtitan_megamoe.ops.hopper.kernels.topk import (MAX_EXPERTS, router_topk, topk_gate,
                                                 topk_softmax_gate)
 
 

@@ -15,7 +15,7 @@ route_norm, no shared experts, score_before_experts=False) in bf16, then times:
   SwiGLU with GEMM 1 recomputed, the three weight gradients, kernel C: dgrad of layer 1, the
   combine; each with its Triton kernel and its _grouped_mm counterpart where one exists, and
   the totals per forced side and with the tuner's per-stage pick), timed by
-  ``ops/triton/bwd_bench.py`` on its own random routing of the same shape.
+  ``bench/backward_stages.py`` on its own random routing of the same shape.
 
 EP > 1 (under torchrun, one process per GPU, each with --tokens tokens): stock is TorchTitan's
 own EP layer, its experts sharded by ``ExpertParallel`` on a 1-D DeviceMesh named "ep" exactly

@@ -77,7 +77,7 @@ def main(argv=None) -> int:
     p.add_argument("--iters", type=int, default=None, help="timed calls (30; 20 with --ep > 1)")
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--no-backward", dest="backward", action="store_false")
-    p.add_argument("--backend", default="triton", choices=["triton", "reference", "auto"])
+    p.add_argument("--backend", default="hopper", choices=["hopper", "reference", "auto"])
     p.add_argument("--peak-tflops", type=float, default=765.0)
     p.add_argument("--ep", type=int, default=1,
                    help="EP degree (GPUs); > 1 runs under torchrun")

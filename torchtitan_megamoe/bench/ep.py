@@ -29,7 +29,7 @@ def _time_pair(fwd, step, iters, warmup, backward, res=None, name=None):
 
 
 def bench_shape_ep(key: str, tokens: int, iters: int, warmup: int, backward: bool,
-                   peak_tflops: float, mesh, backend: str = "triton", ep1: bool = True,
+                   peak_tflops: float, mesh, backend: str = "hopper", ep1: bool = True,
                    profile: bool = False) -> dict:
     """Stock TorchTitan EP vs ours, experts split over ``mesh`` (1-D, named "ep").
 
@@ -91,7 +91,7 @@ def bench_shape_ep(key: str, tokens: int, iters: int, warmup: int, backward: boo
         iters, warmup, backward, res, "ours")
     res["exchange_mib"] = exchange_mib(group, D)
     if profile:
-        from torchtitan_megamoe.ops import triton as triton_backend
+        from torchtitan_megamoe.ops import hopper as triton_backend
 
         with torch.no_grad():
             scores, ids, _ = route(moe.router, x, moe.expert_bias)
@@ -134,7 +134,7 @@ def bench_shape_ep(key: str, tokens: int, iters: int, warmup: int, backward: boo
 def exchange_mib(group, dim: int) -> float:
     """Symmetric (or staging) memory of the group's EP exchange for this dim: outside the
     caching allocator, so max_memory_allocated does not see it."""
-    from torchtitan_megamoe.ops.exchange import _CACHE
+    from torchtitan_megamoe.ops.hopper.exchange import _CACHE
 
     return sum(ex.nbytes() for ex in _CACHE.values()
                if ex.group is group and ex.widths["x"][0] == dim) / 2**20

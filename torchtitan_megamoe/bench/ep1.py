@@ -13,11 +13,11 @@ from torchtitan_megamoe.router import route
 
 
 def _stage_times(x, ids, w, w1, w2, w3, iters, warmup):
-    from torchtitan_megamoe.ops.triton.combine import combine
-    from torchtitan_megamoe.ops.triton.forward import BLOCK_M
-    from torchtitan_megamoe.ops.triton.gemm1_swiglu import gemm1_swiglu
-    from torchtitan_megamoe.ops.triton.gemm2_rows import gemm2_rows
-    from torchtitan_megamoe.ops.triton.plan import build_plan
+    from torchtitan_megamoe.ops.hopper.kernels.combine import combine
+    from torchtitan_megamoe.ops.hopper.local_forward import BLOCK_M
+    from torchtitan_megamoe.ops.hopper.kernels.gemm1_swiglu import gemm1_swiglu
+    from torchtitan_megamoe.ops.hopper.kernels.gemm2_rows import gemm2_rows
+    from torchtitan_megamoe.ops.hopper.plan import build_plan
 
     plan = build_plan(ids, w1.shape[0], BLOCK_M)
     h = gemm1_swiglu(x, w1, w3, plan)
@@ -35,18 +35,18 @@ def _stage_times(x, ids, w, w1, w2, w3, iters, warmup):
 
 
 def bwd_stage_breakdown(key: str, tokens: int, iters: int) -> dict:
-    """The triton backward's per-stage times (ops/triton/bwd_bench.py) at one shape.
+    """The triton backward's per-stage times (bench/backward_stages.py) at one shape.
 
     Without CUDA it runs under Triton's interpreter with the backward's interpreter tiles (a
     smoke test of this wiring; use a tiny shape there).
     """
-    from torchtitan_megamoe.ops.triton import bwd_bench
+    from torchtitan_megamoe.bench import backward_stages as bwd_bench
 
     shape = SHAPES[key]
     dims = (shape["dim"], shape["hidden"], shape["experts"], shape["top_k"])
     if torch.cuda.is_available():
         return bwd_bench.bench_shape(key, tokens, iters, shape=dims)
-    from torchtitan_megamoe.ops.triton.backward import (
+    from torchtitan_megamoe.ops.hopper.backward_pass import (
         INTERPRET_A, INTERPRET_B, INTERPRET_BLOCK_M, INTERPRET_C,
     )
 
@@ -102,7 +102,7 @@ def bench_shape(key: str, tokens: int, iters: int, warmup: int, backward: bool, 
         }
         if profile:
             timeline(f"{shape['name']} EP=1 ours fwd (no grad)", lambda: ours_layer(x), 0)
-        if backend == "triton":
+        if backend == "hopper":
             res["stages_ms"] = _stage_times(x2, ids, scores, ex.w1, ex.w2, ex.w3, iters, warmup)
 
     flops_fwd = 6 * T * K * D * H
@@ -148,7 +148,7 @@ def bench_shape(key: str, tokens: int, iters: int, warmup: int, backward: bool, 
             timeline(f"{shape['name']} EP=1 ours fwd+bwd", fresh(ours_step), 0)
             profile_kernels(f"{shape['name']} EP=1 stock fwd+bwd", stock_step, 0)
         moe.zero_grad(set_to_none=True)
-    from torchtitan_megamoe.ops.triton import tune
+    from torchtitan_megamoe.ops.hopper import tune
 
     res["tuned"] = {
         f"{name}{list(k)}": [{"config": c, "ms": ms, "err": e} for c, ms, e in v]
@@ -156,7 +156,7 @@ def bench_shape(key: str, tokens: int, iters: int, warmup: int, backward: bool, 
     }
     del moe
     torch.cuda.empty_cache()
-    if backward and backend == "triton" and res.get("ours_fwdbwd_ms"):
+    if backward and backend == "hopper" and res.get("ours_fwdbwd_ms"):
         # A failure here must not cost the layer numbers above (one GPU run is expensive).
         try:
             res["bwd_stages"] = bwd_stage_breakdown(key, tokens, iters)

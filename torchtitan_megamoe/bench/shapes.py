@@ -21,7 +21,7 @@ def uniform_routing(E: int, K: int, T: int, device="cuda") -> torch.Tensor:
 def variant_setup(shape_name: str, tokens: int = 16384):
     """(D, H, E, K, T, plan) of a kernel variant script at a Qwen3 shape: torch seeded with 0,
     then uniform_routing's ids planned in 128-row tiles (the same random numbers every run)."""
-    from torchtitan_megamoe.ops.triton.plan import build_plan
+    from torchtitan_megamoe.ops.hopper.plan import build_plan
 
     shape = SHAPES[shape_name]
     D, H, E, K = shape["dim"], shape["hidden"], shape["experts"], shape["top_k"]

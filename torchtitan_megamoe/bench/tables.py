@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-# ops/triton/bwd_bench.py's stage keys in backward order: (label, Triton kernel, _grouped_mm
+# bench/backward_stages.py's stage keys in backward order: (label, Triton kernel, _grouped_mm
 # counterpart or None). The tuner picks a side per stage; "auto" below is what the layer runs.
 BWD_STAGES = [
     ("fwd: GEMM 1 + SwiGLU (inference)", "fwd_gemm1", None),
@@ -181,7 +181,7 @@ def _impl(cfg: dict) -> str:
 def tuner_lines(results: list[dict]) -> str:
     """One line per tuned kernel (the forward GEMMs' keys; the backward's are in the stage
     table): the picked side and time, the best other side, and every candidate the output
-    check rejected (see ops/triton/tune.py)."""
+    check rejected (see ops/hopper/tune.py)."""
     lines = []
     seen = set()
     for r in results:

@@ -32,13 +32,16 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import warnings
 
 import torch
 import torch.distributed as dist
 
 from torchtitan_megamoe.ops.device import capability
 
-BACKENDS = ("auto", "triton", "reference")
+BACKENDS = ("auto", "hopper", "reference")
+BACKEND_ALIASES = {"triton": "hopper"}
+"""Former backend names, still accepted (with a warning naming the new one)."""
 PRECISIONS = ("bf16", "fp8", "fp8_bwd")
 SAVE_MODES = ("keep", "never")
 
@@ -46,7 +49,7 @@ _SAVE_ACTIVATIONS = "keep"
 
 
 def set_save_activations(mode: str) -> None:
-    """``keep``: backends keep what their backward can reuse (the triton backend: GEMM 1's
+    """``keep``: backends keep what their backward can reuse (the hopper backend: GEMM 1's
     pre-activations, when no larger than stock's saved activations); ``never``: keep nothing,
     the backward recomputes (less memory, more time). Set by the converter from ``[megamoe]
     save_activations`` (config.py, whose ``auto`` picks one of the two)."""
@@ -59,7 +62,7 @@ def set_save_activations(mode: str) -> None:
 
 _BACKEND_MODULES = {
     "reference": "torchtitan_megamoe.ops.reference",
-    "triton": "torchtitan_megamoe.ops.triton",
+    "hopper": "torchtitan_megamoe.ops.hopper",
 }
 
 
@@ -90,8 +93,8 @@ def mega_moe(
         group: expert-parallel process group; rank ``r`` owns global experts
             ``[r * E_local, (r + 1) * E_local)``. Every rank of the group must call the op.
             ``None``: one rank owns all experts.
-        backend: ``auto`` (Triton kernels on SM90 GPUs, else reference), ``triton`` or
-            ``reference``.
+        backend: ``auto`` (the Hopper kernels on SM90 GPUs, else reference), ``hopper`` or
+            ``reference`` (``triton``, the former name of ``hopper``, is still accepted).
         precision: ``bf16``, ``fp8`` (blockwise FP8 forward and backward) or ``fp8_bwd``
             (BF16 forward, FP8 backward).
     """
@@ -108,7 +111,7 @@ def mega_moe(
     # The Triton forward checks the ids on CUDA inside its first kernels (EP=1: the plan's
     # count kernels, EP > 1: the route kernel), one device assert instead of six launches
     # before the layer's first kernel, host time a waited call pays; other paths check here.
-    if not (backend == "triton" and x.is_cuda):
+    if not (backend == "hopper" and x.is_cuda):
         _check_ids(topk_ids, w1.shape[0] * group_size(group), group)
     group_name = "" if group is None else group.group_name
     # Keep activations for a backward only when one can follow: inference and no_grad
@@ -120,7 +123,7 @@ def mega_moe(
     if _plain_eager(args[:6]):
         # no gradient can flow (inference, no_grad, full AC's first forward): not even an
         # autograd Function, whose apply costs host time before the layer's first kernel
-        # (scripts/op_overhead.py: ~12 us per no_grad call on this project's CPU)
+        # (tools/op_overhead.py: ~12 us per no_grad call on this project's CPU)
         return _EagerMegaMoE.apply(*args) if needs_grad else _forward_only(*args)
     out, _saved = torch.ops.megamoe.mega_moe(*args)
     return out
@@ -139,7 +142,26 @@ def _plain_eager(tensors) -> bool:
     )
 
 
+def canonical_backend(backend: str) -> str:
+    """``backend`` with a former name mapped to today's (warning once per name)."""
+    if backend in BACKEND_ALIASES:
+        new = BACKEND_ALIASES[backend]
+        if backend not in _WARNED_ALIASES:
+            _WARNED_ALIASES.add(backend)
+            warnings.warn(
+                f"mega_moe: backend={backend!r} is now called {new!r}; {backend!r} still works "
+                f"but will be removed, write backend={new!r}",
+                FutureWarning, stacklevel=3,
+            )
+        return new
+    return backend
+
+
+_WARNED_ALIASES: set[str] = set()
+
+
 def resolve_backend(backend: str, x: torch.Tensor, group: dist.ProcessGroup | None) -> str:
+    backend = canonical_backend(backend)
     if backend not in BACKENDS:
         raise ValueError(
             f"mega_moe: unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}"
@@ -147,9 +169,8 @@ def resolve_backend(backend: str, x: torch.Tensor, group: dist.ProcessGroup | No
     if backend != "auto":
         return backend
     if x.is_cuda and capability(x.device) == (9, 0):
-        triton_backend = backend_module("triton")
-        if triton_backend.supports(x, group):
-            return "triton"
+        if backend_module("hopper").supports(x, group):
+            return "hopper"
     return "reference"
 
 
@@ -387,7 +408,7 @@ class _EagerMegaMoE(torch.autograd.Function):
     autograd Function, for calls that nothing but autograd sees (_plain_eager): torch.library's
     per-call wrapping of a custom op (argument re-packing, tensor-list pytrees, output alias
     checks) cost 0.24 ms of host time per forward with autograd and 0.57 ms per forward +
-    backward on the H200 machines' host (scripts/op_overhead.py, docs/PERF.md), before the
+    backward on the H200 machines' host (tools/op_overhead.py, docs/PERF.md), before the
     layer's first kernel. Same saved tensors, same gradients (bit for
     bit: the same functions run); compile, export, selective AC and tensor subclasses keep the
     registered op, which they need to see."""

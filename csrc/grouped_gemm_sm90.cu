@@ -1,0 +1,1413 @@
+// Grouped GEMMs over a plan's row space, warp-specialized for Hopper (sm_90a). Four entry
+// points share one kernel template (its MODE parameter):
+//   megamoe_gemm1_swiglu (GATHER mode, GEMM 1 with SwiGLU in the epilogue):
+//     h[r] = silu(x_tok(r) @ w1[e]^T) * (x_tok(r) @ w3[e]^T)
+//   megamoe_gemm_rows (ROWS mode, GEMM 2 and the backward's dgrad of linear 1):
+//     out[r] = in[r] @ w[e]^T,  in [R, K], out [R, N], w [E, N, K] (K-major weights), or
+//     out[r] = in[r, :Ks] @ w[e] + in[r, Ks:] @ w'[e],  w, w' [E, Ks, N] (N-major weights,
+//     NMAJOR; w' only when K = 2 Ks, e.g. [da1 | da3] against w1 and w3), all row-major.
+//   megamoe_wgrad (WGRAD mode, the backward's weight gradients, fp32 accumulation over the
+//     expert's rows):  dw[e] = A_e^T @ B_e  with A_e, B_e the rows of expert e's segment; one
+//     of the two operands is gathered by token (dw2: A = dy rows, B = hw; dw1|dw3: A = [da1 |
+//     da3], B = x rows), the other read by TMA from the row space (or both by TMA from rows
+//     gathered before: WGRAD_TMA).
+//   megamoe_dgrad_swiglu (DGRAD_SWIGLU mode, the backward's kernel A on the forward's saved
+//     a = [a1 | a3]): dh[r] = dy_tok(r) @ w2[e] (dy gathered as GEMM 1 gathers x, w2 [E, D, H]
+//     N-major as ROWS_NMAJOR reads it), and in the epilogue the SwiGLU backward with the row's
+//     routing weight w: da1 = w dh a3 silu'(a1), da3 = w dh silu(a1), hw = w silu(a1) a3, and
+//     per 256-column H tile the partial <dh, h> of d(topk_weights).
+// The GATHER mode is described first; the ROWS, WGRAD and DGRAD_SWIGLU modes' differences
+// follow it.
+//
+// GATHER: for the rows r of a plan (ops/hopper/plan.py): row r reads token row_slot[r] / top_k of x
+// (a gather: no permuted copy of x exists), padding rows (slot -1) read zeros, every 128-row
+// tile belongs to one expert e = tile_expert[tile], tiles with e < 0 are skipped (another launch
+// of a phased plan computes them). Optional pre-activation store a = [a1 | a3] [R, 2H] (what the
+// forward saves for the backward).
+//
+// Tile: 128 rows x 128 hidden columns of h. The B operand is the w1 tile (128 rows) stacked on
+// the w3 tile (128 rows): one m64n256k16 wgmma per 16-wide K step gives a1 in accumulator
+// columns [0, 128) and a3 in [128, 256), so a thread holds a1 and a3 of the same (row, col).
+// K steps of 64 (rows of 128 bytes, 128-byte swizzle); STAGES-deep ring of [A 16 KiB | B 32 KiB].
+// MEGAMOE_SM90_BK=32 halves the K step (64-byte rows and swizzle, [A 8 KiB | B 16 KiB] stages), so
+// twice the stages fit in the same shared memory.
+//
+// Roles (384 threads, one CTA per SM, persistent over the tiles of the used rows, which are
+// read on device, so no host sync; tile order: see static_unit / the ticket below):
+//   warpgroup 0 (producer, 40 registers): per stage, waits `empty[s]`, then
+//       - thread 0: arrive.expect_tx(full[s], 32 KiB) and two TMA loads (w1, w3 tiles);
+//       - all 128 threads: 8 cp.async of 16 bytes each (the gathered x rows, written in the
+//         swizzle pattern the wgmma descriptor expects), then
+//         cp.async.mbarrier.arrive.noinc(full[s]).
+//       (One TMA load per gathered row instead: correct but 1.3-2.2x slower in every mode, the
+//       TMA unit takes ~11 ns per load whatever its size; docs/PERF.md session 18, 96ffb6b.)
+//     full[s] completes after 129 arrivals and 32 KiB of TMA bytes.
+//   warpgroups 1, 2 (consumers, 232 registers): rows [0, 64) and [64, 128) of the tile. Per
+//     stage: wait full[s], issue 4 wgmma, wait for them (MEGAMOE_SM90_WGMMA_LAG 1: for the
+//     previous stage's, one batch stays queued), then a warpgroup barrier and ONE arrival per
+//     warpgroup on empty[s] (2 per CTA complete it). After the K loop: SwiGLU in fp32 and bf16
+//     stores of h (and a) straight from registers; meanwhile the producer already fills the ring
+//     with the next tile's stages.
+//   Why most of the epilogue is not overlapped with the next tile's MMAs (docs/PERF.md,
+//     sessions 16-17; docs/EPILOGUE_OVERLAP.md): a fourth (epilogue) warpgroup does not compile
+//     (ptxas caps a 512-thread CTA at 128 registers per thread; the m64n256k16 wgmma needs 154:
+//     C7602); kernel A's SwiGLU backward run under the next tile's first K steps, consumers on
+//     alternate smaller tiles and CTA pairs sharing weights all measured slower. Only one store
+//     per tile moves under the next tile's first batch: the ROWS mode's second column half
+//     (ROWS_DEFER below) and GEMM 1's last store (GEMM1_DEFER).
+// Clusters of 2 (CLUSTER = 2): a unit is M tiles 2u, 2u+1 x one N tile, CTA rank r computes
+//   M tile 2u + r, and both CTAs walk the same units in lockstep. When both tiles belong to one
+//   expert ("shared"), CTA r loads only weight tile r (w1 or w3) and multicasts it to both, so
+//   each SM pulls 32 instead of 48 KiB per stage from L2; otherwise each loads its own ("solo"),
+//   and a CTA without a tile in the unit ("idle") still completes every stage's barriers with
+//   plain arrivals. empty[s] then takes one arrival per consumer warpgroup of EACH CTA (4): the
+//   peer's producer may multicast into this CTA's slot. A cluster barrier follows the barrier
+//   init and precedes exit, so no remote arrival or multicast meets an absent peer.
+// ROWS mode (cluster 1 only): the tile is 128 rows x 256 output columns; the two 128-row halves
+//   of the B stage are rows [0, 128) and [128, 256) of the weight tile (one tensor map), so the
+//   accumulator holds columns [0, 128) where GATHER has a1 and [128, 256) where it has a3. The
+//   A tile is a plain [128, 64] TMA box of `in` (its rows are the plan's rows, contiguous), so
+//   full[s] completes on ONE arrival (the producer's thread 0, the only producer thread that
+//   works) and 48 KiB of TMA bytes, and the consumers need no proxy fence. Padding rows of `in`
+//   are zeros (GEMM 1 writes them), so out's padding rows are zeros too.
+//   NMAJOR: the weights are [E * Ks, N] row-major (N contiguous), so the B stage is four
+//   [BK k-rows, 64 n] TMA boxes (128-byte rows, 128-byte swizzle), one per 64 output columns,
+//   and the wgmma reads B transposed (MN-major descriptor: 8 KiB between the boxes, 1 KiB
+//   between 8-row k groups). K steps below Ks read w, the others w'.
+// WGRAD mode (cluster 1 only): a unit is (expert, 128-row M tile, 256-column N tile) of the
+//   gradient [E, M, N], in the order experts-longest-first (expert_order) so the tiles in
+//   flight share their experts' rows in L2; its K loop walks the expert's segment of the row
+//   space in steps of 64 rows (zero steps for an empty expert: the tile is stored as zeros).
+//   Both operands are MN-major in shared memory, as four (B) / two (A) [64 rows, 64] boxes with
+//   the 128-byte swizzle, read by wgmma transposed (A: trans-a; each consumer warpgroup's 64 M
+//   rows are one box). The TMA operand comes as boxes of the row-space tensor; the gathered one
+//   by cp.async from its token rows (thread t: 16-byte chunk t % 8 of every box row of rows
+//   t / 8 + 16 i, zeros for padding rows), so full[s] takes 128 cp.async arrivals plus the
+//   expect_tx one, as in GATHER. Padding rows contribute 0: the gathered operand is zero there
+//   and the TMA one finite. dw1|dw3: M tiles below m_split go to the first output, the others
+//   to the second. WGRAD_TMA: no gathers, one producer thread, as ROWS.
+// DGRAD_SWIGLU mode (cluster 1 only): the producer gathers the dy rows exactly as GATHER gathers
+//   x (128 threads, cp.async, full[s] = 128 arrivals + the B bytes) and loads the w2 tile as the
+//   four N-major boxes of ROWS_NMAJOR; the tile is 128 rows x 256 H columns. After a tile's K
+//   steps the producer fills EPI_STAGES more ring stages, one per 64 columns, with the saved a1
+//   and a3 boxes by TMA, so they arrive while the consumers still multiply. The epilogue reads
+//   them from shared memory in the accumulator's layout (the row's slot and routing weight were
+//   loaded before the K loop), writes da1 and da3 over them and hw into the stage's third box,
+//   and one thread per warpgroup stores the three by bulk tensor stores, then frees the stage
+//   once they are read. <dh, h> is summed over the thread's 64 columns, then over the quad's 4
+//   lanes (fixed order: deterministic) into part[pid_n, row]. Optionally (store_gathered) the
+//   tiles with pid_n 0 also store the gathered dy rows of each K step into a row-space copy
+//   [rows, D] (zeros on padding rows), which the dw2 weight gradient then reads by TMA instead
+//   of gathering dy again.
+// Waits on: nothing outside the launch. Signals: nothing; h (and a) / out are complete with the
+// launch, and the dynamic order's ticket is zero again (the CTA taking the last number resets
+// it), so the next launch on the stream reuses it (ops/hopper/cuda/sm90.py launch_context).
+//
+// Measured (docs/PERF.md, H200, 2026-11-30): GEMM 2 0.69-0.76 vs Triton 0.76-0.81 ms at 30B;
+// kernel C 1.25-1.28 vs 1.47-1.49; the weight gradients on pre-gathered rows 2-8% ahead of
+// torch._grouped_mm, with the in-kernel gather 7-26% behind it; kernel A in one launch 0.92-1.0
+// ms at 30B (dy rows stored) vs 1.14-1.19 for the dy gather + dh GEMM + SwiGLU rows kernel.
+// GEMM 1 (bulk-store epilogue, approximate-division sigmoid): 1.27 vs Triton 1.41-1.43 ms at 30B
+// (1.44 vs 1.83 with the a1/a3 store), level with Triton at 235B (5.29-5.42 vs 5.31-5.47).
+// Every mode is a tuner candidate (MEGAMOE_CUDA=0: never); the tuner keeps whichever is
+// faster per shape, after checking its result against the first candidate's.
+
+#include <cuda.h>
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+#include <stdint.h>
+
+#include "sm90_primitives.cuh"
+
+namespace megamoe {
+namespace grouped {
+
+constexpr int BM = 128;
+constexpr int BN = 128;
+#ifndef MEGAMOE_SM90_BK
+#define MEGAMOE_SM90_BK 64  // K step: 64 (128-byte swizzle rows) or 32 (64-byte; pair with 8 stages)
+#endif
+constexpr int BK = MEGAMOE_SM90_BK;
+static_assert(BK == 64 || BK == 32, "MEGAMOE_SM90_BK must be 64 or 32");
+constexpr int ROW_BYTES = BK * 2;       // one K step of one row, the swizzle span
+constexpr int CHUNKS = ROW_BYTES / 16;  // 16-byte cp.async chunks per row
+constexpr int ROWS_PER_PASS = 128 / CHUNKS;  // rows the producer's 128 threads gather at once
+constexpr int PASSES = BM / ROWS_PER_PASS;
+// Compile-time knobs (ops/hopper/cuda/build.py passes -D defines; each set is its own cached build):
+#ifndef MEGAMOE_SM90_STAGES
+#define MEGAMOE_SM90_STAGES 4  // ring depth: 4 x 48 KiB of the 227 KiB of shared memory
+#endif
+#ifndef MEGAMOE_SM90_L2_PROMOTION
+#define MEGAMOE_SM90_L2_PROMOTION 3  // TMA weight reads: 0 none, 1 64 B, 2 128 B, 3 256 B
+#endif
+#ifndef MEGAMOE_SM90_STORE
+#define MEGAMOE_SM90_STORE 1  // 0 only for measuring: the epilogue computes (and stages) but stores nothing
+#endif
+#ifndef MEGAMOE_SM90_WGMMA_LAG
+#define MEGAMOE_SM90_WGMMA_LAG 0  // wgmma batches left in flight before a slot is freed (0 or 1)
+#endif
+#ifndef MEGAMOE_SM90_PRODUCER_REGS
+#define MEGAMOE_SM90_PRODUCER_REGS 40  // with 232 per consumer: 40 * 128 + 232 * 256 <= 64K
+#endif
+#ifndef MEGAMOE_SM90_PRODUCER_FENCE
+// 1: the producer waits for its own gathers one stage later, fences them for the async proxy
+// and then arrives, so the consumers' per-stage fence.proxy.async (a MEMBAR.ALL.CTA +
+// FENCE.VIEW.ASYNC in the SASS, on the tensor cores' critical path) goes away. 0: the gathers
+// arrive by cp.async.mbarrier.arrive.noinc and the consumers fence. (1 measured: under 3%.)
+#define MEGAMOE_SM90_PRODUCER_FENCE 0
+#endif
+#ifndef MEGAMOE_SM90_TMA_STORE
+// 1: the epilogue writes h (and a1, a3) as bf16 into a shared-memory tile in the 128-byte
+// swizzle and a bulk tensor store writes it out, so the warpgroup goes back to its MMAs as soon
+// as the store engine has read the tile; 0: bf16x2 stores from registers (measured at the 30B
+// shape: the stores cost 0.19 of GEMM 1's 1.52 ms, 2026-11-30).
+#define MEGAMOE_SM90_TMA_STORE 0
+#endif
+#ifndef MEGAMOE_SM90_EPI_BUFFERS
+// TMA_STORE: staging tiles per consumer warpgroup. 2: the epilogue's stores alternate between
+// two, so writing one waits only for the store before last to have read it (GEMM 2 stages two
+// column halves per tile, GEMM 1's training forward three tiles) instead of the one just
+// issued; 32 KiB more shared memory, so it needs MEGAMOE_SM90_STAGES=3. Measured (H200,
+// 2026-11-30, docs/PERF.md session 16): GEMM 2 at 30B -3.4% alone but level inside the tuner,
+// the gathering GEMM 1 up to +12% (the lost stage), so it stays off.
+#define MEGAMOE_SM90_EPI_BUFFERS 1
+#endif
+#ifndef MEGAMOE_SM90_SIGMOID
+// The epilogues' sigmoid (GEMM 1's SwiGLU, kernel A's SwiGLU backward): 0 1 / (1 + __expf(-x))
+// with IEEE division, 1 the same with an approximate division (__fdividef: MUFU.RCP, ~2 ulp,
+// relative accuracy kept for any x), 2 0.5 tanh(0.5 x) + 0.5 (tanh.approx: one MUFU, but an
+// absolute error of ~2^-12, i.e. a large relative one where the sigmoid is tiny, x < ~-4),
+// 3 measuring only: no sigmoid (sig = x). Kernel A at 30B (experiments/dgrad_variants.py, H200,
+// 2026-11-30): 1.083 / 0.880 / 0.840 / 0.834 ms; its consumers run the epilogue with two warps
+// per scheduler, so the dependent chain of the IEEE division set the pace.
+#define MEGAMOE_SM90_SIGMOID 1
+#endif
+#ifndef MEGAMOE_SM90_EPI_LAZY
+// DGRAD_SWIGLU: 1 frees an epilogue stage only after the next stage's stores are issued (its
+// bulk reads then overlap the next stage's math), 0 right after its own stores are read.
+// Kernel A, 1 vs 0 (experiments/dgrad_variants.py, H200, 2026-11-30): 0.964 vs 1.007 ms at 30B,
+// 3.306 vs 3.445 at 235B (approximate-division sigmoid; repeated in session 15's last call)
+#define MEGAMOE_SM90_EPI_LAZY 1
+#endif
+#ifndef MEGAMOE_SM90_ROWS_DEFER
+// ROWS mode (GEMM 2, kernel C) with TMA_STORE, lag 0, one staging tile: 1 packs a tile's second
+// column half to 32 bf16x2 registers and stages and stores it while the next tile's first
+// wgmma batch runs (predicated, no branch), so its wait for the first half's store to be read
+// and its shared-memory writes leave the tensor cores' idle time. 0: both halves in the
+// epilogue. Measured (experiments/rows_variants.py, H200, 2026-11-30, docs/PERF.md session 17):
+// GEMM 2 -3% at 30B, -6% at 235B; kernel C level at 30B, -3% at 235B. Not in WGRAD, where the
+// same deferral measured -2% at 30B but +5-8% on dw2 at 235B. Deferring the first half too
+// (64 packed registers, stored under the next tile's first two batches) was bitwise equal but
+// level or slower: GEMM 2 +3% / +2%, kernel C +6% / level (30B / 235B; session 18, 42220ae).
+#define MEGAMOE_SM90_ROWS_DEFER 1
+#endif
+#ifndef MEGAMOE_SM90_GEMM1_DEFER
+// GEMM 1 (GATHER mode) with TMA_STORE, lag 0, one staging tile, cluster 1: 1 holds the tile's
+// last [64, 128] store per warpgroup (h in inference, a3 in the training forward, after h and
+// a1) as 32 packed bf16x2 registers and stages and stores it under the next tile's first wgmma
+// batch, the ROWS_DEFER mechanism. 0: every store in the epilogue. Measured (scripts/
+// rows_variants.py, H200, 2026-12-01, docs/PERF.md session 19, outputs bitwise equal): inference
+// level at 30B, -0.9% at 235B; training forward (h, a1, a3) -1.6% at 30B, -0.9% at 235B.
+#define MEGAMOE_SM90_GEMM1_DEFER 1
+#endif
+#ifndef MEGAMOE_SM90_PAD_SKIP
+#define MEGAMOE_SM90_PAD_SKIP 1  // 0 only for measuring: warpgroups of padding rows still multiply
+#endif
+#ifndef MEGAMOE_SM90_DGRAD_EPI
+// DGRAD_SWIGLU, measuring only: 0 skips the epilogue (no a1/a3 loads, no math, no stores), so
+// the kernel times its dh GEMM with the in-kernel dy gather alone
+#define MEGAMOE_SM90_DGRAD_EPI 1
+#endif
+#ifndef MEGAMOE_SM90_LOAD
+#define MEGAMOE_SM90_LOAD 3  // measuring only: bit 0 loads A (x rows), bit 1 loads B (weights)
+#endif
+constexpr int STAGES = MEGAMOE_SM90_STAGES;
+constexpr bool LOAD_A = (MEGAMOE_SM90_LOAD & 1) != 0;
+constexpr bool LOAD_B = (MEGAMOE_SM90_LOAD & 2) != 0;
+constexpr int A_BYTES = BM * BK * 2;
+constexpr int B_BYTES = 2 * BN * BK * 2;
+constexpr int STAGE_BYTES = A_BYTES + B_BYTES;
+constexpr int NMAJOR_BOX_BYTES = BK * 128;  // NMAJOR: one [BK, 64] box of the B stage
+constexpr int THREADS = 384;
+// DGRAD_SWIGLU: the epilogue runs on EPI_STAGES more ring stages per tile, one per 64 of its 256
+// columns: [a1 box | a3 box | hw staging], each [128 rows, 64] bf16 in the 128-byte swizzle (a
+// stage of BK 64 holds exactly the three). da1 and da3 overwrite a1 and a3 in place.
+constexpr int EPI_STAGES = 4;
+constexpr int EPI_IN_BYTES = 128 * 64 * 2;
+// TMA_STORE: one [64 rows, 128 columns] bf16 tile per consumer warpgroup, as two boxes of 64
+// columns (128-byte rows, 128-byte swizzle), after the ring
+constexpr int EPI_BOX_BYTES = 64 * 64 * 2;
+constexpr int EPI_BUFFERS = MEGAMOE_SM90_EPI_BUFFERS;
+static_assert(EPI_BUFFERS == 1 || EPI_BUFFERS == 2, "MEGAMOE_SM90_EPI_BUFFERS must be 1 or 2");
+constexpr int EPI_BYTES = MEGAMOE_SM90_TMA_STORE ? EPI_BUFFERS * 2 * 2 * EPI_BOX_BYTES : 0;
+// + ring barriers, the tile scheduler's 2-slot ring (4 barriers, 2 ids), alignment
+constexpr int SMEM_BYTES = STAGES * STAGE_BYTES + EPI_BYTES + 2 * STAGES * 8 + 64 + 1024;
+static_assert(SMEM_BYTES <= 227 * 1024, "shared memory: fewer stages");
+
+struct Params {
+  const __nv_bfloat16* x;  // GATHER: the token rows; ROWS: unused (the A map reads `in`)
+  __nv_bfloat16* h;        // GATHER: h [R, H]; ROWS: out [R, N]
+  __nv_bfloat16* a;  // GATHER: nullptr (no pre-activation store) or a [R, 2H]; ROWS: nullptr
+  const int* row_slot;
+  const int* tile_expert;
+  const int* num_rows_used;
+  int N;  // output columns per weight operand: H (GATHER: a1 and a3 each), N (ROWS)
+  int K;  // reduction length: D (GATHER), K (ROWS)
+  int k_split;  // NMAJOR: K steps below it read w1_map (rows e * k_split + k), the others w3_map
+  // WGRAD: the expert segments [seg_start[e], seg_start[e + 1]) and the order of the experts'
+  // units (nullptr: 0, 1, ...); M rows of the gradient per expert, split at m_split between
+  // the two outputs (h_map, a_map; = M for one output); x: the gathered operand's token rows
+  const int* seg_start;
+  const int* expert_order;
+  // WGRAD: each expert's rows that are not trailing padding (plan.count). Padding rows end a
+  // segment and add zeros, so the K loop stops after the last K step holding a counted row: a
+  // segment padded to 128 rows loses its last 64-row step when at most 64 of its last 128 rows
+  // are real.
+  const int* count;
+  // DGRAD_SWIGLU (a, da and hw travel as tensor maps; so do the gathered dy rows, in w3_map,
+  // when store_gathered is set)
+  const float* topk_w;  // [T * K] routing weights by slot
+  int store_gathered;
+  float* part;          // [H / 256, part_stride]
+  long long part_stride;
+  int M;
+  int m_split;
+  int num_experts;
+  int top_k;
+  int plan_bm;
+  int group_m;
+  int* ticket;  // dynamic tile order: a zeroed int the CTAs take unit numbers from (zeroed again
+               // by the last taker); nullptr: static
+  long long stride_x;
+  long long stride_h;
+  long long stride_a;
+};
+
+__device__ __forceinline__ void grouped_tile(int t, int num_m, int num_n, int group_m, int& pid_m,
+                                             int& pid_n) {
+  // GROUP_M consecutive M tiles sweep one N tile together (weight tiles reused from L2)
+  const int per_group = group_m * num_n;
+  const int first_m = (t / per_group) * group_m;
+  const int size = min(num_m - first_m, group_m);
+  pid_m = first_m + (t % per_group) % size;
+  pid_n = (t % per_group) / size;
+}
+
+__device__ __forceinline__ float epi_sigmoid(float x) {
+  if constexpr (MEGAMOE_SM90_SIGMOID == 1) {
+    return __fdividef(1.0f, 1.0f + __expf(-x));
+  } else if constexpr (MEGAMOE_SM90_SIGMOID == 2) {
+    float t;
+    asm("tanh.approx.f32 %0, %1;" : "=f"(t) : "f"(0.5f * x));
+    return fmaf(0.5f, t, 0.5f);
+  } else if constexpr (MEGAMOE_SM90_SIGMOID == 3) {
+    return x;
+  } else {
+    return 1.0f / (1.0f + __expf(-x));
+  }
+}
+
+__device__ __forceinline__ float silu_mul(float a1, float a3) {
+  if constexpr (MEGAMOE_SM90_SIGMOID == 0) return a1 / (1.0f + __expf(-a1)) * a3;
+  if constexpr (MEGAMOE_SM90_SIGMOID == 1) return __fdividef(a1, 1.0f + __expf(-a1)) * a3;
+  return a1 * epi_sigmoid(a1) * a3;
+}
+
+enum Mode : int {
+  MODE_GEMM1 = 0,         // GATHER: x rows gathered, w1|w3 K-major, SwiGLU epilogue
+  MODE_ROWS = 1,          // ROWS: in by TMA, w K-major
+  MODE_ROWS_NMAJOR = 2,   // ROWS: in by TMA, w (and w') N-major
+  MODE_WGRAD_GATHER_A = 3,  // WGRAD: A (dy rows) gathered, B (hw) by TMA
+  MODE_WGRAD_GATHER_B = 4,  // WGRAD: A ([da1 | da3]) by TMA, B (x rows) gathered
+  MODE_WGRAD_TMA = 5,       // WGRAD: both from row-space tensors by TMA (rows gathered before)
+  MODE_DGRAD_SWIGLU = 6,    // kernel A: dy rows gathered, w2 N-major, SwiGLU backward epilogue
+};
+
+// GATHER: w1_map / w3_map are the two weights, in_map unused. ROWS: w1_map = w3_map = the
+// weight (NMAJOR: w and w'), in_map = `in`, h_map = out (TMA_STORE), a_map unused. WGRAD:
+// in_map = A's row-space tensor (GATHER_B) or w1_map = B's (GATHER_A); h_map, a_map = the two
+// outputs. DGRAD_SWIGLU: w1_map = w2, w3_map = the gathered dy rows' copy (store_gathered),
+// in_map = a, h_map = da, a_map = hw.
+template <int CLUSTER, int MODE>
+__global__ void __launch_bounds__(THREADS, 1)
+    grouped_gemm_kernel(const __grid_constant__ CUtensorMap w1_map,
+                        const __grid_constant__ CUtensorMap w3_map,
+                        const __grid_constant__ CUtensorMap h_map,
+                        const __grid_constant__ CUtensorMap a_map,
+                        const __grid_constant__ CUtensorMap in_map, const Params p) {
+  constexpr bool ROWS = MODE != MODE_GEMM1;     // 256-column tiles, one B operand
+  constexpr bool NMAJOR = MODE >= MODE_ROWS_NMAJOR;  // B N-major (transposed wgmma B)
+  constexpr bool WGRAD = MODE >= MODE_WGRAD_GATHER_A && MODE <= MODE_WGRAD_TMA;  // K = expert rows
+  constexpr bool GATHER_ROWS = MODE == MODE_GEMM1 || MODE == MODE_DGRAD_SWIGLU;  // K-major gather
+  constexpr bool GATHER_A = GATHER_ROWS || MODE == MODE_WGRAD_GATHER_A;
+  constexpr bool GATHER_B = MODE == MODE_WGRAD_GATHER_B;
+  constexpr bool GATHERS = GATHER_A || GATHER_B;  // the producer's 128 threads issue cp.async
+  static_assert(!ROWS || CLUSTER == 1, "ROWS and WGRAD modes: cluster 1 only");
+  constexpr int TILE_N = ROWS ? 2 * BN : BN;  // output columns of a tile (per operand in GATHER)
+  // MEGAMOE_SM90_ROWS_DEFER in effect (the ROWS epilogue: two column halves per tile)
+  constexpr bool RDEFER = MEGAMOE_SM90_ROWS_DEFER && MEGAMOE_SM90_TMA_STORE &&
+                          (MODE == MODE_ROWS || MODE == MODE_ROWS_NMAJOR) &&
+                          !MEGAMOE_SM90_WGMMA_LAG && EPI_BUFFERS == 1 && CLUSTER == 1;
+  // MEGAMOE_SM90_GEMM1_DEFER in effect (GEMM 1's last store per tile)
+  constexpr bool GDEFER = MEGAMOE_SM90_GEMM1_DEFER && MEGAMOE_SM90_TMA_STORE &&
+                          MODE == MODE_GEMM1 && !MEGAMOE_SM90_WGMMA_LAG && EPI_BUFFERS == 1 &&
+                          CLUSTER == 1;
+  constexpr bool DEFER = RDEFER || GDEFER;  // a tile's last store may wait for the next tile
+  static_assert(MODE != MODE_DGRAD_SWIGLU || (BK == 64 && TILE_N == 64 * EPI_STAGES &&
+                                               STAGE_BYTES == 3 * EPI_IN_BYTES),
+                "DGRAD_SWIGLU: the epilogue stages need BK 64");
+  extern __shared__ __align__(1024) uint8_t smem_raw[];
+  // the swizzled tiles need their 8-row groups aligned (1024 bytes covers both swizzles)
+  uint8_t* smem = reinterpret_cast<uint8_t*>(
+      (reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~static_cast<uintptr_t>(1023));
+  const uint32_t smem_base = smem_u32(smem);
+  const uint32_t epi_smem = smem_base + STAGES * STAGE_BYTES;  // TMA_STORE staging tiles
+  const uint32_t full_bar = epi_smem + EPI_BYTES;
+  const uint32_t empty_bar = full_bar + STAGES * 8;
+  // tile scheduler ring (dynamic order): unit ids the producer fetched, 2 slots
+  const uint32_t unit_full = empty_bar + STAGES * 8;
+  const uint32_t unit_empty = unit_full + 2 * 8;
+  volatile int* unit_id = reinterpret_cast<volatile int*>(smem + STAGES * STAGE_BYTES +
+                                                          EPI_BYTES + 2 * STAGES * 8 + 4 * 8);
+  const bool dynamic = CLUSTER == 1 && p.ticket != nullptr;
+
+  const int tid = threadIdx.x;
+  const int wg = tid / 128;
+  const uint32_t rank = CLUSTER > 1 ? cluster_ctarank() : 0;
+  if (tid == 0) {
+    for (int s = 0; s < STAGES; ++s) {
+      mbar_init(full_bar + 8 * s, GATHERS ? 128 + 1 : 1);
+      mbar_init(empty_bar + 8 * s, 2 * CLUSTER);  // one per consumer warpgroup of each CTA
+    }
+    for (int s = 0; s < 2; ++s) {
+      mbar_init(unit_full + 8 * s, 1);   // the producer's thread 0 published unit_id[s]
+      mbar_init(unit_empty + 8 * s, 2);  // both consumer warpgroups have read it
+    }
+    mbar_init_fence();
+    tma_prefetch_desc(&w1_map);
+    tma_prefetch_desc(&w3_map);
+    if (ROWS) tma_prefetch_desc(&in_map);
+    if (WGRAD) tma_prefetch_desc(&h_map);
+  }
+  if constexpr (CLUSTER > 1) {
+    cluster_sync();  // the peer's barriers are initialised before any remote arrival
+  } else {
+    __syncthreads();
+  }
+
+  // A unit is CLUSTER consecutive M tiles x one N tile; CTA `rank` of a cluster computes M tile
+  // CLUSTER * um + rank. Both CTAs of a cluster walk the same units in lockstep (every stage of
+  // a unit passes through both CTAs' barriers) so that they can share the weight tiles.
+  const int num_m = WGRAD ? 0 : *p.num_rows_used / BM;
+  const int num_n = p.N / TILE_N;
+  const int num_um = (num_m + CLUSTER - 1) / CLUSTER;
+  const int num_mt = WGRAD ? p.M / BM : 0;  // WGRAD: M tiles per expert
+  const int num_units = WGRAD ? p.num_experts * num_mt * num_n : num_um * num_n;
+  const int first_unit = blockIdx.x / CLUSTER;
+  const int unit_stride = gridDim.x / CLUSTER;
+  const int group_m = p.group_m;
+
+  // Unit of the it-th tile this CTA computes. Static: every gridDim-th unit from blockIdx. Dynamic
+  // (CLUSTER 1): the producer's thread 0 takes the next unit number from the global ticket and
+  // passes it to its warpgroup (named barrier 3) and to the consumers (unit_full/unit_empty
+  // ring), so the CTAs walk the units in one global order however they drift apart: the
+  // weights of the units in flight stay in L2 (the static stride let slow and fast SMs spread
+  // over several experts' weights: 3x Triton's DRAM traffic at 235B, docs/PERF.md).
+  auto static_unit = [&](int it) { return first_unit + it * unit_stride; };
+
+  // Expert of each CTA's M tile in unit (um); -1 past the used rows or for another phase.
+  auto experts = [&](int um, int (&e)[CLUSTER]) {
+#pragma unroll
+    for (int r = 0; r < CLUSTER; ++r) {
+      const int m = um * CLUSTER + r;
+      e[r] = m < num_m ? p.tile_expert[(m * BM) / p.plan_bm] : -1;
+    }
+  };
+
+  // What both roles need of a unit: this CTA's tile, its expert (-1: idle in this unit), the
+  // other CTA's expert (shared weights), its K steps and (WGRAD) first row of the segment.
+  struct Tile {
+    int pid_m, pid_n, expert, k_blocks, row0;
+    bool any, shared;
+  };
+  auto decode = [&](int u) {
+    Tile t;
+    if constexpr (WGRAD) {
+      const int per_expert = num_mt * num_n;
+      const int ei = u / per_expert;
+      t.pid_m = (u % per_expert) / num_n;
+      t.pid_n = u % num_n;
+      t.expert = p.expert_order != nullptr ? p.expert_order[ei] : ei;
+      t.row0 = p.seg_start[t.expert];
+      t.k_blocks = (p.count[t.expert] + BK - 1) / BK;
+      t.any = true;
+      t.shared = false;
+    } else {
+      int um;
+      grouped_tile(u, num_um, num_n, group_m, um, t.pid_n);
+      int e[CLUSTER];
+      experts(um, e);
+      t.any = false;
+      t.shared = CLUSTER > 1;
+#pragma unroll
+      for (int r = 0; r < CLUSTER; ++r) {
+        t.any |= e[r] >= 0;
+        t.shared &= e[r] == e[0];
+      }
+      t.expert = e[rank];
+      t.pid_m = um * CLUSTER + rank;
+      t.k_blocks = p.K / BK;
+      t.row0 = 0;
+    }
+    return t;
+  };
+
+  if (wg == 0) {
+    // ---------------- producer ----------------
+    setmaxnreg_dec<MEGAMOE_SM90_PRODUCER_REGS>();
+    const int c = tid & (CHUNKS - 1);                              // 16-byte chunk of a row's K step
+    const int rg = static_cast<int>(static_cast<unsigned>(tid) / CHUNKS);  // rows rg, rg + ROWS_PER_PASS, ...
+    int stage = 0;
+    uint32_t phase = 0;
+    // PRODUCER_FENCE: the full barrier of the last stage whose gathers are issued but not yet
+    // arrived on (0: none). Its arrival waits until the next stage's gathers are issued.
+    uint32_t pending_full = 0;
+    auto flush_pending = [&]() {
+      if (MEGAMOE_SM90_PRODUCER_FENCE && pending_full != 0) {
+        cp_async_wait<0>();
+        fence_proxy_async();
+        mbar_arrive(pending_full);
+        pending_full = 0;
+      }
+    };
+    // Completes stage `full` once this thread's cp.async gathers land (the consumers fence
+    // them), or with PRODUCER_FENCE one stage later, fenced here.
+    auto gathers_issued = [&](uint32_t full) {
+      if (MEGAMOE_SM90_PRODUCER_FENCE) {
+        // this stage's gathers stay in flight; the previous stage's have landed once at
+        // most one group is left: make them visible to wgmma, then complete that stage
+        cp_async_commit();
+        if (pending_full != 0) {
+          cp_async_wait<1>();
+          fence_proxy_async();
+          mbar_arrive(pending_full);
+        }
+        pending_full = full;
+      } else {
+        cp_async_arrive_noinc(full);
+      }
+    };
+    // no gathers (ROWS): thread 0 issues every TMA load; the other producer threads idle
+    for (int it = 0; GATHERS || tid == 0; ++it) {
+      int u;
+      if (dynamic) {
+        const int slot = it & 1;
+        if (tid == 0) {
+          mbar_wait(unit_empty + 8 * slot, ((it >> 1) & 1) ^ 1);
+          const int got = atomicAdd(p.ticket, 1);
+          // Every CTA takes exactly one number >= num_units (then stops), so the taker of
+          // num_units + gridDim.x - 1 is the last one to touch the ticket: it zeroes it for the
+          // next launch on this stream (ops/hopper/cuda/sm90.py keeps one ticket pool per stream).
+          if (got == num_units + static_cast<int>(gridDim.x) - 1) atomicExch(p.ticket, 0);
+          unit_id[slot] = got;
+          mbar_arrive(unit_full + 8 * slot);  // release: the consumers' wait acquires the id
+        }
+        if (GATHERS) named_barrier(3, 128);
+        u = unit_id[slot];
+      } else {
+        u = static_unit(it);
+      }
+      if (u >= num_units) break;
+      const Tile t = decode(u);
+      if (!t.any) continue;
+      const int expert = t.expert, pid_m = t.pid_m, pid_n = t.pid_n, k_blocks = t.k_blocks;
+      const bool shared = t.shared;
+      const int w_row = expert * p.N + pid_n * TILE_N;
+      // B halves: the w1 and w3 tiles (GATHER), rows [0, 128) and [128, 256) of w's tile (ROWS)
+      const int w_row_b1 = ROWS ? w_row + BN : w_row;
+      int tok[PASSES];
+#pragma unroll
+      for (int i = 0; i < PASSES; ++i) {
+        const int slot =
+                GATHER_ROWS && expert >= 0 ? p.row_slot[pid_m * BM + i * ROWS_PER_PASS + rg]
+                                              : -1;
+        tok[i] = slot >= 0 ? slot / p.top_k : -1;
+      }
+      // WGRAD gathers: the slots of this thread's rows (t / 8 + 16 i) of the next K step, loaded
+      // one step ahead so that their latency hides behind the empty-slot wait and the previous
+      // step's copies instead of stalling every step (the rows change with every K step)
+      constexpr int ROW_PASSES = BK / 16;
+      int next_slot[ROW_PASSES];
+      auto load_slots = [&](int kb) {
+#pragma unroll
+        for (int i = 0; i < ROW_PASSES; ++i) {
+          next_slot[i] = WGRAD && GATHERS && kb < k_blocks
+                             ? p.row_slot[t.row0 + kb * BK + tid / 8 + 16 * i] : -1;
+        }
+      };
+      load_slots(0);
+      // GATHER_ROWS: this thread's 16-byte chunk c of the K step of the tile's rows rg + 16 i
+      // (8 threads per 128-byte row), zeros for padding rows
+      auto gather_rows = [&](uint32_t a_smem, int kb) {
+#pragma unroll
+        for (int i = 0; i < PASSES; ++i) {
+          const int r = i * ROWS_PER_PASS + rg;
+          const uint32_t dst = a_smem + swizzled_offset<ROW_BYTES>(r, c);
+          const bool valid = LOAD_A && tok[i] >= 0;
+          const __nv_bfloat16* src =
+              p.x + (valid ? static_cast<long long>(tok[i]) * p.stride_x : 0) + kb * BK + c * 8;
+          cp_async_16(dst, src, valid ? 16 : 0);
+        }
+      };
+      for (int kb = 0; kb < k_blocks; ++kb) {
+        int slot[ROW_PASSES];
+#pragma unroll
+        for (int i = 0; i < ROW_PASSES; ++i) slot[i] = next_slot[i];
+        load_slots(kb + 1);
+        mbar_wait(empty_bar + 8 * stage, phase ^ 1);
+        const uint32_t a_smem = smem_base + stage * STAGE_BYTES;
+        const uint32_t b_smem = a_smem + A_BYTES;
+        const uint32_t full = full_bar + 8 * stage;
+        if constexpr (WGRAD) {
+          const int r0 = t.row0 + kb * BK;
+          if (tid == 0) {
+            mbar_arrive_expect_tx(full, (GATHER_A ? 0 : A_BYTES) + (GATHER_B ? 0 : B_BYTES));
+            if (!GATHER_A) {
+#pragma unroll
+              for (int j = 0; j < BM / 64; ++j) {
+                tma_load_2d(a_smem + j * NMAJOR_BOX_BYTES, &in_map, pid_m * BM + 64 * j, r0, full);
+              }
+            }
+            if (!GATHER_B) {
+#pragma unroll
+              for (int j = 0; j < TILE_N / 64; ++j) {
+                tma_load_2d(b_smem + j * NMAJOR_BOX_BYTES, &w1_map, pid_n * TILE_N + 64 * j, r0,
+                            full);
+              }
+            }
+          }
+          if constexpr (GATHERS) {
+            // The gathered operand, coalesced as GEMM 1's gather: 8 consecutive threads copy one
+            // 128-byte row of a box (thread t: chunk t % 8 of rows t / 8 + 16 i), so every warp
+            // request reads whole 128-byte lines instead of a 16-byte piece of 32 rows.
+            constexpr int BOXES = (GATHER_A ? BM : TILE_N) / 64;
+            const int c = tid % 8, rsub = tid / 8;
+            const __nv_bfloat16* src =
+                p.x + (GATHER_A ? pid_m * BM : pid_n * TILE_N) + c * 8;
+            const uint32_t dst = GATHER_A ? a_smem : b_smem;
+#pragma unroll
+            for (int i = 0; i < ROW_PASSES; ++i) {
+              const int row = rsub + 16 * i;
+              const __nv_bfloat16* row_src =
+                  src + (slot[i] >= 0 ? static_cast<long long>(slot[i] / p.top_k) * p.stride_x : 0);
+#pragma unroll
+              for (int bx = 0; bx < BOXES; ++bx) {
+                cp_async_16(dst + bx * NMAJOR_BOX_BYTES + swizzled_offset<128>(row, c),
+                            row_src + bx * 64, slot[i] >= 0 ? 16 : 0);
+              }
+            }
+            gathers_issued(full);
+          }
+        } else if constexpr (MODE == MODE_DGRAD_SWIGLU) {
+          if (tid == 0) {
+            mbar_arrive_expect_tx(full, B_BYTES);
+#pragma unroll
+            for (int j = 0; j < TILE_N / 64; ++j) {
+              tma_load_2d(b_smem + j * NMAJOR_BOX_BYTES, &w1_map, pid_n * TILE_N + 64 * j,
+                          expert * p.k_split + kb * BK, full);
+            }
+          }
+          gather_rows(a_smem, kb);
+          gathers_issued(full);
+        } else if constexpr (NMAJOR) {
+          const int k0 = kb * BK;
+          const bool first = k0 < p.k_split;
+          const CUtensorMap* w_map = first ? &w1_map : &w3_map;
+          const int k_row = expert * p.k_split + (first ? k0 : k0 - p.k_split);
+          mbar_arrive_expect_tx(full, A_BYTES + B_BYTES);
+          tma_load_2d(a_smem, &in_map, k0, pid_m * BM, full);
+#pragma unroll
+          for (int j = 0; j < TILE_N / 64; ++j) {
+            tma_load_2d(b_smem + j * NMAJOR_BOX_BYTES, w_map, pid_n * TILE_N + 64 * j, k_row, full);
+          }
+        } else if constexpr (ROWS) {
+          mbar_arrive_expect_tx(full, A_BYTES + B_BYTES);
+          tma_load_2d(a_smem, &in_map, kb * BK, pid_m * BM, full);
+          tma_load_2d(b_smem, &w1_map, kb * BK, w_row, full);
+          tma_load_2d(b_smem + B_BYTES / 2, &w3_map, kb * BK, w_row_b1, full);
+        } else if (expert < 0) {
+          // idle in this unit (the peer is not): complete the stage without data
+          flush_pending();
+          mbar_arrive(full);
+          if (tid == 0) mbar_arrive(full);
+        } else {
+          if (tid == 0 && !LOAD_B) mbar_arrive(full);
+          if (tid == 0 && LOAD_B) {
+            mbar_arrive_expect_tx(full, B_BYTES);
+            if (CLUSTER > 1 && shared) {
+              // each CTA loads one of the two weight tiles for both (same expert, same N tile)
+              tma_load_2d_multicast(b_smem + rank * (B_BYTES / 2), rank == 0 ? &w1_map : &w3_map,
+                                    kb * BK, w_row, full, (1u << CLUSTER) - 1);
+            } else {
+              tma_load_2d(b_smem, &w1_map, kb * BK, w_row, full);
+              tma_load_2d(b_smem + B_BYTES / 2, &w3_map, kb * BK, w_row_b1, full);
+            }
+          }
+          gather_rows(a_smem, kb);
+          gathers_issued(full);
+        }
+        if (++stage == STAGES) {
+          stage = 0;
+          phase ^= 1;
+        }
+      }
+      if constexpr (MODE == MODE_DGRAD_SWIGLU && MEGAMOE_SM90_DGRAD_EPI) {
+        // The epilogue's stages: per 64 columns of the tile, the saved a1 and a3 [128 rows, 64]
+        // boxes, loaded while the consumers still multiply (see EPI_STAGES). full[s] takes the
+        // same 129 arrivals as a K step: thread 0's expect_tx and one from every thread.
+#pragma unroll 1
+        for (int c = 0; c < EPI_STAGES; ++c) {
+          mbar_wait(empty_bar + 8 * stage, phase ^ 1);
+          const uint32_t full = full_bar + 8 * stage;
+          const uint32_t slot_smem = smem_base + stage * STAGE_BYTES;
+          flush_pending();
+          if (tid == 0) {
+            const int col = pid_n * TILE_N + 64 * c;
+            mbar_arrive_expect_tx(full, 2 * EPI_IN_BYTES);
+            tma_load_2d(slot_smem, &in_map, col, pid_m * BM, full);
+            tma_load_2d(slot_smem + EPI_IN_BYTES, &in_map, p.N + col, pid_m * BM, full);
+          }
+          mbar_arrive(full);
+          if (++stage == STAGES) {
+            stage = 0;
+            phase ^= 1;
+          }
+        }
+      }
+    }
+    flush_pending();
+  } else {
+    // ---------------- consumers ----------------
+    // the register file is 64K: what the producer gives up, the two consumer warpgroups share
+    setmaxnreg_inc<(65536 / 128 - MEGAMOE_SM90_PRODUCER_REGS) / 2 / 8 * 8>();
+    const int cw = wg - 1;  // rows [64 cw, 64 cw + 64) of the tile
+    const int warp = (tid % 128) / 32;
+    const int lane = tid % 32;
+    float acc[128];
+    int stage = 0;
+    uint32_t phase = 0;
+    [[maybe_unused]] int epi_buf = 0;  // TMA_STORE: the staging tile the next store uses
+    // DEFER: the previous tile's last store (ROWS: its second column half), packed, waiting to
+    // be staged and stored
+    [[maybe_unused]] uint32_t pend[32];
+    [[maybe_unused]] bool pending = false;
+    [[maybe_unused]] int pend_col = 0, pend_row = 0;
+    [[maybe_unused]] const CUtensorMap* pend_map = &h_map;
+    // Stages and stores the pending half (every instruction predicated on `pending`, so it can
+    // run while a wgmma batch is in flight). Waits on: the store engine having read the
+    // staging tile (the first half's store). Signals: nothing.
+    [[maybe_unused]] auto flush_pending = [&]() {
+      const bool pred = pending;
+      const uint32_t tile = epi_smem + cw * 2 * EPI_BOX_BYTES;
+      bulk_wait_read_all_if(pred && tid % 128 == 0);
+      named_barrier(1 + cw, 128);
+#pragma unroll
+      for (int j = 0; j < 16; ++j) {
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+          const int r = warp * 16 + lane / 4 + 8 * half;
+          st_shared_b32_if(tile + (j / 8) * EPI_BOX_BYTES + swizzled_offset<128>(r, j % 8) +
+                               4 * (lane % 4),
+                           pend[2 * j + half], pred);
+        }
+      }
+      fence_proxy_async();
+      named_barrier(1 + cw, 128);
+      const bool issue = pred && tid % 128 == 0 && MEGAMOE_SM90_STORE;
+      tma_store_2d_commit_if(pend_map, pend_col, pend_row, tile, issue);
+      tma_store_2d_commit_if(pend_map, pend_col + 64, pend_row, tile + EPI_BOX_BYTES, issue);
+      pending = false;
+    };
+    for (int it = 0;; ++it) {
+      int u;
+      if (dynamic) {
+        const int slot = it & 1;
+        mbar_wait(unit_full + 8 * slot, (it >> 1) & 1);
+        u = unit_id[slot];
+        named_barrier(1 + cw, 128);  // the whole warpgroup has read the slot
+        mbar_arrive_if(unit_empty + 8 * slot, tid % 128 == 0);
+      } else {
+        u = static_unit(it);
+      }
+      if (u >= num_units) break;
+      // Padding skip: a segment's padding rows sit at its end and segments are aligned to the
+      // plan's 128-row multiple, so when this warpgroup's first row is padding (slot -1) all
+      // its 64 rows are; its MMAs would only multiply zeros. It passes the stages on and
+      // writes zeros, what the MMAs would have given (~half the plan's padding compute, ~3%
+      // of the rows at 128 experts). Not in WGRAD, whose K loop is the rows. DGRAD_SWIGLU
+      // also takes the slots of this thread's two epilogue rows (their routing weights follow
+      // decode's loads; all are used only after the K loop). The slots are loaded before
+      // decode's tile_expert load so that the latencies overlap.
+      int first_slot = 0;
+      int row_slot2[2] = {-1, -1};
+      if (!WGRAD && p.row_slot != nullptr) {
+        int um, pn;
+        grouped_tile(u, num_um, num_n, group_m, um, pn);
+        const int m = um * CLUSTER + rank;
+        if (m < num_m) {
+          const int* rows = p.row_slot + m * BM + cw * 64;
+          if (MEGAMOE_SM90_PAD_SKIP) first_slot = rows[0];
+          if constexpr (MODE == MODE_DGRAD_SWIGLU) {
+#pragma unroll
+            for (int half = 0; half < 2; ++half) row_slot2[half] = rows[warp * 16 + lane / 4 + 8 * half];
+          }
+        }
+      }
+      const Tile t = decode(u);
+      if (!t.any) continue;
+      float row_w[2] = {0.f, 0.f};
+      if constexpr (MODE == MODE_DGRAD_SWIGLU) {
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+          if (row_slot2[half] >= 0) row_w[half] = p.topk_w[row_slot2[half]];
+        }
+      }
+      const bool active = t.expert >= 0;
+      const int pid_m = t.pid_m, pid_n = t.pid_n, k_blocks = t.k_blocks;
+      const bool zero_rows = active && first_slot < 0;
+      // Frees a ring slot in every CTA of the cluster (the peer's producer may multicast into
+      // it): the whole warpgroup is past the slot before its one arrival per CTA. The arrivals
+      // are predicated instructions, not a branch (see mbar_wait), so a wgmma batch can stay in
+      // flight across a release.
+      auto release = [&](int s, bool pred) {
+        named_barrier(1 + cw, 128);
+        pred = pred && tid % 128 == 0;
+        if constexpr (CLUSTER == 1) {
+          mbar_arrive_if(empty_bar + 8 * s, pred);
+        } else {
+#pragma unroll
+          for (int r = 0; r < CLUSTER; ++r) mbar_arrive_cluster_if(empty_bar + 8 * s, r, pred);
+        }
+      };
+      auto advance = [&]() {
+        if (++stage == STAGES) {
+          stage = 0;
+          phase ^= 1;
+        }
+      };
+      // DGRAD_SWIGLU with store_gathered: the warpgroup's thread 0 stores its 64 gathered dy
+      // rows of each K step (a [64, 64] box, the one tile per M tile with pid_n 0) into the
+      // row-space copy that dw2 reads, then waits until the store engine has read them before
+      // the slot is freed (well within the stage's MMAs)
+      const bool store_rows =
+          MODE == MODE_DGRAD_SWIGLU && p.store_gathered && pid_n == 0 && tid % 128 == 0;
+      auto store_gathered = [&](int kb) {
+        if constexpr (MODE == MODE_DGRAD_SWIGLU) {
+          tma_store_2d_commit_if(&w3_map, kb * BK, pid_m * BM + cw * 64,
+                                 smem_base + stage * STAGE_BYTES + cw * 64 * ROW_BYTES, store_rows);
+        }
+      };
+      if (!active || zero_rows) {
+        // idle in this unit (the peer is not), or nothing but padding rows: pass every stage on
+        for (int kb = 0; kb < k_blocks; ++kb) {
+          mbar_wait(full_bar + 8 * stage, phase);
+          if constexpr (MODE == MODE_DGRAD_SWIGLU) {
+            fence_proxy_async();  // the zero-filled gathers, for the store engine
+            store_gathered(kb);
+            bulk_wait_read_all_if(store_rows);
+          }
+          release(stage, true);
+          advance();
+        }
+        if (!active) continue;
+      }
+      // The whole wgmma pipeline of the tile sits on one path: no branch between a batch's
+      // issue and its wait (ptxas would serialize the wgmmas otherwise).
+      if ((WGRAD && k_blocks == 0) || zero_rows) {
+        // an expert without rows (its gradient tile is zero), or padding rows
+#pragma unroll
+        for (int i = 0; i < 128; ++i) acc[i] = 0.f;
+      }
+      int prev = stage;
+      // one K step: wait for its stage, issue its wgmma batch (left in flight)
+      auto issue_step = [&](int kb) {
+        mbar_wait(full_bar + 8 * stage, phase);
+        // the cp.async rows are generic-proxy writes; wgmma reads through the async proxy
+        // (no gathers: TMA wrote both operands, nothing to fence)
+        if (GATHERS && !MEGAMOE_SM90_PRODUCER_FENCE) fence_proxy_async();
+        store_gathered(kb);
+        // this warpgroup's 64 rows of A: rows [64 cw, +64) (K-major) or box cw (M-major)
+        const uint32_t a_smem =
+            smem_base + stage * STAGE_BYTES + (WGRAD ? cw * NMAJOR_BOX_BYTES : cw * 64 * ROW_BYTES);
+        const uint32_t b_smem = smem_base + stage * STAGE_BYTES + A_BYTES;
+        wgmma_fence();
+#pragma unroll
+        for (int k = 0; k < BK / 16; ++k) {
+          const uint64_t a_desc =
+              WGRAD ? smem_desc_nmajor128(a_smem + k * 16 * 128, NMAJOR_BOX_BYTES)
+                    : smem_desc_swizzled<ROW_BYTES>(a_smem + k * 32);
+          const uint64_t b_desc =
+              NMAJOR ? smem_desc_nmajor128(b_smem + k * 16 * 128, NMAJOR_BOX_BYTES)
+                     : smem_desc_swizzled<ROW_BYTES>(b_smem + k * 32);
+          wgmma_m64n256k16<WGRAD, NMAJOR>(acc, a_desc, b_desc, (kb > 0 || k > 0) ? 1 : 0);
+        }
+        wgmma_commit();
+      };
+      // after a K step's issue: wait for a batch and free its stage
+      auto retire_step = [&](int kb) {
+        if (MEGAMOE_SM90_WGMMA_LAG) {
+          // keep this batch queued on the tensor cores while the previous one retires, then
+          // free the previous batch's slot
+          wgmma_wait<1>();
+          if (MODE == MODE_DGRAD_SWIGLU) bulk_wait_read_all_if(store_rows);
+          release(prev, kb > 0);
+        } else {
+          wgmma_wait<0>();
+          if (MODE == MODE_DGRAD_SWIGLU) bulk_wait_read_all_if(store_rows);
+          release(stage, true);
+        }
+        prev = stage;
+        advance();
+      };
+      const int steps = zero_rows ? 0 : k_blocks;
+      int kb0 = 0;
+      if constexpr (DEFER) {
+        if (steps > 0) {
+          // the previous tile's deferred store goes out under this tile's first batch
+          issue_step(0);
+          flush_pending();
+          retire_step(0);
+          kb0 = 1;
+        }
+      }
+      for (int kb = kb0; kb < steps; ++kb) {
+        issue_step(kb);
+        retire_step(kb);
+      }
+      if constexpr (DEFER) {
+        if (pending) flush_pending();  // no K step ran (padding rows, an expert without rows)
+      }
+      wgmma_wait<0>();
+#pragma unroll
+      for (int i = 0; i < 128; ++i) fence_reg(acc[i]);
+      // lag 0 freed every slot already; no slot is held when the loop did not run
+      if (MEGAMOE_SM90_WGMMA_LAG) release(prev, k_blocks > 0 && !zero_rows);
+      // Epilogue. Accumulator register 4j + q of thread (warp, lane) holds row
+      // 16 warp + lane/4 + 8 (q/2) and column 8j + 2 (lane%4) + q%2 of the 64x256 block; j < 16
+      // is a1, j >= 16 the a3 of column 8 (j - 16) + ...
+      if constexpr (MODE == MODE_DGRAD_SWIGLU && !MEGAMOE_SM90_DGRAD_EPI) {
+        if (acc[0] == 12345.f && acc[1] == 777.f) p.part[0] = acc[2];  // keeps the MMAs' result live
+        continue;
+      } else if constexpr (MODE == MODE_DGRAD_SWIGLU) {
+        // SwiGLU backward on the tile's dh (fp32, in the accumulators), 64 columns per epilogue
+        // stage (see EPI_STAGES): this warpgroup's rows [64 cw, +64) of the stage's a1 and a3
+        // boxes are read from shared memory in the accumulator's layout, da1 and da3 written
+        // back over them and hw into the third box, then thread 0 stores the three [64, 64]
+        // boxes. Waits on: full[s] (the producer's a1/a3 loads). Signals: empty[s] once the
+        // store engine has read the stage.
+        const int H = p.N;
+        float dot[2] = {0.f, 0.f};
+#pragma unroll
+        for (int c = 0; c < EPI_STAGES; ++c) {
+          mbar_wait(full_bar + 8 * stage, phase);
+          const uint32_t a1_s = smem_base + stage * STAGE_BYTES + cw * (EPI_IN_BYTES / 2);
+          const uint32_t a3_s = a1_s + EPI_IN_BYTES;
+          const uint32_t hw_s = a3_s + EPI_IN_BYTES;
+#pragma unroll
+          for (int jj = 0; jj < 8; ++jj) {
+#pragma unroll
+            for (int half = 0; half < 2; ++half) {
+              const uint32_t off =
+                  swizzled_offset<128>(warp * 16 + lane / 4 + 8 * half, jj) + 4 * (lane % 4);
+              const uint32_t a1_bits = ld_shared_b32(a1_s + off);
+              const uint32_t a3_bits = ld_shared_b32(a3_s + off);
+              const float2 a1 = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&a1_bits));
+              const float2 a3 = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&a3_bits));
+              const float w = row_w[half];
+              float da1[2], da3[2], hw[2];
+#pragma unroll
+              for (int e = 0; e < 2; ++e) {
+                const float x1 = e ? a1.y : a1.x, x3 = e ? a3.y : a3.x;
+                const float dh = acc[4 * (8 * c + jj) + 2 * half + e];
+                const float sig = epi_sigmoid(x1);
+                const float silu = x1 * sig;
+                const float h = silu * x3;
+                dot[half] += dh * h;
+                const float dhw = dh * w;
+                da1[e] = dhw * x3 * (sig + silu * (1.0f - sig));
+                da3[e] = dhw * silu;
+                hw[e] = h * w;
+              }
+              __nv_bfloat162 v1 = __floats2bfloat162_rn(da1[0], da1[1]);
+              __nv_bfloat162 v3 = __floats2bfloat162_rn(da3[0], da3[1]);
+              __nv_bfloat162 vh = __floats2bfloat162_rn(hw[0], hw[1]);
+              st_shared_b32(a1_s + off, *reinterpret_cast<uint32_t*>(&v1));
+              st_shared_b32(a3_s + off, *reinterpret_cast<uint32_t*>(&v3));
+              st_shared_b32(hw_s + off, *reinterpret_cast<uint32_t*>(&vh));
+            }
+          }
+          fence_proxy_async();  // the st.shared writes, before the store engine reads them
+          named_barrier(1 + cw, 128);
+          if (tid % 128 == 0) {
+            const int col = pid_n * TILE_N + 64 * c, row = pid_m * BM + cw * 64;
+            if (MEGAMOE_SM90_STORE) {
+              tma_store_2d(&h_map, col, row, a1_s);
+              tma_store_2d(&h_map, H + col, row, a3_s);
+              tma_store_2d(&a_map, col, row, hw_s);
+            }
+            bulk_commit();
+            if (MEGAMOE_SM90_EPI_LAZY && c > 0) {
+              bulk_wait_read<1>();  // the previous stage's stores have read it
+              mbar_arrive(empty_bar + 8 * prev);
+            }
+            if (!MEGAMOE_SM90_EPI_LAZY || c == EPI_STAGES - 1) {
+              bulk_wait_read<0>();
+              mbar_arrive(empty_bar + 8 * stage);
+            }
+          }
+          prev = stage;
+          advance();
+        }
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+          float d = dot[half];
+          d += __shfl_xor_sync(0xffffffffu, d, 1);
+          d += __shfl_xor_sync(0xffffffffu, d, 2);
+          const long long row =
+              static_cast<long long>(pid_m) * BM + cw * 64 + warp * 16 + lane / 4 + 8 * half;
+          if (lane % 4 == 0) p.part[pid_n * p.part_stride + row] = d;
+        }
+        continue;
+      }
+      // where the tile goes: its rows of the row space (GATHER, ROWS), or of the expert's
+      // gradient in the first or second output (WGRAD)
+      const bool second = WGRAD && pid_m * BM >= p.m_split;
+      const int out_row0 = WGRAD ? t.expert * p.m_split + pid_m * BM - (second ? p.m_split : 0)
+                                 : pid_m * BM;
+      const CUtensorMap* out_map = second ? &a_map : &h_map;
+      if constexpr (MEGAMOE_SM90_TMA_STORE != 0) {
+        // Stage one [64, 128] bf16 tile of this warpgroup's rows, then one thread stores it
+        // as two boxes. Waits on: the reads of the last store from the same staging tile (the
+        // previous one, or with EPI_BUFFERS 2 the one before it). Signals: nothing (the
+        // launch's end completes the stores).
+        const int out_row = out_row0 + cw * 64;
+        // Accumulator pair (j, half) as packed bf16x2: which 0 h = silu(a1) a3, 1 the first
+        // column half (a1), 3 the second (a3)
+        auto out_pair = [&](int j, int half, int which) -> uint32_t {
+          const float a1x = acc[4 * j + 2 * half], a1y = acc[4 * j + 2 * half + 1];
+          const float a3x = acc[64 + 4 * j + 2 * half], a3y = acc[64 + 4 * j + 2 * half + 1];
+          float vx = a1x, vy = a1y;
+          if (which == 0) {
+            vx = silu_mul(a1x, a3x);
+            vy = silu_mul(a1y, a3y);
+          } else if (which == 3) {
+            vx = a3x;
+            vy = a3y;
+          }
+          __nv_bfloat162 v = __floats2bfloat162_rn(vx, vy);
+          return *reinterpret_cast<uint32_t*>(&v);
+        };
+        // DEFER: packs the tile's last store for flush_pending under the next tile's first batch
+        [[maybe_unused]] auto defer_out = [&](const CUtensorMap* map, int out_col, int which) {
+#pragma unroll
+          for (int j = 0; j < 16; ++j) {
+#pragma unroll
+            for (int half = 0; half < 2; ++half) pend[2 * j + half] = out_pair(j, half, which);
+          }
+          pend_map = map;
+          pend_col = out_col;
+          pend_row = out_row;
+          pending = true;
+        };
+        auto stage_out = [&](const CUtensorMap* map, int out_col, int which) {
+          const uint32_t tile = epi_smem + (cw * EPI_BUFFERS + epi_buf) * 2 * EPI_BOX_BYTES;
+          if (EPI_BUFFERS == 2) epi_buf ^= 1;
+          if (tid % 128 == 0) bulk_wait_read<EPI_BUFFERS - 1>();
+          named_barrier(1 + cw, 128);
+#pragma unroll
+          for (int j = 0; j < 16; ++j) {
+#pragma unroll
+            for (int half = 0; half < 2; ++half) {
+              const uint32_t v = out_pair(j, half, which);
+              // row r of the warpgroup's 64, column 8j + 2 (lane % 4): box j / 8, 16-byte
+              // chunk j % 8, byte 4 (lane % 4) of it
+              const int r = warp * 16 + lane / 4 + 8 * half;
+              const uint32_t addr = tile + (j / 8) * EPI_BOX_BYTES +
+                                    swizzled_offset<128>(r, j % 8) + 4 * (lane % 4);
+              st_shared_b32(addr, v);
+            }
+          }
+          fence_proxy_async();  // the st.shared writes, before the store engine reads them
+          named_barrier(1 + cw, 128);
+          if (tid % 128 == 0) {
+            if (MEGAMOE_SM90_STORE) {
+              tma_store_2d(map, out_col, out_row, tile);
+              tma_store_2d(map, out_col + 64, out_row, tile + EPI_BOX_BYTES);
+            }
+            bulk_commit();
+          }
+        };
+        if constexpr (ROWS) {
+          // the two column halves of the tile, as they sit in the accumulator
+          stage_out(out_map, pid_n * TILE_N, 1);
+          if constexpr (RDEFER) {
+            defer_out(out_map, pid_n * TILE_N + BN, 3);
+          } else {
+            stage_out(out_map, pid_n * TILE_N + BN, 3);
+          }
+        } else if (p.a == nullptr) {
+          if constexpr (GDEFER) {
+            defer_out(&h_map, pid_n * BN, 0);
+          } else {
+            stage_out(&h_map, pid_n * BN, 0);
+          }
+        } else {
+          stage_out(&h_map, pid_n * BN, 0);
+          stage_out(&a_map, pid_n * BN, 1);
+          if constexpr (GDEFER) {
+            defer_out(&a_map, p.N + pid_n * BN, 3);
+          } else {
+            stage_out(&a_map, p.N + pid_n * BN, 3);
+          }
+        }
+        continue;
+      }
+      const long long row0 = static_cast<long long>(out_row0) + cw * 64 + warp * 16 + lane / 4;
+      const int col0 = pid_n * TILE_N + 2 * (lane % 4);
+#pragma unroll
+      for (int j = 0; j < 16; ++j) {
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+          const float a1x = acc[4 * j + 2 * half], a1y = acc[4 * j + 2 * half + 1];
+          const float a3x = acc[64 + 4 * j + 2 * half], a3y = acc[64 + 4 * j + 2 * half + 1];
+          const long long row = row0 + 8 * half;
+          const int col = col0 + 8 * j;
+          if (!MEGAMOE_SM90_STORE) {
+            if (silu_mul(a1x, a3x) == 12345.f && a1y == 777.f) p.h[0] = __float2bfloat16(a1x);
+            continue;
+          }
+          if constexpr (ROWS) {
+            __nv_bfloat16* orow = (second ? p.a : p.h) + row * p.stride_h + col;
+            *reinterpret_cast<__nv_bfloat162*>(orow) = __floats2bfloat162_rn(a1x, a1y);
+            *reinterpret_cast<__nv_bfloat162*>(orow + BN) = __floats2bfloat162_rn(a3x, a3y);
+            continue;
+          }
+          *reinterpret_cast<__nv_bfloat162*>(p.h + row * p.stride_h + col) =
+              __floats2bfloat162_rn(silu_mul(a1x, a3x), silu_mul(a1y, a3y));
+          if (p.a != nullptr) {
+            __nv_bfloat16* arow = p.a + row * p.stride_a + col;
+            *reinterpret_cast<__nv_bfloat162*>(arow) = __floats2bfloat162_rn(a1x, a1y);
+            *reinterpret_cast<__nv_bfloat162*>(arow + p.N) = __floats2bfloat162_rn(a3x, a3y);
+          }
+        }
+      }
+    }
+    if constexpr (DEFER) {
+      if (pending) flush_pending();  // the last tile's deferred store
+    }
+    // the last tile's bulk stores complete before the CTA exits
+    if ((MEGAMOE_SM90_TMA_STORE || MODE == MODE_DGRAD_SWIGLU) && tid % 128 == 0) bulk_wait<0>();
+  }
+  if constexpr (CLUSTER > 1) {
+    cluster_sync();  // no CTA exits while its peer may still arrive on or multicast into it
+  }
+}
+
+typedef CUresult (*EncodeTiled)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*,
+                                const cuuint64_t*, const cuuint64_t*, const cuuint32_t*,
+                                const cuuint32_t*, CUtensorMapInterleave, CUtensorMapSwizzle,
+                                CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
+
+// Tensor map of a [rows, cols] row-major bf16 matrix, boxes of box_rows x box_cols, stored in
+// shared memory with the box_cols * 2-byte swizzle (128 or 64: the layouts smem_desc_swizzled
+// and swizzled_offset describe).
+static int make_map(CUtensorMap* map, const void* ptr, long long rows, long long cols,
+                    int box_rows, int box_cols = BK) {
+  static EncodeTiled encode = nullptr;
+  if (encode == nullptr) {
+    cudaDriverEntryPointQueryResult q;
+    void* fn = nullptr;
+    cudaError_t err =
+        cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000, cudaEnableDefault, &q);
+    if (err != cudaSuccess || q != cudaDriverEntryPointSuccess || fn == nullptr) return -1;
+    encode = reinterpret_cast<EncodeTiled>(fn);
+  }
+  cuuint64_t dims[2] = {static_cast<cuuint64_t>(cols), static_cast<cuuint64_t>(rows)};
+  cuuint64_t strides[1] = {static_cast<cuuint64_t>(cols) * 2};
+  cuuint32_t box[2] = {static_cast<cuuint32_t>(box_cols), static_cast<cuuint32_t>(box_rows)};
+  cuuint32_t estr[2] = {1, 1};
+  CUresult r = encode(map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, const_cast<void*>(ptr), dims,
+                      strides, box, estr, CU_TENSOR_MAP_INTERLEAVE_NONE,
+                      box_cols * 2 == 128 ? CU_TENSOR_MAP_SWIZZLE_128B : CU_TENSOR_MAP_SWIZZLE_64B,
+                      static_cast<CUtensorMapL2promotion>(MEGAMOE_SM90_L2_PROMOTION),
+                      CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  return r == CUDA_SUCCESS ? 0 : -2;
+}
+
+template <int CLUSTER, int MODE>
+static int launch(const CUtensorMap& w1_map, const CUtensorMap& w3_map, const CUtensorMap& h_map,
+                  const CUtensorMap& a_map, const CUtensorMap& in_map, const Params& p,
+                  int num_sms, cudaStream_t stream) {
+  static int max_clusters = 0;  // co-resident clusters of this kernel (GPC sizes may be odd)
+  cudaLaunchConfig_t cfg = {};
+  cudaLaunchAttribute attr[1];
+  cfg.blockDim = dim3(THREADS);
+  cfg.dynamicSmemBytes = SMEM_BYTES;
+  cfg.stream = stream;
+  attr[0].id = cudaLaunchAttributeClusterDimension;
+  attr[0].val.clusterDim.x = CLUSTER;
+  attr[0].val.clusterDim.y = 1;
+  attr[0].val.clusterDim.z = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = 1;
+  if (max_clusters == 0) {
+    cudaError_t err = cudaFuncSetAttribute(grouped_gemm_kernel<CLUSTER, MODE>,
+                                           cudaFuncAttributeMaxDynamicSharedMemorySize, SMEM_BYTES);
+    if (err != cudaSuccess) return static_cast<int>(err);
+    cfg.gridDim = dim3(num_sms / CLUSTER * CLUSTER);
+    int n = 0;
+    err = cudaOccupancyMaxActiveClusters(&n, grouped_gemm_kernel<CLUSTER, MODE>, &cfg);
+    if (err != cudaSuccess) return static_cast<int>(err);
+    max_clusters = n > 0 ? min(n, num_sms / CLUSTER) : num_sms / CLUSTER;
+  }
+  // persistent: exactly the clusters that fit at once, so none starts after the others finish
+  cfg.gridDim = dim3(max_clusters * CLUSTER);
+  cudaError_t err =
+      cudaLaunchKernelEx(&cfg, grouped_gemm_kernel<CLUSTER, MODE>, w1_map, w3_map, h_map, a_map,
+                         in_map, p);
+  return static_cast<int>(err != cudaSuccess ? err : cudaGetLastError());
+}
+
+}  // namespace grouped
+}  // namespace megamoe
+
+// C entry point (ctypes). Returns 0, or a negative code / CUDA error number; see
+// megamoe_error_string for the message. Shapes are checked by the Python wrapper
+// (ops/hopper/cuda/gemm1_swiglu.py): H % 128 == 0, D % 64 == 0, plan_bm % 128 == 0, 16-byte aligned
+// rows and pointers. cluster: 1, or 2 (pairs of CTAs share each weight tile by multicast).
+// ticket: a zeroed device int (cluster 1 only; the launch leaves it zeroed) for the dynamic
+// tile order, or nullptr (static).
+// rows: rows of h (and a), the extent of their tensor maps (TMA_STORE).
+extern "C" int megamoe_gemm1_swiglu(const void* x, const void* w1, const void* w3, void* h,
+                                    void* a, const int* row_slot, const int* tile_expert,
+                                    const int* num_rows_used, int E, int H, int D, int top_k,
+                                    int plan_bm, int group_m, long long stride_x,
+                                    long long stride_h, long long stride_a, long long rows,
+                                    int num_sms, int cluster, int* ticket, void* stream) {
+  using namespace megamoe::grouped;
+  CUtensorMap w1_map, w3_map;
+  int rc = make_map(&w1_map, w1, static_cast<long long>(E) * H, D, BN);
+  if (rc != 0) return rc;
+  rc = make_map(&w3_map, w3, static_cast<long long>(E) * H, D, BN);
+  if (rc != 0) return rc;
+  // epilogue maps (TMA_STORE): h [rows, H] and a [rows, 2H], boxes of 64 x 64; without a, the
+  // a map is a copy of h's (never used)
+  CUtensorMap h_map, a_map;
+  if (MEGAMOE_SM90_TMA_STORE) {
+    rc = make_map(&h_map, h, rows, stride_h, 64, 64);
+    if (rc != 0) return rc;
+    if (a != nullptr) {
+      rc = make_map(&a_map, a, rows, stride_a, 64, 64);
+      if (rc != 0) return rc;
+    } else {
+      a_map = h_map;
+    }
+  } else {
+    h_map = w1_map;
+    a_map = w1_map;
+  }
+  Params p;
+  p.x = static_cast<const __nv_bfloat16*>(x);
+  p.h = static_cast<__nv_bfloat16*>(h);
+  p.a = static_cast<__nv_bfloat16*>(a);
+  p.row_slot = row_slot;
+  p.tile_expert = tile_expert;
+  p.num_rows_used = num_rows_used;
+  p.N = H;
+  p.K = D;
+  p.top_k = top_k;
+  p.plan_bm = plan_bm;
+  p.group_m = group_m;
+  p.ticket = cluster == 1 ? ticket : nullptr;
+  p.stride_x = stride_x;
+  p.stride_h = stride_h;
+  p.stride_a = stride_a;
+  cudaStream_t s = static_cast<cudaStream_t>(stream);
+  if (cluster == 2) {
+    return launch<2, MODE_GEMM1>(w1_map, w3_map, h_map, a_map, w1_map, p, num_sms, s);
+  }
+  if (cluster == 1) {
+    return launch<1, MODE_GEMM1>(w1_map, w3_map, h_map, a_map, w1_map, p, num_sms, s);
+  }
+  return -3;
+}
+
+// C entry point (ctypes) of the ROWS mode (see the header): out[r] = in[r] @ w[e]^T with w
+// [E, N, K] (n_major 0), or in[r, :k_split] @ w[e] + in[r, k_split:] @ w2[e] with w, w2
+// [E, k_split, N] (n_major 1; w2 only read when K > k_split), for the used rows of a plan.
+// in [rows, K] and out [rows, N] contiguous bf16, weights contiguous; row_slot: the plan's
+// (padding rows -1; tiles' padding halves are skipped) or nullptr. Shapes are checked by the
+// Python wrapper (ops/hopper/cuda/gemm_rows.py): N % 256 == 0, K and k_split % 64 == 0, plan_bm %
+// 128 == 0. ticket: a zeroed device int (dynamic tile order; left zeroed) or nullptr (static).
+extern "C" int megamoe_gemm_rows(const void* in, const void* w, const void* w2, void* out,
+                                 const int* row_slot, const int* tile_expert,
+                                 const int* num_rows_used, int E, int N,
+                                 int K, int k_split, int n_major, int plan_bm, int group_m,
+                                 long long rows, int num_sms, int* ticket, void* stream) {
+  using namespace megamoe::grouped;
+  CUtensorMap w_map, w2_map, in_map, out_map;
+  int rc;
+  if (n_major) {
+    rc = make_map(&w_map, w, static_cast<long long>(E) * k_split, N, BK, 64);
+    if (rc == 0) rc = make_map(&w2_map, K > k_split ? w2 : w, static_cast<long long>(E) * k_split,
+                               N, BK, 64);
+  } else {
+    rc = make_map(&w_map, w, static_cast<long long>(E) * N, K, BN);
+    w2_map = w_map;
+  }
+  if (rc != 0) return rc;
+  rc = make_map(&in_map, in, rows, K, BM);
+  if (rc != 0) return rc;
+  if (MEGAMOE_SM90_TMA_STORE) {
+    rc = make_map(&out_map, out, rows, N, 64, 64);
+    if (rc != 0) return rc;
+  } else {
+    out_map = w_map;  // never used
+  }
+  Params p = {};
+  p.h = static_cast<__nv_bfloat16*>(out);
+  p.row_slot = row_slot;  // nullptr: no padding skip
+  p.tile_expert = tile_expert;
+  p.num_rows_used = num_rows_used;
+  p.N = N;
+  p.K = K;
+  p.k_split = n_major ? k_split : K;
+  p.top_k = 1;
+  p.plan_bm = plan_bm;
+  p.group_m = group_m;
+  p.ticket = ticket;
+  p.stride_h = N;
+  cudaStream_t s = static_cast<cudaStream_t>(stream);
+  if (n_major) {
+    return launch<1, MODE_ROWS_NMAJOR>(w_map, w2_map, out_map, out_map, in_map, p, num_sms, s);
+  }
+  return launch<1, MODE_ROWS>(w_map, w2_map, out_map, out_map, in_map, p, num_sms, s);
+}
+
+// C entry point (ctypes) of the WGRAD mode (see the header): for every expert e of the plan,
+//   gather 1 (dw2):    out[e] [M, N] = dy[tok(r)]^T @ rows[r]   (dy [tokens, M], rows = hw)
+//   gather 0 (dw1|3):  out[e] [M, N] = rows[r]^T @ x[tok(r)]    (rows = [da1 | da3], x)
+//   gather 2 (either): out[e] [M, N] = tokens[r]^T @ rows[r]    (both [num_rows, .] row space)
+// summed over the rows r of e's segment; M rows [0, m_split) of each expert's gradient go to
+// out0 [E, m_split, N], the others (if M > m_split) to out1. `tokens` (stride_tokens per row)
+// is the gathered tensor (gather 2: A's row-space tensor), `rows` [num_rows, gather == 0 ? M :
+// N] the row-space one; bf16, unit column stride. expert_order: the experts' unit order
+// (nullptr: 0..E-1). count: each expert's real rows at the start of its segment, the rest
+// padding (the K loop skips whole 64-row steps of padding; a phased plan's count is its whole
+// segment). Shapes are checked by the Python wrapper (ops/hopper/cuda/wgrad.py): M % 128 == 0,
+// m_split % 128 == 0, N % 256 == 0, plan_bm % 64 == 0. ticket: a zeroed device int (dynamic
+// order; left zeroed) or nullptr.
+extern "C" int megamoe_wgrad(const void* tokens, long long stride_tokens, const void* rows,
+                             long long num_rows, void* out0, void* out1, const int* row_slot,
+                             const int* seg_start, const int* count,
+                             const int* expert_order, int E, int M, int N,
+                             int m_split, int top_k, int gather, int num_sms, int* ticket,
+                             void* stream) {
+  using namespace megamoe::grouped;
+  CUtensorMap rows_map, a_rows_map, out0_map, out1_map;
+  int rc = make_map(&rows_map, rows, num_rows, gather == 0 ? M : N, BK, 64);
+  if (rc == 0) {
+    rc = gather == 2 ? make_map(&a_rows_map, tokens, num_rows, M, BK, 64)
+                     : (a_rows_map = rows_map, 0);
+  }
+  if (rc == 0) rc = make_map(&out0_map, out0, static_cast<long long>(E) * m_split, N, 64, 64);
+  if (rc == 0) {
+    rc = make_map(&out1_map, M > m_split ? out1 : out0, static_cast<long long>(E) * m_split, N,
+                  64, 64);
+  }
+  if (rc != 0) return rc;
+  Params p = {};
+  p.x = static_cast<const __nv_bfloat16*>(tokens);
+  p.stride_x = stride_tokens;
+  p.h = static_cast<__nv_bfloat16*>(out0);
+  p.a = static_cast<__nv_bfloat16*>(M > m_split ? out1 : out0);
+  p.stride_h = N;
+  p.row_slot = row_slot;
+  p.seg_start = seg_start;
+  p.count = count;
+  p.expert_order = expert_order;
+  p.num_experts = E;
+  p.M = M;
+  p.m_split = m_split;
+  p.N = N;
+  p.top_k = top_k;
+  p.group_m = 1;
+  p.ticket = ticket;
+  cudaStream_t s = static_cast<cudaStream_t>(stream);
+  // B by TMA travels in w1_map, A by TMA in in_map
+  if (gather == 2) {
+    return launch<1, MODE_WGRAD_TMA>(rows_map, rows_map, out0_map, out1_map, a_rows_map, p,
+                                     num_sms, s);
+  }
+  if (gather == 1) {
+    return launch<1, MODE_WGRAD_GATHER_A>(rows_map, rows_map, out0_map, out1_map, rows_map, p,
+                                          num_sms, s);
+  }
+  return launch<1, MODE_WGRAD_GATHER_B>(rows_map, rows_map, out0_map, out1_map, rows_map, p,
+                                        num_sms, s);
+}
+
+// C entry point (ctypes) of the DGRAD_SWIGLU mode (see the header), kernel A on the saved a:
+// dy [tokens, D] (stride_dy per row, gathered by row_slot / top_k), w2 [E, D, H] contiguous,
+// a = [a1 | a3], da [rows, 2H] and hw [rows, H] contiguous bf16, part [H / 256, rows] fp32,
+// topk_w [tokens * top_k] fp32. Shapes are checked by the Python wrapper
+// (ops/hopper/cuda/dgrad_swiglu.py): H % 256 == 0, D % 64 == 0, plan_bm % 128 == 0.
+extern "C" int megamoe_dgrad_swiglu(const void* dy, long long stride_dy, const void* w2,
+                                    const void* a, void* da, void* hw, void* dy_rows, float* part,
+                                    const float* topk_w, const int* row_slot,
+                                    const int* tile_expert, const int* num_rows_used, int E, int D,
+                                    int H, int top_k, int plan_bm, long long rows, int num_sms,
+                                    int* ticket, void* stream) {
+  using namespace megamoe::grouped;
+  // w2 as kernel C's N-major boxes; a loaded as [128 rows, 64] boxes; da and hw stored as
+  // [64 rows, 64] boxes (both in the 128-byte swizzle)
+  CUtensorMap w2_map, a_map, da_map, hw_map, rows_map;
+  int rc = make_map(&w2_map, w2, static_cast<long long>(E) * D, H, BK, 64);
+  if (rc == 0) rc = make_map(&a_map, a, rows, 2LL * H, BM, 64);
+  if (rc == 0) rc = make_map(&da_map, da, rows, 2LL * H, 64, 64);
+  if (rc == 0) rc = make_map(&hw_map, hw, rows, H, 64, 64);
+  if (rc == 0 && dy_rows != nullptr) rc = make_map(&rows_map, dy_rows, rows, D, 64, 64);
+  if (rc != 0) return rc;
+  if (dy_rows == nullptr) rows_map = w2_map;  // never used
+  Params p = {};
+  p.store_gathered = dy_rows != nullptr;
+  p.x = static_cast<const __nv_bfloat16*>(dy);
+  p.stride_x = stride_dy;
+  p.part = part;
+  p.part_stride = rows;
+  p.topk_w = topk_w;
+  p.row_slot = row_slot;
+  p.tile_expert = tile_expert;
+  p.num_rows_used = num_rows_used;
+  p.N = H;
+  p.K = D;
+  p.k_split = D;
+  p.top_k = top_k;
+  p.plan_bm = plan_bm;
+  p.group_m = 8;
+  p.ticket = ticket;
+#if MEGAMOE_SM90_BK == 64
+  return launch<1, MODE_DGRAD_SWIGLU>(w2_map, rows_map, da_map, hw_map, a_map, p, num_sms,
+                                      static_cast<cudaStream_t>(stream));
+#else
+  return -4;  // the epilogue stages hold three [128, 64] boxes: a BK 64 stage
+#endif
+}
+
+extern "C" const char* megamoe_error_string(int code) {
+  if (code == -1) return "cuTensorMapEncodeTiled not found through the CUDA runtime";
+  if (code == -2) return "cuTensorMapEncodeTiled rejected a tensor map";
+  if (code == -3) return "cluster must be 1 or 2";
+  if (code == -4) return "megamoe_dgrad_swiglu needs a build with MEGAMOE_SM90_BK=64";
+  return cudaGetErrorString(static_cast<cudaError_t>(code));
+}

@@ -1,0 +1,94 @@
+"""The backward's kernel A at one Qwen3 shape: the sm90 one-launch kernel (csrc/grouped_gemm_sm90.cu,
+DGRAD_SWIGLU mode) with each compile-time variant of its epilogue, next to the two-step sm90
+side (dy rows gathered, the dh GEMM, the SwiGLU rows kernel; the gather included, as the tuner
+times it) and that side's parts alone; the one-launch kernel also while storing the dy rows it
+gathers (as the backward runs it). CUDA-event medians of 10:
+
+    source scripts/_device_env.sh; install_wheels  # the package and wheels on PYTHONPATH
+    python3 experiments/dgrad_variants.py 30b [235b ...]
+    VARIANTS=default,tanh python3 experiments/dgrad_variants.py 30b
+    SCRIPT=experiments/dgrad_variants.py KERNEL='grouped_gemm_kernel<1, 6>' VARIANTS=default \
+        bash experiments/ncu_stalls.sh  # where its warps stall
+
+Each variant's outputs are checked against the first one's (relative Frobenius error of da) so a
+fast but wrong variant shows up as such.
+"""
+
+import os
+import sys
+
+import torch
+
+from torchtitan_megamoe.bench.shapes import variant_setup
+from torchtitan_megamoe.ops.hopper.cuda.dgrad_swiglu import dgrad_l2_swiglu_sm90
+from torchtitan_megamoe.ops.hopper.cuda.gemm_rows import gemm_rows_nmajor_sm90
+from torchtitan_megamoe.ops.hopper.cuda.sm90 import BULK_STORE
+from torchtitan_megamoe.ops.hopper.kernels.bwd_cublas import dgrad_l2_swiglu_cublas, gather_rows
+from torchtitan_megamoe.timing import median_ms
+
+VARIANTS = {
+    # the sigmoid with an approximate division (MEGAMOE_SM90_SIGMOID=1), each epilogue stage
+    # freed once the next one's stores are issued (MEGAMOE_SM90_EPI_LAZY=1)
+    "default": BULK_STORE,
+    "exact_div": BULK_STORE + ("MEGAMOE_SM90_SIGMOID=0",),
+    "tanh": BULK_STORE + ("MEGAMOE_SM90_SIGMOID=2",),
+    "eager_release": BULK_STORE + ("MEGAMOE_SM90_EPI_LAZY=0",),
+    "no_sigmoid_measuring": BULK_STORE + ("MEGAMOE_SM90_SIGMOID=3",),
+    # the epilogue's loads and math, but no stores of da and hw
+    "no_store_measuring": BULK_STORE + ("MEGAMOE_SM90_STORE=0",),
+    # no epilogue at all: the dh GEMM with the in-kernel dy gather alone
+    "no_epilogue_measuring": BULK_STORE + ("MEGAMOE_SM90_DGRAD_EPI=0",),
+}
+
+
+def main(shape_name: str) -> None:
+    D, H, E, K, T, plan = variant_setup(shape_name)
+    dy = torch.randn(T, D, device="cuda").bfloat16()
+    w2 = (torch.randn(E, D, H, device="cuda") / D**0.5).bfloat16()
+    a = torch.randn(plan.max_rows, 2 * H, device="cuda").bfloat16()
+    a[plan.row_slot < 0] = 0
+    tw = torch.rand(T, K, device="cuda")
+    used = int(plan.num_rows_used)
+    flops = 2 * T * K * D * H
+    dy_rows = gather_rows(dy, plan)
+    dh = torch.empty(plan.max_rows, H, device="cuda", dtype=torch.bfloat16)
+    runs = {
+        "two_step_sm90": lambda: dgrad_l2_swiglu_cublas(dy, a, tw, w2, plan, dy_rows=dy_rows,
+                                                        sm90=True)[0],
+        "part_gather_dy": lambda: gather_rows(dy, plan, out=dy_rows),
+        "part_dh_gemm_sm90": lambda: gemm_rows_nmajor_sm90(dy_rows, (w2,), plan, dh,
+                                                           defines=BULK_STORE),
+    }
+    for name, defines in VARIANTS.items():
+        runs[name] = lambda d=defines: dgrad_l2_swiglu_sm90(dy, a, tw, w2, plan, defines=d)[0]
+    # what the tuner times: the dy rows stored for dw2 as well
+    runs["default_storing_dy_rows"] = lambda: dgrad_l2_swiglu_sm90(dy, a, tw, w2, plan,
+                                                                   dy_rows=dy_rows)[0]
+    only = os.environ.get("VARIANTS")
+    ncu = os.environ.get("NCU") == "1"
+    ref = None
+    for name, fn in runs.items():
+        if only and name not in only.split(",") and not (name.startswith("two_step") and not ncu):
+            continue
+        if ncu:  # under ncu (experiments/ncu_stalls.sh): a warm-up and one profiled launch each
+            fn()
+            fn()
+            torch.cuda.synchronize()
+            print(f"{shape_name} {name}: launched", flush=True)
+            continue
+        ms = median_ms(fn, 10, 2)
+        out = fn()
+        note = ""
+        if not name.startswith("part_"):
+            da = out[:used].double()
+            if ref is None:
+                ref = da
+            else:
+                note = f", da rel err vs {next(iter(runs))} {((da - ref).norm() / ref.norm()).item():.1e}"
+        print(f"{shape_name} {name}: {ms:.3f} ms ({flops / ms / 1e9:.0f} TFLOP/s){note}",
+              flush=True)
+
+
+if __name__ == "__main__":
+    for s in sys.argv[1:] or ["30b"]:
+        main(s)

@@ -1,0 +1,299 @@
+"""backend ``triton`` backward end to end: under the interpreter vs float64 autograd, through the
+mega_moe op vs the reference backend, and (marked gpu) at the real 30B shape vs reference."""
+
+import os
+import sys
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+from test_bwd_oracle import grads64, make_inputs, rel_err, routings, same_bits  # noqa: E402
+
+from torchtitan_megamoe.ops.hopper.backward_pass import backward  # noqa: E402
+
+NAMES = ("dx", "dtopk_weights", "dw1", "dw2", "dw3")
+T, K, E, D, H = 19, 3, 5, 48, 32  # multiples of 16: a recompute runs GEMM 1 (interpreter tiles)
+
+
+def _inputs(ids, seed=0, device="cpu"):
+    inp = make_inputs(ids.shape[0], ids.shape[1], E, D, H, ids, seed=seed, device=device)
+    # A dropped slot's routing weight must not reach any gradient.
+    inp["topk_weights"][inp["topk_ids"] < 0] = float("nan")
+    return inp
+
+
+def _triton_grads(inp):
+    return backward(inp["dy"], inp["x"], inp["topk_ids"], inp["topk_weights"],
+                    inp["w1"], inp["w2"], inp["w3"], None, "bf16")
+
+
+def _check_vs_f64(inp, grads):
+    clean = dict(inp, topk_weights=inp["topk_weights"].nan_to_num(0.0))
+    ref = grads64(clean)
+    for name, got, r, like in zip(NAMES, grads, ref, (inp["x"], inp["topk_weights"],
+                                                     inp["w1"], inp["w2"], inp["w3"])):
+        assert got.shape == like.shape and got.dtype == like.dtype, name
+        assert torch.isfinite(got).all(), name
+        if r.norm() == 0:
+            assert (got == 0).all(), f"{name} must be exactly zero"
+        else:
+            err = rel_err(got, r)
+            assert err <= 1e-2, f"{name}: rel err {err:.2e}"
+    dropped = inp["topk_ids"] < 0
+    assert (grads[1][dropped] == 0).all(), "dropped slots get a zero weight gradient"
+
+
+@pytest.mark.parametrize("case", ["uneven", "one_expert", "all_dropped"])
+def test_backward_matches_f64(case):
+    inp = _inputs(dict(routings(T, K, E))[case])
+    _check_vs_f64(inp, _triton_grads(inp))
+
+
+def test_backward_single_token():
+    inp = _inputs(torch.tensor([[3, -1, 0]]), seed=7)
+    _check_vs_f64(inp, _triton_grads(inp))
+
+
+def test_backward_deterministic():
+    inp = _inputs(dict(routings(T, K, E, seed=5))["uneven"], seed=5)
+    for a, b in zip(_triton_grads(inp), _triton_grads(inp)):
+        assert same_bits(a, b)
+
+
+def test_backward_through_op_matches_reference():
+    """mega_moe(backend='hopper') autograd vs mega_moe(backend='reference') autograd."""
+    from torchtitan_megamoe import mega_moe
+
+    Dm, Hm = 32, 48  # the triton forward needs multiples of 16 under the interpreter
+    ids = dict(routings(T, K, E, seed=2))["uneven"]
+    inp = make_inputs(T, K, E, Dm, Hm, ids, seed=2)
+    keys = ("x", "topk_weights", "w1", "w2", "w3")
+    grads = {}
+    for backend in ("hopper", "reference"):
+        leaves = [inp[k].clone().requires_grad_() for k in keys]
+        x, tw, w1, w2, w3 = leaves
+        out = mega_moe(x, inp["topk_ids"], tw, w1, w2, w3, backend=backend)
+        grads[backend] = torch.autograd.grad(out, leaves, inp["dy"])
+    for name, got, ref in zip(NAMES, grads["hopper"], grads["reference"]):
+        assert rel_err(got, ref) <= 1e-2, name
+
+
+# ------------------------------------- saved path: the forward's a1/a3 + plan, no recompute
+
+Ds, Hs = 32, 48  # the triton forward needs multiples of 16 under the interpreter
+
+
+def _saved_and_recomputed(ids, seed):
+    from torchtitan_megamoe.ops.hopper.backward_pass import backward_local
+    from torchtitan_megamoe.ops.hopper.local_forward import forward_ep1
+
+    inp = make_inputs(ids.shape[0], ids.shape[1], E, Ds, Hs, ids, seed=seed)
+    inp["topk_weights"][inp["topk_ids"] < 0] = float("nan")
+    args = [inp[k] for k in ("x", "topk_ids", "topk_weights", "w1", "w2", "w3")]
+    out, saved = forward_ep1(*args, save=True)
+    assert torch.equal(out, forward_ep1(*args))  # saving changes nothing in the forward
+    saved_grads = backward_local(inp["dy"], *args, saved=saved)
+    return inp, saved, saved_grads, backward_local(inp["dy"], *args)
+
+
+@pytest.mark.parametrize("case", ["uneven", "one_expert", "all_dropped", "t1"])
+def test_saved_backward_matches_recompute_and_f64(case):
+    """backward_local(saved=forward_ep1(..., save=True)[1]) vs float64 on uneven routings
+    (dropped slots with NaN weights, empty experts, one expert, T=1), and bitwise equal to the
+    recompute path (which runs the forward's GEMM 1 again for a)."""
+    ids = torch.tensor([[3, -1, 0]]) if case == "t1" else dict(routings(T, K, E, seed=3))[case]
+    inp, saved, got, recomputed = _saved_and_recomputed(ids, seed=3)
+    a, packed = saved
+    assert a.dtype == torch.bfloat16 and a.shape[1] == 2 * Hs and packed.dtype == torch.int32
+    _check_vs_f64(inp, got)
+    for name, g, r in zip(NAMES, got, recomputed):
+        assert same_bits(g, r), f"{name}: saved and recompute paths differ"
+
+
+def test_saved_backward_deterministic():
+    ids = dict(routings(T, K, E, seed=9))["uneven"]
+    inp, saved, first, _ = _saved_and_recomputed(ids, seed=9)
+    from torchtitan_megamoe.ops.hopper.backward_pass import backward_local
+
+    args = [inp[k] for k in ("dy", "x", "topk_ids", "topk_weights", "w1", "w2", "w3")]
+    for a, b in zip(first, backward_local(*args, saved=saved)):
+        assert same_bits(a, b)
+
+
+def test_op_carries_saved_tensors_with_fake_shapes():
+    """megamoe::mega_moe returns (out, saved) whose shapes/dtypes are those the fake impl
+    (saved_like) promises, and opcheck (fake vs real, autograd registration) passes."""
+    from torchtitan_megamoe.ops import hopper as tb
+
+    ids = dict(routings(T, K, E, seed=2))["uneven"]
+    inp = make_inputs(T, K, E, Ds, Hs, ids, seed=2)
+    args = (inp["x"], inp["topk_ids"], inp["topk_weights"], inp["w1"], inp["w2"], inp["w3"])
+    out, saved = torch.ops.megamoe.mega_moe(*args, "", "hopper", "bf16", True)
+    fake = tb.saved_like(*args, None, "bf16")
+    assert len(saved) == len(fake) == 2
+    for s, f in zip(saved, fake):
+        assert s.shape == f.shape and s.dtype == f.dtype
+    leaves = (inp["x"].requires_grad_(), *args[1:3], *(w.requires_grad_() for w in args[3:]))
+    # Not test_aot_dispatch_*: it compares two runs' outputs elementwise, and the rows of the
+    # saved a past the used rows are left unwritten by design (never read; writing them would
+    # cost a memset of the whole buffer). The compile test below covers AOT tracing.
+    torch.library.opcheck(torch.ops.megamoe.mega_moe.default, (*leaves, "", "hopper", "bf16", True),
+                          test_utils=("test_schema", "test_faketensor",
+                                      "test_autograd_registration"))
+
+
+def test_compiled_op_uses_saved_path():
+    """torch.compile(fullgraph) through mega_moe(backend='hopper'): the op with its saved
+    outputs traces as one op (fake shapes from saved_like) and gives eager's gradients."""
+    from torchtitan_megamoe import mega_moe
+
+    ids = dict(routings(T, K, E, seed=4))["uneven"]
+    inp = make_inputs(T, K, E, Ds, Hs, ids, seed=4)
+    keys = ("x", "topk_weights", "w1", "w2", "w3")
+
+    def f(x, tw, w1, w2, w3):
+        return mega_moe(x, inp["topk_ids"], tw, w1, w2, w3, backend="hopper") * 2
+
+    grads = []
+    for fn in (f, torch.compile(f, backend="aot_eager", fullgraph=True)):
+        leaves = [inp[k].clone().requires_grad_() for k in keys]
+        grads.append(torch.autograd.grad(fn(*leaves), leaves, inp["dy"]))
+    for name, g, r in zip(NAMES, *grads):
+        assert same_bits(g, r), name
+
+
+def test_backward_rejects_what_it_cannot_compute():
+    inp = _inputs(dict(routings(4, K, E))["uneven"])
+    args = [inp[k] for k in ("dy", "x", "topk_ids", "topk_weights", "w1", "w2", "w3")]
+    with pytest.raises(NotImplementedError, match="backend='reference'"):
+        backward(*args, None, "fp8_bwd")
+    with pytest.raises(TypeError, match="bfloat16"):
+        backward(args[0].float(), *args[1:], None, "bf16")
+    with pytest.raises(ValueError, match="grad_out shape"):
+        backward(args[0][:2], *args[1:], None, "bf16")
+
+
+# ----------------------------------------------------------------------------- GPU, real shape
+
+
+def _real_routing(T_, K_, E_, device):
+    """Skewed expert popularity, one expert never chosen, about 6% of slots dropped."""
+    g = torch.Generator(device=device).manual_seed(0)
+    logits = torch.randn(E_, device=device, generator=g) * 1.5
+    logits[7] = float("-inf")
+    probs = torch.softmax(logits, 0)
+    ids = torch.multinomial(probs.expand(T_, E_), K_, replacement=False, generator=g)
+    ids[::17, -1] = -1
+    ids[5::23, 0] = -1
+    return ids
+
+
+SHAPES = {"qwen3_30b_a3b": (2048, 768), "qwen3_235b_a22b": (4096, 1536)}
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_backward_real_shape_vs_reference(shape):
+    """One Qwen3 MoE layer (E=128, K=8) at 16384 tokens vs backend reference: rel err <= 1e-2
+    for every gradient, and bitwise-identical reruns."""
+    from torchtitan_megamoe.ops import reference
+
+    T_, K_, E_ = 16384, 8, 128
+    D_, H_ = SHAPES[shape]
+    dev = "cuda"
+    torch.manual_seed(0)
+    x = torch.randn(T_, D_, device=dev).bfloat16()
+    w1 = (torch.randn(E_, H_, D_, device=dev) / D_**0.5).bfloat16()
+    w3 = (torch.randn(E_, H_, D_, device=dev) / D_**0.5).bfloat16()
+    w2 = (torch.randn(E_, D_, H_, device=dev) / H_**0.5).bfloat16()
+    ids = _real_routing(T_, K_, E_, dev)
+    tw = torch.softmax(torch.randn(T_, K_, device=dev), -1)
+    dy = torch.randn(T_, D_, device=dev).bfloat16()
+    args = (dy, x, ids, tw, w1, w2, w3, None, "bf16")
+    got = backward(*args)
+    ref = reference.backward(*args)
+    for name, g, r in zip(NAMES, got, ref):
+        assert g.dtype == r.dtype and g.shape == r.shape, name
+        err = rel_err(g, r)
+        assert err <= 1e-2, f"{name}: rel err {err:.2e}"
+    for name, a, b in zip(NAMES, got, backward(*args)):
+        assert same_bits(a, b), f"{name} differs between two runs"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_saved_backward_real_shape_30b():
+    """30B layer at 16384 tokens: the saved path (forward_ep1(save=True) -> backward_local
+    (saved=...), what training runs) vs backend reference (rel err <= 1e-2), bitwise equal to
+    the recompute path and to a rerun; the saved a is [R_max, 2H] bf16 (432 MiB here)."""
+    from torchtitan_megamoe.ops import reference
+    from torchtitan_megamoe.ops.hopper.backward_pass import backward_local
+    from torchtitan_megamoe.ops.hopper.local_forward import forward_ep1
+
+    T_, K_, E_ = 16384, 8, 128
+    D_, H_ = SHAPES["qwen3_30b_a3b"]
+    dev = "cuda"
+    torch.manual_seed(1)
+    x = torch.randn(T_, D_, device=dev).bfloat16()
+    w1 = (torch.randn(E_, H_, D_, device=dev) / D_**0.5).bfloat16()
+    w3 = (torch.randn(E_, H_, D_, device=dev) / D_**0.5).bfloat16()
+    w2 = (torch.randn(E_, D_, H_, device=dev) / H_**0.5).bfloat16()
+    ids = _real_routing(T_, K_, E_, dev)
+    tw = torch.softmax(torch.randn(T_, K_, device=dev), -1)
+    dy = torch.randn(T_, D_, device=dev).bfloat16()
+    fwd = (x, ids, tw, w1, w2, w3)
+    out, saved = forward_ep1(*fwd, save=True)
+    assert saved[0].shape == (147328, 2 * H_)
+    assert torch.equal(out, forward_ep1(*fwd))
+    got = backward_local(dy, *fwd, saved=saved)
+    ref = reference.backward(dy, *fwd, None, "bf16")
+    recomputed = backward_local(dy, *fwd)
+    for name, g, r, rc in zip(NAMES, got, ref, recomputed):
+        assert g.dtype == r.dtype and g.shape == r.shape, name
+        assert rel_err(g, r) <= 1e-2, f"{name}: rel err vs reference {rel_err(g, r):.2e}"
+        assert same_bits(g, rc), f"{name}: saved and recompute paths differ"
+    for name, a, b in zip(NAMES, got, backward_local(dy, *fwd, saved=saved)):
+        assert same_bits(a, b), f"{name} differs between two runs"
+
+
+# -------------------------------------------- the EP backward's hook (bwd_ep.py overlap)
+
+@pytest.mark.parametrize("use_saved", [True, False], ids=["saved", "recompute"])
+def test_wait_x_comes_before_the_first_read_of_x(use_saved, monkeypatch):
+    """wait_x (x may still be in flight under EP) is called once, before the first kernel that
+    reads x: after kernel A and dw2 on the saved path, before GEMM 1 when the backward
+    recomputes it. With the hook, the gradients are bitwise those without."""
+    import importlib
+
+    from torchtitan_megamoe.ops.hopper.local_forward import forward_ep1
+
+    # the module (the package re-exports a function of the same name)
+    bwd = importlib.import_module("torchtitan_megamoe.ops.hopper.backward_pass")
+    ids = dict(routings(T, K, E, seed=3))["uneven"]
+    inp = make_inputs(T, K, E, Ds, Hs, ids, seed=3)
+    args = [inp[k] for k in ("x", "topk_ids", "topk_weights", "w1", "w2", "w3")]
+    saved = forward_ep1(*args, save=True)[1] if use_saved else None
+    events = []
+    real_a, real_wgrad, real_g1 = bwd.dgrad_l2_swiglu, bwd.wgrad, bwd.gemm1_swiglu
+    monkeypatch.setattr(bwd, "dgrad_l2_swiglu",
+                        lambda *a, **kw: events.append("A") or real_a(*a, **kw))
+    monkeypatch.setattr(bwd, "gemm1_swiglu",
+                        lambda *a, **kw: events.append("G1") or real_g1(*a, **kw))
+
+    def wgrad_spy(a, b, *rest, **kw):
+        events.append("dw13" if kw.get("b_gather") else "dw2")
+        return real_wgrad(a, b, *rest, **kw)
+
+    monkeypatch.setattr(bwd, "wgrad", wgrad_spy)
+    grads = bwd.backward_local(inp["dy"], *args, saved=saved,
+                               wait_x=lambda: events.append("wait_x"))
+    assert events.count("wait_x") == 1 and events.index("wait_x") < events.index("dw13"), events
+    if use_saved:
+        assert events.index("wait_x") > events.index("dw2"), events  # x not needed before
+        assert "G1" not in events, events
+    else:
+        assert events.index("wait_x") < events.index("G1") < events.index("A"), events
+    for a, b in zip(grads, bwd.backward_local(inp["dy"], *args, saved=saved)):
+        assert same_bits(a, b)

@@ -1,0 +1,163 @@
+"""csrc/grouped_gemm_sm90.cu on an H200 (marked gpu; skipped without an sm_90 GPU and nvcc):
+h and the saved [a1 | a3] against float64 math on uneven routings, with every output poisoned
+(NaN) first, at sizes that are and are not multiples of the kernel's tiles and of its pipeline
+depth, phased plans (tiles of the other phase untouched), and the real Qwen3-30B shape."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from moe_math import make_weights, routings
+from sm90_checks import SM90_GPU, nan_tensor, skewed_ids
+from torchtitan_megamoe.ops.hopper.cuda.gemm1_swiglu import gemm1_swiglu_sm90
+from torchtitan_megamoe.ops.hopper.kernels import gemm1_swiglu as g1
+from torchtitan_megamoe.ops.hopper.plan import build_phased_plan, build_plan
+
+pytestmark = SM90_GPU
+BM = 128
+
+
+def _ref_rows(x, ids_k, plan, w1, w3):
+    """float64 (a1, a3) of every used row (zeros for padding rows) and each row's expert."""
+    used = int(plan.num_rows_used)
+    slot = plan.row_slot[:used].long()
+    expert = plan.tile_expert.repeat_interleave(plan.block_m)[:used].long()
+    tok = torch.where(slot >= 0, slot // ids_k, 0)
+    xr = x[tok].double() * (slot >= 0)[:, None]
+    a1 = torch.empty(used, w1.shape[1], dtype=torch.float64, device=x.device)
+    a3 = torch.empty_like(a1)
+    for e in expert.unique().tolist():
+        m = expert == e
+        a1[m] = xr[m] @ w1[e].double().T
+        a3[m] = xr[m] @ w3[e].double().T
+    return a1, a3, slot
+
+
+def _check(h, a, a1, a3, slot, tol=1e-2):
+    used = a1.shape[0]
+    ref_h = F.silu(a1) * a3
+    err = lambda o, r: float((o.double() - r).norm() / r.norm().clamp_min(1e-30))  # noqa: E731
+    assert not torch.isnan(h[:used]).any(), "rows left unwritten"
+    assert err(h[:used], ref_h) <= tol
+    assert torch.all(h[:used][slot < 0] == 0), "padding rows must be exactly 0"
+    if a is not None:
+        assert err(a[:used, : a1.shape[1]], a1) <= tol and err(a[:used, a1.shape[1]:], a3) <= tol
+        assert torch.all(a[:used][slot < 0] == 0)
+
+
+
+CLUSTERS = pytest.mark.parametrize("cluster", [1, 2], ids=["cta", "cluster2"])
+GROUPS = pytest.mark.parametrize("group_m", [8, 0], ids=["group8", "wave"])
+# compile-time variants of the pipeline (the .cu file's MEGAMOE_SM90_* knobs) must be right too
+VARIANTS = pytest.mark.parametrize(
+    "defines", [(), ("MEGAMOE_SM90_WGMMA_LAG=1",), ("MEGAMOE_SM90_PRODUCER_FENCE=1",),
+                ("MEGAMOE_SM90_BK=32", "MEGAMOE_SM90_STAGES=8", "MEGAMOE_SM90_WGMMA_LAG=1",
+                 "MEGAMOE_SM90_PRODUCER_FENCE=1"),
+                ("MEGAMOE_SM90_TMA_STORE=1",), ("MEGAMOE_SM90_TMA_STORE=1", "MEGAMOE_SM90_WGMMA_LAG=1"),
+                ("MEGAMOE_SM90_TMA_STORE=1", "MEGAMOE_SM90_EPI_BUFFERS=2", "MEGAMOE_SM90_STAGES=3"),
+                ("MEGAMOE_SM90_TMA_STORE=1", "MEGAMOE_SM90_GEMM1_DEFER=0")],
+    ids=["default", "lag1", "producer_fence", "bk32_8stages", "tma_store", "tma_store_lag1",
+         "tma_store_2_buffers", "tma_store_no_defer"])
+
+
+@CLUSTERS
+@GROUPS
+@VARIANTS
+@pytest.mark.parametrize("T,K,E,D,H", [(700, 4, 8, 256, 256), (333, 2, 5, 640, 384)],
+                         ids=["k_blocks_4", "k_blocks_10"])
+def test_vs_float64_on_uneven_routings(T, K, E, D, H, cluster, group_m, defines):
+    w1, _, w3 = make_weights(E, D, H, device="cuda")
+    x = torch.randn(T, D, device="cuda").bfloat16()
+    for name, ids in routings(T, K, E):
+        ids = ids.cuda()
+        plan = build_plan(ids, E, BM)
+        h, a = nan_tensor(plan.max_rows, H), nan_tensor(plan.max_rows, 2 * H)
+        gemm1_swiglu_sm90(x[: ids.shape[0]], w1, w3, plan, h, a, group_m, cluster, defines)
+        torch.cuda.synchronize()
+        a1, a3, slot = _ref_rows(x[: ids.shape[0]], K, plan, w1, w3)
+        _check(h, a, a1, a3, slot)
+        h2 = nan_tensor(plan.max_rows, H)
+        gemm1_swiglu_sm90(x[: ids.shape[0]], w1, w3, plan, h2, None, group_m, cluster, defines)
+        used = int(plan.num_rows_used)
+        assert torch.equal(h2[:used], h[:used]), name
+
+
+@CLUSTERS
+def test_phased_plan_writes_only_its_phase(cluster):
+    T, K, E, D, H = 600, 4, 6, 256, 256
+    w1, _, w3 = make_weights(E, D, H, device="cuda", seed=2)
+    x = torch.randn(T, D, device="cuda").bfloat16()
+    ids = torch.stack([torch.randperm(E)[:K] for _ in range(T)]).cuda()
+    phase = (torch.arange(T, device="cuda") % 3 == 0).int()
+    plan, phase_tiles = build_phased_plan(ids, E, BM, phase, 2)
+    h = nan_tensor(plan.max_rows, H)
+    tile_of_row = lambda tiles: tiles.repeat_interleave(BM)[: plan.max_rows]  # noqa: E731
+    p0 = type(plan)(**{**plan.__dict__, "tile_expert": phase_tiles[0]})
+    gemm1_swiglu_sm90(x, w1, w3, p0, h, cluster=cluster)
+    torch.cuda.synchronize()
+    assert torch.isnan(h[tile_of_row(phase_tiles[0]) < 0]).all(), "wrote another phase's tiles"
+    p1 = type(plan)(**{**plan.__dict__, "tile_expert": phase_tiles[1]})
+    gemm1_swiglu_sm90(x, w1, w3, p1, h, cluster=cluster)
+    a1, a3, slot = _ref_rows(x, K, plan, w1, w3)
+    _check(h, None, a1, a3, slot)
+
+
+@CLUSTERS
+@pytest.mark.parametrize("defines", [(), ("MEGAMOE_SM90_TMA_STORE=1",),
+                                     ("MEGAMOE_SM90_TMA_STORE=1", "MEGAMOE_SM90_GEMM1_DEFER=0")],
+                         ids=["default", "tma_store", "tma_store_no_defer"])
+def test_real_30b_shape_matches_triton_and_float64(cluster, defines):
+    T, K, E, D, H = 16384, 8, 128, 2048, 768
+    torch.manual_seed(0)
+    x = torch.randn(T, D, device="cuda").bfloat16()
+    w1 = (torch.randn(E, H, D, device="cuda") / D**0.5).bfloat16()
+    w3 = (torch.randn(E, H, D, device="cuda") / D**0.5).bfloat16()
+    ids = skewed_ids(T, K, E)
+    plan = build_plan(ids, E, BM)
+    h, a = nan_tensor(plan.max_rows, H), nan_tensor(plan.max_rows, 2 * H)
+    gemm1_swiglu_sm90(x, w1, w3, plan, h, a, cluster=cluster, defines=defines)
+    a1, a3, slot = _ref_rows(x, K, plan, w1, w3)
+    _check(h, a, a1, a3, slot)
+    used = int(plan.num_rows_used)
+    tri = g1.gemm1_swiglu(x, w1, w3, plan, config=g1.GPU_CONFIGS[0])
+    assert float((h[:used].float() - tri[:used].float()).norm() / tri[:used].float().norm()) < 1e-2
+    h2 = nan_tensor(plan.max_rows, H)
+    gemm1_swiglu_sm90(x, w1, w3, plan, h2, cluster=cluster, defines=defines)
+    assert torch.equal(h2[:used], h[:used]), "two runs must be bitwise identical"
+    if cluster == 1:
+        # the tile order (global ticket or static stride) must not change any tile's result
+        h3 = nan_tensor(plan.max_rows, H)
+        gemm1_swiglu_sm90(x, w1, w3, plan, h3, cluster=1, defines=defines, dynamic=False)
+        assert torch.equal(h3[:used], h[:used]), "static and dynamic tile orders differ"
+
+
+def test_ticket_left_zeroed_for_the_next_launch():
+    """Launches on one stream share its ticket (ops/hopper/cuda/sm90.launch_context): each must leave
+    it at zero, or the next launch would skip tiles (left NaN here). Also on a second stream,
+    with another routing, and with launches of different unit counts back to back."""
+    from torchtitan_megamoe.ops.hopper.cuda.sm90 import launch_context
+
+    T, K, E, D, H = 1000, 4, 8, 256, 256
+    torch.manual_seed(1)
+    x = torch.randn(T, D, device="cuda").bfloat16()
+    w1 = (torch.randn(E, H, D, device="cuda") / D**0.5).bfloat16()
+    w3 = (torch.randn(E, H, D, device="cuda") / D**0.5).bfloat16()
+    plans = [build_plan(skewed_ids(T, K, E), E, BM),
+             build_plan(torch.randint(0, E, (T // 3, K), device="cuda"), E, BM)]
+    ref = []
+    for plan in plans:
+        h = nan_tensor(plan.max_rows, H)
+        gemm1_swiglu_sm90(x, w1, w3, plan, h, cluster=1, dynamic=False)  # static order: no ticket
+        ref.append(h)
+    side = torch.cuda.Stream()
+    for stream in (torch.cuda.current_stream(), side):
+        with torch.cuda.stream(stream):
+            for i in (0, 1, 0, 0, 1):
+                plan = plans[i]
+                used = int(plan.num_rows_used)
+                h = nan_tensor(plan.max_rows, H)
+                gemm1_swiglu_sm90(x, w1, w3, plan, h, cluster=1)
+                assert torch.equal(h[:used], ref[i][:used]), "a launch skipped tiles"
+            ticket = launch_context(x.device)[2]
+            assert int(ticket) == 0, "the ticket was not left zeroed"
+    torch.cuda.synchronize()

@@ -1,0 +1,181 @@
+"""csrc/grouped_gemm_sm90.cu's ROWS mode on an H200 (marked gpu; skipped without an sm_90 GPU
+and nvcc): GEMM 2 (out[r] = in[r] @ w[e]^T, K-major weights) and the N-major form (the
+backward's kernel C: [da1 | da3] @ [w1; w3][e]) against float64 math on uneven routings with
+the output poisoned (NaN) first, rows past the used ones never written, K not a multiple of the
+pipeline depth, phased plans, both epilogues, and the real Qwen3-30B shape against the Triton
+kernels (bitwise reruns, static vs dynamic tile order); the backward with the sm90 kernel C
+forced against the reference backend."""
+
+import pytest
+import torch
+
+from moe_math import routings
+from sm90_checks import SM90_GPU, forced_backward_matches_reference, nan_tensor, skewed_ids
+from torchtitan_megamoe.ops.hopper.cuda.gemm_rows import gemm_rows_nmajor_sm90, gemm_rows_sm90
+from torchtitan_megamoe.ops.hopper.kernels import gemm2_rows as g2
+from torchtitan_megamoe.ops.hopper.plan import build_phased_plan, build_plan
+
+pytestmark = SM90_GPU
+BM = 128
+EPILOGUES = pytest.mark.parametrize(
+    "defines", [(), ("MEGAMOE_SM90_TMA_STORE=1",), ("MEGAMOE_SM90_TMA_STORE=1", "MEGAMOE_SM90_WGMMA_LAG=1"),
+                ("MEGAMOE_SM90_TMA_STORE=1", "MEGAMOE_SM90_EPI_BUFFERS=2", "MEGAMOE_SM90_STAGES=3"),
+                ("MEGAMOE_SM90_TMA_STORE=1", "MEGAMOE_SM90_ROWS_DEFER=0")],
+    ids=["registers", "tma_store", "tma_store_lag1", "tma_store_2_buffers", "tma_store_no_defer"])
+
+
+
+def _rows_input(plan, K, seed=0):
+    """in [R_max, K] as GEMM 1 leaves it: random used rows, zero padding rows, NaN past them."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    used = int(plan.num_rows_used)
+    inp = nan_tensor(plan.max_rows, K)
+    inp[:used] = torch.randn(used, K, device="cuda", generator=g).bfloat16()
+    inp[:used][plan.row_slot[:used] < 0] = 0
+    return inp
+
+
+def _check(out, inp, w, plan, tol=1e-2):
+    """w: [E, N, K] (K-major), or a tuple of [E, Ks, N] weights (N-major, K split among them)."""
+    used = int(plan.num_rows_used)
+    expert = plan.tile_expert.repeat_interleave(plan.block_m)[:used].long()
+    n_major = isinstance(w, tuple)
+    N = w[0].shape[2] if n_major else w.shape[1]
+    ref = torch.zeros(used, N, dtype=torch.float64, device="cuda")
+    for e in expert.unique().tolist():
+        m = expert == e
+        we = torch.cat([wi[e] for wi in w]) if n_major else w[e].T
+        ref[m] = inp[:used][m].double() @ we.double()
+    assert not torch.isnan(out[:used]).any(), "used rows left unwritten"
+    err = float((out[:used].double() - ref).norm() / ref.norm().clamp_min(1e-30))
+    assert err <= tol, err
+    assert torch.all(out[:used][plan.row_slot[:used] < 0] == 0), "padding rows must be exactly 0"
+    assert torch.isnan(out[used:]).all(), "wrote rows past the used ones"
+
+
+@EPILOGUES
+@pytest.mark.parametrize("group_m", [8, 1])
+@pytest.mark.parametrize("T,K,E,N,KD", [(700, 4, 8, 256, 256), (333, 2, 5, 512, 640)],
+                         ids=["k_blocks_4", "k_blocks_10"])
+def test_vs_float64_on_uneven_routings(T, K, E, N, KD, group_m, defines):
+    w = (torch.randn(E, N, KD, device="cuda") / KD**0.5).bfloat16()
+    for name, ids in routings(T, K, E):
+        plan = build_plan(ids.cuda(), E, BM)
+        inp = _rows_input(plan, KD)
+        out = nan_tensor(plan.max_rows, N)
+        gemm_rows_sm90(inp, w, plan, out, group_m=group_m, defines=defines)
+        torch.cuda.synchronize()
+        _check(out, inp, w, plan)
+
+
+def test_phased_plan_writes_only_its_phase():
+    T, K, E, N, KD = 600, 4, 6, 256, 256
+    w = (torch.randn(E, N, KD, device="cuda") / KD**0.5).bfloat16()
+    ids = torch.stack([torch.randperm(E)[:K] for _ in range(T)]).cuda()
+    phase = (torch.arange(T, device="cuda") % 3 == 0).int()
+    plan, phase_tiles = build_phased_plan(ids, E, BM, phase, 2)
+    inp = _rows_input(plan, KD, seed=3)
+    out = nan_tensor(plan.max_rows, N)
+    tile_of_row = lambda tiles: tiles.repeat_interleave(BM)[: plan.max_rows]  # noqa: E731
+    p0 = type(plan)(**{**plan.__dict__, "tile_expert": phase_tiles[0]})
+    gemm_rows_sm90(inp, w, p0, out)
+    torch.cuda.synchronize()
+    assert torch.isnan(out[tile_of_row(phase_tiles[0]) < 0]).all(), "wrote another phase's tiles"
+    p1 = type(plan)(**{**plan.__dict__, "tile_expert": phase_tiles[1]})
+    gemm_rows_sm90(inp, w, p1, out)
+    _check(out, inp, w, plan)
+
+
+def test_bad_shapes_name_the_requirement():
+    ids = torch.randint(0, 4, (64, 2), device="cuda")
+    plan = build_plan(ids, 4, BM)
+    w = torch.randn(4, 192, 128, device="cuda").bfloat16()  # N not a multiple of 256
+    with pytest.raises(ValueError, match="out columns % 256"):
+        gemm_rows_sm90(_rows_input(plan, 128), w, plan, nan_tensor(plan.max_rows, 192))
+    w = torch.randn(4, 256, 128, device="cuda")
+    with pytest.raises(TypeError, match="w must be bfloat16"):
+        gemm_rows_sm90(_rows_input(plan, 128), w, plan, nan_tensor(plan.max_rows, 256))
+
+
+@pytest.mark.parametrize("defines", [(), ("MEGAMOE_SM90_TMA_STORE=1",)], ids=["registers", "tma_store"])
+def test_real_30b_shape_matches_triton_and_float64(defines):
+    T, K, E, D, H = 16384, 8, 128, 2048, 768
+    torch.manual_seed(0)
+    w2 = (torch.randn(E, D, H, device="cuda") / H**0.5).bfloat16()
+    ids = skewed_ids(T, K, E)
+    plan = build_plan(ids, E, BM)
+    h = _rows_input(plan, H)
+    y = nan_tensor(plan.max_rows, D)
+    gemm_rows_sm90(h, w2, plan, y, defines=defines)
+    _check(y, h, w2, plan)
+    used = int(plan.num_rows_used)
+    tri = g2.gemm2_rows(h, w2, plan, config=g2.GPU_CONFIGS[0])
+    assert float((y[:used].float() - tri[:used].float()).norm() / tri[:used].float().norm()) < 1e-2
+    y2 = nan_tensor(plan.max_rows, D)
+    gemm_rows_sm90(h, w2, plan, y2, defines=defines)
+    assert torch.equal(y2[:used], y[:used]), "two runs must be bitwise identical"
+    y3 = nan_tensor(plan.max_rows, D)
+    gemm_rows_sm90(h, w2, plan, y3, defines=defines, dynamic=False)
+    assert torch.equal(y3[:used], y[:used]), "static and dynamic tile orders differ"
+    if defines:  # the second column half stored in the epilogue, not under the next tile
+        y4 = nan_tensor(plan.max_rows, D)
+        gemm_rows_sm90(h, w2, plan, y4, defines=defines + ("MEGAMOE_SM90_ROWS_DEFER=0",))
+        assert torch.equal(y4[:used], y[:used]), "MEGAMOE_SM90_ROWS_DEFER changed the output"
+        assert torch.isnan(y4[used:]).all(), "wrote rows past the used ones"
+
+
+@EPILOGUES
+@pytest.mark.parametrize("n_weights", [1, 2])
+@pytest.mark.parametrize("T,K,E,N,KS", [(700, 4, 8, 256, 128), (333, 2, 5, 512, 320)],
+                         ids=["k_blocks_2_per_weight", "k_blocks_5_per_weight"])
+def test_nmajor_vs_float64_on_uneven_routings(T, K, E, N, KS, n_weights, defines):
+    ws = tuple((torch.randn(E, KS, N, device="cuda") / (KS * n_weights) ** 0.5).bfloat16()
+               for _ in range(n_weights))
+    for name, ids in routings(T, K, E):
+        plan = build_plan(ids.cuda(), E, BM)
+        inp = _rows_input(plan, KS * n_weights, seed=1)
+        out = nan_tensor(plan.max_rows, N)
+        gemm_rows_nmajor_sm90(inp, ws, plan, out, defines=defines)
+        torch.cuda.synchronize()
+        _check(out, inp, ws, plan)
+
+
+def test_nmajor_real_30b_kernel_c_matches_triton():
+    """Kernel C at the 30B shape: [da1 | da3] [R, 2H] against w1, w3 [E, H, D] as stored; the
+    row-space result equals the Triton kernel C's slot rows (within bf16), reruns bitwise."""
+    from torchtitan_megamoe.ops.hopper.kernels.bwd_dgrad_l1 import dgrad_l1
+
+    T, K, E, D, H = 16384, 8, 128, 2048, 768
+    torch.manual_seed(0)
+    w1 = (torch.randn(E, H, D, device="cuda") / D**0.5).bfloat16()
+    w3 = (torch.randn(E, H, D, device="cuda") / D**0.5).bfloat16()
+    ids = skewed_ids(T, K, E)
+    plan = build_plan(ids, E, BM)
+    da = _rows_input(plan, 2 * H, seed=2)
+    dx_rows = nan_tensor(plan.max_rows, D)
+    defines = ("MEGAMOE_SM90_TMA_STORE=1",)
+    gemm_rows_nmajor_sm90(da, (w1, w3), plan, dx_rows, defines=defines)
+    _check(dx_rows, da, (w1, w3), plan)
+    tri = dgrad_l1(da, w1, w3, plan, use_tma=True)  # [T*K, D] by slot
+    live = plan.slot_row >= 0
+    ours = dx_rows[plan.slot_row[live].long()].float()
+    assert float((ours - tri[live].float()).norm() / tri[live].float().norm()) < 1e-2
+    again = nan_tensor(plan.max_rows, D)
+    gemm_rows_nmajor_sm90(da, (w1, w3), plan, again, defines=defines)
+    used = int(plan.num_rows_used)
+    assert torch.equal(again[:used], dx_rows[:used]), "two runs must be bitwise identical"
+
+
+def test_backward_with_the_sm90_kernel_c_matches_the_reference(monkeypatch):
+    """The whole backward with kernel C forced to the sm90 candidate (row-space dx, combine
+    through slot_row): every gradient against the reference backend, and bitwise reruns."""
+    forced_backward_matches_reference(monkeypatch, {"bwd_dgrad_l1": "C_SM90"}, seed=7,
+                                      saved=False)
+
+
+def test_saved_backward_with_the_sm90_kernel_a_matches_the_reference(monkeypatch):
+    """Kernel A's saved path with its dh GEMM forced to the sm90 N-major ROWS mode (w2 as
+    stored, on the gathered dy rows, then the SwiGLU rows kernel): every gradient against the
+    reference backend, and bitwise reruns."""
+    forced_backward_matches_reference(monkeypatch, {"bwd_dgrad_l2_swiglu": "A_SM90"},
+                                      seed=11, saved=True)

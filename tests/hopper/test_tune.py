@@ -1,0 +1,103 @@
+"""The tuner's output check (ops/hopper/tune.py): a candidate whose result differs from the first
+candidate's beyond bf16 rounding is never picked, however fast; rounding-level differences and
+memory no candidate wrote (even NaN garbage) do not disqualify. CPU: timing is replaced by fixed
+numbers, the launches by tensor writes."""
+
+import pytest
+import torch
+
+from torchtitan_megamoe.ops.hopper import tune
+
+
+@pytest.fixture
+def tuner(monkeypatch):
+    times = {}
+    monkeypatch.setattr(tune, "_tuning_enabled", lambda: True)
+    monkeypatch.setattr(tune, "_time_ms", lambda launch, cfg: times[cfg["id"]])
+    monkeypatch.setattr(tune, "_CHOSEN", {})
+    monkeypatch.setattr(tune, "TIMINGS", {})
+    return times
+
+
+def _run(out, writers, times, tuner_times, key):
+    tuner_times.update(times)
+    cands = [dict(id=i) for i in range(len(writers))]
+
+    def launch(cfg):
+        writers[cfg["id"]](out)
+        return out
+
+    return tune.pick_config("check", key, cands, launch, outputs=lambda r: (r,))
+
+
+def test_a_fast_wrong_candidate_is_never_picked(tuner):
+    g = torch.Generator().manual_seed(0)
+    ref = torch.randn(300, 64, generator=g).bfloat16()
+    out = torch.empty(300, 64, dtype=torch.bfloat16)
+    right = lambda o: o.copy_(ref)  # noqa: E731
+    wrong = lambda o: o.copy_(ref.roll(1, 0))  # noqa: E731  (rows swapped: an indexing bug)
+    picked = _run(out, [right, wrong], {0: 2.0, 1: 1.0}, tuner, key=1)
+    assert picked["id"] == 0
+    (_, ms, why), = [r for r in tune.TIMINGS[("check", 1)] if r[0]["id"] == 1]
+    assert ms == float("inf") and "wrong result" in why
+
+
+def test_rounding_level_differences_and_untouched_garbage_pass(tuner):
+    g = torch.Generator().manual_seed(1)
+    ref = torch.randn(300, 64, generator=g)
+    out = torch.full((400, 64), float("nan"), dtype=torch.bfloat16)  # rows 300+: nobody writes
+
+    def first(o):
+        o[:300] = ref.bfloat16()
+
+    def second(o):  # another kernel: the same values rounded through a different path
+        o[:300] = (ref * (1 + 3e-3 * torch.randn(300, 64, generator=g))).bfloat16()
+
+    picked = _run(out, [first, second], {0: 2.0, 1: 1.0}, tuner, key=2)
+    assert picked["id"] == 1
+
+
+def test_mismatch_measure():
+    a = torch.tensor([1.0, 2.0, float("nan"), 4.0])
+    assert tune.output_mismatch((a,), (a.clone(),)) == 0.0
+    assert tune.output_mismatch((a[:3],), (a,)) == float("inf")
+    b = a.clone()
+    b[2] = 5.0  # a NaN where the reference has a value, or the reverse: not finite
+    assert tune.output_mismatch((a,), (b,)) == float("inf")
+    c = a.clone()
+    c[0] = 1.005
+    assert 0 < tune.output_mismatch((c,), (a,)) < 1e-2
+
+
+def test_tuned_is_the_pick_once_timed_and_none_otherwise(tuner, monkeypatch):
+    """tune.tuned lets a wrapper skip building its candidates on later calls: None before the
+    first pick_config of a key, that pick after, and None while tuning is off (where
+    pick_config returns the first candidate)."""
+    out = torch.zeros(8)
+    write = lambda o: o.fill_(1.0)  # noqa: E731
+    assert tune.tuned("check", 3) is None
+    picked = _run(out, [write, write], {0: 2.0, 1: 1.0}, tuner, key=3)
+    assert picked["id"] == 1 and tune.tuned("check", 3) is picked
+    assert tune.tuned("check", 4) is None
+    monkeypatch.setattr(tune, "_tuning_enabled", lambda: False)
+    assert tune.tuned("check", 3) is None
+    assert tune.pick_config("check", 3, [dict(id=0), dict(id=1)], None)["id"] == 0
+
+
+def test_a_candidate_builder_runs_only_until_a_pick_is_cached(tuner):
+    """pick_config takes a function for the candidate list (the backward's stages build theirs
+    that way): called for the first pick of a key, not once the pick is cached."""
+    out = torch.zeros(8)
+    tuner.update({0: 2.0, 1: 1.0})
+    built = []
+
+    def candidates():
+        built.append(1)
+        return [dict(id=0), dict(id=1)]
+
+    def launch(cfg):
+        return out.fill_(1.0)
+
+    for _ in range(3):
+        assert tune.pick_config("lazy", 5, candidates, launch, outputs=lambda r: (r,))["id"] == 1
+    assert len(built) == 1

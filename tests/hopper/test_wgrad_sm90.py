@@ -1,0 +1,129 @@
+"""csrc/grouped_gemm_sm90.cu's WGRAD mode (the backward's dw2 and dw1|dw3 with the token rows
+gathered inside the kernel) on an H200 (marked gpu; skipped without an sm_90 GPU and nvcc):
+against float64 sums over each expert's rows on uneven routings (empty experts get zeros, a
+single token, dropped slots), the outputs poisoned (NaN) first and the row-space operand's
+padding rows random (they must add nothing), and equal to running every padding row (the
+kernel skips the all-padding K steps after plan.count's real rows); the real Qwen3-30B shape
+against the _grouped_mm side, bitwise reruns, and the backward with the sm90 weight gradients
+forced against the reference backend."""
+
+import pytest
+import torch
+
+from moe_math import routings
+from sm90_checks import (SM90_GPU, forced_backward_matches_reference, nan_tensor, rel_err,
+                         skewed_ids)
+from torchtitan_megamoe.ops.hopper.cuda.wgrad import wgrad_dw13_sm90, wgrad_dw2_sm90
+from torchtitan_megamoe.ops.hopper.kernels.bwd_cublas import gather_rows, grouped_wgrad
+from torchtitan_megamoe.ops.hopper.kernels.bwd_wgrad import longest_first
+from torchtitan_megamoe.ops.hopper.plan import build_plan
+
+pytestmark = SM90_GPU
+BM = 128
+
+
+
+def _ref(tokens, rows, plan, E, gathered_first):
+    """float64 [E, M, N]: sum over expert e's real rows r of (tokens[tok(r)]^T rows[r]) or
+    (rows[r]^T tokens[tok(r)])."""
+    used = int(plan.num_rows_used)
+    slot = plan.row_slot[:used].long()
+    expert = plan.tile_expert.repeat_interleave(plan.block_m)[:used].long()
+    real = slot >= 0
+    tok = slot[real] // plan.top_k
+    t, r, e = tokens[tok].double(), rows[:used][real].double(), expert[real]
+    a, b = (t, r) if gathered_first else (r, t)
+    out = torch.zeros(E, a.shape[1], b.shape[1], dtype=torch.float64, device="cuda")
+    for ex in e.unique().tolist():
+        m = e == ex
+        out[ex] = a[m].T @ b[m]
+    return out
+
+
+
+@pytest.mark.parametrize("pre", [False, True], ids=["gather_inside", "pre_gathered"])
+@pytest.mark.parametrize("ordered", [True, False], ids=["longest_first", "natural"])
+@pytest.mark.parametrize("T,K,E,D,H", [(700, 4, 8, 256, 256), (333, 2, 5, 512, 256)])
+def test_vs_float64_on_uneven_routings(T, K, E, D, H, ordered, pre):
+    g = torch.Generator(device="cuda").manual_seed(0)
+    dy = torch.randn(T, D, device="cuda", generator=g).bfloat16()
+    x = torch.randn(T, D, device="cuda", generator=g).bfloat16()
+    for name, ids in routings(T, K, E):
+        plan = build_plan(ids.cuda(), E, BM)
+        R = plan.max_rows
+        hw = torch.randn(R, H, device="cuda", generator=g).bfloat16()  # padding rows random too
+        da = torch.randn(R, 2 * H, device="cuda", generator=g).bfloat16()
+        order = longest_first(plan) if ordered else None
+        dy_in, x_in = dy[: ids.shape[0]], x[: ids.shape[0]]
+        if pre:  # the token rows gathered into the row space first (zero padding rows)
+            dy_in, x_in = gather_rows(dy_in, plan), gather_rows(x_in, plan)
+        dw2 = wgrad_dw2_sm90(dy_in, hw, plan, nan_tensor(E, D, H), order, pre_gathered=pre)
+        dw1, dw3 = wgrad_dw13_sm90(da, x_in, plan, nan_tensor(E, H, D), nan_tensor(E, H, D), order,
+                                   pre_gathered=pre)
+        torch.cuda.synchronize()
+        ref2 = _ref(dy[: ids.shape[0]], hw, plan, E, True)
+        ref13 = _ref(x[: ids.shape[0]], da, plan, E, False)
+        empty = plan.count == 0
+        for got, ref, what in ((dw2, ref2, "dw2"), (dw1, ref13[:, :H], "dw1"),
+                               (dw3, ref13[:, H:], "dw3")):
+            assert not got.isnan().any(), (name, what, "tiles left unwritten")
+            assert torch.all(got[empty] == 0), (name, what, "an empty expert's gradient is 0")
+            assert rel_err(got, ref) <= 1e-2, (name, what, rel_err(got, ref))
+        # the K loop stops after the last step holding a real row (plan.count); running every
+        # row of the padded segments instead only adds zeros: the same gradients
+        full = type(plan)(**{**plan.__dict__, "count": plan.seg_start.diff().contiguous()})
+        dw2_full = wgrad_dw2_sm90(dy_in, hw, full, nan_tensor(E, D, H), order, pre_gathered=pre)
+        assert torch.equal(dw2_full, dw2), (name, "skipping padding steps changed dw2")
+        dw1_full, dw3_full = wgrad_dw13_sm90(da, x_in, full, nan_tensor(E, H, D),
+                                             nan_tensor(E, H, D), order, pre_gathered=pre)
+        assert torch.equal(dw1_full, dw1) and torch.equal(dw3_full, dw3), name
+
+
+def test_bad_shapes_name_the_requirement():
+    ids = torch.randint(0, 4, (64, 2), device="cuda")
+    plan = build_plan(ids, 4, BM)
+    dy = torch.randn(64, 256, device="cuda").bfloat16()
+    with pytest.raises(ValueError, match="columns % 256"):
+        wgrad_dw2_sm90(dy, nan_tensor(plan.max_rows, 192), plan, nan_tensor(4, 256, 192))
+    with pytest.raises(TypeError, match="output 0 must be bfloat16"):
+        wgrad_dw2_sm90(dy, nan_tensor(plan.max_rows, 256), plan, torch.empty(4, 256, 256, device="cuda"))
+    with pytest.raises(ValueError, match="3 experts|the plan has 4 experts"):
+        wgrad_dw2_sm90(dy, nan_tensor(plan.max_rows, 256), plan, nan_tensor(3, 256, 256))
+
+
+def test_real_30b_shape_matches_grouped_mm_and_reruns_bitwise():
+    T, K, E, D, H = 16384, 8, 128, 2048, 768
+    torch.manual_seed(0)
+    ids = skewed_ids(T, K, E, never=7)  # one expert never chosen
+    plan = build_plan(ids, E, BM)
+    dy = torch.randn(T, D, device="cuda").bfloat16()
+    x = torch.randn(T, D, device="cuda").bfloat16()
+    hw = torch.randn(plan.max_rows, H, device="cuda").bfloat16()
+    da = torch.randn(plan.max_rows, 2 * H, device="cuda").bfloat16()
+    order = longest_first(plan)
+    dw2 = wgrad_dw2_sm90(dy, hw, plan, nan_tensor(E, D, H), order)
+    dw1, dw3 = wgrad_dw13_sm90(da, x, plan, nan_tensor(E, H, D), nan_tensor(E, H, D), order)
+    # the _grouped_mm side needs zero padding rows in both operands: zero them in hw / da
+    pad = plan.row_slot < 0
+    hw[pad] = 0
+    da[pad] = 0
+    ref2 = grouped_wgrad(gather_rows(dy, plan), hw, plan, dw2)
+    x_rows = gather_rows(x, plan)
+    ref1 = grouped_wgrad(da[:, :H], x_rows, plan, dw1)
+    ref3 = grouped_wgrad(da[:, H:], x_rows, plan, dw3)
+    for got, ref in ((dw2, ref2), (dw1, ref1), (dw3, ref3)):
+        assert not got.isnan().any()
+        assert rel_err(got, ref.double()) < 1e-2
+    assert torch.all(dw2[7] == 0) and torch.all(dw1[7] == 0)
+    hw2, da2 = torch.randn_like(hw), torch.randn_like(da)  # other padding values: same result
+    hw2[~pad], da2[~pad] = hw[~pad], da[~pad]
+    assert torch.equal(wgrad_dw2_sm90(dy, hw2, plan, nan_tensor(E, D, H), order), dw2)
+    again = wgrad_dw13_sm90(da2, x, plan, nan_tensor(E, H, D), nan_tensor(E, H, D), order)
+    assert torch.equal(again[0], dw1) and torch.equal(again[1], dw3), "reruns must be bitwise"
+
+
+@pytest.mark.parametrize("variant", ["B_SM90", "B_SM90_PRE_GATHERED"])
+def test_backward_with_the_sm90_weight_gradients_matches_the_reference(monkeypatch, variant):
+    got = forced_backward_matches_reference(
+        monkeypatch, {"bwd_wgrad_dw2": variant, "bwd_wgrad_dw13": variant}, seed=7, saved=False)
+    assert torch.all(got[2][3] == 0) and torch.all(got[3][3] == 0)  # the empty expert

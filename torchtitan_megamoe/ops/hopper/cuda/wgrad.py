@@ -1,0 +1,100 @@
+"""Python side of csrc/grouped_gemm_sm90.cu's WGRAD mode: the backward's weight gradients as
+one K-grouped GEMM per launch, fp32 accumulation over each expert's rows in a fixed order,
+with the token-indexed operand gathered inside the kernel (no gathered copy of dy or x):
+
+- ``wgrad_dw2_sm90``:  dw2[e] = sum_r dy[tok(r)]^T hw[r]            ([E, D, H], w2's layout)
+- ``wgrad_dw13_sm90``: dw1[e] | dw3[e] = sum_r [da1 | da3][r]^T x[tok(r)]   ([E, H, D] each)
+
+over the rows r of expert e's segment of the plan (padding rows add 0: the gathered operand is
+zero there; the K loop stops after the last 64-row step that holds one of plan.count[e]'s real
+rows, so a build_plan segment skips its all-padding last step). An expert without rows gets a
+zero gradient. ``pre_gathered=True`` takes the
+token operand already gathered into the row space ([R_max, .], zero padding rows, e.g. the
+dy rows kernel A's cuBLAS side made): both operands then come by TMA and the kernel's
+producer is one thread. Same results as
+ops/hopper/kernels/bwd_wgrad.wgrad and the _grouped_mm side within bf16 rounding of the output.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from torchtitan_megamoe.ops.hopper.cuda.sm90 import (BULK_STORE, check_bf16_rows, check_plan, grouped_gemm_library,
+                                               launch_context, raise_on_error)
+
+if TYPE_CHECKING:  # ops/triton imports this module: no runtime import back
+    from torchtitan_megamoe.ops.hopper.plan import Plan
+
+BM, BN, BK = 128, 256, 64
+
+
+def shapes_supported(D: int, H: int, block_m: int) -> bool:
+    """dw2 [D, H] and dw1|dw3 [2H, D] per expert both fit the 128 x 256 tiles."""
+    return D % BM == 0 and H % BM == 0 and H % BN == 0 and D % BN == 0 and block_m % BK == 0
+
+
+def wgrad_dw2_sm90(dy: torch.Tensor, hw: torch.Tensor, plan: Plan, dw2: torch.Tensor,
+                   expert_order: torch.Tensor | None = None,
+                   defines: tuple = BULK_STORE, pre_gathered: bool = False) -> torch.Tensor:
+    """dw2 [E, D, H] (written; returned) from dy [T, D] (rows gathered by token; with
+    ``pre_gathered`` dy rows [R_max, D]) and hw [R_max, H] (row space). ``defines``: the .cu
+    file's MEGAMOE_SM90_* knobs (measuring)."""
+    E, D, H = dw2.shape
+    _launch("wgrad_dw2_sm90", dy, hw, (dw2,), plan, E, D, H, D, 2 if pre_gathered else 1,
+            expert_order, defines)
+    return dw2
+
+
+def wgrad_dw13_sm90(da: torch.Tensor, x: torch.Tensor, plan: Plan, dw1: torch.Tensor,
+                    dw3: torch.Tensor, expert_order: torch.Tensor | None = None,
+                    defines: tuple = BULK_STORE, pre_gathered: bool = False):
+    """(dw1, dw3) [E, H, D] (written; returned) from da = [da1 | da3] [R_max, 2H] (row space)
+    and x [T, D] (rows gathered by token; with ``pre_gathered`` x rows [R_max, D])."""
+    E, H, D = dw1.shape
+    if dw3.shape != dw1.shape:
+        raise ValueError(f"wgrad_dw13_sm90: dw1 {tuple(dw1.shape)} and dw3 "
+                         f"{tuple(dw3.shape)} must have one shape")
+    if pre_gathered:  # A = da and B = x rows, both row space
+        _launch("wgrad_dw13_sm90", da, x, (dw1, dw3), plan, E, 2 * H, D, H, 2, expert_order,
+                defines)
+    else:
+        _launch("wgrad_dw13_sm90", x, da, (dw1, dw3), plan, E, 2 * H, D, H, 0, expert_order,
+                defines)
+    return dw1, dw3
+
+
+def _launch(who, tokens, rows, outs, plan, E, M, N, m_split, gather, expert_order, defines):
+    """gather 1: tokens (A) by token, rows = B; 0: rows = A, tokens (B) by token; 2: tokens =
+    A and rows = B, both row space."""
+    if M % BM or m_split % BM or N % BN or plan.block_m % BK:
+        raise ValueError(f"{who} needs the gradient's rows per expert % {BM} == 0 and columns "
+                         f"% {BN} == 0 (plan block_m % {BK}); got {M} x {N}, block_m "
+                         f"{plan.block_m}")
+    check_bf16_rows(who, **{"the token rows": tokens, "the row-space operand": rows},
+                    **{f"output {i}": o for i, o in enumerate(outs)})
+    if not (rows.is_contiguous() and all(o.is_contiguous() for o in outs)):
+        raise ValueError(f"{who}: the row-space operand and the outputs must be contiguous")
+    R = plan.max_rows
+    a_cols, b_cols = (M, N) if gather else (N, M)  # tokens' and rows' columns
+    if (rows.shape != (R, b_cols) or tokens.shape[1] != a_cols
+            or (gather == 2 and (tokens.shape[0] != R or not tokens.is_contiguous()))):
+        raise ValueError(f"{who}: operand shapes {tuple(tokens.shape)}, {tuple(rows.shape)} "
+                         f"do not match the gradient [{E}, {M}, {N}] and R_max {R}")
+    check_plan(plan, rows.device, who, ("row_slot", "seg_start", "count"))
+    if plan.seg_start.numel() != E + 1:
+        raise ValueError(f"{who}: the plan has {plan.seg_start.numel() - 1} experts, the "
+                         f"gradient {E}")
+    if expert_order is not None:
+        expert_order = expert_order.to(torch.int32).contiguous()
+    lib = grouped_gemm_library(tuple(defines))
+    num_sms, stream, ticket = launch_context(rows.device)
+    rc = lib.megamoe_wgrad(
+        tokens.data_ptr(), tokens.stride(0), rows.data_ptr(), R, outs[0].data_ptr(),
+        outs[-1].data_ptr(), plan.row_slot.data_ptr(), plan.seg_start.data_ptr(),
+        plan.count.data_ptr(), expert_order.data_ptr() if expert_order is not None else None,
+        E, M, N, m_split,
+        plan.top_k, gather, num_sms, ticket.data_ptr(), stream,
+    )
+    raise_on_error(lib, rc, who)

@@ -1,0 +1,188 @@
+"""Token exchange between the ranks of an EP group: static shapes, no host sync.
+
+Every rank owns receive buffers ``recv[name]`` of shape ``[R, C, W]``: region ``[s]`` is written
+only by source rank ``s`` and holds up to C rows (C = capacity, tokens per rank). A sender
+stores rows into ``send_region(d, name)`` (its region in rank d's buffer), then every rank calls
+``exchange(names)``; afterwards ``recv[name]`` holds what each source stored. Two transports
+implement that contract:
+
+- ``SymmetricExchange`` (CUDA tensors, a group whose ranks share NVLink): the buffers are
+  PyTorch symmetric memory (CUDA backend), ``send_region`` IS the peer GPU's buffer, so a
+  kernel's stores travel over NVLink straight into it, and ``exchange`` is the device-side
+  symmetric-memory barrier (release/acquire across the group, launched on the current stream,
+  no host round trip). Token rows travel as whole contiguous batches (copy engines).
+- ``AllToAllExchange`` (any backend, e.g. gloo on CPU): ``send_region`` is a local staging
+  buffer and ``exchange`` is one ``all_to_all_single`` per name with equal, static splits (so
+  no split sizes cross the host either). Whole regions travel; it is the portable fallback
+  and the path the CPU tests run.
+
+One exchange object per (group, device, capacity, row widths, dtype) is cached and shared by
+every layer and by forward and backward: layers run one after another on one stream, and each
+call's own barriers order its reads of ``recv`` before any peer's next stores (see
+ops/hopper/kernels/ep_exchange.py for the protocol).
+
+Capacity. C is fixed when the exchange is created: ``max_tokens_per_rank`` if set (the
+``[megamoe] max_tokens_per_rank`` knob, via ``set_max_tokens_per_rank``), else the largest
+token count any rank of the group brings to that first call (agreed with one all_reduce, once).
+Symmetric buffers must have the same size on every rank, so C cannot grow later: a call with
+more tokens raises, naming the knob. A receive region holds a source's whole batch, so no
+routing can overflow it: nothing is ever dropped or written out of bounds.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+_MAX_TOKENS_PER_RANK = 0
+_CACHE: dict = {}
+
+
+def set_max_tokens_per_rank(n: int) -> None:
+    """Capacity of the EP exchange in tokens per rank (0: the first call's largest batch)."""
+    global _MAX_TOKENS_PER_RANK
+    if n < 0:
+        raise ValueError(f"max_tokens_per_rank must be >= 0, got {n}")
+    _MAX_TOKENS_PER_RANK = int(n)
+
+
+def symmetric_memory_usable(device: torch.device, group) -> bool:
+    """Whether the symmetric-memory transport applies: CUDA tensors and an NCCL group."""
+    if device.type != "cuda":
+        return False
+    try:
+        # TorchTitan may init "cuda:nccl,cpu:gloo"; CUDA tensors then go through NCCL.
+        return "nccl" in str(dist.get_backend(group))
+    except (RuntimeError, ValueError):
+        return False
+
+
+class Exchange:
+    """Receive buffers [R, C, W] per name plus the transport-specific send side."""
+
+    def __init__(self, group, capacity: int, widths: dict, device: torch.device):
+        self.group = group
+        self.R = dist.get_world_size(group)
+        self.rank = dist.get_rank(group)
+        self.capacity = capacity
+        self.widths = widths  # name -> (W, dtype)
+        self.device = device
+
+    def check_tokens(self, T: int) -> None:
+        if T > self.capacity:
+            raise ValueError(
+                f"mega_moe: this rank has {T} tokens but the EP exchange holds "
+                f"{self.capacity} per rank (fixed when it was created: symmetric buffers cannot "
+                "grow); set [megamoe] max_tokens_per_rank (or "
+                "torchtitan_megamoe.ops.hopper.exchange.set_max_tokens_per_rank) to at least "
+                f"{T} before the first step"
+            )
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.recv.values())
+
+
+class SymmetricExchange(Exchange):
+    overlaps = True
+    """Transfers can run on a side stream (``copy_async``/``run_async``) under the compute."""
+
+    def __init__(self, group, capacity, widths, device):
+        super().__init__(group, capacity, widths, device)
+        import torch.distributed._symmetric_memory as symm_mem
+
+        if hasattr(symm_mem, "get_backend") and symm_mem.get_backend(device) is None:
+            # The CUDA backend (CUDA IPC + NVLink) is the one validated on the lent H200s;
+            # NVSHMEM failed there. The backend can only be chosen before the first allocation.
+            try:
+                symm_mem.set_backend("CUDA")
+            except RuntimeError:
+                pass
+        self.recv, self._handles = {}, {}
+        for name, (W, dtype) in widths.items():
+            buf = symm_mem.empty((self.R, capacity, W), dtype=dtype, device=device)
+            self._handles[name] = symm_mem.rendezvous(buf, group)
+            self.recv[name] = buf
+        self._peer = {
+            (d, name): self._handles[name].get_buffer(d, (self.R, capacity, W), dtype)[self.rank]
+            for name, (W, dtype) in widths.items()
+            for d in range(self.R)
+        }
+        self._barrier_handle = next(iter(self._handles.values()))
+
+    def send_region(self, d: int, name: str) -> torch.Tensor:
+        return self._peer[(d, name)]
+
+    def exchange(self, names) -> None:
+        self._barrier_handle.barrier(channel=0)
+
+    def _side_stream(self) -> torch.cuda.Stream:
+        if not hasattr(self, "_side"):
+            self._side = torch.cuda.Stream(device=self.device)
+        return self._side
+
+    def run_async(self, fn, barrier: bool = False) -> torch.cuda.Event:
+        """Run ``fn`` (kernels / copies into peers' regions) on a side stream after what the
+        current stream has issued so far; with ``barrier``, follow it with the group barrier on
+        channel 1 (every rank's side work is then complete and visible). Returns the event the
+        current stream must wait on before reading what arrived or reusing fn's inputs.
+
+        Channel 1 keeps this barrier apart from ``exchange``'s (channel 0, current stream),
+        which may run at the same time. The side stream only ever waits on this rank's own
+        current stream, so the two barriers cannot wait on each other across ranks."""
+        side = self._side_stream()
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):
+            fn()
+            if barrier:
+                self._barrier_handle.barrier(channel=1)
+            done = torch.cuda.Event()
+            done.record(side)
+        return done
+
+
+class AllToAllExchange(Exchange):
+    overlaps = False
+
+    def __init__(self, group, capacity, widths, device):
+        super().__init__(group, capacity, widths, device)
+        self.recv = {n: torch.empty((self.R, capacity, W), dtype=dt, device=device)
+                     for n, (W, dt) in widths.items()}
+        self._send = {n: torch.empty_like(t) for n, t in self.recv.items()}
+
+    def send_region(self, d: int, name: str) -> torch.Tensor:
+        return self._send[name][d]
+
+    def exchange(self, names) -> None:
+        for n in names:
+            dist.all_to_all_single(self.recv[n].view(self.R, -1), self._send[n].view(self.R, -1),
+                                   group=self.group)
+
+
+def capacity_hint(group, T: int) -> int:
+    """The capacity a call with T tokens will see, without communicating (fake impls): the
+    group's existing exchange's, else the knob, else T (ranks of one TorchTitan job bring
+    equal batches, so the group's largest is this rank's)."""
+    for ex in _CACHE.values():
+        if ex.group is group or ex.group.group_name == group.group_name:
+            return ex.capacity
+    return max(_MAX_TOKENS_PER_RANK or T, 1)
+
+
+def get_exchange(group, T: int, widths: dict, device: torch.device) -> Exchange:
+    """The group's cached exchange for these row widths (created collectively on first use)."""
+    key = (group.group_name, str(device), tuple(sorted((n, w, str(dt))
+                                                        for n, (w, dt) in widths.items())))
+    ex = _CACHE.get(key)
+    if ex is None:
+        capacity = _MAX_TOKENS_PER_RANK
+        if capacity == 0:
+            # One host sync, once per group and shape: the buffers must be the same size on
+            # every rank.
+            t = torch.tensor([T], dtype=torch.int64, device=device)
+            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+            capacity = int(t.item())
+        capacity = max(capacity, 1)
+        cls = SymmetricExchange if symmetric_memory_usable(device, group) else AllToAllExchange
+        ex = _CACHE[key] = cls(group, capacity, widths, device)
+    ex.check_tokens(T)
+    return ex

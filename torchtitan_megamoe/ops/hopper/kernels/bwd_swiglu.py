@@ -1,0 +1,87 @@
+"""SwiGLU backward over rows, after a separate dgrad GEMM: the cuBLAS side of kernel A.
+
+Kernel A (bwd_dgrad_l2_swiglu.py) fuses dh = dy_r @ w2[e] with this epilogue. Its cuBLAS
+candidate (bwd_cublas.dgrad_l2_swiglu_cublas) instead runs dh as one M-grouped
+torch._grouped_mm on gathered dy rows (dh in bf16) and then this kernel, per row r of the plan's
+row space, with w_r the routing weight of the row's slot and a = [a1 | a3] the forward's saved
+pre-activations:
+
+    h   = silu(a1) * a3
+    da1 = w_r * dh * a3 * silu'(a1),  da3 = w_r * dh * silu(a1),  hw = w_r * h
+    part[0, r] = sum_h dh * h        (d(topk_weights) of the row's slot: <dy, y> = <dh, h>)
+
+Tiles: BLOCK_R rows per program, an inner loop over H in BLOCK_H columns (the row's dot product
+accumulates in fp32 across it, in fixed column order: deterministic). Programs wholly past the
+used rows exit; padding rows have dh = 0 (zero dy rows) and store zeros.
+Waits on: dh and the plan (stream order). Signals: nothing.
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+from torchtitan_megamoe.ops.hopper.plan import Plan
+from torchtitan_megamoe.ops.hopper.kernels.tiling import next_power_of_2
+
+
+@triton.jit
+def _swiglu_bwd_rows_kernel(
+    dh_ptr, a_ptr, tw_ptr, row_slot_ptr, used_ptr,
+    da_ptr, hw_ptr, part_ptr,
+    H, s_dh, s_a, s_da, s_hw,
+    BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    if pid * BLOCK_R >= tl.load(used_ptr):
+        return
+    r = pid * BLOCK_R + tl.arange(0, BLOCK_R)
+    r64 = r.to(tl.int64)
+    slot = tl.load(row_slot_ptr + r)
+    w = tl.load(tw_ptr + tl.where(slot >= 0, slot, 0), mask=slot >= 0, other=0.0).to(tl.float32)
+    dot = tl.zeros((BLOCK_R,), dtype=tl.float32)
+    for h0 in range(0, H, BLOCK_H):
+        c = h0 + tl.arange(0, BLOCK_H)
+        m = c[None, :] < H
+        dh = tl.load(dh_ptr + r64[:, None] * s_dh + c[None, :], mask=m, other=0.0).to(tl.float32)
+        a1 = tl.load(a_ptr + r64[:, None] * s_a + c[None, :], mask=m, other=0.0).to(tl.float32)
+        a3 = tl.load(a_ptr + r64[:, None] * s_a + H + c[None, :], mask=m, other=0.0).to(tl.float32)
+        sig = tl.sigmoid(a1)
+        silu = a1 * sig
+        h = silu * a3
+        dot += tl.sum(dh * h, axis=1)
+        dhw = dh * w[:, None]
+        da1 = dhw * a3 * (sig + silu * (1.0 - sig))
+        da3 = dhw * silu
+        out_t = da_ptr.dtype.element_ty
+        tl.store(da_ptr + r64[:, None] * s_da + c[None, :], da1.to(out_t), mask=m)
+        tl.store(da_ptr + r64[:, None] * s_da + H + c[None, :], da3.to(out_t), mask=m)
+        tl.store(hw_ptr + r64[:, None] * s_hw + c[None, :], (h * w[:, None]).to(out_t), mask=m)
+    tl.store(part_ptr + r, dot)
+
+
+def swiglu_bwd_rows(dh: torch.Tensor, a: torch.Tensor, topk_weights: torch.Tensor, plan: Plan,
+                    out: tuple | None = None, block_r: int = 8, block_h: int = 256):
+    """(da [R_max, 2H], hw [R_max, H], part [1, R_max] fp32) from dh [R_max, H] and the saved
+    a [R_max, 2H]; rows past the used ones are left unwritten (never read)."""
+    R, H = dh.shape
+    if a.shape != (R, 2 * H) or plan.max_rows != R:
+        raise ValueError(f"a must be [{R}, {2 * H}] for dh {tuple(dh.shape)} and the plan's "
+                         f"{plan.max_rows} rows, got {tuple(a.shape)}")
+    if R % block_r:
+        raise ValueError(f"block_r {block_r} must divide the row space ({R} rows)")
+    if out is None:
+        out = (torch.empty(R, 2 * H, dtype=dh.dtype, device=dh.device),
+               torch.empty(R, H, dtype=dh.dtype, device=dh.device),
+               torch.empty(1, R, dtype=torch.float32, device=dh.device))
+    da, hw, part = out
+    assert part.shape == (1, R) and part.is_contiguous()
+    for t in (dh, a, da, hw):
+        assert t.stride(-1) == 1
+    tw = topk_weights.reshape(-1).contiguous()
+    block_h = min(block_h, next_power_of_2(H))
+    _swiglu_bwd_rows_kernel[(R // block_r,)](
+        dh, a, tw, plan.row_slot, plan.num_rows_used, da, hw, part,
+        H, dh.stride(0), a.stride(0), da.stride(0), hw.stride(0),
+        BLOCK_R=block_r, BLOCK_H=block_h, num_warps=4,
+    )
+    return da, hw, part

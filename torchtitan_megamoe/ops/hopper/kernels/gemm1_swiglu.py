@@ -1,0 +1,242 @@
+"""Grouped GEMM 1 with SwiGLU in the epilogue: h[r] = silu(x_r @ w1[e]^T) * (x_r @ w3[e]^T).
+
+Tiles: BLOCK_M rows x BLOCK_N hidden columns; the K loop walks D in BLOCK_K steps and feeds two
+fp32 accumulators (w1 and w3 share the A tile, so x is read once for both). Row r reads its
+token x[row_slot[r] // top_k] by indirection (no permuted copy of x); padding rows (slot -1)
+load zeros, so their h is exactly 0. Each tile belongs to one expert (segments are padded to
+the plan's block_m, a multiple of BLOCK_M); tiles past the used rows exit at once. PERSISTENT:
+one program per SM loops over the tiles of the used rows (count read on device).
+
+Optional pre-activation output (``save_a=True``, what the forward saves for the backward so
+kernel A need not recompute GEMM 1): a [R_max, 2H] in x.dtype, a1 = x_r @ w1[e]^T in columns
+[0, H) and a3 = x_r @ w3[e]^T in [H, 2H) (the layout of the backward's da, so kernel A reads a1
+and a3 of an H tile with the same row offsets it stores da with). Both are the fp32 accumulators
+rounded once to bf16, stored in the epilogue next to h; padding rows store zeros. Off by default
+(then the kernel is the same compiled variant as before: SAVE_A is a constexpr).
+
+Waits on: nothing inside the launch (EP=1; inputs are ready when it starts).
+Signals: nothing; h [R_max, H] bf16 (and a) are complete when the launch is.
+"""
+
+import torch
+import triton
+import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
+
+from torchtitan_megamoe.ops.hopper.cuda.gemm1_swiglu import gemm1_swiglu_sm90, shape_supported
+from torchtitan_megamoe.ops.hopper.cuda.sm90 import BULK_STORE, sm90_usable
+from torchtitan_megamoe.ops.hopper.plan import Plan
+from torchtitan_megamoe.ops.hopper.kernels.tiling import (
+    cast_out, grouped_tile, launch_config, persistent_programs,
+)
+from torchtitan_megamoe.ops.hopper.tune import bucket as _bucket
+from torchtitan_megamoe.ops.hopper.tune import interpreter_needs_f32_dot, pick_config
+
+
+@triton.jit
+def _gemm1_tile(
+    pid_m, pid_n, expert,
+    x_ptr, w1_ptr, w3_ptr, w1_desc, w3_desc, h_ptr, a_ptr, h_desc, a_desc, row_slot_ptr,
+    H, D, stride_x, stride_we, stride_wh, stride_h, stride_a,
+    TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    F32_DOT: tl.constexpr, USE_TMA: tl.constexpr, WARP_SPEC: tl.constexpr, SAVE_A: tl.constexpr,
+):
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    slot = tl.load(row_slot_ptr + rows)
+    has_row = slot >= 0
+    tok = tl.where(has_row, slot // TOP_K, 0).to(tl.int64)
+    offs_k = tl.arange(0, BLOCK_K)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+
+    a_ptrs = x_ptr + tok[:, None] * stride_x + offs_k[None, :]
+    w_off = expert.to(tl.int64) * stride_we + offs_n[None, :].to(tl.int64) * stride_wh + offs_k[:, None]
+    w_row = expert * H + pid_n * BLOCK_N  # row of the [E*H, D] weight view (TMA path)
+    acc1 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc3 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k in tl.range(0, D, BLOCK_K, warp_specialize=WARP_SPEC):
+        a = tl.load(a_ptrs, mask=has_row[:, None], other=0.0)
+        if USE_TMA:
+            # bulk tensor copies of the weight tiles; A rows are gathered, so they stay
+            # pointer loads (Hopper's TMA has no row gather)
+            b1 = w1_desc.load([w_row, k]).T
+            b3 = w3_desc.load([w_row, k]).T
+        else:
+            b1 = tl.load(w1_ptr + w_off)
+            b3 = tl.load(w3_ptr + w_off)
+        if F32_DOT:
+            a, b1, b3 = a.to(tl.float32), b1.to(tl.float32), b3.to(tl.float32)
+        acc1 = tl.dot(a, b1, acc1)
+        acc3 = tl.dot(a, b3, acc3)
+        a_ptrs += BLOCK_K
+        w_off += BLOCK_K
+
+    h = acc1 * tl.sigmoid(acc1) * acc3
+    if SAVE_A and USE_TMA:
+        # The tile's rows are contiguous in the row space: descriptor stores keep three
+        # [BLOCK_M, BLOCK_N] 64-bit pointer tensors out of the registers (they spilled).
+        row0 = (pid_m * BLOCK_M).to(tl.int32)
+        col0 = (pid_n * BLOCK_N).to(tl.int32)
+        a_desc.store([row0, col0], cast_out(acc1, a_ptr.dtype.element_ty, F32_DOT))
+        a_desc.store([row0, H + col0], cast_out(acc3, a_ptr.dtype.element_ty, F32_DOT))
+        h_desc.store([row0, col0], cast_out(h, h_ptr.dtype.element_ty, F32_DOT))
+    else:
+        if SAVE_A:
+            a_ptrs = a_ptr + rows[:, None].to(tl.int64) * stride_a + offs_n[None, :]
+            tl.store(a_ptrs, cast_out(acc1, a_ptr.dtype.element_ty, F32_DOT))
+            tl.store(a_ptrs + H, cast_out(acc3, a_ptr.dtype.element_ty, F32_DOT))
+        h_ptrs = h_ptr + rows[:, None].to(tl.int64) * stride_h + offs_n[None, :]
+        tl.store(h_ptrs, cast_out(h, h_ptr.dtype.element_ty, F32_DOT))
+
+
+@triton.jit
+def _gemm1_swiglu_kernel(
+    x_ptr, w1_ptr, w3_ptr, w1_desc, w3_desc, h_ptr, a_ptr, h_desc, a_desc, row_slot_ptr,
+    tile_expert_ptr,
+    num_rows_used_ptr, num_m_tiles, H, D, stride_x, stride_we, stride_wh, stride_h, stride_a,
+    TOP_K: tl.constexpr, PLAN_BM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, F32_DOT: tl.constexpr,
+    USE_TMA: tl.constexpr, WARP_SPEC: tl.constexpr, PERSISTENT: tl.constexpr,
+    SAVE_A: tl.constexpr,
+):
+    num_n = H // BLOCK_N
+    if PERSISTENT:
+        # one program per SM walks the tiles of the USED rows only (read on device), so tiles
+        # past the end cost nothing and the next tile's loads overlap this tile's epilogue
+        num_m = tl.load(num_rows_used_ptr) // BLOCK_M
+        for t in tl.range(tl.program_id(0), num_m * num_n, tl.num_programs(0), flatten=True):
+            pid_m, pid_n = grouped_tile(t, num_m, num_n, GROUP_M)
+            expert = tl.load(tile_expert_ptr + (pid_m * BLOCK_M) // PLAN_BM)
+            if expert >= 0:  # -1: a tile another launch of a phased plan computes
+                _gemm1_tile(
+                    pid_m, pid_n, expert, x_ptr, w1_ptr, w3_ptr, w1_desc, w3_desc, h_ptr, a_ptr,
+                    h_desc, a_desc, row_slot_ptr, H, D, stride_x, stride_we, stride_wh, stride_h,
+                    stride_a, TOP_K, BLOCK_M, BLOCK_N, BLOCK_K, F32_DOT, USE_TMA, WARP_SPEC, SAVE_A,
+                )
+    else:
+        pid_m, pid_n = grouped_tile(tl.program_id(0), num_m_tiles, num_n, GROUP_M)
+        expert = tl.load(tile_expert_ptr + (pid_m * BLOCK_M) // PLAN_BM)
+        if expert >= 0:  # tiles past the used rows exit at once
+            _gemm1_tile(
+                pid_m, pid_n, expert, x_ptr, w1_ptr, w3_ptr, w1_desc, w3_desc, h_ptr, a_ptr,
+                h_desc, a_desc, row_slot_ptr, H, D, stride_x, stride_we, stride_wh, stride_h, stride_a,
+                TOP_K, BLOCK_M, BLOCK_N, BLOCK_K, F32_DOT, USE_TMA, WARP_SPEC, SAVE_A,
+            )
+
+
+# Hopper candidates; the tuner times them once per shape. Two accumulators double the register
+# footprint of a plain GEMM tile, hence BLOCK_N <= 128.
+GPU_CONFIGS = [
+    # H200 runs 1-2: TMA/3 stages/GROUP_M 8 won at both shapes (1.45 ms 30B, 5.38 ms 235B);
+    # pointer loads were 4-20% slower, 64-row tiles and 4-stage variants slower still
+    dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=3, USE_TMA=True),
+    dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=3, USE_TMA=False),
+    dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=16, num_warps=8, num_stages=3, USE_TMA=True),
+    # deeper pipeline: 4 x 48 KiB of shared memory per CTA (2 x 96 KiB with BLOCK_K 128 lost
+    # by 40-50% at both shapes in every 2026-11-30 run, so it is no longer compiled and timed)
+    dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=4, USE_TMA=True),
+    # producer/consumer warp specialization of the K loop (compiler-dependent; a config the
+    # compiler rejects is skipped by the tuner)
+    dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=3, USE_TMA=True, WARP_SPEC=True),
+    # persistent grid (one program per SM over the used tiles)
+    dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=3, USE_TMA=True, PERSISTENT=True),
+    dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=16, num_warps=8, num_stages=3, USE_TMA=True, PERSISTENT=True),
+    # GROUP_M "wave": one group per wave of resident programs (SMs // N tiles M tiles), so the
+    # tiles sharing an A or a weight tile run concurrently and hit in L2
+    dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M="wave", num_warps=8, num_stages=3, USE_TMA=True, PERSISTENT=True),
+    dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M="wave", num_warps=8, num_stages=3, USE_TMA=True),
+    # hidden sizes that are multiples of 64 but not 128 (the fallback: where a 128-wide tile
+    # fits, this one lost by 20-40%, so it is only offered where none does)
+    dict(BLOCK_M=128, BLOCK_N=64, BLOCK_K=64, GROUP_M=8, num_warps=4, num_stages=4),
+]
+# The warp-specialized CUDA kernel (csrc/grouped_gemm_sm90.cu: TMA weights, cp.async row
+# gathers, wgmma, a global tile ticket), offered where it builds (an sm_90 GPU and nvcc;
+# MEGAMOE_CUDA=0 turns it off) and the shape fits its tiles. Measured on the H200 (docs/PERF.md,
+# 2026-11-30 06:5x), GEMM 1 alone: with the bulk-tensor-store epilogue it beats the Triton
+# kernel at the 30B shape (1.37 vs 1.44 ms; 1.51 vs 1.79 with the training forward's a1/a3
+# store) and loses at 235B (5.8 vs 5.1), where the tuner keeps Triton. Its cluster-of-2 and
+# other variants never won; experiments/ncu_gemm1.py still times them.
+SM90_CONFIGS = [
+    dict(IMPL="sm90", BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, CLUSTER=1,
+         DEFINES=BULK_STORE),
+    dict(IMPL="sm90", BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, CLUSTER=1),
+]
+
+
+def gemm1_swiglu(
+    x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, plan: Plan, config: dict | None = None,
+    save_a: bool = False,
+    out: torch.Tensor | tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """h [R_max, H] in x.dtype for the rows of ``plan`` (padding rows are 0); with ``save_a``,
+    (h, a) where a [R_max, 2H] holds [a1 | a3] (see the module docstring). ``out``: the h (or
+    (h, a)) to write; the launches of a phased plan's phases share them. Tiles whose
+    tile_expert is -1 are skipped."""
+    E, H, D = w1.shape
+    assert x.is_contiguous() and w1.is_contiguous() and w3.is_contiguous()
+    R = plan.max_rows
+    if out is None:
+        h = torch.empty((R, H), dtype=x.dtype, device=x.device)
+        a = torch.empty((R, 2 * H), dtype=x.dtype, device=x.device) if save_a else h
+    else:
+        h, a = out if save_a else (out, out)
+        assert h.shape == (R, H) and a.shape[0] == R and h.is_contiguous() and a.is_contiguous()
+
+    def launch(cfg, a_out=a if save_a else None):  # a_out: where a1/a3 go, None: not stored
+        store_a = a_out is not None
+        bm, bn, bk = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
+        assert plan.block_m % bm == 0 and H % bn == 0 and D % bk == 0, (cfg, H, D)
+        if cfg.get("IMPL") == "sm90":
+            group_m = 0 if cfg["GROUP_M"] == "wave" else cfg["GROUP_M"]  # 0: the kernel's wave
+            gemm1_swiglu_sm90(x, w1, w3, plan, h, a_out, group_m=group_m,
+                              cluster=cfg["CLUSTER"], defines=cfg.get("DEFINES", ()),
+                              dynamic=not cfg.get("STATIC", False))
+            return
+        num_m = R // bm
+        cfg, grid = launch_config(cfg, num_m * (H // bn), x.device)
+        if cfg["GROUP_M"] == "wave":
+            cfg["GROUP_M"] = max(1, persistent_programs(x.device) // (H // bn))
+        a_ptr = a_out if store_a else h  # a placeholder when nothing is stored
+        d1, d3, dh, da = w1, w3, h, a_ptr  # placeholders on the pointer path
+        if cfg["USE_TMA"]:
+            d1 = TensorDescriptor.from_tensor(w1.view(E * H, D), [bn, bk])
+            d3 = TensorDescriptor.from_tensor(w3.view(E * H, D), [bn, bk])
+            if store_a:
+                dh = TensorDescriptor.from_tensor(h, [bm, bn])
+                da = TensorDescriptor.from_tensor(a_out, [bm, bn])
+        _gemm1_swiglu_kernel[grid](
+            x, w1, w3, d1, d3, h, a_ptr, dh, da, plan.row_slot, plan.tile_expert,
+            plan.num_rows_used, num_m, H, D,
+            x.stride(0), w1.stride(0), w1.stride(1), h.stride(0), a_ptr.stride(0),
+            TOP_K=plan.top_k, PLAN_BM=plan.block_m, F32_DOT=interpreter_needs_f32_dot(),
+            SAVE_A=store_a, **cfg,
+        )
+
+    # One pick per shape for both variants: h must be bitwise the same with and without the
+    # store, since activation checkpointing recomputes a forward with save_a whose first run had
+    # none, and the Triton and CUDA kernels round SwiGLU differently. The candidates are timed
+    # with the a1/a3 store whichever variant runs first (a scratch a when the call has none):
+    # timed without it, the tuner once took a Triton config at 235B for a 4% inference lead
+    # (5.20 vs 5.41 ms) that takes 7.08 ms with the store against the sm90 kernel's 5.73
+    # (docs/PERF.md session 19).
+    key = (_bucket(R), H, D, E, plan.block_m)
+    tune_a = []  # the scratch a, made only if the tuner runs
+
+    def tune_launch(cfg):
+        if save_a:
+            return launch(cfg)
+        if not tune_a:
+            tune_a.append(torch.empty((R, 2 * H), dtype=x.dtype, device=x.device))
+        return launch(cfg, tune_a[0])
+
+    def candidates():  # built only until the tuner has picked (pick_config)
+        cands = [c for c in GPU_CONFIGS if H % c["BLOCK_N"] == 0 and D % c["BLOCK_K"] == 0]
+        if any(c["BLOCK_N"] == 128 for c in cands):
+            cands = [c for c in cands if c["BLOCK_N"] == 128]
+        if shape_supported(H, D, plan.block_m) and sm90_usable(x):
+            cands += SM90_CONFIGS
+        return cands
+
+    cfg = config or pick_config("gemm1_swiglu", key, candidates, tune_launch,
+                                outputs=lambda _: (h, a if save_a else tune_a[0]))
+    launch(cfg)
+    return (h, a) if save_a else h

@@ -1,0 +1,180 @@
+"""Grouped GEMM 2 into the row space: y[r] = h_r @ w2[e]^T for every row r of the plan.
+
+Tiles: BLOCK_M rows x BLOCK_N output columns (of D); the K loop walks H in BLOCK_K steps into
+one fp32 accumulator. A rows are read contiguously from h and the tile is stored to the same
+rows of y [R_max, D] (pointer stores, or one bulk tensor store with TMA_STORE): row space, not
+slot space, so every tile is one contiguous store instead of a row scatter, and the combine
+finds slot s's row through plan.slot_row. (Memory: y has R_max rows, the static bound, about
+as many as the slot buffer it replaced.) Padding rows store zeros (h is 0 there); tiles past the used rows and tiles
+whose tile_expert is -1 (another phase of a phased plan) store nothing.
+PERSISTENT: one program per SM loops over the tiles of the used rows (count read on device).
+
+Waits on: nothing inside the launch (h is complete when GEMM 1's launch is).
+Signals: nothing; y is complete when the launch is.
+"""
+
+import torch
+import triton
+import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
+
+from torchtitan_megamoe.ops.hopper.cuda.gemm_rows import gemm_rows_sm90, shape_supported
+from torchtitan_megamoe.ops.hopper.cuda.sm90 import BULK_STORE, sm90_usable
+from torchtitan_megamoe.ops.hopper.plan import Plan
+from torchtitan_megamoe.ops.hopper.kernels.tiling import cast_out, grouped_tile, launch_config
+from torchtitan_megamoe.ops.hopper.tune import bucket as _bucket
+from torchtitan_megamoe.ops.hopper.tune import interpreter_needs_f32_dot, pick_config
+
+
+@triton.jit
+def _gemm2_tile(
+    pid_m, pid_n, expert,
+    h_ptr, w2_ptr, h_desc, w2_desc, y_ptr, y_desc,
+    D, H, stride_h, stride_we, stride_wd, stride_y,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    F32_DOT: tl.constexpr, USE_TMA: tl.constexpr, WARP_SPEC: tl.constexpr,
+    TMA_STORE: tl.constexpr,
+):
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_k = tl.arange(0, BLOCK_K)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    a_ptrs = h_ptr + rows[:, None].to(tl.int64) * stride_h + offs_k[None, :]
+    w_ptrs = (
+        w2_ptr
+        + expert.to(tl.int64) * stride_we
+        + offs_n[None, :].to(tl.int64) * stride_wd
+        + offs_k[:, None]
+    )
+    w_row = expert * D + pid_n * BLOCK_N  # row of the [E*D, H] weight view (TMA path)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k in tl.range(0, H, BLOCK_K, warp_specialize=WARP_SPEC):
+        if USE_TMA:
+            a = h_desc.load([pid_m * BLOCK_M, k])
+            b = w2_desc.load([w_row, k]).T
+        else:
+            a = tl.load(a_ptrs)
+            b = tl.load(w_ptrs)
+        if F32_DOT:
+            a, b = a.to(tl.float32), b.to(tl.float32)
+        acc = tl.dot(a, b, acc)
+        a_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+
+    y = cast_out(acc, y_ptr.dtype.element_ty, F32_DOT)
+    if TMA_STORE:
+        y_desc.store([pid_m * BLOCK_M, pid_n * BLOCK_N], y)
+    else:
+        tl.store(y_ptr + rows[:, None].to(tl.int64) * stride_y + offs_n[None, :], y)
+
+
+@triton.jit
+def _gemm2_rows_kernel(
+    h_ptr, w2_ptr, h_desc, w2_desc, y_ptr, y_desc, tile_expert_ptr, num_rows_used_ptr,
+    num_m_tiles, D, H, stride_h, stride_we, stride_wd, stride_y,
+    PLAN_BM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr, F32_DOT: tl.constexpr, USE_TMA: tl.constexpr,
+    WARP_SPEC: tl.constexpr, PERSISTENT: tl.constexpr, TMA_STORE: tl.constexpr,
+):
+    num_n = D // BLOCK_N
+    if PERSISTENT:
+        num_m = tl.load(num_rows_used_ptr) // BLOCK_M
+        for t in tl.range(tl.program_id(0), num_m * num_n, tl.num_programs(0), flatten=True):
+            pid_m, pid_n = grouped_tile(t, num_m, num_n, GROUP_M)
+            expert = tl.load(tile_expert_ptr + (pid_m * BLOCK_M) // PLAN_BM)
+            if expert >= 0:  # -1: a tile another launch of a phased plan computes
+                _gemm2_tile(
+                    pid_m, pid_n, expert, h_ptr, w2_ptr, h_desc, w2_desc, y_ptr, y_desc,
+                    D, H, stride_h, stride_we, stride_wd, stride_y,
+                    BLOCK_M, BLOCK_N, BLOCK_K, F32_DOT, USE_TMA, WARP_SPEC, TMA_STORE,
+                )
+    else:
+        pid_m, pid_n = grouped_tile(tl.program_id(0), num_m_tiles, num_n, GROUP_M)
+        expert = tl.load(tile_expert_ptr + (pid_m * BLOCK_M) // PLAN_BM)
+        if expert >= 0:  # tiles past the used rows exit at once
+            _gemm2_tile(
+                pid_m, pid_n, expert, h_ptr, w2_ptr, h_desc, w2_desc, y_ptr, y_desc,
+                D, H, stride_h, stride_we, stride_wd, stride_y,
+                BLOCK_M, BLOCK_N, BLOCK_K, F32_DOT, USE_TMA, WARP_SPEC, TMA_STORE,
+            )
+
+
+GPU_CONFIGS = [
+    # H200 runs 1-2: 128x256 TMA tiles won (30B 0.82-0.87 ms; 235B 3.09 ms, warp-specialized
+    # about as fast); pointer loads 5-15% slower, 128x128x64 tiles ~15% slower
+    dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=3, USE_TMA=True),
+    dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=4, USE_TMA=True),
+    dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, GROUP_M=16, num_warps=8, num_stages=3, USE_TMA=True),
+    dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=3, USE_TMA=True, WARP_SPEC=True),
+    # the output tile as one bulk tensor store (+64 KiB of shared memory for the staging tile)
+    dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=3, USE_TMA=True, TMA_STORE=True),
+    # persistent grid (one program per SM over the used tiles)
+    dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=3, USE_TMA=True, PERSISTENT=True),
+    dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=3, USE_TMA=True, PERSISTENT=True, TMA_STORE=True),
+    dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=4, USE_TMA=True, PERSISTENT=True),
+    # any dim/hidden that are multiples of 64 (the shapes above need multiples of their tiles)
+    dict(BLOCK_M=128, BLOCK_N=64, BLOCK_K=64, GROUP_M=8, num_warps=4, num_stages=4),
+]
+# The warp-specialized CUDA kernel (csrc/grouped_gemm_sm90.cu, ROWS mode: TMA for both operands,
+# wgmma, a global tile ticket), offered where it builds (sm_90 + nvcc; MEGAMOE_CUDA=0: never)
+# and the shape fits its 128 x 256 tiles. The bulk-store epilogue variant first: it won GEMM 1.
+SM90_CONFIGS = [
+    dict(IMPL="sm90", BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, GROUP_M=8,
+         DEFINES=BULK_STORE),
+    dict(IMPL="sm90", BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, GROUP_M=8),
+]
+
+
+def gemm2_rows(
+    h: torch.Tensor,
+    w2: torch.Tensor,
+    plan: Plan,
+    out_dtype: torch.dtype | None = None,
+    config: dict | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """y [R_max, D]: row r holds the expert output of row r (slot plan.row_slot[r]); rows past
+    the used ones are left unwritten and must not be read (the combine reaches rows only
+    through plan.slot_row). ``out``: the y to write (the launches of a phased plan's phases
+    share one)."""
+    E, D, H = w2.shape
+    assert h.is_contiguous() and w2.is_contiguous() and h.shape == (plan.max_rows, H)
+    R = plan.max_rows
+    y = out if out is not None else torch.empty((R, D), dtype=out_dtype or h.dtype,
+                                                device=h.device)
+    assert y.shape == (R, D) and y.is_contiguous()
+
+    def launch(cfg):
+        bm, bn, bk = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
+        assert plan.block_m % bm == 0 and D % bn == 0 and H % bk == 0, (cfg, D, H)
+        if cfg.get("IMPL") == "sm90":
+            gemm_rows_sm90(h, w2, plan, y, group_m=cfg["GROUP_M"], defines=cfg.get("DEFINES", ()),
+                           dynamic=not cfg.get("STATIC", False))
+            return
+        num_m = R // bm
+        cfg, grid = launch_config(cfg, num_m * (D // bn), h.device,
+                                  ("USE_TMA", "WARP_SPEC", "PERSISTENT", "TMA_STORE"))
+        dh, dw, dy = h, w2, y  # placeholders on the pointer paths
+        if cfg["USE_TMA"]:
+            dh = TensorDescriptor.from_tensor(h, [bm, bk])
+            dw = TensorDescriptor.from_tensor(w2.view(E * D, H), [bn, bk])
+        if cfg["TMA_STORE"]:
+            dy = TensorDescriptor.from_tensor(y, [bm, bn])
+        _gemm2_rows_kernel[grid](
+            h, w2, dh, dw, y, dy, plan.tile_expert, plan.num_rows_used,
+            num_m, D, H,
+            h.stride(0), w2.stride(0), w2.stride(1), y.stride(0),
+            PLAN_BM=plan.block_m, F32_DOT=interpreter_needs_f32_dot(),
+            **cfg,
+        )
+
+    key = (_bucket(R), H, D, E, plan.block_m)
+    def candidates():  # built only until the tuner has picked (pick_config)
+        cands = [c for c in GPU_CONFIGS if D % c["BLOCK_N"] == 0 and H % c["BLOCK_K"] == 0]
+        bf16 = h.dtype == w2.dtype == y.dtype == torch.bfloat16
+        if bf16 and shape_supported(D, H, plan.block_m) and sm90_usable(h):
+            cands += SM90_CONFIGS
+        return cands
+
+    cfg = config or pick_config("gemm2_rows", key, candidates, launch, outputs=lambda _: (y,))
+    launch(cfg)
+    return y

@@ -1,0 +1,91 @@
+"""EP=1 forward: plan -> GEMM 1 + SwiGLU -> GEMM 2 (row space) -> combine.
+
+Workspace per call (freed by the caching allocator afterwards): h [R_max, H] and
+y [R_max, D] in x.dtype, plus O(T*K) int32 plan vectors. R_max = T*K + E*(block_m-1) rounded up
+to block_m, an exact static bound, so no routing can overflow at EP=1.
+
+With ``save=True`` (what the op does for autograd) two tensors outlive the call until the
+backward: a = [a1 | a3] [R_max, 2H] in x.dtype (GEMM 1's pre-activations, stored by its epilogue)
+and the plan packed into one int32 vector (plan.pack_plan, R_max + T*K + R_max/block_m + 2E + 1
+entries). At T=16384, K=8, E=128, block_m=128 (R_max = 147,328): a is 432 MiB at the 30B shape
+(H=768), 864 MiB at 235B (H=1536); the packed plan 1.1 MiB. backward.py compares with stock.
+"""
+
+import torch
+
+from torchtitan_megamoe.ops.hopper.kernels.combine import combine
+from torchtitan_megamoe.ops.hopper.kernels.gemm1_swiglu import gemm1_swiglu
+from torchtitan_megamoe.ops.hopper.kernels.gemm2_rows import gemm2_rows
+from torchtitan_megamoe.ops.hopper.plan import build_plan, max_rows, pack_plan, packed_plan_numel
+from torchtitan_megamoe.ops.hopper.tune import interpreting
+
+BLOCK_M = 128
+"""Plan tile height on the GPU; every GEMM candidate's BLOCK_M divides it."""
+
+# The CPU interpreter runs numpy per program: small tiles keep tests quick and still cover
+# several tiles per expert.
+INTERPRET_BLOCK_M = 16
+INTERPRET_GEMM_CONFIG = dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=16, GROUP_M=2, num_warps=1, num_stages=1)
+
+
+def min_multiple() -> int:
+    """What D and H must be multiples of (the smallest BLOCK_N / BLOCK_K the kernels use)."""
+    return INTERPRET_GEMM_CONFIG["BLOCK_K"] if interpreting() else 64
+
+
+def interpret_defaults(block_m, gemm1_config, gemm2_config):
+    if interpreting():
+        block_m = block_m or INTERPRET_BLOCK_M
+        gemm1_config = gemm1_config or INTERPRET_GEMM_CONFIG
+        gemm2_config = gemm2_config or INTERPRET_GEMM_CONFIG
+    return block_m or BLOCK_M, gemm1_config, gemm2_config
+
+
+def forward_ep1(
+    x: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    w1: torch.Tensor,
+    w2: torch.Tensor,
+    w3: torch.Tensor,
+    block_m: int | None = None,
+    gemm1_config: dict | None = None,
+    gemm2_config: dict | None = None,
+    save: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+    """out [T, D]; with ``save``, (out, saved) where saved = (a, packed_plan) is what
+    backward.backward_local(..., saved=saved) reads instead of recomputing GEMM 1 and the plan.
+    A saved tuple is only valid with the default block_m (the backward's)."""
+    block_m, gemm1_config, gemm2_config = interpret_defaults(block_m, gemm1_config, gemm2_config)
+    x = x.contiguous()
+    w1, w2, w3 = w1.contiguous(), w2.contiguous(), w3.contiguous()
+    E = w1.shape[0]
+    plan = build_plan(topk_ids, E, block_m, id_limit=E)
+    from torchtitan_megamoe.ops.api import ids_range_message  # api imports this package lazily
+
+    torch._assert_async(plan.ids_ok, ids_range_message(E, 1))
+    if save:
+        h, a = gemm1_swiglu(x, w1, w3, plan, config=gemm1_config, save_a=True)
+    else:
+        h = gemm1_swiglu(x, w1, w3, plan, config=gemm1_config)
+    y = gemm2_rows(h, w2, plan, config=gemm2_config)
+    del h
+    out = combine(y, topk_weights.contiguous(), plan.slot_row, x.dtype)
+    if not save:
+        return out
+    return out, (a, pack_plan(plan))
+
+
+def saved_like(x: torch.Tensor, topk_ids: torch.Tensor, w1: torch.Tensor,
+               phases: int = 1) -> list[torch.Tensor]:
+    """Empty tensors shaped like forward_ep1(..., save=True)'s saved tuple (fake impls, meta):
+    every size is a static function of (T, K, E_local, H, block_m); ``phases`` for the EP
+    forward's phased plan."""
+    block_m, _, _ = interpret_defaults(None, None, None)
+    T, K = topk_ids.shape
+    E, H, _ = w1.shape
+    R = max_rows(T * K, E, block_m, phases)
+    return [
+        x.new_empty((R, 2 * H)),
+        x.new_empty((packed_plan_numel(T, K, E, block_m, phases),), dtype=torch.int32),
+    ]
