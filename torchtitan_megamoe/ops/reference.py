@@ -47,7 +47,8 @@ def forward(x, topk_ids, topk_weights, w1, w2, w3, group, precision, save=False)
     y_slots = route.to_slots(y, T * K)
     # a dropped slot contributes nothing, whatever its weight holds (even NaN)
     weights = topk_weights.to(y_slots.dtype).masked_fill(topk_ids < 0, 0).unsqueeze(-1)
-    out = (weights * y_slots.view(T, K, -1)).sum(dim=1).to(x.dtype)
+    # explicit row width: with T = 0 tokens a -1 in view() would be ambiguous
+    out = (weights * y_slots.view(T, K, y_slots.shape[-1])).sum(dim=1).to(x.dtype)
     return (out, []) if save else out
 
 
@@ -68,7 +69,7 @@ def backward(grad_out, x, topk_ids, topk_weights, w1, w2, w3, group, precision, 
         fp8_fwd=precision == "fp8", fp8_bwd=precision in ("fp8", "fp8_bwd"),
     )
     dx_slots = route.to_slots(route.combine(dx_rows), T * K)
-    dx = dx_slots.view(T, K, -1).sum(dim=1)
+    dx = dx_slots.view(T, K, dx_slots.shape[-1]).sum(dim=1)
     dweights = route.to_slots(route.combine(dweight_rows), T * K).view(T, K)
     return (
         dx.to(x.dtype),

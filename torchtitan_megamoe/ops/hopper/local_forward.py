@@ -56,6 +56,11 @@ def forward_ep1(
     """out [T, D]; with ``save``, (out, saved) where saved = (a, packed_plan) is what
     backward.backward_local(..., saved=saved) reads instead of recomputing GEMM 1 and the plan.
     A saved tuple is only valid with the default block_m (the backward's)."""
+    if x.shape[0] == 0:
+        # No tokens: nothing to plan or launch (EP=1 only: an EP rank without tokens still
+        # takes part in the exchange, ep_forward.py). saved_like's T = 0 shapes: empty.
+        out = x.new_zeros(x.shape)
+        return (out, tuple(saved_like(x, topk_ids, w1))) if save else out
     block_m, gemm1_config, gemm2_config = interpret_defaults(block_m, gemm1_config, gemm2_config)
     x = x.contiguous()
     w1, w2, w3 = w1.contiguous(), w2.contiguous(), w3.contiguous()
@@ -84,6 +89,8 @@ def saved_like(x: torch.Tensor, topk_ids: torch.Tensor, w1: torch.Tensor,
     block_m, _, _ = interpret_defaults(None, None, None)
     T, K = topk_ids.shape
     E, H, _ = w1.shape
+    if T == 0:  # forward_ep1 returns at once: no pre-activations, no plan
+        return [x.new_empty((0, 2 * H)), x.new_empty((0,), dtype=torch.int32)]
     R = max_rows(T * K, E, block_m, phases)
     return [
         x.new_empty((R, 2 * H)),
