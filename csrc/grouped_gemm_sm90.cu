@@ -40,7 +40,7 @@
 //         swizzle pattern the wgmma descriptor expects), then
 //         cp.async.mbarrier.arrive.noinc(full[s]).
 //       (One TMA load per gathered row instead: correct but 1.3-2.2x slower in every mode, the
-//       TMA unit takes ~11 ns per load whatever its size; docs/PERF.md session 18, 96ffb6b.)
+//       TMA unit takes ~11 ns per load whatever its size; docs/PERF.md, Tried and rejected; 96ffb6b.)
 //     full[s] completes after 129 arrivals and 32 KiB of TMA bytes.
 //   warpgroups 1, 2 (consumers, 232 registers): rows [0, 64) and [64, 128) of the tile. Per
 //     stage: wait full[s], issue 4 wgmma, wait for them (MEGAMOE_SM90_WGMMA_LAG 1: for the
@@ -49,7 +49,7 @@
 //     stores of h (and a) straight from registers; meanwhile the producer already fills the ring
 //     with the next tile's stages.
 //   Why most of the epilogue is not overlapped with the next tile's MMAs (docs/PERF.md,
-//     sessions 16-17; docs/EPILOGUE_OVERLAP.md): a fourth (epilogue) warpgroup does not compile
+//     Tried and rejected): a fourth (epilogue) warpgroup does not compile
 //     (ptxas caps a 512-thread CTA at 128 registers per thread; the m64n256k16 wgmma needs 154:
 //     C7602); kernel A's SwiGLU backward run under the next tile's first K steps, consumers on
 //     alternate smaller tiles and CTA pairs sharing weights all measured slower. Only one store
@@ -168,7 +168,7 @@ constexpr int PASSES = BM / ROWS_PER_PASS;
 // two, so writing one waits only for the store before last to have read it (GEMM 2 stages two
 // column halves per tile, GEMM 1's training forward three tiles) instead of the one just
 // issued; 32 KiB more shared memory, so it needs MEGAMOE_SM90_STAGES=3. Measured (H200,
-// 2026-11-30, docs/PERF.md session 16): GEMM 2 at 30B -3.4% alone but level inside the tuner,
+// 2026-11-30, docs/PERF.md, Tried and rejected): GEMM 2 at 30B -3.4% alone but level inside the tuner,
 // the gathering GEMM 1 up to +12% (the lost stage), so it stays off.
 #define MEGAMOE_SM90_EPI_BUFFERS 1
 #endif
@@ -186,7 +186,7 @@ constexpr int PASSES = BM / ROWS_PER_PASS;
 // DGRAD_SWIGLU: 1 frees an epilogue stage only after the next stage's stores are issued (its
 // bulk reads then overlap the next stage's math), 0 right after its own stores are read.
 // Kernel A, 1 vs 0 (experiments/dgrad_variants.py, H200, 2026-11-30): 0.964 vs 1.007 ms at 30B,
-// 3.306 vs 3.445 at 235B (approximate-division sigmoid; repeated in session 15's last call)
+// 3.306 vs 3.445 at 235B (approximate-division sigmoid; fdb8bc4)
 #define MEGAMOE_SM90_EPI_LAZY 1
 #endif
 #ifndef MEGAMOE_SM90_ROWS_DEFER
@@ -194,19 +194,19 @@ constexpr int PASSES = BM / ROWS_PER_PASS;
 // column half to 32 bf16x2 registers and stages and stores it while the next tile's first
 // wgmma batch runs (predicated, no branch), so its wait for the first half's store to be read
 // and its shared-memory writes leave the tensor cores' idle time. 0: both halves in the
-// epilogue. Measured (experiments/rows_variants.py, H200, 2026-11-30, docs/PERF.md session 17):
+// epilogue. Measured (experiments/rows_variants.py, H200, 2026-11-30, docs/PERF.md, Kept after measuring):
 // GEMM 2 -3% at 30B, -6% at 235B; kernel C level at 30B, -3% at 235B. Not in WGRAD, where the
 // same deferral measured -2% at 30B but +5-8% on dw2 at 235B. Deferring the first half too
 // (64 packed registers, stored under the next tile's first two batches) was bitwise equal but
-// level or slower: GEMM 2 +3% / +2%, kernel C +6% / level (30B / 235B; session 18, 42220ae).
+// level or slower: GEMM 2 +3% / +2%, kernel C +6% / level (30B / 235B; 42220ae).
 #define MEGAMOE_SM90_ROWS_DEFER 1
 #endif
 #ifndef MEGAMOE_SM90_GEMM1_DEFER
 // GEMM 1 (GATHER mode) with TMA_STORE, lag 0, one staging tile, cluster 1: 1 holds the tile's
 // last [64, 128] store per warpgroup (h in inference, a3 in the training forward, after h and
 // a1) as 32 packed bf16x2 registers and stages and stores it under the next tile's first wgmma
-// batch, the ROWS_DEFER mechanism. 0: every store in the epilogue. Measured (scripts/
-// rows_variants.py, H200, 2026-12-01, docs/PERF.md session 19, outputs bitwise equal): inference
+// batch, the ROWS_DEFER mechanism. 0: every store in the epilogue. Measured (experiments/
+// rows_variants.py, H200, 2026-12-01, docs/PERF.md, Kept after measuring, bitwise equal): inference
 // level at 30B, -0.9% at 235B; training forward (h, a1, a3) -1.6% at 30B, -0.9% at 235B.
 #define MEGAMOE_SM90_GEMM1_DEFER 1
 #endif

@@ -217,7 +217,7 @@ def gemm1_swiglu(
     # with the a1/a3 store whichever variant runs first (a scratch a when the call has none):
     # timed without it, the tuner once took a Triton config at 235B for a 4% inference lead
     # (5.20 vs 5.41 ms) that takes 7.08 ms with the store against the sm90 kernel's 5.73
-    # (docs/PERF.md session 19).
+    # (docs/PERF.md, Kept after measuring; c89f3b5).
     key = (_bucket(R), H, D, E, plan.block_m)
     tune_a = []  # the scratch a, made only if the tuner runs
 

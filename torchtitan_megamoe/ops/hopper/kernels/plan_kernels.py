@@ -23,12 +23,12 @@ plus bin E for slots not computed here; E_PAD > E bins.
          padded to whole tiles, never by a whole tile). Increasing slot order inside each
          expert, as the torch path.
          Waits on: the count launch (stream order). Signals: nothing.
-The scan was a one-program launch of its own until 2026-11-30 (session 14): each launch before
+The scan was a one-program launch of its own until 2026-11-30 (1665cce): each launch before
 the first GEMM costs the H200 host tens of microseconds in a waited forward
-(tools/host_issue.py, docs/PERF.md session 14), more than the redundant scans' reads (256 KiB
+(tools/host_issue.py), more than the redundant scans' reads (256 KiB
 of L2 per program at 30B; estimated at a few microseconds, not measured alone). Measured before
 the sort (one-hot [BLOCK, E_PAD] cumsums, the tile map in the one-program scan): 25 + 35 + 46 us
-at 30B EP=1, 68 + 50 + 108 us at EP=2 (docs/PERF.md).
+at 30B EP=1, 68 + 50 + 108 us at EP=2 (before 65c9c50).
 """
 
 import torch
