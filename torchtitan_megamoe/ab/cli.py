@@ -7,8 +7,24 @@ import os
 import sys
 
 from torchtitan_megamoe.ab.comparison import DEFAULT_ATOL, DEFAULT_RTOL
-from torchtitan_megamoe.ab.configs import DEFAULT_CONFIG
+from torchtitan_megamoe.ab.configs import DEFAULT_CONFIG, parse_sides
 from torchtitan_megamoe.ab.driver import run_ab
+from torchtitan_megamoe.ab.stats import DEFAULT_ALPHA, DEFAULT_GAP_LIMIT, DEFAULT_WINDOW
+
+_SIDE_ARGS = ("--a-args", "--b-args")
+
+
+def _glue_side_args(argv: list[str]) -> list[str]:
+    # "--a-args '--compile.enable'": argparse would take the value for an option of its own.
+    out, i = [], 0
+    while i < len(argv):
+        if argv[i] in _SIDE_ARGS and i + 1 < len(argv):
+            out.append(f"{argv[i]}={argv[i + 1]}")
+            i += 2
+        else:
+            out.append(argv[i])
+            i += 1
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -19,8 +35,11 @@ def main(argv: list[str] | None = None) -> int:
         argv, extra = argv[:i], argv[i + 1 :]
     p = argparse.ArgumentParser(
         prog="python -m torchtitan_megamoe.ab",
-        description="Train one TorchTitan config stock and with the megamoe converter; compare.",
-        epilog="Arguments after -- go to torchtitan.train in both runs.",
+        description="Train one TorchTitan config stock and with the megamoe converter (or two "
+                    "other sides, --sides); compare.",
+        epilog="Arguments after -- go to torchtitan.train in every run. Multi-seed "
+               "(--seeds N): see torchtitan_megamoe/ab/stats.py for the statistics and the "
+               "verdict's rule.",
     )
     p.add_argument("--config", default=DEFAULT_CONFIG, help=f"TOML (default {DEFAULT_CONFIG})")
     p.add_argument("--nproc", type=int, default=1, help="processes (GPUs) per run (default 1)")
@@ -30,14 +49,58 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--timeout", type=float, default=1800.0, help="seconds per run")
     p.add_argument("--profile-step", type=int, default=None, metavar="N",
                    help="trace step N (>= 4) of both runs with TorchTitan's profiler; the report "
-                        "gains their kernel time by category (GPU runs)")
-    args = p.parse_args(argv)
+                        "gains their kernel time by category (GPU runs; with --seeds, the first "
+                        "seed's runs)")
+    g = p.add_argument_group("sides")
+    g.add_argument("--sides", default="stock,megamoe", metavar="A,B",
+                   help="the two sides, each KIND or LABEL=KIND with KIND stock (no converter) "
+                        "or megamoe (the converter); LABEL names its files and column "
+                        "(default stock,megamoe), e.g. fp8=megamoe,bf16=megamoe")
+    g.add_argument("--a-args", default="", metavar="'ARGS'",
+                   help="TorchTitan args of side A only, one quoted string, after the common "
+                        "ones, e.g. --a-args '--megamoe.precision fp8'")
+    g.add_argument("--b-args", default="", metavar="'ARGS'", help="likewise for side B")
+    s = p.add_argument_group(
+        "seeds", "train both sides from N seeds and judge the final-window mean losses")
+    s.add_argument("--seeds", type=int, default=None, metavar="N",
+                   help="seeds per side (TorchTitan's --debug.seed); without it, one A/B at "
+                        "the config's seed, judged step by step within --rtol/--atol")
+    s.add_argument("--seed-base", type=int, default=None, metavar="S",
+                   help="the seeds are S, S+1, ..., S+N-1 (default the config's [debug] seed, "
+                        "else 0)")
+    s.add_argument("--window", type=int, default=DEFAULT_WINDOW, metavar="W",
+                   help=f"final window: the last W steps (default {DEFAULT_WINDOW})")
+    s.add_argument("--alpha", type=float, default=DEFAULT_ALPHA,
+                   help=f"level of the paired t-test of the verdict (default {DEFAULT_ALPHA})")
+    s.add_argument("--gap-limit", type=float, default=DEFAULT_GAP_LIMIT, metavar="R",
+                   help="relative gap reported as within / beyond the goal (default "
+                        f"{DEFAULT_GAP_LIMIT}: 1%%)")
+    s.add_argument("--analyze", action="store_true",
+                   help="train nothing: read the seed<S>/<label>.log files already in --out "
+                        "(the same command without --analyze wrote them, e.g. one seed per "
+                        "call) and write the report")
+    args = p.parse_args(_glue_side_args(argv))
+    sides = parse_sides(args.sides, args.a_args, args.b_args)
+    seed_only = [o for o, v in (("--seed-base", args.seed_base is not None),
+                                ("--analyze", args.analyze)) if v]
+    if args.seeds is None and seed_only:
+        p.error(f"{', '.join(seed_only)} need --seeds N")
     # A SIGTERM (e.g. from `timeout`) becomes SystemExit, so the running torchrun is stopped too.
     import signal
 
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
-    res = run_ab(args.config, args.nproc, args.out, extra, args.rtol, args.atol, args.timeout,
-                 args.profile_step)
+    if args.seeds is None:
+        res = run_ab(args.config, args.nproc, args.out, extra, args.rtol, args.atol,
+                     args.timeout, args.profile_step, sides)
+        code = res.exit_code
+    else:
+        from torchtitan_megamoe.ab.seeds import run_seeds
+
+        code = run_seeds(
+            args.config, args.nproc, args.out, extra, args.seeds, sides, args.window,
+            args.alpha, args.gap_limit, args.rtol, args.atol, args.timeout, args.profile_step,
+            train=not args.analyze, seed_base=args.seed_base,
+        ).exit_code
     with open(os.path.join(args.out, "report.md")) as f:
         print(f.read())
-    return res.exit_code
+    return code

@@ -38,17 +38,25 @@ class Comparison:
     problems: list[str]
 
 
-def compare(stock: RunLog, conv: RunLog, rtol: float, atol: float) -> Comparison:
-    """Losses step by step; ok iff both logged the same steps and |a-b| <= atol + rtol*|a|."""
+def compare(
+    stock: RunLog,
+    conv: RunLog,
+    rtol: float,
+    atol: float,
+    names: tuple[str, str] = ("stock", "converter"),
+) -> Comparison:
+    """Losses step by step; ok iff both logged the same steps and |a-b| <= atol + rtol*|a|.
+    ``names`` name the two runs (A, B) in the problems."""
     a, b = stock.by_step(), conv.by_step()
+    na, nb = names
     problems = []
     if not a:
-        problems.append("the stock run logged no training step")
+        problems.append(f"the {na} run logged no training step")
     if not b:
-        problems.append("the converter run logged no training step")
+        problems.append(f"the {nb} run logged no training step")
     if set(a) != set(b) and a and b:
         problems.append(
-            f"the runs logged different steps: stock {sorted(a)}, converter {sorted(b)}"
+            f"the runs logged different steps: {na} {sorted(a)}, {nb} {sorted(b)}"
         )
     steps = sorted(set(a) & set(b))
     sl = [a[s].loss for s in steps]
@@ -57,10 +65,10 @@ def compare(stock: RunLog, conv: RunLog, rtol: float, atol: float) -> Comparison
     rel_diff = [d / max(abs(x), 1e-12) for d, x in zip(abs_diff, sl)]
     for s, x, y, d in zip(steps, sl, cl, abs_diff):
         if not (math.isfinite(x) and math.isfinite(y)):
-            problems.append(f"step {s}: non-finite loss (stock {x}, converter {y})")
+            problems.append(f"step {s}: non-finite loss ({na} {x}, {nb} {y})")
         elif d > atol + rtol * abs(x):
             problems.append(
-                f"step {s}: loss stock {x:.5f} vs converter {y:.5f}, |diff| {d:.2e} > "
+                f"step {s}: loss {na} {x:.5f} vs {nb} {y:.5f}, |diff| {d:.2e} > "
                 f"atol {atol:g} + rtol {rtol:g} * |loss|"
             )
     return Comparison(

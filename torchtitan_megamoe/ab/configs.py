@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import shlex
+from dataclasses import dataclass
 
 DEFAULT_CONFIG = "train_configs/qwen3_moe_tiny_cpu.toml"
 CONVERTER = "megamoe"
@@ -52,6 +55,61 @@ def variant_configs(config: dict, converter: str = CONVERTER) -> tuple[dict, dic
             '"torchtitan_megamoe.config" (it registers the megamoe converter)'
         )
     return stock, conv
+
+
+@dataclass(frozen=True)
+class Side:
+    """One side of an A/B: ``label`` names its files (``<label>.toml``, ``<label>.log``, the dump
+    folder ``<label>/``) and its column in the report; ``kind`` is ``"stock"`` (the config
+    without the converter) or ``"megamoe"`` (with it); ``args`` are TorchTitan CLI arguments of
+    this side only, given after the common ones (so they override them), e.g.
+    ``("--megamoe.precision", "fp8")``."""
+
+    label: str
+    kind: str
+    args: tuple[str, ...] = ()
+
+
+KINDS = ("stock", CONVERTER)
+DEFAULT_SIDES = (Side("stock", "stock"), Side(CONVERTER, CONVERTER))
+"""Stock vs the converter: today's A/B."""
+
+_LABEL = re.compile(r"^[A-Za-z0-9_.+-]+$")
+
+
+def parse_sides(spec: str = "stock,megamoe", a_args: str = "", b_args: str = "") -> tuple:
+    """The two sides of ``--sides A,B`` (each ``KIND`` or ``LABEL=KIND``, KIND ``stock`` or
+    ``megamoe``) with ``--a-args`` / ``--b-args`` (one shell-quoted string each).
+
+    ``stock,megamoe`` with no side args is ``DEFAULT_SIDES``. Two sides of one label (e.g.
+    ``megamoe,megamoe``) become ``<label>_a`` and ``<label>_b``; name them instead, e.g.
+    ``fp8=megamoe,bf16=megamoe``."""
+    parts = [p.strip() for p in spec.split(",")]
+    if len(parts) != 2 or not all(parts):
+        raise ValueError(f"--sides takes two comma-separated sides (A,B), got {spec!r}")
+    sides = []
+    for part, args in zip(parts, (a_args, b_args)):
+        label, eq, kind = part.partition("=")
+        if not eq:
+            kind = label
+        label, kind = label.strip(), kind.strip()
+        if kind not in KINDS:
+            raise ValueError(f"side {part!r}: the kind must be one of {', '.join(KINDS)} "
+                             f"(KIND or LABEL=KIND), got {kind!r}")
+        if not _LABEL.match(label):
+            raise ValueError(f"side {part!r}: the label {label!r} must be letters, digits or "
+                             "_.+- (it names files)")
+        sides.append([label, kind, tuple(shlex.split(args or ""))])
+    if sides[0][0] == sides[1][0]:
+        sides[0][0] += "_a"
+        sides[1][0] += "_b"
+    return tuple(Side(*s) for s in sides)
+
+
+def side_configs(config: dict, sides: tuple = DEFAULT_SIDES, converter: str = CONVERTER) -> tuple:
+    """The loaded TOML for each side: its stock or its converter variant (``variant_configs``)."""
+    stock, conv = variant_configs(config, converter)
+    return tuple(stock if s.kind == "stock" else conv for s in sides)
 
 
 def cli_value(extra: list[str], key: str) -> str | None:
