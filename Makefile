@@ -50,13 +50,13 @@ ab-ep2: setup
 	$(PY) -m torchtitan_megamoe.ab --config $(SMOKE_TOML) --nproc 2 --out outputs/ab_ep2 \
 		-- --parallelism.expert_parallel_degree 2 --debug.moe_force_load_balance
 
-# GPU only (run on the device machine): layer benchmark, and the one-stop GPU script.
+# GPU only (an H100/H200 with a CUDA torch): layer benchmark, and the one-stop GPU script.
 bench:
 	$(PYTHON) -m torchtitan_megamoe.bench
 gpu-check:
 	bash scripts/gpu_check.sh
-# Here (nvcc, no GPU needed): the sm90 kernels' tuner builds into .cuda_cache, which the device
-# scripts use when it is carried along (carry=[".whl", ".cuda_cache"]): no nvcc time there.
+# nvcc, no GPU needed: the sm90 kernels' tuner builds into .cuda_cache, which the GPU scripts use
+# when it is in the repository root (e.g. copied along to a GPU machine): no nvcc time there.
 cuda-cache: setup
 	MEGAMOE_CUDA_CACHE=$(CURDIR)/.cuda_cache $(PY) -m torchtitan_megamoe.ops.hopper.cuda.sm90
 

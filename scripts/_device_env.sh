@@ -1,21 +1,22 @@
-# Sourced (not run) by the scripts/gpu_*.sh checks: what every call on a device machine shares.
+# Sourced (not run) by the scripts/gpu_*.sh checks: the environment they share.
 #
 #   source "$(dirname "$0")/_device_env.sh"
 #
-# On sourcing: NVLink multicast off (NCCL NVLS, symmetric-memory multicast, NVSHMEM NVLS: the lent
-# hosts do not support it, see the device README's KINDS.md), unbuffered Python, OUT made absolute
-# ($OUT on the device machine, ./.out when run by hand) and created, the repository root as the
-# working directory, START (= $SECONDS) for budgets, PY (${PYTHON:-python3}).
+# On sourcing: NVLink multicast off (NCCL NVLS, symmetric-memory multicast, NVSHMEM NVLS: not every
+# H100/H200 host supports it and nothing here needs it), unbuffered Python, OUT (default ./.out)
+# made absolute and created, the repository root as the working directory, START (= $SECONDS)
+# for budgets, PY (${PYTHON:-python3}).
 # Functions:
-#   install_wheels     carried .whl/*.whl into /tmp/site on PYTHONPATH (WHEELS=0: use the current
-#                      env); returns non-zero if pip fails, the caller picks its exit status
-#   offline_hf_env     Hugging Face caches to scratch, every offline switch on (no network there)
+#   install_wheels     optional, for machines without network access: .whl/*.whl (if present)
+#                      into /tmp/site on PYTHONPATH (WHEELS=0 or no .whl: use the current env);
+#                      returns non-zero if pip fails, the caller picks its exit status
+#   offline_hf_env     Hugging Face caches to scratch, every offline switch on (no network needed)
 #   env_report         GPUs, clocks, versions, C compiler, commit (callers tee it into env.log)
 #   run_timeout R L    seconds each of the next R runs may take within BUDGET_S (see below)
 
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-# a carried .cuda_cache (`make cuda-cache`, then carry=[".whl", ".cuda_cache"]) holds the sm90
-# kernels already compiled: no nvcc run on the device (same source and nvcc version only)
+# a .cuda_cache in the repository root (`make cuda-cache`: nvcc, no GPU needed) holds the sm90
+# kernels already compiled: no nvcc run on the GPU machine (same source and nvcc version only)
 [ -d "$(dirname "${BASH_SOURCE[0]}")/../.cuda_cache" ] && \
   export MEGAMOE_CUDA_CACHE=${MEGAMOE_CUDA_CACHE:-$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)/.cuda_cache}
 export PYTHONUNBUFFERED=1
@@ -36,7 +37,7 @@ install_wheels() {
   fi
 }
 
-# No network on the GPU hosts: the dataset's Arrow cache goes to scratch, nothing goes online.
+# The GPU machine needs no network: the dataset's Arrow cache goes to scratch, nothing goes online.
 offline_hf_env() {
   export HF_HOME=${HF_HOME:-/tmp/megamoe_hf_home}
   export HF_DATASETS_CACHE=$HF_HOME/datasets HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1
@@ -51,9 +52,9 @@ env_report() {
     || echo "torchtitan not installed"
   command -v cc gcc || echo "no C compiler (Inductor/Triton need one)"
   git log -1 --format='commit %H %s' 2>/dev/null || true
-  # The device's copy of .git can lag the working tree it runs (every call of 2026-11-30's
-  # second session printed the session's first commit): the sources' hash names the code
-  # itself; `bash scripts/source_hash.sh` here prints the same for a checkout.
+  # A copied working tree's .git can lag the files it runs (a log of 2026-11-30 named an
+  # older commit): the sources' hash names the code itself; `bash scripts/source_hash.sh` on
+  # a checkout of a commit prints the same.
   echo "sources $(bash scripts/source_hash.sh)"
 }
 

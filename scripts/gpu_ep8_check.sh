@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
-# One call on the 8-GPU machine (issue 5): the MoE layer at EP=8 and the full-step A/B at 8 GPUs.
+# On a machine with 8 GPUs: the MoE layer at EP=8 and the full-step A/B at 8 GPUs.
 #
-#   run(command="bash scripts/gpu_ep8_check.sh", carry=[".whl"], kind="nvidia-h200-x8",
-#       timeout_s=600)
+#   bash scripts/gpu_ep8_check.sh
 #
-# .whl: the wheels of scripts/gpu_check.sh (torchtitan 0.2.2 and pure-Python deps).
+# Needs a CUDA torch, torchtitan==0.2.2 and this package. Optional, for machines without network
+# access: .whl/ with the wheels listed in scripts/gpu_check.sh, installed into /tmp/site first.
 # Parts, in this order (PARTS picks a subset, e.g. PARTS="ab235"):
 #   bench  torchrun --nproc_per_node 8 -m torchtitan_megamoe.bench --ep 8: Qwen3-30B-A3B and
 #          235B-A22B layer shapes, 16384 tokens per GPU (16 experts per GPU), forward and
@@ -13,19 +13,19 @@
 #   ab30   python -m torchtitan_megamoe.ab --nproc 8 on train_configs/qwen3_30b_a3b_ab_8gpu.toml
 #   ab235  the same on train_configs/qwen3_235b_a22b_ab_8gpu.toml (235B-A22B-L14)
 #          (both: stock and converter, same seed, AB_STEPS steps, losses within RTOL/ATOL).
-# Budget: the whole script stays within BUDGET_S (550 s of the call's 600): the bench gets at
+# Budget: the whole script stays within BUDGET_S (default 550 s): the bench gets at
 # most BENCH_TIMEOUT_S, then the A/B time left is split evenly over the A/B runs still to come
 # (each at most RUN_TIMEOUT_S). A run that times out still has its logged steps compared and
-# timed; it counts as failed. If the A/Bs time out before a few steady steps, spend two calls:
-# PARTS="bench ab30", then PARTS=ab235 (the machine stays warm between calls).
+# timed; it counts as failed. If the A/Bs time out before a few steady steps, run the parts
+# separately (PARTS="bench ab30", then PARTS=ab235) or raise BUDGET_S and RUN_TIMEOUT_S.
 # Env knobs: PARTS ("bench ab30 ab235"), NPROC (8), BENCH_ARGS (appended to the bench, e.g.
 # "--shapes 30b --no-ep1"), BENCH_TIMEOUT_S (150), AB_STEPS (10, --training.steps), RTOL (1e-2),
 # ATOL (1e-2), RUN_TIMEOUT_S (per torchrun of an A/B, 240), BUDGET_S (550), EXTRA_ARGS (appended
 # to every A/B run), AB30_ARGS / AB235_ARGS (to one A/B, e.g. "--model.flavor 30B-A3B-L24"),
 # MEGAMOE_TRITON_TUNE (default 1: kernel tuner on, as in production), WHEELS=0 (use the current
 # env, not .whl), PYTHON (python3), WORK (/tmp/megamoe_ep8_check).
-# Output, in $OUT (./.out by hand), refreshed after every part so a cut-off call still returns
-# what finished: summary.md (the issue's ratios and targets), env.log, bench_ep<N>.json,
+# Output, in $OUT (./.out by hand), refreshed after every part so a cut-off run still leaves
+# what finished: summary.md (the ratios and their targets), env.log, bench_ep<N>.json,
 # ab30/report.md + ab30/ab.png, ab235/report.md + ab235/ab.png, ep8_check.tar.gz (bench log, A/B
 # stdout, per A/B summary.json, both runs' logs and TOMLs).
 # Exit status: 0 every part ran and the losses agree, 1 a loss mismatch, 2 a part failed, timed
@@ -78,7 +78,7 @@ from torchtitan_megamoe.ab import compare, parse_log_file as load, run_stats
 
 work, out, nproc, rtol, atol, parts = sys.argv[1:7]
 nproc, rtol, atol, parts = int(nproc), float(rtol), float(atol), parts.split()
-FWD_X, BWD_X, STEP_X = 3.5, 1.5, 1.5  # issue 5's targets: layer fwd, layer bwd, 30B full step
+FWD_X, BWD_X, STEP_X = 3.5, 1.5, 1.5  # targets: layer fwd, layer bwd, 30B full step
 
 
 def status(part):

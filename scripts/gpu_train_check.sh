@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
-# One call on the 2-GPU machine: train stock TorchTitan and the megamoe converter on the same
+# On a machine with 2 GPUs (NPROC=1: one): train stock TorchTitan and the megamoe converter on the same
 # config and seed (torchrun -m torchtitan.train, via python -m torchtitan_megamoe.ab) in two
 # parallel setups, and compare losses, tokens/s and peak memory.
 #
-#   run(command="bash scripts/gpu_train_check.sh", carry=[".whl"], kind="nvidia-h200-x2")
+#   bash scripts/gpu_train_check.sh
 #
-# .whl: the wheels of scripts/gpu_check.sh (torchtitan 0.2.2 and pure-Python deps).
+# Needs a CUDA torch, torchtitan==0.2.2 and this package. Optional, for machines without network
+# access: .whl/ with the wheels listed in scripts/gpu_check.sh, installed into /tmp/site first.
 # Setups (both on train_configs/qwen3_30b_a3b_gpu_smoke.toml: 30B-A3B layer shapes, 2 layers,
 # 4096 tokens per GPU, 20 steps, bf16 params, fp32 reduce):
 #   a: FSDP + EP=2 + per-op selective AC + --compile.enable   (the production combination)
@@ -84,8 +85,8 @@ for s in $SETUPS; do
   remaining=$((remaining - 1))
   t=$(run_timeout 2 "$remaining")
   if [ "$t" -lt "$MIN_RUN_S" ]; then
-    # a run needs ~45 s (start-up, compile or tuning, 20 steps; session 14 lost setup b to
-    # 25 s runs): skip rather than spend device time on runs that cannot finish
+    # a run needs ~45 s (start-up, compile or tuning, 20 steps; 25 s runs were seen to
+    # cut setup b short): skip rather than spend GPU time on runs that cannot finish
     echo "[megamoe.ab] skipped: BUDGET_S=$BUDGET_S leaves ${t} s per run, under" \
       "MIN_RUN_S=$MIN_RUN_S; raise BUDGET_S or run fewer SETUPS" | tee "$WORK/ab_$s.out"
     bad_setup=1
