@@ -12,15 +12,15 @@
 # Compile the sm90 kernels here first (`make cuda-cache`, ~30 s, nvcc without a GPU) and carry
 # them: carry=[".whl", ".cuda_cache"] saves the device machine its nvcc time.
 # Env knobs: BENCH_ARGS (extra args of python -m torchtitan_megamoe.bench), PYTEST_ARGS (default "-m gpu tests"),
-# SKIP_TESTS=1, SKIP_BENCH=1, SKIP_WS_PROBE=1 (no warp-specialized candidates), WHEELS=0 (use the
-# current env, not .whl), BENCH_NPROC=2 (EP=2 bench under torchrun, on kind nvidia-h200-x2),
+# SKIP_TESTS=1, SKIP_BENCH=1, WHEELS=0 (use the current env, not .whl), BENCH_NPROC=2 (EP=2
+# bench under torchrun, on kind nvidia-h200-x2),
 # BENCH_NPROCS="1 2" (both benches in one call), BENCH_TIMEOUT_S (per bench, default 360),
 # PYTEST_TIMEOUT_S (default 300). Logs and bench.json go to $OUT (or ./.out when run by hand).
 # What the bench prints: at EP=1, stock vs ours per shape plus the backward's per-stage table
 # (bench/backward_stages.py, run inside the bench: no separate bwd_bench call); at EP=2, stock
 # TorchTitan's ExpertParallel layer vs ours in the same run, with our EP=1 time for the ratio
 # (BENCH_ARGS=--no-ep1 skips that). EP=2 check, ~3-4 min of device time:
-#   run(command="SKIP_WS_PROBE=1 PYTEST_ARGS='-m multigpu tests/triton' BENCH_NPROC=2 bash scripts/gpu_check.sh",
+#   run(command="PYTEST_ARGS='-m multigpu tests/hopper' BENCH_NPROC=2 bash scripts/gpu_check.sh",
 #       carry=[".whl"], kind="nvidia-h200-x2")
 set -uo pipefail
 source "$(dirname "$0")/_device_env.sh"  # env, $OUT, repo root, install_wheels, env_report
@@ -28,23 +28,10 @@ install_wheels || exit 1
 
 env_report 2>&1 | tee "$OUT/env.log"
 
-# Warp-specialized GEMM candidates only where a throwaway process shows they compile and are
-# right (a failing Triton WS pass can abort the process).
-ws=""
-[ "${SKIP_WS_PROBE:-0}" = 1 ] && probe_kernels="" || probe_kernels="gemm1_swiglu gemm2_rows"
-for k in $probe_kernels; do
-  if timeout 120 python3 -m tools.ws_probe "$k" >"$OUT/ws_probe_$k.log" 2>&1; then
-    ws="$ws${ws:+,}$k"
-  fi
-  tail -2 "$OUT/ws_probe_$k.log"
-done
-export MEGAMOE_TRITON_WS="$ws"
-echo "MEGAMOE_TRITON_WS=$ws"
-
 rc=0
 if [ "${SKIP_TESTS:-0}" != 1 ]; then
   # PYTEST_ARGS is split as a shell line, so quoted parts stay one argument
-  # (PYTEST_ARGS="-m gpu tests/triton -k 'uneven or phased'")
+  # (PYTEST_ARGS="-m gpu tests/hopper -k 'uneven or phased'")
   eval "pytest_args=(${PYTEST_ARGS:--m gpu tests})"
   timeout "${PYTEST_TIMEOUT_S:-300}" python3 -m pytest -q -rs --durations=12 --continue-on-collection-errors "${pytest_args[@]}" \
     2>&1 | tee "$OUT/pytest.log" | tail -40

@@ -43,16 +43,6 @@ def _tuning_enabled() -> bool:
     return not torch.cuda.is_current_stream_capturing()
 
 
-def warp_spec_allowed(name: str) -> bool:
-    """Warp-specialized candidates only for kernels named in MEGAMOE_TRITON_WS (comma list).
-
-    Triton's Hopper warp-specialization pass can fail with a C++ assertion that aborts the whole
-    process instead of raising, so the GPU check script first compiles each kernel's
-    warp-specialized config in a throwaway process (ws_probe.py) and lists the ones that survive.
-    """
-    return name in os.environ.get("MEGAMOE_TRITON_WS", "").split(",")
-
-
 CHECK_TOL = 5e-2
 
 
@@ -109,8 +99,7 @@ def pick_config(name: str, key: tuple, candidates, launch, outputs=None) -> dict
     if chosen is not None:
         return chosen
     k = (name, key)
-    candidates = [c for c in candidates if not c.get("WARP_SPEC") or warp_spec_allowed(name)]
-    if len(candidates) == 1 or not _tuning_enabled():
+    if not _tuning_enabled():
         return candidates[0]
     results, ref = [], None
     for cfg in candidates:

@@ -39,7 +39,7 @@ def _gemm1_tile(
     x_ptr, w1_ptr, w3_ptr, w1_desc, w3_desc, h_ptr, a_ptr, h_desc, a_desc, row_slot_ptr,
     H, D, stride_x, stride_we, stride_wh, stride_h, stride_a,
     TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    F32_DOT: tl.constexpr, USE_TMA: tl.constexpr, WARP_SPEC: tl.constexpr, SAVE_A: tl.constexpr,
+    F32_DOT: tl.constexpr, USE_TMA: tl.constexpr, SAVE_A: tl.constexpr,
 ):
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     slot = tl.load(row_slot_ptr + rows)
@@ -53,7 +53,7 @@ def _gemm1_tile(
     w_row = expert * H + pid_n * BLOCK_N  # row of the [E*H, D] weight view (TMA path)
     acc1 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc3 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k in tl.range(0, D, BLOCK_K, warp_specialize=WARP_SPEC):
+    for k in tl.range(0, D, BLOCK_K):
         a = tl.load(a_ptrs, mask=has_row[:, None], other=0.0)
         if USE_TMA:
             # bulk tensor copies of the weight tiles; A rows are gathered, so they stay
@@ -95,7 +95,7 @@ def _gemm1_swiglu_kernel(
     num_rows_used_ptr, num_m_tiles, H, D, stride_x, stride_we, stride_wh, stride_h, stride_a,
     TOP_K: tl.constexpr, PLAN_BM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, F32_DOT: tl.constexpr,
-    USE_TMA: tl.constexpr, WARP_SPEC: tl.constexpr, PERSISTENT: tl.constexpr,
+    USE_TMA: tl.constexpr, PERSISTENT: tl.constexpr,
     SAVE_A: tl.constexpr,
 ):
     num_n = H // BLOCK_N
@@ -110,7 +110,7 @@ def _gemm1_swiglu_kernel(
                 _gemm1_tile(
                     pid_m, pid_n, expert, x_ptr, w1_ptr, w3_ptr, w1_desc, w3_desc, h_ptr, a_ptr,
                     h_desc, a_desc, row_slot_ptr, H, D, stride_x, stride_we, stride_wh, stride_h,
-                    stride_a, TOP_K, BLOCK_M, BLOCK_N, BLOCK_K, F32_DOT, USE_TMA, WARP_SPEC, SAVE_A,
+                    stride_a, TOP_K, BLOCK_M, BLOCK_N, BLOCK_K, F32_DOT, USE_TMA, SAVE_A,
                 )
     else:
         pid_m, pid_n = grouped_tile(tl.program_id(0), num_m_tiles, num_n, GROUP_M)
@@ -119,29 +119,28 @@ def _gemm1_swiglu_kernel(
             _gemm1_tile(
                 pid_m, pid_n, expert, x_ptr, w1_ptr, w3_ptr, w1_desc, w3_desc, h_ptr, a_ptr,
                 h_desc, a_desc, row_slot_ptr, H, D, stride_x, stride_we, stride_wh, stride_h, stride_a,
-                TOP_K, BLOCK_M, BLOCK_N, BLOCK_K, F32_DOT, USE_TMA, WARP_SPEC, SAVE_A,
+                TOP_K, BLOCK_M, BLOCK_N, BLOCK_K, F32_DOT, USE_TMA, SAVE_A,
             )
 
 
-# Hopper candidates; the tuner times them once per shape. Two accumulators double the register
-# footprint of a plain GEMM tile, hence BLOCK_N <= 128.
+# Hopper candidates; the tuner times them once per shape (the first one also runs untuned and is
+# the reference the others are checked against). Two accumulators double the register footprint
+# of a plain GEMM tile, hence BLOCK_N <= 128. Each one is offered because it was the fastest
+# Triton config at a Qwen3 shape in at least one of the H200 bench runs of 2026-11-30/12-01
+# (the tuner's per-candidate table in the bench JSON): what runs with MEGAMOE_CUDA=0 or without
+# nvcc, and at 235B sometimes ahead of the CUDA kernel. GROUP_M 16 (plain or persistent) and the
+# warp-specialized K loop never were, so they are not offered.
 GPU_CONFIGS = [
-    # H200 runs 1-2: TMA/3 stages/GROUP_M 8 won at both shapes (1.45 ms 30B, 5.38 ms 235B);
-    # pointer loads were 4-20% slower, 64-row tiles and 4-stage variants slower still
     dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=3, USE_TMA=True),
+    # pointer weight loads: won with the a1/a3 store at both shapes
     dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=3, USE_TMA=False),
-    dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=16, num_warps=8, num_stages=3, USE_TMA=True),
-    # deeper pipeline: 4 x 48 KiB of shared memory per CTA (2 x 96 KiB with BLOCK_K 128 lost
-    # by 40-50% at both shapes in every 2026-11-30 run, so it is no longer compiled and timed)
+    # deeper pipeline (4 x 48 KiB of shared memory per CTA): the usual 30B pick
     dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=4, USE_TMA=True),
-    # producer/consumer warp specialization of the K loop (compiler-dependent; a config the
-    # compiler rejects is skipped by the tuner)
-    dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=3, USE_TMA=True, WARP_SPEC=True),
     # persistent grid (one program per SM over the used tiles)
     dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=3, USE_TMA=True, PERSISTENT=True),
-    dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=16, num_warps=8, num_stages=3, USE_TMA=True, PERSISTENT=True),
     # GROUP_M "wave": one group per wave of resident programs (SMs // N tiles M tiles), so the
-    # tiles sharing an A or a weight tile run concurrently and hit in L2
+    # tiles sharing an A or a weight tile run concurrently and hit in L2; persistent, the usual
+    # 235B pick
     dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M="wave", num_warps=8, num_stages=3, USE_TMA=True, PERSISTENT=True),
     dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M="wave", num_warps=8, num_stages=3, USE_TMA=True),
     # hidden sizes that are multiples of 64 but not 128 (the fallback: where a 128-wide tile

@@ -32,8 +32,7 @@ def _gemm2_tile(
     h_ptr, w2_ptr, h_desc, w2_desc, y_ptr, y_desc,
     D, H, stride_h, stride_we, stride_wd, stride_y,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    F32_DOT: tl.constexpr, USE_TMA: tl.constexpr, WARP_SPEC: tl.constexpr,
-    TMA_STORE: tl.constexpr,
+    F32_DOT: tl.constexpr, USE_TMA: tl.constexpr, TMA_STORE: tl.constexpr,
 ):
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_k = tl.arange(0, BLOCK_K)
@@ -47,7 +46,7 @@ def _gemm2_tile(
     )
     w_row = expert * D + pid_n * BLOCK_N  # row of the [E*D, H] weight view (TMA path)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k in tl.range(0, H, BLOCK_K, warp_specialize=WARP_SPEC):
+    for k in tl.range(0, H, BLOCK_K):
         if USE_TMA:
             a = h_desc.load([pid_m * BLOCK_M, k])
             b = w2_desc.load([w_row, k]).T
@@ -73,7 +72,7 @@ def _gemm2_rows_kernel(
     num_m_tiles, D, H, stride_h, stride_we, stride_wd, stride_y,
     PLAN_BM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr, F32_DOT: tl.constexpr, USE_TMA: tl.constexpr,
-    WARP_SPEC: tl.constexpr, PERSISTENT: tl.constexpr, TMA_STORE: tl.constexpr,
+    PERSISTENT: tl.constexpr, TMA_STORE: tl.constexpr,
 ):
     num_n = D // BLOCK_N
     if PERSISTENT:
@@ -85,7 +84,7 @@ def _gemm2_rows_kernel(
                 _gemm2_tile(
                     pid_m, pid_n, expert, h_ptr, w2_ptr, h_desc, w2_desc, y_ptr, y_desc,
                     D, H, stride_h, stride_we, stride_wd, stride_y,
-                    BLOCK_M, BLOCK_N, BLOCK_K, F32_DOT, USE_TMA, WARP_SPEC, TMA_STORE,
+                    BLOCK_M, BLOCK_N, BLOCK_K, F32_DOT, USE_TMA, TMA_STORE,
                 )
     else:
         pid_m, pid_n = grouped_tile(tl.program_id(0), num_m_tiles, num_n, GROUP_M)
@@ -94,24 +93,24 @@ def _gemm2_rows_kernel(
             _gemm2_tile(
                 pid_m, pid_n, expert, h_ptr, w2_ptr, h_desc, w2_desc, y_ptr, y_desc,
                 D, H, stride_h, stride_we, stride_wd, stride_y,
-                BLOCK_M, BLOCK_N, BLOCK_K, F32_DOT, USE_TMA, WARP_SPEC, TMA_STORE,
+                BLOCK_M, BLOCK_N, BLOCK_K, F32_DOT, USE_TMA, TMA_STORE,
             )
 
 
+# Hopper candidates, timed once per shape (the first one also runs untuned). Each one is offered
+# because it was the fastest Triton config at a Qwen3 shape in at least one of the H200 bench
+# runs of 2026-11-30/12-01 (the tuner's per-candidate table in the bench JSON); the persistent
+# one with the bulk tensor store nearly always is. GROUP_M 16, the warp-specialized K loop, the
+# non-persistent bulk store and the persistent 4-stage variant never were.
 GPU_CONFIGS = [
-    # H200 runs 1-2: 128x256 TMA tiles won (30B 0.82-0.87 ms; 235B 3.09 ms, warp-specialized
-    # about as fast); pointer loads 5-15% slower, 128x128x64 tiles ~15% slower
     dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=3, USE_TMA=True),
     dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=4, USE_TMA=True),
-    dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, GROUP_M=16, num_warps=8, num_stages=3, USE_TMA=True),
-    dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=3, USE_TMA=True, WARP_SPEC=True),
-    # the output tile as one bulk tensor store (+64 KiB of shared memory for the staging tile)
-    dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=3, USE_TMA=True, TMA_STORE=True),
-    # persistent grid (one program per SM over the used tiles)
+    # persistent grid (one program per SM over the used tiles), and with the output tile as one
+    # bulk tensor store (+64 KiB of shared memory for the staging tile)
     dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=3, USE_TMA=True, PERSISTENT=True),
     dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=3, USE_TMA=True, PERSISTENT=True, TMA_STORE=True),
-    dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=4, USE_TMA=True, PERSISTENT=True),
-    # any dim/hidden that are multiples of 64 (the shapes above need multiples of their tiles)
+    # any dim/hidden that are multiples of 64: only offered where the 256-wide tiles do not fit
+    # (it lost by 30-40% where they do)
     dict(BLOCK_M=128, BLOCK_N=64, BLOCK_K=64, GROUP_M=8, num_warps=4, num_stages=4),
 ]
 # The warp-specialized CUDA kernel (csrc/grouped_gemm_sm90.cu, ROWS mode: TMA for both operands,
@@ -152,7 +151,7 @@ def gemm2_rows(
             return
         num_m = R // bm
         cfg, grid = launch_config(cfg, num_m * (D // bn), h.device,
-                                  ("USE_TMA", "WARP_SPEC", "PERSISTENT", "TMA_STORE"))
+                                  ("USE_TMA", "PERSISTENT", "TMA_STORE"))
         dh, dw, dy = h, w2, y  # placeholders on the pointer paths
         if cfg["USE_TMA"]:
             dh = TensorDescriptor.from_tensor(h, [bm, bk])
@@ -170,6 +169,8 @@ def gemm2_rows(
     key = (_bucket(R), H, D, E, plan.block_m)
     def candidates():  # built only until the tuner has picked (pick_config)
         cands = [c for c in GPU_CONFIGS if D % c["BLOCK_N"] == 0 and H % c["BLOCK_K"] == 0]
+        if any(c["BLOCK_N"] == 256 for c in cands):
+            cands = [c for c in cands if c["BLOCK_N"] == 256]
         bf16 = h.dtype == w2.dtype == y.dtype == torch.bfloat16
         if bf16 and shape_supported(D, H, plan.block_m) and sm90_usable(h):
             cands += SM90_CONFIGS

@@ -22,7 +22,7 @@ def grouped_tile(t, num_m, num_n, GROUP_M: tl.constexpr):
 
 
 def launch_config(cfg: dict, num_tiles: int, device: torch.device,
-                  flags=("USE_TMA", "WARP_SPEC", "PERSISTENT")) -> tuple[dict, tuple]:
+                  flags=("USE_TMA", "PERSISTENT")) -> tuple[dict, tuple]:
     """(cfg with its boolean ``flags`` defaulted to False, grid): one program per SM when
     PERSISTENT, else one per tile."""
     cfg = dict(cfg)
