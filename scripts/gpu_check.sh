@@ -1,27 +1,28 @@
 #!/usr/bin/env bash
-# One call on the GPU machine: install carried wheels, run the GPU tests and the layer benchmark.
+# On an H100/H200 machine: run the GPU tests and the layer benchmark (stock vs ours).
 #
-#   run(command="bash scripts/gpu_check.sh", carry=[".whl"], kind="nvidia-h200")
+#   bash scripts/gpu_check.sh
 #
-# .whl holds torchtitan==0.2.2 and the pure-Python deps the device image lacks (tyro,
-# docstring-parser, typeguard, torchdata, datasets, dill, multiprocess); make them here with:
+# Needs a CUDA torch, torchtitan==0.2.2 and this package. Optional, for a machine without
+# network access: .whl/ with torchtitan==0.2.2 and the pure-Python deps a bare torch image lacks
+# (tyro, docstring-parser, typeguard, torchdata, datasets, dill, multiprocess), installed into
+# /tmp/site first; make them on a machine with network access with:
 #   pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
 #     --platform manylinux2014_x86_64 -d .whl torchtitan==0.2.2 tyro==1.0.17 \
 #     docstring-parser==0.18.0 typeguard==4.6.1 torchdata==0.11.0 \
 #     datasets==5.2.0 dill==0.4.1 multiprocess==0.70.19
-# Compile the sm90 kernels here first (`make cuda-cache`, ~30 s, nvcc without a GPU) and carry
-# them: carry=[".whl", ".cuda_cache"] saves the device machine its nvcc time.
+# Also optional: `make cuda-cache` (~30 s, nvcc, no GPU needed) compiles the sm90 kernels into
+# .cuda_cache, which this script then loads instead of running nvcc.
 # Env knobs: BENCH_ARGS (extra args of python -m torchtitan_megamoe.bench), PYTEST_ARGS (default "-m gpu tests"),
 # SKIP_TESTS=1, SKIP_BENCH=1, WHEELS=0 (use the current env, not .whl), BENCH_NPROC=2 (EP=2
-# bench under torchrun, on kind nvidia-h200-x2),
-# BENCH_NPROCS="1 2" (both benches in one call), BENCH_TIMEOUT_S (per bench, default 360),
+# bench under torchrun, 2 GPUs),
+# BENCH_NPROCS="1 2" (both benches in one run), BENCH_TIMEOUT_S (per bench, default 360),
 # PYTEST_TIMEOUT_S (default 300). Logs and bench.json go to $OUT (or ./.out when run by hand).
 # What the bench prints: at EP=1, stock vs ours per shape plus the backward's per-stage table
 # (bench/backward_stages.py, run inside the bench: no separate bwd_bench call); at EP=2, stock
 # TorchTitan's ExpertParallel layer vs ours in the same run, with our EP=1 time for the ratio
-# (BENCH_ARGS=--no-ep1 skips that). EP=2 check, ~3-4 min of device time:
-#   run(command="PYTEST_ARGS='-m multigpu tests/hopper' BENCH_NPROC=2 bash scripts/gpu_check.sh",
-#       carry=[".whl"], kind="nvidia-h200-x2")
+# (BENCH_ARGS=--no-ep1 skips that). EP=2 check on 2 GPUs, ~3-4 min:
+#   PYTEST_ARGS='-m multigpu tests/hopper' BENCH_NPROC=2 bash scripts/gpu_check.sh
 set -uo pipefail
 source "$(dirname "$0")/_device_env.sh"  # env, $OUT, repo root, install_wheels, env_report
 install_wheels || exit 1
