@@ -25,7 +25,7 @@ seed there is no spread: the verdict is **undetermined**.
 *differences* explains. It does not say the gap matters; for that the report also sets
 ``|mean_diff|`` against the within-side spread (a gap smaller than what changing the seed does to
 either side) and against a relative limit (``gap_limit``, default 1% of side A's loss): the goal
-of issue 22's FP8 A/B is a gap within the spread and at most 1%.
+of an FP8 vs BF16 A/B is a gap within the spread and at most 1%.
 """
 
 from __future__ import annotations
