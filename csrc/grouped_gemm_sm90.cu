@@ -103,7 +103,7 @@
 // launch, and the dynamic order's ticket is zero again (the CTA taking the last number resets
 // it), so the next launch on the stream reuses it (ops/hopper/cuda/sm90.py launch_context).
 //
-// Measured (docs/PERF.md, H200, 2026-11-30): GEMM 2 0.69-0.76 vs Triton 0.76-0.81 ms at 30B;
+// Measured (docs/PERF.md at 5e0bafa, H200, 2026-11-30): GEMM 2 0.69-0.76 vs Triton 0.76-0.81 ms at 30B;
 // kernel C 1.25-1.28 vs 1.47-1.49; the weight gradients on pre-gathered rows 2-8% ahead of
 // torch._grouped_mm, with the in-kernel gather 7-26% behind it; kernel A in one launch 0.92-1.0
 // ms at 30B (dy rows stored) vs 1.14-1.19 for the dy gather + dh GEMM + SwiGLU rows kernel.
@@ -412,7 +412,7 @@ __global__ void __launch_bounds__(THREADS, 1)
   // passes it to its warpgroup (named barrier 3) and to the consumers (unit_full/unit_empty
   // ring), so the CTAs walk the units in one global order however they drift apart: the
   // weights of the units in flight stay in L2 (the static stride let slow and fast SMs spread
-  // over several experts' weights: 3x Triton's DRAM traffic at 235B, docs/PERF.md).
+  // over several experts' weights: 3x Triton's DRAM traffic at 235B, docs/PERF.md at 5e0bafa).
   auto static_unit = [&](int it) { return first_unit + it * unit_stride; };
 
   // Expert of each CTA's M tile in unit (um); -1 past the used rows or for another phase.

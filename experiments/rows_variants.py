@@ -3,7 +3,7 @@ kernel C) at one Qwen3 shape with and without a compile-time knob, in the same p
 A/B of a kernel change, e.g. the padding skip). The variants alternate, ROUNDS (default 5)
 rounds of a CUDA-event median of 10 each, and the table gives the median of the rounds: a
 single median per variant drifted by 5-10% between neighbouring measurements on the H200
-(docs/PERF.md, padding skip), more than most kernel changes move:
+(docs/PERF.md at 5e0bafa, padding skip), more than most kernel changes move:
 
     python3 experiments/rows_variants.py 30b            # default vs MEGAMOE_SM90_PAD_SKIP=0
     KNOB=MEGAMOE_SM90_WGMMA_LAG=1 python3 experiments/rows_variants.py 235b

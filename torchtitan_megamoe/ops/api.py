@@ -408,7 +408,7 @@ class _EagerMegaMoE(torch.autograd.Function):
     autograd Function, for calls that nothing but autograd sees (_plain_eager): torch.library's
     per-call wrapping of a custom op (argument re-packing, tensor-list pytrees, output alias
     checks) cost 0.24 ms of host time per forward with autograd and 0.57 ms per forward +
-    backward on the H200 machines' host (tools/op_overhead.py, docs/PERF.md), before the
+    backward on the H200 machines' host (tools/op_overhead.py; docs/PERF.md at 5e0bafa), before the
     layer's first kernel. Same saved tensors, same gradients (bit for
     bit: the same functions run); compile, export, selective AC and tensor subclasses keep the
     registered op, which they need to see."""

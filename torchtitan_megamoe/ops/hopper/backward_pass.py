@@ -330,7 +330,7 @@ def backward_local(grad_out, x, topk_ids, topk_weights, w1, w2, w3, saved=None, 
     # Weight gradients (kernel B or _grouped_mm): dw2 first so hw is freed before kernel C
     # allocates dx_slot. (Running dw1/dw3 after the combine, so that under EP the dx rows could
     # travel under them, kept dx alive through dw1/dw3: +256 MiB peak at the 235B shape, EP=2,
-    # docs/PERF.md; not done.)
+    # docs/PERF.md, Tried and rejected; not done.)
     order = longest_first(plan)
 
     def launch_dw2(cfg):

@@ -19,7 +19,7 @@ The K loop is one plain dgrad GEMM dy_r @ w2[e] (2*T*K*D*H flops, one accumulato
 epilogue loads the a1 / a3 tiles at the same (row, column) offsets it stores da at. (Until
 2026-11-30 a second variant recomputed a1/a3 in the K loop, three accumulators and 6*T*K*D*H
 flops: 3.16 ms at the 30B shape. GEMM 1 again with its a store plus this kernel's sm90 form
-made the whole recompute-path backward 9.28 -> 6.94 ms there (docs/PERF.md), so it went.)
+made the whole recompute-path backward 9.28 -> 6.94 ms there (docs/PERF.md at 5e0bafa), so it went.)
 
 Tiles: BLOCK_M rows (a divisor of the plan's block_m, so a tile has one expert) x BLOCK_N columns
 of H, K-loop over D in BLOCK_K. Program ids run H tiles fastest, so the programs in flight share

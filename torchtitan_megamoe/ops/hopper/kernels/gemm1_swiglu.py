@@ -149,8 +149,8 @@ GPU_CONFIGS = [
 ]
 # The warp-specialized CUDA kernel (csrc/grouped_gemm_sm90.cu: TMA weights, cp.async row
 # gathers, wgmma, a global tile ticket), offered where it builds (an sm_90 GPU and nvcc;
-# MEGAMOE_CUDA=0 turns it off) and the shape fits its tiles. Measured on the H200 (docs/PERF.md,
-# 2026-11-30 06:5x), GEMM 1 alone: with the bulk-tensor-store epilogue it beats the Triton
+# MEGAMOE_CUDA=0 turns it off) and the shape fits its tiles. Measured on the H200 (docs/PERF.md at
+# 5e0bafa, 2026-11-30 06:5x), GEMM 1 alone: with the bulk-tensor-store epilogue it beats the Triton
 # kernel at the 30B shape (1.37 vs 1.44 ms; 1.51 vs 1.79 with the training forward's a1/a3
 # store) and loses at 235B (5.8 vs 5.1), where the tuner keeps Triton. Its cluster-of-2 and
 # other variants never won; experiments/ncu_gemm1.py still times them.
