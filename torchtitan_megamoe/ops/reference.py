@@ -19,8 +19,9 @@ slots by the reverse exchange; dx is summed over k in fixed order (bitwise deter
 
 precision: ``bf16`` computes in fp32 as above. ``fp8`` rounds every GEMM operand through e4m3
 (1x128 blocks for activations and gradients, 128x128 blocks for weights, amax scaling) in the
-forward and backward; ``fp8_bwd`` does so in the backward GEMMs only. This emulates the
-arithmetic of the FP8 kernels so they can be tested against it.
+forward and backward; ``fp8_bwd`` does so in the backward GEMMs only. In both, the backward
+reads GEMM 1's pre-activations rounded to the input dtype, as the kernels save them. This
+emulates the arithmetic of the FP8 kernels so they can be tested against it.
 """
 
 from __future__ import annotations
@@ -120,6 +121,10 @@ def _experts_backward(rows, grad_rows, row_weights, local_expert, w1, w2, w3, fp
         xe, ge = rows[idx].to(acc), grad_rows[idx].to(acc)
         w1e, w2e, w3e = w1[e].to(acc), w2[e].to(acc), w3[e].to(acc)
         a1, a3 = _mm(xe, w1e, fp8_fwd), _mm(xe, w3e, fp8_fwd)
+        if fp8_bwd:
+            # the FP8 recipe keeps GEMM 1's pre-activations in the input dtype (what the
+            # kernels save for the backward), so the backward's quantizations see those values
+            a1, a3 = a1.to(rows.dtype).to(acc), a3.to(rows.dtype).to(acc)
         silu_a1 = F.silu(a1)
         h = silu_a1 * a3
         dy = row_weights[idx].to(acc) * ge  # gradient reaching this slot's expert output

@@ -14,6 +14,9 @@ import torch
 
 from torchtitan_megamoe.ops.device import capability
 from torchtitan_megamoe.ops.hopper.backward_pass import backward as _backward_any_ep
+from torchtitan_megamoe.ops.hopper.backward_pass import check_backward_dtypes
+from torchtitan_megamoe.ops.hopper.fp8_backward import backward_fp8
+from torchtitan_megamoe.ops.hopper.fp8_forward import FP8_BLOCK_M, forward_fp8
 from torchtitan_megamoe.ops.hopper.ep_forward import forward_ep, saved_like_ep
 from torchtitan_megamoe.ops.hopper.local_forward import (
     forward_ep1,
@@ -45,11 +48,20 @@ def supports(x: torch.Tensor, group) -> bool:
 
 def check_inputs(x, w1, group, precision) -> None:
     """Raise, naming the fix, for inputs these kernels cannot take."""
-    if precision == "fp8":
-        raise NotImplementedError(
-            "mega_moe backend='hopper' has no FP8 forward yet; use precision='bf16' or "
-            "backend='reference'"
-        )
+    if precision != "bf16":
+        E, H, D = w1.shape
+        if D % FP8_BLOCK_M or H % FP8_BLOCK_M:
+            raise ValueError(
+                f"mega_moe backend='hopper' precision={precision!r} uses 128-wide scaling "
+                f"blocks and needs dim and hidden % 128 == 0, got dim={D}, hidden={H}; use "
+                "precision='bf16'"
+            )
+        if _ep_size(group) > 1:
+            raise NotImplementedError(
+                f"mega_moe backend='hopper' precision={precision!r} runs on one rank's experts "
+                "only so far (the expert-parallel exchange moves bf16 rows); use "
+                "precision='bf16' with an expert-parallel group, or group=None"
+            )
     if x.dtype not in _SUPPORTED_DTYPES:
         raise TypeError(
             f"mega_moe backend='hopper' needs bfloat16 tensors, got {x.dtype}; cast x and the "
@@ -84,9 +96,16 @@ def forward(x, topk_ids, topk_weights, w1, w2, w3, group, precision, save=False)
         block_m, c1, c2 = interpret_defaults(None, None, None)
         return forward_ep(x, topk_ids, topk_weights, w1, w2, w3, group, block_m, c1, c2,
                           save=save)
+    if precision == "fp8":
+        if not save:
+            return forward_fp8(x, topk_ids, topk_weights, w1, w2, w3)
+        out, saved = forward_fp8(x, topk_ids, topk_weights, w1, w2, w3, save=True)
+        return out, list(saved)
+    # fp8_bwd: the bf16 forward, on the FP8 backward's 128-row segments
+    block_m = FP8_BLOCK_M if precision == "fp8_bwd" else None
     if not save:
-        return forward_ep1(x, topk_ids, topk_weights, w1, w2, w3)
-    out, saved = forward_ep1(x, topk_ids, topk_weights, w1, w2, w3, save=True)
+        return forward_ep1(x, topk_ids, topk_weights, w1, w2, w3, block_m=block_m)
+    out, saved = forward_ep1(x, topk_ids, topk_weights, w1, w2, w3, block_m=block_m, save=True)
     return out, list(saved)
 
 
@@ -95,9 +114,14 @@ def saved_like(x, topk_ids, topk_weights, w1, w2, w3, group, precision):
     if _ep_size(group) > 1:
         block_m, _, _ = interpret_defaults(None, None, None)
         return saved_like_ep(x, topk_ids, w1, group, block_m)
-    return _saved_like_ep1(x, topk_ids, w1)
+    return _saved_like_ep1(x, topk_ids, w1, block_m=FP8_BLOCK_M if precision != "bf16" else None)
 
 
 def backward(grad_out, x, topk_ids, topk_weights, w1, w2, w3, group, precision, saved=None):
+    if precision != "bf16":
+        check_inputs(x, w1, group, precision)
+        check_backward_dtypes(grad_out, x, w1)
+        return backward_fp8(grad_out, x, topk_ids, topk_weights, w1, w2, w3, precision,
+                            saved=saved)
     return _backward_any_ep(grad_out, x, topk_ids, topk_weights, w1, w2, w3, group, precision,
                          saved=saved)

@@ -206,10 +206,14 @@ INTERPRET_C = dict(block_n=32, block_k=16, num_warps=1, num_stages=1, use_tma=Tr
 def check_backward_inputs(grad_out, x, w1, precision) -> None:
     """Raise, naming the fix, for what these kernels do not compute."""
     if precision != "bf16":
-        raise NotImplementedError(
-            f"mega_moe backend='hopper' has no {precision!r} backward yet; use "
-            "precision='bf16' or backend='reference'"
+        raise ValueError(
+            f"the bf16 backward got precision={precision!r}; the FP8 precisions run "
+            "fp8_backward.backward_fp8 (ops/hopper/__init__.py dispatches)"
         )
+    check_backward_dtypes(grad_out, x, w1)
+
+
+def check_backward_dtypes(grad_out, x, w1) -> None:
     for name, t in (("grad_out", grad_out), ("x", x), ("w1", w1)):
         if t.dtype != torch.bfloat16:
             raise TypeError(

@@ -82,7 +82,7 @@ def forward_ep1(
 
 
 def saved_like(x: torch.Tensor, topk_ids: torch.Tensor, w1: torch.Tensor,
-               phases: int = 1) -> list[torch.Tensor]:
+               phases: int = 1, block_m: int | None = None) -> list[torch.Tensor]:
     """Empty tensors shaped like forward_ep1(..., save=True)'s saved tuple (fake impls, meta):
     every size is a static function of (T, K, E_local, H, block_m); ``phases`` for the EP
     forward's phased plan."""

@@ -1,0 +1,82 @@
+"""EP=1 backward in blockwise FP8 (precision ``fp8`` and ``fp8_bwd``): every GEMM in e4m3.
+
+    plan       unpacked from what the forward saved, or rebuilt (128-row segments)
+    a          the forward's saved [a1 | a3] (bf16), or GEMM 1 again (the forward's own kernel:
+               FP8 for ``fp8``, bf16 for ``fp8_bwd``) when nothing was saved
+    quant      dy [T, D] per token (1x128); the weights' transposed 128 x 128 copies
+               (fp8_weights.backward_weights)
+    kernel A   kernels/fp8_gemm_rows.fp8_dswiglu: dhg = dy_rows @ w2[e] and the SwiGLU
+               backward; its epilogue writes da per row (for dgrad 1), da^T and h^T per 128
+               rows (for the weight gradients) and the d(topk_weights) partials <dhg, h>
+    dw2        (w * dy)^T quantized per 128 rows (kernels/fp8_quant.quant_rows_t: the routing
+               weight goes into dy, as in the reference), kernels/fp8_wgrad.fp8_wgrad with h^T
+    dw1, dw3   x^T per 128 rows (quant_rows_t) with da1^T, da3^T
+    dgrad 1    dx rows [R_max, D] = [da1 | da3] @ [w1; w3] (fp8_rows_gemm), then the bf16
+               path's combine: dx[t] = sum_k in fixed order, d(topk_weights) from the partials
+Deterministic: fixed-order reductions, no atomics.
+"""
+
+import torch
+
+from torchtitan_megamoe.ops.hopper.fp8_forward import FP8_BLOCK_M
+from torchtitan_megamoe.ops.hopper.fp8_weights import backward_weights, forward_weights
+from torchtitan_megamoe.ops.hopper.kernels.bwd_combine import bwd_combine
+from torchtitan_megamoe.ops.hopper.kernels.fp8_gemm_rows import (
+    fp8_dswiglu, fp8_gemm1_swiglu, fp8_rows_gemm,
+)
+from torchtitan_megamoe.ops.hopper.kernels.fp8_quant import quant_rows, quant_rows_t
+from torchtitan_megamoe.ops.hopper.kernels.fp8_wgrad import fp8_wgrad
+from torchtitan_megamoe.ops.hopper.kernels.bwd_wgrad import longest_first
+from torchtitan_megamoe.ops.hopper.kernels.gemm1_swiglu import gemm1_swiglu
+from torchtitan_megamoe.ops.hopper.local_forward import interpret_defaults
+from torchtitan_megamoe.ops.hopper.plan import build_plan, unpack_plan
+
+
+def backward_fp8(grad_out, x, topk_ids, topk_weights, w1, w2, w3, precision, saved=None):
+    T, D = x.shape
+    E, H, _ = w1.shape
+    if T == 0:
+        return (torch.empty_like(x), torch.empty_like(topk_weights),
+                *(torch.zeros_like(w) for w in (w1, w2, w3)))
+    params = (w1, w2, w3)
+    dy = grad_out.contiguous()
+    x = x.contiguous()
+    w1, w2, w3 = w1.contiguous(), w2.contiguous(), w3.contiguous()
+    if saved:
+        a_saved, packed = saved
+        plan = unpack_plan(packed, T, topk_ids.shape[1], E, FP8_BLOCK_M)
+    else:
+        plan = build_plan(topk_ids, E, FP8_BLOCK_M)
+        a_saved = _recompute_a(x, w1, w2, w3, plan, precision)
+    tw = topk_weights.contiguous()
+
+    gq, gs = quant_rows(dy)
+    wt = backward_weights(w1, w2, w3)
+    daq, das, daTq, daTs, hTq, hTs, part = fp8_dswiglu(gq, gs, wt.w2tq, wt.w2ts, a_saved, tw,
+                                                       plan)
+    del gq, gs, a_saved
+    order = longest_first(plan)
+    dyTq, dyTs = quant_rows_t(dy, plan, gather=True, row_weight=tw.reshape(-1))
+    dw2 = fp8_wgrad(dyTq, dyTs, hTq, hTs, plan, torch.empty_like(params[1]), order)
+    del dyTq, dyTs, hTq, hTs
+    xTq, xTs = quant_rows_t(x, plan, gather=True)
+    dw1 = fp8_wgrad(daTq[:H], daTs[:H], xTq, xTs, plan, torch.empty_like(params[0]), order)
+    dw3 = fp8_wgrad(daTq[H:], daTs[H:], xTq, xTs, plan, torch.empty_like(params[2]), order)
+    del xTq, xTs, daTq, daTs
+    dx_rows = fp8_rows_gemm(daq, das, wt.w13tq, wt.w13ts, plan, out_dtype=x.dtype)
+    del daq, das, wt
+    dx, dtw = bwd_combine(dx_rows, part, plan, dx_dtype=x.dtype, dtw_dtype=topk_weights.dtype,
+                          rows=True)
+    return dx, dtw, dw1, dw2, dw3
+
+
+def _recompute_a(x, w1, w2, w3, plan, precision):
+    """GEMM 1's [a1 | a3] as the forward computed it (same kernel, same arithmetic)."""
+    if precision == "fp8":
+        xq, xs = quant_rows(x)
+        wq = forward_weights(w1, w2, w3)
+        _hq, _hs, a = fp8_gemm1_swiglu(xq, xs, wq.w1q, wq.w1s, wq.w3q, wq.w3s, plan, save_a=True)
+        return a
+    g1_config = interpret_defaults(plan.block_m, None, None)[1]
+    _h, a = gemm1_swiglu(x, w1, w3, plan, config=g1_config, save_a=True)
+    return a

@@ -1,0 +1,251 @@
+"""Grouped FP8 GEMMs over the plan's row space (M-grouped: each row tile belongs to one expert).
+
+    out[r, n] = sum_k A[r, k] * B[e(r)][n, k]      A, B e4m3; fp32 accumulation
+
+A is [rows, K] with 1x128 scales [rows, K/128] (read directly, or gathered by token: row r reads
+A[row_slot[r] // top_k], padding rows load zeros); B is [E, N, K] with 128x128 block scales
+[E, N/128, K/128]. Both K-major, as FP8 wgmma reads them. The K loop walks 128-wide steps, and
+each step's fp32 partial product is scaled by (a_scale[row] * b_scale[column block]) and added
+to the fp32 accumulator: the promotion every 128 of K that Hopper's reduced-precision FP8
+accumulation needs.
+
+Epilogues (MODE):
+  plain    out [R_max, N] bf16: GEMM 2 (y = h @ w2^T) and the backward's dgrad of linear 1
+           (dx rows = [da1 | da3] @ [w1; w3], B = the transposed [E, D, 2H] weight copy)
+  swiglu   GEMM 1: two accumulators (w1, w3 share the A tile), h = silu(a1) * a3 quantized in
+           the epilogue to e4m3 with one scale per row of the 128-column tile (GEMM 2's A
+           operand, no extra pass); optionally a = [a1 | a3] in bf16 for the backward
+  dswiglu  the backward's kernel A: dhg = dy_rows @ w2[e] (B = the transposed [E, H, D] copy),
+           the SwiGLU backward with the routing weight in the epilogue, and every operand the
+           next GEMMs read, quantized where it sits in registers: da = [da1 | da3] per row
+           (dgrad of linear 1), da^T and h^T per 128 rows of a column (the weight gradients),
+           plus per-tile partials of d(topk_weights) = <dhg, h>
+Tiles: BLOCK_M rows x BLOCK_N columns, BLOCK_K = 128 (one scale step). swiglu and dswiglu need
+BLOCK_N = 128 (one row scale per tile); dswiglu needs BLOCK_M = 128 (one column scale per tile:
+the plan's segments start on 128-row boundaries, so a weight-gradient scale block never mixes
+experts). Tiles past the used rows (tile_expert -1) exit at once.
+Waits on: nothing inside the launch (EP=1; stream order). Signals: nothing.
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+from torchtitan_megamoe.ops.hopper.kernels.fp8_quant import FP8, quantize_block
+from torchtitan_megamoe.ops.hopper.kernels.tiling import grouped_tile
+from torchtitan_megamoe.ops.hopper.plan import Plan
+from torchtitan_megamoe.ops.hopper.tune import bucket, interpreting, pick_config
+
+MODE_PLAIN, MODE_SWIGLU, MODE_DSWIGLU = 0, 1, 2
+
+
+@triton.jit
+def _scaled_step(acc, a_ptrs, a_ok, sa_ptrs, b_ptrs, sb, F32_DOT: tl.constexpr):
+    a = tl.load(a_ptrs, mask=a_ok[:, None], other=0.0)
+    b = tl.load(b_ptrs)
+    sa = tl.load(sa_ptrs, mask=a_ok, other=0.0)
+    if F32_DOT:  # the CPU interpreter's dot does not take e4m3 operands; fp32 holds them exactly
+        a, b = a.to(tl.float32), b.to(tl.float32)
+    return acc + tl.dot(a, tl.trans(b)) * (sa[:, None] * sb[None, :])
+
+
+@triton.jit
+def _fp8_rows_kernel(
+    a_ptr, as_ptr, b_ptr, bs_ptr, b2_ptr, b2s_ptr, row_slot_ptr, tile_expert_ptr, tw_ptr,
+    out_ptr, os_ptr, aux_ptr, qt_ptr, qts_ptr, ht_ptr, hts_ptr, part_ptr,
+    num_m_tiles, N, K, R_MAX,
+    stride_a, stride_as, stride_be, stride_bn, stride_bse, stride_bsn,
+    stride_out, stride_os, stride_aux, stride_qt, stride_qts,
+    TOP_K: tl.constexpr, PLAN_BM: tl.constexpr, GATHER: tl.constexpr, MODE: tl.constexpr,
+    SAVE_A: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr,
+    F32_DOT: tl.constexpr,
+):
+    # F32_DOT: the CPU interpreter (fp32 dots, e4m3 rounding emulated before each cast)
+    num_n = N // BLOCK_N
+    pid_m, pid_n = grouped_tile(tl.program_id(0), num_m_tiles, num_n, GROUP_M)
+    expert = tl.load(tile_expert_ptr + (pid_m * BLOCK_M) // PLAN_BM)
+    if expert >= 0:
+        rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        slot = tl.load(row_slot_ptr + rows)
+        live = slot >= 0
+        if GATHER:
+            a_rows = tl.where(live, slot // TOP_K, 0).to(tl.int64)
+            a_ok = live
+        else:
+            a_rows = rows.to(tl.int64)
+            a_ok = rows >= 0  # every row of a used tile holds data (zeros for padding)
+        offs_k = tl.arange(0, 128)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        e64 = expert.to(tl.int64)
+        a_ptrs = a_ptr + a_rows[:, None] * stride_a + offs_k[None, :]
+        sa_ptrs = as_ptr + a_rows * stride_as
+        b_off = e64 * stride_be + offs_n[:, None].to(tl.int64) * stride_bn + offs_k[None, :]
+        sb_ptrs = bs_ptr + e64 * stride_bse + (offs_n // 128) * stride_bsn
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        if MODE == 1:
+            acc3 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            sb3_ptrs = b2s_ptr + e64 * stride_bse + (offs_n // 128) * stride_bsn
+        for k in range(0, K, 128):
+            kb = k // 128
+            acc = _scaled_step(acc, a_ptrs, a_ok, sa_ptrs + kb, b_ptr + b_off,
+                               tl.load(sb_ptrs + kb), F32_DOT)
+            if MODE == 1:
+                acc3 = _scaled_step(acc3, a_ptrs, a_ok, sa_ptrs + kb, b2_ptr + b_off,
+                                    tl.load(sb3_ptrs + kb), F32_DOT)
+            a_ptrs += 128
+            b_off += 128
+
+        r64 = rows.to(tl.int64)
+        if MODE == 0:
+            tl.store(out_ptr + r64[:, None] * stride_out + offs_n[None, :],
+                     acc.to(out_ptr.dtype.element_ty))
+        elif MODE == 1:
+            h = acc * tl.sigmoid(acc) * acc3
+            if SAVE_A:
+                aux = aux_ptr + r64[:, None] * stride_aux + offs_n[None, :]
+                tl.store(aux, acc.to(aux_ptr.dtype.element_ty))
+                tl.store(aux + N, acc3.to(aux_ptr.dtype.element_ty))
+            hq, hs = quantize_block(h, 1, F32_DOT)
+            tl.store(out_ptr + r64[:, None] * stride_out + offs_n[None, :],
+                     hq.to(out_ptr.dtype.element_ty))
+            tl.store(os_ptr + r64 * stride_os + pid_n, hs)
+        else:
+            # N here is H; aux = the saved [a1 | a3] (bf16), out / os = da [R, 2H] per row,
+            # qt / qts = da^T [2H, R] per 128 rows, ht / hts = h^T [H, R] per 128 rows
+            aux = aux_ptr + r64[:, None] * stride_aux + offs_n[None, :]
+            a1 = tl.load(aux).to(tl.float32)
+            a3 = tl.load(aux + N).to(tl.float32)
+            sig = tl.sigmoid(a1)
+            silu = a1 * sig
+            h = silu * a3
+            tl.store(part_ptr + pid_n * R_MAX + r64, tl.sum(acc * h, axis=1))
+            w = tl.load(tw_ptr + tl.where(live, slot, 0), mask=live, other=0.0).to(tl.float32)
+            dh = acc * w[:, None]
+            da3 = dh * silu
+            da1 = dh * a3 * sig * (1.0 + a1 * (1.0 - sig))
+            rb = pid_m  # BLOCK_M == 128: this tile's rows are one scale block of the row axis
+            cols_t = offs_n.to(tl.int64)
+            q, s = quantize_block(da1, 1, F32_DOT)
+            tl.store(out_ptr + r64[:, None] * stride_out + offs_n[None, :],
+                     q.to(out_ptr.dtype.element_ty))
+            tl.store(os_ptr + r64 * stride_os + pid_n, s)
+            q, s = quantize_block(da3, 1, F32_DOT)
+            tl.store(out_ptr + r64[:, None] * stride_out + (N + offs_n)[None, :],
+                     q.to(out_ptr.dtype.element_ty))
+            tl.store(os_ptr + r64 * stride_os + N // 128 + pid_n, s)
+            q, s = quantize_block(da1, 0, F32_DOT)
+            tl.store(qt_ptr + cols_t[None, :] * stride_qt + r64[:, None],
+                     q.to(qt_ptr.dtype.element_ty))
+            tl.store(qts_ptr + cols_t * stride_qts + rb, s)
+            q, s = quantize_block(da3, 0, F32_DOT)
+            tl.store(qt_ptr + (N + cols_t)[None, :] * stride_qt + r64[:, None],
+                     q.to(qt_ptr.dtype.element_ty))
+            tl.store(qts_ptr + (N + cols_t) * stride_qts + rb, s)
+            q, s = quantize_block(h, 0, F32_DOT)
+            tl.store(ht_ptr + cols_t[None, :] * stride_qt + r64[:, None],
+                     q.to(ht_ptr.dtype.element_ty))
+            tl.store(hts_ptr + cols_t * stride_qts + rb, s)
+
+
+GPU_CONFIGS = {
+    MODE_PLAIN: [
+        dict(BLOCK_M=128, BLOCK_N=128, GROUP_M=8, num_warps=8, num_stages=3),
+        dict(BLOCK_M=128, BLOCK_N=256, GROUP_M=8, num_warps=8, num_stages=3),
+        dict(BLOCK_M=128, BLOCK_N=128, GROUP_M=8, num_warps=8, num_stages=4),
+        dict(BLOCK_M=64, BLOCK_N=128, GROUP_M=8, num_warps=4, num_stages=4),
+    ],
+    MODE_SWIGLU: [
+        dict(BLOCK_M=128, BLOCK_N=128, GROUP_M=8, num_warps=8, num_stages=3),
+        dict(BLOCK_M=64, BLOCK_N=128, GROUP_M=8, num_warps=8, num_stages=3),
+        dict(BLOCK_M=64, BLOCK_N=128, GROUP_M=8, num_warps=4, num_stages=4),
+        dict(BLOCK_M=128, BLOCK_N=128, GROUP_M=8, num_warps=8, num_stages=2),
+    ],
+    MODE_DSWIGLU: [
+        dict(BLOCK_M=128, BLOCK_N=128, GROUP_M=8, num_warps=8, num_stages=3),
+        dict(BLOCK_M=128, BLOCK_N=128, GROUP_M=8, num_warps=8, num_stages=2),
+    ],
+}
+INTERPRET_CONFIG = dict(BLOCK_M=128, BLOCK_N=128, GROUP_M=2, num_warps=1, num_stages=1)
+_NAMES = {MODE_PLAIN: "fp8_rows", MODE_SWIGLU: "fp8_gemm1_swiglu", MODE_DSWIGLU: "fp8_dswiglu"}
+
+
+def _run(mode, a, a_s, b, b_s, plan: Plan, out, out_s, gather, b2=None, b2_s=None,
+         aux=None, tw=None, qt=None, qt_s=None, ht=None, ht_s=None, part=None, config=None,
+         outputs=None):
+    E, N, K = b.shape
+    R = plan.max_rows
+    assert K % 128 == 0 and N % 128 == 0 and a.shape[1] == K, (a.shape, b.shape)
+
+    def launch(cfg):
+        cfg = dict(cfg)
+        bm, bn = cfg["BLOCK_M"], cfg["BLOCK_N"]
+        assert plan.block_m % bm == 0 and N % bn == 0
+        num_m = R // bm
+        ph = a  # placeholder for pointers a mode does not use
+        _fp8_rows_kernel[(num_m * (N // bn),)](
+            a, a_s, b, b_s, b2 if b2 is not None else b, b2_s if b2_s is not None else b_s,
+            plan.row_slot, plan.tile_expert, tw if tw is not None else a_s,
+            out, out_s if out_s is not None else a_s, aux if aux is not None else ph,
+            qt if qt is not None else ph, qt_s if qt_s is not None else a_s,
+            ht if ht is not None else ph, ht_s if ht_s is not None else a_s,
+            part if part is not None else a_s,
+            num_m, N, K, R,
+            a.stride(0), a_s.stride(0), b.stride(0), b.stride(1), b_s.stride(0), b_s.stride(1),
+            out.stride(0), out_s.stride(0) if out_s is not None else 0,
+            aux.stride(0) if aux is not None else 0,
+            qt.stride(0) if qt is not None else 0, qt_s.stride(0) if qt_s is not None else 0,
+            TOP_K=plan.top_k, PLAN_BM=plan.block_m, GATHER=gather, MODE=mode,
+            SAVE_A=aux is not None, F32_DOT=interpreting(), **cfg,
+        )
+        return outputs() if outputs else (out,)
+
+    if config is None:
+        if interpreting():
+            config = INTERPRET_CONFIG
+        else:
+            key = (bucket(R), N, K, E, plan.block_m, gather, aux is not None)
+            config = pick_config(_NAMES[mode], key, GPU_CONFIGS[mode], launch,
+                                 outputs=lambda res: res)
+    launch(config)
+
+
+def fp8_gemm1_swiglu(xq, xs, w1q, w1s, w3q, w3s, plan: Plan, save_a: bool, config=None):
+    """(hq [R_max, H] e4m3, hs [R_max, H/128], a [R_max, 2H] bf16 or None): GEMM 1 + SwiGLU on
+    the token rows of xq (gathered by the plan), h quantized per row for GEMM 2."""
+    E, H, D = w1q.shape
+    R = plan.max_rows
+    hq = torch.empty((R, H), dtype=FP8, device=xq.device)
+    hs = torch.empty((R, H // 128), dtype=torch.float32, device=xq.device)
+    a = torch.empty((R, 2 * H), dtype=torch.bfloat16, device=xq.device) if save_a else None
+    _run(MODE_SWIGLU, xq, xs, w1q, w1s, plan, hq, hs, gather=True, b2=w3q, b2_s=w3s, aux=a,
+         config=config, outputs=lambda: (hq, hs) + ((a,) if save_a else ()))
+    return hq, hs, a
+
+
+def fp8_rows_gemm(aq, a_s, bq, b_s, plan: Plan, out_dtype, gather: bool = False, config=None):
+    """out [R_max, N] (out_dtype) = rows of aq @ bq[e]^T in the row space."""
+    out = torch.empty((plan.max_rows, bq.shape[1]), dtype=out_dtype, device=aq.device)
+    _run(MODE_PLAIN, aq, a_s, bq, b_s, plan, out, None, gather=gather, config=config)
+    return out
+
+
+def fp8_dswiglu(gq, gs, w2tq, w2ts, a_saved, topk_weights, plan: Plan, config=None):
+    """The backward's kernel A in FP8 (see the module docstring). Returns (daq [R, 2H], das
+    [R, 2H/128], daTq [2H, R], daTs [2H, R/128], hTq [H, R], hTs [H, R/128], part [H/128, R])."""
+    E, H, D = w2tq.shape
+    R = plan.max_rows
+    dev = gq.device
+    daq = torch.empty((R, 2 * H), dtype=FP8, device=dev)
+    das = torch.empty((R, 2 * H // 128), dtype=torch.float32, device=dev)
+    daTq = torch.empty((2 * H, R), dtype=FP8, device=dev)
+    daTs = torch.empty((2 * H, R // 128), dtype=torch.float32, device=dev)
+    hTq = torch.empty((H, R), dtype=FP8, device=dev)
+    hTs = torch.empty((H, R // 128), dtype=torch.float32, device=dev)
+    part = torch.empty((H // 128, R), dtype=torch.float32, device=dev)
+    assert hTq.stride(0) == R and daTq.stride(0) == R and hTs.stride(0) == daTs.stride(0)
+    used = lambda t: t[: int(plan.num_rows_used)]  # noqa: E731  (rows past them are unwritten)
+    _run(MODE_DSWIGLU, gq, gs, w2tq, w2ts, plan, daq, das, gather=True, aux=a_saved,
+         tw=topk_weights.reshape(-1), qt=daTq, qt_s=daTs, ht=hTq, ht_s=hTs, part=part,
+         config=config,
+         outputs=lambda: (used(daq), used(das), part.sum(0)[: int(plan.num_rows_used)]))
+    return daq, das, daTq, daTs, hTq, hTs, part

@@ -1,0 +1,98 @@
+"""Grouped FP8 weight gradient (K-grouped: the contraction runs over each expert's rows).
+
+    dw[e][m, n] = sum_{r in segment(e)} A^T[m, r] * B^T[n, r]      e4m3 operands, fp32 accumulate
+
+A^T [M, R_max] and B^T [N, R_max] hold the plan's rows transposed (rows contiguous: K-major for
+FP8 wgmma), each with one scale per column and 128 rows ([M, R_max/128], [N, R_max/128]): the
+quantization the weight gradients need, since they contract over tokens (fp8_quant.quant_rows_t,
+or kernel A's epilogue). Expert segments start on 128-row boundaries, so a scale block never
+mixes experts; rows past an expert's real count are zeros. The K loop stops at the last
+128-row step holding a real row (all-padding steps are skipped) and promotes each step's
+partial product into the fp32 accumulator with its two scale vectors.
+
+Tiles: one program per (expert, BLOCK_M x BLOCK_N tile of dw), experts longest first, so the
+long K loops start early. Output in the parameters' dtype and layout [E, M, N]; an expert with
+no rows gets zeros. Fixed row order, no atomics: deterministic.
+Waits on: nothing inside the launch (stream order). Signals: nothing.
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+from torchtitan_megamoe.ops.hopper.kernels.bwd_wgrad import longest_first
+from torchtitan_megamoe.ops.hopper.plan import Plan
+from torchtitan_megamoe.ops.hopper.tune import bucket, interpreting, pick_config
+
+
+@triton.jit
+def _fp8_wgrad_kernel(
+    at_ptr, ats_ptr, bt_ptr, bts_ptr, out_ptr, seg_start_ptr, count_ptr, order_ptr,
+    M, N, stride_at, stride_ats, stride_bt, stride_bts, stride_oe, stride_om,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr, F32_DOT: tl.constexpr,
+):
+    num_m = M // BLOCK_M
+    num_n = N // BLOCK_N
+    per_expert = num_m * num_n
+    e = tl.load(order_ptr + tl.program_id(0) // per_expert)
+    t = tl.program_id(0) % per_expert
+    group = GROUP_M * num_n
+    first_m = (t // group) * GROUP_M
+    gsize = min(num_m - first_m, GROUP_M)
+    pid_m = first_m + (t % group) % gsize
+    pid_n = (t % group) // gsize
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, 128)
+    start = tl.load(seg_start_ptr + e)
+    steps = (tl.load(count_ptr + e) + 127) // 128
+    m64 = offs_m.to(tl.int64)
+    n64 = offs_n.to(tl.int64)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for i in range(0, steps):
+        r0 = start + i * 128
+        a = tl.load(at_ptr + m64[:, None] * stride_at + (r0 + offs_k)[None, :])
+        b = tl.load(bt_ptr + n64[:, None] * stride_bt + (r0 + offs_k)[None, :])
+        sa = tl.load(ats_ptr + m64 * stride_ats + r0 // 128)
+        sb = tl.load(bts_ptr + n64 * stride_bts + r0 // 128)
+        if F32_DOT:
+            a, b = a.to(tl.float32), b.to(tl.float32)
+        acc += tl.dot(a, tl.trans(b)) * (sa[:, None] * sb[None, :])
+    tl.store(out_ptr + e.to(tl.int64) * stride_oe + m64[:, None] * stride_om + offs_n[None, :],
+             acc.to(out_ptr.dtype.element_ty))
+
+
+GPU_CONFIGS = [
+    dict(BLOCK_M=128, BLOCK_N=128, GROUP_M=8, num_warps=8, num_stages=3),
+    dict(BLOCK_M=128, BLOCK_N=256, GROUP_M=8, num_warps=8, num_stages=3),
+    dict(BLOCK_M=128, BLOCK_N=128, GROUP_M=8, num_warps=8, num_stages=4),
+]
+INTERPRET_CONFIG = dict(BLOCK_M=128, BLOCK_N=128, GROUP_M=2, num_warps=1, num_stages=1)
+
+
+def fp8_wgrad(at, ats, bt, bts, plan: Plan, out: torch.Tensor, order=None, config=None):
+    """out [E, M, N] (written whole) = per expert A^T[:, seg] @ B^T[:, seg]^T."""
+    E, M, N = out.shape
+    assert at.shape[0] == M and bt.shape[0] == N and out.stride(2) == 1
+    assert at.stride(1) == 1 and bt.stride(1) == 1
+    order = longest_first(plan) if order is None else order
+
+    def launch(cfg):
+        cfg = dict(cfg)
+        bm, bn = cfg["BLOCK_M"], cfg["BLOCK_N"]
+        assert M % bm == 0 and N % bn == 0, (M, N, cfg)
+        _fp8_wgrad_kernel[(E * (M // bm) * (N // bn),)](
+            at, ats, bt, bts, out, plan.seg_start, plan.count, order, M, N,
+            at.stride(0), ats.stride(0), bt.stride(0), bts.stride(0), out.stride(0),
+            out.stride(1), F32_DOT=interpreting(), **cfg)
+        return (out,)
+
+    if config is None:
+        if interpreting():
+            config = INTERPRET_CONFIG
+        else:
+            cands = [c for c in GPU_CONFIGS if M % c["BLOCK_M"] == 0 and N % c["BLOCK_N"] == 0]
+            config = pick_config("fp8_wgrad", (bucket(plan.max_rows), M, N, E), cands, launch,
+                                 outputs=lambda res: res)
+    launch(config)
+    return out
