@@ -1,4 +1,5 @@
-"""Checkpoints move freely between stock and converted models (README, Using it in a TorchTitan config).
+"""Checkpoints move freely between stock and converted models (README, "Using it in a
+TorchTitan config").
 
 Both directions, three ways: a plain ``state_dict`` with ``strict=True``, a
 ``torch.distributed.checkpoint`` save/load (what TorchTitan's checkpointer does), and the Qwen3

@@ -29,7 +29,8 @@ Timing: CUDA events around each call after warm-up (which also runs the kernels'
 median of --iters calls; and, for both sides' forward and forward + backward, --iters calls
 issued back to back with one pair of events around them (the host may run ahead, as across
 layers in training: GPU-bound, so a slow host moves it less). Flops: 6*T*K*D*H forward (three
-GEMMs), 3x that forward + backward; the floor is those flops at --peak-tflops (765: dense bf16 GEMM measured on the H200; docs/PERF.md, Compute floors).
+GEMMs), 3x that forward + backward; the floor is those flops at --peak-tflops (765: dense bf16
+GEMM measured on the H200; docs/PERF.md, Compute floors).
 On a machine without CUDA only --backend reference runs (a smoke test of the code path, with
 wall-clock times, under gloo for --ep > 1).
 """

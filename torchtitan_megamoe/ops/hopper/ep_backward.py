@@ -12,7 +12,8 @@ x and dy, around the EP=1 backward:
        the dx partials in fp32, fixed rank order, and takes each slot's d(topk_weight) from the
        rank owning its expert.
 No host sync. The return (3) is not overlapped: sending dx under dw1/dw3 keeps dx alive through
-them (+256 MiB peak at the 235B shape, EP=2; docs/PERF.md, Tried and rejected) for no measurable gain at EP=2.
+them (+256 MiB peak at the 235B shape, EP=2) for no measurable gain at EP=2 (docs/PERF.md,
+Tried and rejected).
 Memory per call: the EP=1 backward's transients for R*C tokens, plus the dx partial rows
 [R*C, D] and d(topk_weights) [R*C, K].
 """

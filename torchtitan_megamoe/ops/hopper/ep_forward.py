@@ -138,8 +138,8 @@ def forward_ep(x, topk_ids, topk_weights, w1, w2, w3, group, block_m, gemm1_conf
 
     # The peers' rows: combined here (HBM-bound, every SM), then sent by the copy engines beside
     # GEMM 2 (a combine storing straight into the peers' regions ran at NVLink speed on every SM
-    # between the two GEMM 2 launches: docs/PERF.md at 5e0bafa, 2026-11-30, 2.769 -> 2.721 ms at 30B,
-    # 10.009 -> 9.810 at 235B, EP=2 back to back). Without symmetric memory the same steps run
+    # between the two GEMM 2 launches: docs/PERF.md at 5e0bafa, 2026-11-30, 2.769 -> 2.721 ms
+    # at 30B, 10.009 -> 9.810 at 235B, EP=2 back to back). Without symmetric memory the same steps run
     # in order.
     staged = []
     for s in peers:
