@@ -2,9 +2,8 @@
 
 The oracle below is a per-token, per-slot Python loop in float64 (slow, but each line is the
 formula in README's "The op"); its gradients come from autograd through that loop. The op is
-run on fresh
-random float64 inputs so every comparison is tight (1e-10 relative), and on fp32 inputs against
-the same oracle at fp32 tolerance.
+run on fresh random float64 inputs so every comparison is tight (1e-10 relative), and on fp32
+inputs against the same oracle at fp32 tolerance.
 """
 
 import contextlib
