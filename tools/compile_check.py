@@ -6,7 +6,7 @@ Runs on a CPU-only machine (TRITON_INTERPRET must be unset): Triton lowers each 
 GPU tuner's configurations (``--all``: every candidate, else the first of each list) to PTX,
 and the ptxas shipped with Triton reports registers, spills, and how many wgmma / TMA
 instructions the kernel uses. Catches compile errors and register blow-ups before a GPU run;
-timings still need the GPU (bwd_bench.py).
+timings still need the GPU (python -m torchtitan_megamoe.bench.backward_stages).
 """
 
 import argparse

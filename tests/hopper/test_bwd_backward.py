@@ -258,7 +258,7 @@ def test_saved_backward_real_shape_30b():
         assert same_bits(a, b), f"{name} differs between two runs"
 
 
-# -------------------------------------------- the EP backward's hook (bwd_ep.py overlap)
+# -------------------------------------------- the EP backward's hook (ep_backward.py overlap)
 
 @pytest.mark.parametrize("use_saved", [True, False], ids=["saved", "recompute"])
 def test_wait_x_comes_before_the_first_read_of_x(use_saved, monkeypatch):

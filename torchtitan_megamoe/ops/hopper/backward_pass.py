@@ -17,8 +17,8 @@
 x and dy rows are read by indirection (row -> token); nothing is permuted. Weight tiles (A, C)
 and row-space tiles (A's a/da/hw, B) come by TMA when the tiles divide D and H. Every reduction
 has a fixed order and no atomics, so two runs on the same inputs are bitwise identical.
-Per-stage GPU timings: bwd_bench.py; offline register/spill check without a GPU:
-bwd_compile_check.py.
+Per-stage GPU timings: python -m torchtitan_megamoe.bench.backward_stages; offline register/spill
+check without a GPU: python -m tools.compile_check.
 
 Saved vs recomputed. At EP=1 the forward (forward_ep1(..., save=True), what the op runs) saves,
 besides the op's inputs that autograd keeps anyway:
@@ -77,7 +77,7 @@ D = 2048, 1.12 GiB at D = 4096):
     235B (D=4096, H=1536): da 864 MiB, hw 432 MiB, part 13.5 MiB, dx_slot 1 GiB
         Triton peak 1.86 GiB; cuBLAS stages dw2 2.40 / dw1,3 1.98 / C 3.10 GiB
 
-EP > 1 (bwd_ep.py): x and dy are exchanged again to the experts' owners, the EP=1 backward
+EP > 1 (ep_backward.py): x and dy are exchanged again to the experts' owners, the EP=1 backward
 (backward_local) runs on the received tokens, with the forward's saved tensors (receive
 layout) when ep_forward.keeps_saved kept them, and dx / d(topk_weights) return to their
 sources. x arrives under kernel A and dw2, which do not read it (backward_local's wait_x
@@ -122,7 +122,7 @@ BLOCK_M = 128
 # first use.
 # Kernel A is one plain dgrad GEMM (dy rows @ w2[e], K-dim = D) plus an epilogue that loads the
 # a1/a3 tiles by TMA: one fp32 accumulator. Offline sm_90a compiles (Triton 3.9,
-# bwd_compile_check.py): 128x64 at 8 warps spills nothing (193 registers), 128x128 spills 248
+# tools/compile_check.py): 128x64 at 8 warps spills nothing (193 registers), 128x128 spills 248
 # bytes (the epilogue's elementwise tiles), 128x64 at 4 warps 580 bytes (left out); the
 # pointer-load fallback (uneven D/H) 236 bytes.
 A_CANDIDATES = [
@@ -232,7 +232,7 @@ def check_backward_dtypes(grad_out, x, w1) -> None:
 
 def backward(grad_out, x, topk_ids, topk_weights, w1, w2, w3, group, precision, saved=None):
     """(dx, dtopk_weights, dw1, dw2, dw3) of mega_moe for grad_out, BF16; with an EP group of
-    more than one rank, rows are exchanged around the EP=1 kernels (bwd_ep.py). ``saved``: what
+    more than one rank, rows are exchanged around the EP=1 kernels (ep_backward.py). ``saved``: what
     the forward saved (forward.forward_ep1(..., save=True)); None or empty recomputes."""
     check_backward_inputs(grad_out, x, w1, precision)
     if group is not None and dist.get_world_size(group) > 1:
@@ -247,7 +247,7 @@ def backward_local(grad_out, x, topk_ids, topk_weights, w1, w2, w3, saved=None, 
     recomputing GEMM 1 and the plan is unpacked instead of rebuilt. None (or an empty
     sequence) recomputes both.
 
-    Stage order: A, dw2, dw1/dw3, C, combine. ``wait_x()`` (the EP backward's hook, bwd_ep.py)
+    Stage order: A, dw2, dw1/dw3, C, combine. ``wait_x()`` (the EP backward's hook, ep_backward.py)
     is called right before the first kernel that reads x (dw1/dw3, or the recompute's GEMM 1),
     so x can still be in flight under kernel A and dw2."""
     if interpreting():

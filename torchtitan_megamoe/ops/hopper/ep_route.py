@@ -11,7 +11,7 @@ R*C tokens. The receiver returns ONE partial row per token (its weighted sum ove
 experts there) to row t of its region on the source, and the source sums the partials of the
 ranks it sent the token to, in fp32 and fixed rank order.
 
-The forward (ep_forward.py) and the backward (bwd_ep.py) overlap these moves with their GEMMs
+The forward (ep_forward.py) and the backward (ep_backward.py) overlap these moves with their GEMMs
 (``ex`` from ops/hopper/exchange.py; a transport that cannot overlap runs the same steps in order):
     dispatch   the batch's rows -> send_region(d, ·) for every d; metadata (local ids,
                weights) as whole regions, so rows a source did not fill read as "no slot";

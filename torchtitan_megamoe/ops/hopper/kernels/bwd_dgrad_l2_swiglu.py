@@ -3,7 +3,7 @@
 Per (row tile, H tile) of the plan's expert-grouped row space, with e the tile's expert, dy_r the
 row of the row's token (read by indirection, no permute copy), w_r its routing weight and
 a = [a1 | a3] GEMM 1's pre-activations in the same row space (bf16; the forward's saved copy,
-or the backward's recompute with the forward's own kernel, backward.py):
+or the backward's recompute with the forward's own kernel, backward_pass.py):
 
     dh = dy_r @ w2[e]                               (unweighted, fp32 accumulator)
     h  = silu(a1) * a3
