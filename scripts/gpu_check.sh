@@ -19,7 +19,7 @@
 # BENCH_NPROCS="1 2" (both benches in one run), BENCH_TIMEOUT_S (per bench, default 360),
 # PYTEST_TIMEOUT_S (default 300). Logs and bench.json go to $OUT (or ./.out when run by hand).
 # What the bench prints: at EP=1, stock vs ours per shape plus the backward's per-stage table
-# (bench/backward_stages.py, run inside the bench: no separate bwd_bench call); at EP=2, stock
+# (bench/backward_stages.py, run inside the bench: no separate run); at EP=2, stock
 # TorchTitan's ExpertParallel layer vs ours in the same run, with our EP=1 time for the ratio
 # (BENCH_ARGS=--no-ep1 skips that). EP=2 check on 2 GPUs, ~3-4 min:
 #   PYTEST_ARGS='-m multigpu tests/hopper' BENCH_NPROC=2 bash scripts/gpu_check.sh

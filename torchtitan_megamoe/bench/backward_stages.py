@@ -1,4 +1,4 @@
-"""Per-stage timing of the triton backward on the GPU (the breakdown the perf notes need).
+"""Per-stage timing of the hopper backend's backward on the GPU (docs/PERF.md, Per-stage breakdown).
 
     python -m torchtitan_megamoe.bench.backward_stages [--tokens 16384] [--shapes 30b,235b]
 

@@ -1,4 +1,4 @@
-"""BF16 backward of backend ``triton``: four kernels over the forward's row layout.
+"""BF16 backward of backend ``hopper``: four kernels over the forward's row layout.
 
     plan      unpacked from what the forward saved (plan.unpack_plan: views, no work); rebuilt
               with build_plan only when nothing was saved (saved=None)
