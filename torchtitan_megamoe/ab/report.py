@@ -152,7 +152,7 @@ def render_seed_report(st, pairs: dict, problems: list[str], meta: dict, speeds:
         test = f"({why})"
     else:
         test = (f"(|mean diff| {_fmt(abs(st.mean_diff), '.5f')} "
-                f"{'>' if st.verdict == 'different' else '<='} t {st.t_crit:.3g} x SE "
+                f"{'>' if st.verdict == 'different' else '<='} t {st.t_crit:.2f} x SE "
                 f"{_fmt(st.se_diff, '.5f')} = {_fmt(st.threshold, '.5f')}; "
                 f"t statistic {_fmt(st.t_stat, '+.2f')})")
     lines = [

@@ -215,11 +215,12 @@ class SeedStats:
 
 
 def rule_text(alpha: float, n: int) -> str:
-    t = f"{t_quantile(1 - alpha / 2, n - 1):.3g}" if n >= 2 else "t"
+    t = f"{t_quantile(1 - alpha / 2, n - 1):.2f}" if n >= 2 else "t"
     return (
         f"different when |mean difference| > t x SE, the standard error of the per-seed "
         f"differences (sd / sqrt(N)), with t = {t} the Student-t quantile 1 - alpha/2 for "
-        f"N - 1 = {max(n - 1, 0)} degrees of freedom (a two-sided paired t-test, alpha "
+        f"N - 1 = {max(n - 1, 0)} degree{'' if n == 2 else 's'} of freedom (a two-sided "
+        f"paired t-test, alpha "
         f"{alpha:g}); otherwise indistinguishable; undetermined with one seed"
     )
 
