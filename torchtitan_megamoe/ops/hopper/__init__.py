@@ -1,9 +1,10 @@
-"""Backend ``hopper`` of mega_moe (formerly ``triton``): Hopper (SM90) kernels, BF16.
+"""Backend ``hopper`` of mega_moe (formerly ``triton``): Hopper (SM90) kernels, BF16 and FP8.
 
-Forward (EP=1): device-side plan (plan.py), grouped GEMM 1 + SwiGLU (gemm1_swiglu.py), grouped
-GEMM 2 into the row space (gemm2_rows.py), fp32 combine through the slots' rows (combine.py).
-Backward: backward.py (BF16); it reads what the forward saved (GEMM 1's pre-activations and the
-packed plan) instead of recomputing them. EP > 1 (ep_forward.py, bwd_ep.py): each token goes once
+Forward (EP=1, local_forward.py): device-side plan (plan.py), grouped GEMM 1 + SwiGLU
+(kernels/gemm1_swiglu.py), grouped GEMM 2 into the row space (kernels/gemm2_rows.py), fp32
+combine through the slots' rows (kernels/combine.py). FP8 at EP=1: fp8_forward.py,
+fp8_backward.py. Backward: backward_pass.py (BF16); it reads what the forward saved (GEMM 1's pre-activations and the
+packed plan) instead of recomputing them. EP > 1 (ep_forward.py, ep_backward.py): each token goes once
 to every rank owning one of its experts through the token exchange (ep_route.py over
 ops/hopper/exchange.py: symmetric memory, copy-engine copies, no host sync), the EP=1 kernels run on the
 receive buffer and partial rows return to their sources; the forward overlaps both moves with
@@ -89,7 +90,7 @@ def check_inputs(x, w1, group, precision) -> None:
 
 def forward(x, topk_ids, topk_weights, w1, w2, w3, group, precision, save=False):
     """out; with ``save``, (out, saved: list of tensors for backward(saved=...)). EP=1 saves
-    [a, packed_plan] (forward.py); EP > 1 the same in the receive layout, or nothing where
+    [a, packed_plan] (local_forward.py); EP > 1 the same in the receive layout, or nothing where
     ep_forward.keeps_saved says the backward recomputes."""
     check_inputs(x, w1, group, precision)
     if _ep_size(group) > 1:
