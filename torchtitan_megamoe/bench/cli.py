@@ -13,13 +13,28 @@ import torch
 from torchtitan_megamoe.bench.ep import bench_shape_ep
 from torchtitan_megamoe.bench.ep1 import bench_shape
 from torchtitan_megamoe.bench.shapes import SHAPES
-from torchtitan_megamoe.bench.tables import bwd_table, ep_table, table, tuner_lines
+from torchtitan_megamoe.bench.stock import note_for, torchao_version
+from torchtitan_megamoe.bench.tables import (accuracy_table, bwd_table, ep_table, layer_rows,
+                                             table, tuner_lines)
+from torchtitan_megamoe.ops.api import PRECISIONS
+
+FP8_PRECISIONS = ("fp8", "fp8_bwd")
 
 
 def _meta() -> dict:
+    def version(pkg):
+        try:
+            import importlib.metadata as md
+
+            return md.version(pkg)
+        except Exception:  # noqa: BLE001 - not installed
+            return None
+
     return {
         "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
         "torch": torch.__version__,
+        "torchtitan": version("torchtitan"),
+        "torchao": torchao_version(),
         "date_utc": time.strftime("%Y-%m-%d %H:%M", time.gmtime()),
         "argv": sys.argv,
     }
@@ -54,7 +69,9 @@ def main_ep(args) -> int:
         for key in args.shapes.split(","):
             t0 = time.time()
             r = bench_shape_ep(key, args.tokens, args.iters, args.warmup, args.backward,
-                               args.peak_tflops, mesh, args.backend, args.ep1, args.profile)
+                               args.peak_tflops, mesh, args.backend, args.ep1, args.profile,
+                               compile_stock=args.compile_stock,
+                               compile_backend=args.compile_backend)
             r["wall_s"] = round(time.time() - t0, 1)
             results.append(r)
             if dist.get_rank() == 0:
@@ -70,15 +87,39 @@ def main_ep(args) -> int:
             dist.destroy_process_group()
 
 
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description="MoE layer benchmark: stock TorchTitan MoE vs mega_moe")
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        description="MoE layer benchmark: stock TorchTitan MoE (eager, compiled, + torchao FP8) "
+                    "vs mega_moe")
     p.add_argument("--shapes", default="30b,235b", help="comma list of: " + ",".join(SHAPES))
     p.add_argument("--tokens", type=int, default=16384, help="tokens per GPU")
     p.add_argument("--iters", type=int, default=None, help="timed calls (30; 20 with --ep > 1)")
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--no-backward", dest="backward", action="store_false")
     p.add_argument("--backend", default="hopper", choices=["hopper", "reference", "auto"])
-    p.add_argument("--peak-tflops", type=float, default=765.0)
+    p.add_argument("--precisions", "--precision", dest="precisions", default="bf16",
+                   help="comma list of ours' precisions, from: " + ",".join(PRECISIONS)
+                        + " (mega_moe(..., precision=p); ours in bf16 always runs; one the "
+                          "backend lacks prints 'not available: <why>'); EP=1 only")
+    p.add_argument("--no-compile-stock", dest="compile_stock", action="store_false",
+                   help="skip stock under torch.compile (as TorchTitan's --compile.enable "
+                        "compiles each MoE block: bench/stock.py); its first calls compile for "
+                        "tens of seconds per shape")
+    p.add_argument("--compile-backend", default=None,
+                   help="torch.compile backend of the compiled stock layers (default: inductor, "
+                        "TorchTitan's compile.backend; aot_eager without CUDA, for the smoke "
+                        "runs)")
+    p.add_argument("--no-torchao", dest="torchao", action="store_false",
+                   help="skip stock + torchao's rowwise FP8 grouped GEMMs (compiled), which "
+                        "runs when --precisions lists fp8 or fp8_bwd (needs torchao 0.18)")
+    p.add_argument("--accuracy", action="store_true",
+                   help="also, per shape: relative error of the output and every gradient "
+                        "against float64 on the same inputs, for ours at each precision, stock "
+                        "bf16 and stock + torchao FP8 (EP=1)")
+    p.add_argument("--peak-tflops", type=float, default=765.0,
+                   help="dense bf16 GEMM rate of the compute floor (H200 measured)")
+    p.add_argument("--peak-fp8-tflops", type=float, default=1339.0,
+                   help="dense FP8 GEMM rate of the fp8 rows' floor (H200 measured)")
     p.add_argument("--ep", type=int, default=1,
                    help="EP degree (GPUs); > 1 runs under torchrun")
     p.add_argument("--no-ep1", dest="ep1", action="store_false",
@@ -91,8 +132,26 @@ def main(argv=None) -> int:
     for key in args.shapes.split(","):
         if key not in SHAPES:
             p.error(f"unknown shape {key!r}; pick from {','.join(SHAPES)}")
+    precisions = [q.strip() for q in args.precisions.split(",") if q.strip()]
+    for q in precisions:
+        if q not in PRECISIONS:
+            p.error(f"unknown precision {q!r}; pick from {','.join(PRECISIONS)}")
+    args.precisions = list(dict.fromkeys(["bf16", *precisions]))
+    if args.ep != 1 and args.precisions != ["bf16"]:
+        p.error("--precisions other than bf16 run at EP=1 only (FP8 over the EP exchange is "
+                "not benchmarked here)")
+    if args.ep != 1 and args.accuracy:
+        p.error("--accuracy runs at EP=1 only")
+    args.torchao = args.torchao and any(q in FP8_PRECISIONS for q in args.precisions)
+    if args.compile_backend is None:
+        args.compile_backend = "inductor" if torch.cuda.is_available() else "aot_eager"
     if args.iters is None:
         args.iters = 30 if args.ep == 1 else 20
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
     if args.ep != 1:
         return main_ep(args)
     if not torch.cuda.is_available() and args.backend != "reference":
@@ -103,18 +162,38 @@ def main(argv=None) -> int:
     for key in args.shapes.split(","):
         t0 = time.time()
         r = bench_shape(key, args.tokens, args.iters, args.warmup, args.backward, args.backend,
-                        args.peak_tflops, args.profile)
+                        args.peak_tflops, args.profile, precisions=args.precisions,
+                        compile_stock=args.compile_stock, compile_backend=args.compile_backend,
+                        torchao=args.torchao, peak_fp8_tflops=args.peak_fp8_tflops)
+        if args.accuracy:
+            # after the timing, so that a failure here cannot cost its numbers
+            from torchtitan_megamoe.bench.accuracy import accuracy_shape
+
+            t1 = time.time()
+            try:
+                r["accuracy"] = accuracy_shape(key, args.tokens, args.precisions, args.backend,
+                                               torchao=args.torchao)
+            except Exception as err:  # noqa: BLE001 - reported in the table and the JSON
+                r["accuracy_error"] = note_for(err)
+            r["accuracy_wall_s"] = round(time.time() - t1, 1)
+        r["rows"] = layer_rows(r, "waited")
+        r["rows_b2b"] = layer_rows(r, "b2b")
         r["wall_s"] = round(time.time() - t0, 1)
         results.append(r)
         print(json.dumps({k: v for k, v in r.items() if k != "tuned"}), flush=True)
-    print(table(results))
-    bwd = bwd_table(results)
-    if bwd:
-        print(bwd)
-    tuned = tuner_lines(results)
-    if tuned:
-        print(tuned)
+    print(report(results))
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"meta": _meta(), "results": results}, f, indent=1)
     return 0
+
+
+def report(results: list[dict]) -> str:
+    """Everything the EP=1 run prints after its JSON lines: the layer table (waited), the same
+    back to back, the backward's stages, the tuner's picks and, with --accuracy, the errors."""
+    parts = [table(results),
+             "calls back to back (no wait per call, GPU-bound; ms per call; fwdbwd with fresh "
+             ".grad):",
+             table(results, "b2b")]
+    parts += [t for t in (bwd_table(results), tuner_lines(results), accuracy_table(results)) if t]
+    return "\n".join(parts)

@@ -3,14 +3,21 @@ routing, with our EP=1 time in the same run (one process per GPU under torchrun)
 
 from __future__ import annotations
 
+import time
 import traceback
 
 import torch
 
 from torchtitan_megamoe.bench.profile import profile_kernels, timeline
 from torchtitan_megamoe.bench.shapes import SHAPES, _rel_err, build_stock_moe, shard_stock_experts
+from torchtitan_megamoe.bench.stock import CompiledStock, graphs_compiled, note_for
 from torchtitan_megamoe.timing import back_to_back_ms, median_ms, peak_extra_mib
 from torchtitan_megamoe.router import route
+
+
+def _sync():
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
 
 
 def _time_pair(fwd, step, iters, warmup, backward, res=None, name=None):
@@ -30,12 +37,16 @@ def _time_pair(fwd, step, iters, warmup, backward, res=None, name=None):
 
 def bench_shape_ep(key: str, tokens: int, iters: int, warmup: int, backward: bool,
                    peak_tflops: float, mesh, backend: str = "hopper", ep1: bool = True,
-                   profile: bool = False) -> dict:
+                   profile: bool = False, compile_stock: bool = True,
+                   compile_backend: str = "inductor") -> dict:
     """Stock TorchTitan EP vs ours, experts split over ``mesh`` (1-D, named "ep").
 
     Every rank must call this (it communicates). Order: ours at EP=1 (full weights, no
     communication), ours at EP=N, then stock after sharding its experts, so that a failure of the
-    stock wiring still leaves ours' numbers.
+    stock wiring still leaves ours' numbers; last, with ``compile_stock``, the same stock EP layer
+    compiled as TorchTitan's --compile.enable compiles it with EP on (``stock_compiled_*``; see
+    bench/stock.py: router and reorderer compiled, the grouped GEMMs compiled with the received
+    rows marked dynamic, dispatch and combine eager).
     """
     import torch.distributed as dist
 
@@ -119,6 +130,33 @@ def bench_shape_ep(key: str, tokens: int, iters: int, warmup: int, backward: boo
     except Exception as err:  # noqa: BLE001 - reported; ours' numbers above stay valid
         traceback.print_exc()
         res["stock_error"] = f"{type(err).__name__}: {err}"
+    if compile_stock and "stock_error" not in res:
+        # (a compile error is the same on every rank, so all ranks leave at the same point)
+        try:
+            moe.zero_grad(set_to_none=True)
+            compiled = CompiledStock(moe, ep=True, backend=compile_backend)
+            with compiled.active():
+                fwd = lambda: moe(x.view(1, T, D))  # noqa: E731
+                step = lambda: moe(xg.view(1, T, D)).backward(grad.view(1, T, D))  # noqa: E731
+                with torch.no_grad():
+                    t0 = time.perf_counter()
+                    fwd(), fwd()
+                    _sync()
+                    res["stock_compiled_fwd_warmup_s"] = time.perf_counter() - t0
+                if backward:
+                    t0 = time.perf_counter()
+                    step(), step()
+                    _sync()
+                    res["stock_compiled_fwdbwd_warmup_s"] = time.perf_counter() - t0
+                graphs = graphs_compiled()
+                res["stock_compiled_fwd_ms"], res["stock_compiled_fwdbwd_ms"] = _time_pair(
+                    fwd, step, iters, warmup, backward, res, "stock_compiled")
+                if graphs >= 0:
+                    res["stock_compiled_recompiles"] = graphs_compiled() - graphs
+        except Exception as err:  # noqa: BLE001 - reported; the numbers above stay valid
+            res["stock_compiled_note"] = note_for(err)
+        torch._dynamo.reset()
+        moe.zero_grad(set_to_none=True)
     # worst rank's errors (every rank runs the same number of these collectives, error or not)
     # (-1: not measured on that rank; a NaN error stays NaN)
     err_t = torch.tensor(errs + [-1.0] * (2 - len(errs)), device=dev, dtype=torch.float64)

@@ -2,14 +2,92 @@
 
 from __future__ import annotations
 
+import time
 import traceback
 
 import torch
 
 from torchtitan_megamoe.bench.profile import profile_kernels, timeline
-from torchtitan_megamoe.bench.shapes import SHAPES, build_stock_moe
+from torchtitan_megamoe.bench.shapes import SHAPES, _rel_err, build_stock_moe
+from torchtitan_megamoe.bench.stock import (FP8_TOKEN_GROUP_ALIGNMENT, CompiledStock,
+                                            Unavailable, convert_torchao_fp8, graphs_compiled,
+                                            note_for, token_group_alignment)
+from torchtitan_megamoe.bench.tables import ours_name
 from torchtitan_megamoe.timing import back_to_back_ms, host_issue_ms, median_ms, peak_extra_mib
 from torchtitan_megamoe.router import route
+
+
+def _sync():
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def wall_s(fn, calls: int = 1) -> float:
+    """Wall seconds of ``calls`` calls of ``fn``, the device synchronized before and after
+    (a first call: kernel JIT and tuner; a compiled layer's warm-up: its compilation)."""
+    _sync()
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    _sync()
+    return time.perf_counter() - t0
+
+
+def first_call(res: dict, name: str, fn) -> None:
+    """res[f"{name}_first_call_s"]: the wall time of ``fn``'s first call in this process at
+    this shape (the JIT compiles not cached on disk and the tuner's timing runs included), or
+    res[f"{name}_first_call_note"] when it raises."""
+    try:
+        res[f"{name}_first_call_s"] = wall_s(fn)
+    except Exception as err:  # noqa: BLE001 - reported in the table
+        res[f"{name}_first_call_note"] = note_for(err)
+
+
+def time_layer(res: dict, name: str, fwd, step, fresh_step, iters: int, warmup: int,
+               backward: bool, ref: torch.Tensor | None = None) -> None:
+    """One layer's times under ``name``: ``_fwd_ms`` (median, each call waited for, under
+    no_grad) and ``_fwd_b2b_ms``; with ``backward`` ``_fwdbwd_ms`` (grads accumulating),
+    ``_fwdbwd_fresh_ms``, ``_fwdbwd_b2b_ms`` (fresh .grad) and ``_fwdbwd_peak_mib`` (one fresh
+    step). With ``ref``, ``_rel_err_vs_stock`` of the forward's output. A pass that raises gets
+    ``_{pass}_note`` instead (see stock.note_for); the other pass still runs."""
+    try:
+        with torch.no_grad():
+            out = fwd()
+            if ref is not None:
+                res[f"{name}_rel_err_vs_stock"] = _rel_err(out, ref)
+            del out
+            res[f"{name}_fwd_ms"] = median_ms(fwd, iters, warmup)
+            res[f"{name}_fwd_b2b_ms"] = back_to_back_ms(fwd, iters)
+    except Exception as err:  # noqa: BLE001 - reported in the table
+        res[f"{name}_fwd_note"] = note_for(err)
+    if not backward:
+        return
+    try:
+        fresh_step()
+        res[f"{name}_fwdbwd_ms"] = median_ms(step, iters, warmup)
+        res[f"{name}_fwdbwd_fresh_ms"] = median_ms(fresh_step, iters, warmup)
+        res[f"{name}_fwdbwd_b2b_ms"] = back_to_back_ms(fresh_step, iters)
+        res[f"{name}_fwdbwd_peak_mib"] = peak_extra_mib(fresh_step)
+    except Exception as err:  # noqa: BLE001 - reported in the table
+        res[f"{name}_fwdbwd_note"] = note_for(err)
+
+
+def time_compiled(res: dict, name: str, moe, fwd, step, fresh_step, iters: int, warmup: int,
+                  backward: bool, compile_backend: str, ref: torch.Tensor | None = None,
+                  ep: bool = False) -> None:
+    """time_layer of ``moe`` compiled as TorchTitan compiles it (stock.CompiledStock), after a
+    warm-up of two calls per pass whose wall time is ``_{pass}_warmup_s`` (compilation);
+    ``_recompiles``: graphs compiled while timing (0 unless a guard failed)."""
+    compiled = CompiledStock(moe, ep=ep, backend=compile_backend)
+    with compiled.active():
+        with torch.no_grad():
+            res[f"{name}_fwd_warmup_s"] = wall_s(fwd, 2)
+        if backward:
+            res[f"{name}_fwdbwd_warmup_s"] = wall_s(fresh_step, 2)
+        graphs = graphs_compiled()
+        time_layer(res, name, fwd, step, fresh_step, iters, warmup, backward, ref)
+        if graphs >= 0:
+            res[f"{name}_recompiles"] = graphs_compiled() - graphs
 
 
 def _stage_times(x, ids, w, w1, w2, w3, iters, warmup):
@@ -56,7 +134,15 @@ def bwd_stage_breakdown(key: str, tokens: int, iters: int) -> dict:
 
 
 def bench_shape(key: str, tokens: int, iters: int, warmup: int, backward: bool, backend: str,
-                peak_tflops: float, profile: bool = False) -> dict:
+                peak_tflops: float, profile: bool = False, *, precisions=("bf16",),
+                compile_stock: bool = True, compile_backend: str = "inductor",
+                torchao: bool = False, peak_fp8_tflops: float = 1339.0) -> dict:
+    """Stock vs ours at one shape. Ours in bf16 always runs (keys ``ours_*``); each other
+    precision of ``precisions`` adds keys ``ours_{precision}_*`` (bench.ep1.ours_name), or their
+    ``_note`` where the backend lacks it. Baselines: stock eager (``stock_*``), with
+    ``compile_stock`` stock compiled as TorchTitan's --compile.enable does (``stock_compiled_*``),
+    with ``torchao`` stock + torchao's FP8 grouped GEMMs, compiled the same way
+    (``stock_fp8_*``; it converts the module's experts, so it runs last)."""
     from torchtitan_megamoe import mega_moe
 
     shape = SHAPES[key]
@@ -67,20 +153,51 @@ def bench_shape(key: str, tokens: int, iters: int, warmup: int, backward: bool, 
     x = torch.randn(1, T, D, device=dev, dtype=torch.bfloat16)
     x2 = x.view(T, D)
     ex = moe.experts
+    xg = x.detach().clone().requires_grad_(True)
+    grad = torch.randn_like(x)
+    extra = [p for p in dict.fromkeys(precisions) if p != "bf16"]
 
-    def ours_layer(inp):
+    def ours_layer(inp, precision="bf16"):
         scores, ids, _ = route(moe.router, inp.view(T, D), moe.expert_bias)
-        out = mega_moe(inp.view(T, D), ids, scores, ex.w1, ex.w2, ex.w3, backend=backend)
+        out = mega_moe(inp.view(T, D), ids, scores, ex.w1, ex.w2, ex.w3, backend=backend,
+                       precision=precision)
         return out.view(1, T, D)
+
+    def stock_step():
+        moe(xg).backward(grad)
+
+    def ours_step():
+        ours_layer(xg).backward(grad)
+
+    # The steps accumulate into existing .grad tensors (an extra pass over the weight
+    # gradients each call); a training step's first backward writes them fresh instead.
+    def fresh(step):
+        def run():
+            moe.zero_grad(set_to_none=True)
+            xg.grad = None
+            step()
+        return run
+
+    # ours' first call at this shape, before any other: kernel JIT (where not cached on disk)
+    # and the tuner's timing runs; a fwd+bwd when the backward is benchmarked
+    pre = {}
+    if backward:
+        first_call(pre, "ours", fresh(ours_step))
+    else:
+        first_call(pre, "ours", torch.no_grad()(lambda: ours_layer(x)))
+    moe.zero_grad(set_to_none=True)
 
     with torch.no_grad():
         scores, ids, _ = moe.router(x2, moe.expert_bias)
         ref = moe(x).float()
         got = ours_layer(x).float()
         rel = float((got - ref).norm() / ref.norm())
+        del got
         res = {
             "shape": shape["name"], "tokens": T, "dim": D, "hidden": H,
             "experts": shape["experts"], "top_k": K, "backend": backend,
+            "precisions": ["bf16"] + extra, "peak_tflops": peak_tflops,
+            "peak_fp8_tflops": peak_fp8_tflops,
             "rel_err_vs_stock": rel,
             "stock_fwd_ms": median_ms(lambda: moe(x), iters, warmup),
             "ours_fwd_ms": median_ms(lambda: ours_layer(x), iters, warmup),
@@ -105,36 +222,19 @@ def bench_shape(key: str, tokens: int, iters: int, warmup: int, backward: bool, 
         if backend == "hopper":
             res["stages_ms"] = _stage_times(x2, ids, scores, ex.w1, ex.w2, ex.w3, iters, warmup)
 
+    res.update(pre)
     flops_fwd = 6 * T * K * D * H
     res["flops_fwd"] = flops_fwd
     res["floor_fwd_ms"] = flops_fwd / (peak_tflops * 1e12) * 1e3
     if backward:
-        xg = x.detach().clone().requires_grad_(True)
-        grad = torch.randn_like(x)
-
-        def stock_step():
-            moe(xg).backward(grad)
-
-        def ours_step():
-            ours_layer(xg).backward(grad)
-
         res["stock_fwdbwd_ms"] = median_ms(stock_step, iters, warmup)
         try:
             ours_step()
             res["ours_fwdbwd_ms"] = median_ms(ours_step, iters, warmup)
         except NotImplementedError as err:
             res["ours_fwdbwd_ms"] = None
-            res["ours_fwdbwd_note"] = str(err)
+            res["ours_fwdbwd_note"] = note_for(err)
         res["floor_fwdbwd_ms"] = 3 * res["floor_fwd_ms"]
-
-        # The steps above accumulate into existing .grad tensors (an extra pass over the weight
-        # gradients each call); a training step's first backward writes them fresh instead.
-        def fresh(step):
-            def run():
-                moe.zero_grad(set_to_none=True)
-                xg.grad = None
-                step()
-            return run
 
         res["stock_fwdbwd_fresh_ms"] = median_ms(fresh(stock_step), iters, warmup)
         res["stock_fwdbwd_b2b_ms"] = back_to_back_ms(fresh(stock_step), iters)
@@ -148,6 +248,50 @@ def bench_shape(key: str, tokens: int, iters: int, warmup: int, backward: bool, 
             timeline(f"{shape['name']} EP=1 ours fwd+bwd", fresh(ours_step), 0)
             profile_kernels(f"{shape['name']} EP=1 stock fwd+bwd", stock_step, 0)
         moe.zero_grad(set_to_none=True)
+
+    # ours at the other precisions: each with its own first call (its kernels' JIT and tuner)
+    for p in extra:
+        name = ours_name(p)
+
+        def fwd(p=p):
+            return ours_layer(x, p)
+
+        def step(p=p):
+            ours_layer(xg, p).backward(grad)
+
+        if backward:
+            first_call(res, name, fresh(step))
+        else:
+            first_call(res, name, torch.no_grad()(fwd))
+        time_layer(res, name, fwd, step, fresh(step), iters, warmup, backward, ref)
+        moe.zero_grad(set_to_none=True)
+        torch.cuda.empty_cache()
+
+    # stock's module, the same weights, compiled as --compile.enable compiles it
+    stock_fwd = lambda: moe(x)  # noqa: E731
+    if compile_stock:
+        try:
+            time_compiled(res, "stock_compiled", moe, stock_fwd, stock_step, fresh(stock_step),
+                          iters, warmup, backward, compile_backend, ref)
+        except Exception as err:  # noqa: BLE001 - reported; the numbers above stay valid
+            res["stock_compiled_note"] = note_for(err)
+        moe.zero_grad(set_to_none=True)
+        torch.cuda.empty_cache()
+    # stock + torchao's FP8 grouped GEMMs, compiled: converts the experts in place (last)
+    if torchao:
+        try:
+            with token_group_alignment(FP8_TOKEN_GROUP_ALIGNMENT):
+                convert_torchao_fp8(moe)
+                if not compile_stock:
+                    raise Unavailable("timed compiled only (TorchTitan's FP8 MoE path wants "
+                                      "--compile.enable); drop --no-compile-stock")
+                time_compiled(res, "stock_fp8", moe, stock_fwd, stock_step, fresh(stock_step),
+                              iters, warmup, backward, compile_backend, ref)
+        except Exception as err:  # noqa: BLE001 - reported; the numbers above stay valid
+            res["stock_fp8_note"] = note_for(err)
+        moe.zero_grad(set_to_none=True)
+    if compile_stock or torchao:
+        torch._dynamo.reset()
     from torchtitan_megamoe.ops.hopper import tune
 
     res["tuned"] = {

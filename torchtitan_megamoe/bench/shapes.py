@@ -6,7 +6,8 @@ from __future__ import annotations
 import torch
 
 SHAPES = {
-    "tiny": dict(name="tiny (smoke)", dim=128, hidden=64, experts=8, top_k=2),
+    # hidden a multiple of 128: the fp8 rows' 128-wide scaling blocks need it
+    "tiny": dict(name="tiny (smoke)", dim=128, hidden=128, experts=8, top_k=2),
     "30b": dict(name="Qwen3-30B-A3B", dim=2048, hidden=768, experts=128, top_k=8),
     "235b": dict(name="Qwen3-235B-A22B", dim=4096, hidden=1536, experts=128, top_k=8),
 }

@@ -37,38 +37,113 @@ def _tflops(flops: float, ms: float | None) -> str:
     return f"{flops / (ms * 1e-3) / 1e12:.0f}" if ms else "n/a"
 
 
-def _b2b_line(results: list[dict], head: str) -> str:
-    """One line of the back-to-back times (``{who}_{tag}_b2b_ms``) of every result: stock, ours,
-    their ratio and, where measured, ours at EP=1; '' when no result has them."""
-    b2b = []
-    for r in results:
-        for tag in ("fwd", "fwdbwd"):
-            o, st, e1 = (r.get(f"{who}_{tag}_b2b_ms") for who in ("ours", "stock", "ours_ep1"))
-            if o:
-                b2b.append(f"{r['shape']} {tag}: stock {st or float('nan'):.3f}, ours {o:.3f}"
-                           + (f" ({st / o:.2f}x)" if st else "")
-                           + (f", ours EP=1 {e1:.3f} (EP=N/EP=1 {o / e1:.2f}x)" if e1 else ""))
-    return head + "; ".join(b2b) if b2b else ""
+BASELINES = (
+    ("stock", "stock eager"),
+    ("stock_compiled", "stock compiled"),
+    ("stock_fp8", "stock + torchao FP8 compiled"),
+)
+"""(result-key prefix, label) of the stock layers ours is timed against: TorchTitan's MoE block
+eager, compiled as --compile.enable compiles it, and with torchao's rowwise FP8 grouped GEMMs
+(compiled), all bf16 in and out."""
 
 
-def table(results: list[dict]) -> str:
-    lines = [
-        "| shape | pass | stock ms | ours ms | speedup | ours TFLOP/s | floor ms | floor/ours |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- |",
-    ]
+def ours_name(precision: str) -> str:
+    """Result-key prefix of ours at a precision (as bench/ep1.py writes them)."""
+    return "ours" if precision == "bf16" else f"ours_{precision}"
+
+
+def floor_ms(r: dict, tag: str, precision: str) -> float:
+    """The compute floor of one pass: its GEMM flops at the dense rate of the precision its
+    GEMMs run in (fp8: all FP8; fp8_bwd: forward bf16, backward FP8; bf16: all bf16); the
+    backward is 2x the forward's flops."""
+    flops = r["flops_fwd"]
+    bf16 = r.get("peak_tflops", 765.0) * 1e9  # flops per ms
+    fp8 = r.get("peak_fp8_tflops", 1339.0) * 1e9
+    fwd_rate = fp8 if precision == "fp8" else bf16
+    if tag == "fwd":
+        return flops / fwd_rate
+    bwd_rate = fp8 if precision in ("fp8", "fp8_bwd") else bf16
+    return flops / fwd_rate + 2 * flops / bwd_rate
+
+
+def _cell_note(note: str, width: int = 140) -> str:
+    note = " ".join(note.replace("|", "/").split())
+    return note if len(note) <= width else note[: width - 3] + "..."
+
+
+TIMINGS = {
+    "waited": "{who}_{tag}_ms",
+    "b2b": "{who}_{tag}_b2b_ms",
+}
+"""Which time a table row reads: each call waited for (median), or calls back to back (their
+mean; fwdbwd with fresh .grad)."""
+
+
+def layer_rows(r: dict, timing: str = "waited") -> list[dict]:
+    """One dict per (pass, precision of ours) of one shape's result: ours' time, the baselines'
+    times and ours' speedup over each (``x_<baseline>``), ours' TFLOP/s, its compute floor and
+    the fraction of it reached, and (fwdbwd) the peak memory of one step and ours' first call.
+    What the tables print and the JSON carries ("rows", "rows_b2b")."""
+    key = TIMINGS[timing]
+    rows = []
+    for tag, mult in (("fwd", 1), ("fwdbwd", 3)):
+        if all(r.get(key.format(who=who, tag=tag)) is None for who, _ in BASELINES) and \
+                r.get(key.format(who="ours", tag=tag)) is None:
+            continue  # pass not run
+        base = {who: r.get(key.format(who=who, tag=tag)) for who, _ in BASELINES}
+        for p in r.get("precisions", ["bf16"]):
+            who = ours_name(p)
+            ms = r.get(key.format(who=who, tag=tag))
+            floor = floor_ms(r, tag, p)
+            row = {"pass": tag, "precision": p, "ours_ms": ms}
+            for b, _ in BASELINES:
+                row[f"{b}_ms"] = base[b]
+                row[f"x_{b}"] = base[b] / ms if base[b] and ms else None
+            row["tflops"] = mult * r["flops_fwd"] / (ms * 1e9) if ms else None
+            row["floor_ms"] = floor
+            row["floor_frac"] = floor / ms if ms else None
+            if tag == "fwdbwd":
+                row["peak_mib"] = r.get(f"{who}_fwdbwd_peak_mib")
+                row["first_call_s"] = r.get(f"{who}_first_call_s")
+            note = r.get(f"{who}_{tag}_note")
+            if note and ms is None:
+                row["note"] = note if note.startswith(("not available", "failed")) \
+                    else f"not available: {note}"
+            rows.append(row)
+    return rows
+
+
+def _num(v, fmt: str) -> str:
+    return "n/a" if v is None else format(v, fmt)
+
+
+def table(results: list[dict], timing: str = "waited") -> str:
+    """The layer table: one row per shape, pass and precision of ours, with the three stock
+    baselines' times and ours' speedup over each; ``timing`` picks the waited medians or the
+    back-to-back means (see TIMINGS). The waited table is followed by the lines of the other
+    measures (fresh .grad, router alone, host issue time, the baselines' compile and memory)."""
+    full = timing == "waited"
+    head = ("| shape | pass | ours | ours ms | stock eager ms | stock compiled ms | "
+            "stock + torchao FP8 compiled ms | vs eager | vs compiled | vs torchao FP8 | "
+            "ours TFLOP/s | floor ms | floor/ours |")
+    if full:
+        head += " peak MiB (fwd+bwd) | first call s |"
+    lines = [head, "| --- " * (head.count("|") - 1) + "|"]
     for r in results:
-        for tag, mult in (("fwd", 1), ("fwdbwd", 3)):
-            stock, ours = r.get(f"stock_{tag}_ms"), r.get(f"ours_{tag}_ms")
-            if stock is None:
-                continue
-            floor = r[f"floor_{tag}_ms"]
-            if ours:
-                tflops = _tflops(mult * r["flops_fwd"], ours)
-                cells = (f"{ours:.3f} | {stock / ours:.2f}x | {tflops} | {floor:.2f} | "
-                         f"{floor / ours:.2f}")
-            else:
-                cells = f"n/a | n/a | n/a | {floor:.2f} | n/a"
-            lines.append(f"| {r['shape']} | {tag} | {stock:.3f} | {cells} |")
+        for row in layer_rows(r, timing):
+            ms = row["ours_ms"]
+            cells = [r["shape"], row["pass"], row["precision"],
+                     _num(ms, ".3f") if ms is not None else _cell_note(row.get("note", "n/a"))]
+            cells += [_num(row[f"{b}_ms"], ".3f") for b, _ in BASELINES]
+            cells += [_num(row[f"x_{b}"], ".2f") + ("x" if row[f"x_{b}"] else "")
+                      for b, _ in BASELINES]
+            cells += [_num(row["tflops"], ".0f"), f"{row['floor_ms']:.2f}",
+                      _num(row["floor_frac"], ".2f")]
+            if full:
+                cells += [_num(row.get("peak_mib"), ".0f"), _num(row.get("first_call_s"), ".1f")]
+            lines.append("| " + " | ".join(cells) + " |")
+    if not full:
+        return "\n".join(lines)
     for r in results:
         st, o = r.get("stock_fwdbwd_fresh_ms"), r.get("ours_fwdbwd_fresh_ms")
         if st and o:
@@ -81,16 +156,113 @@ def table(results: list[dict]) -> str:
         if r.get("router_ms") and r.get("ours_router_ms"):
             lines.append(f"{r['shape']} router alone (gate, scores, top-k, counts): stock "
                          f"{r['router_ms']:.3f} ms, ours {r['ours_router_ms']:.3f} ms")
-    b2b = _b2b_line(results, "calls back to back (no wait per call, GPU-bound; ms per call; "
-                             "fwdbwd with fresh .grad): ")
-    if b2b:
-        lines.append(b2b)
     for r in results:
         if r.get("stock_fwd_host_ms") and r.get("ours_fwd_host_ms"):
             lines.append(f"{r['shape']} fwd host issue time (device idle before the call, "
                          f"median): stock {r['stock_fwd_host_ms']:.3f} ms, ours "
                          f"{r['ours_fwd_host_ms']:.3f} ms")
+    lines += baseline_lines(results)
     return "\n".join(lines)
+
+
+def baseline_lines(results: list[dict]) -> list[str]:
+    """Per shape: the compiled baselines' warm-up (compilation) time, their output's difference
+    from stock eager, graphs compiled while timing, the peak memory of one fwd+bwd of every
+    layer, ours' first-call notes, and every baseline or precision that did not run and why."""
+    lines = []
+    for r in results:
+        parts = []
+        for b, label in BASELINES[1:]:
+            w = [f"{tag} {r[f'{b}_{tag}_warmup_s']:.1f} s" for tag in ("fwd", "fwdbwd")
+                 if r.get(f"{b}_{tag}_warmup_s") is not None]
+            if w:
+                extra = []
+                if r.get(f"{b}_rel_err_vs_stock") is not None:
+                    extra.append(f"output {r[f'{b}_rel_err_vs_stock']:.1e} from stock eager")
+                if r.get(f"{b}_recompiles"):
+                    extra.append(f"RECOMPILED {r[f'{b}_recompiles']} graphs while timed")
+                parts.append(f"{label}: first 2 calls (compilation) " + ", ".join(w)
+                             + (f" ({'; '.join(extra)})" if extra else ""))
+        if parts:
+            lines.append(f"{r['shape']} " + "; ".join(parts))
+        peaks = []
+        for who, label in BASELINES + tuple(
+                (ours_name(p), f"ours {p}") for p in r.get("precisions", ["bf16"])):
+            v = r.get(f"{who}_fwdbwd_peak_mib")
+            if v is not None:
+                peaks.append(f"{label} {v:.0f}")
+        if peaks:
+            lines.append(f"{r['shape']} peak memory of one fwd+bwd above the inputs (fresh "
+                         "grads, MiB): " + ", ".join(peaks))
+        notes = []
+        for b, label in BASELINES[1:]:
+            for suffix, what in (("note", ""), ("fwd_note", " fwd"), ("fwdbwd_note", " fwd+bwd")):
+                if r.get(f"{b}_{suffix}"):
+                    notes.append(f"{label}{what}: {_cell_note(r[f'{b}_{suffix}'], 400)}")
+        for p in r.get("precisions", ["bf16"]):
+            if r.get(f"{ours_name(p)}_first_call_note"):
+                notes.append(f"ours {p} first call: "
+                             f"{_cell_note(r[f'{ours_name(p)}_first_call_note'], 400)}")
+        lines += [f"{r['shape']} {n}" for n in notes]
+    return lines
+
+
+ACCURACY_ROWS = (
+    ("ours_bf16", "ours bf16"),
+    ("ours_fp8", "ours fp8"),
+    ("ours_fp8_bwd", "ours fp8_bwd"),
+    ("stock", "stock bf16 (eager)"),
+    ("stock_torchao_fp8", "stock + torchao FP8 (eager)"),
+)
+ACCURACY_COLS = ("out", "dx", "dw1", "dw2", "dw3", "dtopk_weights")
+
+
+def accuracy_table(results: list[dict]) -> str:
+    """Relative errors against float64 on the same inputs (bench/accuracy.py), one row per
+    layer and shape; '' when no result has them."""
+    rs = [r for r in results if "accuracy" in r or "accuracy_error" in r]
+    if not rs:
+        return ""
+    lines = ["op-level relative error against float64, same inputs (||got - ref|| / ||ref||; "
+             "stock routes inside its layer: its dx carries the router's gradient, so only its "
+             "output and weight gradients compare):",
+             "| shape | layer | out | dx | dw1 | dw2 | dw3 | d topk_weights | note |",
+             "| --- " * 9 + "|"]
+    for r in rs:
+        if "accuracy_error" in r:
+            lines.append(f"| {r['shape']} | all | " + "n/a | " * 6
+                         + _cell_note(r["accuracy_error"]) + " |")
+            continue
+        acc = r["accuracy"]
+        for key, label in ACCURACY_ROWS:
+            e = acc.get(key)
+            if e is None:
+                continue
+            cells = ["-" if e.get(c) is None else f"{e[c]:.2e}" for c in ACCURACY_COLS]
+            note = e.get("note") or e.get("grad_note") or ""
+            lines.append(f"| {r['shape']} | {label} | " + " | ".join(cells)
+                         + f" | {_cell_note(note)} |")
+    return "\n".join(lines)
+
+
+def _b2b_line(results: list[dict], head: str) -> str:
+    """One line of the back-to-back times (``{who}_{tag}_b2b_ms``) of every result: stock, stock
+    compiled where timed, ours, ours' ratio to each and, where measured, ours at EP=1; '' when no
+    result has them."""
+    b2b = []
+    for r in results:
+        for tag in ("fwd", "fwdbwd"):
+            o, st, sc, e1 = (r.get(f"{who}_{tag}_b2b_ms")
+                             for who in ("ours", "stock", "stock_compiled", "ours_ep1"))
+            if o:
+                b2b.append(f"{r['shape']} {tag}: stock {st or float('nan'):.3f}"
+                           + (f", stock compiled {sc:.3f}" if sc else "")
+                           + f", ours {o:.3f}"
+                           + (f" ({st / o:.2f}x" if st else "")
+                           + (f", {sc / o:.2f}x compiled" if st and sc else "")
+                           + (")" if st else "")
+                           + (f", ours EP=1 {e1:.3f} (EP=N/EP=1 {o / e1:.2f}x)" if e1 else ""))
+    return head + "; ".join(b2b) if b2b else ""
 
 
 def bwd_table(results: list[dict]) -> str:
@@ -131,9 +303,9 @@ def bwd_table(results: list[dict]) -> str:
 
 def ep_table(results: list[dict]) -> str:
     lines = [
-        "| shape | EP | pass | stock ms | ours ms | speedup | stock TFLOP/s | ours TFLOP/s "
-        "| floor/ours | ours EP=1 ms | EP=N / EP=1 |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| shape | EP | pass | stock ms | stock compiled ms | ours ms | speedup | vs compiled "
+        "| stock TFLOP/s | ours TFLOP/s | floor/ours | ours EP=1 ms | EP=N / EP=1 |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for r in results:
         for tag, mult in (("fwd", 1), ("fwdbwd", 3)):
@@ -142,11 +314,14 @@ def ep_table(results: list[dict]) -> str:
                 continue
             flops = mult * r["flops_fwd"]
             stock = r.get(f"stock_{tag}_ms")
+            comp = r.get(f"stock_compiled_{tag}_ms")
             ep1 = r.get(f"ours_ep1_{tag}_ms")
             lines.append(
                 f"| {r['shape']} | {r['ep']} | {tag} | "
-                + (f"{stock:.3f}" if stock else "n/a") + f" | {ours:.3f} | "
-                + (f"{stock / ours:.2f}x" if stock else "n/a")
+                + (f"{stock:.3f}" if stock else "n/a") + " | "
+                + (f"{comp:.3f}" if comp else "n/a") + f" | {ours:.3f} | "
+                + (f"{stock / ours:.2f}x" if stock else "n/a") + " | "
+                + (f"{comp / ours:.2f}x" if comp else "n/a")
                 + f" | {_tflops(flops, stock)} | {_tflops(flops, ours)} | "
                 + f"{r[f'floor_{tag}_ms'] / ours:.2f} | "
                 + (f"{ep1:.3f} | {ours / ep1:.2f}x" if ep1 else "n/a | n/a") + " |")
@@ -157,14 +332,27 @@ def ep_table(results: list[dict]) -> str:
     peaks = []
     for r in results:
         for tag in ("fwd", "fwdbwd"):
-            o, st = (r.get(f"{who}_{tag}_peak_mib") for who in ("ours", "stock"))
+            o, st, sc = (r.get(f"{who}_{tag}_peak_mib")
+                         for who in ("ours", "stock", "stock_compiled"))
             if o is not None and st is not None:
-                peaks.append(f"{r['shape']} {tag}: stock {st:.0f}, ours {o:.0f}")
+                peaks.append(f"{r['shape']} {tag}: stock {st:.0f}"
+                             + (f", stock compiled {sc:.0f}" if sc is not None else "")
+                             + f", ours {o:.0f}")
     if peaks:
         lines.append("peak memory above the inputs during one call (MiB; caching allocator, "
                      "rank 0): " + "; ".join(peaks))
     mem = [f"{r['shape']}: {r['exchange_mib']:.0f} MiB" for r in results if "exchange_mib" in r]
     notes = [f"stock EP failed: {e}" for e in errs]
+    for r in results:
+        w = [f"{tag} {r[f'stock_compiled_{tag}_warmup_s']:.1f} s" for tag in ("fwd", "fwdbwd")
+             if r.get(f"stock_compiled_{tag}_warmup_s") is not None]
+        if w:
+            notes.append(f"{r['shape']} stock compiled (EP on): first 2 calls (compilation) "
+                         + ", ".join(w) + (f"; RECOMPILED {r['stock_compiled_recompiles']} "
+                                           "graphs while timed"
+                                           if r.get("stock_compiled_recompiles") else ""))
+        if r.get("stock_compiled_note"):
+            notes.append(f"{r['shape']} stock compiled: {_cell_note(r['stock_compiled_note'], 400)}")
     if mem:
         notes.append("EP exchange buffers per rank (outside the caching allocator): "
                      + ", ".join(mem))
