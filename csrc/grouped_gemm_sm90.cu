@@ -29,8 +29,6 @@
 // the w3 tile (128 rows): one m64n256k16 wgmma per 16-wide K step gives a1 in accumulator
 // columns [0, 128) and a3 in [128, 256), so a thread holds a1 and a3 of the same (row, col).
 // K steps of 64 (rows of 128 bytes, 128-byte swizzle); STAGES-deep ring of [A 16 KiB | B 32 KiB].
-// MEGAMOE_SM90_BK=32 halves the K step (64-byte rows and swizzle, [A 8 KiB | B 16 KiB] stages), so
-// twice the stages fit in the same shared memory.
 //
 // Roles (384 threads, one CTA per SM, persistent over the tiles of the used rows, which are
 // read on device, so no host sync; tile order: see static_unit / the ticket below):
@@ -43,27 +41,20 @@
 //       TMA unit takes ~11 ns per load whatever its size; docs/PERF.md, Tried and rejected; 96ffb6b.)
 //     full[s] completes after 129 arrivals and 32 KiB of TMA bytes.
 //   warpgroups 1, 2 (consumers, 232 registers): rows [0, 64) and [64, 128) of the tile. Per
-//     stage: wait full[s], issue 4 wgmma, wait for them (MEGAMOE_SM90_WGMMA_LAG 1: for the
-//     previous stage's, one batch stays queued), then a warpgroup barrier and ONE arrival per
-//     warpgroup on empty[s] (2 per CTA complete it). After the K loop: SwiGLU in fp32 and bf16
-//     stores of h (and a) straight from registers; meanwhile the producer already fills the ring
-//     with the next tile's stages.
+//     stage: wait full[s], issue 4 wgmma, wait for them, then a warpgroup barrier and ONE
+//     arrival per warpgroup on empty[s] (2 complete it). After the K loop: SwiGLU in fp32, each
+//     [64, 128] bf16 output tile of the warpgroup (h, and a1, a3 with the store) staged in
+//     shared memory in the 128-byte swizzle and written by bulk tensor stores, so the warpgroup
+//     returns to its MMAs once the store engine has read the tile; meanwhile the producer
+//     already fills the ring with the next tile's stages.
 //   Why most of the epilogue is not overlapped with the next tile's MMAs (docs/PERF.md,
 //     Tried and rejected): a fourth (epilogue) warpgroup does not compile
 //     (ptxas caps a 512-thread CTA at 128 registers per thread; the m64n256k16 wgmma needs 154:
 //     C7602); kernel A's SwiGLU backward run under the next tile's first K steps, consumers on
 //     alternate smaller tiles and CTA pairs sharing weights all measured slower. Only one store
-//     per tile moves under the next tile's first batch: the ROWS mode's second column half
-//     (ROWS_DEFER below) and GEMM 1's last store (GEMM1_DEFER).
-// Clusters of 2 (CLUSTER = 2): a unit is M tiles 2u, 2u+1 x one N tile, CTA rank r computes
-//   M tile 2u + r, and both CTAs walk the same units in lockstep. When both tiles belong to one
-//   expert ("shared"), CTA r loads only weight tile r (w1 or w3) and multicasts it to both, so
-//   each SM pulls 32 instead of 48 KiB per stage from L2; otherwise each loads its own ("solo"),
-//   and a CTA without a tile in the unit ("idle") still completes every stage's barriers with
-//   plain arrivals. empty[s] then takes one arrival per consumer warpgroup of EACH CTA (4): the
-//   peer's producer may multicast into this CTA's slot. A cluster barrier follows the barrier
-//   init and precedes exit, so no remote arrival or multicast meets an absent peer.
-// ROWS mode (cluster 1 only): the tile is 128 rows x 256 output columns; the two 128-row halves
+//     per tile moves under the next tile's first batch: the ROWS mode's second column half and
+//     GEMM 1's last store (DEFER below).
+// ROWS mode: the tile is 128 rows x 256 output columns; the two 128-row halves
 //   of the B stage are rows [0, 128) and [128, 256) of the weight tile (one tensor map), so the
 //   accumulator holds columns [0, 128) where GATHER has a1 and [128, 256) where it has a3. The
 //   A tile is a plain [128, 64] TMA box of `in` (its rows are the plan's rows, contiguous), so
@@ -74,7 +65,7 @@
 //   [BK k-rows, 64 n] TMA boxes (128-byte rows, 128-byte swizzle), one per 64 output columns,
 //   and the wgmma reads B transposed (MN-major descriptor: 8 KiB between the boxes, 1 KiB
 //   between 8-row k groups). K steps below Ks read w, the others w'.
-// WGRAD mode (cluster 1 only): a unit is (expert, 128-row M tile, 256-column N tile) of the
+// WGRAD mode: a unit is (expert, 128-row M tile, 256-column N tile) of the
 //   gradient [E, M, N], in the order experts-longest-first (expert_order) so the tiles in
 //   flight share their experts' rows in L2; its K loop walks the expert's segment of the row
 //   space in steps of 64 rows (zero steps for an empty expert: the tile is stored as zeros).
@@ -86,7 +77,7 @@
 //   expect_tx one, as in GATHER. Padding rows contribute 0: the gathered operand is zero there
 //   and the TMA one finite. dw1|dw3: M tiles below m_split go to the first output, the others
 //   to the second. WGRAD_TMA: no gathers, one producer thread, as ROWS.
-// DGRAD_SWIGLU mode (cluster 1 only): the producer gathers the dy rows exactly as GATHER gathers
+// DGRAD_SWIGLU mode: the producer gathers the dy rows exactly as GATHER gathers
 //   x (128 threads, cp.async, full[s] = 128 arrivals + the B bytes) and loads the w2 tile as the
 //   four N-major boxes of ROWS_NMAJOR; the tile is 128 rows x 256 H columns. After a tile's K
 //   steps the producer fills EPI_STAGES more ring stages, one per 64 columns, with the saved a1
@@ -107,7 +98,7 @@
 // kernel C 1.25-1.28 vs 1.47-1.49; the weight gradients on pre-gathered rows 2-8% ahead of
 // torch._grouped_mm, with the in-kernel gather 7-26% behind it; kernel A in one launch 0.92-1.0
 // ms at 30B (dy rows stored) vs 1.14-1.19 for the dy gather + dh GEMM + SwiGLU rows kernel.
-// GEMM 1 (bulk-store epilogue, approximate-division sigmoid): 1.27 vs Triton 1.41-1.43 ms at 30B
+// GEMM 1: 1.27 vs Triton 1.41-1.43 ms at 30B
 // (1.44 vs 1.83 with the a1/a3 store), level with Triton at 235B (5.29-5.42 vs 5.31-5.47).
 // Every mode is a tuner candidate (MEGAMOE_CUDA=0: never); the tuner keeps whichever is
 // faster per shape, after checking its result against the first candidate's.
@@ -124,106 +115,14 @@ namespace grouped {
 
 constexpr int BM = 128;
 constexpr int BN = 128;
-#ifndef MEGAMOE_SM90_BK
-#define MEGAMOE_SM90_BK 64  // K step: 64 (128-byte swizzle rows) or 32 (64-byte; pair with 8 stages)
-#endif
-constexpr int BK = MEGAMOE_SM90_BK;
-static_assert(BK == 64 || BK == 32, "MEGAMOE_SM90_BK must be 64 or 32");
+constexpr int BK = 64;                  // K step: rows of 128 bytes, the 128-byte swizzle
 constexpr int ROW_BYTES = BK * 2;       // one K step of one row, the swizzle span
 constexpr int CHUNKS = ROW_BYTES / 16;  // 16-byte cp.async chunks per row
 constexpr int ROWS_PER_PASS = 128 / CHUNKS;  // rows the producer's 128 threads gather at once
 constexpr int PASSES = BM / ROWS_PER_PASS;
-// Compile-time knobs (ops/hopper/cuda/build.py passes -D defines; each set is its own cached build):
-#ifndef MEGAMOE_SM90_STAGES
-#define MEGAMOE_SM90_STAGES 4  // ring depth: 4 x 48 KiB of the 227 KiB of shared memory
-#endif
-#ifndef MEGAMOE_SM90_L2_PROMOTION
-#define MEGAMOE_SM90_L2_PROMOTION 3  // TMA weight reads: 0 none, 1 64 B, 2 128 B, 3 256 B
-#endif
-#ifndef MEGAMOE_SM90_STORE
-#define MEGAMOE_SM90_STORE 1  // 0 only for measuring: the epilogue computes (and stages) but stores nothing
-#endif
-#ifndef MEGAMOE_SM90_WGMMA_LAG
-#define MEGAMOE_SM90_WGMMA_LAG 0  // wgmma batches left in flight before a slot is freed (0 or 1)
-#endif
-#ifndef MEGAMOE_SM90_PRODUCER_REGS
-#define MEGAMOE_SM90_PRODUCER_REGS 40  // with 232 per consumer: 40 * 128 + 232 * 256 <= 64K
-#endif
-#ifndef MEGAMOE_SM90_PRODUCER_FENCE
-// 1: the producer waits for its own gathers one stage later, fences them for the async proxy
-// and then arrives, so the consumers' per-stage fence.proxy.async (a MEMBAR.ALL.CTA +
-// FENCE.VIEW.ASYNC in the SASS, on the tensor cores' critical path) goes away. 0: the gathers
-// arrive by cp.async.mbarrier.arrive.noinc and the consumers fence. (1 measured: under 3%.)
-#define MEGAMOE_SM90_PRODUCER_FENCE 0
-#endif
-#ifndef MEGAMOE_SM90_TMA_STORE
-// 1: the epilogue writes h (and a1, a3) as bf16 into a shared-memory tile in the 128-byte
-// swizzle and a bulk tensor store writes it out, so the warpgroup goes back to its MMAs as soon
-// as the store engine has read the tile; 0: bf16x2 stores from registers (measured at the 30B
-// shape: the stores cost 0.19 of GEMM 1's 1.52 ms, 2026-11-30).
-#define MEGAMOE_SM90_TMA_STORE 0
-#endif
-#ifndef MEGAMOE_SM90_EPI_BUFFERS
-// TMA_STORE: staging tiles per consumer warpgroup. 2: the epilogue's stores alternate between
-// two, so writing one waits only for the store before last to have read it (GEMM 2 stages two
-// column halves per tile, GEMM 1's training forward three tiles) instead of the one just
-// issued; 32 KiB more shared memory, so it needs MEGAMOE_SM90_STAGES=3. Measured (H200,
-// 2026-11-30, docs/PERF.md, Tried and rejected): GEMM 2 at 30B -3.4% alone but level inside the tuner,
-// the gathering GEMM 1 up to +12% (the lost stage), so it stays off.
-#define MEGAMOE_SM90_EPI_BUFFERS 1
-#endif
-#ifndef MEGAMOE_SM90_SIGMOID
-// The epilogues' sigmoid (GEMM 1's SwiGLU, kernel A's SwiGLU backward): 0 1 / (1 + __expf(-x))
-// with IEEE division, 1 the same with an approximate division (__fdividef: MUFU.RCP, ~2 ulp,
-// relative accuracy kept for any x), 2 0.5 tanh(0.5 x) + 0.5 (tanh.approx: one MUFU, but an
-// absolute error of ~2^-12, i.e. a large relative one where the sigmoid is tiny, x < ~-4),
-// 3 measuring only: no sigmoid (sig = x). Kernel A at 30B (experiments/dgrad_variants.py, H200,
-// 2026-11-30): 1.083 / 0.880 / 0.840 / 0.834 ms; its consumers run the epilogue with two warps
-// per scheduler, so the dependent chain of the IEEE division set the pace.
-#define MEGAMOE_SM90_SIGMOID 1
-#endif
-#ifndef MEGAMOE_SM90_EPI_LAZY
-// DGRAD_SWIGLU: 1 frees an epilogue stage only after the next stage's stores are issued (its
-// bulk reads then overlap the next stage's math), 0 right after its own stores are read.
-// Kernel A, 1 vs 0 (experiments/dgrad_variants.py, H200, 2026-11-30): 0.964 vs 1.007 ms at 30B,
-// 3.306 vs 3.445 at 235B (approximate-division sigmoid; fdb8bc4)
-#define MEGAMOE_SM90_EPI_LAZY 1
-#endif
-#ifndef MEGAMOE_SM90_ROWS_DEFER
-// ROWS mode (GEMM 2, kernel C) with TMA_STORE, lag 0, one staging tile: 1 packs a tile's second
-// column half to 32 bf16x2 registers and stages and stores it while the next tile's first
-// wgmma batch runs (predicated, no branch), so its wait for the first half's store to be read
-// and its shared-memory writes leave the tensor cores' idle time. 0: both halves in the
-// epilogue. Measured (experiments/rows_variants.py, H200, 2026-11-30, docs/PERF.md, Kept after measuring):
-// GEMM 2 -3% at 30B, -6% at 235B; kernel C level at 30B, -3% at 235B. Not in WGRAD, where the
-// same deferral measured -2% at 30B but +5-8% on dw2 at 235B. Deferring the first half too
-// (64 packed registers, stored under the next tile's first two batches) was bitwise equal but
-// level or slower: GEMM 2 +3% / +2%, kernel C +6% / level (30B / 235B; 42220ae).
-#define MEGAMOE_SM90_ROWS_DEFER 1
-#endif
-#ifndef MEGAMOE_SM90_GEMM1_DEFER
-// GEMM 1 (GATHER mode) with TMA_STORE, lag 0, one staging tile, cluster 1: 1 holds the tile's
-// last [64, 128] store per warpgroup (h in inference, a3 in the training forward, after h and
-// a1) as 32 packed bf16x2 registers and stages and stores it under the next tile's first wgmma
-// batch, the ROWS_DEFER mechanism. 0: every store in the epilogue. Measured (experiments/
-// rows_variants.py, H200, 2026-12-01, docs/PERF.md, Kept after measuring, bitwise equal): inference
-// level at 30B, -0.9% at 235B; training forward (h, a1, a3) -1.6% at 30B, -0.9% at 235B.
-#define MEGAMOE_SM90_GEMM1_DEFER 1
-#endif
-#ifndef MEGAMOE_SM90_PAD_SKIP
-#define MEGAMOE_SM90_PAD_SKIP 1  // 0 only for measuring: warpgroups of padding rows still multiply
-#endif
-#ifndef MEGAMOE_SM90_DGRAD_EPI
-// DGRAD_SWIGLU, measuring only: 0 skips the epilogue (no a1/a3 loads, no math, no stores), so
-// the kernel times its dh GEMM with the in-kernel dy gather alone
-#define MEGAMOE_SM90_DGRAD_EPI 1
-#endif
-#ifndef MEGAMOE_SM90_LOAD
-#define MEGAMOE_SM90_LOAD 3  // measuring only: bit 0 loads A (x rows), bit 1 loads B (weights)
-#endif
-constexpr int STAGES = MEGAMOE_SM90_STAGES;
-constexpr bool LOAD_A = (MEGAMOE_SM90_LOAD & 1) != 0;
-constexpr bool LOAD_B = (MEGAMOE_SM90_LOAD & 2) != 0;
+constexpr int STAGES = 4;  // ring depth: 4 x 48 KiB of the 227 KiB of shared memory
+// register split: 40 per producer thread, 232 per consumer thread (40 * 128 + 232 * 256 <= 64K)
+constexpr int PRODUCER_REGS = 40;
 constexpr int A_BYTES = BM * BK * 2;
 constexpr int B_BYTES = 2 * BN * BK * 2;
 constexpr int STAGE_BYTES = A_BYTES + B_BYTES;
@@ -234,12 +133,10 @@ constexpr int THREADS = 384;
 // stage of BK 64 holds exactly the three). da1 and da3 overwrite a1 and a3 in place.
 constexpr int EPI_STAGES = 4;
 constexpr int EPI_IN_BYTES = 128 * 64 * 2;
-// TMA_STORE: one [64 rows, 128 columns] bf16 tile per consumer warpgroup, as two boxes of 64
-// columns (128-byte rows, 128-byte swizzle), after the ring
+// The epilogue's staging: one [64 rows, 128 columns] bf16 tile per consumer warpgroup, as two
+// boxes of 64 columns (128-byte rows, 128-byte swizzle), after the ring
 constexpr int EPI_BOX_BYTES = 64 * 64 * 2;
-constexpr int EPI_BUFFERS = MEGAMOE_SM90_EPI_BUFFERS;
-static_assert(EPI_BUFFERS == 1 || EPI_BUFFERS == 2, "MEGAMOE_SM90_EPI_BUFFERS must be 1 or 2");
-constexpr int EPI_BYTES = MEGAMOE_SM90_TMA_STORE ? EPI_BUFFERS * 2 * 2 * EPI_BOX_BYTES : 0;
+constexpr int EPI_BYTES = 2 * 2 * EPI_BOX_BYTES;
 // + ring barriers, the tile scheduler's 2-slot ring (4 barriers, 2 ids), alignment
 constexpr int SMEM_BYTES = STAGES * STAGE_BYTES + EPI_BYTES + 2 * STAGES * 8 + 64 + 1024;
 static_assert(SMEM_BYTES <= 227 * 1024, "shared memory: fewer stages");
@@ -293,24 +190,18 @@ __device__ __forceinline__ void grouped_tile(int t, int num_m, int num_n, int gr
   pid_n = (t % per_group) / size;
 }
 
+// The epilogues' sigmoid (GEMM 1's SwiGLU, kernel A's SwiGLU backward): 1 / (1 + __expf(-x))
+// with an approximate division (__fdividef: MUFU.RCP, ~2 ulp, relative accuracy kept for any x).
+// Kernel A at 30B, H200: 0.880 ms against 1.083 with the IEEE division (its consumers run the
+// epilogue with two warps per scheduler, so the division's dependent chain set the pace);
+// tanh.approx was faster still (0.840) but has an absolute error of ~2^-12, a large relative
+// one where the sigmoid is tiny.
 __device__ __forceinline__ float epi_sigmoid(float x) {
-  if constexpr (MEGAMOE_SM90_SIGMOID == 1) {
-    return __fdividef(1.0f, 1.0f + __expf(-x));
-  } else if constexpr (MEGAMOE_SM90_SIGMOID == 2) {
-    float t;
-    asm("tanh.approx.f32 %0, %1;" : "=f"(t) : "f"(0.5f * x));
-    return fmaf(0.5f, t, 0.5f);
-  } else if constexpr (MEGAMOE_SM90_SIGMOID == 3) {
-    return x;
-  } else {
-    return 1.0f / (1.0f + __expf(-x));
-  }
+  return __fdividef(1.0f, 1.0f + __expf(-x));
 }
 
 __device__ __forceinline__ float silu_mul(float a1, float a3) {
-  if constexpr (MEGAMOE_SM90_SIGMOID == 0) return a1 / (1.0f + __expf(-a1)) * a3;
-  if constexpr (MEGAMOE_SM90_SIGMOID == 1) return __fdividef(a1, 1.0f + __expf(-a1)) * a3;
-  return a1 * epi_sigmoid(a1) * a3;
+  return __fdividef(a1, 1.0f + __expf(-a1)) * a3;
 }
 
 enum Mode : int {
@@ -323,12 +214,12 @@ enum Mode : int {
   MODE_DGRAD_SWIGLU = 6,    // kernel A: dy rows gathered, w2 N-major, SwiGLU backward epilogue
 };
 
-// GATHER: w1_map / w3_map are the two weights, in_map unused. ROWS: w1_map = w3_map = the
-// weight (NMAJOR: w and w'), in_map = `in`, h_map = out (TMA_STORE), a_map unused. WGRAD:
+// GATHER: w1_map / w3_map are the two weights, in_map unused, h_map / a_map = h / a. ROWS:
+// w1_map = w3_map = the weight (NMAJOR: w and w'), in_map = `in`, h_map = out, a_map unused. WGRAD:
 // in_map = A's row-space tensor (GATHER_B) or w1_map = B's (GATHER_A); h_map, a_map = the two
 // outputs. DGRAD_SWIGLU: w1_map = w2, w3_map = the gathered dy rows' copy (store_gathered),
 // in_map = a, h_map = da, a_map = hw.
-template <int CLUSTER, int MODE>
+template <int MODE>
 __global__ void __launch_bounds__(THREADS, 1)
     grouped_gemm_kernel(const __grid_constant__ CUtensorMap w1_map,
                         const __grid_constant__ CUtensorMap w3_map,
@@ -342,17 +233,17 @@ __global__ void __launch_bounds__(THREADS, 1)
   constexpr bool GATHER_A = GATHER_ROWS || MODE == MODE_WGRAD_GATHER_A;
   constexpr bool GATHER_B = MODE == MODE_WGRAD_GATHER_B;
   constexpr bool GATHERS = GATHER_A || GATHER_B;  // the producer's 128 threads issue cp.async
-  static_assert(!ROWS || CLUSTER == 1, "ROWS and WGRAD modes: cluster 1 only");
   constexpr int TILE_N = ROWS ? 2 * BN : BN;  // output columns of a tile (per operand in GATHER)
-  // MEGAMOE_SM90_ROWS_DEFER in effect (the ROWS epilogue: two column halves per tile)
-  constexpr bool RDEFER = MEGAMOE_SM90_ROWS_DEFER && MEGAMOE_SM90_TMA_STORE &&
-                          (MODE == MODE_ROWS || MODE == MODE_ROWS_NMAJOR) &&
-                          !MEGAMOE_SM90_WGMMA_LAG && EPI_BUFFERS == 1 && CLUSTER == 1;
-  // MEGAMOE_SM90_GEMM1_DEFER in effect (GEMM 1's last store per tile)
-  constexpr bool GDEFER = MEGAMOE_SM90_GEMM1_DEFER && MEGAMOE_SM90_TMA_STORE &&
-                          MODE == MODE_GEMM1 && !MEGAMOE_SM90_WGMMA_LAG && EPI_BUFFERS == 1 &&
-                          CLUSTER == 1;
-  constexpr bool DEFER = RDEFER || GDEFER;  // a tile's last store may wait for the next tile
+  // DEFER: a tile's last [64, 128] store per warpgroup (ROWS: its second column half; GEMM 1: h
+  // in inference, a3 in the training forward) is held as 32 packed bf16x2 registers and staged
+  // and stored under the next tile's first wgmma batch (predicated, no branch), so its wait for
+  // the staging tile and its shared-memory writes leave the tensor cores' idle time. H200
+  // (outputs bitwise equal): GEMM 2 -3% at 30B, -6% at 235B; kernel C level / -3%; GEMM 1
+  // inference level / -0.9%, training forward -1.6% / -0.9%. Not in WGRAD, where the same
+  // deferral measured -2% at 30B but +5-8% on dw2 at 235B; deferring both column halves (64
+  // registers) was level or slower (42220ae, reverted).
+  constexpr bool RDEFER = MODE == MODE_ROWS || MODE == MODE_ROWS_NMAJOR;
+  constexpr bool DEFER = RDEFER || MODE == MODE_GEMM1;
   static_assert(MODE != MODE_DGRAD_SWIGLU || (BK == 64 && TILE_N == 64 * EPI_STAGES &&
                                                STAGE_BYTES == 3 * EPI_IN_BYTES),
                 "DGRAD_SWIGLU: the epilogue stages need BK 64");
@@ -361,7 +252,7 @@ __global__ void __launch_bounds__(THREADS, 1)
   uint8_t* smem = reinterpret_cast<uint8_t*>(
       (reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~static_cast<uintptr_t>(1023));
   const uint32_t smem_base = smem_u32(smem);
-  const uint32_t epi_smem = smem_base + STAGES * STAGE_BYTES;  // TMA_STORE staging tiles
+  const uint32_t epi_smem = smem_base + STAGES * STAGE_BYTES;  // the epilogue's staging tiles
   const uint32_t full_bar = epi_smem + EPI_BYTES;
   const uint32_t empty_bar = full_bar + STAGES * 8;
   // tile scheduler ring (dynamic order): unit ids the producer fetched, 2 slots
@@ -369,15 +260,14 @@ __global__ void __launch_bounds__(THREADS, 1)
   const uint32_t unit_empty = unit_full + 2 * 8;
   volatile int* unit_id = reinterpret_cast<volatile int*>(smem + STAGES * STAGE_BYTES +
                                                           EPI_BYTES + 2 * STAGES * 8 + 4 * 8);
-  const bool dynamic = CLUSTER == 1 && p.ticket != nullptr;
+  const bool dynamic = p.ticket != nullptr;
 
   const int tid = threadIdx.x;
   const int wg = tid / 128;
-  const uint32_t rank = CLUSTER > 1 ? cluster_ctarank() : 0;
   if (tid == 0) {
     for (int s = 0; s < STAGES; ++s) {
       mbar_init(full_bar + 8 * s, GATHERS ? 128 + 1 : 1);
-      mbar_init(empty_bar + 8 * s, 2 * CLUSTER);  // one per consumer warpgroup of each CTA
+      mbar_init(empty_bar + 8 * s, 2);  // one per consumer warpgroup
     }
     for (int s = 0; s < 2; ++s) {
       mbar_init(unit_full + 8 * s, 1);   // the producer's thread 0 published unit_id[s]
@@ -389,46 +279,30 @@ __global__ void __launch_bounds__(THREADS, 1)
     if (ROWS) tma_prefetch_desc(&in_map);
     if (WGRAD) tma_prefetch_desc(&h_map);
   }
-  if constexpr (CLUSTER > 1) {
-    cluster_sync();  // the peer's barriers are initialised before any remote arrival
-  } else {
-    __syncthreads();
-  }
+  __syncthreads();
 
-  // A unit is CLUSTER consecutive M tiles x one N tile; CTA `rank` of a cluster computes M tile
-  // CLUSTER * um + rank. Both CTAs of a cluster walk the same units in lockstep (every stage of
-  // a unit passes through both CTAs' barriers) so that they can share the weight tiles.
+  // A unit is one M tile x one N tile (WGRAD: of one expert's gradient).
   const int num_m = WGRAD ? 0 : *p.num_rows_used / BM;
   const int num_n = p.N / TILE_N;
-  const int num_um = (num_m + CLUSTER - 1) / CLUSTER;
   const int num_mt = WGRAD ? p.M / BM : 0;  // WGRAD: M tiles per expert
-  const int num_units = WGRAD ? p.num_experts * num_mt * num_n : num_um * num_n;
-  const int first_unit = blockIdx.x / CLUSTER;
-  const int unit_stride = gridDim.x / CLUSTER;
+  const int num_units = WGRAD ? p.num_experts * num_mt * num_n : num_m * num_n;
+  const int first_unit = blockIdx.x;
+  const int unit_stride = gridDim.x;
   const int group_m = p.group_m;
 
-  // Unit of the it-th tile this CTA computes. Static: every gridDim-th unit from blockIdx. Dynamic
-  // (CLUSTER 1): the producer's thread 0 takes the next unit number from the global ticket and
+  // Unit of the it-th tile this CTA computes. Static: every gridDim-th unit from blockIdx. Dynamic:
+  // the producer's thread 0 takes the next unit number from the global ticket and
   // passes it to its warpgroup (named barrier 3) and to the consumers (unit_full/unit_empty
   // ring), so the CTAs walk the units in one global order however they drift apart: the
   // weights of the units in flight stay in L2 (the static stride let slow and fast SMs spread
   // over several experts' weights: 3x Triton's DRAM traffic at 235B, docs/PERF.md at 5e0bafa).
   auto static_unit = [&](int it) { return first_unit + it * unit_stride; };
 
-  // Expert of each CTA's M tile in unit (um); -1 past the used rows or for another phase.
-  auto experts = [&](int um, int (&e)[CLUSTER]) {
-#pragma unroll
-    for (int r = 0; r < CLUSTER; ++r) {
-      const int m = um * CLUSTER + r;
-      e[r] = m < num_m ? p.tile_expert[(m * BM) / p.plan_bm] : -1;
-    }
-  };
-
-  // What both roles need of a unit: this CTA's tile, its expert (-1: idle in this unit), the
-  // other CTA's expert (shared weights), its K steps and (WGRAD) first row of the segment.
+  // What both roles need of a unit: its tile, its expert (-1: another phase's tile, skipped),
+  // its K steps and (WGRAD) first row of the segment.
   struct Tile {
     int pid_m, pid_n, expert, k_blocks, row0;
-    bool any, shared;
+    bool any;
   };
   auto decode = [&](int u) {
     Tile t;
@@ -441,21 +315,10 @@ __global__ void __launch_bounds__(THREADS, 1)
       t.row0 = p.seg_start[t.expert];
       t.k_blocks = (p.count[t.expert] + BK - 1) / BK;
       t.any = true;
-      t.shared = false;
     } else {
-      int um;
-      grouped_tile(u, num_um, num_n, group_m, um, t.pid_n);
-      int e[CLUSTER];
-      experts(um, e);
-      t.any = false;
-      t.shared = CLUSTER > 1;
-#pragma unroll
-      for (int r = 0; r < CLUSTER; ++r) {
-        t.any |= e[r] >= 0;
-        t.shared &= e[r] == e[0];
-      }
-      t.expert = e[rank];
-      t.pid_m = um * CLUSTER + rank;
+      grouped_tile(u, num_m, num_n, group_m, t.pid_m, t.pid_n);
+      t.expert = t.pid_m < num_m ? p.tile_expert[(t.pid_m * BM) / p.plan_bm] : -1;
+      t.any = t.expert >= 0;
       t.k_blocks = p.K / BK;
       t.row0 = 0;
     }
@@ -464,39 +327,14 @@ __global__ void __launch_bounds__(THREADS, 1)
 
   if (wg == 0) {
     // ---------------- producer ----------------
-    setmaxnreg_dec<MEGAMOE_SM90_PRODUCER_REGS>();
+    setmaxnreg_dec<PRODUCER_REGS>();
     const int c = tid & (CHUNKS - 1);                              // 16-byte chunk of a row's K step
     const int rg = static_cast<int>(static_cast<unsigned>(tid) / CHUNKS);  // rows rg, rg + ROWS_PER_PASS, ...
     int stage = 0;
     uint32_t phase = 0;
-    // PRODUCER_FENCE: the full barrier of the last stage whose gathers are issued but not yet
-    // arrived on (0: none). Its arrival waits until the next stage's gathers are issued.
-    uint32_t pending_full = 0;
-    auto flush_pending = [&]() {
-      if (MEGAMOE_SM90_PRODUCER_FENCE && pending_full != 0) {
-        cp_async_wait<0>();
-        fence_proxy_async();
-        mbar_arrive(pending_full);
-        pending_full = 0;
-      }
-    };
-    // Completes stage `full` once this thread's cp.async gathers land (the consumers fence
-    // them), or with PRODUCER_FENCE one stage later, fenced here.
-    auto gathers_issued = [&](uint32_t full) {
-      if (MEGAMOE_SM90_PRODUCER_FENCE) {
-        // this stage's gathers stay in flight; the previous stage's have landed once at
-        // most one group is left: make them visible to wgmma, then complete that stage
-        cp_async_commit();
-        if (pending_full != 0) {
-          cp_async_wait<1>();
-          fence_proxy_async();
-          mbar_arrive(pending_full);
-        }
-        pending_full = full;
-      } else {
-        cp_async_arrive_noinc(full);
-      }
-    };
+    // Completes stage `full` once this thread's cp.async gathers land (the consumers fence them
+    // for the async proxy; fencing here one stage later instead measured under 3%, not kept).
+    auto gathers_issued = [&](uint32_t full) { cp_async_arrive_noinc(full); };
     // no gathers (ROWS): thread 0 issues every TMA load; the other producer threads idle
     for (int it = 0; GATHERS || tid == 0; ++it) {
       int u;
@@ -521,7 +359,6 @@ __global__ void __launch_bounds__(THREADS, 1)
       const Tile t = decode(u);
       if (!t.any) continue;
       const int expert = t.expert, pid_m = t.pid_m, pid_n = t.pid_n, k_blocks = t.k_blocks;
-      const bool shared = t.shared;
       const int w_row = expert * p.N + pid_n * TILE_N;
       // B halves: the w1 and w3 tiles (GATHER), rows [0, 128) and [128, 256) of w's tile (ROWS)
       const int w_row_b1 = ROWS ? w_row + BN : w_row;
@@ -553,7 +390,7 @@ __global__ void __launch_bounds__(THREADS, 1)
         for (int i = 0; i < PASSES; ++i) {
           const int r = i * ROWS_PER_PASS + rg;
           const uint32_t dst = a_smem + swizzled_offset<ROW_BYTES>(r, c);
-          const bool valid = LOAD_A && tok[i] >= 0;
+          const bool valid = tok[i] >= 0;
           const __nv_bfloat16* src =
               p.x + (valid ? static_cast<long long>(tok[i]) * p.stride_x : 0) + kb * BK + c * 8;
           cp_async_16(dst, src, valid ? 16 : 0);
@@ -635,23 +472,11 @@ __global__ void __launch_bounds__(THREADS, 1)
           tma_load_2d(a_smem, &in_map, kb * BK, pid_m * BM, full);
           tma_load_2d(b_smem, &w1_map, kb * BK, w_row, full);
           tma_load_2d(b_smem + B_BYTES / 2, &w3_map, kb * BK, w_row_b1, full);
-        } else if (expert < 0) {
-          // idle in this unit (the peer is not): complete the stage without data
-          flush_pending();
-          mbar_arrive(full);
-          if (tid == 0) mbar_arrive(full);
         } else {
-          if (tid == 0 && !LOAD_B) mbar_arrive(full);
-          if (tid == 0 && LOAD_B) {
+          if (tid == 0) {
             mbar_arrive_expect_tx(full, B_BYTES);
-            if (CLUSTER > 1 && shared) {
-              // each CTA loads one of the two weight tiles for both (same expert, same N tile)
-              tma_load_2d_multicast(b_smem + rank * (B_BYTES / 2), rank == 0 ? &w1_map : &w3_map,
-                                    kb * BK, w_row, full, (1u << CLUSTER) - 1);
-            } else {
-              tma_load_2d(b_smem, &w1_map, kb * BK, w_row, full);
-              tma_load_2d(b_smem + B_BYTES / 2, &w3_map, kb * BK, w_row_b1, full);
-            }
+            tma_load_2d(b_smem, &w1_map, kb * BK, w_row, full);
+            tma_load_2d(b_smem + B_BYTES / 2, &w3_map, kb * BK, w_row_b1, full);
           }
           gather_rows(a_smem, kb);
           gathers_issued(full);
@@ -661,7 +486,7 @@ __global__ void __launch_bounds__(THREADS, 1)
           phase ^= 1;
         }
       }
-      if constexpr (MODE == MODE_DGRAD_SWIGLU && MEGAMOE_SM90_DGRAD_EPI) {
+      if constexpr (MODE == MODE_DGRAD_SWIGLU) {
         // The epilogue's stages: per 64 columns of the tile, the saved a1 and a3 [128 rows, 64]
         // boxes, loaded while the consumers still multiply (see EPI_STAGES). full[s] takes the
         // same 129 arrivals as a K step: thread 0's expect_tx and one from every thread.
@@ -670,7 +495,6 @@ __global__ void __launch_bounds__(THREADS, 1)
           mbar_wait(empty_bar + 8 * stage, phase ^ 1);
           const uint32_t full = full_bar + 8 * stage;
           const uint32_t slot_smem = smem_base + stage * STAGE_BYTES;
-          flush_pending();
           if (tid == 0) {
             const int col = pid_n * TILE_N + 64 * c;
             mbar_arrive_expect_tx(full, 2 * EPI_IN_BYTES);
@@ -685,18 +509,16 @@ __global__ void __launch_bounds__(THREADS, 1)
         }
       }
     }
-    flush_pending();
   } else {
     // ---------------- consumers ----------------
     // the register file is 64K: what the producer gives up, the two consumer warpgroups share
-    setmaxnreg_inc<(65536 / 128 - MEGAMOE_SM90_PRODUCER_REGS) / 2 / 8 * 8>();
+    setmaxnreg_inc<(65536 / 128 - PRODUCER_REGS) / 2 / 8 * 8>();
     const int cw = wg - 1;  // rows [64 cw, 64 cw + 64) of the tile
     const int warp = (tid % 128) / 32;
     const int lane = tid % 32;
     float acc[128];
     int stage = 0;
     uint32_t phase = 0;
-    [[maybe_unused]] int epi_buf = 0;  // TMA_STORE: the staging tile the next store uses
     // DEFER: the previous tile's last store (ROWS: its second column half), packed, waiting to
     // be staged and stored
     [[maybe_unused]] uint32_t pend[32];
@@ -723,7 +545,7 @@ __global__ void __launch_bounds__(THREADS, 1)
       }
       fence_proxy_async();
       named_barrier(1 + cw, 128);
-      const bool issue = pred && tid % 128 == 0 && MEGAMOE_SM90_STORE;
+      const bool issue = pred && tid % 128 == 0;
       tma_store_2d_commit_if(pend_map, pend_col, pend_row, tile, issue);
       tma_store_2d_commit_if(pend_map, pend_col + 64, pend_row, tile + EPI_BOX_BYTES, issue);
       pending = false;
@@ -752,11 +574,11 @@ __global__ void __launch_bounds__(THREADS, 1)
       int row_slot2[2] = {-1, -1};
       if (!WGRAD && p.row_slot != nullptr) {
         int um, pn;
-        grouped_tile(u, num_um, num_n, group_m, um, pn);
-        const int m = um * CLUSTER + rank;
+        grouped_tile(u, num_m, num_n, group_m, um, pn);
+        const int m = um;
         if (m < num_m) {
           const int* rows = p.row_slot + m * BM + cw * 64;
-          if (MEGAMOE_SM90_PAD_SKIP) first_slot = rows[0];
+          first_slot = rows[0];
           if constexpr (MODE == MODE_DGRAD_SWIGLU) {
 #pragma unroll
             for (int half = 0; half < 2; ++half) row_slot2[half] = rows[warp * 16 + lane / 4 + 8 * half];
@@ -775,19 +597,12 @@ __global__ void __launch_bounds__(THREADS, 1)
       const bool active = t.expert >= 0;
       const int pid_m = t.pid_m, pid_n = t.pid_n, k_blocks = t.k_blocks;
       const bool zero_rows = active && first_slot < 0;
-      // Frees a ring slot in every CTA of the cluster (the peer's producer may multicast into
-      // it): the whole warpgroup is past the slot before its one arrival per CTA. The arrivals
-      // are predicated instructions, not a branch (see mbar_wait), so a wgmma batch can stay in
-      // flight across a release.
+      // Frees a ring slot: the whole warpgroup is past the slot before its one arrival. The
+      // arrival is a predicated instruction, not a branch (see mbar_wait), so a wgmma batch can
+      // stay in flight across a release.
       auto release = [&](int s, bool pred) {
         named_barrier(1 + cw, 128);
-        pred = pred && tid % 128 == 0;
-        if constexpr (CLUSTER == 1) {
-          mbar_arrive_if(empty_bar + 8 * s, pred);
-        } else {
-#pragma unroll
-          for (int r = 0; r < CLUSTER; ++r) mbar_arrive_cluster_if(empty_bar + 8 * s, r, pred);
-        }
+        mbar_arrive_if(empty_bar + 8 * s, pred && tid % 128 == 0);
       };
       auto advance = [&]() {
         if (++stage == STAGES) {
@@ -808,7 +623,7 @@ __global__ void __launch_bounds__(THREADS, 1)
         }
       };
       if (!active || zero_rows) {
-        // idle in this unit (the peer is not), or nothing but padding rows: pass every stage on
+        // nothing but padding rows (or no expert, which a plan never gives): pass every stage on
         for (int kb = 0; kb < k_blocks; ++kb) {
           mbar_wait(full_bar + 8 * stage, phase);
           if constexpr (MODE == MODE_DGRAD_SWIGLU) {
@@ -834,7 +649,7 @@ __global__ void __launch_bounds__(THREADS, 1)
         mbar_wait(full_bar + 8 * stage, phase);
         // the cp.async rows are generic-proxy writes; wgmma reads through the async proxy
         // (no gathers: TMA wrote both operands, nothing to fence)
-        if (GATHERS && !MEGAMOE_SM90_PRODUCER_FENCE) fence_proxy_async();
+        if (GATHERS) fence_proxy_async();
         store_gathered(kb);
         // this warpgroup's 64 rows of A: rows [64 cw, +64) (K-major) or box cw (M-major)
         const uint32_t a_smem =
@@ -853,19 +668,12 @@ __global__ void __launch_bounds__(THREADS, 1)
         }
         wgmma_commit();
       };
-      // after a K step's issue: wait for a batch and free its stage
-      auto retire_step = [&](int kb) {
-        if (MEGAMOE_SM90_WGMMA_LAG) {
-          // keep this batch queued on the tensor cores while the previous one retires, then
-          // free the previous batch's slot
-          wgmma_wait<1>();
-          if (MODE == MODE_DGRAD_SWIGLU) bulk_wait_read_all_if(store_rows);
-          release(prev, kb > 0);
-        } else {
-          wgmma_wait<0>();
-          if (MODE == MODE_DGRAD_SWIGLU) bulk_wait_read_all_if(store_rows);
-          release(stage, true);
-        }
+      // after a K step's issue: wait for its batch and free its stage (leaving one batch queued
+      // while the previous one retires measured no faster)
+      auto retire_step = [&]() {
+        wgmma_wait<0>();
+        if (MODE == MODE_DGRAD_SWIGLU) bulk_wait_read_all_if(store_rows);
+        release(stage, true);
         prev = stage;
         advance();
       };
@@ -876,13 +684,13 @@ __global__ void __launch_bounds__(THREADS, 1)
           // the previous tile's deferred store goes out under this tile's first batch
           issue_step(0);
           flush_pending();
-          retire_step(0);
+          retire_step();
           kb0 = 1;
         }
       }
       for (int kb = kb0; kb < steps; ++kb) {
         issue_step(kb);
-        retire_step(kb);
+        retire_step();
       }
       if constexpr (DEFER) {
         if (pending) flush_pending();  // no K step ran (padding rows, an expert without rows)
@@ -890,15 +698,10 @@ __global__ void __launch_bounds__(THREADS, 1)
       wgmma_wait<0>();
 #pragma unroll
       for (int i = 0; i < 128; ++i) fence_reg(acc[i]);
-      // lag 0 freed every slot already; no slot is held when the loop did not run
-      if (MEGAMOE_SM90_WGMMA_LAG) release(prev, k_blocks > 0 && !zero_rows);
       // Epilogue. Accumulator register 4j + q of thread (warp, lane) holds row
       // 16 warp + lane/4 + 8 (q/2) and column 8j + 2 (lane%4) + q%2 of the 64x256 block; j < 16
       // is a1, j >= 16 the a3 of column 8 (j - 16) + ...
-      if constexpr (MODE == MODE_DGRAD_SWIGLU && !MEGAMOE_SM90_DGRAD_EPI) {
-        if (acc[0] == 12345.f && acc[1] == 777.f) p.part[0] = acc[2];  // keeps the MMAs' result live
-        continue;
-      } else if constexpr (MODE == MODE_DGRAD_SWIGLU) {
+      if constexpr (MODE == MODE_DGRAD_SWIGLU) {
         // SwiGLU backward on the tile's dh (fp32, in the accumulators), 64 columns per epilogue
         // stage (see EPI_STAGES): this warpgroup's rows [64 cw, +64) of the stage's a1 and a3
         // boxes are read from shared memory in the accumulator's layout, da1 and da3 written
@@ -950,17 +753,18 @@ __global__ void __launch_bounds__(THREADS, 1)
           named_barrier(1 + cw, 128);
           if (tid % 128 == 0) {
             const int col = pid_n * TILE_N + 64 * c, row = pid_m * BM + cw * 64;
-            if (MEGAMOE_SM90_STORE) {
-              tma_store_2d(&h_map, col, row, a1_s);
-              tma_store_2d(&h_map, H + col, row, a3_s);
-              tma_store_2d(&a_map, col, row, hw_s);
-            }
+            tma_store_2d(&h_map, col, row, a1_s);
+            tma_store_2d(&h_map, H + col, row, a3_s);
+            tma_store_2d(&a_map, col, row, hw_s);
             bulk_commit();
-            if (MEGAMOE_SM90_EPI_LAZY && c > 0) {
+            // each stage is freed only once the next one's stores are issued, so its bulk reads
+            // overlap the next stage's math (freeing it right after its own stores are read:
+            // kernel A 1.007 vs 0.964 ms at 30B, 3.445 vs 3.306 at 235B, H200)
+            if (c > 0) {
               bulk_wait_read<1>();  // the previous stage's stores have read it
               mbar_arrive(empty_bar + 8 * prev);
             }
-            if (!MEGAMOE_SM90_EPI_LAZY || c == EPI_STAGES - 1) {
+            if (c == EPI_STAGES - 1) {
               bulk_wait_read<0>();
               mbar_arrive(empty_bar + 8 * stage);
             }
@@ -985,131 +789,85 @@ __global__ void __launch_bounds__(THREADS, 1)
       const int out_row0 = WGRAD ? t.expert * p.m_split + pid_m * BM - (second ? p.m_split : 0)
                                  : pid_m * BM;
       const CUtensorMap* out_map = second ? &a_map : &h_map;
-      if constexpr (MEGAMOE_SM90_TMA_STORE != 0) {
-        // Stage one [64, 128] bf16 tile of this warpgroup's rows, then one thread stores it
-        // as two boxes. Waits on: the reads of the last store from the same staging tile (the
-        // previous one, or with EPI_BUFFERS 2 the one before it). Signals: nothing (the
-        // launch's end completes the stores).
-        const int out_row = out_row0 + cw * 64;
-        // Accumulator pair (j, half) as packed bf16x2: which 0 h = silu(a1) a3, 1 the first
-        // column half (a1), 3 the second (a3)
-        auto out_pair = [&](int j, int half, int which) -> uint32_t {
-          const float a1x = acc[4 * j + 2 * half], a1y = acc[4 * j + 2 * half + 1];
-          const float a3x = acc[64 + 4 * j + 2 * half], a3y = acc[64 + 4 * j + 2 * half + 1];
-          float vx = a1x, vy = a1y;
-          if (which == 0) {
-            vx = silu_mul(a1x, a3x);
-            vy = silu_mul(a1y, a3y);
-          } else if (which == 3) {
-            vx = a3x;
-            vy = a3y;
-          }
-          __nv_bfloat162 v = __floats2bfloat162_rn(vx, vy);
-          return *reinterpret_cast<uint32_t*>(&v);
-        };
-        // DEFER: packs the tile's last store for flush_pending under the next tile's first batch
-        [[maybe_unused]] auto defer_out = [&](const CUtensorMap* map, int out_col, int which) {
+      // Stage one [64, 128] bf16 tile of this warpgroup's rows, then one thread stores it
+      // as two boxes. Waits on: the reads of the last store from the same staging tile.
+      // Signals: nothing (the launch's end completes the stores). (Two staging tiles per
+      // warpgroup cost a ring stage: GEMM 2 level inside the tuner, GEMM 1 up to +12%.)
+      const int out_row = out_row0 + cw * 64;
+      // Accumulator pair (j, half) as packed bf16x2: which 0 h = silu(a1) a3, 1 the first
+      // column half (a1), 3 the second (a3)
+      auto out_pair = [&](int j, int half, int which) -> uint32_t {
+        const float a1x = acc[4 * j + 2 * half], a1y = acc[4 * j + 2 * half + 1];
+        const float a3x = acc[64 + 4 * j + 2 * half], a3y = acc[64 + 4 * j + 2 * half + 1];
+        float vx = a1x, vy = a1y;
+        if (which == 0) {
+          vx = silu_mul(a1x, a3x);
+          vy = silu_mul(a1y, a3y);
+        } else if (which == 3) {
+          vx = a3x;
+          vy = a3y;
+        }
+        __nv_bfloat162 v = __floats2bfloat162_rn(vx, vy);
+        return *reinterpret_cast<uint32_t*>(&v);
+      };
+      // DEFER: packs the tile's last store for flush_pending under the next tile's first batch
+      [[maybe_unused]] auto defer_out = [&](const CUtensorMap* map, int out_col, int which) {
 #pragma unroll
-          for (int j = 0; j < 16; ++j) {
+        for (int j = 0; j < 16; ++j) {
 #pragma unroll
-            for (int half = 0; half < 2; ++half) pend[2 * j + half] = out_pair(j, half, which);
-          }
-          pend_map = map;
-          pend_col = out_col;
-          pend_row = out_row;
-          pending = true;
-        };
-        auto stage_out = [&](const CUtensorMap* map, int out_col, int which) {
-          const uint32_t tile = epi_smem + (cw * EPI_BUFFERS + epi_buf) * 2 * EPI_BOX_BYTES;
-          if (EPI_BUFFERS == 2) epi_buf ^= 1;
-          if (tid % 128 == 0) bulk_wait_read<EPI_BUFFERS - 1>();
-          named_barrier(1 + cw, 128);
+          for (int half = 0; half < 2; ++half) pend[2 * j + half] = out_pair(j, half, which);
+        }
+        pend_map = map;
+        pend_col = out_col;
+        pend_row = out_row;
+        pending = true;
+      };
+      auto stage_out = [&](const CUtensorMap* map, int out_col, int which) {
+        const uint32_t tile = epi_smem + cw * 2 * EPI_BOX_BYTES;
+        if (tid % 128 == 0) bulk_wait_read<0>();
+        named_barrier(1 + cw, 128);
 #pragma unroll
-          for (int j = 0; j < 16; ++j) {
+        for (int j = 0; j < 16; ++j) {
 #pragma unroll
-            for (int half = 0; half < 2; ++half) {
-              const uint32_t v = out_pair(j, half, which);
-              // row r of the warpgroup's 64, column 8j + 2 (lane % 4): box j / 8, 16-byte
-              // chunk j % 8, byte 4 (lane % 4) of it
-              const int r = warp * 16 + lane / 4 + 8 * half;
-              const uint32_t addr = tile + (j / 8) * EPI_BOX_BYTES +
-                                    swizzled_offset<128>(r, j % 8) + 4 * (lane % 4);
-              st_shared_b32(addr, v);
-            }
+          for (int half = 0; half < 2; ++half) {
+            const uint32_t v = out_pair(j, half, which);
+            // row r of the warpgroup's 64, column 8j + 2 (lane % 4): box j / 8, 16-byte
+            // chunk j % 8, byte 4 (lane % 4) of it
+            const int r = warp * 16 + lane / 4 + 8 * half;
+            const uint32_t addr = tile + (j / 8) * EPI_BOX_BYTES +
+                                  swizzled_offset<128>(r, j % 8) + 4 * (lane % 4);
+            st_shared_b32(addr, v);
           }
-          fence_proxy_async();  // the st.shared writes, before the store engine reads them
-          named_barrier(1 + cw, 128);
-          if (tid % 128 == 0) {
-            if (MEGAMOE_SM90_STORE) {
-              tma_store_2d(map, out_col, out_row, tile);
-              tma_store_2d(map, out_col + 64, out_row, tile + EPI_BOX_BYTES);
-            }
-            bulk_commit();
-          }
-        };
-        if constexpr (ROWS) {
-          // the two column halves of the tile, as they sit in the accumulator
-          stage_out(out_map, pid_n * TILE_N, 1);
-          if constexpr (RDEFER) {
-            defer_out(out_map, pid_n * TILE_N + BN, 3);
-          } else {
-            stage_out(out_map, pid_n * TILE_N + BN, 3);
-          }
-        } else if (p.a == nullptr) {
-          if constexpr (GDEFER) {
-            defer_out(&h_map, pid_n * BN, 0);
-          } else {
-            stage_out(&h_map, pid_n * BN, 0);
-          }
+        }
+        fence_proxy_async();  // the st.shared writes, before the store engine reads them
+        named_barrier(1 + cw, 128);
+        if (tid % 128 == 0) {
+          tma_store_2d(map, out_col, out_row, tile);
+          tma_store_2d(map, out_col + 64, out_row, tile + EPI_BOX_BYTES);
+          bulk_commit();
+        }
+      };
+      if constexpr (ROWS) {
+        // the two column halves of the tile, as they sit in the accumulator
+        stage_out(out_map, pid_n * TILE_N, 1);
+        if constexpr (RDEFER) {
+          defer_out(out_map, pid_n * TILE_N + BN, 3);
         } else {
-          stage_out(&h_map, pid_n * BN, 0);
-          stage_out(&a_map, pid_n * BN, 1);
-          if constexpr (GDEFER) {
-            defer_out(&a_map, p.N + pid_n * BN, 3);
-          } else {
-            stage_out(&a_map, p.N + pid_n * BN, 3);
-          }
+          stage_out(out_map, pid_n * TILE_N + BN, 3);
         }
-        continue;
-      }
-      const long long row0 = static_cast<long long>(out_row0) + cw * 64 + warp * 16 + lane / 4;
-      const int col0 = pid_n * TILE_N + 2 * (lane % 4);
-#pragma unroll
-      for (int j = 0; j < 16; ++j) {
-#pragma unroll
-        for (int half = 0; half < 2; ++half) {
-          const float a1x = acc[4 * j + 2 * half], a1y = acc[4 * j + 2 * half + 1];
-          const float a3x = acc[64 + 4 * j + 2 * half], a3y = acc[64 + 4 * j + 2 * half + 1];
-          const long long row = row0 + 8 * half;
-          const int col = col0 + 8 * j;
-          if (!MEGAMOE_SM90_STORE) {
-            if (silu_mul(a1x, a3x) == 12345.f && a1y == 777.f) p.h[0] = __float2bfloat16(a1x);
-            continue;
-          }
-          if constexpr (ROWS) {
-            __nv_bfloat16* orow = (second ? p.a : p.h) + row * p.stride_h + col;
-            *reinterpret_cast<__nv_bfloat162*>(orow) = __floats2bfloat162_rn(a1x, a1y);
-            *reinterpret_cast<__nv_bfloat162*>(orow + BN) = __floats2bfloat162_rn(a3x, a3y);
-            continue;
-          }
-          *reinterpret_cast<__nv_bfloat162*>(p.h + row * p.stride_h + col) =
-              __floats2bfloat162_rn(silu_mul(a1x, a3x), silu_mul(a1y, a3y));
-          if (p.a != nullptr) {
-            __nv_bfloat16* arow = p.a + row * p.stride_a + col;
-            *reinterpret_cast<__nv_bfloat162*>(arow) = __floats2bfloat162_rn(a1x, a1y);
-            *reinterpret_cast<__nv_bfloat162*>(arow + p.N) = __floats2bfloat162_rn(a3x, a3y);
-          }
-        }
+      } else if (p.a == nullptr) {
+        defer_out(&h_map, pid_n * BN, 0);
+      } else {
+        stage_out(&h_map, pid_n * BN, 0);
+        stage_out(&a_map, pid_n * BN, 1);
+        defer_out(&a_map, p.N + pid_n * BN, 3);
       }
     }
     if constexpr (DEFER) {
       if (pending) flush_pending();  // the last tile's deferred store
     }
     // the last tile's bulk stores complete before the CTA exits
-    if ((MEGAMOE_SM90_TMA_STORE || MODE == MODE_DGRAD_SWIGLU) && tid % 128 == 0) bulk_wait<0>();
-  }
-  if constexpr (CLUSTER > 1) {
-    cluster_sync();  // no CTA exits while its peer may still arrive on or multicast into it
+    if (tid % 128 == 0) bulk_wait<0>();
   }
 }
 
@@ -1139,16 +897,18 @@ static int make_map(CUtensorMap* map, const void* ptr, long long rows, long long
   CUresult r = encode(map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, const_cast<void*>(ptr), dims,
                       strides, box, estr, CU_TENSOR_MAP_INTERLEAVE_NONE,
                       box_cols * 2 == 128 ? CU_TENSOR_MAP_SWIZZLE_128B : CU_TENSOR_MAP_SWIZZLE_64B,
-                      static_cast<CUtensorMapL2promotion>(MEGAMOE_SM90_L2_PROMOTION),
+                      CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
                       CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
   return r == CUDA_SUCCESS ? 0 : -2;
 }
 
-template <int CLUSTER, int MODE>
+// Launched with a cluster dimension of 1 (each CTA its own cluster), as measured.
+template <int MODE>
 static int launch(const CUtensorMap& w1_map, const CUtensorMap& w3_map, const CUtensorMap& h_map,
                   const CUtensorMap& a_map, const CUtensorMap& in_map, const Params& p,
                   int num_sms, cudaStream_t stream) {
-  static int max_clusters = 0;  // co-resident clusters of this kernel (GPC sizes may be odd)
+  constexpr int CLUSTER = 1;
+  static int max_clusters = 0;  // co-resident CTAs of this kernel
   cudaLaunchConfig_t cfg = {};
   cudaLaunchAttribute attr[1];
   cfg.blockDim = dim3(THREADS);
@@ -1161,19 +921,19 @@ static int launch(const CUtensorMap& w1_map, const CUtensorMap& w3_map, const CU
   cfg.attrs = attr;
   cfg.numAttrs = 1;
   if (max_clusters == 0) {
-    cudaError_t err = cudaFuncSetAttribute(grouped_gemm_kernel<CLUSTER, MODE>,
+    cudaError_t err = cudaFuncSetAttribute(grouped_gemm_kernel<MODE>,
                                            cudaFuncAttributeMaxDynamicSharedMemorySize, SMEM_BYTES);
     if (err != cudaSuccess) return static_cast<int>(err);
     cfg.gridDim = dim3(num_sms / CLUSTER * CLUSTER);
     int n = 0;
-    err = cudaOccupancyMaxActiveClusters(&n, grouped_gemm_kernel<CLUSTER, MODE>, &cfg);
+    err = cudaOccupancyMaxActiveClusters(&n, grouped_gemm_kernel<MODE>, &cfg);
     if (err != cudaSuccess) return static_cast<int>(err);
     max_clusters = n > 0 ? min(n, num_sms / CLUSTER) : num_sms / CLUSTER;
   }
   // persistent: exactly the clusters that fit at once, so none starts after the others finish
   cfg.gridDim = dim3(max_clusters * CLUSTER);
   cudaError_t err =
-      cudaLaunchKernelEx(&cfg, grouped_gemm_kernel<CLUSTER, MODE>, w1_map, w3_map, h_map, a_map,
+      cudaLaunchKernelEx(&cfg, grouped_gemm_kernel<MODE>, w1_map, w3_map, h_map, a_map,
                          in_map, p);
   return static_cast<int>(err != cudaSuccess ? err : cudaGetLastError());
 }
@@ -1184,37 +944,31 @@ static int launch(const CUtensorMap& w1_map, const CUtensorMap& w3_map, const CU
 // C entry point (ctypes). Returns 0, or a negative code / CUDA error number; see
 // megamoe_error_string for the message. Shapes are checked by the Python wrapper
 // (ops/hopper/cuda/gemm1_swiglu.py): H % 128 == 0, D % 64 == 0, plan_bm % 128 == 0, 16-byte aligned
-// rows and pointers. cluster: 1, or 2 (pairs of CTAs share each weight tile by multicast).
-// ticket: a zeroed device int (cluster 1 only; the launch leaves it zeroed) for the dynamic
+// rows and pointers. ticket: a zeroed device int (the launch leaves it zeroed) for the dynamic
 // tile order, or nullptr (static).
-// rows: rows of h (and a), the extent of their tensor maps (TMA_STORE).
+// rows: rows of h (and a), the extent of their tensor maps.
 extern "C" int megamoe_gemm1_swiglu(const void* x, const void* w1, const void* w3, void* h,
                                     void* a, const int* row_slot, const int* tile_expert,
                                     const int* num_rows_used, int E, int H, int D, int top_k,
                                     int plan_bm, int group_m, long long stride_x,
                                     long long stride_h, long long stride_a, long long rows,
-                                    int num_sms, int cluster, int* ticket, void* stream) {
+                                    int num_sms, int* ticket, void* stream) {
   using namespace megamoe::grouped;
   CUtensorMap w1_map, w3_map;
   int rc = make_map(&w1_map, w1, static_cast<long long>(E) * H, D, BN);
   if (rc != 0) return rc;
   rc = make_map(&w3_map, w3, static_cast<long long>(E) * H, D, BN);
   if (rc != 0) return rc;
-  // epilogue maps (TMA_STORE): h [rows, H] and a [rows, 2H], boxes of 64 x 64; without a, the
-  // a map is a copy of h's (never used)
+  // epilogue maps: h [rows, H] and a [rows, 2H], boxes of 64 x 64; without a, the a map is a
+  // copy of h's (never used)
   CUtensorMap h_map, a_map;
-  if (MEGAMOE_SM90_TMA_STORE) {
-    rc = make_map(&h_map, h, rows, stride_h, 64, 64);
+  rc = make_map(&h_map, h, rows, stride_h, 64, 64);
+  if (rc != 0) return rc;
+  if (a != nullptr) {
+    rc = make_map(&a_map, a, rows, stride_a, 64, 64);
     if (rc != 0) return rc;
-    if (a != nullptr) {
-      rc = make_map(&a_map, a, rows, stride_a, 64, 64);
-      if (rc != 0) return rc;
-    } else {
-      a_map = h_map;
-    }
   } else {
-    h_map = w1_map;
-    a_map = w1_map;
+    a_map = h_map;
   }
   Params p;
   p.x = static_cast<const __nv_bfloat16*>(x);
@@ -1228,18 +982,12 @@ extern "C" int megamoe_gemm1_swiglu(const void* x, const void* w1, const void* w
   p.top_k = top_k;
   p.plan_bm = plan_bm;
   p.group_m = group_m;
-  p.ticket = cluster == 1 ? ticket : nullptr;
+  p.ticket = ticket;
   p.stride_x = stride_x;
   p.stride_h = stride_h;
   p.stride_a = stride_a;
-  cudaStream_t s = static_cast<cudaStream_t>(stream);
-  if (cluster == 2) {
-    return launch<2, MODE_GEMM1>(w1_map, w3_map, h_map, a_map, w1_map, p, num_sms, s);
-  }
-  if (cluster == 1) {
-    return launch<1, MODE_GEMM1>(w1_map, w3_map, h_map, a_map, w1_map, p, num_sms, s);
-  }
-  return -3;
+  return launch<MODE_GEMM1>(w1_map, w3_map, h_map, a_map, w1_map, p, num_sms,
+                           static_cast<cudaStream_t>(stream));
 }
 
 // C entry point (ctypes) of the ROWS mode (see the header): out[r] = in[r] @ w[e]^T with w
@@ -1268,12 +1016,8 @@ extern "C" int megamoe_gemm_rows(const void* in, const void* w, const void* w2, 
   if (rc != 0) return rc;
   rc = make_map(&in_map, in, rows, K, BM);
   if (rc != 0) return rc;
-  if (MEGAMOE_SM90_TMA_STORE) {
-    rc = make_map(&out_map, out, rows, N, 64, 64);
-    if (rc != 0) return rc;
-  } else {
-    out_map = w_map;  // never used
-  }
+  rc = make_map(&out_map, out, rows, N, 64, 64);
+  if (rc != 0) return rc;
   Params p = {};
   p.h = static_cast<__nv_bfloat16*>(out);
   p.row_slot = row_slot;  // nullptr: no padding skip
@@ -1289,9 +1033,9 @@ extern "C" int megamoe_gemm_rows(const void* in, const void* w, const void* w2, 
   p.stride_h = N;
   cudaStream_t s = static_cast<cudaStream_t>(stream);
   if (n_major) {
-    return launch<1, MODE_ROWS_NMAJOR>(w_map, w2_map, out_map, out_map, in_map, p, num_sms, s);
+    return launch<MODE_ROWS_NMAJOR>(w_map, w2_map, out_map, out_map, in_map, p, num_sms, s);
   }
-  return launch<1, MODE_ROWS>(w_map, w2_map, out_map, out_map, in_map, p, num_sms, s);
+  return launch<MODE_ROWS>(w_map, w2_map, out_map, out_map, in_map, p, num_sms, s);
 }
 
 // C entry point (ctypes) of the WGRAD mode (see the header): for every expert e of the plan,
@@ -1346,15 +1090,15 @@ extern "C" int megamoe_wgrad(const void* tokens, long long stride_tokens, const 
   cudaStream_t s = static_cast<cudaStream_t>(stream);
   // B by TMA travels in w1_map, A by TMA in in_map
   if (gather == 2) {
-    return launch<1, MODE_WGRAD_TMA>(rows_map, rows_map, out0_map, out1_map, a_rows_map, p,
-                                     num_sms, s);
+    return launch<MODE_WGRAD_TMA>(rows_map, rows_map, out0_map, out1_map, a_rows_map, p,
+                                  num_sms, s);
   }
   if (gather == 1) {
-    return launch<1, MODE_WGRAD_GATHER_A>(rows_map, rows_map, out0_map, out1_map, rows_map, p,
-                                          num_sms, s);
+    return launch<MODE_WGRAD_GATHER_A>(rows_map, rows_map, out0_map, out1_map, rows_map, p,
+                                       num_sms, s);
   }
-  return launch<1, MODE_WGRAD_GATHER_B>(rows_map, rows_map, out0_map, out1_map, rows_map, p,
-                                        num_sms, s);
+  return launch<MODE_WGRAD_GATHER_B>(rows_map, rows_map, out0_map, out1_map, rows_map, p,
+                                     num_sms, s);
 }
 
 // C entry point (ctypes) of the DGRAD_SWIGLU mode (see the header), kernel A on the saved a:
@@ -1396,18 +1140,12 @@ extern "C" int megamoe_dgrad_swiglu(const void* dy, long long stride_dy, const v
   p.plan_bm = plan_bm;
   p.group_m = 8;
   p.ticket = ticket;
-#if MEGAMOE_SM90_BK == 64
-  return launch<1, MODE_DGRAD_SWIGLU>(w2_map, rows_map, da_map, hw_map, a_map, p, num_sms,
-                                      static_cast<cudaStream_t>(stream));
-#else
-  return -4;  // the epilogue stages hold three [128, 64] boxes: a BK 64 stage
-#endif
+  return launch<MODE_DGRAD_SWIGLU>(w2_map, rows_map, da_map, hw_map, a_map, p, num_sms,
+                                   static_cast<cudaStream_t>(stream));
 }
 
 extern "C" const char* megamoe_error_string(int code) {
   if (code == -1) return "cuTensorMapEncodeTiled not found through the CUDA runtime";
   if (code == -2) return "cuTensorMapEncodeTiled rejected a tensor map";
-  if (code == -3) return "cluster must be 1 or 2";
-  if (code == -4) return "megamoe_dgrad_swiglu needs a build with MEGAMOE_SM90_BK=64";
   return cudaGetErrorString(static_cast<cudaError_t>(code));
 }

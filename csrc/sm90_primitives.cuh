@@ -58,35 +58,6 @@ __device__ __forceinline__ void mbar_arrive_if(uint32_t bar, bool pred) {
       : "memory");
 }
 
-// ---- clusters ------------------------------------------------------------------------------
-
-__device__ __forceinline__ uint32_t cluster_ctarank() {
-  uint32_t r;
-  asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
-  return r;
-}
-
-// All threads of every CTA of the cluster (release/acquire): after barrier init, before exit.
-__device__ __forceinline__ void cluster_sync() {
-  asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;"
-               ::: "memory");
-}
-
-// Arrival (by the threads whose `pred` is set) on the barrier at the same shared-memory offset
-// in CTA `cta` of the cluster (this CTA's own included). Default
-// (.cta) release semantics: the arrival only says "this slot's smem reads are done" (the wgmma
-// that read it completed), so it need not wait for this thread's global stores as a
-// cluster-scope release would.
-__device__ __forceinline__ void mbar_arrive_cluster_if(uint32_t bar, uint32_t cta, bool pred) {
-  uint32_t remote;
-  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(bar), "r"(cta));
-  asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %1, 0;\n"
-      "@p mbarrier.arrive.shared::cluster.b64 _, [%0];\n}\n" ::"r"(remote),
-      "r"(static_cast<uint32_t>(pred))
-      : "memory");
-}
-
 // Named barrier over `threads` threads (a warpgroup: 128) with id 1..15 (0 is __syncthreads).
 __device__ __forceinline__ void named_barrier(uint32_t id, uint32_t threads) {
   asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(threads) : "memory");
@@ -132,17 +103,6 @@ __device__ __forceinline__ void tma_load_2d(uint32_t dst, const CUtensorMap* map
       "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes"
       " [%0], [%1, {%2, %3}], [%4];" ::"r"(dst),
       "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(bar)
-      : "memory");
-}
-
-// The same tile written at the same shared-memory offset of every CTA in `cta_mask`, each of
-// whose barrier at `bar`'s offset receives the bytes.
-__device__ __forceinline__ void tma_load_2d_multicast(uint32_t dst, const CUtensorMap* map, int c0,
-                                                      int c1, uint32_t bar, uint16_t cta_mask) {
-  asm volatile(
-      "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes"
-      ".multicast::cluster [%0], [%1, {%2, %3}], [%4], %5;" ::"r"(dst),
-      "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(bar), "h"(cta_mask)
       : "memory");
 }
 

@@ -1,12 +1,11 @@
 """The backward's kernel A at one Qwen3 shape: the sm90 one-launch kernel (csrc/grouped_gemm_sm90.cu,
-DGRAD_SWIGLU mode) with each compile-time variant of its epilogue, next to the two-step sm90
-side (dy rows gathered, the dh GEMM, the SwiGLU rows kernel; the gather included, as the tuner
-times it) and that side's parts alone; the one-launch kernel also while storing the dy rows it
-gathers (as the backward runs it). CUDA-event medians of 10:
+DGRAD_SWIGLU mode), alone and while storing the dy rows it gathers (as the backward runs it),
+next to the two-step sm90 side (dy rows gathered, the dh GEMM, the SwiGLU rows kernel; the
+gather included, as the tuner times it) and that side's parts alone. CUDA-event medians of 10:
 
     source scripts/_device_env.sh; install_wheels  # the package and wheels on PYTHONPATH
     python3 experiments/dgrad_variants.py 30b [235b ...]
-    VARIANTS=default,tanh python3 experiments/dgrad_variants.py 30b
+    VARIANTS=default python3 experiments/dgrad_variants.py 30b
     SCRIPT=experiments/dgrad_variants.py KERNEL='grouped_gemm_kernel<1, 6>' VARIANTS=default \
         bash experiments/ncu_stalls.sh  # where its warps stall
 
@@ -22,24 +21,8 @@ import torch
 from torchtitan_megamoe.bench.shapes import variant_setup
 from torchtitan_megamoe.ops.hopper.cuda.dgrad_swiglu import dgrad_l2_swiglu_sm90
 from torchtitan_megamoe.ops.hopper.cuda.gemm_rows import gemm_rows_nmajor_sm90
-from torchtitan_megamoe.ops.hopper.cuda.sm90 import BULK_STORE
 from torchtitan_megamoe.ops.hopper.kernels.bwd_cublas import dgrad_l2_swiglu_cublas, gather_rows
 from torchtitan_megamoe.timing import median_ms
-
-VARIANTS = {
-    # the sigmoid with an approximate division (MEGAMOE_SM90_SIGMOID=1), each epilogue stage
-    # freed once the next one's stores are issued (MEGAMOE_SM90_EPI_LAZY=1)
-    "default": BULK_STORE,
-    "exact_div": BULK_STORE + ("MEGAMOE_SM90_SIGMOID=0",),
-    "tanh": BULK_STORE + ("MEGAMOE_SM90_SIGMOID=2",),
-    "eager_release": BULK_STORE + ("MEGAMOE_SM90_EPI_LAZY=0",),
-    "no_sigmoid_measuring": BULK_STORE + ("MEGAMOE_SM90_SIGMOID=3",),
-    # the epilogue's loads and math, but no stores of da and hw
-    "no_store_measuring": BULK_STORE + ("MEGAMOE_SM90_STORE=0",),
-    # no epilogue at all: the dh GEMM with the in-kernel dy gather alone
-    "no_epilogue_measuring": BULK_STORE + ("MEGAMOE_SM90_DGRAD_EPI=0",),
-}
-
 
 def main(shape_name: str) -> None:
     D, H, E, K, T, plan = variant_setup(shape_name)
@@ -56,11 +39,9 @@ def main(shape_name: str) -> None:
         "two_step_sm90": lambda: dgrad_l2_swiglu_cublas(dy, a, tw, w2, plan, dy_rows=dy_rows,
                                                         sm90=True)[0],
         "part_gather_dy": lambda: gather_rows(dy, plan, out=dy_rows),
-        "part_dh_gemm_sm90": lambda: gemm_rows_nmajor_sm90(dy_rows, (w2,), plan, dh,
-                                                           defines=BULK_STORE),
+        "part_dh_gemm_sm90": lambda: gemm_rows_nmajor_sm90(dy_rows, (w2,), plan, dh),
+        "default": lambda: dgrad_l2_swiglu_sm90(dy, a, tw, w2, plan)[0],
     }
-    for name, defines in VARIANTS.items():
-        runs[name] = lambda d=defines: dgrad_l2_swiglu_sm90(dy, a, tw, w2, plan, defines=d)[0]
     # what the tuner times: the dy rows stored for dw2 as well
     runs["default_storing_dy_rows"] = lambda: dgrad_l2_swiglu_sm90(dy, a, tw, w2, plan,
                                                                    dy_rows=dy_rows)[0]

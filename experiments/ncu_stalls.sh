@@ -3,16 +3,16 @@
 # sampling), next to the Triton kernel's: which wait the consumer warps sit in (full barrier =
 # starved by the producer, WARPGROUP.DEPBAR = tensor-core bound, ...).
 #
-#   SHAPE=235b VARIANTS="triton_persistent sm90_c1_lag1" bash experiments/ncu_stalls.sh
+#   SHAPE=235b VARIANTS="triton_persistent sm90_g8" bash experiments/ncu_stalls.sh
 #   SCRIPT=experiments/dgrad_variants.py KERNEL='grouped_gemm_kernel<1, 6>' VARIANTS="default" \
 #     bash experiments/ncu_stalls.sh   # kernel A (MODE 6) instead: any script with an NCU=1 mode
 #
 # Writes $OUT/<variant>.ncu-rep and prints, per variant, the stall reasons summed over the
 # kernel and the 25 SASS lines with the most stall samples (experiments/ncu_stalls_summary.py).
-source "$(dirname "$0")/_device_env.sh"
+source "$(dirname "$0")/../scripts/_device_env.sh"
 install_wheels || exit 1
 SHAPE=${SHAPE:-235b}
-for v in ${VARIANTS:-triton_persistent sm90_c1_lag1}; do
+for v in ${VARIANTS:-triton_persistent sm90_g8}; do
   VARIANTS=$v NCU=1 timeout 240 ncu --clock-control none --kernel-name-base demangled \
     --kernel-name "regex:${KERNEL:-gemm1}" --launch-skip 1 --launch-count 1 --import-source no \
     --section SpeedOfLight --section WarpStateStats --section SourceCounters \

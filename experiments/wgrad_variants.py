@@ -1,6 +1,7 @@
-"""The sm90 weight-gradient kernels (csrc/grouped_gemm_sm90.cu, WGRAD mode) at one Qwen3 shape
-with each compile-time variant, next to the _grouped_mm side (gathers included), CUDA-event
-medians of 10; NCU=1 launches each once after a warm-up instead, for Nsight Compute:
+"""The sm90 weight-gradient kernels (csrc/grouped_gemm_sm90.cu, WGRAD mode) at one Qwen3 shape,
+with the token rows gathered inside the kernel ("default") or gathered first ("pre_gathered",
+the tuner's candidate), next to the _grouped_mm side (gathers included), CUDA-event medians of
+10; NCU=1 launches each once after a warm-up instead, for Nsight Compute:
 
     python3 experiments/wgrad_variants.py 30b
     # the dw1|dw3 launch of the default variant (launches: dw2, dw1|dw3, dw2, dw1|dw3)
@@ -18,22 +19,10 @@ import sys
 import torch
 
 from torchtitan_megamoe.bench.shapes import variant_setup
-from torchtitan_megamoe.ops.hopper.cuda.sm90 import BULK_STORE
 from torchtitan_megamoe.ops.hopper.cuda.wgrad import wgrad_dw2_sm90, wgrad_dw13_sm90
 from torchtitan_megamoe.ops.hopper.kernels.bwd_cublas import gather_rows, wgrad_dw13_cublas, wgrad_dw2_cublas
 from torchtitan_megamoe.ops.hopper.kernels.bwd_wgrad import longest_first
 from torchtitan_megamoe.timing import median_ms
-
-VARIANTS = {
-    "default": BULK_STORE,
-    "lag1": BULK_STORE + ("MEGAMOE_SM90_WGMMA_LAG=1",),
-    "bk32_8stages": BULK_STORE + ("MEGAMOE_SM90_BK=32", "MEGAMOE_SM90_STAGES=8"),
-    "bk32_8stages_lag1": BULK_STORE + ("MEGAMOE_SM90_BK=32", "MEGAMOE_SM90_STAGES=8",
-                                            "MEGAMOE_SM90_WGMMA_LAG=1"),
-    "producer_fence": BULK_STORE + ("MEGAMOE_SM90_PRODUCER_FENCE=1",),
-    "registers_epilogue": (),
-}
-
 
 def main(shape_name: str = "30b") -> None:
     D, H, E, K, T, plan = variant_setup(shape_name)
@@ -49,9 +38,8 @@ def main(shape_name: str = "30b") -> None:
     order = longest_first(plan)
     runs = {"cublas": (lambda: wgrad_dw2_cublas(dy, hw, plan, w2),
                        lambda: wgrad_dw13_cublas(da, x, plan, w1, w3))}
-    for name, defines in VARIANTS.items():
-        runs[name] = (lambda d=defines: wgrad_dw2_sm90(dy, hw, plan, w2, order, d),
-                      lambda d=defines: wgrad_dw13_sm90(da, x, plan, w1, w3, order, d))
+    runs["default"] = (lambda: wgrad_dw2_sm90(dy, hw, plan, w2, order),
+                       lambda: wgrad_dw13_sm90(da, x, plan, w1, w3, order))
     dy_rows, x_rows = gather_rows(dy, plan), gather_rows(x, plan)
     runs["pre_gathered"] = (  # the rows gathered first (included in the time), then TMA only
         lambda: wgrad_dw2_sm90(gather_rows(dy, plan, out=dy_rows), hw, plan, w2, order,

@@ -46,44 +46,30 @@ def _check(h, a, a1, a3, slot, tol=1e-2):
 
 
 
-CLUSTERS = pytest.mark.parametrize("cluster", [1, 2], ids=["cta", "cluster2"])
 GROUPS = pytest.mark.parametrize("group_m", [8, 0], ids=["group8", "wave"])
-# compile-time variants of the pipeline (the .cu file's MEGAMOE_SM90_* knobs) must be right too
-VARIANTS = pytest.mark.parametrize(
-    "defines", [(), ("MEGAMOE_SM90_WGMMA_LAG=1",), ("MEGAMOE_SM90_PRODUCER_FENCE=1",),
-                ("MEGAMOE_SM90_BK=32", "MEGAMOE_SM90_STAGES=8", "MEGAMOE_SM90_WGMMA_LAG=1",
-                 "MEGAMOE_SM90_PRODUCER_FENCE=1"),
-                ("MEGAMOE_SM90_TMA_STORE=1",), ("MEGAMOE_SM90_TMA_STORE=1", "MEGAMOE_SM90_WGMMA_LAG=1"),
-                ("MEGAMOE_SM90_TMA_STORE=1", "MEGAMOE_SM90_EPI_BUFFERS=2", "MEGAMOE_SM90_STAGES=3"),
-                ("MEGAMOE_SM90_TMA_STORE=1", "MEGAMOE_SM90_GEMM1_DEFER=0")],
-    ids=["default", "lag1", "producer_fence", "bk32_8stages", "tma_store", "tma_store_lag1",
-         "tma_store_2_buffers", "tma_store_no_defer"])
 
 
-@CLUSTERS
 @GROUPS
-@VARIANTS
 @pytest.mark.parametrize("T,K,E,D,H", [(700, 4, 8, 256, 256), (333, 2, 5, 640, 384)],
                          ids=["k_blocks_4", "k_blocks_10"])
-def test_vs_float64_on_uneven_routings(T, K, E, D, H, cluster, group_m, defines):
+def test_vs_float64_on_uneven_routings(T, K, E, D, H, group_m):
     w1, _, w3 = make_weights(E, D, H, device="cuda")
     x = torch.randn(T, D, device="cuda").bfloat16()
     for name, ids in routings(T, K, E):
         ids = ids.cuda()
         plan = build_plan(ids, E, BM)
         h, a = nan_tensor(plan.max_rows, H), nan_tensor(plan.max_rows, 2 * H)
-        gemm1_swiglu_sm90(x[: ids.shape[0]], w1, w3, plan, h, a, group_m, cluster, defines)
+        gemm1_swiglu_sm90(x[: ids.shape[0]], w1, w3, plan, h, a, group_m)
         torch.cuda.synchronize()
         a1, a3, slot = _ref_rows(x[: ids.shape[0]], K, plan, w1, w3)
         _check(h, a, a1, a3, slot)
         h2 = nan_tensor(plan.max_rows, H)
-        gemm1_swiglu_sm90(x[: ids.shape[0]], w1, w3, plan, h2, None, group_m, cluster, defines)
+        gemm1_swiglu_sm90(x[: ids.shape[0]], w1, w3, plan, h2, None, group_m)
         used = int(plan.num_rows_used)
         assert torch.equal(h2[:used], h[:used]), name
 
 
-@CLUSTERS
-def test_phased_plan_writes_only_its_phase(cluster):
+def test_phased_plan_writes_only_its_phase():
     T, K, E, D, H = 600, 4, 6, 256, 256
     w1, _, w3 = make_weights(E, D, H, device="cuda", seed=2)
     x = torch.randn(T, D, device="cuda").bfloat16()
@@ -93,20 +79,16 @@ def test_phased_plan_writes_only_its_phase(cluster):
     h = nan_tensor(plan.max_rows, H)
     tile_of_row = lambda tiles: tiles.repeat_interleave(BM)[: plan.max_rows]  # noqa: E731
     p0 = type(plan)(**{**plan.__dict__, "tile_expert": phase_tiles[0]})
-    gemm1_swiglu_sm90(x, w1, w3, p0, h, cluster=cluster)
+    gemm1_swiglu_sm90(x, w1, w3, p0, h)
     torch.cuda.synchronize()
     assert torch.isnan(h[tile_of_row(phase_tiles[0]) < 0]).all(), "wrote another phase's tiles"
     p1 = type(plan)(**{**plan.__dict__, "tile_expert": phase_tiles[1]})
-    gemm1_swiglu_sm90(x, w1, w3, p1, h, cluster=cluster)
+    gemm1_swiglu_sm90(x, w1, w3, p1, h)
     a1, a3, slot = _ref_rows(x, K, plan, w1, w3)
     _check(h, None, a1, a3, slot)
 
 
-@CLUSTERS
-@pytest.mark.parametrize("defines", [(), ("MEGAMOE_SM90_TMA_STORE=1",),
-                                     ("MEGAMOE_SM90_TMA_STORE=1", "MEGAMOE_SM90_GEMM1_DEFER=0")],
-                         ids=["default", "tma_store", "tma_store_no_defer"])
-def test_real_30b_shape_matches_triton_and_float64(cluster, defines):
+def test_real_30b_shape_matches_triton_and_float64():
     T, K, E, D, H = 16384, 8, 128, 2048, 768
     torch.manual_seed(0)
     x = torch.randn(T, D, device="cuda").bfloat16()
@@ -115,20 +97,19 @@ def test_real_30b_shape_matches_triton_and_float64(cluster, defines):
     ids = skewed_ids(T, K, E)
     plan = build_plan(ids, E, BM)
     h, a = nan_tensor(plan.max_rows, H), nan_tensor(plan.max_rows, 2 * H)
-    gemm1_swiglu_sm90(x, w1, w3, plan, h, a, cluster=cluster, defines=defines)
+    gemm1_swiglu_sm90(x, w1, w3, plan, h, a)
     a1, a3, slot = _ref_rows(x, K, plan, w1, w3)
     _check(h, a, a1, a3, slot)
     used = int(plan.num_rows_used)
     tri = g1.gemm1_swiglu(x, w1, w3, plan, config=g1.GPU_CONFIGS[0])
     assert float((h[:used].float() - tri[:used].float()).norm() / tri[:used].float().norm()) < 1e-2
     h2 = nan_tensor(plan.max_rows, H)
-    gemm1_swiglu_sm90(x, w1, w3, plan, h2, cluster=cluster, defines=defines)
+    gemm1_swiglu_sm90(x, w1, w3, plan, h2)
     assert torch.equal(h2[:used], h[:used]), "two runs must be bitwise identical"
-    if cluster == 1:
-        # the tile order (global ticket or static stride) must not change any tile's result
-        h3 = nan_tensor(plan.max_rows, H)
-        gemm1_swiglu_sm90(x, w1, w3, plan, h3, cluster=1, defines=defines, dynamic=False)
-        assert torch.equal(h3[:used], h[:used]), "static and dynamic tile orders differ"
+    # the tile order (global ticket or static stride) must not change any tile's result
+    h3 = nan_tensor(plan.max_rows, H)
+    gemm1_swiglu_sm90(x, w1, w3, plan, h3, dynamic=False)
+    assert torch.equal(h3[:used], h[:used]), "static and dynamic tile orders differ"
 
 
 def test_ticket_left_zeroed_for_the_next_launch():
@@ -147,7 +128,7 @@ def test_ticket_left_zeroed_for_the_next_launch():
     ref = []
     for plan in plans:
         h = nan_tensor(plan.max_rows, H)
-        gemm1_swiglu_sm90(x, w1, w3, plan, h, cluster=1, dynamic=False)  # static order: no ticket
+        gemm1_swiglu_sm90(x, w1, w3, plan, h, dynamic=False)  # static order: no ticket
         ref.append(h)
     side = torch.cuda.Stream()
     for stream in (torch.cuda.current_stream(), side):
@@ -156,7 +137,7 @@ def test_ticket_left_zeroed_for_the_next_launch():
                 plan = plans[i]
                 used = int(plan.num_rows_used)
                 h = nan_tensor(plan.max_rows, H)
-                gemm1_swiglu_sm90(x, w1, w3, plan, h, cluster=1)
+                gemm1_swiglu_sm90(x, w1, w3, plan, h)
                 assert torch.equal(h[:used], ref[i][:used]), "a launch skipped tiles"
             ticket = launch_context(x.device)[2]
             assert int(ticket) == 0, "the ticket was not left zeroed"

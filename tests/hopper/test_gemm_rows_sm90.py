@@ -2,7 +2,7 @@
 and nvcc): GEMM 2 (out[r] = in[r] @ w[e]^T, K-major weights) and the N-major form (the
 backward's kernel C: [da1 | da3] @ [w1; w3][e]) against float64 math on uneven routings with
 the output poisoned (NaN) first, rows past the used ones never written, K not a multiple of the
-pipeline depth, phased plans, both epilogues, and the real Qwen3-30B shape against the Triton
+pipeline depth, phased plans, and the real Qwen3-30B shape against the Triton
 kernels (bitwise reruns, static vs dynamic tile order); the backward with the sm90 kernel C
 forced against the reference backend."""
 
@@ -17,11 +17,6 @@ from torchtitan_megamoe.ops.hopper.plan import build_phased_plan, build_plan
 
 pytestmark = SM90_GPU
 BM = 128
-EPILOGUES = pytest.mark.parametrize(
-    "defines", [(), ("MEGAMOE_SM90_TMA_STORE=1",), ("MEGAMOE_SM90_TMA_STORE=1", "MEGAMOE_SM90_WGMMA_LAG=1"),
-                ("MEGAMOE_SM90_TMA_STORE=1", "MEGAMOE_SM90_EPI_BUFFERS=2", "MEGAMOE_SM90_STAGES=3"),
-                ("MEGAMOE_SM90_TMA_STORE=1", "MEGAMOE_SM90_ROWS_DEFER=0")],
-    ids=["registers", "tma_store", "tma_store_lag1", "tma_store_2_buffers", "tma_store_no_defer"])
 
 
 
@@ -53,17 +48,16 @@ def _check(out, inp, w, plan, tol=1e-2):
     assert torch.isnan(out[used:]).all(), "wrote rows past the used ones"
 
 
-@EPILOGUES
 @pytest.mark.parametrize("group_m", [8, 1])
 @pytest.mark.parametrize("T,K,E,N,KD", [(700, 4, 8, 256, 256), (333, 2, 5, 512, 640)],
                          ids=["k_blocks_4", "k_blocks_10"])
-def test_vs_float64_on_uneven_routings(T, K, E, N, KD, group_m, defines):
+def test_vs_float64_on_uneven_routings(T, K, E, N, KD, group_m):
     w = (torch.randn(E, N, KD, device="cuda") / KD**0.5).bfloat16()
     for name, ids in routings(T, K, E):
         plan = build_plan(ids.cuda(), E, BM)
         inp = _rows_input(plan, KD)
         out = nan_tensor(plan.max_rows, N)
-        gemm_rows_sm90(inp, w, plan, out, group_m=group_m, defines=defines)
+        gemm_rows_sm90(inp, w, plan, out, group_m=group_m)
         torch.cuda.synchronize()
         _check(out, inp, w, plan)
 
@@ -97,8 +91,7 @@ def test_bad_shapes_name_the_requirement():
         gemm_rows_sm90(_rows_input(plan, 128), w, plan, nan_tensor(plan.max_rows, 256))
 
 
-@pytest.mark.parametrize("defines", [(), ("MEGAMOE_SM90_TMA_STORE=1",)], ids=["registers", "tma_store"])
-def test_real_30b_shape_matches_triton_and_float64(defines):
+def test_real_30b_shape_matches_triton_and_float64():
     T, K, E, D, H = 16384, 8, 128, 2048, 768
     torch.manual_seed(0)
     w2 = (torch.randn(E, D, H, device="cuda") / H**0.5).bfloat16()
@@ -106,36 +99,31 @@ def test_real_30b_shape_matches_triton_and_float64(defines):
     plan = build_plan(ids, E, BM)
     h = _rows_input(plan, H)
     y = nan_tensor(plan.max_rows, D)
-    gemm_rows_sm90(h, w2, plan, y, defines=defines)
+    gemm_rows_sm90(h, w2, plan, y)
     _check(y, h, w2, plan)
     used = int(plan.num_rows_used)
     tri = g2.gemm2_rows(h, w2, plan, config=g2.GPU_CONFIGS[0])
     assert float((y[:used].float() - tri[:used].float()).norm() / tri[:used].float().norm()) < 1e-2
     y2 = nan_tensor(plan.max_rows, D)
-    gemm_rows_sm90(h, w2, plan, y2, defines=defines)
+    gemm_rows_sm90(h, w2, plan, y2)
     assert torch.equal(y2[:used], y[:used]), "two runs must be bitwise identical"
     y3 = nan_tensor(plan.max_rows, D)
-    gemm_rows_sm90(h, w2, plan, y3, defines=defines, dynamic=False)
+    gemm_rows_sm90(h, w2, plan, y3, dynamic=False)
     assert torch.equal(y3[:used], y[:used]), "static and dynamic tile orders differ"
-    if defines:  # the second column half stored in the epilogue, not under the next tile
-        y4 = nan_tensor(plan.max_rows, D)
-        gemm_rows_sm90(h, w2, plan, y4, defines=defines + ("MEGAMOE_SM90_ROWS_DEFER=0",))
-        assert torch.equal(y4[:used], y[:used]), "MEGAMOE_SM90_ROWS_DEFER changed the output"
-        assert torch.isnan(y4[used:]).all(), "wrote rows past the used ones"
+    assert torch.isnan(y3[used:]).all(), "wrote rows past the used ones"
 
 
-@EPILOGUES
 @pytest.mark.parametrize("n_weights", [1, 2])
 @pytest.mark.parametrize("T,K,E,N,KS", [(700, 4, 8, 256, 128), (333, 2, 5, 512, 320)],
                          ids=["k_blocks_2_per_weight", "k_blocks_5_per_weight"])
-def test_nmajor_vs_float64_on_uneven_routings(T, K, E, N, KS, n_weights, defines):
+def test_nmajor_vs_float64_on_uneven_routings(T, K, E, N, KS, n_weights):
     ws = tuple((torch.randn(E, KS, N, device="cuda") / (KS * n_weights) ** 0.5).bfloat16()
                for _ in range(n_weights))
     for name, ids in routings(T, K, E):
         plan = build_plan(ids.cuda(), E, BM)
         inp = _rows_input(plan, KS * n_weights, seed=1)
         out = nan_tensor(plan.max_rows, N)
-        gemm_rows_nmajor_sm90(inp, ws, plan, out, defines=defines)
+        gemm_rows_nmajor_sm90(inp, ws, plan, out)
         torch.cuda.synchronize()
         _check(out, inp, ws, plan)
 
@@ -153,15 +141,14 @@ def test_nmajor_real_30b_kernel_c_matches_triton():
     plan = build_plan(ids, E, BM)
     da = _rows_input(plan, 2 * H, seed=2)
     dx_rows = nan_tensor(plan.max_rows, D)
-    defines = ("MEGAMOE_SM90_TMA_STORE=1",)
-    gemm_rows_nmajor_sm90(da, (w1, w3), plan, dx_rows, defines=defines)
+    gemm_rows_nmajor_sm90(da, (w1, w3), plan, dx_rows)
     _check(dx_rows, da, (w1, w3), plan)
     tri = dgrad_l1(da, w1, w3, plan, use_tma=True)  # [T*K, D] by slot
     live = plan.slot_row >= 0
     ours = dx_rows[plan.slot_row[live].long()].float()
     assert float((ours - tri[live].float()).norm() / tri[live].float().norm()) < 1e-2
     again = nan_tensor(plan.max_rows, D)
-    gemm_rows_nmajor_sm90(da, (w1, w3), plan, again, defines=defines)
+    gemm_rows_nmajor_sm90(da, (w1, w3), plan, again)
     used = int(plan.num_rows_used)
     assert torch.equal(again[:used], dx_rows[:used]), "two runs must be bitwise identical"
 

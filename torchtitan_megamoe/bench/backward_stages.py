@@ -207,8 +207,7 @@ def bench_shape(name, tokens, iters, shape=None, device="cuda", block_m=BLOCK_M,
     if block_m == BLOCK_M and c_sm90_fits(da, w1):
         dx_rows_sm90 = torch.empty(R, D, dtype=x.dtype, device=x.device)
         stages["C_dgrad_l1_sm90"] = (
-            lambda: gemm_rows_nmajor_sm90(da, (w1, w3), plan, dx_rows_sm90,
-                                          defines=C_SM90["defines"]), 4 * nkdh)
+            lambda: gemm_rows_nmajor_sm90(da, (w1, w3), plan, dx_rows_sm90), 4 * nkdh)
         stages["combine_rows"] = (
             lambda: bwd_combine(dx_rows_sm90, part, plan, dx_dtype=x.dtype, dtw_dtype=tw.dtype,
                                 rows=True), 0)

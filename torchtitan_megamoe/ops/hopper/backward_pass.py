@@ -47,9 +47,10 @@ cuBLAS candidates (bwd_cublas.py). The weight-gradient stages (dw2; dw1 + dw3) a
 each also have a torch._grouped_mm candidate: K-grouped GEMMs over the padded segments on
 gathered token rows (x_rows / dy_rows, zero padding rows), and two M-grouped GEMMs + a
 rows -> slots gather for dx_slot. tune.pick_config times both sides per stage on the first call
-per shape (each side's timed launch includes its gathers and copies) and keeps the faster;
-MEGAMOE_BWD_IMPL=triton|cublas forces one side (auto, the default, lets the tuner pick; untuned
-runs - interpreter, graph capture, MEGAMOE_TRITON_TUNE=0 - use Triton).
+per shape (each side's timed launch includes its gathers and copies) and keeps the faster
+(kernel C's _grouped_mm side only runs forced: it never won); MEGAMOE_BWD_IMPL=triton|cublas
+forces one side (auto, the default, lets the tuner pick; untuned runs - interpreter, graph
+capture, MEGAMOE_TRITON_TUNE=0 - use Triton).
 
 Transient memory inside one backward call (R_max = T*K + E*(block_m-1) rounded up to block_m,
 block_m = 128), freed when the call returns (the saved a above stays alive through the call, as
@@ -87,15 +88,13 @@ Not implemented here: FP8 backward (precision "fp8" / "fp8_bwd": use backend="re
 and overlap of kernel C with the weight-gradient launches on a second stream.
 """
 
-import os
-
 import torch
 import torch.distributed as dist
 
 from torchtitan_megamoe.ops.hopper.cuda import dgrad_swiglu as sm90_dgrad
 from torchtitan_megamoe.ops.hopper.cuda import gemm_rows as sm90_rows
 from torchtitan_megamoe.ops.hopper.cuda import wgrad as sm90_wgrad
-from torchtitan_megamoe.ops.hopper.cuda.sm90 import BULK_STORE, sm90_usable
+from torchtitan_megamoe.ops.hopper.cuda.sm90 import sm90_usable
 from torchtitan_megamoe.ops.hopper.kernels.bwd_combine import bwd_combine
 from torchtitan_megamoe.ops.hopper.kernels.bwd_common import interpreting
 from torchtitan_megamoe.ops.hopper.kernels.bwd_cublas import (
@@ -115,38 +114,50 @@ BLOCK_M = 128
 """Plan tile height on the GPU (row tile of kernels A and C)."""
 
 # Hopper candidates, timed once per shape by tune.pick_config (the first one is used as is under
-# the interpreter, during graph capture or with MEGAMOE_TRITON_TUNE=0). Kernels B and C spill
-# nothing at these tiles in offline sm_90a compiles (B at 128x256: dw2 4 bytes, dw1/dw3 800
-# bytes; the tuner keeps what runs fastest). TMA applies only when the tiles divide D and H;
-# otherwise the same config runs with pointer loads. Few candidates: each one is a compile on
-# first use.
+# the interpreter, during graph capture or with MEGAMOE_TRITON_TUNE=0). Each Triton config is
+# offered because it was the fastest Triton config of its stage at a Qwen3 shape in at least one
+# H200 bench run of 2026-11-30/12-01 (the tuner's per-candidate table in the bench JSON; what
+# runs with MEGAMOE_BWD_IMPL=triton, and where neither the CUDA kernels nor _grouped_mm can).
+# TMA applies only when the tiles divide D and H; otherwise the same config runs with pointer
+# loads, and the *_UNEVEN pointer-load config (smaller K step) is offered too, only there.
 # Kernel A is one plain dgrad GEMM (dy rows @ w2[e], K-dim = D) plus an epilogue that loads the
-# a1/a3 tiles by TMA: one fp32 accumulator. Offline sm_90a compiles (Triton 3.9,
-# tools/compile_check.py): 128x64 at 8 warps spills nothing (193 registers), 128x128 spills 248
-# bytes (the epilogue's elementwise tiles), 128x64 at 4 warps 580 bytes (left out); the
-# pointer-load fallback (uneven D/H) 236 bytes.
+# a1/a3 tiles by TMA: one fp32 accumulator. 128x128 with 4 stages won every run, 40-60% ahead
+# of 128x64 (which spills nothing in offline sm_90a compiles, where 128x128 spills 248 bytes of
+# the epilogue's elementwise tiles: tools/compile_check.py); the pointer-load config 236 bytes.
 A_CANDIDATES = [
-    dict(block_m=128, block_n=64, block_k=64, num_warps=8, num_stages=3, use_tma=True),
-    dict(block_m=128, block_n=64, block_k=64, num_warps=8, num_stages=4, use_tma=True),
-    dict(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=3, use_tma=True),
     dict(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=4, use_tma=True),
-    dict(block_m=128, block_n=64, block_k=32, num_warps=8, num_stages=4, use_tma=False),
 ]
+A_UNEVEN = dict(block_m=128, block_n=64, block_k=32, num_warps=8, num_stages=4, use_tma=False)
+# Kernel B (dw2, dw1|dw3): 128x128 is the usual pick, 128x256 takes dw2 at 235B. Their TMA loads
+# do not depend on D and H, so no pointer-load config is needed (it never won).
 B_CANDIDATES = [
     dict(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=3, use_tma=True),
     dict(block_m=128, block_n=256, block_k=64, num_warps=8, num_stages=3, use_tma=True),
-    dict(block_m=128, block_n=128, block_k=32, num_warps=8, num_stages=4, use_tma=False),
 ]
+# Kernel C: 128x256 is the usual pick, 128x128 wins some runs at both shapes.
 C_CANDIDATES = [
     dict(block_n=128, block_k=64, num_warps=8, num_stages=3, use_tma=True),
     dict(block_n=256, block_k=64, num_warps=8, num_stages=3, use_tma=True),
-    dict(block_n=128, block_k=32, num_warps=8, num_stages=4, use_tma=False),
 ]
+C_UNEVEN = dict(block_n=128, block_k=32, num_warps=8, num_stages=4, use_tma=False)
+
+
+def with_uneven(a_cands: list, c_cands: list, D: int, H: int) -> tuple[list, list]:
+    """The candidate lists of kernels A and C, plus their pointer-load config where none of
+    their TMA configs' tiles divide the shape."""
+    if not any(D % c["block_k"] == 0 and H % c["block_n"] == 0 for c in a_cands):
+        a_cands = a_cands + [A_UNEVEN]
+    if not any(H % c["block_k"] == 0 and D % c["block_n"] == 0 for c in c_cands):
+        c_cands = c_cands + [C_UNEVEN]
+    return a_cands, c_cands
+
+
 # Kernel C as csrc/grouped_gemm_sm90.cu's N-major ROWS mode ([da1 | da3] against w1 and w3 as
 # stored, TMA for both, bulk-store epilogue): it writes dx in the plan's row space [R_max, D]
 # (whole tiles; the combine then reads slot s's row through slot_row) instead of scattering
-# rows into slots. Offered under MEGAMOE_BWD_IMPL=auto where it builds and the shape fits.
-C_SM90 = dict(impl="sm90", defines=BULK_STORE)
+# rows into slots. Offered under MEGAMOE_BWD_IMPL=auto where it builds and the shape fits. Kernel
+# C's _grouped_mm side is not offered under auto: it never won (40-70% behind Triton's).
+C_SM90 = dict(impl="sm90")
 
 
 def c_sm90_fits(da: torch.Tensor, w1: torch.Tensor) -> bool:
@@ -170,21 +181,21 @@ def a_sm90_fits(x: torch.Tensor, w2: torch.Tensor) -> bool:
 # Kernel A's saved path in one sm90 launch (DGRAD_SWIGLU mode: dy rows gathered inside, the
 # SwiGLU backward in the epilogue; ops/hopper/cuda/dgrad_swiglu.py). It also stores the dy rows it
 # gathers, so like the two-step sides it leaves dw2 its gathered dy rows and the tuner compares
-# like with like. Offered where A_SM90 is; MEGAMOE_SM90_FUSED_A=0 withholds it.
+# like with like. Offered where A_SM90 is (the usual pick; A_SM90 wins some 235B runs).
 A_SM90_FUSED = dict(impl="sm90_fused", block_n=256)
 
 
 def a_sm90_fused_offered(x: torch.Tensor, w2: torch.Tensor) -> bool:
     # the same tiles as the dh GEMM of A_SM90 (a_sm90_fits checks them)
-    return os.environ.get("MEGAMOE_SM90_FUSED_A", "1") != "0" and a_sm90_fits(x, w2)
+    return a_sm90_fits(x, w2)
 
 
-# Weight gradients as csrc/grouped_gemm_sm90.cu's WGRAD mode (longest expert first): the
-# token-indexed operand gathered in the kernel (no gathered copy), or gathered into the row
-# space first (as the _grouped_mm side does; dw2 reuses kernel A's dy rows) and read by TMA.
-# Candidates of dw2 and of dw1|dw3 under MEGAMOE_BWD_IMPL=auto where the kernel builds, the
-# shapes fit and the parameters are contiguous bf16 (the gradients are written in their layout).
-B_SM90 = dict(impl="sm90")
+# Weight gradients as csrc/grouped_gemm_sm90.cu's WGRAD mode (longest expert first) on the
+# token-indexed operand gathered into the row space first (as the _grouped_mm side does; dw2
+# reuses kernel A's dy rows), both operands read by TMA. Candidates of dw2 and of dw1|dw3 under
+# MEGAMOE_BWD_IMPL=auto where the kernel builds, the shapes fit and the parameters are
+# contiguous bf16 (the gradients are written in their layout). The kernel's in-kernel gather
+# (no gathered copy) is not offered: 7-26% behind _grouped_mm, it never won.
 B_SM90_PRE_GATHERED = dict(impl="sm90", pre_gathered=True)
 
 
@@ -256,6 +267,7 @@ def backward_local(grad_out, x, topk_ids, topk_weights, w1, w2, w3, saved=None, 
         )
     else:
         block_m, a_cands, b_cands, c_cands = BLOCK_M, A_CANDIDATES, B_CANDIDATES, C_CANDIDATES
+        a_cands, c_cands = with_uneven(a_cands, c_cands, x.shape[1], w1.shape[1])
     T, D = x.shape
     if T == 0:  # e.g. an EP rank that receives no rows
         return (torch.empty_like(x), torch.empty_like(topk_weights),
@@ -338,25 +350,22 @@ def backward_local(grad_out, x, topk_ids, topk_weights, w1, w2, w3, saved=None, 
     order = longest_first(plan)
 
     def launch_dw2(cfg):
-        if cfg.get("impl") == "sm90":
-            if cfg.get("pre_gathered"):
-                rows = shared.get("dy_rows")
-                return sm90_wgrad.wgrad_dw2_sm90(
-                    gather_rows(dy, plan) if rows is None else rows, hw, plan,
-                    torch.empty_like(params[1]), order, pre_gathered=True)
-            return sm90_wgrad.wgrad_dw2_sm90(dy, hw, plan, torch.empty_like(params[1]), order)
+        if cfg.get("impl") == "sm90":  # on kernel A's gathered dy rows, or gathered here
+            rows = shared.get("dy_rows")
+            return sm90_wgrad.wgrad_dw2_sm90(
+                gather_rows(dy, plan) if rows is None else rows, hw, plan,
+                torch.empty_like(params[1]), order, pre_gathered=True)
         if is_cublas(cfg):
             return wgrad_dw2_cublas(dy, hw, plan, params[1], dy_rows=shared.get("dy_rows"))
         return wgrad(dy, hw, torch.empty_like(params[1]), plan, a_gather=True, b_gather=False,
                      expert_order=order, **cfg)
 
     def launch_dw13(cfg):
-        if cfg.get("impl") == "sm90":
-            pre = bool(cfg.get("pre_gathered"))
-            return sm90_wgrad.wgrad_dw13_sm90(da, gather_rows(x, plan) if pre else x, plan,
+        if cfg.get("impl") == "sm90":  # on the gathered x rows
+            return sm90_wgrad.wgrad_dw13_sm90(da, gather_rows(x, plan), plan,
                                               torch.empty_like(params[0]),
                                               torch.empty_like(params[2]), order,
-                                              pre_gathered=pre)
+                                              pre_gathered=True)
         if is_cublas(cfg):
             return wgrad_dw13_cublas(da, x, plan, params[0], params[2])
         return tuple(wgrad(a, x, torch.empty_like(p), plan, a_gather=False, b_gather=True,
@@ -366,7 +375,7 @@ def backward_local(grad_out, x, topk_ids, topk_weights, w1, w2, w3, saved=None, 
     def b_stage():
         stage = stage_candidates(b_cands, D, H, E)
         if block_m == BLOCK_M and b_sm90_fits(x, params):
-            stage = stage + [B_SM90, B_SM90_PRE_GATHERED]
+            stage = stage + [B_SM90_PRE_GATHERED]
         return stage
 
     dw2 = launch_dw2(pick_config("bwd_wgrad_dw2", key, b_stage, launch_dw2,
@@ -386,12 +395,12 @@ def backward_local(grad_out, x, topk_ids, topk_weights, w1, w2, w3, saved=None, 
             return dgrad_l1_cublas(da, w1, w3, plan), False
         if cfg.get("impl") == "sm90":
             dx_rows = torch.empty(R, D, dtype=x.dtype, device=x.device)
-            sm90_rows.gemm_rows_nmajor_sm90(da, (w1, w3), plan, dx_rows, defines=cfg["defines"])
+            sm90_rows.gemm_rows_nmajor_sm90(da, (w1, w3), plan, dx_rows)
             return dx_rows, True
         return dgrad_l1(da, w1, w3, plan, out_dtype=x.dtype, **cfg), False
 
     def c_stage():
-        stage = stage_candidates(c_cands, D, H, E)
+        stage = stage_candidates(c_cands, D, H, E, auto_cublas=False)
         if block_m == BLOCK_M and c_sm90_fits(da, w1):
             stage = stage + [C_SM90]
         return stage

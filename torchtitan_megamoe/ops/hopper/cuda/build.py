@@ -51,16 +51,15 @@ def _find_nvcc(cuda_home: str | None, cuda_path: str | None, path: str | None) -
     return shutil.which("nvcc", path=path)
 
 
-def nvcc_command(source: Path, output: Path, nvcc: str, defines: tuple = ()) -> list[str]:
+def nvcc_command(source: Path, output: Path, nvcc: str) -> list[str]:
     return [
         nvcc, "-O3", "-std=c++17", TARGET, "-shared", "-Xcompiler", "-fPIC",
-        "-Xptxas", "-v", *(f"-D{d}" for d in defines), "-o", str(output), str(source),
+        "-Xptxas", "-v", "-o", str(output), str(source),
     ]
 
 
-def _cache_key(source: Path, nvcc: str, defines: tuple) -> str:
+def _cache_key(source: Path, nvcc: str) -> str:
     h = hashlib.sha256()
-    h.update(repr(sorted(defines)).encode())
     for f in sorted(CSRC.glob("*.cuh")) + [source]:
         h.update(f.name.encode())
         h.update(f.read_bytes())
@@ -70,9 +69,8 @@ def _cache_key(source: Path, nvcc: str, defines: tuple) -> str:
     return h.hexdigest()[:16]
 
 
-def build(name: str, defines: tuple = ()) -> Path:
-    """Path of the shared library built from csrc/<name>.cu (compiled now if not cached).
-    ``defines``: "NAME=VALUE" compile-time knobs of that source (see its header)."""
+def build(name: str) -> Path:
+    """Path of the shared library built from csrc/<name>.cu (compiled now if not cached)."""
     nvcc = nvcc_path()
     if nvcc is None:
         raise RuntimeError(
@@ -82,7 +80,7 @@ def build(name: str, defines: tuple = ()) -> Path:
     source = CSRC / f"{name}.cu"
     cache = Path(os.environ.get("MEGAMOE_CUDA_CACHE",
                                 Path.home() / ".cache" / "torchtitan_megamoe" / "cuda"))
-    out_dir = cache / f"{name}-{_cache_key(source, nvcc, tuple(defines))}"
+    out_dir = cache / f"{name}-{_cache_key(source, nvcc)}"
     lib = out_dir / f"lib{name}.so"
     if lib.exists():
         return lib
@@ -92,8 +90,7 @@ def build(name: str, defines: tuple = ()) -> Path:
         if lib.exists():  # another rank built it while this one waited
             return lib
         tmp = out_dir / f"lib{name}.so.{os.getpid()}"
-        proc = subprocess.run(nvcc_command(source, tmp, nvcc, tuple(defines)),
-                              capture_output=True, text=True)
+        proc = subprocess.run(nvcc_command(source, tmp, nvcc), capture_output=True, text=True)
         (out_dir / "build.log").write_text(proc.stdout + proc.stderr)
         if proc.returncode != 0:
             raise RuntimeError(f"nvcc failed on {source}:\n{proc.stderr[-4000:]}")
@@ -102,6 +99,6 @@ def build(name: str, defines: tuple = ()) -> Path:
 
 
 @functools.cache
-def load(name: str, defines: tuple = ()) -> ctypes.CDLL:
+def load(name: str) -> ctypes.CDLL:
     """The ctypes handle of csrc/<name>.cu's library (built on first use)."""
-    return ctypes.CDLL(str(build(name, defines)))
+    return ctypes.CDLL(str(build(name)))

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from torchtitan_megamoe.ops.hopper.cuda.gemm_rows import BK, BM, BN, shape_supported
-from torchtitan_megamoe.ops.hopper.cuda.sm90 import (BULK_STORE, check_bf16_rows, check_plan, grouped_gemm_library,
+from torchtitan_megamoe.ops.hopper.cuda.sm90 import (check_bf16_rows, check_plan, grouped_gemm_library,
                                                launch_context, raise_on_error)
 
 if TYPE_CHECKING:  # ops/triton imports this module: no runtime import back
@@ -28,7 +28,7 @@ if TYPE_CHECKING:  # ops/triton imports this module: no runtime import back
 
 def dgrad_l2_swiglu_sm90(dy: torch.Tensor, a: torch.Tensor, topk_weights: torch.Tensor,
                          w2: torch.Tensor, plan: Plan, out: tuple | None = None,
-                         defines: tuple = BULK_STORE, dy_rows: torch.Tensor | None = None):
+                         dy_rows: torch.Tensor | None = None):
     """(da, hw, part): see the module docstring. ``out``: (da, hw, part) to write; ``dy_rows``:
     where to store the gathered dy rows too (None: nowhere)."""
     E, D, H = w2.shape
@@ -59,7 +59,7 @@ def dgrad_l2_swiglu_sm90(dy: torch.Tensor, a: torch.Tensor, topk_weights: torch.
         raise ValueError(f"{who}: topk_weights has {tw.numel()} entries, the plan's slots "
                          f"{plan.num_tokens * plan.top_k}")
     check_plan(plan, dy.device, who, ("row_slot", "tile_expert", "num_rows_used"))
-    lib = grouped_gemm_library(tuple(defines))
+    lib = grouped_gemm_library()
     num_sms, stream, ticket = launch_context(dy.device)
     rc = lib.megamoe_dgrad_swiglu(
         dy.data_ptr(), dy.stride(0), w2.data_ptr(), a.data_ptr(), da.data_ptr(), hw.data_ptr(),

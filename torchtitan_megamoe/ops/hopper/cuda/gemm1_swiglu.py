@@ -28,17 +28,13 @@ def shape_supported(H: int, D: int, block_m: int) -> bool:
 
 def gemm1_swiglu_sm90(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, plan: Plan,
                       h: torch.Tensor, a: torch.Tensor | None = None, group_m: int = 8,
-                      cluster: int = 2, defines: tuple = (), dynamic: bool = True) -> None:
+                      dynamic: bool = True) -> None:
     """Writes h (and a, when given) for the rows of ``plan``; see the module docstring.
 
-    ``cluster`` 2: pairs of CTAs on neighbouring SMs compute M tiles 2u and 2u+1 and, when both
-    belong to one expert, each loads one of the two weight tiles for both (TMA multicast): a
-    third less L2 -> SM traffic per stage (measured: less DRAM traffic, no less time).
-    ``group_m``: M tiles (pairs with cluster 2) that sweep one N tile together; 0: one group
-    per wave of resident CTAs. ``defines``: the .cu file's compile-time knobs (MEGAMOE_SM90_*),
-    for measuring variants. ``dynamic`` (cluster 1): CTAs take their tiles from a global ticket
-    in one order, instead of every gridDim-th tile (whose CTAs drift apart and spread over
-    more experts' weights than L2 holds)."""
+    ``group_m``: M tiles that sweep one N tile together; 0: one group per wave of resident CTAs.
+    ``dynamic``: CTAs take their tiles from a global ticket in one order, instead of every
+    gridDim-th tile (whose CTAs drift apart and spread over more experts' weights than L2
+    holds)."""
     E, H, D = w1.shape
     if not shape_supported(H, D, plan.block_m):
         raise ValueError(
@@ -52,17 +48,17 @@ def gemm1_swiglu_sm90(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, plan:
     check_plan(plan, x.device, "gemm1_swiglu_sm90", ("row_slot", "tile_expert", "num_rows_used"))
     assert x.shape[1] == D and h.shape == (plan.max_rows, H)
     assert a is None or a.shape == (plan.max_rows, 2 * H)
-    lib = grouped_gemm_library(tuple(defines))
-    num_sms, stream, ticket = launch_context(x.device, dynamic and cluster == 1)
+    lib = grouped_gemm_library()
+    num_sms, stream, ticket = launch_context(x.device, dynamic)
     num_n = H // BN
     if group_m == 0:
-        group_m = max(1, num_sms // cluster // num_n)
+        group_m = max(1, num_sms // num_n)
     rc = lib.megamoe_gemm1_swiglu(
         x.data_ptr(), w1.data_ptr(), w3.data_ptr(), h.data_ptr(),
         a.data_ptr() if a is not None else None,
         plan.row_slot.data_ptr(), plan.tile_expert.data_ptr(), plan.num_rows_used.data_ptr(),
         E, H, D, plan.top_k, plan.block_m, group_m, x.stride(0), h.stride(0),
-        a.stride(0) if a is not None else 0, h.shape[0], num_sms, cluster,
+        a.stride(0) if a is not None else 0, h.shape[0], num_sms,
         ticket.data_ptr() if ticket is not None else None, stream,
     )
     raise_on_error(lib, rc, "gemm1_swiglu_sm90")

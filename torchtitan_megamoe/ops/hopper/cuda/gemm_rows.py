@@ -31,27 +31,26 @@ def shape_supported(N: int, K: int, block_m: int) -> bool:
 
 
 def gemm_rows_sm90(inp: torch.Tensor, w: torch.Tensor, plan: Plan, out: torch.Tensor,
-                   group_m: int = 8, defines: tuple = (), dynamic: bool = True) -> None:
+                   group_m: int = 8, dynamic: bool = True) -> None:
     """Writes out [R_max, N] = inp [R_max, K] @ w[e]^T (w [E, N, K]) for the used rows of
-    ``plan``. ``group_m``: M tiles that sweep one N tile together. ``defines``: the .cu file's
-    MEGAMOE_SM90_* knobs. ``dynamic``: tiles from a global ticket in one order (see
-    gemm1_swiglu_sm90)."""
+    ``plan``. ``group_m``: M tiles that sweep one N tile together. ``dynamic``: tiles from a
+    global ticket in one order (see gemm1_swiglu_sm90)."""
     E, N, K = w.shape
-    _launch("gemm_rows_sm90", inp, (w,), plan, out, E, N, K, K, False, group_m, defines, dynamic)
+    _launch("gemm_rows_sm90", inp, (w,), plan, out, E, N, K, K, False, group_m, dynamic)
 
 
 def gemm_rows_nmajor_sm90(inp: torch.Tensor, ws: tuple, plan: Plan, out: torch.Tensor,
-                          group_m: int = 8, defines: tuple = (), dynamic: bool = True) -> None:
+                          group_m: int = 8, dynamic: bool = True) -> None:
     """Writes out [R_max, N] = sum_i inp[:, i*Ks:(i+1)*Ks] @ ws[i][e] for the used rows of
     ``plan``; ws: one or two [E, Ks, N] weights (N contiguous), inp [R_max, len(ws) * Ks]."""
     if not 1 <= len(ws) <= 2 or any(t.shape != ws[0].shape for t in ws):
         raise ValueError("gemm_rows_nmajor_sm90: ws must be one or two weights of one shape")
     E, Ks, N = ws[0].shape
     _launch("gemm_rows_nmajor_sm90", inp, tuple(ws), plan, out, E, N, Ks * len(ws), Ks, True,
-            group_m, defines, dynamic)
+            group_m, dynamic)
 
 
-def _launch(who, inp, ws, plan, out, E, N, K, k_split, n_major, group_m, defines, dynamic):
+def _launch(who, inp, ws, plan, out, E, N, K, k_split, n_major, group_m, dynamic):
     if not shape_supported(N, K, plan.block_m) or k_split % BK:
         raise ValueError(
             f"{who} needs out columns % {BN} == 0, K (and each weight's K) % {BK} == 0 and a "
@@ -66,7 +65,7 @@ def _launch(who, inp, ws, plan, out, E, N, K, k_split, n_major, group_m, defines
     if inp.shape != (R, K) or out.shape != (R, N):
         raise ValueError(f"{who}: inp {tuple(inp.shape)} and out {tuple(out.shape)} must be "
                          f"[{R}, {K}] and [{R}, {N}] (the plan's row space)")
-    lib = grouped_gemm_library(tuple(defines))
+    lib = grouped_gemm_library()
     num_sms, stream, ticket = launch_context(inp.device, dynamic)
     rc = lib.megamoe_gemm_rows(
         inp.data_ptr(), ws[0].data_ptr(), ws[-1].data_ptr(), out.data_ptr(),

@@ -1,5 +1,5 @@
 """What the Hopper kernels of csrc/grouped_gemm_sm90.cu share: where they may run, and their
-library (one build per set of compile-time knobs, both entry points typed)."""
+library (one build, its entry points typed)."""
 
 from __future__ import annotations
 
@@ -12,15 +12,9 @@ from torchtitan_megamoe.ops.hopper.cuda.build import load, nvcc_path
 from torchtitan_megamoe.ops.device import capability, sm_count
 
 
-BULK_STORE = ("MEGAMOE_SM90_TMA_STORE=1",)
-"""The build the tuner candidates use: the epilogue stages each tile in shared memory and writes
-it with bulk tensor stores (it won every GEMM it was measured on, docs/PERF.md at 5e0bafa)."""
-
-
-TUNER_BUILDS = ((), BULK_STORE)
-"""Every build of csrc/grouped_gemm_sm90.cu that a tuner candidate or a default launch uses
-(tests/hopper/test_cuda_build.py keeps this in step with the candidate lists). ``python -m
-torchtitan_megamoe.ops.hopper.cuda.sm90`` compiles them into $MEGAMOE_CUDA_CACHE ahead of time, e.g.
+SOURCE = "grouped_gemm_sm90"
+"""csrc/grouped_gemm_sm90.cu, built once (it has no compile-time settings). ``python -m
+torchtitan_megamoe.ops.hopper.cuda.sm90`` compiles it into $MEGAMOE_CUDA_CACHE ahead of time, e.g.
 into .cuda_cache here to carry to a GPU machine (scripts/_device_env.sh uses it there)."""
 
 
@@ -38,13 +32,13 @@ def sm90_usable(x: torch.Tensor) -> bool:
     return os.environ.get("MEGAMOE_CUDA", "1") != "0" and sm90_buildable(x)
 
 
-def grouped_gemm_library(defines: tuple = ()) -> ctypes.CDLL:
-    """csrc/grouped_gemm_sm90.cu built with ``defines`` (its MEGAMOE_SM90_* knobs)."""
-    lib = load("grouped_gemm_sm90", tuple(defines))
+def grouped_gemm_library() -> ctypes.CDLL:
+    """csrc/grouped_gemm_sm90.cu's library (built on first use)."""
+    lib = load(SOURCE)
     if not getattr(lib, "_megamoe_typed", False):
         p, i, ll = ctypes.c_void_p, ctypes.c_int, ctypes.c_longlong
         lib.megamoe_gemm1_swiglu.argtypes = [p, p, p, p, p, p, p, p, i, i, i, i, i, i, ll, ll, ll,
-                                             ll, i, i, p, p]
+                                             ll, i, p, p]
         lib.megamoe_gemm1_swiglu.restype = i
         lib.megamoe_gemm_rows.argtypes = [p, p, p, p, p, p, p, i, i, i, i, i, i, i, ll, i, p, p]
         lib.megamoe_gemm_rows.restype = i
@@ -112,5 +106,4 @@ def raise_on_error(lib: ctypes.CDLL, rc: int, who: str) -> None:
 if __name__ == "__main__":
     from torchtitan_megamoe.ops.hopper.cuda.build import build
 
-    for defines in TUNER_BUILDS:
-        print(build("grouped_gemm_sm90", defines))
+    print(build(SOURCE))

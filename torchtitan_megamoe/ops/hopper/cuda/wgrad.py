@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from torchtitan_megamoe.ops.hopper.cuda.sm90 import (BULK_STORE, check_bf16_rows, check_plan, grouped_gemm_library,
+from torchtitan_megamoe.ops.hopper.cuda.sm90 import (check_bf16_rows, check_plan, grouped_gemm_library,
                                                launch_context, raise_on_error)
 
 if TYPE_CHECKING:  # ops/triton imports this module: no runtime import back
@@ -37,19 +37,18 @@ def shapes_supported(D: int, H: int, block_m: int) -> bool:
 
 def wgrad_dw2_sm90(dy: torch.Tensor, hw: torch.Tensor, plan: Plan, dw2: torch.Tensor,
                    expert_order: torch.Tensor | None = None,
-                   defines: tuple = BULK_STORE, pre_gathered: bool = False) -> torch.Tensor:
+                   pre_gathered: bool = False) -> torch.Tensor:
     """dw2 [E, D, H] (written; returned) from dy [T, D] (rows gathered by token; with
-    ``pre_gathered`` dy rows [R_max, D]) and hw [R_max, H] (row space). ``defines``: the .cu
-    file's MEGAMOE_SM90_* knobs (measuring)."""
+    ``pre_gathered`` dy rows [R_max, D]) and hw [R_max, H] (row space)."""
     E, D, H = dw2.shape
     _launch("wgrad_dw2_sm90", dy, hw, (dw2,), plan, E, D, H, D, 2 if pre_gathered else 1,
-            expert_order, defines)
+            expert_order)
     return dw2
 
 
 def wgrad_dw13_sm90(da: torch.Tensor, x: torch.Tensor, plan: Plan, dw1: torch.Tensor,
                     dw3: torch.Tensor, expert_order: torch.Tensor | None = None,
-                    defines: tuple = BULK_STORE, pre_gathered: bool = False):
+                    pre_gathered: bool = False):
     """(dw1, dw3) [E, H, D] (written; returned) from da = [da1 | da3] [R_max, 2H] (row space)
     and x [T, D] (rows gathered by token; with ``pre_gathered`` x rows [R_max, D])."""
     E, H, D = dw1.shape
@@ -57,15 +56,13 @@ def wgrad_dw13_sm90(da: torch.Tensor, x: torch.Tensor, plan: Plan, dw1: torch.Te
         raise ValueError(f"wgrad_dw13_sm90: dw1 {tuple(dw1.shape)} and dw3 "
                          f"{tuple(dw3.shape)} must have one shape")
     if pre_gathered:  # A = da and B = x rows, both row space
-        _launch("wgrad_dw13_sm90", da, x, (dw1, dw3), plan, E, 2 * H, D, H, 2, expert_order,
-                defines)
+        _launch("wgrad_dw13_sm90", da, x, (dw1, dw3), plan, E, 2 * H, D, H, 2, expert_order)
     else:
-        _launch("wgrad_dw13_sm90", x, da, (dw1, dw3), plan, E, 2 * H, D, H, 0, expert_order,
-                defines)
+        _launch("wgrad_dw13_sm90", x, da, (dw1, dw3), plan, E, 2 * H, D, H, 0, expert_order)
     return dw1, dw3
 
 
-def _launch(who, tokens, rows, outs, plan, E, M, N, m_split, gather, expert_order, defines):
+def _launch(who, tokens, rows, outs, plan, E, M, N, m_split, gather, expert_order):
     """gather 1: tokens (A) by token, rows = B; 0: rows = A, tokens (B) by token; 2: tokens =
     A and rows = B, both row space."""
     if M % BM or m_split % BM or N % BN or plan.block_m % BK:
@@ -88,7 +85,7 @@ def _launch(who, tokens, rows, outs, plan, E, M, N, m_split, gather, expert_orde
                          f"gradient {E}")
     if expert_order is not None:
         expert_order = expert_order.to(torch.int32).contiguous()
-    lib = grouped_gemm_library(tuple(defines))
+    lib = grouped_gemm_library()
     num_sms, stream, ticket = launch_context(rows.device)
     rc = lib.megamoe_wgrad(
         tokens.data_ptr(), tokens.stride(0), rows.data_ptr(), R, outs[0].data_ptr(),

@@ -78,9 +78,11 @@ def cublas_unsupported_reason(D: int, H: int, E: int = 1) -> str | None:
     return None
 
 
-def stage_candidates(triton_cands: list, D: int, H: int, E: int = 1) -> list:
+def stage_candidates(triton_cands: list, D: int, H: int, E: int = 1,
+                     auto_cublas: bool = True) -> list:
     """Candidates of one stage under MEGAMOE_BWD_IMPL. Under auto the Triton configs come first,
-    so whatever runs untuned (interpreter, graph capture, MEGAMOE_TRITON_TUNE=0) stays Triton."""
+    so whatever runs untuned (interpreter, graph capture, MEGAMOE_TRITON_TUNE=0) stays Triton;
+    ``auto_cublas`` False: auto offers no cuBLAS side (a stage where it never won)."""
     impl = bwd_impl()
     reason = cublas_unsupported_reason(D, H, E)
     if impl == "triton" or (impl == "auto" and reason):
@@ -89,7 +91,7 @@ def stage_candidates(triton_cands: list, D: int, H: int, E: int = 1) -> list:
         if reason:
             raise ValueError(f"{IMPL_ENV}=cublas: {reason}; set {IMPL_ENV}=triton or auto")
         return [CUBLAS]
-    return triton_cands + [CUBLAS]
+    return triton_cands + [CUBLAS] if auto_cublas else triton_cands
 
 
 # ---------------------------------------------------------------------------- row gather
@@ -201,10 +203,9 @@ def dgrad_l2_swiglu_cublas(dy: torch.Tensor, a: torch.Tensor, topk_weights: torc
     dy_rows = gather_rows(dy, plan, out=dy_rows)
     if sm90:
         from torchtitan_megamoe.ops.hopper.cuda.gemm_rows import gemm_rows_nmajor_sm90
-        from torchtitan_megamoe.ops.hopper.cuda.sm90 import BULK_STORE
 
         dh = torch.empty(plan.max_rows, w2.shape[2], dtype=dy.dtype, device=dy.device)
-        gemm_rows_nmajor_sm90(dy_rows, (w2,), plan, dh, defines=BULK_STORE)
+        gemm_rows_nmajor_sm90(dy_rows, (w2,), plan, dh)
     else:
         dh = torch._grouped_mm(dy_rows, w2, offs=segment_ends(plan))
     return (*swiglu_bwd_rows(dh, a, topk_weights, plan, out=out), dy_rows)

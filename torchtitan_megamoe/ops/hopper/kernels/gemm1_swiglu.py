@@ -24,7 +24,7 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from torchtitan_megamoe.ops.hopper.cuda.gemm1_swiglu import gemm1_swiglu_sm90, shape_supported
-from torchtitan_megamoe.ops.hopper.cuda.sm90 import BULK_STORE, sm90_usable
+from torchtitan_megamoe.ops.hopper.cuda.sm90 import sm90_usable
 from torchtitan_megamoe.ops.hopper.plan import Plan
 from torchtitan_megamoe.ops.hopper.kernels.tiling import (
     cast_out, grouped_tile, launch_config, persistent_programs,
@@ -148,16 +148,14 @@ GPU_CONFIGS = [
     dict(BLOCK_M=128, BLOCK_N=64, BLOCK_K=64, GROUP_M=8, num_warps=4, num_stages=4),
 ]
 # The warp-specialized CUDA kernel (csrc/grouped_gemm_sm90.cu: TMA weights, cp.async row
-# gathers, wgmma, a global tile ticket), offered where it builds (an sm_90 GPU and nvcc;
-# MEGAMOE_CUDA=0 turns it off) and the shape fits its tiles. Measured on the H200 (docs/PERF.md at
-# 5e0bafa, 2026-11-30 06:5x), GEMM 1 alone: with the bulk-tensor-store epilogue it beats the Triton
-# kernel at the 30B shape (1.37 vs 1.44 ms; 1.51 vs 1.79 with the training forward's a1/a3
-# store) and loses at 235B (5.8 vs 5.1), where the tuner keeps Triton. Its cluster-of-2 and
-# other variants never won; experiments/ncu_gemm1.py still times them.
+# gathers, wgmma, a global tile ticket, the bulk-tensor-store epilogue), offered where it builds
+# (an sm_90 GPU and nvcc; MEGAMOE_CUDA=0 turns it off) and the shape fits its tiles. It is the
+# usual pick at both shapes (H200, 2026-11-30/12-01: 1.26-1.35 vs Triton 1.41-1.5 ms at 30B;
+# 5.0-5.7 ms at 235B, where a Triton config still wins some runs). Its register-store epilogue,
+# clusters of 2 (multicast weight tiles) and other variants never won and are gone from the
+# kernel; experiments/ncu_gemm1.py times its tile orders.
 SM90_CONFIGS = [
-    dict(IMPL="sm90", BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, CLUSTER=1,
-         DEFINES=BULK_STORE),
-    dict(IMPL="sm90", BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, CLUSTER=1),
+    dict(IMPL="sm90", BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8),
 ]
 
 
@@ -187,7 +185,6 @@ def gemm1_swiglu(
         if cfg.get("IMPL") == "sm90":
             group_m = 0 if cfg["GROUP_M"] == "wave" else cfg["GROUP_M"]  # 0: the kernel's wave
             gemm1_swiglu_sm90(x, w1, w3, plan, h, a_out, group_m=group_m,
-                              cluster=cfg["CLUSTER"], defines=cfg.get("DEFINES", ()),
                               dynamic=not cfg.get("STATIC", False))
             return
         num_m = R // bm

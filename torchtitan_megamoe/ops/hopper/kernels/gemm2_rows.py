@@ -19,7 +19,7 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from torchtitan_megamoe.ops.hopper.cuda.gemm_rows import gemm_rows_sm90, shape_supported
-from torchtitan_megamoe.ops.hopper.cuda.sm90 import BULK_STORE, sm90_usable
+from torchtitan_megamoe.ops.hopper.cuda.sm90 import sm90_usable
 from torchtitan_megamoe.ops.hopper.plan import Plan
 from torchtitan_megamoe.ops.hopper.kernels.tiling import cast_out, grouped_tile, launch_config
 from torchtitan_megamoe.ops.hopper.tune import bucket as _bucket
@@ -114,11 +114,10 @@ GPU_CONFIGS = [
     dict(BLOCK_M=128, BLOCK_N=64, BLOCK_K=64, GROUP_M=8, num_warps=4, num_stages=4),
 ]
 # The warp-specialized CUDA kernel (csrc/grouped_gemm_sm90.cu, ROWS mode: TMA for both operands,
-# wgmma, a global tile ticket), offered where it builds (sm_90 + nvcc; MEGAMOE_CUDA=0: never)
-# and the shape fits its 128 x 256 tiles. The bulk-store epilogue variant first: it won GEMM 1.
+# wgmma, a global tile ticket, the bulk-tensor-store epilogue), offered where it builds (sm_90 +
+# nvcc; MEGAMOE_CUDA=0: never) and the shape fits its 128 x 256 tiles: the usual pick at both
+# shapes (its register-store epilogue never won, and is gone from the kernel).
 SM90_CONFIGS = [
-    dict(IMPL="sm90", BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, GROUP_M=8,
-         DEFINES=BULK_STORE),
     dict(IMPL="sm90", BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, GROUP_M=8),
 ]
 
@@ -146,7 +145,7 @@ def gemm2_rows(
         bm, bn, bk = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
         assert plan.block_m % bm == 0 and D % bn == 0 and H % bk == 0, (cfg, D, H)
         if cfg.get("IMPL") == "sm90":
-            gemm_rows_sm90(h, w2, plan, y, group_m=cfg["GROUP_M"], defines=cfg.get("DEFINES", ()),
+            gemm_rows_sm90(h, w2, plan, y, group_m=cfg["GROUP_M"],
                            dynamic=not cfg.get("STATIC", False))
             return
         num_m = R // bm
