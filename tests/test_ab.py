@@ -12,21 +12,7 @@ except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib
 
 from torchtitan_megamoe import ab
-
-# Rank 0 of a real 2-rank FSDP + EP=2 CPU run of train_configs/qwen3_moe_tiny_cpu.toml (stock),
-# trimmed, plus one colored line as TorchTitan prints it by default and a validation line.
-SAMPLE = """\
-[titan] 2026-11-29 22:12:36,985 - root - INFO - Building device mesh with parallelism: pp=1, dp_replicate=1, dp_shard=2, cp=1, tp=1, ep=2, etp=1
-[titan] 2026-11-29 22:12:37,102 - root - INFO - Applied FSDP to the model
-[titan] 2026-11-29 22:12:37,338 - root - INFO - Training starts at step 1
-[titan] 2026-11-29 22:12:38,129 - root - INFO - step:  1  loss:  6.80345  grad_norm:  0.8245  memory:  0.56GiB(2.38%)  tps: 239  tflops: 0.00  mfu: 0.00%
-[titan] 2026-11-29 22:12:38,130 - root - INFO - Synchronizing and adjusting timeout for all ProcessGroups to 0:01:40
-[titan] 2026-11-29 22:12:38,236 - root - INFO - step:  2  loss:  6.71143  grad_norm:  0.7650  memory:  0.56GiB(2.38%)  tps: 2,410  tflops: 0.00  mfu: 0.00%
-[titan] 2026-11-29 22:12:38,318 - root - INFO - \x1b[31mstep:  3  \x1b[32mloss:  6.59527  \x1b[38;2;180;60;0mgrad_norm:  0.8820  \x1b[38;2;54;234;195mmemory:  0.56GiB(2.39%)  \x1b[34mtps: 3,134  \x1b[36mtflops: 0.00  \x1b[35mmfu: 0.00%\x1b[39m
-[titan] 2026-11-29 22:12:38,319 - root - INFO - validate step:  3  loss:  6.9000  memory:  0.56GiB(2.39%)  tps: 9,999
-[titan] 2026-11-29 22:12:38,502 - root - INFO - step:  5  loss:  6.32579  grad_norm:  0.8398  memory:  0.57GiB(2.40%)  tps: 1,474  tflops: 1,234.50  mfu: 12.50%
-[titan] 2026-11-29 22:12:39,002 - root - INFO - Sleeping 2 seconds for other ranks to complete
-"""
+from moe_testing import TITAN_LOG_SAMPLE as SAMPLE  # a captured TorchTitan log
 
 
 def test_parse_log_reads_every_field_and_skips_validation():

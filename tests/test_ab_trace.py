@@ -73,7 +73,7 @@ def test_run_ab_with_a_profiled_step(tmp_path, monkeypatch):
     traces' comparison to report.md and profile.md (runs faked: TorchTitan's profiler needs a
     GPU)."""
     from torchtitan_megamoe.ab import driver
-    from test_ab import SAMPLE
+    from moe_testing import TITAN_LOG_SAMPLE as SAMPLE
 
     seen = []
 

@@ -15,7 +15,7 @@ import torch.distributed.checkpoint as dcp
 
 from torchtitan.models.qwen3 import Qwen3StateDictAdapter
 
-from _integration_helpers import build_converted, build_stock, cpu_histc, rel_err, tiny_args
+from moe_testing import build_converted, build_stock, cpu_histc, rel_err, tiny_args
 
 
 @pytest.fixture(autouse=True)

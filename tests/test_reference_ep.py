@@ -4,13 +4,10 @@ Each rank owns half the experts and its own tokens; routing is uneven (one rank'
 most rows, some experts none, dropped slots). Outputs and every gradient must equal the
 single-rank op on the concatenated tokens with all experts (float64: 1e-12 relative)."""
 
-import os
-import tempfile
-
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
+from moe_testing import init_gloo, make_inputs, op_args, rel_err, run_ranks
 from torchtitan_megamoe import mega_moe
 
 R, T, K, E, D, H = 2, 13, 3, 6, 16, 12
@@ -18,21 +15,16 @@ R, T, K, E, D, H = 2, 13, 3, 6, 16, 12
 
 def _inputs():
     g = torch.Generator().manual_seed(7)
-    x = torch.randn(R * T, D, generator=g, dtype=torch.float64)
-    w1 = torch.randn(E, H, D, generator=g, dtype=torch.float64) / 4
-    w3 = torch.randn(E, H, D, generator=g, dtype=torch.float64) / 4
-    w2 = torch.randn(E, D, H, generator=g, dtype=torch.float64) / 4
-    w = torch.rand(R * T, K, generator=g, dtype=torch.float64)
-    ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(R * T)])
+    inp = make_inputs(R * T, K, E, D, H, dtype=torch.float64, generator=g)
+    x, ids, w, w1, w2, w3 = op_args(inp)
     ids[ids == 4] = 1  # expert 4 (rank 1) empty; expert 1 (rank 0) heavy
     ids[:, 2] = torch.where(torch.rand(R * T, generator=g) < 0.4, -1, ids[:, 2])
     ids[T:, :] = torch.where(ids[T:, :] >= 3, ids[T:, :] - 3, ids[T:, :])  # rank 1 sends every row to rank 0
-    dy = torch.randn(R * T, D, generator=g, dtype=torch.float64)
-    return x, ids, w, w1, w2, w3, dy
+    return x, ids, w, w1, w2, w3, inp["dy"]
 
 
 def _worker(rank, init_file, result_file):
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=R)
+    init_gloo(rank, R, init_file)
     x, ids, w, w1, w2, w3, dy = _inputs()
     mine = slice(rank * T, (rank + 1) * T)
     experts = slice(rank * E // R, (rank + 1) * E // R)
@@ -47,10 +39,7 @@ def _worker(rank, init_file, result_file):
 
 
 def test_ep2_matches_single_rank():
-    with tempfile.TemporaryDirectory() as d:
-        result = os.path.join(d, "result")
-        mp.spawn(_worker, args=(os.path.join(d, "init"), result), nprocs=R, join=True)
-        ranks = [torch.load(f"{result}.{r}") for r in range(R)]
+    ranks = run_ranks(_worker, R)
 
     x, ids, w, w1, w2, w3, dy = _inputs()
     leaves = [t.clone().requires_grad_() for t in (x, w, w1, w2, w3)]
@@ -66,4 +55,4 @@ def test_ep2_matches_single_rank():
     ]
     single = [out.detach()] + [t.grad for t in leaves]
     for name, a, b in zip(("out", "dx", "dw", "dw1", "dw2", "dw3"), ep, single):
-        assert ((a - b).norm() / b.norm()).item() < 1e-12, name
+        assert rel_err(a, b) < 1e-12, name

@@ -1,65 +1,29 @@
-"""The reference backend of mega_moe against an independent, obviously-right implementation.
+"""The reference backend of mega_moe against the float64 reference of tests/moe_testing.py.
 
-The oracle below is a per-token, per-slot Python loop in float64 (slow, but each line is the
-formula in README's "The op"); its gradients come from autograd through that loop. The op is
-run on fresh random float64 inputs so every comparison is tight (1e-10 relative), and on fp32
-inputs against the same oracle at fp32 tolerance.
+moe_f64 is written from the formula alone (README's "The op"), independent of ops/reference.py,
+and checked slot by slot in test_moe_testing.py; its gradients come from autograd through it. The op is run on
+fresh random float64 inputs so every comparison is tight (1e-12 relative), and on fp32 inputs
+against the same reference at fp32 tolerance.
 """
 
 import contextlib
 
 import pytest
 import torch
-import torch.nn.functional as F
 
+from moe_testing import make_inputs as layer_inputs
+from moe_testing import moe_f64 as oracle
+from moe_testing import op_args, rel_err as rel, routing as routing_ids
 from torchtitan_megamoe import mega_moe
 from torchtitan_megamoe.ops import reference
-
-
-def oracle(x, ids, w, w1, w2, w3):
-    out = []
-    for t in range(x.shape[0]):
-        acc = torch.zeros(x.shape[1], dtype=torch.float64)
-        for k in range(ids.shape[1]):
-            e = int(ids[t, k])
-            if e < 0:
-                continue
-            xt = x[t].double()
-            h = F.silu(w1[e].double() @ xt) * (w3[e].double() @ xt)
-            acc = acc + w[t, k].double() * (w2[e].double() @ h)
-        out.append(acc)
-    return torch.stack(out)
-
-
-def rel(a, b):
-    return ((a.double() - b.double()).norm() / b.double().norm().clamp(min=1e-30)).item()
-
 
 ROUTINGS = ["random", "dropped", "one_expert", "empty_experts", "all_dropped_but_one"]
 
 
 def make_inputs(T, K, E, D, H, routing, dtype=torch.float64, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(T, D, generator=g, dtype=dtype)
-    w1 = torch.randn(E, H, D, generator=g, dtype=dtype) / D**0.5
-    w3 = torch.randn(E, H, D, generator=g, dtype=dtype) / D**0.5
-    w2 = torch.randn(E, D, H, generator=g, dtype=dtype) / H**0.5
-    w = torch.rand(T, K, generator=g, dtype=dtype) + 0.1
-    # distinct experts per token, as top-k gives
-    ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)])
-    if routing == "dropped":
-        ids[torch.rand(T, K, generator=g) < 0.3] = -1
-    elif routing == "one_expert":
-        ids[:, 0] = E - 1
-        ids[:, 1:] = -1
-    elif routing == "empty_experts":
-        ids = ids % 2  # experts >= 2 get nothing
-        ids[:, 1:] = (ids[:, :1] + 1) % 2 if K > 1 else ids[:, 1:]
-        ids[:, 2:] = -1
-    elif routing == "all_dropped_but_one":
-        ids[:] = -1
-        ids[T // 2, 0] = 1
-    return x, ids, w, w1, w2, w3
+    """(x, topk_ids, topk_weights, w1, w2, w3) in ``dtype``, ids of the named routing."""
+    ids = routing_ids(routing, T, K, E, seed=seed)
+    return op_args(layer_inputs(T, K, E, D, H, ids, seed=seed, dtype=dtype))
 
 
 @pytest.mark.parametrize("routing", ROUTINGS)

@@ -1,18 +1,15 @@
 """backend ``triton`` backward end to end: under the interpreter vs float64 autograd, through the
 mega_moe op vs the reference backend, and (marked gpu) at the real 30B shape vs reference."""
 
-import os
-import sys
-
 import pytest
 import torch
 
-sys.path.insert(0, os.path.dirname(__file__))
-from test_bwd_oracle import grads64, make_inputs, rel_err, routings, same_bits  # noqa: E402
+from moe_testing import (
+    NAMES, grads_f64, make_inputs, op_args, real_routing, rel_err, routing, same_bits,
+    saved_and_recomputed,
+)
+from torchtitan_megamoe.ops.hopper.backward_pass import backward
 
-from torchtitan_megamoe.ops.hopper.backward_pass import backward  # noqa: E402
-
-NAMES = ("dx", "dtopk_weights", "dw1", "dw2", "dw3")
 T, K, E, D, H = 19, 3, 5, 48, 32  # multiples of 16: a recompute runs GEMM 1 (interpreter tiles)
 
 
@@ -30,7 +27,7 @@ def _triton_grads(inp):
 
 def _check_vs_f64(inp, grads):
     clean = dict(inp, topk_weights=inp["topk_weights"].nan_to_num(0.0))
-    ref = grads64(clean)
+    ref = grads_f64(clean)
     for name, got, r, like in zip(NAMES, grads, ref, (inp["x"], inp["topk_weights"],
                                                      inp["w1"], inp["w2"], inp["w3"])):
         assert got.shape == like.shape and got.dtype == like.dtype, name
@@ -46,7 +43,7 @@ def _check_vs_f64(inp, grads):
 
 @pytest.mark.parametrize("case", ["uneven", "one_expert", "all_dropped"])
 def test_backward_matches_f64(case):
-    inp = _inputs(dict(routings(T, K, E))[case])
+    inp = _inputs(routing(case, T, K, E))
     _check_vs_f64(inp, _triton_grads(inp))
 
 
@@ -56,7 +53,7 @@ def test_backward_single_token():
 
 
 def test_backward_deterministic():
-    inp = _inputs(dict(routings(T, K, E, seed=5))["uneven"], seed=5)
+    inp = _inputs(routing("uneven", T, K, E, seed=5), seed=5)
     for a, b in zip(_triton_grads(inp), _triton_grads(inp)):
         assert same_bits(a, b)
 
@@ -66,7 +63,7 @@ def test_backward_through_op_matches_reference():
     from torchtitan_megamoe import mega_moe
 
     Dm, Hm = 32, 48  # the triton forward needs multiples of 16 under the interpreter
-    ids = dict(routings(T, K, E, seed=2))["uneven"]
+    ids = routing("uneven", T, K, E, seed=2)
     inp = make_inputs(T, K, E, Dm, Hm, ids, seed=2)
     keys = ("x", "topk_weights", "w1", "w2", "w3")
     grads = {}
@@ -84,26 +81,13 @@ def test_backward_through_op_matches_reference():
 Ds, Hs = 32, 48  # the triton forward needs multiples of 16 under the interpreter
 
 
-def _saved_and_recomputed(ids, seed):
-    from torchtitan_megamoe.ops.hopper.backward_pass import backward_local
-    from torchtitan_megamoe.ops.hopper.local_forward import forward_ep1
-
-    inp = make_inputs(ids.shape[0], ids.shape[1], E, Ds, Hs, ids, seed=seed)
-    inp["topk_weights"][inp["topk_ids"] < 0] = float("nan")
-    args = [inp[k] for k in ("x", "topk_ids", "topk_weights", "w1", "w2", "w3")]
-    out, saved = forward_ep1(*args, save=True)
-    assert torch.equal(out, forward_ep1(*args))  # saving changes nothing in the forward
-    saved_grads = backward_local(inp["dy"], *args, saved=saved)
-    return inp, saved, saved_grads, backward_local(inp["dy"], *args)
-
-
 @pytest.mark.parametrize("case", ["uneven", "one_expert", "all_dropped", "t1"])
 def test_saved_backward_matches_recompute_and_f64(case):
     """backward_local(saved=forward_ep1(..., save=True)[1]) vs float64 on uneven routings
     (dropped slots with NaN weights, empty experts, one expert, T=1), and bitwise equal to the
     recompute path (which runs the forward's GEMM 1 again for a)."""
-    ids = torch.tensor([[3, -1, 0]]) if case == "t1" else dict(routings(T, K, E, seed=3))[case]
-    inp, saved, got, recomputed = _saved_and_recomputed(ids, seed=3)
+    ids = torch.tensor([[3, -1, 0]]) if case == "t1" else routing(case, T, K, E, seed=3)
+    inp, saved, got, recomputed = saved_and_recomputed(ids, E, Ds, Hs, seed=3)
     a, packed = saved
     assert a.dtype == torch.bfloat16 and a.shape[1] == 2 * Hs and packed.dtype == torch.int32
     _check_vs_f64(inp, got)
@@ -112,8 +96,8 @@ def test_saved_backward_matches_recompute_and_f64(case):
 
 
 def test_saved_backward_deterministic():
-    ids = dict(routings(T, K, E, seed=9))["uneven"]
-    inp, saved, first, _ = _saved_and_recomputed(ids, seed=9)
+    ids = routing("uneven", T, K, E, seed=9)
+    inp, saved, first, _ = saved_and_recomputed(ids, E, Ds, Hs, seed=9)
     from torchtitan_megamoe.ops.hopper.backward_pass import backward_local
 
     args = [inp[k] for k in ("dy", "x", "topk_ids", "topk_weights", "w1", "w2", "w3")]
@@ -126,7 +110,7 @@ def test_op_carries_saved_tensors_with_fake_shapes():
     (saved_like) promises, and opcheck (fake vs real, autograd registration) passes."""
     from torchtitan_megamoe.ops import hopper as tb
 
-    ids = dict(routings(T, K, E, seed=2))["uneven"]
+    ids = routing("uneven", T, K, E, seed=2)
     inp = make_inputs(T, K, E, Ds, Hs, ids, seed=2)
     args = (inp["x"], inp["topk_ids"], inp["topk_weights"], inp["w1"], inp["w2"], inp["w3"])
     out, saved = torch.ops.megamoe.mega_moe(*args, "", "hopper", "bf16", True)
@@ -148,7 +132,7 @@ def test_compiled_op_uses_saved_path():
     outputs traces as one op (fake shapes from saved_like) and gives eager's gradients."""
     from torchtitan_megamoe import mega_moe
 
-    ids = dict(routings(T, K, E, seed=4))["uneven"]
+    ids = routing("uneven", T, K, E, seed=4)
     inp = make_inputs(T, K, E, Ds, Hs, ids, seed=4)
     keys = ("x", "topk_weights", "w1", "w2", "w3")
 
@@ -164,7 +148,7 @@ def test_compiled_op_uses_saved_path():
 
 
 def test_backward_rejects_what_it_cannot_compute():
-    inp = _inputs(dict(routings(4, K, E))["uneven"])
+    inp = _inputs(routing("uneven", 4, K, E))
     args = [inp[k] for k in ("dy", "x", "topk_ids", "topk_weights", "w1", "w2", "w3")]
     with pytest.raises(NotImplementedError, match="backend='reference'"):
         backward(*args, None, "fp8_bwd")
@@ -175,18 +159,6 @@ def test_backward_rejects_what_it_cannot_compute():
 
 
 # ----------------------------------------------------------------------------- GPU, real shape
-
-
-def _real_routing(T_, K_, E_, device):
-    """Skewed expert popularity, one expert never chosen, about 6% of slots dropped."""
-    g = torch.Generator(device=device).manual_seed(0)
-    logits = torch.randn(E_, device=device, generator=g) * 1.5
-    logits[7] = float("-inf")
-    probs = torch.softmax(logits, 0)
-    ids = torch.multinomial(probs.expand(T_, E_), K_, replacement=False, generator=g)
-    ids[::17, -1] = -1
-    ids[5::23, 0] = -1
-    return ids
 
 
 SHAPES = {"qwen3_30b_a3b": (2048, 768), "qwen3_235b_a22b": (4096, 1536)}
@@ -203,14 +175,11 @@ def test_backward_real_shape_vs_reference(shape):
     T_, K_, E_ = 16384, 8, 128
     D_, H_ = SHAPES[shape]
     dev = "cuda"
-    torch.manual_seed(0)
-    x = torch.randn(T_, D_, device=dev).bfloat16()
-    w1 = (torch.randn(E_, H_, D_, device=dev) / D_**0.5).bfloat16()
-    w3 = (torch.randn(E_, H_, D_, device=dev) / D_**0.5).bfloat16()
-    w2 = (torch.randn(E_, D_, H_, device=dev) / H_**0.5).bfloat16()
-    ids = _real_routing(T_, K_, E_, dev)
-    tw = torch.softmax(torch.randn(T_, K_, device=dev), -1)
-    dy = torch.randn(T_, D_, device=dev).bfloat16()
+    g = torch.Generator(device=dev).manual_seed(0)
+    inp = make_inputs(T_, K_, E_, D_, H_, real_routing(T_, K_, E_, dev), device=dev, generator=g)
+    x, ids, _, w1, w2, w3 = op_args(inp)
+    tw = torch.softmax(torch.randn(T_, K_, device=dev, generator=g), -1)
+    dy = inp["dy"]
     args = (dy, x, ids, tw, w1, w2, w3, None, "bf16")
     got = backward(*args)
     ref = reference.backward(*args)
@@ -235,14 +204,11 @@ def test_saved_backward_real_shape_30b():
     T_, K_, E_ = 16384, 8, 128
     D_, H_ = SHAPES["qwen3_30b_a3b"]
     dev = "cuda"
-    torch.manual_seed(1)
-    x = torch.randn(T_, D_, device=dev).bfloat16()
-    w1 = (torch.randn(E_, H_, D_, device=dev) / D_**0.5).bfloat16()
-    w3 = (torch.randn(E_, H_, D_, device=dev) / D_**0.5).bfloat16()
-    w2 = (torch.randn(E_, D_, H_, device=dev) / H_**0.5).bfloat16()
-    ids = _real_routing(T_, K_, E_, dev)
-    tw = torch.softmax(torch.randn(T_, K_, device=dev), -1)
-    dy = torch.randn(T_, D_, device=dev).bfloat16()
+    g = torch.Generator(device=dev).manual_seed(1)
+    inp = make_inputs(T_, K_, E_, D_, H_, real_routing(T_, K_, E_, dev), device=dev, generator=g)
+    x, ids, _, w1, w2, w3 = op_args(inp)
+    tw = torch.softmax(torch.randn(T_, K_, device=dev, generator=g), -1)
+    dy = inp["dy"]
     fwd = (x, ids, tw, w1, w2, w3)
     out, saved = forward_ep1(*fwd, save=True)
     assert saved[0].shape == (147328, 2 * H_)
@@ -271,7 +237,7 @@ def test_wait_x_comes_before_the_first_read_of_x(use_saved, monkeypatch):
 
     # the module (the package re-exports a function of the same name)
     bwd = importlib.import_module("torchtitan_megamoe.ops.hopper.backward_pass")
-    ids = dict(routings(T, K, E, seed=3))["uneven"]
+    ids = routing("uneven", T, K, E, seed=3)
     inp = make_inputs(T, K, E, Ds, Hs, ids, seed=3)
     args = [inp[k] for k in ("x", "topk_ids", "topk_weights", "w1", "w2", "w3")]
     saved = forward_ep1(*args, save=True)[1] if use_saved else None

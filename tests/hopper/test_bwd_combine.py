@@ -1,17 +1,10 @@
 """Backward combine (sum over k of dx slots, d(topk_weights) from partials) vs float64."""
 
-import os
-import sys
-
 import pytest
 import torch
 
-sys.path.insert(0, os.path.dirname(__file__))
-from test_bwd_oracle import (  # noqa: E402
-    POISON, SMALL, assert_close, plan_for, routings, same_bits,
-)
-
-from torchtitan_megamoe.ops.hopper.kernels.bwd_combine import bwd_combine  # noqa: E402
+from moe_testing import POISON, SMALL, assert_close, plan_for, routing, same_bits
+from torchtitan_megamoe.ops.hopper.kernels.bwd_combine import bwd_combine
 
 
 def _run_and_check(ids, E, D, n_part=3, dx_dtype=torch.bfloat16, seed=0):
@@ -37,7 +30,7 @@ def _run_and_check(ids, E, D, n_part=3, dx_dtype=torch.bfloat16, seed=0):
 @pytest.mark.parametrize("case", ["uneven", "one_expert", "all_dropped"])
 def test_bwd_combine_routings(case):
     T, K, E, D = SMALL["T"], SMALL["K"], SMALL["E"], SMALL["D"]
-    _run_and_check(dict(routings(T, K, E))[case], E, D)
+    _run_and_check(routing(case, T, K, E), E, D)
 
 
 def test_bwd_combine_single_token_fp32():
@@ -46,7 +39,7 @@ def test_bwd_combine_single_token_fp32():
 
 def test_bwd_combine_deterministic():
     T, K, E, D = SMALL["T"], SMALL["K"], SMALL["E"], SMALL["D"]
-    ids = dict(routings(T, K, E, seed=3))["uneven"]
+    ids = routing("uneven", T, K, E, seed=3)
     a = _run_and_check(ids, E, D, seed=3)
     b = _run_and_check(ids, E, D, seed=3)
     assert same_bits(a[0], b[0]) and same_bits(a[1], b[1])
@@ -57,7 +50,7 @@ def test_bwd_combine_reads_row_space_dx_through_slot_row(case):
     """rows=True (the sm90 kernel C's output): slot s's dx row is dx_rows[slot_row[s]]; the
     result is bitwise the slot-space combine of the same rows."""
     T, K, E, D = SMALL["T"], SMALL["K"], SMALL["E"], SMALL["D"]
-    ids = dict(routings(T, K, E, seed=5))[case]
+    ids = routing(case, T, K, E, seed=5)
     plan = plan_for(ids, E)
     g = torch.Generator().manual_seed(5)
     dx_rows = torch.full((plan.max_rows, D), POISON).bfloat16()  # padding / unused rows

@@ -3,22 +3,18 @@ backward forced onto them (MEGAMOE_BWD_IMPL=cublas) vs the reference backend, an
 every forced side at the Qwen3-30B shape.
 
 _grouped_mm runs on CPU too, so the cuBLAS stages run natively here; the row gather and the
-Triton stages run under the interpreter (tests/hopper/conftest.py)."""
-
-import os
-import sys
+Triton stages run under the interpreter (tests/conftest.py)."""
 
 import pytest
 import torch
 
-sys.path.insert(0, os.path.dirname(__file__))
-from test_bwd_oracle import (  # noqa: E402
-    POISON, SMALL, grads64, make_inputs, plan_for, rel_err, routings, same_bits,
+from moe_testing import (
+    BACKWARD_ROUTINGS, NAMES, POISON, SMALL, grads_f64, make_inputs, op_args, plan_for,
+    real_routing, rel_err, routing, routings, same_bits, saved_and_recomputed,
 )
-
-from torchtitan_megamoe.ops.hopper.kernels import bwd_cublas  # noqa: E402
-from torchtitan_megamoe.ops.hopper.backward_pass import backward  # noqa: E402
-from torchtitan_megamoe.ops.hopper.kernels.bwd_cublas import (  # noqa: E402
+from torchtitan_megamoe.ops.hopper.kernels import bwd_cublas
+from torchtitan_megamoe.ops.hopper.backward_pass import backward
+from torchtitan_megamoe.ops.hopper.kernels.bwd_cublas import (
     CUBLAS, IMPL_ENV, dgrad_l1_cublas, gather_rows, stage_candidates, wgrad_dw13_cublas,
     wgrad_dw2_cublas,
 )
@@ -29,11 +25,10 @@ pytestmark = pytest.mark.skipif(not hasattr(torch, "_grouped_mm"),
 T, K, E = SMALL["T"], SMALL["K"], SMALL["E"]
 D, H = 48, 32  # multiples of 16 (GEMM 1 runs in a recompute), not of the 32-wide tiles
 BLOCK_M = 16  # group sizes multiples of 16, as on the GPU (128)
-NAMES = ("dx", "dtopk_weights", "dw1", "dw2", "dw3")
 
 
 def _cases():
-    cases = dict(routings(T, K, E))
+    cases = dict(routings(T, K, E, names=BACKWARD_ROUTINGS))
     cases["t1"] = torch.tensor([[3, -1, 0]])
     return cases
 
@@ -198,7 +193,7 @@ def test_backward_cublas_vs_reference_and_f64(case, monkeypatch):
     clean = dict(inp, topk_weights=inp["topk_weights"].nan_to_num(0.0))
     ref = reference.backward(clean["dy"], clean["x"], clean["topk_ids"], clean["topk_weights"],
                              clean["w1"], clean["w2"], clean["w3"], None, "bf16")
-    for name, g, r, r64 in zip(NAMES, got, ref, grads64(clean)):
+    for name, g, r, r64 in zip(NAMES, got, ref, grads_f64(clean)):
         assert g.shape == r.shape and g.dtype == r.dtype, name
         _check(g, r64, name)
         if r64.norm() > 0:
@@ -252,21 +247,17 @@ def test_backward_30b_each_side_vs_reference(impl, monkeypatch):
     """Qwen3-30B layer (T=16384, K=8, E=128, D=2048, H=768) with each side forced (auto: the
     tuner's per-stage pick): rel err <= 1e-2 vs backend reference, an expert nobody routes to
     gets exactly zero weight gradients, and two runs are bitwise equal."""
-    from test_bwd_backward import _real_routing
-
     from torchtitan_megamoe.ops import reference
 
     monkeypatch.setenv(IMPL_ENV, impl)
     T_, K_, E_, D_, H_ = 16384, 8, 128, 2048, 768
     dev = "cuda"
-    torch.manual_seed(0)
-    x = torch.randn(T_, D_, device=dev).bfloat16()
-    w1 = (torch.randn(E_, H_, D_, device=dev) / D_**0.5).bfloat16()
-    w3 = (torch.randn(E_, H_, D_, device=dev) / D_**0.5).bfloat16()
-    w2 = (torch.randn(E_, D_, H_, device=dev) / H_**0.5).bfloat16()
-    ids = _real_routing(T_, K_, E_, dev)  # expert 7 never chosen
-    tw = torch.softmax(torch.randn(T_, K_, device=dev), -1)
-    dy = torch.randn(T_, D_, device=dev).bfloat16()
+    g = torch.Generator(device=dev).manual_seed(0)
+    ids = real_routing(T_, K_, E_, dev)  # expert 7 never chosen
+    inp = make_inputs(T_, K_, E_, D_, H_, ids, device=dev, generator=g)
+    x, ids, _, w1, w2, w3 = op_args(inp)
+    tw = torch.softmax(torch.randn(T_, K_, device=dev, generator=g), -1)
+    dy = inp["dy"]
     args = (dy, x, ids, tw, w1, w2, w3, None, "bf16")
     got = backward(*args)
     ref = reference.backward(*args)
@@ -285,20 +276,18 @@ def test_saved_backward_cublas_kernel_a(case, monkeypatch):
     """The saved path with every stage forced onto cuBLAS (kernel A = grouped dgrad GEMM + the
     SwiGLU rows kernel; dw2 reusing its gathered dy rows) vs float64 and the Triton side,
     bitwise repeatable."""
-    from test_bwd_backward import _saved_and_recomputed
-
     from torchtitan_megamoe.ops.hopper.backward_pass import backward_local
 
-    ids = torch.tensor([[3, -1, 0]]) if case == "t1" else dict(routings(T, K, E, seed=3))[case]
+    ids = torch.tensor([[3, -1, 0]]) if case == "t1" else routing(case, T, K, E, seed=3)
     monkeypatch.setenv(IMPL_ENV, "cublas")
-    inp, saved, got, _ = _saved_and_recomputed(ids, seed=3)
+    inp, saved, got, _ = saved_and_recomputed(ids, E, 32, 48, seed=3)  # D, H: forward tiles
     clean = dict(inp, topk_weights=inp["topk_weights"].nan_to_num(0.0))
     args = [inp[k] for k in ("dy", "x", "topk_ids", "topk_weights", "w1", "w2", "w3")]
     for name, a, b in zip(NAMES, got, backward_local(*args, saved=saved)):
         assert same_bits(a, b), name
     monkeypatch.setenv(IMPL_ENV, "triton")
     tri = backward_local(*args, saved=saved)
-    for name, g, t, r64 in zip(NAMES, got, tri, grads64(clean)):
+    for name, g, t, r64 in zip(NAMES, got, tri, grads_f64(clean)):
         assert torch.isfinite(g).all(), name
         if r64.norm() == 0:
             assert (g == 0).all(), name

@@ -1,17 +1,10 @@
 """Kernel C (dgrad L1 into slot rows) vs float64."""
 
-import os
-import sys
-
 import pytest
 import torch
 
-sys.path.insert(0, os.path.dirname(__file__))
-from test_bwd_oracle import (  # noqa: E402
-    POISON, SMALL, assert_close, plan_for, routings, same_bits,
-)
-
-from torchtitan_megamoe.ops.hopper.kernels.bwd_dgrad_l1 import dgrad_l1  # noqa: E402
+from moe_testing import POISON, SMALL, assert_close, plan_for, routing, same_bits
+from torchtitan_megamoe.ops.hopper.kernels.bwd_dgrad_l1 import dgrad_l1
 
 BLK = dict(block_n=16, block_k=16)
 
@@ -48,14 +41,14 @@ def _run_and_check(ids, E, H, D, seed=0, use_tma=False):
 @pytest.mark.parametrize("case", ["uneven", "one_expert", "all_dropped"])
 def test_dgrad_l1_routings(case):
     T, K, E, D, H = SMALL["T"], SMALL["K"], SMALL["E"], SMALL["D"], SMALL["H"]
-    _run_and_check(dict(routings(T, K, E))[case], E, H, D)
+    _run_and_check(routing(case, T, K, E), E, H, D)
 
 
 @pytest.mark.parametrize("use_tma", [False, True], ids=["pointers", "tma"])
 def test_dgrad_l1_even_shapes(use_tma):
     """D and H multiples of the tiles: the unmasked (EVEN) path, and TMA weight loads."""
     T, K, E = SMALL["T"], SMALL["K"], SMALL["E"]
-    _run_and_check(dict(routings(T, K, E, seed=9))["uneven"], E, 32, 32, seed=9, use_tma=use_tma)
+    _run_and_check(routing("uneven", T, K, E, seed=9), E, 32, 32, seed=9, use_tma=use_tma)
 
 
 def test_dgrad_l1_single_token():
@@ -64,5 +57,5 @@ def test_dgrad_l1_single_token():
 
 def test_dgrad_l1_deterministic():
     T, K, E, D, H = SMALL["T"], SMALL["K"], SMALL["E"], SMALL["D"], SMALL["H"]
-    ids = dict(routings(T, K, E, seed=2))["uneven"]
+    ids = routing("uneven", T, K, E, seed=2)
     assert same_bits(_run_and_check(ids, E, H, D, seed=2), _run_and_check(ids, E, H, D, seed=2))

@@ -1,18 +1,13 @@
 """Kernel A (dgrad L2 + SwiGLU backward + d(topk_weights) partials) vs float64 closed forms."""
 
-import os
-import sys
-
 import pytest
 import torch
 
-sys.path.insert(0, os.path.dirname(__file__))
-from test_bwd_oracle import (  # noqa: E402
-    POISON, SMALL, assert_close, same_bits, make_inputs, per_slot64, plan_for, routings,
+from moe_testing import (
+    POISON, SMALL, assert_close, same_bits, make_inputs, per_slot_f64, plan_for, routing,
 )
-
-from torchtitan_megamoe.ops.hopper.kernels.bwd_dgrad_l2_swiglu import dgrad_l2_swiglu  # noqa: E402
-from torchtitan_megamoe.ops.hopper.kernels.gemm1_swiglu import gemm1_swiglu  # noqa: E402
+from torchtitan_megamoe.ops.hopper.kernels.bwd_dgrad_l2_swiglu import dgrad_l2_swiglu
+from torchtitan_megamoe.ops.hopper.kernels.gemm1_swiglu import gemm1_swiglu
 
 BN, BK = 16, 16
 
@@ -55,7 +50,7 @@ def _check(T, K, E, D, H, ids, seed=0, block_m=None, use_tma=False):
     inp = make_inputs(T, K, E, D, H, ids, seed=seed)
     plan = plan_for(inp["topk_ids"], E)
     da, hw, part = _run(inp, plan, H, saved_a(inp, plan, H), block_m, use_tma)
-    ref = per_slot64(inp)
+    ref = per_slot_f64(inp)
     used = int(plan.num_rows_used)
     row_slot = plan.row_slot[:used].long()
     real = row_slot >= 0
@@ -74,21 +69,21 @@ def _check(T, K, E, D, H, ids, seed=0, block_m=None, use_tma=False):
 @pytest.mark.parametrize("case", ["uneven", "one_expert", "all_dropped"])
 def test_dgrad_l2_swiglu_routings(case):
     T, K, E, D, H = SMALL["T"], SMALL["K"], SMALL["E"], SMALL["D"], SMALL["H"]
-    ids = dict(routings(T, K, E))[case]
+    ids = routing(case, T, K, E)
     _check(T, K, E, D, H, ids)
 
 
 def test_dgrad_l2_swiglu_row_subtiles():
     """Row tiles smaller than the plan's tile (block_m=4 inside plan tiles of 8)."""
     T, K, E, D, H = SMALL["T"], SMALL["K"], SMALL["E"], SMALL["D"], SMALL["H"]
-    _check(T, K, E, D, H, dict(routings(T, K, E, seed=6))["uneven"], seed=6, block_m=4)
+    _check(T, K, E, D, H, routing("uneven", T, K, E, seed=6), seed=6, block_m=4)
 
 
 @pytest.mark.parametrize("use_tma", [False, True], ids=["pointers", "tma"])
 def test_dgrad_l2_swiglu_even_shapes(use_tma):
     """D and H multiples of the tiles: the unmasked (EVEN) path, and TMA weight loads."""
     T, K, E = SMALL["T"], SMALL["K"], SMALL["E"]
-    _check(T, K, E, 32, 32, dict(routings(T, K, E, seed=8))["uneven"], seed=8, use_tma=use_tma)
+    _check(T, K, E, 32, 32, routing("uneven", T, K, E, seed=8), seed=8, use_tma=use_tma)
 
 
 def test_dgrad_l2_swiglu_single_token():
@@ -97,7 +92,7 @@ def test_dgrad_l2_swiglu_single_token():
 
 def test_dgrad_l2_swiglu_deterministic():
     T, K, E, D, H = SMALL["T"], SMALL["K"], SMALL["E"], SMALL["D"], SMALL["H"]
-    ids = dict(routings(T, K, E, seed=1))["uneven"]
+    ids = routing("uneven", T, K, E, seed=1)
     inp = make_inputs(T, K, E, D, H, ids, seed=1)
     plan = plan_for(inp["topk_ids"], E)
     used = int(plan.num_rows_used)

@@ -1,29 +1,23 @@
 """EP=2 backward of backend ``triton`` (2 gloo ranks, kernels under the interpreter) vs float64
 autograd of one rank holding every expert and every token."""
 
-import os
-import sys
-
 import pytest
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, os.path.dirname(__file__))
-from ranks import run_ranks  # noqa: E402
-from moe_math import random_moe  # noqa: E402
-from test_bwd_oracle import grads64, rel_err, same_bits  # noqa: E402
+from moe_testing import NAMES, grads_f64, make_inputs, make_weights, rel_err, run_ranks, same_bits
 
 R, T, K, E, D, H = 2, 11, 3, 6, 32, 16  # multiples of 16: the recompute runs GEMM 1
-NAMES = ("dx", "dtopk_weights", "dw1", "dw2", "dw3")
 
 
 def _inputs():
-    g, x, w1, w2, w3, w, ids = random_moe(R * T, K, E, D, H, seed=11)
+    g = torch.Generator().manual_seed(11)
+    inp = make_inputs(R * T, K, E, D, H, generator=g)
+    ids = inp["topk_ids"]
     ids[ids == 4] = 1  # expert 4 (rank 1) empty, expert 1 (rank 0) heavy
     ids[:, 2] = torch.where(torch.rand(R * T, generator=g) < 0.4, -1, ids[:, 2])
     ids[T:] = torch.where(ids[T:] >= 3, ids[T:] - 3, ids[T:])  # rank 1 sends every row to rank 0
-    dy = torch.randn(R * T, D, generator=g).bfloat16()
-    return dict(x=x, topk_ids=ids, topk_weights=w, w1=w1, w2=w2, w3=w3, dy=dy)
+    return inp
 
 
 def _worker(rank, init_file, result_file):
@@ -45,7 +39,7 @@ def _worker(rank, init_file, result_file):
 def test_ep2_backward_matches_single_rank_f64():
     ranks = run_ranks(_worker, R)
     assert all(r[1] for r in ranks), "two runs on the same inputs differ"
-    ref = grads64(_inputs())
+    ref = grads_f64(_inputs())
     for i, name in enumerate(NAMES):
         got = torch.cat([r[0][i] for r in ranks])
         assert got.dtype == (torch.float32 if name == "dtopk_weights" else torch.bfloat16), name
@@ -73,10 +67,8 @@ def _gpu_worker(rank, init_file, result_file):
     g = torch.Generator(device="cuda").manual_seed(100 + rank)
     x = torch.randn(T_, D_, device="cuda", generator=g).bfloat16()
     dy = torch.randn(T_, D_, device="cuda", generator=g).bfloat16()
-    gw = torch.Generator(device="cuda").manual_seed(rank)
-    w1 = (torch.randn(El, H_, D_, device="cuda", generator=gw) / D_**0.5).bfloat16()
-    w3 = (torch.randn(El, H_, D_, device="cuda", generator=gw) / D_**0.5).bfloat16()
-    w2 = (torch.randn(El, D_, H_, device="cuda", generator=gw) / H_**0.5).bfloat16()
+    w1, w2, w3 = make_weights(El, D_, H_, device="cuda",
+                              generator=torch.Generator(device="cuda").manual_seed(rank))
     logits = torch.randn(E_, device="cuda", generator=g) * 1.5
     logits[5] = float("-inf")  # one empty expert
     ids = torch.multinomial(torch.softmax(logits, 0).expand(T_, E_), K_, generator=g)

@@ -1,17 +1,10 @@
 """Kernel B (grouped weight gradients) vs float64 per-expert sums."""
 
-import os
-import sys
-
 import pytest
 import torch
 
-sys.path.insert(0, os.path.dirname(__file__))
-from test_bwd_oracle import (  # noqa: E402
-    POISON, SMALL, assert_close, plan_for, routings, same_bits,
-)
-
-from torchtitan_megamoe.ops.hopper.kernels.bwd_wgrad import longest_first, wgrad  # noqa: E402
+from moe_testing import POISON, SMALL, assert_close, plan_for, routing, same_bits
+from torchtitan_megamoe.ops.hopper.kernels.bwd_wgrad import longest_first, wgrad
 
 BLK = dict(block_m=16, block_n=16, block_k=8)
 
@@ -55,7 +48,7 @@ def _expected(plan, a, b, a_gather, b_gather, E):
 def test_wgrad_routings(case, gather):
     T, K, E = SMALL["T"], SMALL["K"], SMALL["E"]
     M, N = 24, 40
-    ids = dict(routings(T, K, E))[case]
+    ids = routing(case, T, K, E)
     plan = plan_for(ids, E)
     a, b = _operands(plan, T, M, N, *gather)
     out = torch.full((E, M, N), POISON, dtype=torch.bfloat16)
@@ -72,7 +65,7 @@ def test_wgrad_even_shapes(gather, use_tma):
     """M, N multiples of the tiles (no column masks); TMA for the row-space operand."""
     T, K, E = SMALL["T"], SMALL["K"], SMALL["E"]
     M, N = 32, 16
-    ids = dict(routings(T, K, E, seed=5))["uneven"]
+    ids = routing("uneven", T, K, E, seed=5)
     plan = plan_for(ids, E)
     a, b = _operands(plan, T, M, N, *gather, seed=5, pad=1e4 if use_tma else POISON)
     out = torch.full((E, M, N), POISON, dtype=torch.bfloat16)
@@ -93,7 +86,7 @@ def test_wgrad_layout_dtype_and_single_token():
 
 def test_wgrad_deterministic():
     T, K, E = SMALL["T"], SMALL["K"], SMALL["E"]
-    ids = dict(routings(T, K, E, seed=4))["uneven"]
+    ids = routing("uneven", T, K, E, seed=4)
     plan = plan_for(ids, E)
     a, b = _operands(plan, T, 24, 40, True, False, seed=4)
     outs = [wgrad(a, b, torch.empty(E, 24, 40, dtype=torch.bfloat16), plan,
@@ -112,7 +105,7 @@ def test_wgrad_rejects_bad_shapes():
 def test_wgrad_expert_order_does_not_change_results():
     """Launch order of the experts' tiles (largest first by default) leaves every bit as is."""
     T, K, E = SMALL["T"], SMALL["K"], SMALL["E"]
-    ids = dict(routings(T, K, E, seed=6))["uneven"]
+    ids = routing("uneven", T, K, E, seed=6)
     plan = plan_for(ids, E)
     order = longest_first(plan)
     counts = plan.count[order.long()]

@@ -2,18 +2,12 @@
 and the protocol on 2 gloo ranks (all_to_all transport) with unequal batches and the capacity
 error; on 2 GPUs, that the symmetric-memory transport is the one used and agrees with float64."""
 
-import os
-import sys
-
 import pytest
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, os.path.dirname(__file__))
-from ranks import run_ranks  # noqa: E402
-from moe_math import moe_f64, random_moe, rel_err  # noqa: E402
-
-from torchtitan_megamoe.ops.hopper.kernels.sum_partials import sum_partials  # noqa: E402
+from moe_testing import make_inputs, moe_f64, op_args, rel_err, run_ranks
+from torchtitan_megamoe.ops.hopper.kernels.sum_partials import sum_partials
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -46,7 +40,7 @@ T_RANK = (9, 4)  # unequal batches: capacity is the group's largest
 
 def _inputs(seed=7):
     T = sum(T_RANK)
-    _, x, w1, w2, w3, w, ids = random_moe(T, K, E, D, H, seed)
+    x, ids, w, w1, w2, w3 = op_args(make_inputs(T, K, E, D, H, seed=seed))
     ids[2] = torch.tensor([0, 1, 2])  # a token whose experts are all on rank 0
     ids[3] = -1  # a token with every slot dropped
     ids[T_RANK[0]:, 0] = 5  # every rank-1 token uses rank 1's expert 5
@@ -113,7 +107,7 @@ def _nccl_worker(rank, init_file, result_file):
     torch.cuda.set_device(rank)
     dist.init_process_group("nccl", init_method=f"file://{init_file}", rank=rank, world_size=R)
     Tg, Kg, Eg, Dg, Hg = 200, 8, 16, 256, 128
-    _, x, w1, w2, w3, w, ids = random_moe(R * Tg, Kg, Eg, Dg, Hg, seed=3)
+    x, ids, w, w1, w2, w3 = op_args(make_inputs(R * Tg, Kg, Eg, Dg, Hg, seed=3))
     ids[::7, 1] = -1
     ref = moe_f64(x[rank * Tg:(rank + 1) * Tg], ids[rank * Tg:(rank + 1) * Tg],
                   w[rank * Tg:(rank + 1) * Tg], w1, w2, w3)

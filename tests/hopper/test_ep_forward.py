@@ -2,22 +2,18 @@
 GPUs with NCCL, marked multigpu) against float64 math of one rank holding every expert; and 3
 gloo ranks, where each rank returns rows to two peers."""
 
-import os
-import sys
-
 import pytest
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, os.path.dirname(__file__))
-from ranks import run_ranks  # noqa: E402
-from moe_math import moe_f64, random_moe, rel_err  # noqa: E402
+from moe_testing import make_inputs, moe_f64, op_args, rel_err, run_ranks
 
 R = 2
 
 
 def _inputs(T, K, E, D, H, seed=5, world=R):
-    g, x, w1, w2, w3, w, ids = random_moe(world * T, K, E, D, H, seed)
+    g = torch.Generator().manual_seed(seed)
+    x, ids, w, w1, w2, w3 = op_args(make_inputs(world * T, K, E, D, H, generator=g))
     local = E // world
     ids[ids == local + 1] = 1  # one of rank 1's experts empty, one of rank 0's heavy
     ids[:, -1] = torch.where(torch.rand(world * T, generator=g) < 0.4, -1, ids[:, -1])

@@ -3,27 +3,20 @@ group, backend="hopper") forward + autograd backward, at a shape where the EP fo
 GEMM 1's pre-activations in the receive layout (ep_forward.keeps_saved), so the backward's
 re-dispatch must reproduce that layout exactly; gradients vs float64 of one rank holding all."""
 
-import os
-import sys
-
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, os.path.dirname(__file__))
-from ranks import run_ranks  # noqa: E402
-from moe_math import random_moe  # noqa: E402
-from test_bwd_oracle import grads64, rel_err  # noqa: E402
+from moe_testing import NAMES, grads_f64, make_inputs, rel_err, run_ranks
 
 R, T, K, E, D, H = 2, 40, 2, 6, 64, 16
-NAMES = ("dx", "dtopk_weights", "dw1", "dw2", "dw3")
 
 
 def _inputs():
-    g, x, w1, w2, w3, tw, ids = random_moe(R * T, K, E, D, H, seed=21)
+    inp = make_inputs(R * T, K, E, D, H, seed=21)
+    ids = inp["topk_ids"]
     ids[::5, 1] = -1
     ids[T:T + 8] = torch.tensor([4, -1])  # some of rank 1's tokens only to its own expert
-    dy = torch.randn(R * T, D, generator=g).bfloat16()
-    return dict(x=x, topk_ids=ids, topk_weights=tw, w1=w1, w2=w2, w3=w3, dy=dy)
+    return inp
 
 
 def _worker(rank, init_file, result_file):
@@ -63,7 +56,7 @@ def test_ep2_op_saved_receive_layout_backward_matches_f64():
     assert keeps_saved(R, T, K, E // R, D, H, block_m), "pick a shape that keeps the saved tensors"
     ranks = run_ranks(_worker, R)
     assert all(r[1] == [True] for r in ranks), [r[1] for r in ranks]  # saved path taken
-    ref = grads64(_inputs())
+    ref = grads_f64(_inputs())
     got = [torch.cat([r[0][i] for r in ranks]) for i in range(2)]
     got += [torch.cat([r[0][i] for r in ranks]) for i in range(2, 5)]  # expert slices in order
     for name, g, r in zip(NAMES, got, ref):

@@ -4,7 +4,7 @@
 import pytest
 import torch
 
-from moe_math import make_weights, moe_f64, rel_err, routings
+from moe_testing import make_inputs, make_weights, moe_f64, op_args, rel_err, routings, skewed_ids
 from torchtitan_megamoe.ops import reference
 from torchtitan_megamoe.ops import hopper as tb
 
@@ -61,16 +61,10 @@ def test_forward_real_shape_vs_reference(shape):
     D_, H_ = SHAPES[shape]
     T_, K_, E_ = 16384, 8, 128
     dev = "cuda"
-    torch.manual_seed(0)
-    x = torch.randn(T_, D_, device=dev, dtype=torch.bfloat16)
-    w1 = (torch.randn(E_, H_, D_, device=dev) / D_**0.5).bfloat16()
-    w3 = (torch.randn(E_, H_, D_, device=dev) / D_**0.5).bfloat16()
-    w2 = (torch.randn(E_, D_, H_, device=dev) / H_**0.5).bfloat16()
-    # softmax-like skewed routing: expert popularity varies, some slots dropped
-    probs = torch.softmax(torch.randn(E_, device=dev) * 1.5, 0)
-    ids = torch.multinomial(probs.expand(T_, E_), K_, replacement=False)
-    ids[::17, -1] = -1
-    w = torch.softmax(torch.randn(T_, K_, device=dev), -1)
+    g = torch.Generator(device=dev).manual_seed(0)
+    ids = skewed_ids(T_, K_, E_, generator=g)  # expert popularity varies, some slots dropped
+    x, ids, _, w1, w2, w3 = op_args(make_inputs(T_, K_, E_, D_, H_, ids, device=dev, generator=g))
+    w = torch.softmax(torch.randn(T_, K_, device=dev, generator=g), -1)
     assert tb.supports(x, None)
     out = tb.forward(x, ids, w, w1, w2, w3, None, "bf16")
     ref = reference.forward(x, ids, w, w1, w2, w3, None, "bf16")
@@ -88,14 +82,9 @@ def test_every_tuner_candidate_is_correct():
 
     D_, H_, T_, K_, E_ = 2048, 768, 3000, 8, 16
     dev = "cuda"
-    torch.manual_seed(1)
-    x = torch.randn(T_, D_, device=dev, dtype=torch.bfloat16)
-    w1 = (torch.randn(E_, H_, D_, device=dev) / D_**0.5).bfloat16()
-    w3 = (torch.randn(E_, H_, D_, device=dev) / D_**0.5).bfloat16()
-    w2 = (torch.randn(E_, D_, H_, device=dev) / H_**0.5).bfloat16()
-    ids = torch.stack([torch.randperm(E_, device=dev)[:K_] for _ in range(T_)])
+    g = torch.Generator(device=dev).manual_seed(1)
+    x, ids, w, w1, w2, w3 = op_args(make_inputs(T_, K_, E_, D_, H_, device=dev, generator=g))
     ids[ids == 3] = -1  # an empty expert and dropped slots
-    w = torch.rand(T_, K_, device=dev)
     ref = reference.forward(x, ids, w, w1, w2, w3, None, "bf16").float()
     c1s = list(gemm1_swiglu.GPU_CONFIGS)
     from torchtitan_megamoe.ops.hopper.cuda.sm90 import sm90_buildable
@@ -174,13 +163,9 @@ def test_dims_that_are_only_multiples_of_64():
     run (on the fallback candidate)."""
     D_, H_, T_, K_, E_ = 320, 192, 500, 4, 8
     dev = "cuda"
-    torch.manual_seed(2)
-    x = torch.randn(T_, D_, device=dev, dtype=torch.bfloat16)
-    w1 = (torch.randn(E_, H_, D_, device=dev) / D_**0.5).bfloat16()
-    w3 = (torch.randn(E_, H_, D_, device=dev) / D_**0.5).bfloat16()
-    w2 = (torch.randn(E_, D_, H_, device=dev) / H_**0.5).bfloat16()
-    ids = torch.randint(0, E_, (T_, K_), device=dev)
-    w = torch.rand(T_, K_, device=dev)
+    g = torch.Generator(device=dev).manual_seed(2)
+    ids = torch.randint(0, E_, (T_, K_), device=dev, generator=g)  # repeated experts too
+    x, ids, w, w1, w2, w3 = op_args(make_inputs(T_, K_, E_, D_, H_, ids, device=dev, generator=g))
     out = tb.forward(x, ids, w, w1, w2, w3, None, "bf16")
     ref = reference.forward(x, ids, w, w1, w2, w3, None, "bf16")
     assert rel_err(out.float(), ref.float()) <= 1e-2

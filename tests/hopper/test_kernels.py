@@ -5,7 +5,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from moe_math import make_weights, rel_err, routings
+from moe_testing import make_weights, rel_err, routings
 from torchtitan_megamoe.ops.hopper.kernels import combine as combine_mod
 from torchtitan_megamoe.ops.hopper.kernels import gemm1_swiglu as g1
 from torchtitan_megamoe.ops.hopper.kernels import gemm2_rows as g2
