@@ -30,6 +30,7 @@ Waits on: nothing inside the launch (EP=1; stream order). Signals: nothing.
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from torchtitan_megamoe.ops.hopper.kernels.fp8_quant import FP8, quantize_block
 from torchtitan_megamoe.ops.hopper.kernels.tiling import grouped_tile
@@ -40,129 +41,124 @@ MODE_PLAIN, MODE_SWIGLU, MODE_DSWIGLU = 0, 1, 2
 
 
 @triton.jit
-def _scaled_step(acc, a_ptrs, a_ok, sa_ptrs, b_ptrs, sb, F32_DOT: tl.constexpr):
-    a = tl.load(a_ptrs, mask=a_ok[:, None], other=0.0)
-    b = tl.load(b_ptrs)
-    sa = tl.load(sa_ptrs, mask=a_ok, other=0.0)
-    if F32_DOT:  # the CPU interpreter's dot does not take e4m3 operands; fp32 holds them exactly
-        a, b = a.to(tl.float32), b.to(tl.float32)
-    return acc + tl.dot(a, tl.trans(b)) * (sa[:, None] * sb[None, :])
-
-
-@triton.jit
 def _fp8_rows_kernel(
-    a_ptr, as_ptr, b_ptr, bs_ptr, b2_ptr, b2s_ptr, row_slot_ptr, tile_expert_ptr, tw_ptr,
-    out_ptr, os_ptr, aux_ptr, qt_ptr, qts_ptr, ht_ptr, hts_ptr, part_ptr,
+    a_ptr, a_desc, as_ptr, b_desc, bs_ptr, b2_desc, b2s_ptr, row_slot_ptr, tile_expert_ptr,
+    tw_ptr, out_desc, os_ptr, aux_desc, qt_desc, qts_ptr, ht_desc, hts_ptr, part_ptr,
     num_m_tiles, N, K, R_MAX,
-    stride_a, stride_as, stride_be, stride_bn, stride_bse, stride_bsn,
-    stride_out, stride_os, stride_aux, stride_qt, stride_qts,
+    stride_a, stride_as, stride_bse, stride_bsn, stride_os, stride_qts,
     TOP_K: tl.constexpr, PLAN_BM: tl.constexpr, GATHER: tl.constexpr, MODE: tl.constexpr,
     SAVE_A: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr,
     F32_DOT: tl.constexpr,
 ):
-    # F32_DOT: the CPU interpreter (fp32 dots, e4m3 rounding emulated before each cast)
+    # Operands come by TMA (descriptors) except the gathered token rows; a pointer tile of
+    # [BLOCK_M, 128] 64-bit addresses would take 128 registers per thread (it spilled).
+    # F32_DOT: the CPU interpreter (fp32 dots, e4m3 rounding emulated before each cast).
     num_n = N // BLOCK_N
     pid_m, pid_n = grouped_tile(tl.program_id(0), num_m_tiles, num_n, GROUP_M)
     expert = tl.load(tile_expert_ptr + (pid_m * BLOCK_M) // PLAN_BM)
     if expert >= 0:
-        rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        row0 = (pid_m * BLOCK_M).to(tl.int32)
+        col0 = (pid_n * BLOCK_N).to(tl.int32)
+        rows = row0 + tl.arange(0, BLOCK_M)
         slot = tl.load(row_slot_ptr + rows)
         live = slot >= 0
         if GATHER:
             a_rows = tl.where(live, slot // TOP_K, 0).to(tl.int64)
-            a_ok = live
         else:
             a_rows = rows.to(tl.int64)
-            a_ok = rows >= 0  # every row of a used tile holds data (zeros for padding)
         offs_k = tl.arange(0, 128)
-        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        e64 = expert.to(tl.int64)
-        a_ptrs = a_ptr + a_rows[:, None] * stride_a + offs_k[None, :]
+        offs_n = col0 + tl.arange(0, BLOCK_N)
+        w_row = (expert * N + col0).to(tl.int32)  # row of the [E*N, K] weight view
         sa_ptrs = as_ptr + a_rows * stride_as
-        b_off = e64 * stride_be + offs_n[:, None].to(tl.int64) * stride_bn + offs_k[None, :]
-        sb_ptrs = bs_ptr + e64 * stride_bse + (offs_n // 128) * stride_bsn
+        sb_ptrs = bs_ptr + expert.to(tl.int64) * stride_bse + (offs_n // 128) * stride_bsn
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         if MODE == 1:
             acc3 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            sb3_ptrs = b2s_ptr + e64 * stride_bse + (offs_n // 128) * stride_bsn
+            sb3_ptrs = b2s_ptr + expert.to(tl.int64) * stride_bse + (offs_n // 128) * stride_bsn
         for k in range(0, K, 128):
             kb = k // 128
-            acc = _scaled_step(acc, a_ptrs, a_ok, sa_ptrs + kb, b_ptr + b_off,
-                               tl.load(sb_ptrs + kb), F32_DOT)
+            if GATHER:
+                a = tl.load(a_ptr + a_rows[:, None] * stride_a + (k + offs_k)[None, :],
+                            mask=live[:, None], other=0.0)
+            else:
+                a = a_desc.load([row0, k])
+            sa = tl.load(sa_ptrs + kb, mask=live, other=0.0) if GATHER else tl.load(sa_ptrs + kb)
+            b = b_desc.load([w_row, k]).T
+            if F32_DOT:  # the interpreter's dot does not take e4m3; fp32 holds them exactly
+                a, b = a.to(tl.float32), b.to(tl.float32)
+            acc += tl.dot(a, b) * (sa[:, None] * tl.load(sb_ptrs + kb)[None, :])
             if MODE == 1:
-                acc3 = _scaled_step(acc3, a_ptrs, a_ok, sa_ptrs + kb, b2_ptr + b_off,
-                                    tl.load(sb3_ptrs + kb), F32_DOT)
-            a_ptrs += 128
-            b_off += 128
+                b3 = b2_desc.load([w_row, k]).T
+                if F32_DOT:
+                    b3 = b3.to(tl.float32)
+                acc3 += tl.dot(a, b3) * (sa[:, None] * tl.load(sb3_ptrs + kb)[None, :])
 
         r64 = rows.to(tl.int64)
         if MODE == 0:
-            tl.store(out_ptr + r64[:, None] * stride_out + offs_n[None, :],
-                     acc.to(out_ptr.dtype.element_ty))
+            out_desc.store([row0, col0], acc.to(out_desc.dtype))
         elif MODE == 1:
             h = acc * tl.sigmoid(acc) * acc3
             if SAVE_A:
-                aux = aux_ptr + r64[:, None] * stride_aux + offs_n[None, :]
-                tl.store(aux, acc.to(aux_ptr.dtype.element_ty))
-                tl.store(aux + N, acc3.to(aux_ptr.dtype.element_ty))
+                aux_desc.store([row0, col0], acc.to(aux_desc.dtype))
+                aux_desc.store([row0, N + col0], acc3.to(aux_desc.dtype))
             hq, hs = quantize_block(h, 1, F32_DOT)
-            tl.store(out_ptr + r64[:, None] * stride_out + offs_n[None, :],
-                     hq.to(out_ptr.dtype.element_ty))
+            out_desc.store([row0, col0], hq.to(out_desc.dtype))
             tl.store(os_ptr + r64 * stride_os + pid_n, hs)
         else:
             # N here is H; aux = the saved [a1 | a3] (bf16), out / os = da [R, 2H] per row,
             # qt / qts = da^T [2H, R] per 128 rows, ht / hts = h^T [H, R] per 128 rows
-            aux = aux_ptr + r64[:, None] * stride_aux + offs_n[None, :]
-            a1 = tl.load(aux).to(tl.float32)
-            a3 = tl.load(aux + N).to(tl.float32)
+            # ordered so that few [BLOCK_M, BLOCK_N] fp32 tiles are live at once (each is 64
+            # registers per thread at 8 warps): h and its store first, then da3, then da1
+            rb = pid_m  # BLOCK_M == 128: this tile's rows are one scale block of the row axis
+            cols_t = offs_n.to(tl.int64)
+            a1 = aux_desc.load([row0, col0]).to(tl.float32)
+            a3 = aux_desc.load([row0, N + col0]).to(tl.float32)
             sig = tl.sigmoid(a1)
             silu = a1 * sig
             h = silu * a3
             tl.store(part_ptr + pid_n * R_MAX + r64, tl.sum(acc * h, axis=1))
+            q, s = quantize_block(h, 0, F32_DOT)
+            ht_desc.store([col0, row0], tl.trans(q.to(ht_desc.dtype)))
+            tl.store(hts_ptr + cols_t * stride_qts + rb, s)
             w = tl.load(tw_ptr + tl.where(live, slot, 0), mask=live, other=0.0).to(tl.float32)
             dh = acc * w[:, None]
-            da3 = dh * silu
-            da1 = dh * a3 * sig * (1.0 + a1 * (1.0 - sig))
-            rb = pid_m  # BLOCK_M == 128: this tile's rows are one scale block of the row axis
-            cols_t = offs_n.to(tl.int64)
-            q, s = quantize_block(da1, 1, F32_DOT)
-            tl.store(out_ptr + r64[:, None] * stride_out + offs_n[None, :],
-                     q.to(out_ptr.dtype.element_ty))
-            tl.store(os_ptr + r64 * stride_os + pid_n, s)
-            q, s = quantize_block(da3, 1, F32_DOT)
-            tl.store(out_ptr + r64[:, None] * stride_out + (N + offs_n)[None, :],
-                     q.to(out_ptr.dtype.element_ty))
+            da = dh * silu  # da3
+            q, s = quantize_block(da, 1, F32_DOT)
+            out_desc.store([row0, N + col0], q.to(out_desc.dtype))
             tl.store(os_ptr + r64 * stride_os + N // 128 + pid_n, s)
-            q, s = quantize_block(da1, 0, F32_DOT)
-            tl.store(qt_ptr + cols_t[None, :] * stride_qt + r64[:, None],
-                     q.to(qt_ptr.dtype.element_ty))
-            tl.store(qts_ptr + cols_t * stride_qts + rb, s)
-            q, s = quantize_block(da3, 0, F32_DOT)
-            tl.store(qt_ptr + (N + cols_t)[None, :] * stride_qt + r64[:, None],
-                     q.to(qt_ptr.dtype.element_ty))
+            q, s = quantize_block(da, 0, F32_DOT)
+            qt_desc.store([N + col0, row0], tl.trans(q.to(qt_desc.dtype)))
             tl.store(qts_ptr + (N + cols_t) * stride_qts + rb, s)
-            q, s = quantize_block(h, 0, F32_DOT)
-            tl.store(ht_ptr + cols_t[None, :] * stride_qt + r64[:, None],
-                     q.to(ht_ptr.dtype.element_ty))
-            tl.store(hts_ptr + cols_t * stride_qts + rb, s)
+            da = dh * a3 * sig * (1.0 + a1 * (1.0 - sig))  # da1
+            q, s = quantize_block(da, 1, F32_DOT)
+            out_desc.store([row0, col0], q.to(out_desc.dtype))
+            tl.store(os_ptr + r64 * stride_os + pid_n, s)
+            q, s = quantize_block(da, 0, F32_DOT)
+            qt_desc.store([col0, row0], tl.trans(q.to(qt_desc.dtype)))
+            tl.store(qts_ptr + cols_t * stride_qts + rb, s)
 
 
+# Candidates per mode, timed once per shape by tune.pick_config. Offline sm_90a compiles
+# (Triton 3.9): plain 128x128 at 8 warps spills nothing (154 registers), 128x256 a little;
+# swiglu spills at 128x128 (two accumulators) and not at 64x128; dswiglu's epilogue (five
+# quantized stores) spills ~1.5 KB at its only legal tile, 128x128.
 GPU_CONFIGS = {
     MODE_PLAIN: [
         dict(BLOCK_M=128, BLOCK_N=128, GROUP_M=8, num_warps=8, num_stages=3),
-        dict(BLOCK_M=128, BLOCK_N=256, GROUP_M=8, num_warps=8, num_stages=3),
         dict(BLOCK_M=128, BLOCK_N=128, GROUP_M=8, num_warps=8, num_stages=4),
+        dict(BLOCK_M=128, BLOCK_N=256, GROUP_M=8, num_warps=8, num_stages=3),
         dict(BLOCK_M=64, BLOCK_N=128, GROUP_M=8, num_warps=4, num_stages=4),
     ],
     MODE_SWIGLU: [
-        dict(BLOCK_M=128, BLOCK_N=128, GROUP_M=8, num_warps=8, num_stages=3),
         dict(BLOCK_M=64, BLOCK_N=128, GROUP_M=8, num_warps=8, num_stages=3),
+        dict(BLOCK_M=64, BLOCK_N=128, GROUP_M=8, num_warps=8, num_stages=4),
+        dict(BLOCK_M=128, BLOCK_N=128, GROUP_M=8, num_warps=8, num_stages=3),
         dict(BLOCK_M=64, BLOCK_N=128, GROUP_M=8, num_warps=4, num_stages=4),
-        dict(BLOCK_M=128, BLOCK_N=128, GROUP_M=8, num_warps=8, num_stages=2),
     ],
     MODE_DSWIGLU: [
         dict(BLOCK_M=128, BLOCK_N=128, GROUP_M=8, num_warps=8, num_stages=3),
         dict(BLOCK_M=128, BLOCK_N=128, GROUP_M=8, num_warps=8, num_stages=2),
+        dict(BLOCK_M=128, BLOCK_N=128, GROUP_M=8, num_warps=8, num_stages=4),
     ],
 }
 INTERPRET_CONFIG = dict(BLOCK_M=128, BLOCK_N=128, GROUP_M=2, num_warps=1, num_stages=1)
@@ -181,19 +177,25 @@ def _run(mode, a, a_s, b, b_s, plan: Plan, out, out_s, gather, b2=None, b2_s=Non
         bm, bn = cfg["BLOCK_M"], cfg["BLOCK_N"]
         assert plan.block_m % bm == 0 and N % bn == 0
         num_m = R // bm
-        ph = a  # placeholder for pointers a mode does not use
+        desc = TensorDescriptor.from_tensor
+        b_desc = desc(b.view(E * N, K), [bn, 128])
+        b2_desc = desc(b2.view(E * N, K), [bn, 128]) if b2 is not None else b_desc
+        a_desc = desc(a, [bm, 128]) if not gather else b_desc
+        out_desc = desc(out, [bm, bn])
+        aux_desc = desc(aux, [bm, bn]) if aux is not None else out_desc
+        qt_desc = desc(qt, [bn, bm]) if qt is not None else out_desc
+        ht_desc = desc(ht, [bn, bm]) if ht is not None else out_desc
+        f32 = a_s  # placeholder for fp32 pointers a mode does not use
         _fp8_rows_kernel[(num_m * (N // bn),)](
-            a, a_s, b, b_s, b2 if b2 is not None else b, b2_s if b2_s is not None else b_s,
-            plan.row_slot, plan.tile_expert, tw if tw is not None else a_s,
-            out, out_s if out_s is not None else a_s, aux if aux is not None else ph,
-            qt if qt is not None else ph, qt_s if qt_s is not None else a_s,
-            ht if ht is not None else ph, ht_s if ht_s is not None else a_s,
-            part if part is not None else a_s,
+            a, a_desc, a_s, b_desc, b_s, b2_desc, b2_s if b2_s is not None else b_s,
+            plan.row_slot, plan.tile_expert, tw if tw is not None else f32,
+            out_desc, out_s if out_s is not None else f32, aux_desc,
+            qt_desc, qt_s if qt_s is not None else f32, ht_desc, ht_s if ht_s is not None else f32,
+            part if part is not None else f32,
             num_m, N, K, R,
-            a.stride(0), a_s.stride(0), b.stride(0), b.stride(1), b_s.stride(0), b_s.stride(1),
-            out.stride(0), out_s.stride(0) if out_s is not None else 0,
-            aux.stride(0) if aux is not None else 0,
-            qt.stride(0) if qt is not None else 0, qt_s.stride(0) if qt_s is not None else 0,
+            a.stride(0), a_s.stride(0), b_s.stride(0), b_s.stride(1),
+            out_s.stride(0) if out_s is not None else 0,
+            qt_s.stride(0) if qt_s is not None else 0,
             TOP_K=plan.top_k, PLAN_BM=plan.block_m, GATHER=gather, MODE=mode,
             SAVE_A=aux is not None, F32_DOT=interpreting(), **cfg,
         )

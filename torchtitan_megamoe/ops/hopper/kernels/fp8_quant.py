@@ -115,8 +115,8 @@ def _quant_weight_kernel(w_ptr, q_ptr, s_ptr, qt_ptr, st_ptr, N, K,
         tl.store(s_ptr + e * stride_se + nb * stride_sn + kb, scale)
     if STORE_T:
         # q^T [K, N]: row k, column t_col0 + n; its block scale at [kb, t_sblk0 + nb]
-        tl.store(qt_ptr + e * stride_qte + k[None, :].to(tl.int64) * stride_qtk
-                 + (t_col0 + n[:, None]), q)
+        tl.store(qt_ptr + e * stride_qte + k[:, None].to(tl.int64) * stride_qtk
+                 + (t_col0 + n[None, :]), tl.trans(q))
         tl.store(st_ptr + e * stride_ste + kb * stride_stk + t_sblk0 + nb, scale)
 
 
@@ -172,8 +172,9 @@ def _quant_rows_t_kernel(src_ptr, w_ptr, row_slot_ptr, num_rows_used_ptr, q_ptr,
             v = v * tl.load(w_ptr + tl.where(live, slot, 0), mask=live, other=0.0).to(
                 tl.float32)[:, None]
         q, scale = quantize_block(v, 0, EMULATE)  # one scale per column over these 128 rows
-        tl.store(q_ptr + cols[None, :].to(tl.int64) * stride_q + rows[:, None],
-                 q.to(q_ptr.dtype.element_ty))
+        # stored as [128 columns, 128 rows], rows contiguous: coalesced after a layout change
+        tl.store(q_ptr + cols[:, None].to(tl.int64) * stride_q + rows[None, :],
+                 tl.trans(q.to(q_ptr.dtype.element_ty)))
         tl.store(s_ptr + cols.to(tl.int64) * stride_s + rb, scale)
 
 

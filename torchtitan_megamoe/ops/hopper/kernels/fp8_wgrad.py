@@ -19,6 +19,7 @@ Waits on: nothing inside the launch (stream order). Signals: nothing.
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from torchtitan_megamoe.ops.hopper.kernels.bwd_wgrad import longest_first
 from torchtitan_megamoe.ops.hopper.plan import Plan
@@ -27,10 +28,11 @@ from torchtitan_megamoe.ops.hopper.tune import bucket, interpreting, pick_config
 
 @triton.jit
 def _fp8_wgrad_kernel(
-    at_ptr, ats_ptr, bt_ptr, bts_ptr, out_ptr, seg_start_ptr, count_ptr, order_ptr,
-    M, N, stride_at, stride_ats, stride_bt, stride_bts, stride_oe, stride_om,
+    at_desc, ats_ptr, bt_desc, bts_ptr, out_desc, seg_start_ptr, count_ptr, order_ptr,
+    M, N, stride_ats, stride_bts,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr, F32_DOT: tl.constexpr,
 ):
+    # Both operands and the output by TMA: pointer tiles of [128, 128] 64-bit addresses spill.
     num_m = M // BLOCK_M
     num_n = N // BLOCK_N
     per_expert = num_m * num_n
@@ -41,25 +43,23 @@ def _fp8_wgrad_kernel(
     gsize = min(num_m - first_m, GROUP_M)
     pid_m = first_m + (t % group) % gsize
     pid_n = (t % group) // gsize
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_k = tl.arange(0, 128)
+    m0 = (pid_m * BLOCK_M).to(tl.int32)
+    n0 = (pid_n * BLOCK_N).to(tl.int32)
+    m64 = (m0 + tl.arange(0, BLOCK_M)).to(tl.int64)
+    n64 = (n0 + tl.arange(0, BLOCK_N)).to(tl.int64)
     start = tl.load(seg_start_ptr + e)
     steps = (tl.load(count_ptr + e) + 127) // 128
-    m64 = offs_m.to(tl.int64)
-    n64 = offs_n.to(tl.int64)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for i in range(0, steps):
         r0 = start + i * 128
-        a = tl.load(at_ptr + m64[:, None] * stride_at + (r0 + offs_k)[None, :])
-        b = tl.load(bt_ptr + n64[:, None] * stride_bt + (r0 + offs_k)[None, :])
+        a = at_desc.load([m0, r0])
+        b = bt_desc.load([n0, r0]).T
         sa = tl.load(ats_ptr + m64 * stride_ats + r0 // 128)
         sb = tl.load(bts_ptr + n64 * stride_bts + r0 // 128)
         if F32_DOT:
             a, b = a.to(tl.float32), b.to(tl.float32)
-        acc += tl.dot(a, tl.trans(b)) * (sa[:, None] * sb[None, :])
-    tl.store(out_ptr + e.to(tl.int64) * stride_oe + m64[:, None] * stride_om + offs_n[None, :],
-             acc.to(out_ptr.dtype.element_ty))
+        acc += tl.dot(a, b) * (sa[:, None] * sb[None, :])
+    out_desc.store([(e * M + m0).to(tl.int32), n0], acc.to(out_desc.dtype))
 
 
 GPU_CONFIGS = [
@@ -73,7 +73,7 @@ INTERPRET_CONFIG = dict(BLOCK_M=128, BLOCK_N=128, GROUP_M=2, num_warps=1, num_st
 def fp8_wgrad(at, ats, bt, bts, plan: Plan, out: torch.Tensor, order=None, config=None):
     """out [E, M, N] (written whole) = per expert A^T[:, seg] @ B^T[:, seg]^T."""
     E, M, N = out.shape
-    assert at.shape[0] == M and bt.shape[0] == N and out.stride(2) == 1
+    assert at.shape[0] == M and bt.shape[0] == N and out.is_contiguous()
     assert at.stride(1) == 1 and bt.stride(1) == 1
     order = longest_first(plan) if order is None else order
 
@@ -81,10 +81,11 @@ def fp8_wgrad(at, ats, bt, bts, plan: Plan, out: torch.Tensor, order=None, confi
         cfg = dict(cfg)
         bm, bn = cfg["BLOCK_M"], cfg["BLOCK_N"]
         assert M % bm == 0 and N % bn == 0, (M, N, cfg)
+        desc = TensorDescriptor.from_tensor
         _fp8_wgrad_kernel[(E * (M // bm) * (N // bn),)](
-            at, ats, bt, bts, out, plan.seg_start, plan.count, order, M, N,
-            at.stride(0), ats.stride(0), bt.stride(0), bts.stride(0), out.stride(0),
-            out.stride(1), F32_DOT=interpreting(), **cfg)
+            desc(at, [bm, 128]), ats, desc(bt, [bn, 128]), bts,
+            desc(out.view(E * M, N), [bm, bn]), plan.seg_start, plan.count, order, M, N,
+            ats.stride(0), bts.stride(0), F32_DOT=interpreting(), **cfg)
         return (out,)
 
     if config is None:

@@ -1,0 +1,97 @@
+"""Per-stage GPU times of the FP8 hopper path at the Qwen3 shapes, next to the whole op in
+bf16 / fp8 / fp8_bwd (forward, forward + backward): CUDA-event medians after warm-up.
+
+    python experiments/fp8_stages.py [--tokens 16384] [--shapes 30B,235B]
+"""
+
+import argparse
+
+import torch
+
+from torchtitan_megamoe import mega_moe
+from torchtitan_megamoe.ops.hopper.fp8_backward import backward_fp8
+from torchtitan_megamoe.ops.hopper.fp8_forward import FP8_BLOCK_M, forward_fp8
+from torchtitan_megamoe.ops.hopper.fp8_weights import backward_weights, forward_weights
+from torchtitan_megamoe.ops.hopper.kernels.bwd_wgrad import longest_first
+from torchtitan_megamoe.ops.hopper.kernels.fp8_gemm_rows import (
+    fp8_dswiglu, fp8_gemm1_swiglu, fp8_rows_gemm,
+)
+from torchtitan_megamoe.ops.hopper.kernels.fp8_quant import quant_rows, quant_rows_t
+from torchtitan_megamoe.ops.hopper.kernels.fp8_wgrad import fp8_wgrad
+from torchtitan_megamoe.ops.hopper.plan import build_plan
+from torchtitan_megamoe.timing import median_ms
+
+SHAPES = {"30B": (2048, 768), "235B": (4096, 1536)}
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--tokens", type=int, default=16384)
+    p.add_argument("--shapes", default="30B,235B")
+    args = p.parse_args()
+    for name in args.shapes.split(","):
+        D, H = SHAPES[name]
+        T, K, E = args.tokens, 8, 128
+        torch.manual_seed(0)
+        dev = "cuda"
+        x = torch.randn(T, D, device=dev, dtype=torch.bfloat16)
+        scores = torch.randn(T, E, device=dev).softmax(-1)
+        tw, ids = scores.topk(K, dim=-1)
+        w1 = (torch.randn(E, H, D, device=dev) * D ** -0.5).bfloat16()
+        w3 = (torch.randn(E, H, D, device=dev) * D ** -0.5).bfloat16()
+        w2 = (torch.randn(E, D, H, device=dev) * H ** -0.5).bfloat16()
+        g = torch.randn(T, D, device=dev, dtype=torch.bfloat16)
+        plan = build_plan(ids, E, FP8_BLOCK_M)
+        xq, xs = quant_rows(x)
+        wq = forward_weights(w1, w2, w3)
+        wt = backward_weights(w1, w2, w3)
+        hq, hs, a = fp8_gemm1_swiglu(xq, xs, wq.w1q, wq.w1s, wq.w3q, wq.w3s, plan, save_a=True)
+        gq, gs = quant_rows(g)
+        res = fp8_dswiglu(gq, gs, wt.w2tq, wt.w2ts, a, tw, plan)
+        daq, das, daTq, daTs, hTq, hTs, part = res
+        order = longest_first(plan)
+        dyT = quant_rows_t(g, plan, gather=True, row_weight=tw.reshape(-1))
+        xT = quant_rows_t(x, plan, gather=True)
+        stages = {
+            "plan": lambda: build_plan(ids, E, FP8_BLOCK_M),
+            "quant x rows": lambda: quant_rows(x),
+            "quant weights fwd": lambda: forward_weights(w1, w2, w3),
+            "quant weights bwd": lambda: backward_weights(w1, w2, w3),
+            "GEMM 1 + SwiGLU (save a)": lambda: fp8_gemm1_swiglu(
+                xq, xs, wq.w1q, wq.w1s, wq.w3q, wq.w3s, plan, save_a=True),
+            "GEMM 2": lambda: fp8_rows_gemm(hq, hs, wq.w2q, wq.w2s, plan, torch.bfloat16),
+            "kernel A (dswiglu)": lambda: fp8_dswiglu(gq, gs, wt.w2tq, wt.w2ts, a, tw, plan),
+            "quant dy^T": lambda: quant_rows_t(g, plan, gather=True, row_weight=tw.reshape(-1)),
+            "quant x^T": lambda: quant_rows_t(x, plan, gather=True),
+            "dw2": lambda: fp8_wgrad(*dyT, hTq, hTs, plan, torch.empty_like(w2), order),
+            "dw1 + dw3": lambda: [fp8_wgrad(daTq[sl], daTs[sl], *xT, plan, torch.empty_like(w1),
+                                            order) for sl in (slice(0, H), slice(H, 2 * H))],
+            "dgrad 1": lambda: fp8_rows_gemm(daq, das, wt.w13tq, wt.w13ts, plan, torch.bfloat16),
+        }
+        flop_row = 2 * D * H
+        rows = T * K
+        print(f"\n== {name}: T={T} D={D} H={H} (GEMM FLOP per row-matrix: {flop_row})")
+        for label, fn in stages.items():
+            ms = median_ms(fn, warmup=3, iters=20)
+            print(f"  {label:28s} {ms:8.3f} ms")
+        for prec in ("bf16", "fp8", "fp8_bwd"):
+            leaves = [t.detach().clone().requires_grad_() for t in (x, tw, w1, w2, w3)]
+
+            def fwd():
+                with torch.no_grad():
+                    return mega_moe(leaves[0], ids, *leaves[1:], precision=prec)
+
+            def fwdbwd():
+                out = mega_moe(leaves[0], ids, *leaves[1:], precision=prec)
+                out.backward(g)
+
+            f = median_ms(fwd, warmup=3, iters=20)
+            fb = median_ms(fwdbwd, warmup=3, iters=20)
+            tf_f = 3 * rows * flop_row / f / 1e9
+            tf_fb = 9 * rows * flop_row / fb / 1e9
+            print(f"  op {prec:8s} fwd {f:7.3f} ms ({tf_f:5.0f} TFLOP/s)   fwd+bwd {fb:7.3f} ms "
+                  f"({tf_fb:5.0f} TFLOP/s)")
+
+
+if __name__ == "__main__":
+    main()
