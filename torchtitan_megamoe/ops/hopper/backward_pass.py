@@ -116,8 +116,9 @@ BLOCK_M = 128
 # Hopper candidates, timed once per shape by tune.pick_config (the first one is used as is under
 # the interpreter, during graph capture or with MEGAMOE_TRITON_TUNE=0). Each Triton config is
 # offered because it was the fastest Triton config of its stage at a Qwen3 shape in at least one
-# H200 bench run of 2026-11-30/12-01 (the tuner's per-candidate table in the bench JSON; what
-# runs with MEGAMOE_BWD_IMPL=triton, and where neither the CUDA kernels nor _grouped_mm can).
+# H200 bench run of 2026-11-30/12-01 (the tuner tables of the bench JSONs in docs/perf at
+# 5e0bafa; what runs with MEGAMOE_BWD_IMPL=triton, and where neither the CUDA kernels nor
+# _grouped_mm can).
 # TMA applies only when the tiles divide D and H; otherwise the same config runs with pointer
 # loads, and the *_UNEVEN pointer-load config (smaller K step) is offered too, only there.
 # Kernel A is one plain dgrad GEMM (dy rows @ w2[e], K-dim = D) plus an epilogue that loads the

@@ -127,9 +127,9 @@ def _gemm1_swiglu_kernel(
 # the reference the others are checked against). Two accumulators double the register footprint
 # of a plain GEMM tile, hence BLOCK_N <= 128. Each one is offered because it was the fastest
 # Triton config at a Qwen3 shape in at least one of the H200 bench runs of 2026-11-30/12-01
-# (the tuner's per-candidate table in the bench JSON): what runs with MEGAMOE_CUDA=0 or without
-# nvcc, and at 235B sometimes ahead of the CUDA kernel. GROUP_M 16 (plain or persistent) and the
-# warp-specialized K loop never were, so they are not offered.
+# (the tuner tables of the bench JSONs in docs/perf at 5e0bafa): what runs with MEGAMOE_CUDA=0
+# or without nvcc, and at 235B sometimes ahead of the CUDA kernel. GROUP_M 16 (plain or
+# persistent) and the warp-specialized K loop never were, so they are not offered.
 GPU_CONFIGS = [
     dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=3, USE_TMA=True),
     # pointer weight loads: won with the a1/a3 store at both shapes

@@ -99,9 +99,9 @@ def _gemm2_rows_kernel(
 
 # Hopper candidates, timed once per shape (the first one also runs untuned). Each one is offered
 # because it was the fastest Triton config at a Qwen3 shape in at least one of the H200 bench
-# runs of 2026-11-30/12-01 (the tuner's per-candidate table in the bench JSON); the persistent
-# one with the bulk tensor store nearly always is. GROUP_M 16, the warp-specialized K loop, the
-# non-persistent bulk store and the persistent 4-stage variant never were.
+# runs of 2026-11-30/12-01 (the tuner tables of the bench JSONs in docs/perf at 5e0bafa); the
+# persistent one with the bulk tensor store nearly always is. GROUP_M 16, the warp-specialized
+# K loop, the non-persistent bulk store and the persistent 4-stage variant never were.
 GPU_CONFIGS = [
     dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=3, USE_TMA=True),
     dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=4, USE_TMA=True),
