@@ -164,8 +164,9 @@ def test_ep1_cli_reference_smoke():
     # stock compiled (aot_eager on CPU), no recompile while timed; torchao cannot run here
     assert r["stock_compiled_fwd_ms"] > 0 and r["stock_compiled_fwdbwd_ms"] > 0
     assert r["stock_compiled_rel_err_vs_stock"] < 1e-2 and r["stock_compiled_recompiles"] == 0
-    assert r["stock_fp8_note"].startswith("not available: ")
-    assert "stock + torchao FP8 compiled: not available: " in proc.stdout
+    # (not installed; installed, torchao's quantization kernels need a GPU)
+    assert r["stock_fp8_note"].startswith(("not available: ", "failed: "))
+    assert "stock + torchao FP8 compiled: " in proc.stdout
     # the JSON's rows are the table's: ratios against each baseline
     rows = {(row["pass"], row["precision"]): row for row in r["rows"]}
     fp8 = rows[("fwd", "fp8")]
@@ -180,7 +181,7 @@ def test_ep1_cli_reference_smoke():
     assert acc["ours_bf16"]["out"] < acc["ours_fp8"]["out"] < 0.2  # FP8 rounds its operands
     assert acc["ours_fp8_bwd"]["grad_note"] == missing and acc["ours_fp8_bwd"]["out"] < 1e-2
     assert set(acc["stock"]) == {"out", "dw1", "dw2", "dw3"} and acc["stock"]["out"] < 2e-2
-    assert acc["stock_torchao_fp8"]["note"].startswith("not available: ")
+    assert acc["stock_torchao_fp8"]["note"].startswith(("not available: ", "failed: "))
     assert "op-level relative error against float64" in proc.stdout
     assert "| tiny (smoke) | ours fp8_bwd |" in proc.stdout
 

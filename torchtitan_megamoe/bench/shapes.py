@@ -39,8 +39,9 @@ def build_stock_moe(shape: dict, device: torch.device):
     from torchtitan.models.moe import MoE, MoEArgs
 
     if device.type == "cpu":
-        # stock counts int64 expert ids with torch.histc and pads EP dispatch with a Triton
-        # kernel, neither of which runs on CPU tensors: the project's CPU shims (this process)
+        # stock counts int64 expert ids with torch.histc and pads the grouped GEMMs' rows (and
+        # EP dispatch) with a Triton kernel, neither of which runs on CPU tensors: the project's
+        # CPU shims (this process)
         from torchtitan_megamoe import cpu
 
         cpu.apply()
@@ -53,9 +54,9 @@ def build_stock_moe(shape: dict, device: torch.device):
         route_norm=True,
         route_scale=1.0,
         score_before_experts=False,
-        # the stock grouped-mm path permutes with a Triton kernel that needs a GPU; the CPU
-        # smoke run of this script takes the stock for-loop path instead
-        use_grouped_mm=device.type == "cuda",
+        # stock's grouped-mm path, as on GPUs: on CPU torch._grouped_mm runs too, and the CPU
+        # shims above replace the Triton kernel of its index padding and EP dispatch
+        use_grouped_mm=True,
     )
     with torch.device(device):
         moe = MoE(args, dim=shape["dim"], hidden_dim=shape["hidden"])
