@@ -44,6 +44,8 @@ def distinct_ids(T: int, K: int, E: int, generator=None, experts=None) -> torch.
     """[T, K] int64: K distinct experts per token (as top-k gives), uniform over ``experts``
     (default: all E), drawn from ``generator`` on its device."""
     device = generator.device if generator is not None else "cpu"
+    if T == 0:
+        return torch.empty(0, K, dtype=torch.int64, device=device)
     if experts is None:
         return torch.stack(
             [torch.randperm(E, generator=generator, device=device)[:K] for _ in range(T)]
