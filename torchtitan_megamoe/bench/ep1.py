@@ -77,13 +77,19 @@ def time_compiled(res: dict, name: str, moe, fwd, step, fresh_step, iters: int, 
                   ep: bool = False) -> None:
     """time_layer of ``moe`` compiled as TorchTitan compiles it (stock.CompiledStock), after a
     warm-up of two calls per pass whose wall time is ``_{pass}_warmup_s`` (compilation);
-    ``_recompiles``: graphs compiled while timing (0 unless a guard failed)."""
+    ``_recompiles``: graphs compiled while timing (0 unless a guard failed). A forward that
+    does not compile raises (the caller notes the layer); a backward that does not gets
+    ``_fwdbwd_note`` and the forward is still timed."""
     compiled = CompiledStock(moe, ep=ep, backend=compile_backend)
     with compiled.active():
         with torch.no_grad():
             res[f"{name}_fwd_warmup_s"] = wall_s(fwd, 2)
         if backward:
-            res[f"{name}_fwdbwd_warmup_s"] = wall_s(fresh_step, 2)
+            try:
+                res[f"{name}_fwdbwd_warmup_s"] = wall_s(fresh_step, 2)
+            except Exception as err:  # noqa: BLE001 - reported in the table
+                res[f"{name}_fwdbwd_note"] = note_for(err)
+                backward = False
         graphs = graphs_compiled()
         time_layer(res, name, fwd, step, fresh_step, iters, warmup, backward, ref)
         if graphs >= 0:
