@@ -262,6 +262,7 @@ def test_cli_options():
     assert a.precisions == ["bf16"] and a.compile_stock and not a.torchao and not a.accuracy
     assert a.compile_backend == ("inductor" if torch.cuda.is_available() else "aot_eager")
     assert a.peak_tflops == 765.0 and a.peak_fp8_tflops == 1339.0 and a.iters == 30
+    assert a.stages and not parse_args(["--no-stages"]).stages
     a = parse_args(["--precisions", "fp8,bf16,fp8", "--accuracy", "--compile-backend", "eager"])
     assert a.precisions == ["bf16", "fp8"] and a.torchao and a.accuracy  # bf16 always runs
     assert a.compile_backend == "eager"

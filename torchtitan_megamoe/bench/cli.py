@@ -116,6 +116,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="also, per shape: relative error of the output and every gradient "
                         "against float64 on the same inputs, for ours at each precision, stock "
                         "bf16 and stock + torchao FP8 (EP=1)")
+    p.add_argument("--no-stages", dest="stages", action="store_false",
+                   help="EP=1: skip the hopper backend's per-stage times (the forward's stages "
+                        "and the backward's breakdown, bench/backward_stages.py), to fit more "
+                        "rows in one call")
     p.add_argument("--peak-tflops", type=float, default=765.0,
                    help="dense bf16 GEMM rate of the compute floor (H200 measured)")
     p.add_argument("--peak-fp8-tflops", type=float, default=1339.0,
@@ -164,7 +168,8 @@ def main(argv=None) -> int:
         r = bench_shape(key, args.tokens, args.iters, args.warmup, args.backward, args.backend,
                         args.peak_tflops, args.profile, precisions=args.precisions,
                         compile_stock=args.compile_stock, compile_backend=args.compile_backend,
-                        torchao=args.torchao, peak_fp8_tflops=args.peak_fp8_tflops)
+                        torchao=args.torchao, peak_fp8_tflops=args.peak_fp8_tflops,
+                        stages=args.stages)
         if args.accuracy:
             # after the timing, so that a failure here cannot cost its numbers
             from torchtitan_megamoe.bench.accuracy import accuracy_shape

@@ -142,13 +142,15 @@ def bwd_stage_breakdown(key: str, tokens: int, iters: int) -> dict:
 def bench_shape(key: str, tokens: int, iters: int, warmup: int, backward: bool, backend: str,
                 peak_tflops: float, profile: bool = False, *, precisions=("bf16",),
                 compile_stock: bool = True, compile_backend: str = "inductor",
-                torchao: bool = False, peak_fp8_tflops: float = 1339.0) -> dict:
+                torchao: bool = False, peak_fp8_tflops: float = 1339.0,
+                stages: bool = True) -> dict:
     """Stock vs ours at one shape. Ours in bf16 always runs (keys ``ours_*``); each other
     precision of ``precisions`` adds keys ``ours_{precision}_*`` (bench.ep1.ours_name), or their
     ``_note`` where the backend lacks it. Baselines: stock eager (``stock_*``), with
     ``compile_stock`` stock compiled as TorchTitan's --compile.enable does (``stock_compiled_*``),
     with ``torchao`` stock + torchao's FP8 grouped GEMMs, compiled the same way
-    (``stock_fp8_*``; it converts the module's experts, so it runs last)."""
+    (``stock_fp8_*``; it converts the module's experts, so it runs last). ``stages``: the
+    hopper backend's forward stage times and backward stage breakdown (bf16)."""
     from torchtitan_megamoe import mega_moe
 
     shape = SHAPES[key]
@@ -225,7 +227,7 @@ def bench_shape(key: str, tokens: int, iters: int, warmup: int, backward: bool, 
         }
         if profile:
             timeline(f"{shape['name']} EP=1 ours fwd (no grad)", lambda: ours_layer(x), 0)
-        if backend == "hopper":
+        if backend == "hopper" and stages:
             res["stages_ms"] = _stage_times(x2, ids, scores, ex.w1, ex.w2, ex.w3, iters, warmup)
 
     res.update(pre)
@@ -306,7 +308,7 @@ def bench_shape(key: str, tokens: int, iters: int, warmup: int, backward: bool, 
     }
     del moe
     torch.cuda.empty_cache()
-    if backward and backend == "hopper" and res.get("ours_fwdbwd_ms"):
+    if backward and backend == "hopper" and stages and res.get("ours_fwdbwd_ms"):
         # A failure here must not cost the layer numbers above (one GPU run is expensive).
         try:
             res["bwd_stages"] = bwd_stage_breakdown(key, tokens, iters)
