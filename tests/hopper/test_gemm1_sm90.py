@@ -89,11 +89,10 @@ def test_phased_plan_writes_only_its_phase():
 
 def test_real_30b_shape_matches_triton_and_float64():
     T, K, E, D, H = 16384, 8, 128, 2048, 768
-    torch.manual_seed(0)
-    x = torch.randn(T, D, device="cuda").bfloat16()
-    w1 = (torch.randn(E, H, D, device="cuda") / D**0.5).bfloat16()
-    w3 = (torch.randn(E, H, D, device="cuda") / D**0.5).bfloat16()
-    ids = skewed_ids(T, K, E)
+    g = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(T, D, device="cuda", generator=g).bfloat16()
+    w1, _, w3 = make_weights(E, D, H, device="cuda", generator=g)
+    ids = skewed_ids(T, K, E, generator=g)
     plan = build_plan(ids, E, BM)
     h, a = nan_tensor(plan.max_rows, H), nan_tensor(plan.max_rows, 2 * H)
     gemm1_swiglu_sm90(x, w1, w3, plan, h, a)
@@ -118,12 +117,11 @@ def test_ticket_left_zeroed_for_the_next_launch():
     from torchtitan_megamoe.ops.hopper.cuda.sm90 import launch_context
 
     T, K, E, D, H = 1000, 4, 8, 256, 256
-    torch.manual_seed(1)
-    x = torch.randn(T, D, device="cuda").bfloat16()
-    w1 = (torch.randn(E, H, D, device="cuda") / D**0.5).bfloat16()
-    w3 = (torch.randn(E, H, D, device="cuda") / D**0.5).bfloat16()
-    plans = [build_plan(skewed_ids(T, K, E), E, BM),
-             build_plan(torch.randint(0, E, (T // 3, K), device="cuda"), E, BM)]
+    g = torch.Generator(device="cuda").manual_seed(1)
+    x = torch.randn(T, D, device="cuda", generator=g).bfloat16()
+    w1, _, w3 = make_weights(E, D, H, device="cuda", generator=g)
+    plans = [build_plan(skewed_ids(T, K, E, generator=g), E, BM),
+             build_plan(torch.randint(0, E, (T // 3, K), device="cuda", generator=g), E, BM)]
     ref = []
     for plan in plans:
         h = nan_tensor(plan.max_rows, H)

@@ -9,8 +9,8 @@ forced against the reference backend."""
 import pytest
 import torch
 
-from moe_testing import (SM90_GPU, forced_backward_matches_reference, nan_tensor, rel_err,
-                         routings, skewed_ids)
+from moe_testing import (SM90_GPU, forced_backward_matches_reference, make_weights, nan_tensor,
+                         rel_err, routings, skewed_ids)
 from torchtitan_megamoe.ops.hopper.cuda.gemm_rows import gemm_rows_nmajor_sm90, gemm_rows_sm90
 from torchtitan_megamoe.ops.hopper.kernels import gemm2_rows as g2
 from torchtitan_megamoe.ops.hopper.plan import build_phased_plan, build_plan
@@ -134,10 +134,9 @@ def test_nmajor_real_30b_kernel_c_matches_triton():
     from torchtitan_megamoe.ops.hopper.kernels.bwd_dgrad_l1 import dgrad_l1
 
     T, K, E, D, H = 16384, 8, 128, 2048, 768
-    torch.manual_seed(0)
-    w1 = (torch.randn(E, H, D, device="cuda") / D**0.5).bfloat16()
-    w3 = (torch.randn(E, H, D, device="cuda") / D**0.5).bfloat16()
-    ids = skewed_ids(T, K, E)
+    g = torch.Generator(device="cuda").manual_seed(0)
+    w1, _, w3 = make_weights(E, D, H, device="cuda", generator=g)
+    ids = skewed_ids(T, K, E, generator=g)
     plan = build_plan(ids, E, BM)
     da = _rows_input(plan, 2 * H, seed=2)
     dx_rows = nan_tensor(plan.max_rows, D)
