@@ -268,7 +268,7 @@ def rel_err(got, ref) -> float:
     is. On got's device when both share it, else on the CPU."""
     if got.device != ref.device:
         got, ref = got.cpu(), ref.cpu()
-    got, ref = got.double(), ref.double()
+    got, ref = got.detach().double(), ref.detach().double()
     num, den = float((got - ref).norm()), float(ref.norm())
     if den == 0:
         return 0.0 if num == 0 else math.inf
@@ -278,7 +278,7 @@ def rel_err(got, ref) -> float:
 def assert_close(got, ref, tol=1e-2, name=""):
     """max |got - ref| <= tol * max |ref| (a scale-aware bound suited to bf16 outputs); got
     must be finite (an unwritten, poisoned element fails)."""
-    got, ref = got.double().cpu(), ref.double().cpu()
+    got, ref = got.detach().double().cpu(), ref.detach().double().cpu()
     assert got.shape == ref.shape, f"{name}: shape {tuple(got.shape)} != {tuple(ref.shape)}"
     assert torch.isfinite(got).all(), f"{name}: non-finite values (an unwritten row was read?)"
     err = (got - ref).abs().max().item() if got.numel() else 0.0
