@@ -75,36 +75,23 @@ def _fp8_rows_kernel(
         if MODE == 1:
             acc3 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
             sb3_ptrs = b2s_ptr + expert.to(tl.int64) * stride_bse + (offs_n // 128) * stride_bsn
-        # The scales of step k + 1 are loaded during step k: plain loads are not pipelined with
-        # the operand tiles, and an exposed L2 round trip per 128-wide K step stalled the MMAs.
-        num_kb = K // 128
-        sa_next = tl.load(sa_ptrs, mask=live, other=0.0)
-        sb_next = tl.load(sb_ptrs)
-        if MODE == 1:
-            sb3_next = tl.load(sb3_ptrs)
-        for kb in range(0, num_kb):
-            k = kb * 128
-            sa = sa_next
-            sb = sb_next
-            nxt = tl.minimum(kb + 1, num_kb - 1)  # the last step reloads its own scales
-            sa_next = tl.load(sa_ptrs + nxt, mask=live, other=0.0)
-            sb_next = tl.load(sb_ptrs + nxt)
+        for k in range(0, K, 128):
+            kb = k // 128
             if GATHER:
                 a = tl.load(a_ptr + a_rows[:, None] * stride_a + (k + offs_k)[None, :],
                             mask=live[:, None], other=0.0)
             else:
                 a = a_desc.load([row0, k])
+            sa = tl.load(sa_ptrs + kb, mask=live, other=0.0) if GATHER else tl.load(sa_ptrs + kb)
             b = b_desc.load([w_row, k]).T
             if F32_DOT:  # the interpreter's dot does not take e4m3; fp32 holds them exactly
                 a, b = a.to(tl.float32), b.to(tl.float32)
-            acc += tl.dot(a, b) * (sa[:, None] * sb[None, :])
+            acc += tl.dot(a, b) * (sa[:, None] * tl.load(sb_ptrs + kb)[None, :])
             if MODE == 1:
-                sb3 = sb3_next
-                sb3_next = tl.load(sb3_ptrs + nxt)
                 b3 = b2_desc.load([w_row, k]).T
                 if F32_DOT:
                     b3 = b3.to(tl.float32)
-                acc3 += tl.dot(a, b3) * (sa[:, None] * sb3[None, :])
+                acc3 += tl.dot(a, b3) * (sa[:, None] * tl.load(sb3_ptrs + kb)[None, :])
 
         r64 = rows.to(tl.int64)
         if MODE == 0:

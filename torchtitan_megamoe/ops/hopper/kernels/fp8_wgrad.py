@@ -50,20 +50,12 @@ def _fp8_wgrad_kernel(
     start = tl.load(seg_start_ptr + e)
     steps = (tl.load(count_ptr + e) + 127) // 128
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    # step i + 1's scales are loaded during step i (plain loads are not pipelined)
-    sa_ptrs = ats_ptr + m64 * stride_ats + start // 128
-    sb_ptrs = bts_ptr + n64 * stride_bts + start // 128
-    sa_next = tl.load(sa_ptrs, mask=(m64 >= 0) & (steps > 0), other=0.0)  # no rows: no read
-    sb_next = tl.load(sb_ptrs, mask=(n64 >= 0) & (steps > 0), other=0.0)
     for i in range(0, steps):
         r0 = start + i * 128
-        sa = sa_next
-        sb = sb_next
-        nxt = tl.minimum(i + 1, steps - 1)  # the last step reloads its own scales
-        sa_next = tl.load(sa_ptrs + nxt)
-        sb_next = tl.load(sb_ptrs + nxt)
         a = at_desc.load([m0, r0])
         b = bt_desc.load([n0, r0]).T
+        sa = tl.load(ats_ptr + m64 * stride_ats + r0 // 128)
+        sb = tl.load(bts_ptr + n64 * stride_bts + r0 // 128)
         if F32_DOT:
             a, b = a.to(tl.float32), b.to(tl.float32)
         acc += tl.dot(a, b) * (sa[:, None] * sb[None, :])
