@@ -3,7 +3,7 @@ backward: out [0, D], dx [0, D], d(topk_weights) [0, K], and weight gradients of
 shapes, zero where no token reached the expert.
 
 EP=1: the reference backend on CPU, the hopper backend under Triton's interpreter on CPU and
-(marked gpu) on an sm_90 GPU. EP=2: a rank with no tokens still takes part in the exchange (its
+(marked gpu) on an sm_90 GPU; each in bf16 and the FP8 precisions. EP=2: a rank with no tokens still takes part in the exchange (its
 experts serve the other rank's tokens, so its weight gradients are not zero): 2 gloo ranks on
 CPU for both backends (hopper under the interpreter), and (marked multigpu) 2 GPUs with the
 hopper backend's symmetric-memory exchange.
@@ -95,6 +95,12 @@ def test_hopper_backend_under_the_interpreter(save, monkeypatch):
 
 
 @NO_GPU
+@pytest.mark.parametrize("precision", ["fp8", "fp8_bwd"])
+def test_hopper_backend_fp8_under_the_interpreter(precision):
+    _check_zero_token_call(_empty_layer(torch.bfloat16, D=128, H=128), "hopper", precision)
+
+
+@NO_GPU
 def test_hopper_backend_op_saved_outputs_match_the_fake():
     from torchtitan_megamoe.ops import hopper
 
@@ -113,15 +119,16 @@ def test_hopper_backend_op_saved_outputs_match_the_fake():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("backend", ["hopper", "auto"])
+@pytest.mark.parametrize("precision", ["bf16", "fp8", "fp8_bwd"])
 @pytest.mark.parametrize("save", ["keep", "never"])
-def test_hopper_backend_on_the_gpu(backend, save):
+def test_hopper_backend_on_the_gpu(backend, precision, save):
     from torchtitan_megamoe.ops import api
 
     try:
         api.set_save_activations(save)
-        _check_zero_token_call(_empty_layer(torch.bfloat16, "cuda", D=256, H=128, E=8), backend)
-        _check_zero_token_call(_empty_layer(torch.bfloat16, "cuda", D=256, H=128, E=8),
-                               "reference")
+        for b in (backend, "reference"):
+            _check_zero_token_call(_empty_layer(torch.bfloat16, "cuda", D=256, H=128, E=8), b,
+                                   precision)
     finally:
         api.set_save_activations("keep")
 
