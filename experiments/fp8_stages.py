@@ -19,6 +19,8 @@ from torchtitan_megamoe.ops.hopper.kernels.fp8_gemm_rows import (
 from torchtitan_megamoe.ops.hopper.kernels.fp8_quant import quant_rows, quant_rows_t
 from torchtitan_megamoe.ops.hopper.kernels.fp8_wgrad import fp8_wgrad
 from torchtitan_megamoe.ops.hopper.plan import build_plan
+from torchtitan_megamoe.ops.hopper import tune
+from torchtitan_megamoe.ops.hopper.tune import bucket
 from torchtitan_megamoe.timing import median_ms
 
 SHAPES = {"30B": (2048, 768), "235B": (4096, 1536)}
@@ -91,6 +93,12 @@ def main():
             tf_fb = 9 * rows * flop_row / fb / 1e9
             print(f"  op {prec:8s} fwd {f:7.3f} ms ({tf_f:5.0f} TFLOP/s)   fwd+bwd {fb:7.3f} ms "
                   f"({tf_fb:5.0f} TFLOP/s)")
+        for (kname, key), timings in tune.TIMINGS.items():
+            if kname.startswith("fp8") and key[0] == bucket(plan.max_rows):
+                best = sorted(timings, key=lambda t: t[1])[:3]
+                print(f"  tuner {kname} {key[1:4]}: " + "; ".join(
+                    f"{ {k: v for k, v in c.items() if k != 'GROUP_M'} } {ms:.3f}"
+                    for c, ms, *_ in best))
 
 
 if __name__ == "__main__":

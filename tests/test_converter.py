@@ -242,8 +242,7 @@ def _meta_model(args=None):
     [
         (dict(backend="cuda"), r"backend='cuda' is not one of"),
         (dict(precision="fp16"), r"precision='fp16' is not one of"),
-        (dict(precision="fp8", backend="auto"), r"precision='fp8' has no Hopper kernels yet"),
-        (dict(precision="fp8_bwd", backend="hopper"), r"use precision='bf16', or backend='reference'"),
+        (dict(fp8_weight_cache=True), r"fp8_weight_cache=true only applies to precision"),
         (dict(save_activations="always"), r"save_activations='always' is not one of"),
         (dict(save_activations="sometimes"), r"\('auto', 'keep', 'never'\)"),
         (dict(max_tokens_per_rank=-1), r"max_tokens_per_rank=-1 must be >= 0"),
@@ -252,6 +251,43 @@ def _meta_model(args=None):
 def test_rejects_bad_settings(settings, match):
     with pytest.raises(ValueError, match=match):
         MegaMoEConverter(job_config(**settings), None)
+
+
+@pytest.mark.parametrize("precision", ["fp8", "fp8_bwd"])
+def test_fp8_accepted_on_the_hopper_kernels_and_refused_under_ep(precision):
+    MegaMoEConverter(job_config(precision=precision, backend="auto"), None)
+    MegaMoEConverter(job_config(precision=precision, backend="hopper"), None)
+    cfg = job_config(precision=precision, backend="hopper")
+    cfg.parallelism.expert_parallel_degree = 2
+    with pytest.raises(NotImplementedError, match=r"expert_parallel_degree=2 the token exchange"):
+        MegaMoEConverter(cfg, None)
+    cfg = job_config(precision=precision, fp8_weight_cache=True)
+    cfg.parallelism.data_parallel_shard_degree = 2
+    with pytest.raises(NotImplementedError, match=r"fp8_weight_cache=true needs unsharded"):
+        MegaMoEConverter(cfg, None)
+
+
+def test_fp8_weight_cache_follows_versions_and_optimizer_steps(monkeypatch):
+    from torchtitan_megamoe.ops.hopper import fp8_weights
+
+    made = []
+    monkeypatch.setattr(fp8_weights, "_forward_weights", lambda *ws: made.append(1) or object())
+    fp8_weights.set_weight_cache(True)
+    try:
+        w = [torch.zeros(2, 128, 128) for _ in range(3)]
+        a = fp8_weights.forward_weights(*w)
+        assert fp8_weights.forward_weights(*w) is a and len(made) == 1
+        with torch.no_grad():
+            w[1].add_(1.0)  # an in-place write bumps the version: requantized
+        assert fp8_weights.forward_weights(*w) is not a and len(made) == 2
+        fp8_weights.new_weights_step()  # the post-optimizer hook
+        fp8_weights.forward_weights(*w)
+        assert len(made) == 3
+    finally:
+        fp8_weights.set_weight_cache(False)
+    fp8_weights.forward_weights(*w)
+    fp8_weights.forward_weights(*w)
+    assert len(made) == 5  # off: every call quantizes
 
 
 def test_runtime_knobs_reach_the_op(monkeypatch):

@@ -11,6 +11,8 @@ error naming the setting and what to change.
 
 from __future__ import annotations
 
+import os
+
 import torch
 from torch import nn
 
@@ -26,6 +28,7 @@ from torchtitan_megamoe.ops.api import (
     BACKENDS, PRECISIONS, SAVE_MODES, canonical_backend, set_save_activations,
 )
 from torchtitan_megamoe.ops.hopper.exchange import set_max_tokens_per_rank
+from torchtitan_megamoe.ops.hopper.fp8_weights import new_weights_step, set_weight_cache
 from torchtitan_megamoe.parallel import install_ep_routing
 
 
@@ -96,12 +99,10 @@ def validate_settings(cfg: MegaMoEConfig) -> None:
         raise ValueError(
             f"[megamoe] precision={cfg.precision!r} is not one of {PRECISIONS}."
         )
-    if cfg.precision != "bf16" and cfg.backend != "reference":
-        # Raised here rather than at the first training step, inside the op.
+    if cfg.fp8_weight_cache and cfg.precision == "bf16":
         raise ValueError(
-            f"[megamoe] precision={cfg.precision!r} has no Hopper kernels yet (backend "
-            f"{cfg.backend!r}); use precision='bf16', or backend='reference' for the emulated "
-            "blockwise-FP8 arithmetic (plain PyTorch, slow: for numerics checks only)."
+            "[megamoe] fp8_weight_cache=true only applies to precision 'fp8' / 'fp8_bwd'; "
+            "set it to false or pick an FP8 precision."
         )
 
 
@@ -124,9 +125,33 @@ def _degrees(job_config: JobConfig, parallel_dims: ParallelDims | None) -> dict[
     }
 
 
+def _fsdp_shards_experts(job_config: JobConfig, parallel_dims: ParallelDims | None) -> bool:
+    if parallel_dims is not None:
+        return bool(parallel_dims.fsdp_enabled)
+    shard = job_config.parallelism.data_parallel_shard_degree
+    # -1: all ranks left over, which shard whenever there is more than one
+    return shard > 1 or (shard == -1 and int(os.environ.get("WORLD_SIZE", "1")) > 1)
+
+
 def validate_job(job_config: JobConfig, parallel_dims: ParallelDims | None) -> None:
     """Reject parallelism and converter combinations the fused path does not support."""
     d = _degrees(job_config, parallel_dims)
+    cfg = getattr(job_config, "megamoe", None)
+    if cfg is not None and cfg.precision != "bf16" and d["ep"] > 1 and cfg.backend != "reference":
+        # Raised here rather than at the first training step, inside the op.
+        raise NotImplementedError(
+            f"megamoe: precision={cfg.precision!r} runs the Hopper kernels on one rank's "
+            f"experts only so far; with expert_parallel_degree={d['ep']} the token exchange "
+            "moves bf16 rows. Use precision='bf16' with expert parallelism, or "
+            "expert_parallel_degree=1 (FSDP alone) for FP8."
+        )
+    if cfg is not None and cfg.fp8_weight_cache and _fsdp_shards_experts(job_config, parallel_dims):
+        raise NotImplementedError(
+            "megamoe: fp8_weight_cache=true needs unsharded expert weights: under FSDP the "
+            "gathered weights are rewritten in place every step with their version counter "
+            "kept, so a cached FP8 copy could not tell new values from old. Set "
+            "[megamoe] fp8_weight_cache=false (the weights are then quantized on every call)."
+        )
     if d["tp"] > 1:
         raise NotImplementedError(
             f"megamoe: tensor_parallel_degree={d['tp']} is not supported (the MoE input would "
@@ -274,6 +299,7 @@ class MegaMoEConverter:
         validate_job(job_config, parallel_dims)
         set_max_tokens_per_rank(cfg.max_tokens_per_rank)
         set_save_activations(resolve_save_activations(cfg, job_config))
+        set_weight_cache(cfg.fp8_weight_cache)
         self.cfg = cfg
         self.ep_degree = _degrees(job_config, parallel_dims)["ep"]
 
@@ -305,7 +331,9 @@ class MegaMoEConverter:
         )
 
     def post_optimizer_hook(self, model: nn.Module | list[nn.Module]) -> None:
-        return
+        # new weights: cached FP8 copies (fp8_weight_cache) are dropped and re-made on the
+        # next call, once per optimizer step
+        new_weights_step()
 
 
 def _register() -> None:

@@ -6,10 +6,19 @@
               [w1 | w3]^T [E, D, 2H] (dgrad of linear 1: dx = [da1 | da3] @ [w1; w3], over 2H)
 A block's scale serves both uses: the transposed copies carry the same scales, transposed.
 
-Quantized on every call from the bf16 weights (one pass over each weight: read 2 bytes, write
-1 per element plus a scale per 16,384 elements), so a quantized copy is never stale, whatever
+By default the weights are quantized on every call (one pass over each weight: read 2 bytes,
+write 1 per element and a scale per 16,384), so a quantized copy is never stale, whatever
 changed the weights (an optimizer step, a checkpoint load, FSDP's all-gather into reused
-storage). docs/PERF.md gives its cost per layer call.
+storage). The pass is bound by HBM bandwidth: ~0.5 ms per layout set per 30B-A3B layer on
+H200 (docs/PERF.md).
+
+With the cache on (``set_weight_cache``, the converter's ``[megamoe] fp8_weight_cache``) a
+layer's quantized weights are kept until the next optimizer step (``new_weights_step``, the
+converter's post-optimizer hook) or until any weight's version counter moves (every in-place
+write through PyTorch bumps it: the optimizer, copy_, a checkpoint load), whichever comes
+first. An entry holds its weights, so their memory cannot be reused under the cache's key.
+Only for weights that nothing rewrites behind the version counter: the converter refuses the
+cache under FSDP, whose all-gather refills reused storage and restores the counter.
 """
 
 from dataclasses import dataclass
@@ -39,7 +48,55 @@ class BackwardWeights:
     w13ts: torch.Tensor
 
 
+_CACHE_ON = False
+_GENERATION = 0
+_CACHE: dict = {}
+
+
+def set_weight_cache(enabled: bool) -> None:
+    global _CACHE_ON
+    _CACHE_ON = bool(enabled)
+    _CACHE.clear()
+
+
+def new_weights_step() -> None:
+    """The weights changed (an optimizer step): every cached copy is re-made on next use."""
+    global _GENERATION
+    _GENERATION += 1
+    _CACHE.clear()
+
+
+def cache_bytes() -> int:
+    """Device memory held by the cached quantized weights."""
+    total = 0
+    for _stamp, _weights, value in _CACHE.values():
+        total += sum(t.numel() * t.element_size() for t in vars(value).values())
+    return total
+
+
+def _cached(kind: str, ws: tuple, make):
+    if not _CACHE_ON or torch.compiler.is_compiling() or (
+            torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()):
+        return make()
+    key = (kind,) + tuple((w.data_ptr(), tuple(w.shape), w.dtype, w.device) for w in ws)
+    stamp = (_GENERATION,) + tuple(w._version for w in ws)
+    hit = _CACHE.get(key)
+    if hit is not None and hit[0] == stamp:
+        return hit[2]
+    value = make()
+    _CACHE[key] = (stamp, ws, value)
+    return value
+
+
 def forward_weights(w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor) -> ForwardWeights:
+    return _cached("fwd", (w1, w2, w3), lambda: _forward_weights(w1, w2, w3))
+
+
+def backward_weights(w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor) -> BackwardWeights:
+    return _cached("bwd", (w1, w2, w3), lambda: _backward_weights(w1, w2, w3))
+
+
+def _forward_weights(w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor) -> ForwardWeights:
     E, H, D = w1.shape
     w1q, w1s = weight_blocks(E, H, D, w1.device)
     w3q, w3s = weight_blocks(E, H, D, w1.device)
@@ -50,7 +107,7 @@ def forward_weights(w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor) -> For
     return ForwardWeights(w1q, w1s, w3q, w3s, w2q, w2s)
 
 
-def backward_weights(w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor) -> BackwardWeights:
+def _backward_weights(w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor) -> BackwardWeights:
     E, H, D = w1.shape
     w2tq, w2ts = weight_blocks(E, D, H, w1.device, transposed_n=D)
     w13tq, w13ts = weight_blocks(E, H, D, w1.device, transposed_n=2 * H)

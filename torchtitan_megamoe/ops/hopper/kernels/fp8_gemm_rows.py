@@ -142,18 +142,28 @@ def _fp8_rows_kernel(
 # (Triton 3.9): plain 128x128 at 8 warps spills nothing (154 registers), 128x256 a little;
 # swiglu spills at 128x128 (two accumulators) and not at 64x128; dswiglu's epilogue (five
 # quantized stores) spills ~1.5 KB at its only legal tile, 128x128.
+# Candidates per mode, timed once per shape by tune.pick_config. Offline sm_90a compiles
+# (Triton 3.9): plain 128x128 at 8 warps spills nothing (154 registers), 128x256 a little;
+# swiglu spills at 128x128 (two accumulators) and not at 64x128; dswiglu's epilogue (five
+# quantized stores) spills ~1.5 KB at its only legal tile, 128x128. Triton waits for each
+# 128-K step's wgmma before scaling it into the accumulator, so 4-warp tiles (several CTAs per
+# SM, one's promotion under another's MMAs) are offered next to the 8-warp ones.
 GPU_CONFIGS = {
     MODE_PLAIN: [
         dict(BLOCK_M=128, BLOCK_N=128, GROUP_M=8, num_warps=8, num_stages=3),
         dict(BLOCK_M=128, BLOCK_N=128, GROUP_M=8, num_warps=8, num_stages=4),
         dict(BLOCK_M=128, BLOCK_N=256, GROUP_M=8, num_warps=8, num_stages=3),
         dict(BLOCK_M=64, BLOCK_N=128, GROUP_M=8, num_warps=4, num_stages=4),
+        dict(BLOCK_M=64, BLOCK_N=128, GROUP_M=8, num_warps=4, num_stages=3),
+        dict(BLOCK_M=128, BLOCK_N=64, GROUP_M=8, num_warps=4, num_stages=4),
+        dict(BLOCK_M=64, BLOCK_N=256, GROUP_M=8, num_warps=8, num_stages=3),
     ],
     MODE_SWIGLU: [
         dict(BLOCK_M=64, BLOCK_N=128, GROUP_M=8, num_warps=8, num_stages=3),
         dict(BLOCK_M=64, BLOCK_N=128, GROUP_M=8, num_warps=8, num_stages=4),
         dict(BLOCK_M=128, BLOCK_N=128, GROUP_M=8, num_warps=8, num_stages=3),
         dict(BLOCK_M=64, BLOCK_N=128, GROUP_M=8, num_warps=4, num_stages=4),
+        dict(BLOCK_M=64, BLOCK_N=128, GROUP_M=8, num_warps=4, num_stages=3),
     ],
     MODE_DSWIGLU: [
         dict(BLOCK_M=128, BLOCK_N=128, GROUP_M=8, num_warps=8, num_stages=3),
