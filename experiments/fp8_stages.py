@@ -19,7 +19,7 @@ from torchtitan_megamoe.ops.hopper.kernels.fp8_gemm_rows import (
 from torchtitan_megamoe.ops.hopper.kernels.fp8_quant import quant_rows, quant_rows_t
 from torchtitan_megamoe.ops.hopper.kernels.fp8_wgrad import fp8_wgrad
 from torchtitan_megamoe.ops.hopper.plan import build_plan
-from torchtitan_megamoe.ops.hopper import tune
+from torchtitan_megamoe.ops.hopper import fp8_weights, tune
 from torchtitan_megamoe.ops.hopper.tune import bucket
 from torchtitan_megamoe.timing import median_ms
 
@@ -76,7 +76,10 @@ def main():
         for label, fn in stages.items():
             ms = median_ms(fn, warmup=3, iters=20)
             print(f"  {label:28s} {ms:8.3f} ms")
-        for prec in ("bf16", "fp8", "fp8_bwd"):
+        for prec in ("bf16", "fp8", "fp8_bwd", "fp8 cached", "fp8_bwd cached"):
+            cached = prec.endswith("cached")
+            prec = prec.split()[0]
+            fp8_weights.set_weight_cache(cached)
             leaves = [t.detach().clone().requires_grad_() for t in (x, tw, w1, w2, w3)]
 
             def fwd():
@@ -91,7 +94,9 @@ def main():
             fb = median_ms(fwdbwd, warmup=3, iters=20)
             tf_f = 3 * rows * flop_row / f / 1e9
             tf_fb = 9 * rows * flop_row / fb / 1e9
-            print(f"  op {prec:8s} fwd {f:7.3f} ms ({tf_f:5.0f} TFLOP/s)   fwd+bwd {fb:7.3f} ms "
+            fp8_weights.set_weight_cache(False)
+            prec = prec + (" cached" if cached else "")
+            print(f"  op {prec:15s} fwd {f:7.3f} ms ({tf_f:5.0f} TFLOP/s)   fwd+bwd {fb:7.3f} ms "
                   f"({tf_fb:5.0f} TFLOP/s)")
         for (kname, key), timings in tune.TIMINGS.items():
             if kname.startswith("fp8") and key[0] == bucket(plan.max_rows):
