@@ -11,7 +11,7 @@ import torch
 from torchtitan_megamoe import mega_moe
 from torchtitan_megamoe.ops.hopper.fp8_backward import backward_fp8
 from torchtitan_megamoe.ops.hopper.fp8_forward import FP8_BLOCK_M, forward_fp8
-from torchtitan_megamoe.ops.hopper.fp8_weights import backward_weights, forward_weights
+from torchtitan_megamoe.ops.hopper.fp8_weights import forward_weights, w2_transposed, w13_transposed
 from torchtitan_megamoe.ops.hopper.kernels.bwd_wgrad import longest_first
 from torchtitan_megamoe.ops.hopper.kernels.fp8_gemm_rows import (
     fp8_dswiglu, fp8_gemm1_swiglu, fp8_rows_gemm,
@@ -46,10 +46,10 @@ def main():
         plan = build_plan(ids, E, FP8_BLOCK_M)
         xq, xs = quant_rows(x)
         wq = forward_weights(w1, w2, w3)
-        wt = backward_weights(w1, w2, w3)
+        w2t, w13t = w2_transposed(w2), w13_transposed(w1, w3)
         hq, hs, a = fp8_gemm1_swiglu(xq, xs, wq.w1q, wq.w1s, wq.w3q, wq.w3s, plan, save_a=True)
         gq, gs = quant_rows(g)
-        res = fp8_dswiglu(gq, gs, wt.w2tq, wt.w2ts, a, tw, plan)
+        res = fp8_dswiglu(gq, gs, w2t.q, w2t.s, a, tw, plan)
         daq, das, daTq, daTs, hTq, hTs, part = res
         order = longest_first(plan)
         dyT = quant_rows_t(g, plan, gather=True, row_weight=tw.reshape(-1))
@@ -58,17 +58,17 @@ def main():
             "plan": lambda: build_plan(ids, E, FP8_BLOCK_M),
             "quant x rows": lambda: quant_rows(x),
             "quant weights fwd": lambda: forward_weights(w1, w2, w3),
-            "quant weights bwd": lambda: backward_weights(w1, w2, w3),
+            "quant weights bwd": lambda: (w2_transposed(w2), w13_transposed(w1, w3)),
             "GEMM 1 + SwiGLU (save a)": lambda: fp8_gemm1_swiglu(
                 xq, xs, wq.w1q, wq.w1s, wq.w3q, wq.w3s, plan, save_a=True),
             "GEMM 2": lambda: fp8_rows_gemm(hq, hs, wq.w2q, wq.w2s, plan, torch.bfloat16),
-            "kernel A (dswiglu)": lambda: fp8_dswiglu(gq, gs, wt.w2tq, wt.w2ts, a, tw, plan),
+            "kernel A (dswiglu)": lambda: fp8_dswiglu(gq, gs, w2t.q, w2t.s, a, tw, plan),
             "quant dy^T": lambda: quant_rows_t(g, plan, gather=True, row_weight=tw.reshape(-1)),
             "quant x^T": lambda: quant_rows_t(x, plan, gather=True),
             "dw2": lambda: fp8_wgrad(*dyT, hTq, hTs, plan, torch.empty_like(w2), order),
             "dw1 + dw3": lambda: [fp8_wgrad(daTq[sl], daTs[sl], *xT, plan, torch.empty_like(w1),
                                             order) for sl in (slice(0, H), slice(H, 2 * H))],
-            "dgrad 1": lambda: fp8_rows_gemm(daq, das, wt.w13tq, wt.w13ts, plan, torch.bfloat16),
+            "dgrad 1": lambda: fp8_rows_gemm(daq, das, w13t.q, w13t.s, plan, torch.bfloat16),
         }
         flop_row = 2 * D * H
         rows = T * K

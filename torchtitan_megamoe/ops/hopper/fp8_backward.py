@@ -4,7 +4,8 @@
     a          the forward's saved [a1 | a3] (bf16), or GEMM 1 again (the forward's own kernel:
                FP8 for ``fp8``, bf16 for ``fp8_bwd``) when nothing was saved
     quant      dy [T, D] per token (1x128); the weights' transposed 128 x 128 copies
-               (fp8_weights.backward_weights)
+               (fp8_weights.w2_transposed, fp8_weights.w13_transposed: each made
+               right before its GEMM, so the two are never live together)
     kernel A   kernels/fp8_gemm_rows.fp8_dswiglu: dhg = dy_rows @ w2[e] and the SwiGLU
                backward; its epilogue writes da per row (for dgrad 1), da^T and h^T per 128
                rows (for the weight gradients) and the d(topk_weights) partials <dhg, h>
@@ -19,7 +20,7 @@ Deterministic: fixed-order reductions, no atomics.
 import torch
 
 from torchtitan_megamoe.ops.hopper.fp8_forward import FP8_BLOCK_M
-from torchtitan_megamoe.ops.hopper.fp8_weights import backward_weights, forward_weights
+from torchtitan_megamoe.ops.hopper.fp8_weights import forward_weights, w2_transposed, w13_transposed
 from torchtitan_megamoe.ops.hopper.kernels.bwd_combine import bwd_combine
 from torchtitan_megamoe.ops.hopper.kernels.fp8_gemm_rows import (
     fp8_dswiglu, fp8_gemm1_swiglu, fp8_rows_gemm,
@@ -51,10 +52,9 @@ def backward_fp8(grad_out, x, topk_ids, topk_weights, w1, w2, w3, precision, sav
     tw = topk_weights.contiguous()
 
     gq, gs = quant_rows(dy)
-    wt = backward_weights(w1, w2, w3)
-    daq, das, daTq, daTs, hTq, hTs, part = fp8_dswiglu(gq, gs, wt.w2tq, wt.w2ts, a_saved, tw,
-                                                       plan)
-    del gq, gs, a_saved
+    w2t = w2_transposed(w2)
+    daq, das, daTq, daTs, hTq, hTs, part = fp8_dswiglu(gq, gs, w2t.q, w2t.s, a_saved, tw, plan)
+    del gq, gs, a_saved, w2t
     order = longest_first(plan)
     dyTq, dyTs = quant_rows_t(dy, plan, gather=True, row_weight=tw.reshape(-1))
     dw2 = fp8_wgrad(dyTq, dyTs, hTq, hTs, plan, torch.empty_like(params[1]), order)
@@ -63,8 +63,9 @@ def backward_fp8(grad_out, x, topk_ids, topk_weights, w1, w2, w3, precision, sav
     dw1 = fp8_wgrad(daTq[:H], daTs[:H], xTq, xTs, plan, torch.empty_like(params[0]), order)
     dw3 = fp8_wgrad(daTq[H:], daTs[H:], xTq, xTs, plan, torch.empty_like(params[2]), order)
     del xTq, xTs, daTq, daTs
-    dx_rows = fp8_rows_gemm(daq, das, wt.w13tq, wt.w13ts, plan, out_dtype=x.dtype)
-    del daq, das, wt
+    w13t = w13_transposed(w1, w3)
+    dx_rows = fp8_rows_gemm(daq, das, w13t.q, w13t.s, plan, out_dtype=x.dtype)
+    del daq, das, w13t
     dx, dtw = bwd_combine(dx_rows, part, plan, dx_dtype=x.dtype, dtw_dtype=topk_weights.dtype,
                           rows=True)
     return dx, dtw, dw1, dw2, dw3

@@ -39,13 +39,12 @@ class ForwardWeights:
 
 
 @dataclass
-class BackwardWeights:
-    w2tq: torch.Tensor
-    """[E, H, D] e4m3, scales [E, H/128, D/128]."""
-    w2ts: torch.Tensor
-    w13tq: torch.Tensor
-    """[E, D, 2H] e4m3 (w1^T in columns [0, H), w3^T in [H, 2H)), scales [E, D/128, 2H/128]."""
-    w13ts: torch.Tensor
+class TransposedWeights:
+    """w2^T [E, H, D] (kernel A), or [w1 | w3]^T [E, D, 2H] (dgrad of linear 1: w1^T in
+    columns [0, H), w3^T in [H, 2H)), with the blocks' scales transposed alike."""
+
+    q: torch.Tensor
+    s: torch.Tensor
 
 
 _CACHE_ON = False
@@ -92,8 +91,14 @@ def forward_weights(w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor) -> For
     return _cached("fwd", (w1, w2, w3), lambda: _forward_weights(w1, w2, w3))
 
 
-def backward_weights(w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor) -> BackwardWeights:
-    return _cached("bwd", (w1, w2, w3), lambda: _backward_weights(w1, w2, w3))
+def w2_transposed(w2: torch.Tensor) -> TransposedWeights:
+    """Quantized only when kernel A runs (and freed after it), so the two transposed copies
+    are never live together in a backward."""
+    return _cached("w2t", (w2,), lambda: _w2_transposed(w2))
+
+
+def w13_transposed(w1: torch.Tensor, w3: torch.Tensor) -> TransposedWeights:
+    return _cached("w13t", (w1, w3), lambda: _w13_transposed(w1, w3))
 
 
 def _forward_weights(w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor) -> ForwardWeights:
@@ -107,11 +112,16 @@ def _forward_weights(w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor) -> Fo
     return ForwardWeights(w1q, w1s, w3q, w3s, w2q, w2s)
 
 
-def _backward_weights(w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor) -> BackwardWeights:
+def _w2_transposed(w2: torch.Tensor) -> TransposedWeights:
+    E, D, H = w2.shape
+    q, sc = weight_blocks(E, D, H, w2.device, transposed_n=D)
+    quant_weight(w2, qt=q, st=sc)
+    return TransposedWeights(q, sc)
+
+
+def _w13_transposed(w1: torch.Tensor, w3: torch.Tensor) -> TransposedWeights:
     E, H, D = w1.shape
-    w2tq, w2ts = weight_blocks(E, D, H, w1.device, transposed_n=D)
-    w13tq, w13ts = weight_blocks(E, H, D, w1.device, transposed_n=2 * H)
-    quant_weight(w2, qt=w2tq, st=w2ts)
-    quant_weight(w1, qt=w13tq, st=w13ts, t_col0=0)
-    quant_weight(w3, qt=w13tq, st=w13ts, t_col0=H)
-    return BackwardWeights(w2tq, w2ts, w13tq, w13ts)
+    q, sc = weight_blocks(E, H, D, w1.device, transposed_n=2 * H)
+    quant_weight(w1, qt=q, st=sc, t_col0=0)
+    quant_weight(w3, qt=q, st=sc, t_col0=H)
+    return TransposedWeights(q, sc)
