@@ -2,12 +2,15 @@
 the same blockwise recipe (tightly) and against float64 (no less accurate than the emulation).
 
 On CPU the kernels run under Triton's interpreter at small sizes; on a GPU (marked ``gpu``) at
-larger ones and at the Qwen3-30B-A3B shape. Routings: uniform, uneven (empty experts, one expert
-taking most rows, dropped slots), token counts that are not tile multiples.
+larger ones and at the Qwen3-30B-A3B shape. Routings (tests/moe_testing.py): random, uneven (an
+empty expert, dropped slots), only two experts used, one expert holding every row; token counts
+that are not tile multiples.
 """
 
 import pytest
 import torch
+
+from moe_testing import make_inputs, op_args, rel_err, routing
 
 from torchtitan_megamoe import mega_moe
 
@@ -15,21 +18,10 @@ NAMES = ("out", "dx", "dtopk_weights", "dw1", "dw2", "dw3")
 CUDA = torch.cuda.is_available()
 
 
-def _inputs(T, K, E, D, H, routing, device, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(T, D, generator=g)
-    if routing == "uniform":
-        ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)])
-    else:  # uneven: expert 0 empty, expert 1 takes half the slots, a few dropped slots
-        ids = torch.randint(2, E, (T, K), generator=g)
-        ids[: T // 2, 0] = 1
-        ids[::7, -1] = -1
-    tw = torch.rand(T, K, generator=g)
-    w1 = torch.randn(E, H, D, generator=g) * D ** -0.5
-    w3 = torch.randn(E, H, D, generator=g) * D ** -0.5
-    w2 = torch.randn(E, D, H, generator=g) * H ** -0.5
-    grad = torch.randn(T, D, generator=g)
-    return [t.to(device) for t in (x, ids, tw, w1, w2, w3, grad)]
+def _inputs(T, K, E, D, H, routing_name, device, seed=0):
+    ids = routing(routing_name, T, K, E, seed).to(device)
+    inp = make_inputs(T, K, E, D, H, ids, seed=seed, dtype=torch.float32, device=device)
+    return [*op_args(inp), inp["dy"]]
 
 
 def _run(inputs, backend, precision, dtype):
@@ -50,10 +42,6 @@ def _poison_cache(device):
         del block
 
 
-def _rel(a, b):
-    return float((a - b).norm() / b.norm().clamp_min(1e-30))
-
-
 def _check(inputs, precision, tol_emu):
     got = _run(inputs, "hopper", precision, torch.bfloat16)
     emu = _run(inputs, "reference", precision, torch.bfloat16)
@@ -61,9 +49,9 @@ def _check(inputs, precision, tol_emu):
     for name, g, e, r in zip(NAMES, got, emu, exact):
         assert torch.isfinite(g).all(), name
         tol = tol_emu[0] if name == "out" else tol_emu[1]
-        assert _rel(g, e) < tol, (precision, name, _rel(g, e))
+        assert rel_err(g, e) < tol, (precision, name, rel_err(g, e))
         # as accurate as the emulated recipe (a broken scale or block would be far worse)
-        assert _rel(g, r) < 1.15 * _rel(e, r) + 2e-3, (precision, name, _rel(g, r), _rel(e, r))
+        assert rel_err(g, r) < 1.15 * rel_err(e, r) + 2e-3, (precision, name, rel_err(g, r), rel_err(e, r))
     again = _run(inputs, "hopper", precision, torch.bfloat16)
     for name, g, a in zip(NAMES, got, again):
         assert torch.equal(g, a), f"{precision} {name}: two identical calls differ"
@@ -72,33 +60,31 @@ def _check(inputs, precision, tol_emu):
 @pytest.mark.skipif(CUDA, reason="interpreter test; the GPU runs the gpu-marked ones")
 @pytest.mark.parametrize("precision", ["fp8", "fp8_bwd"])
 def test_fp8_interpreter_uneven(precision):
-    inputs = _inputs(T=21, K=2, E=4, D=256, H=128, routing="uneven", device="cpu")
+    inputs = _inputs(T=21, K=2, E=4, D=256, H=128, routing_name="uneven", device="cpu")
     _check(inputs, precision, (1e-2, 3e-2))
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
-@pytest.mark.parametrize("routing", ["uniform", "uneven"])
+@pytest.mark.parametrize("routing_name", ["random", "uneven", "empty_experts"])
 @pytest.mark.parametrize("precision", ["fp8", "fp8_bwd"])
-def test_fp8_gpu(precision, routing):
-    inputs = _inputs(T=999, K=4, E=8, D=512, H=384, routing=routing, device="cuda")
+def test_fp8_gpu(precision, routing_name):
+    inputs = _inputs(T=999, K=4, E=8, D=512, H=384, routing_name=routing_name, device="cuda")
     _check(inputs, precision, (1e-2, 3e-2))
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
 def test_fp8_gpu_qwen3_30b_shape():
-    inputs = _inputs(T=2048, K=8, E=128, D=2048, H=768, routing="uniform", device="cuda")
+    inputs = _inputs(T=2048, K=8, E=128, D=2048, H=768, routing_name="random", device="cuda")
     _check(inputs, "fp8", (1e-2, 3e-2))
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
 def test_fp8_all_tokens_to_one_expert():
-    x, ids, *rest = _inputs(T=300, K=2, E=4, D=256, H=256, routing="uniform", device="cuda")
-    ids = torch.full_like(ids, 3)
-    ids[:, 1] = -1
-    _check([x, ids, *rest], "fp8", (1e-2, 3e-2))
+    _check(_inputs(T=300, K=2, E=4, D=256, H=256, routing_name="one_expert", device="cuda"),
+           "fp8", (1e-2, 3e-2))
 
 
 def test_fp8_rejects_shapes_and_ep():
