@@ -33,8 +33,8 @@ class MegaMoEConfig:
     """FP8 only: keep each layer's quantized expert weights (forward and backward layouts) from
     one call to the next instead of quantizing them on every call, re-made after every
     optimizer step (the converter's post-optimizer hook) and whenever a weight's version
-    counter moves (any in-place write: a checkpoint load, an init). Saves ~1 ms per 30B-A3B
-    layer forward + backward at 16384 tokens on H200 (docs/PERF.md) and costs memory equal to
+    counter moves (any in-place write: a checkpoint load, an init). Saves ~0.7 ms per 30B-A3B
+    layer forward + backward at 16384 tokens on H200 (docs/PERF.md, FP8 stages) and costs memory equal to
     the experts' bf16 weights per layer (30B-A3B: 1.2 GB per layer). Refused under FSDP (the
     gathered weights are rewritten in place without a version change)."""
 

@@ -19,7 +19,8 @@ from torchtitan_megamoe.ops.hopper.fp8_weights import forward_weights
 from torchtitan_megamoe.ops.hopper.kernels.combine import combine
 from torchtitan_megamoe.ops.hopper.kernels.fp8_gemm_rows import fp8_gemm1_swiglu, fp8_rows_gemm
 from torchtitan_megamoe.ops.hopper.kernels.fp8_quant import quant_rows
-from torchtitan_megamoe.ops.hopper.plan import build_plan, pack_plan
+from torchtitan_megamoe.ops.hopper.local_forward import checked_plan
+from torchtitan_megamoe.ops.hopper.plan import pack_plan
 
 FP8_BLOCK_M = 128
 """Segment padding of the FP8 plans (forward and backward, and the fp8_bwd forward)."""
@@ -29,10 +30,7 @@ def forward_fp8(x, topk_ids, topk_weights, w1, w2, w3, save=False):
     E, H, D = w1.shape
     x = x.contiguous()
     w1, w2, w3 = w1.contiguous(), w2.contiguous(), w3.contiguous()
-    plan = build_plan(topk_ids, E, FP8_BLOCK_M, id_limit=E)
-    from torchtitan_megamoe.ops.api import ids_range_message  # api imports this package lazily
-
-    torch._assert_async(plan.ids_ok, ids_range_message(E, 1))
+    plan = checked_plan(topk_ids, E, FP8_BLOCK_M)
     xq, xs = quant_rows(x)
     wq = forward_weights(w1, w2, w3)
     hq, hs, a = fp8_gemm1_swiglu(xq, xs, wq.w1q, wq.w1s, wq.w3q, wq.w3s, plan, save_a=save)

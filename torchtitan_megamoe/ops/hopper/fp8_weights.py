@@ -65,14 +65,6 @@ def new_weights_step() -> None:
     _CACHE.clear()
 
 
-def cache_bytes() -> int:
-    """Device memory held by the cached quantized weights."""
-    total = 0
-    for _stamp, _weights, value in _CACHE.values():
-        total += sum(t.numel() * t.element_size() for t in vars(value).values())
-    return total
-
-
 def _cached(kind: str, ws: tuple, make):
     if not _CACHE_ON or torch.compiler.is_compiling() or (
             torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()):

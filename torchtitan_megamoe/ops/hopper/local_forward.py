@@ -65,10 +65,7 @@ def forward_ep1(
     x = x.contiguous()
     w1, w2, w3 = w1.contiguous(), w2.contiguous(), w3.contiguous()
     E = w1.shape[0]
-    plan = build_plan(topk_ids, E, block_m, id_limit=E)
-    from torchtitan_megamoe.ops.api import ids_range_message  # api imports this package lazily
-
-    torch._assert_async(plan.ids_ok, ids_range_message(E, 1))
+    plan = checked_plan(topk_ids, E, block_m)
     if save:
         h, a = gemm1_swiglu(x, w1, w3, plan, config=gemm1_config, save_a=True)
     else:
@@ -79,6 +76,16 @@ def forward_ep1(
     if not save:
         return out
     return out, (a, pack_plan(plan))
+
+
+def checked_plan(topk_ids: torch.Tensor, num_experts: int, block_m: int):
+    """The EP=1 plan, with the id range checked on the device by the plan's count kernel (one
+    async assert, no host sync)."""
+    from torchtitan_megamoe.ops.api import ids_range_message  # api imports this package lazily
+
+    plan = build_plan(topk_ids, num_experts, block_m, id_limit=num_experts)
+    torch._assert_async(plan.ids_ok, ids_range_message(num_experts, 1))
+    return plan
 
 
 def saved_like(x: torch.Tensor, topk_ids: torch.Tensor, w1: torch.Tensor,

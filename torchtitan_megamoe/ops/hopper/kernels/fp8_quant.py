@@ -28,10 +28,7 @@ from torchtitan_megamoe.ops.hopper.plan import Plan
 from torchtitan_megamoe.ops.hopper.kernels.tiling import cdiv
 from torchtitan_megamoe.ops.hopper.tune import interpreting
 
-FP8_MAX = 448.0
-"""Largest finite float8_e4m3fn."""
 SCALE_BLOCK = 128
-AMAX_FLOOR = 1e-12
 FP8 = torch.float8_e4m3fn
 
 

@@ -22,6 +22,7 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from torchtitan_megamoe.ops.hopper.kernels.bwd_wgrad import longest_first
+from torchtitan_megamoe.ops.hopper.kernels.tiling import grouped_tile
 from torchtitan_megamoe.ops.hopper.plan import Plan
 from torchtitan_megamoe.ops.hopper.tune import bucket, interpreting, pick_config
 
@@ -37,12 +38,7 @@ def _fp8_wgrad_kernel(
     num_n = N // BLOCK_N
     per_expert = num_m * num_n
     e = tl.load(order_ptr + tl.program_id(0) // per_expert)
-    t = tl.program_id(0) % per_expert
-    group = GROUP_M * num_n
-    first_m = (t // group) * GROUP_M
-    gsize = min(num_m - first_m, GROUP_M)
-    pid_m = first_m + (t % group) % gsize
-    pid_n = (t % group) // gsize
+    pid_m, pid_n = grouped_tile(tl.program_id(0) % per_expert, num_m, num_n, GROUP_M)
     m0 = (pid_m * BLOCK_M).to(tl.int32)
     n0 = (pid_n * BLOCK_N).to(tl.int32)
     m64 = (m0 + tl.arange(0, BLOCK_M)).to(tl.int64)
