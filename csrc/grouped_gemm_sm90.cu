@@ -871,38 +871,13 @@ __global__ void __launch_bounds__(THREADS, 1)
   }
 }
 
-typedef CUresult (*EncodeTiled)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*,
-                                const cuuint64_t*, const cuuint64_t*, const cuuint32_t*,
-                                const cuuint32_t*, CUtensorMapInterleave, CUtensorMapSwizzle,
-                                CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
-
-// Tensor map of a [rows, cols] row-major bf16 matrix, boxes of box_rows x box_cols, stored in
-// shared memory with the box_cols * 2-byte swizzle (128 or 64: the layouts smem_desc_swizzled
-// and swizzled_offset describe).
+// bf16 [rows, cols] in [box_rows, box_cols] boxes (sm90_primitives.cuh encode_tiled_2d)
 static int make_map(CUtensorMap* map, const void* ptr, long long rows, long long cols,
                     int box_rows, int box_cols = BK) {
-  static EncodeTiled encode = nullptr;
-  if (encode == nullptr) {
-    cudaDriverEntryPointQueryResult q;
-    void* fn = nullptr;
-    cudaError_t err =
-        cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000, cudaEnableDefault, &q);
-    if (err != cudaSuccess || q != cudaDriverEntryPointSuccess || fn == nullptr) return -1;
-    encode = reinterpret_cast<EncodeTiled>(fn);
-  }
-  cuuint64_t dims[2] = {static_cast<cuuint64_t>(cols), static_cast<cuuint64_t>(rows)};
-  cuuint64_t strides[1] = {static_cast<cuuint64_t>(cols) * 2};
-  cuuint32_t box[2] = {static_cast<cuuint32_t>(box_cols), static_cast<cuuint32_t>(box_rows)};
-  cuuint32_t estr[2] = {1, 1};
-  CUresult r = encode(map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, const_cast<void*>(ptr), dims,
-                      strides, box, estr, CU_TENSOR_MAP_INTERLEAVE_NONE,
-                      box_cols * 2 == 128 ? CU_TENSOR_MAP_SWIZZLE_128B : CU_TENSOR_MAP_SWIZZLE_64B,
-                      CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
-                      CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
-  return r == CUDA_SUCCESS ? 0 : -2;
+  return encode_tiled_2d(map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, ptr, rows, cols, box_rows,
+                         box_cols);
 }
 
-// Launched with a cluster dimension of 1 (each CTA its own cluster), as measured.
 template <int MODE>
 static int launch(const CUtensorMap& w1_map, const CUtensorMap& w3_map, const CUtensorMap& h_map,
                   const CUtensorMap& a_map, const CUtensorMap& in_map, const Params& p,
@@ -1145,7 +1120,5 @@ extern "C" int megamoe_dgrad_swiglu(const void* dy, long long stride_dy, const v
 }
 
 extern "C" const char* megamoe_error_string(int code) {
-  if (code == -1) return "cuTensorMapEncodeTiled not found through the CUDA runtime";
-  if (code == -2) return "cuTensorMapEncodeTiled rejected a tensor map";
-  return cudaGetErrorString(static_cast<cudaError_t>(code));
+  return megamoe::tensor_map_error_string(code);
 }

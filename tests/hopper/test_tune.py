@@ -69,6 +69,21 @@ def test_mismatch_measure():
     assert 0 < tune.output_mismatch((c,), (a,)) < 1e-2
 
 
+def test_relative_difference_for_quantized_outputs():
+    """One e4m3 rounding step flipped at 1 of 1000 positions: output_mismatch (over the differing
+    positions) calls it a 7% difference, relative_difference (over the tensor) ~0.2%; a wrong
+    result stays large for both, and a NaN is infinite."""
+    ref = torch.linspace(1.0, 2.0, 1000)
+    got = ref.clone()
+    got[500] *= 1.07
+    assert tune.output_mismatch((got,), (ref,)) > 5e-2
+    assert 0 < tune.relative_difference((got,), (ref,)) < 5e-3
+    assert tune.relative_difference((ref * 1.2,), (ref,)) > 0.1
+    got[3] = float("nan")
+    assert tune.relative_difference((got,), (ref,)) == float("inf")
+    assert tune.relative_difference((ref[:5],), (ref,)) == float("inf")
+
+
 def test_tuned_is_the_pick_once_timed_and_none_otherwise(tuner, monkeypatch):
     """tune.tuned lets a wrapper skip building its candidates on later calls: None before the
     first pick_config of a key, that pick after, and None while tuning is off (where

@@ -14,7 +14,8 @@ from torchtitan_megamoe.ops.device import capability, sm_count
 
 SOURCE = "grouped_gemm_sm90"
 """csrc/grouped_gemm_sm90.cu, built once (it has no compile-time settings). ``python -m
-torchtitan_megamoe.ops.hopper.cuda.sm90`` compiles it into $MEGAMOE_CUDA_CACHE ahead of time, e.g.
+torchtitan_megamoe.ops.hopper.cuda.sm90`` compiles it (and csrc/fp8_gemm_sm90.cu) into
+$MEGAMOE_CUDA_CACHE ahead of time, e.g.
 into .cuda_cache here to carry to a GPU machine (scripts/_device_env.sh uses it there)."""
 
 
@@ -105,5 +106,7 @@ def raise_on_error(lib: ctypes.CDLL, rc: int, who: str) -> None:
 
 if __name__ == "__main__":
     from torchtitan_megamoe.ops.hopper.cuda.build import build
+    from torchtitan_megamoe.ops.hopper.cuda.fp8_gemm import SOURCE as FP8_SOURCE
 
-    print(build(SOURCE))
+    for source in (SOURCE, FP8_SOURCE):
+        print(build(source))

@@ -32,10 +32,13 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
+from torchtitan_megamoe.ops.hopper.cuda.fp8_gemm import (fp8_gemm1_swiglu_sm90, fp8_rows_sm90,
+                                                       shape_supported as sm90_shape_supported)
+from torchtitan_megamoe.ops.hopper.cuda.sm90 import sm90_usable
 from torchtitan_megamoe.ops.hopper.kernels.fp8_quant import FP8, quantize_block
 from torchtitan_megamoe.ops.hopper.kernels.tiling import grouped_tile
 from torchtitan_megamoe.ops.hopper.plan import Plan
-from torchtitan_megamoe.ops.hopper.tune import bucket, interpreting, pick_config
+from torchtitan_megamoe.ops.hopper.tune import bucket, interpreting, pick_config, relative_difference
 
 MODE_PLAIN, MODE_SWIGLU, MODE_DSWIGLU = 0, 1, 2
 
@@ -141,10 +144,6 @@ def _fp8_rows_kernel(
 # Candidates per mode, timed once per shape by tune.pick_config. Offline sm_90a compiles
 # (Triton 3.9): plain 128x128 at 8 warps spills nothing (154 registers), 128x256 a little;
 # swiglu spills at 128x128 (two accumulators) and not at 64x128; dswiglu's epilogue (five
-# quantized stores) spills ~1.5 KB at its only legal tile, 128x128.
-# Candidates per mode, timed once per shape by tune.pick_config. Offline sm_90a compiles
-# (Triton 3.9): plain 128x128 at 8 warps spills nothing (154 registers), 128x256 a little;
-# swiglu spills at 128x128 (two accumulators) and not at 64x128; dswiglu's epilogue (five
 # quantized stores) spills ~1.5 KB at its only legal tile, 128x128. Triton waits for each
 # 128-K step's wgmma before scaling it into the accumulator, so 4-warp tiles (several CTAs per
 # SM, one's promotion under another's MMAs) are offered next to the 8-warp ones.
@@ -171,6 +170,22 @@ GPU_CONFIGS = {
         dict(BLOCK_M=128, BLOCK_N=128, GROUP_M=8, num_warps=8, num_stages=4),
     ],
 }
+# The warp-specialized CUDA kernels (csrc/fp8_gemm_sm90.cu: producer warpgroup, two consumer
+# warpgroups promoting unsynchronized), offered where they build (sm_90 + nvcc; MEGAMOE_CUDA=0:
+# never) for GEMM 1 + SwiGLU and for the plain GEMMs on row-space A with a bf16 output.
+SM90_CONFIG = dict(IMPL="sm90", GROUP_M=8)
+
+
+def _candidates(mode, a, b, plan, out, gather):
+    E, N, K = b.shape
+    cands = list(GPU_CONFIGS[mode])
+    sm90_mode = (mode == MODE_SWIGLU and gather) or (
+        mode == MODE_PLAIN and not gather and out.dtype == torch.bfloat16)
+    if sm90_mode and sm90_shape_supported(N, K, plan.block_m) and sm90_usable(a):
+        cands.append(SM90_CONFIG)
+    return cands
+
+
 INTERPRET_CONFIG = dict(BLOCK_M=128, BLOCK_N=128, GROUP_M=2, num_warps=1, num_stages=1)
 _NAMES = {MODE_PLAIN: "fp8_rows", MODE_SWIGLU: "fp8_gemm1_swiglu", MODE_DSWIGLU: "fp8_dswiglu"}
 
@@ -184,6 +199,13 @@ def _run(mode, a, a_s, b, b_s, plan: Plan, out, out_s, gather, b2=None, b2_s=Non
 
     def launch(cfg):
         cfg = dict(cfg)
+        if cfg.pop("IMPL", None) == "sm90":
+            if mode == MODE_PLAIN:
+                fp8_rows_sm90(a, a_s, b, b_s, plan, out, group_m=cfg["GROUP_M"])
+            else:
+                fp8_gemm1_swiglu_sm90(a, a_s, b, b_s, b2, b2_s, plan, out, out_s, aux,
+                                      group_m=cfg["GROUP_M"])
+            return
         bm, bn = cfg["BLOCK_M"], cfg["BLOCK_N"]
         assert plan.block_m % bm == 0 and N % bn == 0
         num_m = R // bm
@@ -209,15 +231,17 @@ def _run(mode, a, a_s, b, b_s, plan: Plan, out, out_s, gather, b2=None, b2_s=Non
             TOP_K=plan.top_k, PLAN_BM=plan.block_m, GATHER=gather, MODE=mode,
             SAVE_A=aux is not None, F32_DOT=interpreting(), **cfg,
         )
-        return outputs() if outputs else (out,)
+
+    def checked():  # what the tuner compares (the used rows: every position written; syncs)
+        return outputs() if outputs else (out[: int(plan.num_rows_used)],)
 
     if config is None:
         if interpreting():
             config = INTERPRET_CONFIG
         else:
             key = (bucket(R), N, K, E, plan.block_m, gather, aux is not None)
-            config = pick_config(_NAMES[mode], key, GPU_CONFIGS[mode], launch,
-                                 outputs=lambda res: res)
+            config = pick_config(_NAMES[mode], key, _candidates(mode, a, b, plan, out, gather),
+                                 launch, outputs=lambda _: checked(), mismatch=relative_difference)
     launch(config)
 
 
@@ -230,7 +254,8 @@ def fp8_gemm1_swiglu(xq, xs, w1q, w1s, w3q, w3s, plan: Plan, save_a: bool, confi
     hs = torch.empty((R, H // 128), dtype=torch.float32, device=xq.device)
     a = torch.empty((R, 2 * H), dtype=torch.bfloat16, device=xq.device) if save_a else None
     _run(MODE_SWIGLU, xq, xs, w1q, w1s, plan, hq, hs, gather=True, b2=w3q, b2_s=w3s, aux=a,
-         config=config, outputs=lambda: (hq, hs) + ((a,) if save_a else ()))
+         config=config, outputs=lambda: tuple(t[: int(plan.num_rows_used)]
+                                              for t in (hq, hs) + ((a,) if save_a else ())))
     return hq, hs, a
 
 

@@ -1,0 +1,153 @@
+"""csrc/fp8_gemm_sm90.cu on an H200 (marked gpu; skipped without an sm_90 GPU and nvcc): the
+FP8 GEMM 1 + SwiGLU (h quantized per row and 128 columns in the epilogue, a = [a1 | a3] saved)
+and the plain FP8 row GEMM (GEMM 2, dgrad of linear 1) against float64 math on the same
+quantized operands, on uneven routings (dropped slots, an empty expert, one expert holding
+every row, one token), token counts that are not tile multiples, outputs poisoned first (rows
+past the used ones must stay untouched), and against the Triton FP8 kernels of the same
+contract; two identical calls are bitwise equal."""
+
+import pytest
+import torch
+
+from moe_testing import SM90_GPU, nan_tensor, rel_err, routing
+from torchtitan_megamoe.ops.hopper.cuda.fp8_gemm import fp8_gemm1_swiglu_sm90, fp8_rows_sm90
+from torchtitan_megamoe.ops.hopper.fp8_weights import forward_weights
+from torchtitan_megamoe.ops.hopper.kernels import fp8_gemm_rows as fg
+from torchtitan_megamoe.ops.hopper.kernels.fp8_quant import (FP8, quant_rows, quant_weight,
+                                                          weight_blocks)
+from torchtitan_megamoe.ops.hopper.plan import build_plan
+
+pytestmark = SM90_GPU
+ROUTINGS = ("random", "uneven", "empty_experts", "one_expert", "t1")
+
+
+def _deq_rows(q, s):
+    """fp64 values of per-row 1x128-scaled e4m3 q [N, K] with scales s [N, K/128]."""
+    return q.double() * s.double().repeat_interleave(128, dim=1)
+
+
+def _deq_weight(q, s):
+    return q.double() * s.double().repeat_interleave(128, 1).repeat_interleave(128, 2)
+
+
+def _setup(T, K, E, D, H, name, seed=0):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    x = torch.randn(T, D, device="cuda", generator=g).bfloat16()
+    w1, w2, w3 = (torch.randn(E, *shape, device="cuda", generator=g).div(shape[1] ** 0.5)
+                  .bfloat16() for shape in ((H, D), (D, H), (H, D)))
+    ids = routing(name, T, K, E, seed).cuda()
+    plan = build_plan(ids, E, 128)
+    xq, xs = quant_rows(x)
+    return plan, xq, xs, forward_weights(w1, w2, w3)
+
+
+def _used(plan):
+    used = int(plan.num_rows_used)
+    slot = plan.row_slot[:used].long()
+    expert = plan.tile_expert.repeat_interleave(plan.block_m)[:used].long()
+    return used, slot, expert
+
+
+def _gemm1(plan, xq, xs, wq, save_a=True):
+    R, (E, H, D) = plan.max_rows, wq.w1q.shape
+    hq = torch.full((R, H), float("nan"), device="cuda").to(FP8)
+    hs = nan_tensor(R, H // 128, dtype=torch.float32)
+    a = nan_tensor(R, 2 * H) if save_a else None
+    fp8_gemm1_swiglu_sm90(xq, xs, wq.w1q, wq.w1s, wq.w3q, wq.w3s, plan, hq, hs, a)
+    torch.cuda.synchronize()
+    return hq, hs, a
+
+
+@pytest.mark.parametrize("name", ROUTINGS)
+@pytest.mark.parametrize("T,K,E,D,H", [(700, 4, 8, 256, 384), (333, 2, 5, 640, 128)],
+                         ids=["d256_h384", "d640_h128"])
+def test_gemm1_swiglu_vs_float64(T, K, E, D, H, name):
+    plan, xq, xs, wq = _setup(T, K, E, D, H, name)
+    hq, hs, a = _gemm1(plan, xq, xs, wq)
+    used, slot, expert = _used(plan)
+    xd = _deq_rows(xq, xs)
+    w1d, w3d = _deq_weight(wq.w1q, wq.w1s), _deq_weight(wq.w3q, wq.w3s)
+    a1 = torch.zeros(used, H, dtype=torch.float64, device="cuda")
+    a3 = torch.zeros_like(a1)
+    live = slot >= 0
+    for e in expert[live].unique().tolist():
+        m = live & (expert == e)
+        rows = xd[slot[m] // plan.top_k]
+        a1[m], a3[m] = rows @ w1d[e].T, rows @ w3d[e].T
+    h = a1 * torch.sigmoid(a1) * a3
+    got_h = _deq_rows(hq[:used], hs[:used])
+    assert torch.isfinite(got_h).all() and torch.isfinite(a[:used].float()).all(), "unwritten rows"
+    assert rel_err(a[:used, :H], a1) < 1e-2 and rel_err(a[:used, H:], a3) < 1e-2
+    # h is e4m3 (3 mantissa bits): ~2-3% from exact; a wrong scale or row is far off
+    assert rel_err(got_h, h) < 4e-2, rel_err(got_h, h)
+    assert torch.all(hq[:used][~live].float() == 0), "padding rows must be exactly 0"
+    # per-row scales: amax / 448 of each row's 128-column block of h
+    amax = h.abs().reshape(used, H // 128, 128).amax(-1).clamp_min(1e-12)
+    assert rel_err(hs[:used][live], (amax / 448)[live]) < 1e-2
+    assert torch.isnan(a[used:].float()).all(), "wrote rows past the used ones"
+    again = _gemm1(plan, xq, xs, wq)
+    assert all(torch.equal(u.view(torch.uint8) if u.dtype == FP8 else u,
+                           v.view(torch.uint8) if v.dtype == FP8 else v)
+               for u, v in zip((hq[:used], hs[:used], a[:used]), (t[:used] for t in again)))
+    hq2, hs2, _ = _gemm1(plan, xq, xs, wq, save_a=False)  # the inference form
+    assert torch.equal(hq2[:used].view(torch.uint8), hq[:used].view(torch.uint8))
+
+
+@pytest.mark.parametrize("name", ROUTINGS)
+@pytest.mark.parametrize("T,K,E,N,KD", [(700, 4, 8, 256, 384), (333, 2, 5, 640, 1152)],
+                         ids=["k3", "k9"])
+def test_rows_vs_float64(T, K, E, N, KD, name):
+    plan, *_ = _setup(T, K, E, 128, 128, name)
+    used, slot, expert = _used(plan)
+    g = torch.Generator(device="cuda").manual_seed(1)
+    rows = torch.randn(plan.max_rows, KD, device="cuda", generator=g)
+    rows[:used][slot < 0] = 0
+    aq, a_s = quant_rows(rows)
+    w = torch.randn(E, N, KD, device="cuda", generator=g).div(KD ** 0.5).bfloat16()
+    bq, b_s = weight_blocks(E, N, KD, "cuda")
+    quant_weight(w, q=bq, s=b_s)
+    out = nan_tensor(plan.max_rows, N)
+    fp8_rows_sm90(aq, a_s, bq, b_s, plan, out)
+    torch.cuda.synchronize()
+    ad, bd = _deq_rows(aq, a_s), _deq_weight(bq, b_s)
+    ref = torch.zeros(used, N, dtype=torch.float64, device="cuda")
+    for e in expert.unique().tolist():
+        m = expert == e
+        ref[m] = ad[:used][m] @ bd[e].T
+    assert not torch.isnan(out[:used]).any(), "used rows left unwritten"
+    assert rel_err(out[:used], ref) < 1e-2, rel_err(out[:used], ref)
+    assert torch.all(out[:used][slot < 0] == 0), "padding rows must be exactly 0"
+    assert torch.isnan(out[used:]).all(), "wrote rows past the used ones"
+
+
+def test_qwen3_30b_shape_matches_triton():
+    """The 30B-A3B layer shape (E 128, D 2048, H 768, top-8, 4096 tokens): both CUDA kernels
+    against the Triton FP8 kernels of the same contract."""
+    T, K, E, D, H = 4096, 8, 128, 2048, 768
+    plan, xq, xs, wq = _setup(T, K, E, D, H, "random", seed=3)
+    used = int(plan.num_rows_used)
+    tri = fg.GPU_CONFIGS[fg.MODE_SWIGLU][0]
+    hq_t, hs_t, a_t = fg.fp8_gemm1_swiglu(xq, xs, wq.w1q, wq.w1s, wq.w3q, wq.w3s, plan,
+                                           save_a=True, config=tri)
+    hq_c, hs_c, a_c = fg.fp8_gemm1_swiglu(xq, xs, wq.w1q, wq.w1s, wq.w3q, wq.w3s, plan,
+                                           save_a=True, config=fg.SM90_CONFIG)
+    assert rel_err(a_c[:used], a_t[:used]) < 1e-3
+    assert rel_err(_deq_rows(hq_c[:used], hs_c[:used]), _deq_rows(hq_t[:used], hs_t[:used])) < 1e-2
+    y_t = fg.fp8_rows_gemm(hq_c, hs_c, wq.w2q, wq.w2s, plan, torch.bfloat16,
+                           config=fg.GPU_CONFIGS[fg.MODE_PLAIN][0])
+    y_c = fg.fp8_rows_gemm(hq_c, hs_c, wq.w2q, wq.w2s, plan, torch.bfloat16,
+                           config=fg.SM90_CONFIG)
+    assert rel_err(y_c[:used], y_t[:used]) < 1e-3, rel_err(y_c[:used], y_t[:used])
+
+
+def test_rejects_bad_operands():
+    plan, xq, xs, wq = _setup(64, 2, 4, 256, 128, "random")
+    R = plan.max_rows
+    out = nan_tensor(R, 256)
+    with pytest.raises(ValueError, match="e4m3"):
+        fp8_rows_sm90(torch.zeros(R, 128, device="cuda").bfloat16(), xs[:R], wq.w2q, wq.w2s,
+                      plan, out)
+    with pytest.raises(ValueError, match="N % 128"):
+        fp8_rows_sm90(torch.zeros(R, 128, device="cuda").to(FP8),
+                      torch.ones(R, 1, device="cuda"), wq.w2q[:, :200], wq.w2s, plan,
+                      nan_tensor(R, 200))

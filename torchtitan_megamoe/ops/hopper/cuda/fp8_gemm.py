@@ -1,0 +1,117 @@
+"""Python side of csrc/fp8_gemm_sm90.cu: the blockwise-FP8 grouped GEMMs, warp-specialized
+(tiles of 128 rows x 128 columns, K steps of 128, the partial product promoted into fp32 per
+step with its scales; see the .cu file).
+
+- ``fp8_rows_sm90``: out [R_max, N] bf16 = aq[r] @ bq[e]^T, scaled (GEMM 2; the backward's
+  dgrad of linear 1 with the transposed [w1 | w3] copy). Same contract as
+  kernels/fp8_gemm_rows.fp8_rows_gemm without the gather, so the two are candidates of one
+  tuner entry.
+- ``fp8_gemm1_swiglu_sm90``: GEMM 1 + SwiGLU on the plan's token rows of xq, h in e4m3 with
+  per-row scales per 128 columns, optionally a = [a1 | a3] bf16 (kernels/fp8_gemm_rows.
+  fp8_gemm1_swiglu's contract).
+
+Both write only the used rows; tiles whose tile_expert is -1 are skipped.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from typing import TYPE_CHECKING
+
+import torch
+
+from torchtitan_megamoe.ops.hopper.cuda.build import load
+from torchtitan_megamoe.ops.hopper.cuda.sm90 import check_plan, launch_context, raise_on_error
+
+if TYPE_CHECKING:
+    from torchtitan_megamoe.ops.hopper.plan import Plan
+
+SOURCE = "fp8_gemm_sm90"
+BM, BN, BK = 128, 128, 128
+FP8 = torch.float8_e4m3fn
+
+
+def fp8_gemm_library() -> ctypes.CDLL:
+    lib = load(SOURCE)
+    if not getattr(lib, "_megamoe_typed", False):
+        p, i, ll = ctypes.c_void_p, ctypes.c_int, ctypes.c_longlong
+        lib.megamoe_fp8_gemm_rows.argtypes = [p, p, ll, p, p, ll, ll, p, p, p, i, i, i, i, i, ll,
+                                              i, p]
+        lib.megamoe_fp8_gemm_rows.restype = i
+        lib.megamoe_fp8_gemm1_swiglu.argtypes = [p, ll, p, ll, p, p, p, p, ll, ll, p, p, p, p, p,
+                                                 p, i, i, i, i, i, i, i, p]
+        lib.megamoe_fp8_gemm1_swiglu.restype = i
+        lib.megamoe_error_string.argtypes = [i]
+        lib.megamoe_error_string.restype = ctypes.c_char_p
+        lib._megamoe_typed = True
+    return lib
+
+
+def shape_supported(N: int, K: int, block_m: int) -> bool:
+    return N % BN == 0 and K % BK == 0 and block_m % BM == 0
+
+
+def _check_common(who, plan, N, K, weights, scales):
+    if not shape_supported(N, K, plan.block_m):
+        raise ValueError(f"{who} needs N % {BN} == 0, K % {BK} == 0 and a plan block_m multiple "
+                         f"of {BM}; got N={N}, K={K}, block_m={plan.block_m}")
+    for name, w in weights.items():
+        if w.dtype != FP8 or not w.is_contiguous() or w.data_ptr() % 16:
+            raise ValueError(f"{who}: {name} must be contiguous, 16-byte aligned e4m3")
+    for name, s in scales.items():
+        if s.dtype != torch.float32 or s.stride(-1) != 1:
+            raise ValueError(f"{who}: {name} must be fp32 with unit-stride rows")
+
+
+def fp8_rows_sm90(aq, a_s, bq, b_s, plan: Plan, out: torch.Tensor, group_m: int = 8) -> None:
+    """Writes the used rows of out [R_max, N] (bf16) = (aq [R_max, K] @ bq[e]^T [E, N, K]),
+    scaled by a_s [R_max, K/128] and b_s [E, N/128, K/128]."""
+    who = "fp8_rows_sm90"
+    E, N, K = bq.shape
+    R = plan.max_rows
+    _check_common(who, plan, N, K, {"aq": aq, "bq": bq}, {"a_s": a_s, "b_s": b_s})
+    if aq.shape != (R, K) or out.shape != (R, N) or a_s.shape != (R, K // BK):
+        raise ValueError(f"{who}: aq {tuple(aq.shape)}, a_s {tuple(a_s.shape)} and out "
+                         f"{tuple(out.shape)} must be [{R}, {K}], [{R}, {K // BK}], [{R}, {N}]")
+    if out.dtype != torch.bfloat16 or not out.is_contiguous():
+        raise ValueError(f"{who}: out must be contiguous bfloat16")
+    check_plan(plan, aq.device, who)
+    lib = fp8_gemm_library()
+    num_sms, stream, _ = launch_context(aq.device, ticket=False)
+    rc = lib.megamoe_fp8_gemm_rows(
+        aq.data_ptr(), a_s.data_ptr(), a_s.stride(0), bq.data_ptr(), b_s.data_ptr(),
+        b_s.stride(0), b_s.stride(1), out.data_ptr(), plan.tile_expert.data_ptr(),
+        plan.num_rows_used.data_ptr(), E, N, K, plan.block_m, group_m, R, num_sms, stream)
+    raise_on_error(lib, rc, who)
+
+
+def fp8_gemm1_swiglu_sm90(xq, xs, w1q, w1s, w3q, w3s, plan: Plan, hq, hs, a=None,
+                          group_m: int = 8) -> None:
+    """Writes the used rows of hq [R_max, H] e4m3, hs [R_max, H/128] and (unless None) a
+    [R_max, 2H] bf16: GEMM 1 + SwiGLU on the token rows of xq [T, D] (scales xs [T, D/128])."""
+    who = "fp8_gemm1_swiglu_sm90"
+    E, H, D = w1q.shape
+    R = plan.max_rows
+    _check_common(who, plan, H, D, {"w1q": w1q, "w3q": w3q, "hq": hq},
+                  {"xs": xs, "w1s": w1s, "w3s": w3s, "hs": hs})
+    if w3q.shape != w1q.shape or w1s.stride() != w3s.stride() or w1s.shape != w3s.shape:
+        raise ValueError(f"{who}: w1 and w3 (and their scales) must have one shape and layout")
+    if xq.dtype != FP8 or xq.stride(1) != 1 or xq.stride(0) % 16 or xq.data_ptr() % 16:
+        raise ValueError(f"{who}: xq must be e4m3 with unit-stride, 16-byte aligned rows")
+    if xq.shape[1] != D or xs.shape != (xq.shape[0], D // BK):
+        raise ValueError(f"{who}: xq {tuple(xq.shape)} / xs {tuple(xs.shape)} do not match D={D}")
+    if hq.shape != (R, H) or not hs.is_contiguous() or hs.shape != (R, H // BN):
+        raise ValueError(f"{who}: hq / hs must be [{R}, {H}] / [{R}, {H // BN}] contiguous")
+    if a is not None and (a.shape != (R, 2 * H) or a.dtype != torch.bfloat16
+                          or not a.is_contiguous()):
+        raise ValueError(f"{who}: a must be contiguous bfloat16 [{R}, {2 * H}]")
+    check_plan(plan, xq.device, who, ("row_slot", "tile_expert", "num_rows_used"))
+    lib = fp8_gemm_library()
+    num_sms, stream, _ = launch_context(xq.device, ticket=False)
+    rc = lib.megamoe_fp8_gemm1_swiglu(
+        xq.data_ptr(), xq.stride(0), xs.data_ptr(), xs.stride(0), w1q.data_ptr(), w1s.data_ptr(),
+        w3q.data_ptr(), w3s.data_ptr(), w1s.stride(0), w1s.stride(1), hq.data_ptr(),
+        hs.data_ptr(), a.data_ptr() if a is not None else None, plan.row_slot.data_ptr(),
+        plan.tile_expert.data_ptr(), plan.num_rows_used.data_ptr(), E, H, D, plan.top_k,
+        plan.block_m, group_m, num_sms, stream)
+    raise_on_error(lib, rc, who)
