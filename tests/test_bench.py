@@ -8,7 +8,9 @@
   precision's backward faked as missing: its row reads "not available"); the backward-stage
   breakdown wiring (bwd_bench under the Triton interpreter at the tiny shape) and its table.
 - The baselines' wiring: stock compiled as TorchTitan compiles a MoE block (aot_eager on CPU),
-  swapped in only inside its ``with``; the argument parsing; the tables from made-up results
+  swapped in only inside its ``with``; the whole block under one torch.compile (on CPU
+  fullgraph fails on TorchTitan's CPU index padding, so it runs with graph breaks) matching
+  stock eager forward and backward; the argument parsing; the tables from made-up results
   (ratios, floors, notes); rows that cannot run reported, not raised.
 """
 
@@ -167,11 +169,25 @@ def test_ep1_cli_reference_smoke():
     # (not installed; installed, torchao's quantization kernels need a GPU)
     assert r["stock_fp8_note"].startswith(("not available: ", "failed: "))
     assert "stock + torchao FP8 compiled: " in proc.stdout
+    # the whole block under one torch.compile: on CPU TorchTitan's index padding reads the
+    # counts with .item() and branches on them, so fullgraph fails and graph breaks are allowed
+    assert r["stock_block_fwd_ms"] > 0 and r["stock_block_fwdbwd_ms"] > 0
+    assert r["stock_block_rel_err_vs_stock"] < 1e-2 and r["stock_block_recompiles"] == 0
+    assert r["stock_block_mode"] == "default (graph breaks allowed)"
+    assert "fill_indices_cpu" in r["stock_block_fullgraph_error"]
+    assert r["stock_block_graph_breaks"] >= 1 and r["stock_block_graphs"] >= 2
+    assert r["stock_block_first_call_s"] == pytest.approx(
+        r["stock_block_fwd_first_call_s"] + r["stock_block_fwdbwd_first_call_s"])
+    assert "stock block-compiled (torch.compile default, graph breaks allowed, " in proc.stdout
+    assert "stock block-compiled: fullgraph=True did not trace" in proc.stdout
     # the JSON's rows are the table's: ratios against each baseline
     rows = {(row["pass"], row["precision"]): row for row in r["rows"]}
     fp8 = rows[("fwd", "fp8")]
     assert fp8["x_stock_compiled"] == r["stock_compiled_fwd_ms"] / r["ours_fp8_fwd_ms"]
     assert fp8["x_stock"] == r["stock_fwd_ms"] / r["ours_fp8_fwd_ms"]
+    assert fp8["x_stock_block"] == r["stock_block_fwd_ms"] / r["ours_fp8_fwd_ms"]
+    assert rows[("fwdbwd", "bf16")]["stock_block_first_call_s"] == \
+        r["stock_block_fwdbwd_first_call_s"]
     assert fp8["x_stock_fp8"] is None and rows[("fwdbwd", "fp8_bwd")]["note"] == missing
     assert {(row["pass"], row["precision"]) for row in r["rows_b2b"]} == set(rows)
     # accuracy against float64: every gradient of ours, stock's output and weight gradients
@@ -268,8 +284,21 @@ def test_cli_options():
     assert a.compile_backend == "eager"
     a = parse_args(["--precision", "fp8_bwd", "--no-torchao", "--no-compile-stock"])
     assert a.precisions == ["bf16", "fp8_bwd"] and not a.torchao and not a.compile_stock
+    assert a.block_compile_stock and a.baselines == ["eager", "block"]
+    # --baselines: every baseline by default (torchao only with an FP8 precision)
+    assert parse_args([]).baselines == ["eager", "compiled", "block"]
+    a = parse_args(["--precisions", "fp8"])
+    assert a.baselines == ["eager", "compiled", "block", "torchao"] and a.block_compile_stock
+    a = parse_args(["--baselines", "eager,block", "--precisions", "fp8"])
+    assert a.block_compile_stock and not a.compile_stock and not a.torchao
+    a = parse_args(["--baselines", "compiled,torchao", "--precisions", "fp8"])
+    assert not a.block_compile_stock and a.compile_stock and a.torchao
+    assert a.baselines == ["eager", "compiled", "torchao"]  # eager always runs
+    a = parse_args(["--ep", "2"])
+    assert not a.block_compile_stock and a.compile_stock  # block: EP=1 only
     for bad in (["--precisions", "fp4"], ["--ep", "2", "--precisions", "fp8"],
-                ["--ep", "2", "--accuracy"], ["--shapes", "7b"]):
+                ["--ep", "2", "--accuracy"], ["--shapes", "7b"], ["--baselines", "fused"],
+                ["--ep", "2", "--baselines", "eager,block"]):
         with pytest.raises(SystemExit):
             parse_args(bad)
 
@@ -306,6 +335,10 @@ def _made_up_result():
         "precisions": ["bf16", "fp8", "fp8_bwd"],
         "stock_fwd_ms": 12.0, "stock_fwdbwd_ms": 36.0,
         "stock_compiled_fwd_ms": 6.0, "stock_compiled_fwdbwd_ms": 18.0,
+        "stock_block_fwd_ms": 4.0, "stock_block_fwdbwd_ms": 12.0,
+        "stock_block_mode": "fullgraph", "stock_block_graphs": 1, "stock_block_graph_breaks": 0,
+        "stock_block_fwd_first_call_s": 40.0, "stock_block_fwdbwd_first_call_s": 50.0,
+        "stock_block_fwd_warmup_s": 41.0, "stock_block_fwdbwd_warmup_s": 51.0,
         "stock_fp8_fwd_ms": 8.0, "stock_fp8_fwdbwd_ms": 24.0,
         "ours_fwd_ms": 3.0, "ours_fwdbwd_ms": 9.0,
         "ours_fwdbwd_peak_mib": 100.0, "ours_first_call_s": 4.0,
@@ -331,6 +364,7 @@ def test_layer_rows_and_tables_from_made_up_results():
     assert len(rows) == 6
     bf16 = rows[("fwd", "bf16")]
     assert (bf16["x_stock"], bf16["x_stock_compiled"], bf16["x_stock_fp8"]) == (4.0, 2.0, 8 / 3)
+    assert bf16["x_stock_block"] == 4 / 3 and bf16["stock_block_first_call_s"] == 40.0
     assert bf16["tflops"] == 510.0 and bf16["floor_frac"] == 2 / 3
     fp8 = rows[("fwdbwd", "fp8")]
     assert fp8["x_stock_compiled"] == 4.0 and fp8["floor_frac"] == 3.0 / 4.5
@@ -341,29 +375,34 @@ def test_layer_rows_and_tables_from_made_up_results():
 
     lines = table([r]).splitlines()
     assert lines[0].startswith("| shape | pass | ours | ours ms | stock eager ms | stock compiled "
-                               "ms | stock + torchao FP8 compiled ms | vs eager | vs compiled |")
-    assert ("| S | fwd | bf16 | 3.000 | 12.000 | 6.000 | 8.000 | 4.00x | 2.00x | 2.67x | 510 | "
-            "2.00 | 0.67 | n/a | n/a |") in lines
-    assert ("| S | fwdbwd | fp8 | 4.500 | 36.000 | 18.000 | 24.000 | 8.00x | 4.00x | 5.33x | "
-            "1020 | 3.00 | 0.67 | 90 | 6.0 |") in lines
-    assert ("| S | fwdbwd | fp8_bwd | not available: no FP8 bwd | 36.000 | 18.000 | 24.000 | "
-            "n/a | n/a | n/a | n/a | 4.00 | n/a | n/a | n/a |") in lines
+                               "ms | stock block-compiled ms | stock + torchao FP8 compiled ms | "
+                               "vs eager | vs compiled | vs block-compiled | vs torchao FP8 |")
+    assert ("| S | fwd | bf16 | 3.000 | 12.000 | 6.000 | 4.000 | 8.000 | 4.00x | 2.00x | 1.33x | "
+            "2.67x | 510 | 2.00 | 0.67 | n/a | n/a |") in lines
+    assert ("| S | fwdbwd | fp8 | 4.500 | 36.000 | 18.000 | 12.000 | 24.000 | 8.00x | 4.00x | "
+            "2.67x | 5.33x | 1020 | 3.00 | 0.67 | 90 | 6.0 |") in lines
+    assert ("| S | fwdbwd | fp8_bwd | not available: no FP8 bwd | 36.000 | 18.000 | 12.000 | "
+            "24.000 | n/a | n/a | n/a | n/a | n/a | 4.00 | n/a | n/a | n/a |") in lines
     text = "\n".join(lines)
     assert ("S stock compiled: first 2 calls (compilation) fwd 20.0 s, fwdbwd 30.0 s (output "
             "1.0e-03 from stock eager)") in text
+    assert ("stock block-compiled (fullgraph, 1 graph(s) and 0 graph break(s) in the forward): "
+            "first 2 calls (compilation) fwd 41.0 s, fwdbwd 51.0 s (first call alone fwd 40.0 s, "
+            "fwdbwd 50.0 s)") in text
     assert ("S peak memory of one fwd+bwd above the inputs (fresh grads, MiB): stock eager 300, "
             "stock compiled 250, ours bf16 100, ours fp8 90") in text
 
     b2b = table([r], "b2b").splitlines()  # only the forward has back-to-back times here
-    assert ("| S | fwd | bf16 | 2.500 | 10.000 | 5.000 | n/a | 4.00x | 2.00x | n/a | 612 | 2.00 | "
-            "0.80 |") in b2b
+    assert ("| S | fwd | bf16 | 2.500 | 10.000 | 5.000 | n/a | n/a | 4.00x | 2.00x | n/a | n/a | "
+            "612 | 2.00 | 0.80 |") in b2b
     assert len(b2b) == 2 + 3 and b2b[0].endswith("| floor/ours |")
     # a baseline that did not run: n/a in its column, its reason under the table
     r2 = {"shape": "S2", "flops_fwd": 1530e9, "stock_fwd_ms": 4.0, "ours_fwd_ms": 2.0,
           "stock_fp8_note": "not available: torchao not installed",
           "stock_compiled_fwd_note": "failed: RuntimeError: | inductor broke"}
     text = table([r2])
-    assert "| S2 | fwd | bf16 | 2.000 | 4.000 | n/a | n/a | 2.00x | n/a | n/a |" in text
+    assert "| S2 | fwd | bf16 | 2.000 | 4.000 | n/a | n/a | n/a | 2.00x | n/a | n/a | n/a |" \
+        in text
     assert "S2 stock + torchao FP8 compiled: not available: torchao not installed" in text
     assert "S2 stock compiled fwd: failed: RuntimeError: / inductor broke" in text
 
@@ -438,3 +477,50 @@ def test_compiled_stock_is_swapped_in_only_inside_its_with():
     assert ((got.float() - want.float()).norm() / want.float().norm()).item() < 1e-2
     assert xg.grad is not None and moe.experts.w1.grad is not None
     assert compiled(x).shape == x.shape and moe.router is router  # __call__: the same, once
+
+
+def test_block_compiled_stock_matches_eager_forward_and_backward():
+    """The whole stock block under one torch.compile (aot_eager on CPU) at the tiny shape:
+    its output and gradients (x and the expert and gate weights) match stock eager within bf16
+    tolerance. On CPU, TorchTitan's index padding (fill_indices_cpu) branches on .item() of the
+    token counts, so fullgraph fails there and the block runs with graph breaks."""
+    from torchtitan_megamoe.bench.stock import BlockCompiledStock
+
+    torch.manual_seed(0)
+    moe = bench.build_stock_moe(TINY, torch.device("cpu"))
+    x = torch.randn(1, T, TINY["dim"], dtype=torch.bfloat16)
+    grad = torch.randn_like(x)
+    params = {n: p for n, p in moe.named_parameters()}
+
+    def run(layer):
+        moe.zero_grad(set_to_none=True)
+        xg = x.clone().requires_grad_(True)
+        out = layer(xg)
+        out.backward(grad)
+        return out.detach().float(), xg.grad.float(), {n: p.grad.float() for n, p in
+                                                       params.items()}
+
+    def rel(a, b):
+        return ((a - b).norm() / b.norm()).item()
+
+    want, want_dx, want_g = run(moe)
+    block = BlockCompiledStock(moe, backend="aot_eager")
+    with torch.no_grad():
+        assert rel(block(x).float(), want) < 1e-2
+    got, dx, g = run(block)
+    assert rel(got, want) < 1e-2 and rel(dx, want_dx) < 2e-2
+    assert set(g) == set(want_g) and all(rel(g[n], want_g[n]) < 2e-2 for n in g), \
+        {n: rel(g[n], want_g[n]) for n in g}
+    d = block.describe()
+    assert d["mode"] == BlockCompiledStock.DEFAULT and "fill_indices_cpu" in d["fullgraph_error"]
+    assert d["graphs"] >= 2 and d["graph_breaks"] == d["graphs"] - 1
+
+
+def test_block_compiled_stock_keeps_fullgraph_where_it_traces():
+    from torchtitan_megamoe.bench.stock import BlockCompiledStock
+
+    lin = torch.nn.Linear(8, 4)
+    x = torch.randn(3, 8)
+    block = BlockCompiledStock(lin, backend="aot_eager")
+    assert torch.allclose(block(x), lin(x))
+    assert block.describe() == {"mode": "fullgraph", "graphs": 1, "graph_breaks": 0}

@@ -1,18 +1,26 @@
 """MoE layer benchmark: stock TorchTitan MoE vs mega_moe on the same weights and routing.
 
     python -m torchtitan_megamoe.bench [--shapes 30b,235b] [--tokens 16384] [--json out.json]
-        [--precisions bf16,fp8,fp8_bwd] [--accuracy]
+        [--precisions bf16,fp8,fp8_bwd] [--accuracy] [--baselines eager,compiled,block,torchao]
     torchrun --nproc_per_node 2 -m torchtitan_megamoe.bench --ep 2 [--json out.json]
 
 For each Qwen3 shape it builds stock ``torchtitan.models.moe.MoE`` with Qwen3's MoEArgs (softmax,
 route_norm, no shared experts, score_before_experts=False) in bf16, then times:
 
 - stock: the module's forward (router + permute + grouped GEMMs + unpermute + combine), eager;
-- stock compiled (unless --no-compile-stock): the same module compiled as TorchTitan's
-  ``--compile.enable`` compiles a MoE block (bench/stock.py: router and reorderer under
-  ``torch.compile(fullgraph=True)``, the grouped-GEMM function compiled; dynamic=False here),
+- stock compiled (unless --no-compile-stock, or "compiled" left out of --baselines): the same
+  module compiled as TorchTitan's ``--compile.enable`` compiles a MoE block (bench/stock.py:
+  router and reorderer under ``torch.compile(fullgraph=True)``, the grouped-GEMM function
+  compiled; dynamic=False here),
   timed after a warm-up that compiles it (its wall time is reported); at EP > 1 with the EP
   wiring of that compile (received rows marked dynamic);
+- stock block-compiled (EP=1; unless --baselines leaves out "block"): the whole stock block
+  (router, reorder, gather, index padding, grouped GEMMs + SwiGLU, unpermute, combine) under
+  one ``torch.compile(fullgraph=True, dynamic=False)`` (bench/stock.py BlockCompiledStock), a
+  stronger baseline than TorchTitan's own compile; where fullgraph does not trace (on CPU:
+  TorchTitan's CPU index padding branches on ``.item()`` of the counts) it is compiled with
+  graph breaks allowed, and the output says which, with the fullgraph error and the graph
+  breaks of its forward. Its first call per pass (the compilation) is timed on its own;
 - stock + torchao FP8 compiled (when --precisions lists an FP8 precision, unless --no-torchao):
   torchao 0.18's rowwise FP8 grouped GEMMs on stock's experts (quantize_ with
   Float8TrainingOpConfig, as TorchTitan's quantize.grouped_mm.float8 converter does), compiled

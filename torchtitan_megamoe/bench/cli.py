@@ -19,6 +19,10 @@ from torchtitan_megamoe.bench.tables import (accuracy_table, bwd_table, ep_table
 from torchtitan_megamoe.ops.api import PRECISIONS
 
 FP8_PRECISIONS = ("fp8", "fp8_bwd")
+BASELINE_CHOICES = ("eager", "compiled", "block", "torchao")
+"""--baselines: stock eager (always runs: every output is checked against it), compiled (as
+TorchTitan's --compile.enable), block (the whole block under one torch.compile, EP=1), torchao
+(stock + torchao FP8, compiled; only with an FP8 precision in --precisions)."""
 
 
 def _meta() -> dict:
@@ -89,8 +93,8 @@ def main_ep(args) -> int:
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
-        description="MoE layer benchmark: stock TorchTitan MoE (eager, compiled, + torchao FP8) "
-                    "vs mega_moe")
+        description="MoE layer benchmark: stock TorchTitan MoE (eager, compiled as "
+                    "--compile.enable does, block-compiled, + torchao FP8) vs mega_moe")
     p.add_argument("--shapes", default="30b,235b", help="comma list of: " + ",".join(SHAPES))
     p.add_argument("--tokens", type=int, default=16384, help="tokens per GPU")
     p.add_argument("--iters", type=int, default=None, help="timed calls (30; 20 with --ep > 1)")
@@ -101,17 +105,28 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="comma list of ours' precisions, from: " + ",".join(PRECISIONS)
                         + " (mega_moe(..., precision=p); ours in bf16 always runs; one the "
                           "backend lacks prints 'not available: <why>'); EP=1 only")
+    p.add_argument("--baselines", default=None,
+                   help="comma list of the stock baselines to time, from: "
+                        + ",".join(BASELINE_CHOICES) + " (default: all; at --ep > 1 "
+                        "eager,compiled). eager always runs (the reference of every output "
+                        "check); compiled: as TorchTitan's --compile.enable compiles a MoE "
+                        "block; block: the whole MoE block under one torch.compile (fullgraph "
+                        "where it traces, else graph breaks allowed; EP=1 only), whose first "
+                        "calls compile it; torchao: stock + torchao FP8 compiled, runs only "
+                        "when --precisions lists fp8 or fp8_bwd")
     p.add_argument("--no-compile-stock", dest="compile_stock", action="store_false",
                    help="skip stock under torch.compile (as TorchTitan's --compile.enable "
                         "compiles each MoE block: bench/stock.py); its first calls compile for "
-                        "tens of seconds per shape")
+                        "tens of seconds per shape (the same as leaving compiled out of "
+                        "--baselines)")
     p.add_argument("--compile-backend", default=None,
-                   help="torch.compile backend of the compiled stock layers (default: inductor, "
-                        "TorchTitan's compile.backend; aot_eager without CUDA, for the smoke "
-                        "runs)")
+                   help="torch.compile backend of the compiled stock layers, block-compiled "
+                        "included (default: inductor, TorchTitan's compile.backend; aot_eager "
+                        "without CUDA, for the smoke runs)")
     p.add_argument("--no-torchao", dest="torchao", action="store_false",
                    help="skip stock + torchao's rowwise FP8 grouped GEMMs (compiled), which "
-                        "runs when --precisions lists fp8 or fp8_bwd (needs torchao 0.18)")
+                        "runs when --precisions lists fp8 or fp8_bwd (needs torchao 0.18; the "
+                        "same as leaving torchao out of --baselines)")
     p.add_argument("--accuracy", action="store_true",
                    help="also, per shape: relative error of the output and every gradient "
                         "against float64 on the same inputs, for ours at each precision, stock "
@@ -146,7 +161,23 @@ def parse_args(argv=None) -> argparse.Namespace:
                 "not benchmarked here)")
     if args.ep != 1 and args.accuracy:
         p.error("--accuracy runs at EP=1 only")
-    args.torchao = args.torchao and any(q in FP8_PRECISIONS for q in args.precisions)
+    if args.baselines is None:
+        baselines = ["eager", "compiled", "torchao"] + (["block"] if args.ep == 1 else [])
+    else:
+        baselines = [b.strip() for b in args.baselines.split(",") if b.strip()]
+        for b in baselines:
+            if b not in BASELINE_CHOICES:
+                p.error(f"unknown baseline {b!r}; pick from {','.join(BASELINE_CHOICES)}")
+        if args.ep != 1 and "block" in baselines:
+            p.error("--baselines block runs at EP=1 only")
+    args.baselines = [b for b in BASELINE_CHOICES if b in baselines or b == "eager"]
+    # the older switches still apply
+    args.compile_stock = args.compile_stock and "compiled" in args.baselines
+    args.block_compile_stock = "block" in args.baselines
+    args.torchao = (args.torchao and "torchao" in args.baselines
+                    and any(q in FP8_PRECISIONS for q in args.precisions))
+    args.baselines = [b for b in args.baselines
+                      if {"compiled": args.compile_stock, "torchao": args.torchao}.get(b, True)]
     if args.compile_backend is None:
         args.compile_backend = "inductor" if torch.cuda.is_available() else "aot_eager"
     if args.iters is None:
@@ -169,7 +200,7 @@ def main(argv=None) -> int:
                         args.peak_tflops, args.profile, precisions=args.precisions,
                         compile_stock=args.compile_stock, compile_backend=args.compile_backend,
                         torchao=args.torchao, peak_fp8_tflops=args.peak_fp8_tflops,
-                        stages=args.stages)
+                        stages=args.stages, block_compile_stock=args.block_compile_stock)
         if args.accuracy:
             # after the timing, so that a failure here cannot cost its numbers
             from torchtitan_megamoe.bench.accuracy import accuracy_shape

@@ -9,9 +9,9 @@ import torch
 
 from torchtitan_megamoe.bench.profile import profile_kernels, timeline
 from torchtitan_megamoe.bench.shapes import SHAPES, _rel_err, build_stock_moe
-from torchtitan_megamoe.bench.stock import (FP8_TOKEN_GROUP_ALIGNMENT, CompiledStock,
-                                            Unavailable, convert_torchao_fp8, graphs_compiled,
-                                            note_for, token_group_alignment)
+from torchtitan_megamoe.bench.stock import (FP8_TOKEN_GROUP_ALIGNMENT, BlockCompiledStock,
+                                            CompiledStock, Unavailable, convert_torchao_fp8,
+                                            graphs_compiled, note_for, token_group_alignment)
 from torchtitan_megamoe.bench.tables import ours_name
 from torchtitan_megamoe.timing import back_to_back_ms, host_issue_ms, median_ms, peak_extra_mib
 from torchtitan_megamoe.router import route
@@ -96,6 +96,52 @@ def time_compiled(res: dict, name: str, moe, fwd, step, fresh_step, iters: int, 
             res[f"{name}_recompiles"] = graphs_compiled() - graphs
 
 
+def time_block_compiled(res: dict, name: str, moe, x, xg, grad, fresh, iters: int,
+                        warmup: int, backward: bool, compile_backend: str,
+                        ref: torch.Tensor | None = None) -> BlockCompiledStock:
+    """time_layer of the whole ``moe`` block under one torch.compile (stock.BlockCompiledStock:
+    fullgraph, else graph breaks allowed). Its first call per pass is timed alone,
+    ``_fwd_first_call_s`` (no grad) and ``_fwdbwd_first_call_s`` (fresh .grad): the
+    compilation; ``_first_call_s`` is their sum (what compiling it costs before a step runs at
+    full speed); ``_{pass}_warmup_s`` the first two calls, as time_compiled's. ``_mode``,
+    ``_fullgraph_error``, ``_graphs``, ``_graph_breaks``, ``_break_reasons``: how it compiled
+    (see BlockCompiledStock.describe); ``_recompiles``: graphs compiled while timing. A forward
+    that does not compile raises (the caller notes the layer); a backward that does not gets
+    ``_fwdbwd_note``."""
+    block = BlockCompiledStock(moe, backend=compile_backend)
+
+    def fwd():
+        return block(x)
+
+    def step():
+        block(xg).backward(grad)
+
+    fresh_step = fresh(step)
+    with torch.no_grad():
+        t1 = wall_s(fwd)
+        res.update({f"{name}_{k}": v for k, v in block.describe().items()})
+        res[f"{name}_fwd_first_call_s"] = t1
+        res[f"{name}_fwd_warmup_s"] = t1 + wall_s(fwd)
+    res[f"{name}_first_call_s"] = t1
+    if backward:
+        try:
+            t2 = wall_s(fresh_step)
+            res[f"{name}_fwdbwd_first_call_s"] = t2
+            res[f"{name}_fwdbwd_warmup_s"] = t2 + wall_s(fresh_step)
+            res[f"{name}_first_call_s"] = t1 + t2
+        except Exception as err:  # noqa: BLE001 - reported in the table
+            res[f"{name}_fwdbwd_note"] = note_for(err)
+            backward = False
+        # a fallback taken in the backward's first call (not in the forward's)
+        res.update({f"{name}_{k}": v for k, v in block.describe().items()
+                    if k in ("mode", "fullgraph_error")})
+    graphs = graphs_compiled()
+    time_layer(res, name, fwd, step, fresh_step, iters, warmup, backward, ref)
+    if graphs >= 0:
+        res[f"{name}_recompiles"] = graphs_compiled() - graphs
+    return block
+
+
 def _stage_times(x, ids, w, w1, w2, w3, iters, warmup):
     from torchtitan_megamoe.ops.hopper.kernels.combine import combine
     from torchtitan_megamoe.ops.hopper.local_forward import BLOCK_M
@@ -143,12 +189,13 @@ def bench_shape(key: str, tokens: int, iters: int, warmup: int, backward: bool, 
                 peak_tflops: float, profile: bool = False, *, precisions=("bf16",),
                 compile_stock: bool = True, compile_backend: str = "inductor",
                 torchao: bool = False, peak_fp8_tflops: float = 1339.0,
-                stages: bool = True) -> dict:
+                stages: bool = True, block_compile_stock: bool = True) -> dict:
     """Stock vs ours at one shape. Ours in bf16 always runs (keys ``ours_*``); each other
     precision of ``precisions`` adds keys ``ours_{precision}_*`` (bench.ep1.ours_name), or their
     ``_note`` where the backend lacks it. Baselines: stock eager (``stock_*``), with
     ``compile_stock`` stock compiled as TorchTitan's --compile.enable does (``stock_compiled_*``),
-    with ``torchao`` stock + torchao's FP8 grouped GEMMs, compiled the same way
+    with ``block_compile_stock`` the whole stock block under one torch.compile, fullgraph where
+    it traces (``stock_block_*``, time_block_compiled), with ``torchao`` stock + torchao's FP8 grouped GEMMs, compiled the same way
     (``stock_fp8_*``; it converts the module's experts, so it runs last). ``stages``: the
     hopper backend's forward stage times and backward stage breakdown (bf16)."""
     from torchtitan_megamoe import mega_moe
@@ -285,6 +332,16 @@ def bench_shape(key: str, tokens: int, iters: int, warmup: int, backward: bool, 
             res["stock_compiled_note"] = note_for(err)
         moe.zero_grad(set_to_none=True)
         torch.cuda.empty_cache()
+    # the whole stock block under one torch.compile (a stronger baseline than TorchTitan's)
+    if block_compile_stock:
+        try:
+            time_block_compiled(res, "stock_block", moe, x, xg, grad, fresh, iters, warmup,
+                                backward, compile_backend, ref)
+        except Exception as err:  # noqa: BLE001 - reported; the numbers above stay valid
+            res["stock_block_note"] = note_for(err)
+        moe.zero_grad(set_to_none=True)
+        torch._dynamo.reset()
+        torch.cuda.empty_cache()
     # stock + torchao's FP8 grouped GEMMs, compiled: converts the experts in place (last)
     if torchao:
         try:
@@ -298,7 +355,7 @@ def bench_shape(key: str, tokens: int, iters: int, warmup: int, backward: bool, 
         except Exception as err:  # noqa: BLE001 - reported; the numbers above stay valid
             res["stock_fp8_note"] = note_for(err)
         moe.zero_grad(set_to_none=True)
-    if compile_stock or torchao:
+    if compile_stock or torchao or block_compile_stock:
         torch._dynamo.reset()
     from torchtitan_megamoe.ops.hopper import tune
 

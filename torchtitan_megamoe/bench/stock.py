@@ -1,6 +1,7 @@
 """The stock baselines besides eager: TorchTitan's MoE block under ``torch.compile`` as
-``--compile.enable`` compiles it, and stock + torchao's rowwise FP8 grouped GEMMs as TorchTitan's
-``quantize.grouped_mm.float8`` converter applies them; and how a row that cannot run is named.
+``--compile.enable`` compiles it, the whole block under one ``torch.compile``, and stock +
+torchao's rowwise FP8 grouped GEMMs as TorchTitan's ``quantize.grouped_mm.float8`` converter
+applies them; and how a row that cannot run is named.
 
 Compile (TorchTitan 0.2.2, ``apply_compile`` in torchtitan/models/llama4/infra/parallelize.py,
 which qwen3's parallelize imports): for a MoE block, every child of the ``MoE`` module except
@@ -15,6 +16,19 @@ the same call) and resets dynamo per compiled layer, so that the recompile limit
 
 Unlike TorchTitan, which patches once for the process, ``CompiledStock.active()`` swaps the
 compiled pieces in only inside its ``with``: the same module then also runs eager.
+
+Block-compiled (``BlockCompiledStock``, a stronger baseline than TorchTitan's own compile): the
+whole ``MoE.forward`` under one ``torch.compile(moe, fullgraph=True, dynamic=False)``: router,
+token reorder, the gather, GroupedExperts' index padding (``generate_permute_indices``), the
+three grouped GEMMs with SwiGLU, the unpermute and the score-weighted combine (Qwen3 has no
+shared expert; one would be inside too), forward and backward. At EP=1 on a GPU that path has
+no host sync: the index padding's Triton kernel takes the token counts as a device tensor and
+``torch._grouped_mm`` its offsets as one. Where fullgraph does not trace (on CPU the padding
+runs TorchTitan's ``fill_indices_cpu``, which reads every count with ``.item()`` and branches on
+it: "data-dependent branching"), the module is compiled again with ``fullgraph=False`` (graph
+breaks allowed) and the fullgraph error is kept; the number of graphs dynamo compiled for the
+first forward is counted (graph breaks = graphs - 1, as ``torch._dynamo.explain`` counts them,
+without its extra trace), with the breaks' reasons from dynamo's counters.
 
 FP8 (TorchTitan 0.2.2's ``Float8GroupedMMConverter``): ``set_token_group_alignment_size_m(16)``,
 then ``quantize_(model, MoETrainingConfig(), filter_fn=<fqn filter>)``. torchao 0.18 renamed the
@@ -127,6 +141,106 @@ class CompiledStock:
     def __call__(self, x):
         with self.active():
             return self.moe(x)
+
+
+def _dynamo_break_reasons() -> dict:
+    """Dynamo's graph-break reason counts so far in this process ({} where it keeps none)."""
+    try:
+        from torch._dynamo.utils import counters
+
+        out = {}
+        for category in ("graph_break", "unimplemented"):
+            for reason, n in counters[category].items():
+                out[reason] = out.get(reason, 0) + int(n)
+        return out
+    except Exception:  # noqa: BLE001 - a diagnostic only
+        return {}
+
+
+def _first_line(msg: str, width: int = 200) -> str:
+    line = next((ln.strip() for ln in str(msg).splitlines() if ln.strip()), "")
+    return line if len(line) <= width else line[: width - 3] + "..."
+
+
+def _fullgraph_error(err: BaseException) -> str:
+    """A fullgraph failure in one line: its type, its first line and dynamo's "Caused by"
+    line (the source line that broke the graph) where it gives one."""
+    msg = str(err)
+    caused = next((ln.strip() for ln in msg.splitlines() if ln.strip().startswith("Caused by")),
+                  "")
+    return f"{type(err).__name__}: {_first_line(msg)}" + (f" [{caused}]" if caused else "")
+
+
+class BlockCompiledStock:
+    """The whole stock ``MoE`` block under one ``torch.compile`` (see the module docstring):
+    ``fullgraph=True`` first; if dynamo cannot trace it as one graph, ``fullgraph=False``
+    (graph breaks allowed). Calls compile on first use per grad mode. After the first call:
+    ``mode`` ("fullgraph" or "default"), ``fullgraph_error`` (why fullgraph failed, or None),
+    ``graphs`` (graphs compiled by the first call), ``graph_breaks`` (graphs - 1) and
+    ``break_reasons`` (dynamo's first line of each new reason, with its count)."""
+
+    FULLGRAPH = "fullgraph"
+    DEFAULT = "default (graph breaks allowed)"
+
+    def __init__(self, moe, backend: str = "inductor"):
+        torch._dynamo.reset()  # empty caches and counts, as CompiledStock
+        # as apply_compile sets it: .item()/.tolist() of counts become unbacked symbols
+        torch._dynamo.config.capture_scalar_outputs = True
+        self.moe = moe
+        self.backend = backend
+        self.mode = self.FULLGRAPH
+        self.fullgraph_error: str | None = None
+        self.graphs: int | None = None
+        self.graph_breaks: int | None = None
+        self.break_reasons: dict[str, int] = {}
+        self._fn = torch.compile(moe, backend=backend, fullgraph=True, dynamic=False)
+
+    def _fallback(self, err: BaseException) -> None:
+        self.mode = self.DEFAULT
+        self.fullgraph_error = _fullgraph_error(err)
+        self._fn = torch.compile(self.moe, backend=self.backend, fullgraph=False, dynamic=False)
+
+    def __call__(self, x):
+        first = self.graphs is None
+        if first:
+            graphs0, reasons0 = graphs_compiled(), _dynamo_break_reasons()
+        try:
+            out = self._fn(x)
+        except torch._dynamo.exc.BackendCompilerFailed:
+            raise  # the backend failed on a traced graph: not a tracing limit, no fallback
+        except Exception as err:  # noqa: BLE001 - Unsupported, UserError (data-dependent), ...
+            if self.mode != self.FULLGRAPH:
+                raise
+            self._fallback(err)
+            if first:
+                graphs0, reasons0 = graphs_compiled(), _dynamo_break_reasons()
+            out = self._fn(x)
+        if first:
+            graphs = graphs_compiled()
+            if graphs >= 0 and graphs0 >= 0:
+                self.graphs = graphs - graphs0
+                self.graph_breaks = max(self.graphs - 1, 0)
+            else:
+                self.graphs = -1
+            reasons = _dynamo_break_reasons()
+            for reason, n in reasons.items():
+                new = n - reasons0.get(reason, 0)
+                if new > 0:
+                    key = _first_line(reason, 120)
+                    self.break_reasons[key] = self.break_reasons.get(key, 0) + new
+        return out
+
+    def describe(self) -> dict:
+        """What the bench records of it (keys without the result prefix)."""
+        d = {"mode": self.mode}
+        if self.fullgraph_error:
+            d["fullgraph_error"] = self.fullgraph_error
+        if self.graphs is not None and self.graphs >= 0:
+            d["graphs"] = self.graphs
+            d["graph_breaks"] = self.graph_breaks
+        if self.break_reasons:
+            d["break_reasons"] = dict(self.break_reasons)
+        return d
 
 
 @contextlib.contextmanager

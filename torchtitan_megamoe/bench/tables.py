@@ -40,11 +40,17 @@ def _tflops(flops: float, ms: float | None) -> str:
 BASELINES = (
     ("stock", "stock eager"),
     ("stock_compiled", "stock compiled"),
+    ("stock_block", "stock block-compiled"),
     ("stock_fp8", "stock + torchao FP8 compiled"),
 )
 """(result-key prefix, label) of the stock layers ours is timed against: TorchTitan's MoE block
-eager, compiled as --compile.enable compiles it, and with torchao's rowwise FP8 grouped GEMMs
-(compiled), all bf16 in and out."""
+eager, compiled as --compile.enable compiles it, the whole block under one torch.compile
+(fullgraph where it traces: bench/stock.py BlockCompiledStock), and with torchao's rowwise FP8
+grouped GEMMs (compiled), all bf16 in and out."""
+
+VS_LABELS = {"stock": "vs eager", "stock_compiled": "vs compiled",
+             "stock_block": "vs block-compiled", "stock_fp8": "vs torchao FP8"}
+"""The table's ratio column of each baseline (ours' speedup over it)."""
 
 
 def ours_name(precision: str) -> str:
@@ -99,6 +105,9 @@ def layer_rows(r: dict, timing: str = "waited") -> list[dict]:
             for b, _ in BASELINES:
                 row[f"{b}_ms"] = base[b]
                 row[f"x_{b}"] = base[b] / ms if base[b] and ms else None
+            if r.get(f"stock_block_{tag}_first_call_s") is not None:
+                # its compilation: the first call of this pass
+                row["stock_block_first_call_s"] = r[f"stock_block_{tag}_first_call_s"]
             row["tflops"] = mult * r["flops_fwd"] / (ms * 1e9) if ms else None
             row["floor_ms"] = floor
             row["floor_frac"] = floor / ms if ms else None
@@ -118,14 +127,15 @@ def _num(v, fmt: str) -> str:
 
 
 def table(results: list[dict], timing: str = "waited") -> str:
-    """The layer table: one row per shape, pass and precision of ours, with the three stock
+    """The layer table: one row per shape, pass and precision of ours, with the stock
     baselines' times and ours' speedup over each; ``timing`` picks the waited medians or the
     back-to-back means (see TIMINGS). The waited table is followed by the lines of the other
     measures (fresh .grad, router alone, host issue time, the baselines' compile and memory)."""
     full = timing == "waited"
-    head = ("| shape | pass | ours | ours ms | stock eager ms | stock compiled ms | "
-            "stock + torchao FP8 compiled ms | vs eager | vs compiled | vs torchao FP8 | "
-            "ours TFLOP/s | floor ms | floor/ours |")
+    head = ("| shape | pass | ours | ours ms | "
+            + "".join(f"{label} ms | " for _, label in BASELINES)
+            + "".join(f"{VS_LABELS[b]} | " for b, _ in BASELINES)
+            + "ours TFLOP/s | floor ms | floor/ours |")
     if full:
         head += " peak MiB (fwd+bwd) | first call s |"
     lines = [head, "| --- " * (head.count("|") - 1) + "|"]
@@ -166,7 +176,8 @@ def table(results: list[dict], timing: str = "waited") -> str:
 
 
 def baseline_lines(results: list[dict]) -> list[str]:
-    """Per shape: the compiled baselines' warm-up (compilation) time, their output's difference
+    """Per shape: the compiled baselines' warm-up (compilation) time (the block-compiled one's
+    also per first call, with its mode and graph breaks), their output's difference
     from stock eager, graphs compiled while timing, the peak memory of one fwd+bwd of every
     layer, ours' first-call notes, and every baseline or precision that did not run and why."""
     lines = []
@@ -177,6 +188,13 @@ def baseline_lines(results: list[dict]) -> list[str]:
                  if r.get(f"{b}_{tag}_warmup_s") is not None]
             if w:
                 extra = []
+                if b == "stock_block":
+                    label += f" ({_block_how(r)})"
+                    first = [f"{tag} {r[f'{b}_{tag}_first_call_s']:.1f} s"
+                             for tag in ("fwd", "fwdbwd")
+                             if r.get(f"{b}_{tag}_first_call_s") is not None]
+                    if first:
+                        extra.append("first call alone " + ", ".join(first))
                 if r.get(f"{b}_rel_err_vs_stock") is not None:
                     extra.append(f"output {r[f'{b}_rel_err_vs_stock']:.1e} from stock eager")
                 if r.get(f"{b}_recompiles"):
@@ -203,8 +221,27 @@ def baseline_lines(results: list[dict]) -> list[str]:
             if r.get(f"{ours_name(p)}_first_call_note"):
                 notes.append(f"ours {p} first call: "
                              f"{_cell_note(r[f'{ours_name(p)}_first_call_note'], 400)}")
+        if r.get("stock_block_fullgraph_error"):
+            notes.append("stock block-compiled: fullgraph=True did not trace, so it ran "
+                         "compiled with graph breaks: "
+                         + _cell_note(r["stock_block_fullgraph_error"], 400))
+        if r.get("stock_block_break_reasons"):
+            notes.append("stock block-compiled graph breaks: " + "; ".join(
+                f"{n}x {_cell_note(why, 120)}"
+                for why, n in r["stock_block_break_reasons"].items()))
         lines += [f"{r['shape']} {n}" for n in notes]
     return lines
+
+
+def _block_how(r: dict) -> str:
+    """How the block-compiled baseline compiled: fullgraph or with graph breaks, and how many
+    graphs its first forward compiled."""
+    mode = r.get("stock_block_mode", "?")
+    how = "fullgraph" if mode == "fullgraph" else "torch.compile default, graph breaks allowed"
+    if r.get("stock_block_graphs") is not None:
+        how += (f", {r['stock_block_graphs']} graph(s) and {r['stock_block_graph_breaks']} "
+                "graph break(s) in the forward")
+    return how
 
 
 ACCURACY_ROWS = (
