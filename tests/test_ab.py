@@ -415,8 +415,9 @@ def tiny_assets(tmp_path_factory):
 
 @pytest.mark.slow
 def test_seeds_real_cpu_runs(tiny_assets, tmp_path, monkeypatch):
-    """Two seeds x 6 steps of the tiny config on CPU, stock vs megamoe: four real trainings
-    (~1 min on 2 cores). fp32 on both sides: the gap is ~1e-7, far inside any spread."""
+    """Two seeds x 6 steps of the tiny config on CPU, stock vs megamoe: four real trainings,
+    two at a time (--jobs 2: concurrent torchruns, each with its own rendezvous store; ~1 min
+    on 2 cores). fp32 on both sides: the gap is ~1e-7, far inside any spread."""
     from torchtitan_megamoe import assets
 
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
@@ -426,9 +427,11 @@ def test_seeds_real_cpu_runs(tiny_assets, tmp_path, monkeypatch):
     extra = ["--model.hf_assets_path", assets.tokenizer_dir(tiny_assets),
              "--training.dataset_path", assets.dataset_dir(tiny_assets), "--training.steps", "6"]
     res = ab.run_seeds(CONFIG, 1, str(tmp_path / "ab"), extra, seeds=2, seed_base=1, window=3,
-                       timeout=300)
+                       timeout=300, jobs=2)
     if res.exit_code == 2:
         pytest.fail((tmp_path / "ab" / "report.md").read_text())
+    assert [r.status for r in res.records] == ["ok"] * 4
+    assert any(r.overlapped for r in res.records)
     st = res.stats
     assert st.n == 2 and st.verdict in ("indistinguishable", "different")
     assert all((r.first_step, r.last_step) == (4, 6) for r in st.seeds)

@@ -11,7 +11,7 @@ from torchtitan_megamoe.ab.configs import DEFAULT_CONFIG, parse_sides
 from torchtitan_megamoe.ab.driver import run_ab
 from torchtitan_megamoe.ab.stats import DEFAULT_ALPHA, DEFAULT_GAP_LIMIT, DEFAULT_WINDOW
 
-_SIDE_ARGS = ("--a-args", "--b-args")
+_SIDE_ARGS = ("--a-args", "--b-args", "--side-args")
 
 
 def _glue_side_args(argv: list[str]) -> list[str]:
@@ -36,7 +36,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
         prog="python -m torchtitan_megamoe.ab",
         description="Train one TorchTitan config stock and with the megamoe converter (or two "
-                    "other sides, --sides); compare.",
+                    "or more other sides, --sides); compare.",
         epilog="Arguments after -- go to torchtitan.train in every run. Multi-seed "
                "(--seeds N): see torchtitan_megamoe/ab/stats.py for the statistics and the "
                "verdict's rule.",
@@ -52,16 +52,39 @@ def main(argv: list[str] | None = None) -> int:
                         "gains their kernel time by category (GPU runs; with --seeds, the first "
                         "seed's runs)")
     g = p.add_argument_group("sides")
-    g.add_argument("--sides", default="stock,megamoe", metavar="A,B",
-                   help="the two sides, each KIND or LABEL=KIND with KIND stock (no converter) "
-                        "or megamoe (the converter); LABEL names its files and column "
-                        "(default stock,megamoe), e.g. fp8=megamoe,bf16=megamoe")
+    g.add_argument("--sides", default="stock,megamoe", metavar="A,B[,C...]",
+                   help="two or more sides, each KIND or LABEL=KIND with KIND stock (no "
+                        "converter) or megamoe (the converter); LABEL names its files and column "
+                        "(default stock,megamoe), e.g. fp8=megamoe,bf16=megamoe or "
+                        "stock,bf16=megamoe,fp8=megamoe,fp8_bwd=megamoe")
     g.add_argument("--a-args", default="", metavar="'ARGS'",
-                   help="TorchTitan args of side A only, one quoted string, after the common "
-                        "ones, e.g. --a-args '--megamoe.precision fp8'")
-    g.add_argument("--b-args", default="", metavar="'ARGS'", help="likewise for side B")
+                   help="TorchTitan args of the first side only, one quoted string, after the "
+                        "common ones, e.g. --a-args '--megamoe.precision fp8'")
+    g.add_argument("--b-args", default="", metavar="'ARGS'",
+                   help="likewise for the second side")
+    g.add_argument("--side-args", action="append", default=[], metavar="'LABEL=ARGS'",
+                   help="TorchTitan args of the side LABEL, one quoted string (repeat for more "
+                        "sides), e.g. --side-args 'fp8=--megamoe.precision fp8 "
+                        "--megamoe.fp8_weight_cache'")
+    g.add_argument("--baseline", default=None, metavar="LABEL",
+                   help="the side every other side is compared against, each with its own "
+                        "report and verdict (default the first side: B - A with two)")
+    r = p.add_argument_group("scheduling")
+    r.add_argument("--jobs", type=int, default=1, metavar="J",
+                   help="run up to J trainings at the same time on the same GPUs (default 1); "
+                        "each has its own dir, log and rendezvous port; their start-up and "
+                        "compile overlap other runs' steps. Tokens/s and step times of "
+                        "overlapping runs are reported as n/c (not comparable)")
+    r.add_argument("--deadline-s", type=float, default=None, metavar="S",
+                   help="S seconds after the start no run starts, and runs still going are "
+                        "stopped (their timeouts end there); the report is written from the "
+                        "runs finished and lists the missing ones. Leave ~40 s for that "
+                        "under a hard limit")
+    r.add_argument("--min-run-s", type=float, default=0.0, metavar="S",
+                   help="with --deadline-s: start no run with less than S seconds left "
+                        "(default 0)")
     s = p.add_argument_group(
-        "seeds", "train both sides from N seeds and judge the final-window mean losses")
+        "seeds", "train every side from N seeds and judge the final-window mean losses")
     s.add_argument("--seeds", type=int, default=None, metavar="N",
                    help="seeds per side (TorchTitan's --debug.seed); without it, one A/B at "
                         "the config's seed, judged step by step within --rtol/--atol")
@@ -78,9 +101,17 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--analyze", action="store_true",
                    help="train nothing: read the seed<S>/<label>.log files already in --out "
                         "(the same command without --analyze wrote them, e.g. one seed per "
-                        "call) and write the report")
+                        "call) and write the same report")
     args = p.parse_args(_glue_side_args(argv))
-    sides = parse_sides(args.sides, args.a_args, args.b_args)
+    try:
+        sides = parse_sides(args.sides, args.a_args, args.b_args, args.side_args)
+        from torchtitan_megamoe.ab.configs import baseline_index
+
+        baseline_index(sides, args.baseline)
+    except ValueError as e:
+        p.error(str(e))
+    if args.jobs < 1:
+        p.error(f"--jobs must be >= 1, got {args.jobs}")
     seed_only = [o for o, v in (("--seed-base", args.seed_base is not None),
                                 ("--analyze", args.analyze)) if v]
     if args.seeds is None and seed_only:
@@ -91,7 +122,8 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     if args.seeds is None:
         res = run_ab(args.config, args.nproc, args.out, extra, args.rtol, args.atol,
-                     args.timeout, args.profile_step, sides)
+                     args.timeout, args.profile_step, sides, args.baseline, args.jobs,
+                     args.deadline_s, args.min_run_s)
         code = res.exit_code
     else:
         from torchtitan_megamoe.ab.seeds import run_seeds
@@ -99,7 +131,8 @@ def main(argv: list[str] | None = None) -> int:
         code = run_seeds(
             args.config, args.nproc, args.out, extra, args.seeds, sides, args.window,
             args.alpha, args.gap_limit, args.rtol, args.atol, args.timeout, args.profile_step,
-            train=not args.analyze, seed_base=args.seed_base,
+            train=not args.analyze, seed_base=args.seed_base, baseline=args.baseline,
+            jobs=args.jobs, deadline_s=args.deadline_s, min_run_s=args.min_run_s,
         ).exit_code
     with open(os.path.join(args.out, "report.md")) as f:
         print(f.read())

@@ -1,4 +1,5 @@
-"""The two TOMLs of an A/B (stock and megamoe) from one loaded config, and what they need."""
+"""The TOMLs of an A/B (stock and megamoe) from one loaded config, the sides (two or more) and
+what they need."""
 
 from __future__ import annotations
 
@@ -77,18 +78,41 @@ DEFAULT_SIDES = (Side("stock", "stock"), Side(CONVERTER, CONVERTER))
 _LABEL = re.compile(r"^[A-Za-z0-9_.+-]+$")
 
 
-def parse_sides(spec: str = "stock,megamoe", a_args: str = "", b_args: str = "") -> tuple:
-    """The two sides of ``--sides A,B`` (each ``KIND`` or ``LABEL=KIND``, KIND ``stock`` or
-    ``megamoe``) with ``--a-args`` / ``--b-args`` (one shell-quoted string each).
+def parse_side_args(items=()) -> dict[str, str]:
+    """``--side-args 'LABEL=ARGS'`` (repeatable) as {label: args}: ARGS is one shell-quoted
+    string of TorchTitan arguments for the side named LABEL, e.g.
+    ``fp8=--megamoe.precision fp8 --megamoe.fp8_weight_cache``. A dict passes through."""
+    if isinstance(items, dict):
+        return dict(items)
+    out: dict[str, str] = {}
+    for item in items or ():
+        label, eq, args = item.partition("=")
+        label = label.strip()
+        if not eq or not _LABEL.match(label):
+            raise ValueError(f"--side-args takes LABEL=ARGS (LABEL a side's label), got {item!r}")
+        if label in out:
+            raise ValueError(f"--side-args: two values for side {label!r}; give its arguments "
+                             "in one string")
+        out[label] = args
+    return out
+
+
+def parse_sides(spec: str = "stock,megamoe", a_args: str = "", b_args: str = "",
+                side_args=()) -> tuple:
+    """The sides of ``--sides A,B[,C...]`` (each ``KIND`` or ``LABEL=KIND``, KIND ``stock`` or
+    ``megamoe``), two or more, with their own TorchTitan arguments: ``--a-args`` / ``--b-args``
+    (one shell-quoted string each) for the first and second side, ``side_args``
+    (``--side-args 'LABEL=ARGS'``, see ``parse_side_args``) for any side by label.
 
     ``stock,megamoe`` with no side args is ``DEFAULT_SIDES``. Two sides of one label (e.g.
     ``megamoe,megamoe``) become ``<label>_a`` and ``<label>_b``; name them instead, e.g.
-    ``fp8=megamoe,bf16=megamoe``."""
+    ``fp8=megamoe,bf16=megamoe``. With three or more sides every label must be distinct."""
     parts = [p.strip() for p in spec.split(",")]
-    if len(parts) != 2 or not all(parts):
-        raise ValueError(f"--sides takes two comma-separated sides (A,B), got {spec!r}")
+    if len(parts) < 2 or not all(parts):
+        raise ValueError(f"--sides takes two or more comma-separated sides (A,B[,C...]), got "
+                         f"{spec!r}")
     sides = []
-    for part, args in zip(parts, (a_args, b_args)):
+    for part in parts:
         label, eq, kind = part.partition("=")
         if not eq:
             kind = label
@@ -99,11 +123,40 @@ def parse_sides(spec: str = "stock,megamoe", a_args: str = "", b_args: str = "")
         if not _LABEL.match(label):
             raise ValueError(f"side {part!r}: the label {label!r} must be letters, digits or "
                              "_.+- (it names files)")
-        sides.append([label, kind, tuple(shlex.split(args or ""))])
-    if sides[0][0] == sides[1][0]:
+        sides.append([label, kind])
+    labels = [s[0] for s in sides]
+    if len(sides) == 2 and labels[0] == labels[1]:
         sides[0][0] += "_a"
         sides[1][0] += "_b"
-    return tuple(Side(*s) for s in sides)
+    elif len(set(labels)) != len(labels):
+        dup = sorted({x for x in labels if labels.count(x) > 1})
+        raise ValueError(f"--sides: the label(s) {', '.join(dup)} name more than one side; "
+                         "name each side (LABEL=KIND), e.g. fp8=megamoe,bf16=megamoe")
+    by_label = parse_side_args(side_args)
+    labels = [s[0] for s in sides]
+    unknown = [k for k in by_label if k not in labels]
+    if unknown:
+        raise ValueError(f"--side-args names no side: {', '.join(unknown)} (the sides are "
+                         f"{', '.join(labels)})")
+    for i, args in ((0, a_args), (1, b_args)):
+        if args and sides[i][0] in by_label:
+            raise ValueError(f"side {sides[i][0]!r} has both --{'ab'[i]}-args and --side-args; "
+                             "give one")
+        if args:
+            by_label[sides[i][0]] = args
+    return tuple(Side(label, kind, tuple(shlex.split(by_label.get(label) or "")))
+                 for label, kind in sides)
+
+
+def baseline_index(sides, baseline: str | None = None) -> int:
+    """Index of the side the others are compared against: ``baseline`` (a label), default the
+    first side (A: a two-side A/B's differences are B - A)."""
+    labels = [s.label for s in sides]
+    if baseline is None:
+        return 0
+    if baseline not in labels:
+        raise ValueError(f"--baseline {baseline!r} is not one of the sides ({', '.join(labels)})")
+    return labels.index(baseline)
 
 
 def side_configs(config: dict, sides: tuple = DEFAULT_SIDES, converter: str = CONVERTER) -> tuple:

@@ -12,7 +12,26 @@ from torchtitan_megamoe.ab.logs import RunLog, run_stats
 
 
 def _fmt(x: float | None, spec: str) -> str:
+    if isinstance(x, str):  # NOT_COMPARABLE
+        return x
     return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, spec)
+
+
+def _ms(seconds) -> str:
+    return _fmt(seconds * 1e3 if isinstance(seconds, (int, float)) else seconds, ".1f")
+
+
+def sides_line(sides: list[dict], baseline: str | None = None) -> str:
+    """``- sides: ...``: two sides as ``A = ..., B = ...``; three or more (or a baseline given)
+    by label, the baseline marked."""
+    def one(s):
+        return (f"`{s['label']}` ({s['kind']}"
+                + (f", `{' '.join(s['args'])}`" if s["args"] else "") + ")")
+
+    if len(sides) == 2 and baseline is None:
+        return f"- sides: {', '.join(f'{ab} = {one(s)}' for ab, s in zip('AB', sides))}"
+    return "- sides: " + ", ".join(
+        one(s) + (" **baseline**" if s["label"] == baseline else "") for s in sides)
 
 
 def _side_line(meta: dict[str, object]) -> list[str]:
@@ -23,12 +42,22 @@ def _side_line(meta: dict[str, object]) -> list[str]:
         ("stock", "stock", []), (CONVERTER, CONVERTER, [])
     ]:
         return []
-    desc = [
-        f"{ab} = `{s['label']}` ({s['kind']}"
-        + (f", `{' '.join(s['args'])}`" if s["args"] else "") + ")"
-        for ab, s in zip("AB", sides)
-    ]
-    return [f"- sides: {', '.join(desc)}"]
+    return [sides_line(sides, meta.get("baseline"))]
+
+
+NOT_COMPARABLE = "n/c"
+"""What the reports print for the tokens/s and step time of a run that overlapped another on
+the same GPUs (``--jobs`` > 1): not comparable."""
+
+
+def _overlap_note(meta: dict) -> list[str]:
+    over = meta.get("overlapped")
+    if not over:
+        return []
+    return [f"- tokens/s and step times: **not comparable** ({NOT_COMPARABLE}): "
+            f"{', '.join(f'`{x}`' for x in over)} ran at the same time as other runs on the "
+            f"same GPUs (`--jobs {meta.get('jobs', '>1')}`); losses and peak memory are "
+            "unaffected"]
 
 
 def render_report(
@@ -42,15 +71,23 @@ def render_report(
     a, b = stock.by_step(), conv.by_step()
     na, nb = names
     sa, sb = run_stats(stock), run_stats(conv)
-    ratio = sa["mean_step_time_s"] / sb["mean_step_time_s"] if sb["mean_step_time_s"] else None
+    over = set(meta.get("overlapped") or ())
+    nc = bool(over & {na, nb})
+    for st, n in ((sa, na), (sb, nb)):
+        if n in over:
+            st["mean_tps"] = st["mean_step_time_s"] = NOT_COMPARABLE
+    ratio = (None if nc else sa["mean_step_time_s"] / sb["mean_step_time_s"]
+             if sb["mean_step_time_s"] else None)
     default = tuple(names) == ("stock", CONVERTER)
     lines = [
         "# megamoe A/B: stock vs converter" if default else f"# megamoe A/B: {na} vs {nb}",
         "",
-        f"- config: `{meta.get('config')}`, nproc {meta.get('nproc')}, "
-        f"extra args: `{' '.join(meta.get('extra_args', [])) or '(none)'}`",
+        *([] if meta.get("section") else [
+            f"- config: `{meta.get('config')}`, nproc {meta.get('nproc')}, "
+            f"extra args: `{' '.join(meta.get('extra_args', [])) or '(none)'}`"]),
         *_side_line(meta),
-        f"- device: {meta.get('device')}",
+        *([] if meta.get("section") else [f"- device: {meta.get('device')}"]),
+        *_overlap_note(meta),
         f"- verdict: **{'PASS' if cmp.ok else 'FAIL'}** (|diff| <= {cmp.atol:g} + "
         f"{cmp.rtol:g} * |loss|)",
         f"- max |loss diff| {_fmt(cmp.max_abs_diff, '.2e')}, max relative diff "
@@ -73,25 +110,30 @@ def render_report(
         "| --- | ---: | ---: |",
         f"| tokens/s per device (mean, step 2+) | {_fmt(sa['mean_tps'], ',.0f')} | "
         f"{_fmt(sb['mean_tps'], ',.0f')} |",
-        f"| step time ms (mean, step 2+) | {_fmt(sa['mean_step_time_s'] * 1e3, '.1f')} | "
-        f"{_fmt(sb['mean_step_time_s'] * 1e3, '.1f')} |",
+        f"| step time ms (mean, step 2+) | {_ms(sa['mean_step_time_s'])} | "
+        f"{_ms(sb['mean_step_time_s'])} |",
         f"| peak memory GiB (rank 0) | {_fmt(sa['peak_memory_gib'], '.2f')} | "
         f"{_fmt(sb['peak_memory_gib'], '.2f')} |",
         f"| final loss | {_fmt(sa['final_loss'], '.5f')} | {_fmt(sb['final_loss'], '.5f')} |",
         "",
-        f"Speed-up ({na} step time / {nb} step time): {_fmt(ratio, '.3f')}",
+        f"Speed-up ({na} step time / {nb} step time): "
+        + (f"{NOT_COMPARABLE} (overlapped runs)" if nc else _fmt(ratio, '.3f')),
         "",
-        f"| step | loss {na} | loss {nb} | abs diff | rel diff | ms {na} | ms {nb} "
-        f"| tps {na} | tps {nb} |",
-        "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    # per step: the step times and tokens/s too, unless a run overlapped another (not comparable)
+    timed = ["ms", "tps"] if not nc else []
+    lines += [
+        f"| step | loss {na} | loss {nb} | abs diff | rel diff"
+        + "".join(f" | {k} {n}" for k in timed for n in (na, nb)) + " |",
+        "| ---: | ---: | ---: | ---: | ---: |" + " ---: |" * (2 * len(timed)),
     ]
     for s, d, r in zip(cmp.steps, cmp.abs_diff, cmp.rel_diff):
         x, y = a[s], b[s]
-        lines.append(
-            f"| {s} | {x.loss:.5f} | {y.loss:.5f} | {d:.1e} | {r:.1e} | "
-            f"{_fmt(x.time_s and x.time_s * 1e3, '.1f')} | {_fmt(y.time_s and y.time_s * 1e3, '.1f')} | "
-            f"{x.tps:,.0f} | {y.tps:,.0f} |"
-        )
+        row = f"| {s} | {x.loss:.5f} | {y.loss:.5f} | {d:.1e} | {r:.1e} |"
+        if timed:
+            row += (f" {_fmt(x.time_s and x.time_s * 1e3, '.1f')} | "
+                    f"{_fmt(y.time_s and y.time_s * 1e3, '.1f')} | {x.tps:,.0f} | {y.tps:,.0f} |")
+        lines.append(row)
     if meta.get("commands"):
         lines += ["", "Commands:", ""]
         lines += [f"    {c}" for c in meta["commands"]]
@@ -102,26 +144,60 @@ def render_report(
 def plot(
     stock: RunLog, conv: RunLog, path: str, names: tuple[str, str] = ("stock", CONVERTER)
 ) -> None:
+    plot_runs([stock, conv], names, path)
+
+
+_STYLES = ("-o", "--x", "-.s", ":^", "-d", "--v", "-.p", ":*")
+
+
+def plot_runs(runs: list, names, path: str, overlapped=()) -> None:
+    """ab.png: every run's loss per step (left) and step time (right; runs in ``overlapped``
+    shared the GPUs, their times are marked not comparable)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, (ax_loss, ax_time) = plt.subplots(1, 2, figsize=(11, 4))
-    for run, label, style in ((stock, names[0], "-o"), (conv, names[1], "--x")):
+    for k, (run, label) in enumerate(zip(runs, names)):
+        style = _STYLES[k % len(_STYLES)]
         steps = [s.step for s in run.steps]
         ax_loss.plot(steps, [s.loss for s in run.steps], style, label=label, markersize=4)
         timed = [(s.step, s.time_s * 1e3) for s in run.steps if s.time_s is not None]
         if timed:
-            ax_time.plot(*zip(*timed), style, label=label, markersize=4)
+            ax_time.plot(*zip(*timed), style, markersize=4,
+                         label=label + (f" ({NOT_COMPARABLE})" if label in overlapped else ""))
     ax_loss.set(xlabel="step", ylabel="loss", title="training loss")
-    ax_time.set(xlabel="step", ylabel="ms / step", title="step time (rank 0)")
+    ax_time.set(xlabel="step", ylabel="ms / step",
+                title="step time (rank 0)" + (", overlapped runs not comparable"
+                                              if overlapped else ""))
     for ax in (ax_loss, ax_time):
         ax.grid(alpha=0.3)
-        ax.legend()
+        if ax.lines:
+            ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def render_runs(records: list, runs_by_key: dict | None = None, title: str = "Runs") -> str:
+    """A table of the runs (schedule.RunRecord): status, exit status, when each started and
+    how long it took (seconds from the invocation's start; start-up and compile included),
+    steps logged, whether it overlapped another run; then the missing ones."""
+    runs_by_key = runs_by_key or {}
+    lines = [f"## {title}", "",
+             "| run | status | exit | started s | wall s | timeout s | steps | overlapped |",
+             "| --- | --- | ---: | ---: | ---: | ---: | ---: | --- |"]
+    for r in records:
+        run = runs_by_key.get(r.key)
+        lines.append(
+            f"| {r.key} | {r.status} | {_fmt(r.code, 'd')} | {_fmt(r.start_s, '.0f')} | "
+            f"{_fmt(r.wall_s, '.1f')} | {_fmt(r.timeout_s, '.0f')} | "
+            f"{len(run.steps) if run is not None else '-'} | {'yes' if r.overlapped else 'no'} |")
+    missing = [r for r in records if r.status != "ok"]
+    lines += ["", f"Missing or failed: {', '.join(f'{r.key} ({r.status})' for r in missing)}"
+              if missing else f"All {len(records)} runs finished."]
+    return "\n".join(lines) + "\n"
 
 
 # --- the multi-seed A/B (``--seeds N``, ab/seeds.py; statistics in ab/stats.py)
@@ -137,47 +213,64 @@ def _yes(flag: bool | None, yes: str, no: str) -> str:
     return "-" if flag is None else (yes if flag else no)
 
 
-def render_seed_report(st, pairs: dict, problems: list[str], meta: dict, speeds: dict) -> str:
+def _verdict_test(st) -> str:
+    if st.verdict == "undetermined":
+        why = "one seed has no seed-to-seed spread" if st.n == 1 else "no seed completed"
+        return f"({why})"
+    return (f"(|mean diff| {_fmt(abs(st.mean_diff), '.5f')} "
+            f"{'>' if st.verdict == 'different' else '<='} t {st.t_crit:.2f} x SE "
+            f"{_fmt(st.se_diff, '.5f')} = {_fmt(st.threshold, '.5f')}; "
+            f"t statistic {_fmt(st.t_stat, '+.2f')})")
+
+
+def _tps_cell(stats: dict, nc: bool) -> str:
+    return NOT_COMPARABLE if nc else _fmt(stats.get("mean_tps"), ",.0f")
+
+
+def render_seed_report(st, pairs: dict, problems: list[str], meta: dict, speeds: dict,
+                       overlapped: dict | None = None, level: int = 1) -> str:
     """report.md of a multi-seed A/B: ``st`` a stats.SeedStats, ``pairs`` seed -> the seed's
-    driver.ABResult, ``speeds`` side -> the run_stats of its kept seeds' runs."""
+    driver.ABResult, ``speeds`` side -> the run_stats of its kept seeds' runs. ``overlapped``:
+    seed -> labels of the runs that overlapped others (their tokens/s print as n/c).
+    ``level`` 2: one comparison of a report with more sides (``render_sides_report``), without
+    the config lines that report already has."""
     from torchtitan_megamoe.ab.stats import rule_text
 
+    overlapped = overlapped or {}
     na, nb = st.names
     seeds = meta.get("seeds", list(pairs))
     windows = sorted({(r.first_step, r.last_step) for r in st.seeds})
     win = ", ".join(f"steps {a}-{b}" for a, b in windows) or "-"
     verdict = st.verdict.upper()
-    if st.verdict == "undetermined":
-        why = "one seed has no seed-to-seed spread" if st.n == 1 else "no seed completed"
-        test = f"({why})"
+    test = _verdict_test(st)
+    if level == 1:
+        lines = [
+            f"# megamoe A/B over {len(seeds)} seeds: {na} vs {nb}",
+            "",
+            f"- config: `{meta.get('config')}`, nproc {meta.get('nproc')}, "
+            f"extra args: `{' '.join(meta.get('extra_args', [])) or '(none)'}`",
+        ]
+        if meta.get("sides"):
+            lines.append(sides_line(meta["sides"], meta.get("baseline")))
+        lines += [
+            f"- device: {meta.get('device')}"
+            + (" (analyzed from the logs under this dir; nothing trained)"
+               if meta.get("analyzed_only") else ""),
+            f"- seeds (`--debug.seed`): {', '.join(str(s) for s in seeds)}; {st.n} in the "
+            f"statistics",
+            *_runs_lines(meta),
+        ]
     else:
-        test = (f"(|mean diff| {_fmt(abs(st.mean_diff), '.5f')} "
-                f"{'>' if st.verdict == 'different' else '<='} t {st.t_crit:.2f} x SE "
-                f"{_fmt(st.se_diff, '.5f')} = {_fmt(st.threshold, '.5f')}; "
-                f"t statistic {_fmt(st.t_stat, '+.2f')})")
-    lines = [
-        f"# megamoe A/B over {len(seeds)} seeds: {na} vs {nb}",
-        "",
-        f"- config: `{meta.get('config')}`, nproc {meta.get('nproc')}, "
-        f"extra args: `{' '.join(meta.get('extra_args', [])) or '(none)'}`",
-    ]
-    desc = [
-        f"{ab} = `{s['label']}` ({s['kind']}"
-        + (f", `{' '.join(s['args'])}`" if s["args"] else "") + ")"
-        for ab, s in zip("AB", meta.get("sides", []))
-    ]
-    if desc:
-        lines.append(f"- sides: {', '.join(desc)}")
+        lines = [f"## {nb} vs {na} (differences {nb} - {na})", "",
+                 f"- seeds in the statistics: {st.n} of {len(seeds)}"]
     lines += [
-        f"- device: {meta.get('device')}"
-        + (" (analyzed from the logs under this dir; nothing trained)"
-           if meta.get("analyzed_only") else ""),
-        f"- seeds (`--debug.seed`): {', '.join(str(s) for s in seeds)}; {st.n} in the "
-        f"statistics",
         f"- final window: the last {st.window} steps ({win}); per run the mean of the losses "
         f"it logged there",
         f"- **verdict: {verdict}** {test}",
-        f"- rule: {rule_text(st.alpha, st.n)}",
+    ]
+    if level == 1:
+        lines.append(f"- rule: {rule_text(st.alpha, st.n)}")
+    lines += [
         f"- mean difference {nb} - {na}: {_fmt(st.mean_diff, '+.5f')} ({_pct(st.mean_rel_diff)}"
         f" of {na}), sd over seeds {_fmt(st.sd_diff, '.5f')}, SE {_fmt(st.se_diff, '.5f')}",
         f"- against the seed-to-seed spread of each side (sd of its final-window mean: {na} "
@@ -201,6 +294,7 @@ def render_seed_report(st, pairs: dict, problems: list[str], meta: dict, speeds:
         r = by_seed.get(seed)
         sa = run_stats(p.stock) if p else {}
         sb = run_stats(p.conv) if p else {}
+        over = overlapped.get(seed, ())
         cells = ([f"{r.first_step}-{r.last_step} ({r.window_steps})", f"{r.mean_a:.5f}",
                   f"{r.mean_b:.5f}", f"{r.diff:+.5f}", _pct(r.rel_diff)]
                  if r else ["left out", "-", "-", "-", "-"])
@@ -208,7 +302,7 @@ def render_seed_report(st, pairs: dict, problems: list[str], meta: dict, speeds:
             f"| {seed} | " + " | ".join(cells) + " | "
             + " | ".join([
                 _fmt(p.comparison.max_rel_diff if p else None, ".1e"),
-                _fmt(sa.get("mean_tps"), ",.0f"), _fmt(sb.get("mean_tps"), ",.0f"),
+                _tps_cell(sa, na in over), _tps_cell(sb, nb in over),
                 _fmt(sa.get("peak_memory_gib"), ".2f"), _fmt(sb.get("peak_memory_gib"), ".2f"),
             ]) + " |"
         )
@@ -223,39 +317,149 @@ def render_seed_report(st, pairs: dict, problems: list[str], meta: dict, speeds:
         f"| standard error (sd / sqrt(N)) | | | {_fmt(st.se_diff, '.5f')} | |",
         "",
     ]
-
-    def _mean_of(key, side):
-        vals = [s[key] for s in speeds.get(side, []) if not math.isnan(s[key])]
-        return sum(vals) / len(vals) if vals else float("nan")
-
-    ta, tb = _mean_of("mean_tps", na), _mean_of("mean_tps", nb)
-    lines += [
-        f"Tokens/s per device (mean over the seeds, step 2+): {na} {_fmt(ta, ',.0f')}, "
-        f"{nb} {_fmt(tb, ',.0f')}, {nb} / {na} {_fmt(tb / ta if ta else None, '.3f')}. "
-        f"Peak memory (rank 0, max over the seeds): {na} "
-        f"{_fmt(max((s['peak_memory_gib'] for s in speeds.get(na, [])), default=None), '.2f')}"
-        f" GiB, {nb} "
-        f"{_fmt(max((s['peak_memory_gib'] for s in speeds.get(nb, [])), default=None), '.2f')}"
-        " GiB.",
-        "",
-        "Plot: `seeds.png` (trailing mean losses over the window, every run; per-seed "
-        "differences). Each seed's runs, logs, per-step table and commands: "
-        "`seed<S>/report.md`.",
-    ]
-    first = pairs.get(seeds[0]) if seeds else None
-    if first is not None:
-        sub = os.path.join(first.out, "profile.md")
-        if os.path.exists(sub):
-            with open(sub) as f:
-                lines += ["", f"Profiled: seed {seeds[0]}.", "", f.read().rstrip()]
+    if level == 1:
+        lines += [_speed_line(speeds, (na, nb), any(overlapped.values()), meta), "",
+                  "Plot: `seeds.png` (trailing mean losses over the window, every run; per-seed "
+                  "differences). Each seed's runs, logs, per-step table and commands: "
+                  "`seed<S>/report.md`."]
+        lines += _profile_lines(pairs, seeds)
     lines.append("")
     return "\n".join(lines)
 
 
-def plot_seeds(runs: list, names: tuple[str, str], window: int, path: str, st=None) -> None:
+def _mean_of(speeds: dict, key: str, side: str) -> float:
+    vals = [s[key] for s in speeds.get(side, []) if not math.isnan(s[key])]
+    return sum(vals) / len(vals) if vals else float("nan")
+
+
+def _peak(speeds: dict, side: str):
+    return max((s["peak_memory_gib"] for s in speeds.get(side, [])), default=None)
+
+
+def _speed_line(speeds: dict, names, overlapped: bool, meta: dict) -> str:
+    mem = ", ".join(f"{n} {_fmt(_peak(speeds, n), '.2f')} GiB" for n in names)
+    if overlapped:
+        return (f"Tokens/s per device: {NOT_COMPARABLE}, runs overlapped on the same GPUs "
+                f"(`--jobs {meta.get('jobs', '>1')}`); compare speed with `--jobs 1`. Peak "
+                f"memory (rank 0, max over the seeds): {mem}.")
+    tps = {n: _mean_of(speeds, "mean_tps", n) for n in names}
+    ratios = ""
+    if len(names) == 2:
+        ta, tb = tps[names[0]], tps[names[1]]
+        ratios = f", {names[1]} / {names[0]} {_fmt(tb / ta if ta else None, '.3f')}"
+    return ("Tokens/s per device (mean over the seeds, step 2+): "
+            + ", ".join(f"{n} {_fmt(tps[n], ',.0f')}" for n in names) + ratios
+            + f". Peak memory (rank 0, max over the seeds): {mem}.")
+
+
+def _profile_lines(pairs: dict, seeds: list) -> list[str]:
+    first = pairs.get(seeds[0]) if seeds else None
+    if first is None:
+        return []
+    sub = os.path.join(first.out, "profile.md")
+    if not os.path.exists(sub):
+        return []
+    with open(sub) as f:
+        return ["", f"Profiled: seed {seeds[0]}.", "", f.read().rstrip()]
+
+
+def _runs_lines(meta: dict) -> list[str]:
+    """The runs line of a multi-seed report: how many finished, how they were scheduled, which
+    are missing (``meta["runs"]``: schedule.RunRecord dicts)."""
+    recs = meta.get("runs") or []
+    if not recs:
+        return []
+    done = [r for r in recs if r["status"] == "ok"]
+    how = (f"up to {meta['jobs']} at a time on the same GPUs (`--jobs {meta['jobs']}`)"
+           if meta.get("jobs", 1) > 1 else "one at a time")
+    if meta.get("deadline_s") is not None:
+        how += f", deadline {meta['deadline_s']:g} s"
+    line = f"- runs: {len(done)} of {len(recs)} finished ({how})"
+    missing = [r for r in recs if r["status"] != "ok"]
+    if missing:
+        line += "; **missing: " + ", ".join(f"{r['key']} ({r['status']})" for r in missing) + "**"
+    return [line]
+
+
+def render_sides_report(comparisons: dict, meta: dict, per_seed: dict,
+                        overlapped: dict | None = None) -> str:
+    """report.md of a multi-seed A/B of three or more sides: every side against the baseline.
+    ``comparisons``: other side's label -> (stats.SeedStats, pairs, problems) as
+    ``render_seed_report`` takes them; ``per_seed``: seed -> {label: RunLog}."""
+    from torchtitan_megamoe.ab.stats import rule_text
+
+    overlapped = overlapped or {}
+    base = meta["baseline"]
+    labels = [s["label"] for s in meta["sides"]]
+    seeds = meta.get("seeds", list(per_seed))
+    n_max = max((st.n for st, _, _ in comparisons.values()), default=0)
+    lines = [
+        f"# megamoe A/B over {len(seeds)} seeds: {', '.join(labels)} against {base}",
+        "",
+        f"- config: `{meta.get('config')}`, nproc {meta.get('nproc')}, "
+        f"extra args: `{' '.join(meta.get('extra_args', [])) or '(none)'}`",
+        sides_line(meta["sides"], base),
+        f"- device: {meta.get('device')}"
+        + (" (analyzed from the logs under this dir; nothing trained)"
+           if meta.get("analyzed_only") else ""),
+        f"- seeds (`--debug.seed`): {', '.join(str(s) for s in seeds)}",
+        *_runs_lines(meta),
+        f"- each side X against {base}: per seed d = X - {base} of the final-window mean losses "
+        f"(the last {meta.get('window')} steps both logged); rule: "
+        f"{rule_text(meta.get('alpha', 0.05), n_max)}",
+        "",
+        f"| X | verdict (X vs {base}) | seeds | mean X - {base} | (X - {base}) / {base} | "
+        "sd of d | SE | t statistic | t x SE | within the spread | within "
+        f"{100 * meta.get('gap_limit', 0.01):g}% |",
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- | --- |",
+    ]
+    for lab, (st, _, _) in comparisons.items():
+        lines.append(
+            f"| {lab} | **{st.verdict.upper()}** | {st.n} | {_fmt(st.mean_diff, '+.5f')} | "
+            f"{_pct(st.mean_rel_diff)} | {_fmt(st.sd_diff, '.5f')} | {_fmt(st.se_diff, '.5f')} "
+            f"| {_fmt(st.t_stat, '+.2f')} | {_fmt(st.threshold, '.5f')} | "
+            f"{_yes(st.gap_within_spread, 'yes', '**no**')} | "
+            f"{_yes(st.gap_within_limit, 'yes', '**no**')} |")
+    # per seed and side: the final-window mean (window of the comparison with the baseline)
+    means: dict = {}
+    for lab, (st, _, _) in comparisons.items():
+        for r in st.seeds:
+            means.setdefault(r.seed, {})[lab] = r.mean_b
+            means[r.seed].setdefault(base, r.mean_a)
+    lines += ["", "Final-window mean loss per seed and side:", "",
+              "| seed | " + " | ".join(labels) + " |",
+              "| ---: |" + " ---: |" * len(labels)]
+    for seed in seeds:
+        row = means.get(seed, {})
+        lines.append(f"| {seed} | " + " | ".join(_fmt(row.get(lab), ".5f") for lab in labels)
+                     + " |")
+    speeds = {lab: [run_stats(per_seed[s][lab]) for s in seeds
+                    if s in per_seed and per_seed[s].get(lab) is not None
+                    and per_seed[s][lab].steps] for lab in labels}
+    lines += ["", _speed_line(speeds, labels, any(overlapped.values()), meta), "",
+              "Plot: `seeds.png` (trailing mean losses of every run per side; each side's "
+              f"relative difference to {base} per seed). Each seed's runs, logs, per-step "
+              "tables and commands: `seed<S>/report.md`.", ""]
+    for lab, (st, pairs, problems) in comparisons.items():
+        lines.append(render_seed_report(st, pairs, problems, meta, speeds, overlapped, level=2))
+    first = next(iter(comparisons.values()), None)
+    if first is not None:
+        lines += _profile_lines(first[1], seeds)
+    lines.append("")
+    return "\n".join(lines)
+
+
+_COLORS = ("tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple", "tab:brown",
+           "tab:pink", "tab:olive")
+
+
+def plot_seeds(runs: list, names, window: int, path: str, st=None, baseline: int = 0) -> None:
     """seeds.png: left, each run's trailing ``window``-step mean loss (thin: one seed; thick:
-    the mean over the seeds); right, each seed's relative difference (B - A) / A of those means
-    in percent, the final window shaded. ``runs``: (seed, RunLog A, RunLog B) triples."""
+    the mean over the seeds), one colour per side; right, each seed's relative difference
+    (X - baseline) / baseline of those means in percent for every other side X, the final
+    window shaded. ``runs``: (seed, RunLog of each side in ``names``' order) tuples, None for a
+    run left out (failed, stopped, not started); ``st``: the stats.SeedStats of a two-side A/B,
+    or {label: SeedStats} of each other side."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -263,55 +467,73 @@ def plot_seeds(runs: list, names: tuple[str, str], window: int, path: str, st=No
 
     from torchtitan_megamoe.ab.stats import trailing_means
 
-    colors = ("tab:blue", "tab:orange")
+    names = list(names)
+    stats = st if isinstance(st, dict) else ({names[1 - baseline]: st} if st is not None
+                                              else {})
+    two = len(names) == 2
     fig, (ax_loss, ax_diff) = plt.subplots(1, 2, figsize=(12, 4.5))
-    curves: list[list[dict[int, float]]] = [[], []]
-    diffs: list[dict[int, float]] = []
-    for seed, *pair in runs:
+    curves: list[list[dict[int, float]]] = [[] for _ in names]
+    diffs: dict[int, list[dict[int, float]]] = {k: [] for k in range(len(names))}
+    for seed, *logs in runs:
         means = []
-        for k, run in enumerate(pair):
-            xs, ys = trailing_means(run, window)
+        for k, run in enumerate(logs):
+            xs, ys = trailing_means(run, window) if run is not None else ([], [])
             means.append(dict(zip(xs, ys)))
             curves[k].append(means[-1])
             if xs:
-                ax_loss.plot(xs, ys, color=colors[k], alpha=0.35, linewidth=1)
-        common = sorted(set(means[0]) & set(means[1]))
-        d = {s: 100 * (means[1][s] - means[0][s]) / means[0][s] for s in common if means[0][s]}
-        diffs.append(d)
-        if d:
-            ax_diff.plot(list(d), list(d.values()), color="tab:gray", alpha=0.5, linewidth=1)
-            ax_diff.annotate(str(seed), (list(d)[-1], list(d.values())[-1]), fontsize=7,
-                             color="tab:gray")
+                ax_loss.plot(xs, ys, color=_COLORS[k % len(_COLORS)], alpha=0.35, linewidth=1)
+        b = means[baseline]
+        for k in range(len(names)):
+            if k == baseline:
+                continue
+            common = sorted(set(b) & set(means[k]))
+            d = {s: 100 * (means[k][s] - b[s]) / b[s] for s in common if b[s]}
+            diffs[k].append(d)
+            if d:
+                color = "tab:gray" if two else _COLORS[k % len(_COLORS)]
+                ax_diff.plot(list(d), list(d.values()), color=color, alpha=0.5, linewidth=1)
+                ax_diff.annotate(str(seed), (list(d)[-1], list(d.values())[-1]), fontsize=7,
+                                 color=color)
 
     def _mean_curve(ds):
         steps = sorted(set.intersection(*(set(x) for x in ds))) if ds else []
         return steps, [sum(x[s] for x in ds) / len(ds) for s in steps]
 
-    for k in range(2):
+    for k in range(len(names)):
         xs, ys = _mean_curve([c for c in curves[k] if c])
         if xs:
-            ax_loss.plot(xs, ys, color=colors[k], linewidth=2.2,
-                         label=f"{names[k]} (mean of {len(curves[k])} seeds)")
-    xs, ys = _mean_curve([d for d in diffs if d])
-    if xs:
-        ax_diff.plot(xs, ys, color="black", linewidth=2.2, label="mean over seeds")
+            ax_loss.plot(xs, ys, color=_COLORS[k % len(_COLORS)], linewidth=2.2,
+                         label=f"{names[k]} (mean of {len([c for c in curves[k] if c])} seeds)")
+        if k == baseline:
+            continue
+        xs, ys = _mean_curve([d for d in diffs[k] if d])
+        if xs:
+            s_k = stats.get(names[k])
+            tag = f": {s_k.verdict}" if s_k is not None and not two else ""
+            ax_diff.plot(xs, ys, color="black" if two else _COLORS[k % len(_COLORS)],
+                         linewidth=2.2,
+                         label="mean over seeds" if two else f"{names[k]}{tag}")
     ax_diff.axhline(0.0, color="black", linewidth=0.8, linestyle=":")
-    if st is not None and st.seeds:
-        lo = min(r.first_step for r in st.seeds)
-        hi = max(r.last_step for r in st.seeds)
-        ax_diff.axvspan(lo, hi, color="tab:green", alpha=0.12, label="final window")
-        ax_loss.axvspan(lo, hi, color="tab:green", alpha=0.12)
-        title = (f"{names[1]} - {names[0]}: {st.verdict} "
-                 f"({_pct(st.mean_rel_diff)} +- {_pct(st.sd_rel_diff, '.3f')} sd, "
-                 f"N={st.n})")
+    done = [r for s in stats.values() if s is not None for r in s.seeds]
+    if done:
+        lo = min(r.first_step for r in done)
+        hi = max(r.last_step for r in done)
+        ax_diff.axvspan(lo, hi, color="tab:gray", alpha=0.15, label="final window")
+        ax_loss.axvspan(lo, hi, color="tab:gray", alpha=0.15)
+    nb, na = names[1 - baseline] if two else "X", names[baseline]
+    s1 = stats.get(nb) if two else None
+    if s1 is not None and s1.seeds:
+        title = (f"{nb} - {na}: {s1.verdict} ({_pct(s1.mean_rel_diff)} +- "
+                 f"{_pct(s1.sd_rel_diff, '.3f')} sd, N={s1.n})")
     else:
-        title = f"({names[1]} - {names[0]}) / {names[0]}"
+        title = f"({nb} - {na}) / {na}"
     ax_loss.set(xlabel="step", ylabel=f"loss, mean over the last {window} steps",
                 title="windowed mean loss per run")
     ax_diff.set(xlabel="step", ylabel="relative difference %", title=title)
     for ax in (ax_loss, ax_diff):
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
+        if ax.lines:
+            ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -6,6 +6,10 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import threading
+
+_LIVE: set = set()  # torchrun processes run_one started and still waits on
+_LIVE_LOCK = threading.Lock()
 
 
 def _cuda_available() -> bool:
@@ -40,7 +44,9 @@ def torchrun_command(config_path: str, nproc: int, dump: str, extra: list[str]) 
         sys.executable,
         "-m",
         "torch.distributed.run",
-        "--standalone",  # a free rendezvous port: concurrent runs do not collide
+        # a rendezvous store on a port the OS picks (localhost:0), which the workers share as
+        # their MASTER_PORT: concurrent runs (ab --jobs J) cannot collide on a port
+        "--standalone",
         f"--nproc_per_node={nproc}",
         "--local-ranks-filter=0",
         "-m",
@@ -117,6 +123,8 @@ def run_one(cmd: list[str], log_path: str, env: dict[str, str], timeout: float) 
         proc = subprocess.Popen(
             cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
         )
+        with _LIVE_LOCK:
+            _LIVE.add(proc)
         try:
             return proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
@@ -126,3 +134,18 @@ def run_one(cmd: list[str], log_path: str, env: dict[str, str], timeout: float) 
         except BaseException:
             _kill_group(proc)
             raise
+        finally:
+            with _LIVE_LOCK:
+                _LIVE.discard(proc)
+
+
+def stop_all() -> None:
+    """Stop every torchrun that ``run_one`` started and still waits on (other threads' runs,
+    ``ab --jobs J``), with all their workers; for an interrupted ab."""
+    with _LIVE_LOCK:
+        procs = list(_LIVE)
+    threads = [threading.Thread(target=_kill_group, args=(p,), daemon=True) for p in procs]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
