@@ -33,9 +33,9 @@
 #   AB_STEPS=100          100 x 0.09 s = 9 s of steps per run alone: start-up dominates a run
 #   AB_JOBS=3             3 runs at once: one run's start-up/compile overlaps the others' steps.
 #                         12 runs x (~50 s start-up + 9 s steps) + 6 FP8 first steps x ~30 s
-#                         ~ 900 s one at a time; by estimate ~5-6 min with 3 at once (later runs
-#                         also hit Inductor's and Triton's on-disk caches); the deadline below
-#                         bounds it either way
+#                         ~ 900 s one at a time; with 3 at once all 12 ran in 195 s on an H200
+#                         (2026-12-02, later runs also hit Inductor's and Triton's on-disk
+#                         caches); the deadline below bounds it either way
 #   AB_SEEDS=3 AB_SEED_BASE=11 AB_WINDOW=20
 # Other knobs: AB_TIMEOUT_S (per run, default 240), BUDGET_S (the whole script, default 560:
 # ab gets --deadline-s = what is left minus 50 s for stopping runs and writing the report, so
