@@ -9,13 +9,6 @@
 //     token row_slot[r] / top_k, padding rows read zeros), a1 against w1 and a3 against w3,
 //     h = silu(a1) * a3 quantized in the epilogue to e4m3 with one scale per row of the tile's
 //     128 columns (GEMM 2's A operand and its scales), optionally a = [a1 | a3] in bf16.
-//   megamoe_fp8_wgrad (WGRAD, K-grouped): dw[e] = A^T[:, seg(e)] @ B^T[:, seg(e)]^T, the
-//     weight gradients, contracting over expert e's segment of the row space. A^T [M, R] and
-//     B^T [N, R] e4m3 (rows contiguous: K-major), each scaled per column and 128 rows
-//     ([M, R/128], [N, R/128]); out bf16 [E, M, N]. A unit is (expert, M tile, N tile), experts
-//     in the given order (longest first); its K loop stops at the last 128-row step holding a
-//     real row, an expert without rows gets zeros. B's per-column scales make the promotion
-//     acc += partial * sa[row] * sb[column]; each thread loads its 32 columns' scales per step.
 //
 // Tile: 128 rows x 128 output columns (SWIGLU: 128 columns of h, i.e. of a1 and of a3); K steps
 // of 128 (one scale block; a row of 128 e4m3 is 128 bytes, the 128-byte swizzle's span).
@@ -29,7 +22,7 @@
 // GROUP_M order of grouped_tile; units past the used rows or of tiles with tile_expert -1 are
 // skipped by both roles alike):
 //   warpgroup 0 (producer, 40 registers): per K step it waits `empty[s]`, then
-//     PLAIN, WGRAD: thread 0 alone: arrive.expect_tx(full[s], 32 KiB), TMA loads of the A box [128
+//     PLAIN: thread 0 alone: arrive.expect_tx(full[s], 32 KiB), TMA loads of the A box [128
 //       rows, 128] and the B box [128 rows, 128]; full[s] completes on that one arrival and the
 //       bytes.
 //     SWIGLU: thread 0: arrive.expect_tx(full[s], 32 KiB) and the w1 and w3 boxes by TMA; all
@@ -41,7 +34,7 @@
 //     full[s] (SWIGLU: a proxy fence for the cp.async rows), 4 wgmma m64n128k32 into the
 //     partial, wait, promote; SWIGLU does this twice (w1's box, then w3's). Then a warpgroup
 //     barrier and ONE arrival per warpgroup on empty[s] (2 complete it).
-//   Epilogue, PLAIN and WGRAD: the warpgroup's [64, 128] bf16 tile staged in shared memory (two [64, 64]
+//   Epilogue, PLAIN: the warpgroup's [64, 128] bf16 tile staged in shared memory (two [64, 64]
 //     boxes, 128-byte swizzle) and written by bulk tensor stores; the staging buffer is reused
 //     once the store engine has read it. SWIGLU: h and its scales (quad shuffles give the row
 //     amax over the 4 lanes holding a row), and a, by plain global stores from registers.
@@ -72,14 +65,14 @@ constexpr int THREADS = 384;
 constexpr int PRODUCER_REGS = 40;
 constexpr int EPI_BOX_BYTES = 64 * 64 * 2;  // PLAIN staging: [64 rows, 64] bf16, per half tile
 
-enum Mode : int { MODE_PLAIN = 0, MODE_SWIGLU = 1, MODE_WGRAD = 2 };
+enum Mode : int { MODE_PLAIN = 0, MODE_SWIGLU = 1 };
 
 template <int MODE>
 struct Layout {
   static constexpr int B_BYTES = (MODE == MODE_SWIGLU ? 2 : 1) * BOX_BYTES;
   static constexpr int STAGE_BYTES = A_BYTES + B_BYTES;
   static constexpr int STAGES = MODE == MODE_SWIGLU ? 4 : 6;  // 4 x 48 KiB, 6 x 32 KiB
-  static constexpr int EPI_BYTES = MODE != MODE_SWIGLU ? 2 * 2 * EPI_BOX_BYTES : 0;
+  static constexpr int EPI_BYTES = MODE == MODE_PLAIN ? 2 * 2 * EPI_BOX_BYTES : 0;
   // + ring barriers, alignment
   static constexpr int SMEM_BYTES = STAGES * STAGE_BYTES + EPI_BYTES + 2 * STAGES * 8 + 1024;
   static_assert(SMEM_BYTES <= 227 * 1024, "shared memory: fewer stages");
@@ -104,14 +97,7 @@ struct Params {
   long long stride_x;
   long long stride_as;
   long long stride_bse;
-  long long stride_bsn;  // WGRAD: B's scale row stride (one row per column n of dw)
-  // WGRAD: the expert segments of the row space, their real row counts, the experts' order,
-  // the gradient's rows per expert and the experts
-  const int* seg_start;
-  const int* count;
-  const int* expert_order;
-  int M;
-  int num_experts;
+  long long stride_bsn;
 };
 
 __device__ __forceinline__ void grouped_tile(int t, int num_m, int num_n, int group_m, int& pid_m,
@@ -139,22 +125,6 @@ __device__ __forceinline__ void promote(float* acc, float* part, float s0, float
 }
 
 // One K step's 4 wgmmas into part, committed as one group (not waited for).
-// promote with one scale per row (sa0, sa1: the thread's two rows) and one per column (sb[2 j
-// + e]: column 8 j + 2 (lane % 4) + e): the weight gradients, whose operands are both scaled
-// per 128 rows of one column.
-__device__ __forceinline__ void promote_cols(float* acc, float* part, float sa0, float sa1,
-                                             const float* sb) {
-#pragma unroll
-  for (int i = 0; i < 64; ++i) fence_reg(part[i]);
-#pragma unroll
-  for (int j = 0; j < 16; ++j) {
-    acc[4 * j + 0] += part[4 * j + 0] * (sa0 * sb[2 * j]);
-    acc[4 * j + 1] += part[4 * j + 1] * (sa0 * sb[2 * j + 1]);
-    acc[4 * j + 2] += part[4 * j + 2] * (sa1 * sb[2 * j]);
-    acc[4 * j + 3] += part[4 * j + 3] * (sa1 * sb[2 * j + 1]);
-  }
-}
-
 __device__ __forceinline__ void mma_issue(float* part, uint32_t a_smem, uint32_t b_smem) {
   wgmma_fence();
 #pragma unroll
@@ -201,31 +171,14 @@ __global__ void __launch_bounds__(THREADS, 1)
   }
   __syncthreads();
 
-  constexpr bool WGRAD = MODE == MODE_WGRAD;
-  const int num_m = WGRAD ? p.M / BM : *p.num_rows_used / BM;  // WGRAD: M tiles per expert
+  const int num_m = *p.num_rows_used / BM;
   const int num_n = p.N / BN;
-  const int num_units = (WGRAD ? p.num_experts : 1) * num_m * num_n;
-  // A unit's tile, expert (-1: another phase's tile, skipped by both roles), K steps and first
-  // K coordinate (WGRAD: the expert's segment, up to its last 128-row step with a real row)
-  struct Tile {
-    int pid_m, pid_n, expert, k_blocks, k0;
-  };
-  auto decode = [&](int u) {
-    Tile t;
-    if constexpr (WGRAD) {
-      const int per_expert = num_m * num_n;
-      const int ei = u / per_expert;
-      grouped_tile(u % per_expert, num_m, num_n, p.group_m, t.pid_m, t.pid_n);
-      t.expert = p.expert_order[ei];
-      t.k0 = p.seg_start[t.expert];
-      t.k_blocks = (p.count[t.expert] + BK - 1) / BK;
-    } else {
-      grouped_tile(u, num_m, num_n, p.group_m, t.pid_m, t.pid_n);
-      t.expert = p.tile_expert[(t.pid_m * BM) / p.plan_bm];
-      t.k0 = 0;
-      t.k_blocks = p.K / BK;
-    }
-    return t;
+  const int num_units = num_m * num_n;
+  const int k_blocks = p.K / BK;
+  // the unit's tile and expert (-1: another phase's tile, skipped by both roles)
+  auto decode = [&](int u, int& pid_m, int& pid_n) {
+    grouped_tile(u, num_m, num_n, p.group_m, pid_m, pid_n);
+    return p.tile_expert[(pid_m * BM) / p.plan_bm];
   };
 
   if (wg == 0) {
@@ -237,11 +190,10 @@ __global__ void __launch_bounds__(THREADS, 1)
     uint32_t phase = 0;
     if (!GATHER && tid != 0) return;  // PLAIN: thread 0 issues every load
     for (int u = blockIdx.x; u < num_units; u += gridDim.x) {
-      const Tile t = decode(u);
-      if (t.expert < 0) continue;
-      const int pid_m = t.pid_m, k_blocks = t.k_blocks;
-      // B's rows: the expert's weight rows, or (WGRAD) the columns n of dw (B = B^T [N, R])
-      const int w_row = (WGRAD ? 0 : t.expert * p.N) + t.pid_n * BN;
+      int pid_m, pid_n;
+      const int expert = decode(u, pid_m, pid_n);
+      if (expert < 0) continue;
+      const int w_row = expert * p.N + pid_n * BN;
       int tok[PASSES];
 #pragma unroll
       for (int i = 0; i < PASSES; ++i) {
@@ -270,8 +222,8 @@ __global__ void __launch_bounds__(THREADS, 1)
           cp_async_arrive_noinc(full);
         } else {
           mbar_arrive_expect_tx(full, A_BYTES + BOX_BYTES);
-          tma_load_2d(a_smem, &in_map, t.k0 + kb * BK, pid_m * BM, full);
-          tma_load_2d(b_smem, &w1_map, t.k0 + kb * BK, w_row, full);
+          tma_load_2d(a_smem, &in_map, kb * BK, pid_m * BM, full);
+          tma_load_2d(b_smem, &w1_map, kb * BK, w_row, full);
         }
         if (++stage == STAGES) {
           stage = 0;
@@ -292,9 +244,9 @@ __global__ void __launch_bounds__(THREADS, 1)
     float acc[64];
     [[maybe_unused]] float acc3[GATHER ? 64 : 1];
     for (int u = blockIdx.x; u < num_units; u += gridDim.x) {
-      const Tile t = decode(u);
-      if (t.expert < 0) continue;
-      const int pid_m = t.pid_m, pid_n = t.pid_n, expert = t.expert, k_blocks = t.k_blocks;
+      int pid_m, pid_n;
+      const int expert = decode(u, pid_m, pid_n);
+      if (expert < 0) continue;
       const int row0 = pid_m * BM + r_in;
       // the rows' scale rows: the row itself (PLAIN) or its token (SWIGLU; padding rows: none)
       long long srow[2];
@@ -351,30 +303,6 @@ __global__ void __launch_bounds__(THREADS, 1)
           wgmma_wait<0>();
           release(stage);
           promote(acc3, part, a0 * b3, a1 * b3);
-          advance();
-        }
-      } else if constexpr (WGRAD) {
-        // B's scales vary along the tile's columns (one per column n and 128 rows): the 32 of
-        // this thread's columns are loaded per step, before its wait, used at its promotion.
-        const int kb0 = t.k0 / BK;
-        const float* sb_col = p.b_scale + (pid_n * BN + 2 * (lane % 4)) * p.stride_bsn;
-        for (int kb = 0; kb < k_blocks; ++kb) {
-          const float s0 = __ldg(sa0 + kb0 + kb), s1 = __ldg(sa1 + kb0 + kb);
-          float sb[32];
-#pragma unroll
-          for (int j = 0; j < 16; ++j) {
-#pragma unroll
-            for (int e = 0; e < 2; ++e) {
-              sb[2 * j + e] = __ldg(sb_col + (8 * j + e) * p.stride_bsn + kb0 + kb);
-            }
-          }
-          mbar_wait(full_bar + 8 * stage, phase);
-          uint32_t a_smem, b_smem;
-          stage_smem(a_smem, b_smem);
-          mma_issue(part, a_smem, b_smem);
-          wgmma_wait<0>();
-          release(stage);
-          promote_cols(acc, part, s0, s1, sb);
           advance();
         }
       } else {
@@ -449,14 +377,14 @@ __global__ void __launch_bounds__(THREADS, 1)
         fence_proxy_async();  // the st.shared writes, before the store engine reads them
         named_barrier(1 + cw, 128);
         if (tid % 128 == 0) {
-          const int out_row = (WGRAD ? expert * p.M : 0) + pid_m * BM + cw * 64;
+          const int out_row = pid_m * BM + cw * 64;
           tma_store_2d(&out_map, pid_n * BN, out_row, tile);
           tma_store_2d(&out_map, pid_n * BN + 64, out_row, tile + EPI_BOX_BYTES);
           bulk_commit();
         }
       }
     }
-    if (!GATHER && tid % 128 == 0) bulk_wait<0>();  // the last tile's store
+    if (!GATHER && tid % 128 == 0) bulk_wait<0>();
   }
 }
 
@@ -550,36 +478,6 @@ extern "C" int megamoe_fp8_gemm1_swiglu(const void* x, long long stride_x, const
   p.stride_bsn = stride_bsn;
   return launch<MODE_SWIGLU>(w1_map, w3_map, w1_map, w1_map, p, num_sms,
                              static_cast<cudaStream_t>(stream));
-}
-
-// out [E, M, N] bf16 = per expert e: at[:, segment(e)] @ bt[:, segment(e)]^T (see WGRAD)
-extern "C" int megamoe_fp8_wgrad(const void* at, const float* at_scale, long long stride_ats,
-                                 const void* bt, const float* bt_scale, long long stride_bts,
-                                 void* out, const int* seg_start, const int* count,
-                                 const int* expert_order, int E, int M, int N, long long rows,
-                                 int group_m, int num_sms, void* stream) {
-  using namespace megamoe::fp8;
-  CUtensorMap a_map, b_map, out_map;
-  int rc = encode_tiled_2d(&a_map, CU_TENSOR_MAP_DATA_TYPE_UINT8, 1, at, M, rows, BM, BK);
-  if (rc == 0) rc = encode_tiled_2d(&b_map, CU_TENSOR_MAP_DATA_TYPE_UINT8, 1, bt, N, rows, BN, BK);
-  if (rc == 0)
-    rc = encode_tiled_2d(&out_map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, out,
-                         static_cast<long long>(E) * M, N, 64, 64);
-  if (rc != 0) return rc;
-  Params p = {};
-  p.a_scale = at_scale;
-  p.b_scale = bt_scale;
-  p.stride_as = stride_ats;
-  p.stride_bsn = stride_bts;
-  p.seg_start = seg_start;
-  p.count = count;
-  p.expert_order = expert_order;
-  p.M = M;
-  p.N = N;
-  p.num_experts = E;
-  p.group_m = group_m;
-  return launch<MODE_WGRAD>(b_map, b_map, a_map, out_map, p, num_sms,
-                            static_cast<cudaStream_t>(stream));
 }
 
 extern "C" const char* megamoe_error_string(int code) {

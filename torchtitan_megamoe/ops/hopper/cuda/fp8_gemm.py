@@ -9,8 +9,6 @@ step with its scales; see the .cu file).
 - ``fp8_gemm1_swiglu_sm90``: GEMM 1 + SwiGLU on the plan's token rows of xq, h in e4m3 with
   per-row scales per 128 columns, optionally a = [a1 | a3] bf16 (kernels/fp8_gemm_rows.
   fp8_gemm1_swiglu's contract).
-- ``fp8_wgrad_sm90``: dw [E, M, N] bf16 = per expert A^T[:, segment] @ B^T[:, segment]^T with
-  per-column, per-128-row scales on both operands (kernels/fp8_wgrad.fp8_wgrad's contract).
 
 Both write only the used rows; tiles whose tile_expert is -1 are skipped.
 """
@@ -43,8 +41,6 @@ def fp8_gemm_library() -> ctypes.CDLL:
         lib.megamoe_fp8_gemm1_swiglu.argtypes = [p, ll, p, ll, p, p, p, p, ll, ll, p, p, p, p, p,
                                                  p, i, i, i, i, i, i, i, p]
         lib.megamoe_fp8_gemm1_swiglu.restype = i
-        lib.megamoe_fp8_wgrad.argtypes = [p, p, ll, p, p, ll, p, p, p, p, i, i, i, ll, i, i, p]
-        lib.megamoe_fp8_wgrad.restype = i
         lib.megamoe_error_string.argtypes = [i]
         lib.megamoe_error_string.restype = ctypes.c_char_p
         lib._megamoe_typed = True
@@ -118,37 +114,4 @@ def fp8_gemm1_swiglu_sm90(xq, xs, w1q, w1s, w3q, w3s, plan: Plan, hq, hs, a=None
         hs.data_ptr(), a.data_ptr() if a is not None else None, plan.row_slot.data_ptr(),
         plan.tile_expert.data_ptr(), plan.num_rows_used.data_ptr(), E, H, D, plan.top_k,
         plan.block_m, group_m, num_sms, stream)
-    raise_on_error(lib, rc, who)
-
-
-def fp8_wgrad_sm90(at, ats, bt, bts, plan: Plan, out: torch.Tensor, order: torch.Tensor,
-                   group_m: int = 8) -> None:
-    """Writes all of out [E, M, N] (bf16): out[e] = at[:, seg(e)] @ bt[:, seg(e)]^T, at [M, R]
-    and bt [N, R] e4m3 with scales ats [M, R/128], bts [N, R/128] (R = plan.max_rows), the
-    experts' units in ``order`` (int32 [E])."""
-    who = "fp8_wgrad_sm90"
-    E, M, N = out.shape
-    R = plan.max_rows
-    if M % BM or N % BN or R % BK:
-        raise ValueError(f"{who} needs M % {BM}, N % {BN} and the plan's rows % {BK} to be 0; "
-                         f"got M={M}, N={N}, rows={R}")
-    for name, t, rows in (("at", at, M), ("bt", bt, N)):
-        if t.dtype != FP8 or t.shape != (rows, R) or t.stride(1) != 1 or t.stride(0) != R \
-                or t.data_ptr() % 16:
-            raise ValueError(f"{who}: {name} must be e4m3 [{rows}, {R}] with rows {R} apart, "
-                             f"16-byte aligned; got {t.dtype} {tuple(t.shape)}")
-    for name, t, rows in (("ats", ats, M), ("bts", bts, N)):
-        if t.dtype != torch.float32 or t.shape != (rows, R // BK) or t.stride(1) != 1:
-            raise ValueError(f"{who}: {name} must be fp32 [{rows}, {R // BK}] with unit-stride rows")
-    if out.dtype != torch.bfloat16 or not out.is_contiguous():
-        raise ValueError(f"{who}: out must be contiguous bfloat16")
-    if order.dtype != torch.int32 or order.shape != (E,) or not order.is_contiguous():
-        raise ValueError(f"{who}: order must be contiguous int32 [{E}]")
-    check_plan(plan, at.device, who, ("seg_start", "count"))
-    lib = fp8_gemm_library()
-    num_sms, stream, _ = launch_context(at.device, ticket=False)
-    rc = lib.megamoe_fp8_wgrad(
-        at.data_ptr(), ats.data_ptr(), ats.stride(0), bt.data_ptr(), bts.data_ptr(),
-        bts.stride(0), out.data_ptr(), plan.seg_start.data_ptr(), plan.count.data_ptr(),
-        order.data_ptr(), E, M, N, R, group_m, num_sms, stream)
     raise_on_error(lib, rc, who)
