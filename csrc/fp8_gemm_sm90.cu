@@ -100,16 +100,6 @@ struct Params {
   long long stride_bsn;
 };
 
-__device__ __forceinline__ void grouped_tile(int t, int num_m, int num_n, int group_m, int& pid_m,
-                                             int& pid_n) {
-  // GROUP_M consecutive M tiles sweep one N tile together (weight tiles reused from L2)
-  const int per_group = group_m * num_n;
-  const int first_m = (t / per_group) * group_m;
-  const int size = min(num_m - first_m, group_m);
-  pid_m = first_m + (t % per_group) % size;
-  pid_n = (t % per_group) / size;
-}
-
 // partial (one K step, fp32) * scale of its row, added into acc: the promotion. acc[4 j + 2 h +
 // e] is row (warp 16 + lane / 4 + 8 h), column 8 j + 2 (lane % 4) + e of the warpgroup's tile.
 __device__ __forceinline__ void promote(float* acc, float* part, float s0, float s1) {

@@ -180,16 +180,6 @@ struct Params {
   long long stride_a;
 };
 
-__device__ __forceinline__ void grouped_tile(int t, int num_m, int num_n, int group_m, int& pid_m,
-                                             int& pid_n) {
-  // GROUP_M consecutive M tiles sweep one N tile together (weight tiles reused from L2)
-  const int per_group = group_m * num_n;
-  const int first_m = (t / per_group) * group_m;
-  const int size = min(num_m - first_m, group_m);
-  pid_m = first_m + (t % per_group) % size;
-  pid_n = (t % per_group) / size;
-}
-
 // The epilogues' sigmoid (GEMM 1's SwiGLU, kernel A's SwiGLU backward): 1 / (1 + __expf(-x))
 // with an approximate division (__fdividef: MUFU.RCP, ~2 ulp, relative accuracy kept for any x).
 // Kernel A at 30B, H200: 0.880 ms against 1.083 with the IEEE division (its consumers run the

@@ -15,6 +15,19 @@ __device__ __forceinline__ uint32_t smem_u32(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
 }
 
+// ---- tile order -----------------------------------------------------------------------------
+
+// Unit t of a [num_m, num_n] tile grid in grouped order: GROUP_M consecutive M tiles sweep one N
+// tile together (weight tiles reused from L2).
+__device__ __forceinline__ void grouped_tile(int t, int num_m, int num_n, int group_m, int& pid_m,
+                                             int& pid_n) {
+  const int per_group = group_m * num_n;
+  const int first_m = (t / per_group) * group_m;
+  const int size = min(num_m - first_m, group_m);
+  pid_m = first_m + (t % per_group) % size;
+  pid_n = (t % per_group) / size;
+}
+
 // ---- mbarrier -------------------------------------------------------------------------------
 
 __device__ __forceinline__ void mbar_init(uint32_t bar, uint32_t count) {
