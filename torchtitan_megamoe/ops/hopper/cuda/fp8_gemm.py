@@ -22,13 +22,13 @@ import torch
 
 from torchtitan_megamoe.ops.hopper.cuda.build import load
 from torchtitan_megamoe.ops.hopper.cuda.sm90 import check_plan, launch_context, raise_on_error
+from torchtitan_megamoe.ops.hopper.kernels.fp8_quant import FP8
 
 if TYPE_CHECKING:
     from torchtitan_megamoe.ops.hopper.plan import Plan
 
 SOURCE = "fp8_gemm_sm90"
 BM, BN, BK = 128, 128, 128
-FP8 = torch.float8_e4m3fn
 
 
 def fp8_gemm_library() -> ctypes.CDLL:

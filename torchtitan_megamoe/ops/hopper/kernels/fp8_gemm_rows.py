@@ -240,8 +240,10 @@ def _run(mode, a, a_s, b, b_s, plan: Plan, out, out_s, gather, b2=None, b2_s=Non
             config = INTERPRET_CONFIG
         else:
             key = (bucket(R), N, K, E, plan.block_m, gather, aux is not None)
-            config = pick_config(_NAMES[mode], key, _candidates(mode, a, b, plan, out, gather),
-                                 launch, outputs=lambda _: checked(), mismatch=relative_difference)
+            # a function: the list (and its sm90 check) is built only until the tuner has picked
+            config = pick_config(_NAMES[mode], key,
+                                 lambda: _candidates(mode, a, b, plan, out, gather), launch,
+                                 outputs=lambda _: checked(), mismatch=relative_difference)
     launch(config)
 
 
