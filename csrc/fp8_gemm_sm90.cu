@@ -9,6 +9,14 @@
 //     token row_slot[r] / top_k, padding rows read zeros), a1 against w1 and a3 against w3,
 //     h = silu(a1) * a3 quantized in the epilogue to e4m3 with one scale per row of the tile's
 //     128 columns (GEMM 2's A operand and its scales), optionally a = [a1 | a3] in bf16.
+//   megamoe_fp8_dswiglu (DSWIGLU): the backward's kernel A. dhg = dy rows (gathered like
+//     SWIGLU's x) @ w2[e] (B = the transposed [E, H, D] copy), then with the saved a = [a1 |
+//     a3] and the routing weight w of the row: h = silu(a1) a3, dh = w dhg, da3 = dh silu(a1),
+//     da1 = dh a3 sig (1 + a1 (1 - sig)). Outputs, each quantized where it sits in registers:
+//     da = [da1 | da3] e4m3 [R, 2H] per row and 128 columns (dgrad of linear 1), da^T [2H, R]
+//     and h^T [H, R] per 128 rows of a column (the weight gradients contract over rows; one
+//     scale per column of the 128-row tile: the plan's 128-row segments keep one expert per
+//     block), and part [H/128, R] = sum over the tile's columns of dhg h (d topk_weights).
 //
 // Tile: 128 rows x 128 output columns (SWIGLU: 128 columns of h, i.e. of a1 and of a3); K steps
 // of 128 (one scale block; a row of 128 e4m3 is 128 bytes, the 128-byte swizzle's span).
@@ -38,6 +46,16 @@
 //     boxes, 128-byte swizzle) and written by bulk tensor stores; the staging buffer is reused
 //     once the store engine has read it. SWIGLU: h and its scales (quad shuffles give the row
 //     amax over the 4 lanes holding a row), and a, by plain global stores from registers.
+//     DSWIGLU, in two passes over the registers (the values recomputed in the second: holding
+//     all five would take 320 registers): pass 1 takes the row amaxes (quad shuffles), the
+//     part sums and each column's amax over the thread's 2 rows, halved three times across
+//     the 8 lanes sharing a column set (shuffles that trade half the values: 7 per 8
+//     columns) and written per warp to shared memory; both consumer warpgroups meet at a
+//     256-thread barrier, 256 threads reduce the 8 warps' maxima of the 384 (tensor, column)
+//     pairs into scales (written to global) and reciprocals, a second barrier; pass 2
+//     quantizes (v times the reciprocal of the scale) into five staging boxes per warpgroup
+//     (da1, da3 rows [64, 128], 128-byte swizzle; h^T, da1^T, da3^T [128, 64], 64-byte
+//     swizzle: conflict-free byte stores) and one thread issues their bulk tensor stores.
 // Quantization matches ops/hopper/kernels/fp8_quant.quantize_block: scale = max(amax, 1e-12) /
 // 448, q = e4m3(v / scale) (IEEE division, round to nearest even, saturating).
 // Waits on: nothing outside the launch. Signals: nothing; the outputs are complete with it.
@@ -65,27 +83,44 @@ constexpr int THREADS = 384;
 constexpr int PRODUCER_REGS = 40;
 constexpr int EPI_BOX_BYTES = 64 * 64 * 2;  // PLAIN staging: [64 rows, 64] bf16, per half tile
 
-enum Mode : int { MODE_PLAIN = 0, MODE_SWIGLU = 1 };
+enum Mode : int { MODE_PLAIN = 0, MODE_SWIGLU = 1, MODE_DSWIGLU = 2 };
+
+// DSWIGLU's epilogue memory: per consumer warpgroup 5 staging boxes of [64 rows, 128] (or
+// [128, 64]) e4m3, then the per-warp column maxima [8 warps][3 tensors][128] and the
+// reciprocals of the column scales [3][128] (tensors: h, da1, da3)
+constexpr int DS_BOX_BYTES = 64 * 128;
+constexpr int DS_WG_BYTES = 5 * DS_BOX_BYTES;
+constexpr int DS_COLMAX_BYTES = 8 * 3 * 128 * 4;
+constexpr int DS_INV_BYTES = 3 * 128 * 4;
 
 template <int MODE>
 struct Layout {
   static constexpr int B_BYTES = (MODE == MODE_SWIGLU ? 2 : 1) * BOX_BYTES;
   static constexpr int STAGE_BYTES = A_BYTES + B_BYTES;
-  static constexpr int STAGES = MODE == MODE_SWIGLU ? 4 : 6;  // 4 x 48 KiB, 6 x 32 KiB
-  static constexpr int EPI_BYTES = MODE == MODE_PLAIN ? 2 * 2 * EPI_BOX_BYTES : 0;
+  static constexpr int STAGES = MODE == MODE_PLAIN ? 6 : 4;  // 6 x 32 KiB; 4 x 48 or 32 KiB
+  static constexpr int EPI_BYTES =
+      MODE == MODE_PLAIN ? 2 * 2 * EPI_BOX_BYTES
+      : MODE == MODE_DSWIGLU ? 2 * DS_WG_BYTES + DS_COLMAX_BYTES + DS_INV_BYTES : 0;
   // + ring barriers, alignment
   static constexpr int SMEM_BYTES = STAGES * STAGE_BYTES + EPI_BYTES + 2 * STAGES * 8 + 1024;
   static_assert(SMEM_BYTES <= 227 * 1024, "shared memory: fewer stages");
 };
 
 struct Params {
-  const uint8_t* x;       // SWIGLU: token rows [T, K] e4m3, stride_x bytes apart
-  const float* a_scale;   // PLAIN: [R, K/128]; SWIGLU: [T, K/128]; row stride stride_as
+  const uint8_t* x;       // SWIGLU, DSWIGLU: token rows [T, K] e4m3 (x; dy), stride_x apart
+  const float* a_scale;   // PLAIN: [R, K/128]; SWIGLU, DSWIGLU: [T, K/128]; row stride stride_as
   const float* b_scale;   // [E, N/128, K/128] (SWIGLU: w1's); strides stride_bse, stride_bsn
   const float* b3_scale;  // SWIGLU: w3's, same strides
   uint8_t* hq;            // SWIGLU: h [R, N] e4m3 (row stride N)
   float* hs;              // SWIGLU: h's scales [R, N/128] (row stride N/128)
   __nv_bfloat16* a;       // SWIGLU: nullptr or a = [a1 | a3] [R, 2N]
+  const __nv_bfloat16* a_saved;  // DSWIGLU: the forward's a = [a1 | a3] [R, 2N]
+  const float* tw;        // DSWIGLU: routing weights, by slot [T * top_k]
+  float* das;             // DSWIGLU: da's row scales [R, 2N/128]
+  float* hts;             // DSWIGLU: h^T's scales [N, R/128]
+  float* dats;            // DSWIGLU: da^T's scales [2N, R/128]
+  float* part;            // DSWIGLU: [N/128, R]
+  long long rows;         // DSWIGLU: R (the transposed outputs' row length)
   const int* row_slot;
   const int* tile_expert;
   const int* num_rows_used;
@@ -129,7 +164,208 @@ __device__ __forceinline__ float silu_mul(float a1, float a3) {
   return a1 / (1.0f + __expf(-a1)) * a3;
 }
 
-// w1_map: B (SWIGLU: w1), w3_map: SWIGLU's w3, in_map: PLAIN's A, out_map: PLAIN's out
+// The SwiGLU backward of one element: g = dhg (before the routing weight w), a1, a3 the saved
+// pre-activations. Same arithmetic as the Triton kernel A (ops/hopper/kernels/fp8_gemm_rows.py)
+// up to the sigmoid's approximate division (grouped_gemm_sm90.cu's epi_sigmoid).
+__device__ __forceinline__ void dswiglu_values(float g, float a1, float a3, float w, bool live,
+                                               float& h, float& da1, float& da3) {
+  const float sig = __fdividef(1.0f, 1.0f + __expf(-a1));
+  const float silu = a1 * sig;
+  h = live ? silu * a3 : 0.f;  // padding rows add nothing to dw2
+  const float dh = g * w;
+  da3 = dh * silu;
+  da1 = dh * a3 * sig * (1.0f + a1 * (1.0f - sig));
+}
+
+// v[0..8): one value per local column k = 2 jj + e (jj < 4) of this lane; returns in v[0] the
+// maximum over the 8 lanes g = lane / 4 of the quad position lane % 4 for column k = g: three
+// rounds, each sending the half the partner keeps and keeping the other half (7 shuffles).
+__device__ __forceinline__ float transpose_max8(float (&v)[8], int lane) {
+  const unsigned full = 0xffffffffu;
+  const bool b = lane & 16, c = lane & 8, d = lane & 4;
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const float send = b ? v[i] : v[i + 4], keep = b ? v[i + 4] : v[i];
+    v[i] = fmaxf(keep, __shfl_xor_sync(full, send, 16));
+  }
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    const float send = c ? v[i] : v[i + 2], keep = c ? v[i + 2] : v[i];
+    v[i] = fmaxf(keep, __shfl_xor_sync(full, send, 8));
+  }
+  const float send = d ? v[0] : v[1], keep = d ? v[1] : v[0];
+  return fmaxf(keep, __shfl_xor_sync(full, send, 4));
+}
+
+__device__ __forceinline__ float2 bf16x2_to_float2(uint32_t v) {
+  return __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&v));
+}
+
+__device__ __forceinline__ uint32_t e4m3x2(float lo, float hi) {
+  return __nv_cvt_float2_to_fp8x2(make_float2(lo, hi), __NV_SATFINITE, __NV_E4M3);
+}
+
+// DSWIGLU's epilogue for the warpgroup's 64 rows (see the file comment). acc[4 j + 2 h + e]:
+// row warp 16 + lane / 4 + 8 h of the warpgroup, column 8 j + 2 (lane % 4) + e of the tile.
+// Both consumer warpgroups call it for the same tile (barrier 3 spans the two).
+__device__ __forceinline__ void dswiglu_epilogue(const float (&acc)[64], const Params& p,
+                                                 const CUtensorMap* daq_map,
+                                                 const CUtensorMap* dat_map,
+                                                 const CUtensorMap* ht_map, uint32_t epi_smem,
+                                                 int pid_m, int pid_n, int cw, int warp, int lane,
+                                                 const bool (&live)[2], const int (&slot)[2]) {
+  const int N = p.N;
+  const int q4 = lane % 4, g8 = lane / 4;
+  const int r_wg = warp * 16 + g8;                  // + 8 h: the row within the warpgroup
+  const long long row_g = pid_m * BM + cw * 64 + r_wg;  // + 8 h: the row of the row space
+  const uint32_t stage = epi_smem + cw * DS_WG_BYTES;
+  const uint32_t colmax = epi_smem + 2 * DS_WG_BYTES;
+  const uint32_t inv_col = colmax + DS_COLMAX_BYTES;
+  float w[2];
+  const uint32_t* arow[2];  // this lane's bf16 pairs of a1 at arow[h][4 j], of a3 at + N / 2
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    w[h] = live[h] ? __ldg(p.tw + slot[h]) : 0.f;
+    arow[h] = reinterpret_cast<const uint32_t*>(
+        p.a_saved + (row_g + 8 * h) * (2LL * N) + pid_n * BN + 2 * q4);
+  }
+  auto values = [&](int j, int h, int e, float& hv, float& d1, float& d3) {
+    const float2 a1 = bf16x2_to_float2(__ldg(arow[h] + 4 * j));
+    const float2 a3 = bf16x2_to_float2(__ldg(arow[h] + N / 2 + 4 * j));
+    dswiglu_values(acc[4 * j + 2 * h + e], e ? a1.y : a1.x, e ? a3.y : a3.x, w[h], live[h], hv,
+                   d1, d3);
+  };
+
+  // pass 1: row amaxes of da1, da3, the part sums, column amaxes per warp
+  float psum[2] = {0.f, 0.f}, ra1[2] = {0.f, 0.f}, ra3[2] = {0.f, 0.f};
+#pragma unroll
+  for (int quarter = 0; quarter < 4; ++quarter) {
+    float cm[3][8];
+#pragma unroll
+    for (int jj = 0; jj < 4; ++jj) {
+      const int j = 4 * quarter + jj;
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        float m0 = 0.f, m1 = 0.f, m3 = 0.f;
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          float hv, d1, d3;
+          values(j, h, e, hv, d1, d3);
+          psum[h] += acc[4 * j + 2 * h + e] * hv;
+          ra1[h] = fmaxf(ra1[h], fabsf(d1));
+          ra3[h] = fmaxf(ra3[h], fabsf(d3));
+          m0 = fmaxf(m0, fabsf(hv));
+          m1 = fmaxf(m1, fabsf(d1));
+          m3 = fmaxf(m3, fabsf(d3));
+        }
+        cm[0][2 * jj + e] = m0;
+        cm[1][2 * jj + e] = m1;
+        cm[2][2 * jj + e] = m3;
+      }
+    }
+    // after the transpose this lane holds column 32 quarter + 8 (g / 2) + 2 q + g % 2 (local
+    // column k = g of its quad position) over the warp's 16 rows
+    const int col = 32 * quarter + 8 * (g8 >> 1) + 2 * q4 + (g8 & 1);
+#pragma unroll
+    for (int t = 0; t < 3; ++t) {
+      const float m = transpose_max8(cm[t], lane);
+      st_shared_b32(colmax + (((cw * 4 + warp) * 3 + t) * 128 + col) * 4, __float_as_uint(m));
+    }
+  }
+  float rinv1[2], rinv3[2];
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+#pragma unroll
+    for (int m = 1; m <= 2; m *= 2) {
+      psum[h] += __shfl_xor_sync(0xffffffffu, psum[h], m);
+      ra1[h] = fmaxf(ra1[h], __shfl_xor_sync(0xffffffffu, ra1[h], m));
+      ra3[h] = fmaxf(ra3[h], __shfl_xor_sync(0xffffffffu, ra3[h], m));
+    }
+    const float s1 = fmaxf(ra1[h], 1e-12f) / 448.0f, s3 = fmaxf(ra3[h], 1e-12f) / 448.0f;
+    rinv1[h] = 1.0f / s1;
+    rinv3[h] = 1.0f / s3;
+    if (q4 == 0) {
+      const long long r = row_g + 8 * h;
+      p.part[pid_n * p.rows + r] = psum[h];
+      p.das[r * (2 * N / BN) + pid_n] = s1;
+      p.das[r * (2 * N / BN) + N / BN + pid_n] = s3;
+    }
+  }
+  const int t_wg = threadIdx.x % 128;
+  if (t_wg == 0) bulk_wait_read<0>();  // the previous tile's staging has been read
+  named_barrier(3, 256);               // both warpgroups' column maxima are in shared memory
+  // the 384 (tensor, column) scales: max over the 8 warps, scale to global, reciprocal shared
+  for (int pc = cw * 128 + t_wg; pc < 3 * 128; pc += 256) {
+    const int t = pc / 128, c = pc % 128;
+    float m = 0.f;
+#pragma unroll
+    for (int wi = 0; wi < 8; ++wi)
+      m = fmaxf(m, __uint_as_float(ld_shared_b32(colmax + ((wi * 3 + t) * 128 + c) * 4)));
+    const float sc = fmaxf(m, 1e-12f) / 448.0f;
+    st_shared_b32(inv_col + pc * 4, __float_as_uint(1.0f / sc));
+    const long long col = pid_n * BN + c;
+    const long long stride_ts = p.rows / BM;
+    if (t == 0) p.hts[col * stride_ts + pid_m] = sc;
+    else p.dats[((t == 1 ? 0 : N) + col) * stride_ts + pid_m] = sc;
+  }
+  named_barrier(3, 256);  // the reciprocals are complete
+
+  // pass 2: quantize into the staging boxes
+  const uint32_t box_da1 = stage, box_da3 = stage + DS_BOX_BYTES;
+  const uint32_t box_ht = stage + 2 * DS_BOX_BYTES, box_da1t = stage + 3 * DS_BOX_BYTES,
+                 box_da3t = stage + 4 * DS_BOX_BYTES;
+#pragma unroll
+  for (int j = 0; j < 16; ++j) {
+    const int c0 = 8 * j + 2 * q4;  // this lane's columns c0, c0 + 1 of the tile
+    float ci[3][2];
+#pragma unroll
+    for (int t = 0; t < 3; ++t) {
+      ci[t][0] = __uint_as_float(ld_shared_b32(inv_col + (t * 128 + c0) * 4));
+      ci[t][1] = __uint_as_float(ld_shared_b32(inv_col + (t * 128 + c0 + 1) * 4));
+    }
+    float hv[2][2], d1[2][2], d3[2][2];  // [h][e]
+#pragma unroll
+    for (int h = 0; h < 2; ++h)
+#pragma unroll
+      for (int e = 0; e < 2; ++e) values(j, h, e, hv[h][e], d1[h][e], d3[h][e]);
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int r = r_wg + 8 * h;
+      const uint32_t off = swizzled_offset<128>(r, j / 2) + 8 * (j % 2) + 2 * q4;
+      st_shared_b16(box_da1 + off, e4m3x2(d1[h][0] * rinv1[h], d1[h][1] * rinv1[h]));
+      st_shared_b16(box_da3 + off, e4m3x2(d3[h][0] * rinv3[h], d3[h][1] * rinv3[h]));
+    }
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      // transposed: row c0 + e of the box, bytes r (h = 0) and r + 8 (h = 1) of chunk warp
+      const uint32_t off = swizzled_offset<64>(c0 + e, warp) + g8;
+      const uint32_t qh = e4m3x2(hv[0][e] * ci[0][e], hv[1][e] * ci[0][e]);
+      const uint32_t q1 = e4m3x2(d1[0][e] * ci[1][e], d1[1][e] * ci[1][e]);
+      const uint32_t q3 = e4m3x2(d3[0][e] * ci[2][e], d3[1][e] * ci[2][e]);
+      st_shared_b8(box_ht + off, qh);
+      st_shared_b8(box_ht + off + 8, qh >> 8);
+      st_shared_b8(box_da1t + off, q1);
+      st_shared_b8(box_da1t + off + 8, q1 >> 8);
+      st_shared_b8(box_da3t + off, q3);
+      st_shared_b8(box_da3t + off + 8, q3 >> 8);
+    }
+  }
+  fence_proxy_async();  // the st.shared writes, before the store engine reads them
+  named_barrier(1 + cw, 128);
+  if (t_wg == 0) {
+    const int row = pid_m * BM + cw * 64, col = pid_n * BN;
+    tma_store_2d(daq_map, col, row, box_da1);
+    tma_store_2d(daq_map, N + col, row, box_da3);
+    tma_store_2d(ht_map, row, col, box_ht);
+    tma_store_2d(dat_map, row, col, box_da1t);
+    tma_store_2d(dat_map, row, N + col, box_da3t);
+    bulk_commit();
+  }
+}
+
+// w1_map: B (SWIGLU: w1; DSWIGLU: w2^T), w3_map: SWIGLU's w3, in_map: PLAIN's A, out_map:
+// PLAIN's out. DSWIGLU's stores: out_map da [R, 2N] (boxes [64, 128]), in_map da^T [2N, R] and
+// w3_map h^T [N, R] (boxes [128, 64]).
 template <int MODE>
 __global__ void __launch_bounds__(THREADS, 1)
     fp8_gemm_kernel(const __grid_constant__ CUtensorMap w1_map,
@@ -137,7 +373,8 @@ __global__ void __launch_bounds__(THREADS, 1)
                     const __grid_constant__ CUtensorMap in_map,
                     const __grid_constant__ CUtensorMap out_map, const Params p) {
   using L = Layout<MODE>;
-  constexpr bool GATHER = MODE == MODE_SWIGLU;
+  constexpr bool GATHER = MODE != MODE_PLAIN;  // token rows by cp.async (x or dy)
+  constexpr bool SWIGLU = MODE == MODE_SWIGLU;
   constexpr int STAGES = L::STAGES;
   extern __shared__ __align__(1024) uint8_t smem_raw[];
   uint8_t* smem = reinterpret_cast<uint8_t*>(
@@ -156,7 +393,7 @@ __global__ void __launch_bounds__(THREADS, 1)
     }
     mbar_init_fence();
     tma_prefetch_desc(&w1_map);
-    if (GATHER) tma_prefetch_desc(&w3_map);
+    if (SWIGLU) tma_prefetch_desc(&w3_map);
     if (!GATHER) tma_prefetch_desc(&in_map);
   }
   __syncthreads();
@@ -197,9 +434,9 @@ __global__ void __launch_bounds__(THREADS, 1)
         const uint32_t full = full_bar + 8 * stage;
         if constexpr (GATHER) {
           if (tid == 0) {
-            mbar_arrive_expect_tx(full, 2 * BOX_BYTES);
+            mbar_arrive_expect_tx(full, L::B_BYTES);
             tma_load_2d(b_smem, &w1_map, kb * BK, w_row, full);
-            tma_load_2d(b_smem + BOX_BYTES, &w3_map, kb * BK, w_row, full);
+            if constexpr (SWIGLU) tma_load_2d(b_smem + BOX_BYTES, &w3_map, kb * BK, w_row, full);
           }
 #pragma unroll
           for (int i = 0; i < PASSES; ++i) {
@@ -232,7 +469,7 @@ __global__ void __launch_bounds__(THREADS, 1)
     uint32_t phase = 0;
     float part[64];
     float acc[64];
-    [[maybe_unused]] float acc3[GATHER ? 64 : 1];
+    [[maybe_unused]] float acc3[SWIGLU ? 64 : 1];
     for (int u = blockIdx.x; u < num_units; u += gridDim.x) {
       int pid_m, pid_n;
       const int expert = decode(u, pid_m, pid_n);
@@ -241,12 +478,13 @@ __global__ void __launch_bounds__(THREADS, 1)
       // the rows' scale rows: the row itself (PLAIN) or its token (SWIGLU; padding rows: none)
       long long srow[2];
       bool live[2];
+      [[maybe_unused]] int slot[2];
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         if constexpr (GATHER) {
-          const int slot = p.row_slot[row0 + 8 * h];
-          live[h] = slot >= 0;
-          srow[h] = live[h] ? static_cast<long long>(slot / p.top_k) : 0;
+          slot[h] = p.row_slot[row0 + 8 * h];
+          live[h] = slot[h] >= 0;
+          srow[h] = live[h] ? static_cast<long long>(slot[h] / p.top_k) : 0;
         } else {
           live[h] = true;
           srow[h] = row0 + 8 * h;
@@ -257,7 +495,7 @@ __global__ void __launch_bounds__(THREADS, 1)
       const long long sb_off = expert * p.stride_bse + pid_n * p.stride_bsn;
 #pragma unroll
       for (int i = 0; i < 64; ++i) acc[i] = 0.f;
-      if constexpr (GATHER) {
+      if constexpr (SWIGLU) {
 #pragma unroll
         for (int i = 0; i < 64; ++i) acc3[i] = 0.f;
       }
@@ -275,7 +513,7 @@ __global__ void __launch_bounds__(THREADS, 1)
         a_smem = smem_base + stage * L::STAGE_BYTES + cw * 64 * BK;
         b_smem = smem_base + stage * L::STAGE_BYTES + A_BYTES;
       };
-      if constexpr (GATHER) {
+      if constexpr (SWIGLU) {
         // w1's wgmmas, their promotion, w3's (one partial: a1, a3 and it take 192 registers)
         for (int kb = 0; kb < k_blocks; ++kb) {
           const float a0 = live[0] ? __ldg(sa0 + kb) : 0.f;
@@ -301,8 +539,10 @@ __global__ void __launch_bounds__(THREADS, 1)
         // wgmmas, spilled 316 bytes per thread under ptxas 13.0: docs/PERF.md.)
         for (int kb = 0; kb < k_blocks; ++kb) {
           const float b1 = __ldg(p.b_scale + sb_off + kb);
-          const float s0 = __ldg(sa0 + kb) * b1, s1 = __ldg(sa1 + kb) * b1;
+          const float s0 = (live[0] ? __ldg(sa0 + kb) : 0.f) * b1;
+          const float s1 = (live[1] ? __ldg(sa1 + kb) : 0.f) * b1;
           mbar_wait(full_bar + 8 * stage, phase);
+          if constexpr (GATHER) fence_proxy_async();  // DSWIGLU's cp.async rows
           uint32_t a_smem, b_smem;
           stage_smem(a_smem, b_smem);
           mma_issue(part, a_smem, b_smem);
@@ -313,7 +553,10 @@ __global__ void __launch_bounds__(THREADS, 1)
         }
       }
       const int col0 = pid_n * BN + 2 * (lane % 4);
-      if constexpr (GATHER) {
+      if constexpr (MODE == MODE_DSWIGLU) {
+        dswiglu_epilogue(acc, p, &out_map, &in_map, &w3_map, epi_smem, pid_m, pid_n, cw, warp,
+                         lane, live, slot);
+      } else if constexpr (SWIGLU) {
         // h = silu(a1) a3, its row amax over the quad's 4 lanes (128 columns), e4m3 + scale
         float amax[2] = {0.f, 0.f};
 #pragma unroll
@@ -374,7 +617,7 @@ __global__ void __launch_bounds__(THREADS, 1)
         }
       }
     }
-    if (!GATHER && tid % 128 == 0) bulk_wait<0>();
+    if (!SWIGLU && tid % 128 == 0) bulk_wait<0>();  // the bulk stores done before exit
   }
 }
 
@@ -468,6 +711,56 @@ extern "C" int megamoe_fp8_gemm1_swiglu(const void* x, long long stride_x, const
   p.stride_bsn = stride_bsn;
   return launch<MODE_SWIGLU>(w1_map, w3_map, w1_map, w1_map, p, num_sms,
                              static_cast<cudaStream_t>(stream));
+}
+
+// kernel A (see DSWIGLU): from dy [T, D] e4m3 (scales [T, D/128]), w2^T [E, H, D] e4m3, the saved
+// a [rows, 2H] bf16 and the routing weights, da [rows, 2H] + scales, da^T [2H, rows] + scales
+// [2H, rows/128], h^T [H, rows] + scales, part [H/128, rows]
+extern "C" int megamoe_fp8_dswiglu(const void* dy, long long stride_dy, const float* dy_scale,
+                                   long long stride_dys, const void* w2t, const float* w2t_scale,
+                                   long long stride_bse, long long stride_bsn,
+                                   const void* a_saved, const float* tw, void* daq, float* das,
+                                   void* daTq, float* daTs, void* hTq, float* hTs, float* part,
+                                   const int* row_slot, const int* tile_expert,
+                                   const int* num_rows_used, int E, int H, int D, int top_k,
+                                   int plan_bm, int group_m, long long rows, int num_sms,
+                                   void* stream) {
+  using namespace megamoe::fp8;
+  CUtensorMap w_map, daq_map, dat_map, ht_map;
+  int rc = encode_tiled_2d(&w_map, CU_TENSOR_MAP_DATA_TYPE_UINT8, 1, w2t,
+                           static_cast<long long>(E) * H, D, BN, BK);
+  if (rc == 0)
+    rc = encode_tiled_2d(&daq_map, CU_TENSOR_MAP_DATA_TYPE_UINT8, 1, daq, rows, 2LL * H, 64, BN);
+  if (rc == 0)
+    rc = encode_tiled_2d(&dat_map, CU_TENSOR_MAP_DATA_TYPE_UINT8, 1, daTq, 2LL * H, rows, BN, 64);
+  if (rc == 0)
+    rc = encode_tiled_2d(&ht_map, CU_TENSOR_MAP_DATA_TYPE_UINT8, 1, hTq, H, rows, BN, 64);
+  if (rc != 0) return rc;
+  Params p = {};
+  p.x = static_cast<const uint8_t*>(dy);
+  p.a_scale = dy_scale;
+  p.b_scale = w2t_scale;
+  p.a_saved = static_cast<const __nv_bfloat16*>(a_saved);
+  p.tw = tw;
+  p.das = das;
+  p.hts = hTs;
+  p.dats = daTs;
+  p.part = part;
+  p.rows = rows;
+  p.row_slot = row_slot;
+  p.tile_expert = tile_expert;
+  p.num_rows_used = num_rows_used;
+  p.N = H;
+  p.K = D;
+  p.top_k = top_k;
+  p.plan_bm = plan_bm;
+  p.group_m = group_m;
+  p.stride_x = stride_dy;
+  p.stride_as = stride_dys;
+  p.stride_bse = stride_bse;
+  p.stride_bsn = stride_bsn;
+  return launch<MODE_DSWIGLU>(w_map, ht_map, dat_map, daq_map, p, num_sms,
+                              static_cast<cudaStream_t>(stream));
 }
 
 extern "C" const char* megamoe_error_string(int code) {

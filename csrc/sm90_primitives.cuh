@@ -166,6 +166,14 @@ __device__ __forceinline__ void bulk_wait() {
 __device__ __forceinline__ void st_shared_b32(uint32_t addr, uint32_t v) {
   asm volatile("st.shared.b32 [%0], %1;" ::"r"(addr), "r"(v) : "memory");
 }
+// The low 16 / 8 bits of v (packed e4m3 pairs, single e4m3 bytes of transposed tiles).
+__device__ __forceinline__ void st_shared_b16(uint32_t addr, uint32_t v) {
+  asm volatile("st.shared.b16 [%0], %1;" ::"r"(addr), "h"(static_cast<uint16_t>(v)) : "memory");
+}
+__device__ __forceinline__ void st_shared_b8(uint32_t addr, uint32_t v) {
+  asm volatile("st.shared.b8 [%0], %1;" ::"r"(addr), "h"(static_cast<uint16_t>(v & 0xFF))
+               : "memory");
+}
 // st_shared_b32 where `pred` holds (predicated, not a branch: a wgmma batch may be in flight)
 __device__ __forceinline__ void st_shared_b32_if(uint32_t addr, uint32_t v, bool pred) {
   asm volatile("{\n .reg .pred p;\n setp.ne.b32 p, %2, 0;\n @p st.shared.b32 [%0], %1;\n}" ::"r"(

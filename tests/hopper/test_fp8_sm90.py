@@ -1,6 +1,7 @@
 """csrc/fp8_gemm_sm90.cu on an H200 (marked gpu; skipped without an sm_90 GPU and nvcc): the
-FP8 GEMM 1 + SwiGLU (h quantized per row and 128 columns in the epilogue, a = [a1 | a3] saved)
-and the plain FP8 row GEMM (GEMM 2, dgrad of linear 1) against float64 math on the same
+FP8 GEMM 1 + SwiGLU (h quantized per row and 128 columns in the epilogue, a = [a1 | a3] saved),
+the plain FP8 row GEMM (GEMM 2, dgrad of linear 1) and kernel A (dgrad of linear 2 + the SwiGLU
+backward, five quantized outputs) against float64 math on the same
 quantized operands, on uneven routings (dropped slots, an empty expert, one expert holding
 every row, one token), token counts that are not tile multiples, outputs poisoned first (rows
 past the used ones must stay untouched), and against the Triton FP8 kernels of the same
@@ -10,8 +11,9 @@ import pytest
 import torch
 
 from moe_testing import SM90_GPU, nan_tensor, rel_err, routing
-from torchtitan_megamoe.ops.hopper.cuda.fp8_gemm import fp8_gemm1_swiglu_sm90, fp8_rows_sm90
-from torchtitan_megamoe.ops.hopper.fp8_weights import forward_weights
+from torchtitan_megamoe.ops.hopper.cuda.fp8_gemm import (fp8_dswiglu_sm90, fp8_gemm1_swiglu_sm90,
+                                                       fp8_rows_sm90)
+from torchtitan_megamoe.ops.hopper.fp8_weights import forward_weights, w2_transposed
 from torchtitan_megamoe.ops.hopper.kernels import fp8_gemm_rows as fg
 from torchtitan_megamoe.ops.hopper.kernels.fp8_quant import (FP8, quant_rows, quant_weight,
                                                           weight_blocks)
@@ -120,6 +122,95 @@ def test_rows_vs_float64(T, K, E, N, KD, name):
     assert torch.isnan(out[used:]).all(), "wrote rows past the used ones"
 
 
+def _dswiglu_setup(T, K, E, D, H, name, seed=0):
+    """dy, w2 (quantized as kernel A reads them), a saved a (zero on padding rows, as GEMM 1
+    leaves it) and routing weights."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    dy = torch.randn(T, D, device="cuda", generator=g).bfloat16()
+    w2 = torch.randn(E, D, H, device="cuda", generator=g).div(H ** 0.5).bfloat16()
+    plan = build_plan(routing(name, T, K, E, seed).cuda(), E, 128)
+    used, slot, _ = _used(plan)
+    a = (2 * torch.randn(plan.max_rows, 2 * H, device="cuda", generator=g)).bfloat16()
+    a[:used][slot < 0] = 0
+    tw = torch.rand(T * K, device="cuda", generator=g)
+    gq, gs = quant_rows(dy)
+    return plan, gq, gs, w2_transposed(w2), a, tw
+
+
+def _kernel_a(plan, gq, gs, w2t, a, tw):
+    R, (E, H, D) = plan.max_rows, w2t.q.shape
+    fp8_nan = lambda *shape: torch.full(shape, float("nan"), device="cuda").to(FP8)  # noqa: E731
+    out = dict(daq=fp8_nan(R, 2 * H), das=nan_tensor(R, 2 * H // 128, dtype=torch.float32),
+               daTq=fp8_nan(2 * H, R), daTs=nan_tensor(2 * H, R // 128, dtype=torch.float32),
+               hTq=fp8_nan(H, R), hTs=nan_tensor(H, R // 128, dtype=torch.float32),
+               part=nan_tensor(H // 128, R, dtype=torch.float32))
+    fp8_dswiglu_sm90(gq, gs, w2t.q, w2t.s, a, tw, plan, **out)
+    torch.cuda.synchronize()
+    return out
+
+
+def _dswiglu_f64(plan, gq, gs, w2t, a, tw):
+    """(dhg, h, da1, da3) over the used rows, float64, on the quantized dy and w2^T."""
+    used, slot, expert = _used(plan)
+    H = w2t.q.shape[1]
+    gd, wd = _deq_rows(gq, gs), _deq_weight(w2t.q, w2t.s)
+    live = slot >= 0
+    dhg = torch.zeros(used, H, dtype=torch.float64, device="cuda")
+    for e in expert[live].unique().tolist():
+        m = live & (expert == e)
+        dhg[m] = gd[slot[m] // plan.top_k] @ wd[e].T
+    a1, a3 = a[:used, :H].double(), a[:used, H:].double()
+    sig = torch.sigmoid(a1)
+    h = a1 * sig * a3 * live[:, None]
+    dh = dhg * (tw.double()[slot.clamp_min(0)] * live)[:, None]
+    return dhg, h, dh * a3 * sig * (1 + a1 * (1 - sig)), dh * a1 * sig
+
+
+def _deq_cols(q, s, used):
+    """fp64 values of the used columns of q [C, R] e4m3 scaled per 128 of them by s [C, R/128]."""
+    return (q.double() * s.double().repeat_interleave(128, dim=1))[:, :used]
+
+
+@pytest.mark.parametrize("name", ROUTINGS)
+@pytest.mark.parametrize("T,K,E,D,H", [(700, 4, 8, 384, 256), (333, 2, 5, 1152, 128)],
+                         ids=["d384_h256", "d1152_h128"])
+def test_dswiglu_vs_float64(T, K, E, D, H, name):
+    plan, gq, gs, w2t, a, tw = _dswiglu_setup(T, K, E, D, H, name)
+    o = _kernel_a(plan, gq, gs, w2t, a, tw)
+    used, slot, _ = _used(plan)
+    live = slot >= 0
+    dhg, h, da1, da3 = _dswiglu_f64(plan, gq, gs, w2t, a, tw)
+    da = torch.cat([da1, da3], 1)
+    got_da = _deq_rows(o["daq"][:used], o["das"][:used])
+    assert torch.isfinite(got_da).all(), "used rows left unwritten"
+    # e4m3 holds 3 mantissa bits: ~2-3% from exact; a wrong scale, row or column is far off
+    assert rel_err(got_da, da) < 4e-2, rel_err(got_da, da)
+    assert torch.all(o["daq"][:used][~live].float() == 0), "padding rows must be exactly 0"
+    amax = da.abs().reshape(used, 2 * H // 128, 128).amax(-1).clamp_min(1e-12)
+    assert rel_err(o["das"][:used][live], (amax / 448)[live]) < 1e-2
+    for key, ref in (("daTq", da.T), ("hTq", h.T)):
+        q, sc = o[key], o[key[:-1] + "s"]
+        got = _deq_cols(q, sc, used)
+        assert torch.isfinite(got).all(), f"{key}: used columns left unwritten"
+        assert rel_err(got, ref) < 4e-2, (key, rel_err(got, ref))
+        col_amax = ref.abs().reshape(ref.shape[0], used // 128, 128).amax(-1).clamp_min(1e-12)
+        assert rel_err(sc[:, : used // 128], col_amax / 448) < 1e-2, key
+        assert torch.isnan(q[:, used:].float()).all(), f"{key}: wrote columns past the used ones"
+    part = o["part"][:, :used].sum(0)
+    assert rel_err(part, (dhg * h).sum(1)) < 1e-2, rel_err(part, (dhg * h).sum(1))
+    assert torch.isnan(o["daq"][used:].float()).all(), "wrote rows past the used ones"
+    again = _kernel_a(plan, gq, gs, w2t, a, tw)
+    written = dict(daq=(slice(0, used),), das=(slice(0, used),), part=(slice(None), slice(0, used)),
+                   daTq=(slice(None), slice(0, used)), hTq=(slice(None), slice(0, used)),
+                   daTs=(slice(None), slice(0, used // 128)),
+                   hTs=(slice(None), slice(0, used // 128)))
+    for key, index in written.items():
+        u, v = o[key][index], again[key][index]
+        if u.dtype == FP8:
+            u, v = u.view(torch.uint8), v.view(torch.uint8)
+        assert torch.equal(u, v), f"{key}: two identical calls differ"
+
+
 def test_qwen3_30b_shape_matches_triton():
     """The 30B-A3B layer shape (E 128, D 2048, H 768, top-8, 4096 tokens): both CUDA kernels
     against the Triton FP8 kernels of the same contract."""
@@ -138,6 +229,21 @@ def test_qwen3_30b_shape_matches_triton():
     y_c = fg.fp8_rows_gemm(hq_c, hs_c, wq.w2q, wq.w2s, plan, torch.bfloat16,
                            config=fg.SM90_CONFIG)
     assert rel_err(y_c[:used], y_t[:used]) < 1e-3, rel_err(y_c[:used], y_t[:used])
+    # kernel A on the same plan: every output against the Triton kernel's
+    g = torch.Generator(device="cuda").manual_seed(4)
+    dy = torch.randn(T, D, device="cuda", generator=g).bfloat16()
+    gq, gs = quant_rows(dy)
+    w2t = w2_transposed(torch.randn(E, D, H, device="cuda", generator=g).div(H ** 0.5).bfloat16())
+    tw = torch.rand(T * K, device="cuda", generator=g)
+    outs = [fg.fp8_dswiglu(gq, gs, w2t.q, w2t.s, a_c, tw, plan, config=cfg)
+            for cfg in (fg.GPU_CONFIGS[fg.MODE_DSWIGLU][0], fg.SM90_CONFIG)]
+    (daq_t, das_t, daTq_t, daTs_t, hTq_t, hTs_t, part_t), (daq_c, das_c, daTq_c, daTs_c, hTq_c,
+                                                            hTs_c, part_c) = outs
+    assert rel_err(_deq_rows(daq_c[:used], das_c[:used]), _deq_rows(daq_t[:used], das_t[:used])) < 1e-2
+    for (q_c, s_c), (q_t, s_t) in (((daTq_c, daTs_c), (daTq_t, daTs_t)),
+                                   ((hTq_c, hTs_c), (hTq_t, hTs_t))):
+        assert rel_err(_deq_cols(q_c, s_c, used), _deq_cols(q_t, s_t, used)) < 1e-2
+    assert rel_err(part_c[:, :used], part_t[:, :used]) < 1e-3
 
 
 def test_rejects_bad_operands():

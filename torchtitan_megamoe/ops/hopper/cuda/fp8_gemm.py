@@ -9,6 +9,9 @@ step with its scales; see the .cu file).
 - ``fp8_gemm1_swiglu_sm90``: GEMM 1 + SwiGLU on the plan's token rows of xq, h in e4m3 with
   per-row scales per 128 columns, optionally a = [a1 | a3] bf16 (kernels/fp8_gemm_rows.
   fp8_gemm1_swiglu's contract).
+- ``fp8_dswiglu_sm90``: the backward's kernel A (kernels/fp8_gemm_rows.fp8_dswiglu's
+  contract): dy rows @ w2[e], the SwiGLU backward, da per row, da^T and h^T per 128 rows, the
+  d(topk_weights) partials.
 
 Both write only the used rows; tiles whose tile_expert is -1 are skipped.
 """
@@ -41,6 +44,9 @@ def fp8_gemm_library() -> ctypes.CDLL:
         lib.megamoe_fp8_gemm1_swiglu.argtypes = [p, ll, p, ll, p, p, p, p, ll, ll, p, p, p, p, p,
                                                  p, i, i, i, i, i, i, i, p]
         lib.megamoe_fp8_gemm1_swiglu.restype = i
+        lib.megamoe_fp8_dswiglu.argtypes = [p, ll, p, ll, p, p, ll, ll, p, p, p, p, p, p, p, p,
+                                            p, p, p, p, i, i, i, i, i, i, ll, i, p]
+        lib.megamoe_fp8_dswiglu.restype = i
         lib.megamoe_error_string.argtypes = [i]
         lib.megamoe_error_string.restype = ctypes.c_char_p
         lib._megamoe_typed = True
@@ -114,4 +120,46 @@ def fp8_gemm1_swiglu_sm90(xq, xs, w1q, w1s, w3q, w3s, plan: Plan, hq, hs, a=None
         hs.data_ptr(), a.data_ptr() if a is not None else None, plan.row_slot.data_ptr(),
         plan.tile_expert.data_ptr(), plan.num_rows_used.data_ptr(), E, H, D, plan.top_k,
         plan.block_m, group_m, num_sms, stream)
+    raise_on_error(lib, rc, who)
+
+
+def fp8_dswiglu_sm90(gq, gs, w2tq, w2ts, a_saved, tw, plan: Plan, daq, das, daTq, daTs, hTq,
+                     hTs, part, group_m: int = 8) -> None:
+    """Writes the used rows of daq [R_max, 2H] e4m3 / das [R_max, 2H/128], the used columns of
+    daTq [2H, R_max] / daTs [2H, R_max/128] and hTq [H, R_max] / hTs [H, R_max/128], and part
+    [H/128, R_max] (fp32): kernel A on the token rows of gq [T, D] (dy, scales gs [T, D/128])
+    against w2tq [E, H, D] (w2^T), with a_saved [R_max, 2H] bf16 and tw [T * top_k] fp32."""
+    who = "fp8_dswiglu_sm90"
+    E, H, D = w2tq.shape
+    R = plan.max_rows
+    _check_common(who, plan, H, D, {"w2tq": w2tq, "daq": daq, "daTq": daTq, "hTq": hTq},
+                  {"gs": gs, "w2ts": w2ts, "das": das, "daTs": daTs, "hTs": hTs, "part": part})
+    if gq.dtype != FP8 or gq.stride(1) != 1 or gq.stride(0) % 16 or gq.data_ptr() % 16:
+        raise ValueError(f"{who}: gq must be e4m3 with unit-stride, 16-byte aligned rows")
+    if gq.shape[1] != D or gs.shape != (gq.shape[0], D // BK):
+        raise ValueError(f"{who}: gq {tuple(gq.shape)} / gs {tuple(gs.shape)} do not match D={D}")
+    shapes = {"daq": (daq, (R, 2 * H)), "das": (das, (R, 2 * H // BN)),
+              "daTq": (daTq, (2 * H, R)), "daTs": (daTs, (2 * H, R // BM)),
+              "hTq": (hTq, (H, R)), "hTs": (hTs, (H, R // BM)), "part": (part, (H // BN, R))}
+    for name, (t, shape) in shapes.items():
+        if tuple(t.shape) != shape or not t.is_contiguous():
+            raise ValueError(f"{who}: {name} must be contiguous {list(shape)}, got "
+                             f"{list(t.shape)}")
+    if a_saved.shape != (R, 2 * H) or a_saved.dtype != torch.bfloat16 or not a_saved.is_contiguous():
+        raise ValueError(f"{who}: a_saved must be contiguous bfloat16 [{R}, {2 * H}]")
+    if tw.dtype != torch.float32 or not tw.is_contiguous() or tw.numel() != gq.shape[0] * plan.top_k:
+        raise ValueError(f"{who}: tw must be contiguous float32 [T * top_k]")
+    if R % 16:
+        raise ValueError(f"{who}: the plan's max_rows ({R}) must be a multiple of 16 (the "
+                         "transposed outputs' rows are written by TMA)")
+    check_plan(plan, gq.device, who, ("row_slot", "tile_expert", "num_rows_used"))
+    lib = fp8_gemm_library()
+    num_sms, stream, _ = launch_context(gq.device, ticket=False)
+    rc = lib.megamoe_fp8_dswiglu(
+        gq.data_ptr(), gq.stride(0), gs.data_ptr(), gs.stride(0), w2tq.data_ptr(),
+        w2ts.data_ptr(), w2ts.stride(0), w2ts.stride(1), a_saved.data_ptr(), tw.data_ptr(),
+        daq.data_ptr(), das.data_ptr(), daTq.data_ptr(), daTs.data_ptr(), hTq.data_ptr(),
+        hTs.data_ptr(), part.data_ptr(), plan.row_slot.data_ptr(), plan.tile_expert.data_ptr(),
+        plan.num_rows_used.data_ptr(), E, H, D, plan.top_k, plan.block_m, group_m, R, num_sms,
+        stream)
     raise_on_error(lib, rc, who)

@@ -32,7 +32,8 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from torchtitan_megamoe.ops.hopper.cuda.fp8_gemm import (fp8_gemm1_swiglu_sm90, fp8_rows_sm90,
+from torchtitan_megamoe.ops.hopper.cuda.fp8_gemm import (fp8_dswiglu_sm90, fp8_gemm1_swiglu_sm90,
+                                                       fp8_rows_sm90,
                                                        shape_supported as sm90_shape_supported)
 from torchtitan_megamoe.ops.hopper.cuda.sm90 import sm90_usable
 from torchtitan_megamoe.ops.hopper.kernels.fp8_quant import FP8, quantize_block
@@ -172,14 +173,14 @@ GPU_CONFIGS = {
 }
 # The warp-specialized CUDA kernels (csrc/fp8_gemm_sm90.cu: producer warpgroup, two consumer
 # warpgroups promoting unsynchronized), offered where they build (sm_90 + nvcc; MEGAMOE_CUDA=0:
-# never) for GEMM 1 + SwiGLU and for the plain GEMMs on row-space A with a bf16 output.
+# never) for GEMM 1 + SwiGLU, kernel A, and the plain GEMMs on row-space A with a bf16 output.
 SM90_CONFIG = dict(IMPL="sm90", GROUP_M=8)
 
 
 def _candidates(mode, a, b, plan, out, gather):
     E, N, K = b.shape
     cands = list(GPU_CONFIGS[mode])
-    sm90_mode = (mode == MODE_SWIGLU and gather) or (
+    sm90_mode = (mode in (MODE_SWIGLU, MODE_DSWIGLU) and gather) or (
         mode == MODE_PLAIN and not gather and out.dtype == torch.bfloat16)
     if sm90_mode and sm90_shape_supported(N, K, plan.block_m) and sm90_usable(a):
         cands.append(SM90_CONFIG)
@@ -202,6 +203,9 @@ def _run(mode, a, a_s, b, b_s, plan: Plan, out, out_s, gather, b2=None, b2_s=Non
         if cfg.pop("IMPL", None) == "sm90":
             if mode == MODE_PLAIN:
                 fp8_rows_sm90(a, a_s, b, b_s, plan, out, group_m=cfg["GROUP_M"])
+            elif mode == MODE_DSWIGLU:
+                fp8_dswiglu_sm90(a, a_s, b, b_s, aux, tw.float(), plan, out, out_s, qt, qt_s,
+                                 ht, ht_s, part, group_m=cfg["GROUP_M"])
             else:
                 fp8_gemm1_swiglu_sm90(a, a_s, b, b_s, b2, b2_s, plan, out, out_s, aux,
                                       group_m=cfg["GROUP_M"])
