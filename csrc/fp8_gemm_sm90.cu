@@ -124,6 +124,12 @@ struct Params {
   const int* row_slot;
   const int* tile_expert;
   const int* num_rows_used;
+  // PLAIN over one group of experts [e0, e0 + num_experts) (B holds only theirs, as expert -
+  // e0): rows [seg_start[e0], seg_start[e0 + num_experts]) of the plan; seg_start nullptr:
+  // rows [0, num_rows_used), every expert (expert_base 0)
+  const int* seg_start;
+  int expert_base;
+  int num_experts;
   int N;
   int K;
   int top_k;
@@ -162,6 +168,36 @@ __device__ __forceinline__ void mma_issue(float* part, uint32_t a_smem, uint32_t
 
 __device__ __forceinline__ float silu_mul(float a1, float a3) {
   return a1 / (1.0f + __expf(-a1)) * a3;
+}
+
+// The warpgroup's [64, 128] fp32 tile in bf16 to global at (col, row) of out_map: staged in
+// shared memory (two [64, 64] boxes, 128-byte swizzle, at epi_smem + the warpgroup's 16 KiB) and
+// written by two bulk tensor stores; the staging is reused once the previous store read it.
+__device__ __forceinline__ void store_bf16_tile(const float (&acc)[64], uint32_t epi_smem, int cw,
+                                                int warp, int lane, const CUtensorMap* out_map,
+                                                int col, int row) {
+  const uint32_t tile = epi_smem + cw * 2 * EPI_BOX_BYTES;
+  const bool leader = threadIdx.x % 128 == 0;
+  if (leader) bulk_wait_read<0>();  // the previous tile's store has read it
+  named_barrier(1 + cw, 128);
+#pragma unroll
+  for (int j = 0; j < 16; ++j) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      __nv_bfloat162 v = __floats2bfloat162_rn(acc[4 * j + 2 * h], acc[4 * j + 2 * h + 1]);
+      const int r = warp * 16 + lane / 4 + 8 * h;
+      st_shared_b32(tile + (j / 8) * EPI_BOX_BYTES + swizzled_offset<128>(r, j % 8) +
+                        4 * (lane % 4),
+                    *reinterpret_cast<uint32_t*>(&v));
+    }
+  }
+  fence_proxy_async();  // the st.shared writes, before the store engine reads them
+  named_barrier(1 + cw, 128);
+  if (leader) {
+    tma_store_2d(out_map, col, row, tile);
+    tma_store_2d(out_map, col + 64, row, tile + EPI_BOX_BYTES);
+    bulk_commit();
+  }
 }
 
 // The SwiGLU backward of one element: g = dhg (before the routing weight w), a1, a3 the saved
@@ -398,14 +434,20 @@ __global__ void __launch_bounds__(THREADS, 1)
   }
   __syncthreads();
 
-  const int num_m = *p.num_rows_used / BM;
+  const bool group = p.seg_start != nullptr;
+  const int m_lo = group ? p.seg_start[p.expert_base] / BM : 0;
+  const int num_m =
+      (group ? p.seg_start[p.expert_base + p.num_experts] : *p.num_rows_used) / BM - m_lo;
   const int num_n = p.N / BN;
   const int num_units = num_m * num_n;
   const int k_blocks = p.K / BK;
-  // the unit's tile and expert (-1: another phase's tile, skipped by both roles)
+  // the unit's tile and its expert's index into B (-1: another phase's tile, skipped by both
+  // roles)
   auto decode = [&](int u, int& pid_m, int& pid_n) {
     grouped_tile(u, num_m, num_n, p.group_m, pid_m, pid_n);
-    return p.tile_expert[(pid_m * BM) / p.plan_bm];
+    pid_m += m_lo;
+    const int e = p.tile_expert[(pid_m * BM) / p.plan_bm];
+    return e < 0 ? -1 : e - p.expert_base;
   };
 
   if (wg == 0) {
@@ -593,28 +635,7 @@ __global__ void __launch_bounds__(THREADS, 1)
           }
         }
       } else {
-        const uint32_t tile = epi_smem + cw * 2 * EPI_BOX_BYTES;
-        if (tid % 128 == 0) bulk_wait_read<0>();  // the previous tile's store has read it
-        named_barrier(1 + cw, 128);
-#pragma unroll
-        for (int j = 0; j < 16; ++j) {
-#pragma unroll
-          for (int h = 0; h < 2; ++h) {
-            __nv_bfloat162 v = __floats2bfloat162_rn(acc[4 * j + 2 * h], acc[4 * j + 2 * h + 1]);
-            const int r = warp * 16 + lane / 4 + 8 * h;
-            st_shared_b32(tile + (j / 8) * EPI_BOX_BYTES + swizzled_offset<128>(r, j % 8) +
-                              4 * (lane % 4),
-                          *reinterpret_cast<uint32_t*>(&v));
-          }
-        }
-        fence_proxy_async();  // the st.shared writes, before the store engine reads them
-        named_barrier(1 + cw, 128);
-        if (tid % 128 == 0) {
-          const int out_row = pid_m * BM + cw * 64;
-          tma_store_2d(&out_map, pid_n * BN, out_row, tile);
-          tma_store_2d(&out_map, pid_n * BN + 64, out_row, tile + EPI_BOX_BYTES);
-          bulk_commit();
-        }
+        store_bf16_tile(acc, epi_smem, cw, warp, lane, &out_map, pid_n * BN, pid_m * BM + cw * 64);
       }
     }
     if (!SWIGLU && tid % 128 == 0) bulk_wait<0>();  // the bulk stores done before exit
@@ -636,16 +657,213 @@ static int launch(const CUtensorMap& w1_map, const CUtensorMap& w3_map, const CU
   return static_cast<int>(cudaGetLastError());
 }
 
+// ---- WGRAD: the weight gradients (K-grouped over each expert's segment) -----------------------
+// dw[e] [M, N] = sum over the rows r of expert e's segment of A^T[m, r] B^T[n, r] * sa[m, r/128]
+// * sb[n, r/128]: A^T [M, R] and B^T [N, R] e4m3 (rows contiguous: K-major), scaled per column
+// and 128 rows (their scales [M, R/128], [N, R/128]); out bf16 [E, M, N]. The plan's segments
+// start on 128-row boundaries and their padding rows are zeros, so the K loop runs the
+// expert's steps up to its last real row; an expert without rows gets zeros.
+// Unit: (expert, 128-row M tile, 128-column N tile), experts in the given order (longest
+// first). The experts' K lengths differ, so units are handed out dynamically: the producer's
+// thread 0 takes the next number from a global ticket (zeroed again by the CTA taking the last
+// number) and passes it to its warpgroup (named barrier 4) and to the consumers (a 2-slot ring,
+// unit_full / unit_empty), so the CTAs walk one global order however they drift apart.
+// Per K step the producer's thread 0 loads the A and B boxes by TMA (expect_tx 32 KiB) and all
+// 128 producer threads copy one A scale and one B scale each (cp.async, 4 bytes) into the
+// stage's scale area; full[s] takes 129 arrivals. The consumers read the scales of their 2 rows
+// and 32 columns from shared memory before the stage's wgmmas, and promote with both:
+// acc += partial * sa[row] * sb[column]. Epilogue: store_bf16_tile.
+constexpr int WG_STAGES = 5;  // 6 x 33 KiB + the staging would not fit
+constexpr int WG_SCALE_BYTES = 2 * 128 * 4;  // [A's 128 rows | B's 128 columns] fp32
+constexpr int WG_STAGE_BYTES = A_BYTES + BOX_BYTES + WG_SCALE_BYTES;  // 33 KiB, 1024-aligned
+constexpr int WG_EPI_BYTES = 2 * 2 * EPI_BOX_BYTES;
+constexpr int WG_SMEM_BYTES =
+    WG_STAGES * WG_STAGE_BYTES + WG_EPI_BYTES + (2 * WG_STAGES + 4) * 8 + 16 + 1024;
+static_assert(WG_SMEM_BYTES <= 227 * 1024, "shared memory: fewer stages");
+
+struct WgradParams {
+  const float* a_scale;  // [M, R/128], row stride stride_as
+  const float* b_scale;  // [N, R/128], row stride stride_bs
+  long long stride_as;
+  long long stride_bs;
+  const int* seg_start;     // the plan's [E + 1]
+  const int* count;         // real rows per expert [E]
+  const int* expert_order;  // [E]
+  int* ticket;              // a zeroed int (left zeroed)
+  int E, M, N, group_m;
+};
+
+// promote with one scale per row (sa0, sa1: the thread's two rows) and one per column (sb[2 j +
+// e]: column 8 j + 2 (lane % 4) + e)
+__device__ __forceinline__ void promote_cols(float* acc, float* part, float sa0, float sa1,
+                                             const float* sb) {
+#pragma unroll
+  for (int i = 0; i < 64; ++i) fence_reg(part[i]);
+#pragma unroll
+  for (int j = 0; j < 16; ++j) {
+    acc[4 * j + 0] += part[4 * j + 0] * (sa0 * sb[2 * j]);
+    acc[4 * j + 1] += part[4 * j + 1] * (sa0 * sb[2 * j + 1]);
+    acc[4 * j + 2] += part[4 * j + 2] * (sa1 * sb[2 * j]);
+    acc[4 * j + 3] += part[4 * j + 3] * (sa1 * sb[2 * j + 1]);
+  }
+}
+
+// a_map: A^T [M, R], b_map: B^T [N, R] (boxes [128, 128]); out_map: [E * M, N] bf16 (boxes [64, 64])
+__global__ void __launch_bounds__(THREADS, 1)
+    fp8_wgrad_kernel(const __grid_constant__ CUtensorMap a_map,
+                     const __grid_constant__ CUtensorMap b_map,
+                     const __grid_constant__ CUtensorMap out_map, const WgradParams p) {
+  extern __shared__ __align__(1024) uint8_t smem_raw[];
+  uint8_t* smem = reinterpret_cast<uint8_t*>(
+      (reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~static_cast<uintptr_t>(1023));
+  const uint32_t smem_base = smem_u32(smem);
+  const uint32_t epi_smem = smem_base + WG_STAGES * WG_STAGE_BYTES;
+  const uint32_t full_bar = epi_smem + WG_EPI_BYTES;
+  const uint32_t empty_bar = full_bar + WG_STAGES * 8;
+  const uint32_t unit_full = empty_bar + WG_STAGES * 8;
+  const uint32_t unit_empty = unit_full + 2 * 8;
+  volatile int* unit_id = reinterpret_cast<volatile int*>(
+      smem + WG_STAGES * WG_STAGE_BYTES + WG_EPI_BYTES + (2 * WG_STAGES + 4) * 8);
+
+  const int tid = threadIdx.x;
+  const int wg = tid / 128;
+  if (tid == 0) {
+    for (int s = 0; s < WG_STAGES; ++s) {
+      mbar_init(full_bar + 8 * s, 128 + 1);  // thread 0's expect_tx + 128 scale copiers
+      mbar_init(empty_bar + 8 * s, 2);
+    }
+    for (int s = 0; s < 2; ++s) {
+      mbar_init(unit_full + 8 * s, 1);
+      mbar_init(unit_empty + 8 * s, 2);
+    }
+    mbar_init_fence();
+    tma_prefetch_desc(&a_map);
+    tma_prefetch_desc(&b_map);
+  }
+  __syncthreads();
+
+  const int num_mt = p.M / BM;
+  const int num_n = p.N / BN;
+  const int per_expert = num_mt * num_n;
+  const int num_units = p.E * per_expert;
+  auto decode = [&](int u, int& pid_m, int& pid_n, int& row0, int& k_blocks) {
+    grouped_tile(u % per_expert, num_mt, num_n, p.group_m, pid_m, pid_n);
+    const int e = p.expert_order[u / per_expert];
+    row0 = p.seg_start[e];
+    k_blocks = (p.count[e] + BK - 1) / BK;
+    return e;
+  };
+
+  if (wg == 0) {
+    // ---------------- producer ----------------
+    setmaxnreg_dec<PRODUCER_REGS>();
+    int stage = 0;
+    uint32_t phase = 0;
+    for (int it = 0;; ++it) {
+      const int slot = it & 1;
+      if (tid == 0) {
+        mbar_wait(unit_empty + 8 * slot, ((it >> 1) & 1) ^ 1);
+        const int got = atomicAdd(p.ticket, 1);
+        // every CTA takes exactly one number >= num_units (then stops): the taker of the last
+        // one zeroes the ticket for the next launch on this stream
+        if (got == num_units + static_cast<int>(gridDim.x) - 1) atomicExch(p.ticket, 0);
+        unit_id[slot] = got;
+        mbar_arrive(unit_full + 8 * slot);
+      }
+      named_barrier(4, 128);
+      const int u = unit_id[slot];
+      if (u >= num_units) break;
+      int pid_m, pid_n, row0, k_blocks;
+      decode(u, pid_m, pid_n, row0, k_blocks);
+      const float* sa = p.a_scale + (pid_m * BM + tid) * p.stride_as + row0 / BK;
+      const float* sb = p.b_scale + (pid_n * BN + tid) * p.stride_bs + row0 / BK;
+      for (int kb = 0; kb < k_blocks; ++kb) {
+        mbar_wait(empty_bar + 8 * stage, phase ^ 1);
+        const uint32_t a_smem = smem_base + stage * WG_STAGE_BYTES;
+        const uint32_t b_smem = a_smem + A_BYTES;
+        const uint32_t s_smem = b_smem + BOX_BYTES;
+        const uint32_t full = full_bar + 8 * stage;
+        if (tid == 0) {
+          mbar_arrive_expect_tx(full, A_BYTES + BOX_BYTES);
+          tma_load_2d(a_smem, &a_map, row0 + kb * BK, pid_m * BM, full);
+          tma_load_2d(b_smem, &b_map, row0 + kb * BK, pid_n * BN, full);
+        }
+        cp_async_4(s_smem + 4 * tid, sa + kb);
+        cp_async_4(s_smem + 512 + 4 * tid, sb + kb);
+        cp_async_arrive_noinc(full);
+        if (++stage == WG_STAGES) {
+          stage = 0;
+          phase ^= 1;
+        }
+      }
+    }
+  } else {
+    // ---------------- consumers ----------------
+    setmaxnreg_inc<(65536 / 128 - PRODUCER_REGS) / 2 / 8 * 8>();
+    const int cw = wg - 1;
+    const int warp = (tid % 128) / 32;
+    const int lane = tid % 32;
+    const int r_in = cw * 64 + warp * 16 + lane / 4;
+    int stage = 0;
+    uint32_t phase = 0;
+    float part[64];
+    float acc[64];
+    for (int it = 0;; ++it) {
+      const int slot = it & 1;
+      mbar_wait(unit_full + 8 * slot, (it >> 1) & 1);
+      const int u = unit_id[slot];
+      named_barrier(1 + cw, 128);  // the warpgroup has read the id
+      mbar_arrive_if(unit_empty + 8 * slot, tid % 128 == 0);
+      if (u >= num_units) break;
+      int pid_m, pid_n, row0, k_blocks;
+      const int expert = decode(u, pid_m, pid_n, row0, k_blocks);
+#pragma unroll
+      for (int i = 0; i < 64; ++i) acc[i] = 0.f;
+      for (int kb = 0; kb < k_blocks; ++kb) {
+        mbar_wait(full_bar + 8 * stage, phase);
+        const uint32_t a_smem = smem_base + stage * WG_STAGE_BYTES + cw * 64 * BK;
+        const uint32_t b_smem = smem_base + stage * WG_STAGE_BYTES + A_BYTES;
+        const uint32_t s_smem = b_smem + BOX_BYTES;
+        mma_issue(part, a_smem, b_smem);
+        // the scales, read while the wgmmas run (the stage is not released before its wait)
+        const float s0 = __uint_as_float(ld_shared_b32(s_smem + 4 * r_in));
+        const float s1 = __uint_as_float(ld_shared_b32(s_smem + 4 * (r_in + 8)));
+        float sb[32];
+#pragma unroll
+        for (int j = 0; j < 16; ++j) {
+          const float2 v = ld_shared_f32x2(s_smem + 512 + 4 * (8 * j + 2 * (lane % 4)));
+          sb[2 * j] = v.x;
+          sb[2 * j + 1] = v.y;
+        }
+        wgmma_wait<0>();
+        named_barrier(1 + cw, 128);  // the warpgroup's wgmmas and scale reads are done
+        mbar_arrive_if(empty_bar + 8 * stage, tid % 128 == 0);
+        promote_cols(acc, part, s0, s1, sb);
+        if (++stage == WG_STAGES) {
+          stage = 0;
+          phase ^= 1;
+        }
+      }
+      store_bf16_tile(acc, epi_smem, cw, warp, lane, &out_map, pid_n * BN,
+                      expert * p.M + pid_m * BM + cw * 64);
+    }
+    if (tid % 128 == 0) bulk_wait<0>();
+  }
+}
+
 }  // namespace fp8
 }  // namespace megamoe
 
 using megamoe::encode_tiled_2d;
 
-// out [rows, N] bf16 = the plan's rows of a [rows, K] e4m3 against b [E, N, K] e4m3 (see PLAIN)
+// out [rows, N] bf16 = the plan's rows of a [rows, K] e4m3 against b [E, N, K] e4m3 (see PLAIN);
+// with seg_start (the plan's, on the device) only the rows of experts [e0, e0 + E), b holding
+// just those experts (expert_base = e0)
 extern "C" int megamoe_fp8_gemm_rows(const void* a, const float* a_scale, long long stride_as,
                                      const void* b, const float* b_scale, long long stride_bse,
                                      long long stride_bsn, void* out, const int* tile_expert,
-                                     const int* num_rows_used, int E, int N, int K, int plan_bm,
+                                     const int* num_rows_used, const int* seg_start,
+                                     int expert_base, int E, int N, int K, int plan_bm,
                                      int group_m, long long rows, int num_sms, void* stream) {
   using namespace megamoe::fp8;
   CUtensorMap b_map, in_map, out_map;
@@ -660,6 +878,9 @@ extern "C" int megamoe_fp8_gemm_rows(const void* a, const float* a_scale, long l
   p.b_scale = b_scale;
   p.tile_expert = tile_expert;
   p.num_rows_used = num_rows_used;
+  p.seg_start = seg_start;
+  p.expert_base = expert_base;
+  p.num_experts = E;
   p.N = N;
   p.K = K;
   p.plan_bm = plan_bm;
@@ -761,6 +982,47 @@ extern "C" int megamoe_fp8_dswiglu(const void* dy, long long stride_dy, const fl
   p.stride_bsn = stride_bsn;
   return launch<MODE_DSWIGLU>(w_map, ht_map, dat_map, daq_map, p, num_sms,
                               static_cast<cudaStream_t>(stream));
+}
+
+// out [E, M, N] bf16 = per expert e: at[:, segment(e)] @ bt[:, segment(e)]^T (see WGRAD);
+// ticket: a zeroed device int, left zeroed
+extern "C" int megamoe_fp8_wgrad(const void* at, const float* at_scale, long long stride_as,
+                                 const void* bt, const float* bt_scale, long long stride_bs,
+                                 void* out, const int* seg_start, const int* count,
+                                 const int* expert_order, int E, int M, int N, long long rows,
+                                 int group_m, int num_sms, int* ticket, void* stream) {
+  using namespace megamoe::fp8;
+  CUtensorMap a_map, b_map, out_map;
+  int rc = encode_tiled_2d(&a_map, CU_TENSOR_MAP_DATA_TYPE_UINT8, 1, at, M, rows, BM, BK);
+  if (rc == 0) rc = encode_tiled_2d(&b_map, CU_TENSOR_MAP_DATA_TYPE_UINT8, 1, bt, N, rows, BN, BK);
+  if (rc == 0)
+    rc = encode_tiled_2d(&out_map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, out,
+                         static_cast<long long>(E) * M, N, 64, 64);
+  if (rc != 0) return rc;
+  WgradParams p = {};
+  p.a_scale = at_scale;
+  p.b_scale = bt_scale;
+  p.stride_as = stride_as;
+  p.stride_bs = stride_bs;
+  p.seg_start = seg_start;
+  p.count = count;
+  p.expert_order = expert_order;
+  p.ticket = ticket;
+  p.E = E;
+  p.M = M;
+  p.N = N;
+  p.group_m = group_m;
+  static bool configured = false;
+  if (!configured) {
+    cudaError_t err = cudaFuncSetAttribute(fp8_wgrad_kernel,
+                                           cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                           WG_SMEM_BYTES);
+    if (err != cudaSuccess) return static_cast<int>(err);
+    configured = true;
+  }
+  fp8_wgrad_kernel<<<num_sms, THREADS, WG_SMEM_BYTES, static_cast<cudaStream_t>(stream)>>>(
+      a_map, b_map, out_map, p);
+  return static_cast<int>(cudaGetLastError());
 }
 
 extern "C" const char* megamoe_error_string(int code) {

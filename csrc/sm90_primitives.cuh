@@ -87,6 +87,11 @@ __device__ __forceinline__ void cp_async_16(uint32_t dst, const void* src, uint3
                : "memory");
 }
 
+// 4-byte copy global -> shared (scales): through L1 (.ca: the .cg form takes 16 bytes only).
+__device__ __forceinline__ void cp_async_4(uint32_t dst, const void* src) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" ::"r"(dst), "l"(src) : "memory");
+}
+
 // The barrier receives one arrival once all of this thread's earlier cp.async copies have
 // landed; noinc: that arrival is part of the count the barrier was initialised with.
 __device__ __forceinline__ void cp_async_arrive_noinc(uint32_t bar) {
@@ -180,6 +185,11 @@ __device__ __forceinline__ void st_shared_b32_if(uint32_t addr, uint32_t v, bool
                    addr),
                "r"(v), "r"(static_cast<uint32_t>(pred))
                : "memory");
+}
+__device__ __forceinline__ float2 ld_shared_f32x2(uint32_t addr) {
+  float2 v;
+  asm volatile("ld.shared.v2.f32 {%0, %1}, [%2];" : "=f"(v.x), "=f"(v.y) : "r"(addr) : "memory");
+  return v;
 }
 __device__ __forceinline__ uint32_t ld_shared_b32(uint32_t addr) {
   uint32_t v;

@@ -1,7 +1,7 @@
 """csrc/fp8_gemm_sm90.cu on an H200 (marked gpu; skipped without an sm_90 GPU and nvcc): the
 FP8 GEMM 1 + SwiGLU (h quantized per row and 128 columns in the epilogue, a = [a1 | a3] saved),
-the plain FP8 row GEMM (GEMM 2, dgrad of linear 1) and kernel A (dgrad of linear 2 + the SwiGLU
-backward, five quantized outputs) against float64 math on the same
+the plain FP8 row GEMM (GEMM 2, dgrad of linear 1), kernel A (dgrad of linear 2 + the SwiGLU
+backward, five quantized outputs) and the weight gradients against float64 math on the same
 quantized operands, on uneven routings (dropped slots, an empty expert, one expert holding
 every row, one token), token counts that are not tile multiples, outputs poisoned first (rows
 past the used ones must stay untouched), and against the Triton FP8 kernels of the same
@@ -12,11 +12,13 @@ import torch
 
 from moe_testing import SM90_GPU, nan_tensor, rel_err, routing
 from torchtitan_megamoe.ops.hopper.cuda.fp8_gemm import (fp8_dswiglu_sm90, fp8_gemm1_swiglu_sm90,
-                                                       fp8_rows_sm90)
+                                                       fp8_rows_sm90, fp8_wgrad_sm90)
 from torchtitan_megamoe.ops.hopper.fp8_weights import forward_weights, w2_transposed
 from torchtitan_megamoe.ops.hopper.kernels import fp8_gemm_rows as fg
-from torchtitan_megamoe.ops.hopper.kernels.fp8_quant import (FP8, quant_rows, quant_weight,
-                                                          weight_blocks)
+from torchtitan_megamoe.ops.hopper.kernels import fp8_wgrad as fw
+from torchtitan_megamoe.ops.hopper.kernels.bwd_wgrad import longest_first
+from torchtitan_megamoe.ops.hopper.kernels.fp8_quant import (FP8, quant_rows, quant_rows_t,
+                                                          quant_weight, weight_blocks)
 from torchtitan_megamoe.ops.hopper.plan import build_plan
 
 pytestmark = SM90_GPU
@@ -122,6 +124,32 @@ def test_rows_vs_float64(T, K, E, N, KD, name):
     assert torch.isnan(out[used:]).all(), "wrote rows past the used ones"
 
 
+@pytest.mark.parametrize("name", ("random", "uneven", "one_expert"))
+def test_rows_by_expert_groups(name):
+    """The backward's dgrad of linear 1 split by experts (B holding one group's experts): each
+    launch writes its group's rows only, and the groups together equal the one launch."""
+    T, K, E, N, KD = 700, 4, 8, 256, 384
+    plan, *_ = _setup(T, K, E, 128, 128, name)
+    used, slot, expert = _used(plan)
+    g = torch.Generator(device="cuda").manual_seed(2)
+    rows = torch.randn(plan.max_rows, KD, device="cuda", generator=g)
+    rows[:used][slot < 0] = 0
+    aq, a_s = quant_rows(rows)
+    bq, b_s = weight_blocks(E, N, KD, "cuda")
+    quant_weight(torch.randn(E, N, KD, device="cuda", generator=g).bfloat16(), q=bq, s=b_s)
+    whole = nan_tensor(plan.max_rows, N)
+    fp8_rows_sm90(aq, a_s, bq, b_s, plan, whole)
+    split = nan_tensor(plan.max_rows, N)
+    for lo, hi in ((0, 3), (3, 4), (4, 8)):
+        fp8_rows_sm90(aq, a_s, bq[lo:hi], b_s[lo:hi], plan, split, expert_base=lo)
+        torch.cuda.synchronize()
+        done = expert < hi
+        assert torch.equal(split[:used][done], whole[:used][done]), (lo, hi)
+        assert torch.isnan(split[:used][~done]).all(), f"group {lo}:{hi} wrote other rows"
+    with pytest.raises(ValueError, match="not within"):
+        fp8_rows_sm90(aq, a_s, bq[:3], b_s[:3], plan, split, expert_base=6)
+
+
 def _dswiglu_setup(T, K, E, D, H, name, seed=0):
     """dy, w2 (quantized as kernel A reads them), a saved a (zero on padding rows, as GEMM 1
     leaves it) and routing weights."""
@@ -211,6 +239,43 @@ def test_dswiglu_vs_float64(T, K, E, D, H, name):
         assert torch.equal(u, v), f"{key}: two identical calls differ"
 
 
+def _wgrad_operands(plan, M, N, seed=5):
+    """A^T [M, R], B^T [N, R] quantized per column and 128 rows from random row-space rows
+    (zero on padding rows, as the backward's operands are)."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    used, slot, _ = _used(plan)
+    src = [torch.randn(plan.max_rows, C, device="cuda", generator=g).bfloat16() for C in (M, N)]
+    for t in src:
+        t[:used][slot < 0] = 0
+    (aq, a_s), (bq, b_s) = (quant_rows_t(t, plan, gather=False) for t in src)
+    return aq, a_s, bq, b_s
+
+
+@pytest.mark.parametrize("name", ROUTINGS)
+@pytest.mark.parametrize("E,M,N", [(8, 256, 384), (5, 640, 128)], ids=["m256_n384", "m640_n128"])
+def test_wgrad_vs_float64(E, M, N, name):
+    plan, *_ = _setup(700, 4 if E == 8 else 2, E, 128, 128, name)
+    used, slot, expert = _used(plan)
+    aq, a_s, bq, b_s = _wgrad_operands(plan, M, N)
+    out = nan_tensor(E, M, N)
+    order = longest_first(plan)
+    fp8_wgrad_sm90(aq, a_s, bq, b_s, plan, out, order)
+    torch.cuda.synchronize()
+    ad, bd = (_deq_cols(q, sc, used) for q, sc in ((aq, a_s), (bq, b_s)))
+    ref = torch.zeros(E, M, N, dtype=torch.float64, device="cuda")
+    for e in range(E):
+        m = expert == e
+        ref[e] = ad[:, m] @ bd[:, m].T
+    assert not torch.isnan(out).any(), "unwritten gradient blocks"
+    assert rel_err(out, ref) < 1e-2, rel_err(out, ref)
+    for e in range(E):
+        if int(plan.count[e]) == 0:
+            assert torch.all(out[e] == 0), f"expert {e} has no rows: its gradient must be 0"
+    again = nan_tensor(E, M, N)
+    fp8_wgrad_sm90(aq, a_s, bq, b_s, plan, again, order)
+    assert torch.equal(out, again), "two identical calls differ"
+
+
 def test_qwen3_30b_shape_matches_triton():
     """The 30B-A3B layer shape (E 128, D 2048, H 768, top-8, 4096 tokens): both CUDA kernels
     against the Triton FP8 kernels of the same contract."""
@@ -244,6 +309,11 @@ def test_qwen3_30b_shape_matches_triton():
                                    ((hTq_c, hTs_c), (hTq_t, hTs_t))):
         assert rel_err(_deq_cols(q_c, s_c, used), _deq_cols(q_t, s_t, used)) < 1e-2
     assert rel_err(part_c[:, :used], part_t[:, :used]) < 1e-3
+    # the weight gradients dw2 (dy^T against h^T) of the same plan against the Triton kernel's
+    dyTq, dyTs = quant_rows_t(dy, plan, gather=True, row_weight=tw)
+    dw = [fw.fp8_wgrad(dyTq, dyTs, hTq_c, hTs_c, plan, nan_tensor(E, D, H), config=cfg)
+          for cfg in (fw.GPU_CONFIGS[0], fw.SM90_CONFIG)]
+    assert rel_err(dw[1], dw[0]) < 1e-3, rel_err(dw[1], dw[0])
 
 
 def test_rejects_bad_operands():

@@ -13,14 +13,18 @@
                weight goes into dy, as in the reference), kernels/fp8_wgrad.fp8_wgrad with h^T
     dw1, dw3   x^T per 128 rows (quant_rows_t) with da1^T, da3^T
     dgrad 1    dx rows [R_max, D] = [da1 | da3] @ [w1; w3] (fp8_rows_gemm), then the bf16
-               path's combine: dx[t] = sum_k in fixed order, d(topk_weights) from the partials
+               path's combine: dx[t] = sum_k in fixed order, d(topk_weights) from the partials.
+               Without the weight cache, by groups of experts (dgrad_l1_groups): the
+               transposed copy of one group at a time, so the backward's peak (here: a, da,
+               the dx rows, the copy) stays under the bf16 path's (a, da in bf16, the dx rows)
 Deterministic: fixed-order reductions, no atomics.
 """
 
 import torch
 
 from torchtitan_megamoe.ops.hopper.fp8_forward import FP8_BLOCK_M
-from torchtitan_megamoe.ops.hopper.fp8_weights import forward_weights, w2_transposed, w13_transposed
+from torchtitan_megamoe.ops.hopper.fp8_weights import (forward_weights, w2_transposed,
+                                                     w13_transposed, weight_cache_enabled)
 from torchtitan_megamoe.ops.hopper.kernels.bwd_combine import bwd_combine
 from torchtitan_megamoe.ops.hopper.kernels.fp8_gemm_rows import (
     fp8_dswiglu, fp8_gemm1_swiglu, fp8_rows_gemm,
@@ -63,12 +67,28 @@ def backward_fp8(grad_out, x, topk_ids, topk_weights, w1, w2, w3, precision, sav
     dw1 = fp8_wgrad(daTq[:H], daTs[:H], xTq, xTs, plan, torch.empty_like(params[0]), order)
     dw3 = fp8_wgrad(daTq[H:], daTs[H:], xTq, xTs, plan, torch.empty_like(params[2]), order)
     del xTq, xTs, daTq, daTs
-    w13t = w13_transposed(w1, w3)
-    dx_rows = fp8_rows_gemm(daq, das, w13t.q, w13t.s, plan, out_dtype=x.dtype)
-    del daq, das, w13t
+    dx_rows = torch.empty((plan.max_rows, D), dtype=x.dtype, device=x.device)
+    groups = dgrad_l1_groups(E, H, D, plan.max_rows)
+    for lo, hi in groups:
+        w13t = w13_transposed(w1, w3, lo, hi)
+        fp8_rows_gemm(daq, das, w13t.q, w13t.s, plan, out_dtype=x.dtype, out=dx_rows,
+                      expert_base=lo if len(groups) > 1 else None)
+        del w13t
+    del daq, das
     dx, dtw = bwd_combine(dx_rows, part, plan, dx_dtype=x.dtype, dtw_dtype=topk_weights.dtype,
                           rows=True)
     return dx, dtw, dw1, dw2, dw3
+
+
+def dgrad_l1_groups(E: int, H: int, D: int, rows: int) -> list[tuple[int, int]]:
+    """Expert ranges for the dgrad of linear 1: each group's transposed [w1 | w3] copy (E_g *
+    D * 2H bytes) at most rows * H bytes, half of what da in e4m3 saves over bf16; one group
+    with the weight cache (its whole copy is held anyway)."""
+    if weight_cache_enabled():
+        return [(0, E)]
+    n = min(E, -(-(E * D * 2 * H) // max(rows * H, 1)))
+    size = -(-E // n)
+    return [(lo, min(lo + size, E)) for lo in range(0, E, size)]
 
 
 def _recompute_a(x, w1, w2, w3, plan, precision):

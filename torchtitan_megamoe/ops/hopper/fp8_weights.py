@@ -58,6 +58,10 @@ def set_weight_cache(enabled: bool) -> None:
     _CACHE.clear()
 
 
+def weight_cache_enabled() -> bool:
+    return _CACHE_ON
+
+
 def new_weights_step() -> None:
     """The weights changed (an optimizer step): every cached copy is re-made on next use."""
     global _GENERATION
@@ -89,8 +93,14 @@ def w2_transposed(w2: torch.Tensor) -> TransposedWeights:
     return _cached("w2t", (w2,), lambda: _w2_transposed(w2))
 
 
-def w13_transposed(w1: torch.Tensor, w3: torch.Tensor) -> TransposedWeights:
-    return _cached("w13t", (w1, w3), lambda: _w13_transposed(w1, w3))
+def w13_transposed(w1: torch.Tensor, w3: torch.Tensor, lo: int = 0,
+                   hi: int | None = None) -> TransposedWeights:
+    """Experts [lo, hi) (default: all). Only the whole copy is cached: a group of experts is
+    the backward's way to hold less than the whole copy at once (fp8_backward)."""
+    hi = w1.shape[0] if hi is None else hi
+    if lo == 0 and hi == w1.shape[0]:
+        return _cached("w13t", (w1, w3), lambda: _w13_transposed(w1, w3))
+    return _w13_transposed(w1[lo:hi], w3[lo:hi])
 
 
 def _forward_weights(w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor) -> ForwardWeights:

@@ -9,11 +9,13 @@ step with its scales; see the .cu file).
 - ``fp8_gemm1_swiglu_sm90``: GEMM 1 + SwiGLU on the plan's token rows of xq, h in e4m3 with
   per-row scales per 128 columns, optionally a = [a1 | a3] bf16 (kernels/fp8_gemm_rows.
   fp8_gemm1_swiglu's contract).
+- ``fp8_wgrad_sm90``: the weight gradients, K-grouped over each expert's segment
+  (kernels/fp8_wgrad.fp8_wgrad's contract), units handed out by a dynamic ticket.
 - ``fp8_dswiglu_sm90``: the backward's kernel A (kernels/fp8_gemm_rows.fp8_dswiglu's
   contract): dy rows @ w2[e], the SwiGLU backward, da per row, da^T and h^T per 128 rows, the
   d(topk_weights) partials.
 
-Both write only the used rows; tiles whose tile_expert is -1 are skipped.
+The row-space kernels write only the used rows; tiles whose tile_expert is -1 are skipped.
 """
 
 from __future__ import annotations
@@ -38,8 +40,8 @@ def fp8_gemm_library() -> ctypes.CDLL:
     lib = load(SOURCE)
     if not getattr(lib, "_megamoe_typed", False):
         p, i, ll = ctypes.c_void_p, ctypes.c_int, ctypes.c_longlong
-        lib.megamoe_fp8_gemm_rows.argtypes = [p, p, ll, p, p, ll, ll, p, p, p, i, i, i, i, i, ll,
-                                              i, p]
+        lib.megamoe_fp8_gemm_rows.argtypes = [p, p, ll, p, p, ll, ll, p, p, p, p, i, i, i, i, i,
+                                              i, ll, i, p]
         lib.megamoe_fp8_gemm_rows.restype = i
         lib.megamoe_fp8_gemm1_swiglu.argtypes = [p, ll, p, ll, p, p, p, p, ll, ll, p, p, p, p, p,
                                                  p, i, i, i, i, i, i, i, p]
@@ -47,6 +49,8 @@ def fp8_gemm_library() -> ctypes.CDLL:
         lib.megamoe_fp8_dswiglu.argtypes = [p, ll, p, ll, p, p, ll, ll, p, p, p, p, p, p, p, p,
                                             p, p, p, p, i, i, i, i, i, i, ll, i, p]
         lib.megamoe_fp8_dswiglu.restype = i
+        lib.megamoe_fp8_wgrad.argtypes = [p, p, ll, p, p, ll, p, p, p, p, i, i, i, ll, i, i, p, p]
+        lib.megamoe_fp8_wgrad.restype = i
         lib.megamoe_error_string.argtypes = [i]
         lib.megamoe_error_string.restype = ctypes.c_char_p
         lib._megamoe_typed = True
@@ -69,11 +73,16 @@ def _check_common(who, plan, N, K, weights, scales):
             raise ValueError(f"{who}: {name} must be fp32 with unit-stride rows")
 
 
-def fp8_rows_sm90(aq, a_s, bq, b_s, plan: Plan, out: torch.Tensor, group_m: int = 8) -> None:
+def fp8_rows_sm90(aq, a_s, bq, b_s, plan: Plan, out: torch.Tensor, group_m: int = 8,
+                  expert_base: int | None = None) -> None:
     """Writes the used rows of out [R_max, N] (bf16) = (aq [R_max, K] @ bq[e]^T [E, N, K]),
-    scaled by a_s [R_max, K/128] and b_s [E, N/128, K/128]."""
+    scaled by a_s [R_max, K/128] and b_s [E, N/128, K/128]. With ``expert_base`` e0: bq, b_s
+    hold experts [e0, e0 + E) only, and only their rows are written."""
     who = "fp8_rows_sm90"
     E, N, K = bq.shape
+    if expert_base is not None and not 0 <= expert_base <= plan.num_local_experts - E:
+        raise ValueError(f"{who}: experts [{expert_base}, {expert_base + E}) are not within "
+                         f"the plan's {plan.num_local_experts}")
     R = plan.max_rows
     _check_common(who, plan, N, K, {"aq": aq, "bq": bq}, {"a_s": a_s, "b_s": b_s})
     if aq.shape != (R, K) or out.shape != (R, N) or a_s.shape != (R, K // BK):
@@ -81,13 +90,15 @@ def fp8_rows_sm90(aq, a_s, bq, b_s, plan: Plan, out: torch.Tensor, group_m: int 
                          f"{tuple(out.shape)} must be [{R}, {K}], [{R}, {K // BK}], [{R}, {N}]")
     if out.dtype != torch.bfloat16 or not out.is_contiguous():
         raise ValueError(f"{who}: out must be contiguous bfloat16")
-    check_plan(plan, aq.device, who)
+    check_plan(plan, aq.device, who, ("tile_expert", "num_rows_used", "seg_start"))
     lib = fp8_gemm_library()
     num_sms, stream, _ = launch_context(aq.device, ticket=False)
     rc = lib.megamoe_fp8_gemm_rows(
         aq.data_ptr(), a_s.data_ptr(), a_s.stride(0), bq.data_ptr(), b_s.data_ptr(),
         b_s.stride(0), b_s.stride(1), out.data_ptr(), plan.tile_expert.data_ptr(),
-        plan.num_rows_used.data_ptr(), E, N, K, plan.block_m, group_m, R, num_sms, stream)
+        plan.num_rows_used.data_ptr(),
+        plan.seg_start.data_ptr() if expert_base is not None else None, expert_base or 0, E, N,
+        K, plan.block_m, group_m, R, num_sms, stream)
     raise_on_error(lib, rc, who)
 
 
@@ -162,4 +173,39 @@ def fp8_dswiglu_sm90(gq, gs, w2tq, w2ts, a_saved, tw, plan: Plan, daq, das, daTq
         hTs.data_ptr(), part.data_ptr(), plan.row_slot.data_ptr(), plan.tile_expert.data_ptr(),
         plan.num_rows_used.data_ptr(), E, H, D, plan.top_k, plan.block_m, group_m, R, num_sms,
         stream)
+    raise_on_error(lib, rc, who)
+
+
+def wgrad_supported(M: int, N: int, out_dtype: torch.dtype) -> bool:
+    return M % BM == 0 and N % BN == 0 and out_dtype == torch.bfloat16
+
+
+def fp8_wgrad_sm90(at, ats, bt, bts, plan: Plan, out: torch.Tensor, order: torch.Tensor,
+                   group_m: int = 8) -> None:
+    """Writes out [E, M, N] bf16 whole: per expert e, at[:, seg(e)] @ bt[:, seg(e)]^T with at
+    [M, R_max], bt [N, R_max] e4m3 scaled per column and 128 rows (ats [M, R_max/128], bts [N,
+    R_max/128]); order: the experts' order (longest first), int32 on the device."""
+    who = "fp8_wgrad_sm90"
+    E, M, N = out.shape
+    R = plan.max_rows
+    if not wgrad_supported(M, N, out.dtype) or not out.is_contiguous():
+        raise ValueError(f"{who} needs M % {BM} == 0, N % {BN} == 0 and a contiguous bfloat16 "
+                         f"out; got M={M}, N={N}, {out.dtype}")
+    for name, t, rows in (("at", at, M), ("bt", bt, N)):
+        if (t.dtype != FP8 or t.shape != (rows, R) or t.stride(1) != 1 or t.stride(0) % 16
+                or t.data_ptr() % 16):
+            raise ValueError(f"{who}: {name} must be e4m3 [{rows}, {R}] with unit-stride, "
+                             f"16-byte aligned rows")
+    for name, t, rows in (("ats", ats, M), ("bts", bts, N)):
+        if t.dtype != torch.float32 or t.shape != (rows, R // BM) or t.stride(1) != 1:
+            raise ValueError(f"{who}: {name} must be fp32 [{rows}, {R // BM}], unit-stride rows")
+    if order.dtype != torch.int32 or order.numel() != E or not order.is_contiguous():
+        raise ValueError(f"{who}: order must be {E} contiguous int32 expert ids")
+    check_plan(plan, at.device, who, ("seg_start", "count"))
+    lib = fp8_gemm_library()
+    num_sms, stream, ticket = launch_context(at.device)
+    rc = lib.megamoe_fp8_wgrad(
+        at.data_ptr(), ats.data_ptr(), ats.stride(0), bt.data_ptr(), bts.data_ptr(),
+        bts.stride(0), out.data_ptr(), plan.seg_start.data_ptr(), plan.count.data_ptr(),
+        order.data_ptr(), E, M, N, R, group_m, num_sms, ticket.data_ptr(), stream)
     raise_on_error(lib, rc, who)

@@ -48,7 +48,7 @@ MODE_PLAIN, MODE_SWIGLU, MODE_DSWIGLU = 0, 1, 2
 def _fp8_rows_kernel(
     a_ptr, a_desc, as_ptr, b_desc, bs_ptr, b2_desc, b2s_ptr, row_slot_ptr, tile_expert_ptr,
     tw_ptr, out_desc, os_ptr, aux_desc, qt_desc, qts_ptr, ht_desc, hts_ptr, part_ptr,
-    num_m_tiles, N, K, R_MAX,
+    num_m_tiles, N, K, R_MAX, E_LO, E_HI,
     stride_a, stride_as, stride_bse, stride_bsn, stride_os, stride_qts,
     TOP_K: tl.constexpr, PLAN_BM: tl.constexpr, GATHER: tl.constexpr, MODE: tl.constexpr,
     SAVE_A: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr,
@@ -59,8 +59,10 @@ def _fp8_rows_kernel(
     # F32_DOT: the CPU interpreter (fp32 dots, e4m3 rounding emulated before each cast).
     num_n = N // BLOCK_N
     pid_m, pid_n = grouped_tile(tl.program_id(0), num_m_tiles, num_n, GROUP_M)
+    # E_LO, E_HI: the experts B holds (as expert - E_LO); other experts' tiles exit
     expert = tl.load(tile_expert_ptr + (pid_m * BLOCK_M) // PLAN_BM)
-    if expert >= 0:
+    if (expert >= E_LO) & (expert < E_HI):
+        expert -= E_LO
         row0 = (pid_m * BLOCK_M).to(tl.int32)
         col0 = (pid_n * BLOCK_N).to(tl.int32)
         rows = row0 + tl.arange(0, BLOCK_M)
@@ -193,8 +195,10 @@ _NAMES = {MODE_PLAIN: "fp8_rows", MODE_SWIGLU: "fp8_gemm1_swiglu", MODE_DSWIGLU:
 
 def _run(mode, a, a_s, b, b_s, plan: Plan, out, out_s, gather, b2=None, b2_s=None,
          aux=None, tw=None, qt=None, qt_s=None, ht=None, ht_s=None, part=None, config=None,
-         outputs=None):
+         outputs=None, expert_base=None):
     E, N, K = b.shape
+    e_lo = expert_base or 0
+    assert expert_base is None or mode == MODE_PLAIN
     R = plan.max_rows
     assert K % 128 == 0 and N % 128 == 0 and a.shape[1] == K, (a.shape, b.shape)
 
@@ -202,7 +206,8 @@ def _run(mode, a, a_s, b, b_s, plan: Plan, out, out_s, gather, b2=None, b2_s=Non
         cfg = dict(cfg)
         if cfg.pop("IMPL", None) == "sm90":
             if mode == MODE_PLAIN:
-                fp8_rows_sm90(a, a_s, b, b_s, plan, out, group_m=cfg["GROUP_M"])
+                fp8_rows_sm90(a, a_s, b, b_s, plan, out, group_m=cfg["GROUP_M"],
+                              expert_base=expert_base)
             elif mode == MODE_DSWIGLU:
                 fp8_dswiglu_sm90(a, a_s, b, b_s, aux, tw.float(), plan, out, out_s, qt, qt_s,
                                  ht, ht_s, part, group_m=cfg["GROUP_M"])
@@ -228,7 +233,7 @@ def _run(mode, a, a_s, b, b_s, plan: Plan, out, out_s, gather, b2=None, b2_s=Non
             out_desc, out_s if out_s is not None else f32, aux_desc,
             qt_desc, qt_s if qt_s is not None else f32, ht_desc, ht_s if ht_s is not None else f32,
             part if part is not None else f32,
-            num_m, N, K, R,
+            num_m, N, K, R, e_lo, e_lo + E,
             a.stride(0), a_s.stride(0), b_s.stride(0), b_s.stride(1),
             out_s.stride(0) if out_s is not None else 0,
             qt_s.stride(0) if qt_s is not None else 0,
@@ -243,7 +248,8 @@ def _run(mode, a, a_s, b, b_s, plan: Plan, out, out_s, gather, b2=None, b2_s=Non
         if interpreting():
             config = INTERPRET_CONFIG
         else:
-            key = (bucket(R), N, K, E, plan.block_m, gather, aux is not None)
+            key = (bucket(R), N, K, E, plan.block_m, gather, aux is not None,
+                   expert_base is not None)
             # a function: the list (and its sm90 check) is built only until the tuner has picked
             config = pick_config(_NAMES[mode], key,
                                  lambda: _candidates(mode, a, b, plan, out, gather), launch,
@@ -265,10 +271,20 @@ def fp8_gemm1_swiglu(xq, xs, w1q, w1s, w3q, w3s, plan: Plan, save_a: bool, confi
     return hq, hs, a
 
 
-def fp8_rows_gemm(aq, a_s, bq, b_s, plan: Plan, out_dtype, gather: bool = False, config=None):
-    """out [R_max, N] (out_dtype) = rows of aq @ bq[e]^T in the row space."""
-    out = torch.empty((plan.max_rows, bq.shape[1]), dtype=out_dtype, device=aq.device)
-    _run(MODE_PLAIN, aq, a_s, bq, b_s, plan, out, None, gather=gather, config=config)
+def fp8_rows_gemm(aq, a_s, bq, b_s, plan: Plan, out_dtype, gather: bool = False, config=None,
+                  expert_base: int | None = None, out: torch.Tensor | None = None):
+    """out [R_max, N] (out_dtype) = rows of aq @ bq[e]^T in the row space. With
+    ``expert_base`` e0, bq / b_s hold experts [e0, e0 + E) only and only their rows of ``out``
+    (given, or new) are written: one group of a GEMM split by experts."""
+    if out is None:
+        out = torch.empty((plan.max_rows, bq.shape[1]), dtype=out_dtype, device=aq.device)
+    outputs = None
+    if expert_base is not None:  # what the tuner compares: this group's rows (syncs)
+        def outputs():
+            lo, hi = plan.seg_start[[expert_base, expert_base + bq.shape[0]]].tolist()
+            return (out[lo:hi],)
+    _run(MODE_PLAIN, aq, a_s, bq, b_s, plan, out, None, gather=gather, config=config,
+         outputs=outputs, expert_base=expert_base)
     return out
 
 

@@ -21,6 +21,8 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
+from torchtitan_megamoe.ops.hopper.cuda.fp8_gemm import fp8_wgrad_sm90, wgrad_supported
+from torchtitan_megamoe.ops.hopper.cuda.sm90 import sm90_usable
 from torchtitan_megamoe.ops.hopper.kernels.bwd_wgrad import longest_first
 from torchtitan_megamoe.ops.hopper.kernels.tiling import grouped_tile
 from torchtitan_megamoe.ops.hopper.plan import Plan
@@ -68,6 +70,8 @@ GPU_CONFIGS = [
     dict(BLOCK_M=128, BLOCK_N=256, GROUP_M=8, num_warps=8, num_stages=3),
     dict(BLOCK_M=128, BLOCK_N=128, GROUP_M=8, num_warps=8, num_stages=4),
 ]
+# csrc/fp8_gemm_sm90.cu's WGRAD kernel (warp-specialized, dynamic tile order), where it builds
+SM90_CONFIG = dict(IMPL="sm90", GROUP_M=8)
 INTERPRET_CONFIG = dict(BLOCK_M=128, BLOCK_N=128, GROUP_M=2, num_warps=1, num_stages=1)
 
 
@@ -80,6 +84,9 @@ def fp8_wgrad(at, ats, bt, bts, plan: Plan, out: torch.Tensor, order=None, confi
 
     def launch(cfg):
         cfg = dict(cfg)
+        if cfg.pop("IMPL", None) == "sm90":
+            fp8_wgrad_sm90(at, ats, bt, bts, plan, out, order, group_m=cfg["GROUP_M"])
+            return (out,)
         bm, bn = cfg["BLOCK_M"], cfg["BLOCK_N"]
         assert M % bm == 0 and N % bn == 0, (M, N, cfg)
         desc = TensorDescriptor.from_tensor
@@ -93,7 +100,11 @@ def fp8_wgrad(at, ats, bt, bts, plan: Plan, out: torch.Tensor, order=None, confi
         if interpreting():
             config = INTERPRET_CONFIG
         else:
-            cands = [c for c in GPU_CONFIGS if M % c["BLOCK_M"] == 0 and N % c["BLOCK_N"] == 0]
+            def cands():  # built only until the tuner has picked
+                c = [c for c in GPU_CONFIGS if M % c["BLOCK_M"] == 0 and N % c["BLOCK_N"] == 0]
+                if wgrad_supported(M, N, out.dtype) and sm90_usable(at):
+                    c.append(SM90_CONFIG)
+                return c
             config = pick_config("fp8_wgrad", (bucket(plan.max_rows), M, N, E), cands, launch,
                                  outputs=lambda res: res)
     launch(config)
