@@ -265,6 +265,13 @@ def test_fp8_accepted_on_the_hopper_kernels_and_refused_under_ep(precision):
     cfg.parallelism.data_parallel_shard_degree = 2
     with pytest.raises(NotImplementedError, match=r"fp8_weight_cache=true needs unsharded"):
         MegaMoEConverter(cfg, None)
+    # one device (autocast casts the weights per call): refused unless the params stay fp32
+    cfg = job_config(precision=precision, fp8_weight_cache=True)
+    cfg.training.mixed_precision_param = "bfloat16"
+    with pytest.raises(NotImplementedError, match=r"cannot hit under autocast"):
+        MegaMoEConverter(cfg, None)
+    cfg.training.mixed_precision_param = "float32"
+    MegaMoEConverter(cfg, None)
 
 
 def test_fp8_weight_cache_follows_versions_and_optimizer_steps(monkeypatch):

@@ -152,6 +152,21 @@ def validate_job(job_config: JobConfig, parallel_dims: ParallelDims | None) -> N
             "kept, so a cached FP8 copy could not tell new values from old. Set "
             "[megamoe] fp8_weight_cache=false (the weights are then quantized on every call)."
         )
+    mp_param = str(job_config.training.mixed_precision_param)
+    if (cfg is not None and cfg.fp8_weight_cache
+            and not _fsdp_shards_experts(job_config, parallel_dims)
+            and mp_param not in ("float32", "torch.float32")):
+        # Without FSDP TorchTitan trains under torch.autocast, and the op casts the fp32
+        # weights to the autocast dtype on every call (ops/api.py): each call would see new
+        # tensors, so the cache could never hit and would pin every cast until the step ends.
+        raise NotImplementedError(
+            "megamoe: fp8_weight_cache=true cannot hit under autocast: without FSDP the fp32 "
+            f"expert weights reach the op as a fresh {mp_param} cast on every call "
+            f"(training.mixed_precision_param={mp_param}), so every cached copy would be "
+            "made once and held until the optimizer step. Set [megamoe] fp8_weight_cache="
+            "false (the weights are then quantized on every call), or train with "
+            "training.mixed_precision_param='float32'."
+        )
     if d["tp"] > 1:
         raise NotImplementedError(
             f"megamoe: tensor_parallel_degree={d['tp']} is not supported (the MoE input would "

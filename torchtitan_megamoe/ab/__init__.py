@@ -17,7 +17,7 @@ fp8=megamoe,bf16=megamoe --a-args '--megamoe.precision fp8' --b-args '--megamoe.
 bf16'``. The label names the side's files and its column. Every side but the baseline
 (``--baseline LABEL``, default the first side) is compared against it, each comparison with
 its own statistics and verdict, e.g. ``--sides stock,bf16=megamoe,fp8=megamoe,fp8_bwd=megamoe
---side-args 'fp8=--megamoe.precision fp8 --megamoe.fp8_weight_cache' --side-args
+--side-args 'fp8=--megamoe.precision fp8' --side-args
 'fp8_bwd=--megamoe.precision fp8_bwd' --baseline bf16``: stock, fp8 and fp8_bwd each against
 bf16, the bf16 run of a seed serving all three. With two sides and the default baseline the
 A/B is A vs B (differences B - A).

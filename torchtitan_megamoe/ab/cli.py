@@ -65,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--side-args", action="append", default=[], metavar="'LABEL=ARGS'",
                    help="TorchTitan args of the side LABEL, one quoted string (repeat for more "
                         "sides), e.g. --side-args 'fp8=--megamoe.precision fp8 "
-                        "--megamoe.fp8_weight_cache'")
+                        "--megamoe.save_activations never'")
     g.add_argument("--baseline", default=None, metavar="LABEL",
                    help="the side every other side is compared against, each with its own "
                         "report and verdict (default the first side: B - A with two)")

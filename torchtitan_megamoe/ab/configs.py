@@ -81,7 +81,7 @@ _LABEL = re.compile(r"^[A-Za-z0-9_.+-]+$")
 def parse_side_args(items=()) -> dict[str, str]:
     """``--side-args 'LABEL=ARGS'`` (repeatable) as {label: args}: ARGS is one shell-quoted
     string of TorchTitan arguments for the side named LABEL, e.g.
-    ``fp8=--megamoe.precision fp8 --megamoe.fp8_weight_cache``. A dict passes through."""
+    ``fp8=--megamoe.precision fp8 --megamoe.save_activations never``. A dict passes through."""
     if isinstance(items, dict):
         return dict(items)
     out: dict[str, str] = {}

@@ -17,8 +17,10 @@ layer's quantized weights are kept until the next optimizer step (``new_weights_
 converter's post-optimizer hook) or until any weight's version counter moves (every in-place
 write through PyTorch bumps it: the optimizer, copy_, a checkpoint load), whichever comes
 first. An entry holds its weights, so their memory cannot be reused under the cache's key.
-Only for weights that nothing rewrites behind the version counter: the converter refuses the
-cache under FSDP, whose all-gather refills reused storage and restores the counter.
+Only for weights that nothing rewrites behind the version counter and that reach the op as
+themselves: the converter refuses the cache under FSDP, whose all-gather refills reused storage
+and restores the counter, and under autocast with a lower-precision dtype, where every call
+gets a fresh cast (no hit, and each cast held until the next optimizer step).
 """
 
 from dataclasses import dataclass
