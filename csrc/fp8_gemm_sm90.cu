@@ -763,11 +763,7 @@ __global__ void __launch_bounds__(THREADS, 1)
       const int slot = it & 1;
       if (tid == 0) {
         mbar_wait(unit_empty + 8 * slot, ((it >> 1) & 1) ^ 1);
-        const int got = atomicAdd(p.ticket, 1);
-        // every CTA takes exactly one number >= num_units (then stops): the taker of the last
-        // one zeroes the ticket for the next launch on this stream
-        if (got == num_units + static_cast<int>(gridDim.x) - 1) atomicExch(p.ticket, 0);
-        unit_id[slot] = got;
+        unit_id[slot] = take_unit(p.ticket, num_units);
         mbar_arrive(unit_full + 8 * slot);
       }
       named_barrier(4, 128);
@@ -892,6 +888,32 @@ extern "C" int megamoe_fp8_gemm_rows(const void* a, const float* a_scale, long l
                             static_cast<cudaStream_t>(stream));
 }
 
+// The Params the gathering modes share: token rows x [T, K] e4m3 (and their scales) gathered by
+// the plan against B [E, N, K] e4m3 with 128 x 128 block scales
+static megamoe::fp8::Params gathered_params(const void* x, long long stride_x, const float* x_scale,
+                              long long stride_xs, const float* b_scale, long long stride_bse,
+                              long long stride_bsn, const int* row_slot, const int* tile_expert,
+                              const int* num_rows_used, int N, int K, int top_k, int plan_bm,
+                              int group_m) {
+  megamoe::fp8::Params p = {};
+  p.x = static_cast<const uint8_t*>(x);
+  p.a_scale = x_scale;
+  p.b_scale = b_scale;
+  p.row_slot = row_slot;
+  p.tile_expert = tile_expert;
+  p.num_rows_used = num_rows_used;
+  p.N = N;
+  p.K = K;
+  p.top_k = top_k;
+  p.plan_bm = plan_bm;
+  p.group_m = group_m;
+  p.stride_x = stride_x;
+  p.stride_as = stride_xs;
+  p.stride_bse = stride_bse;
+  p.stride_bsn = stride_bsn;
+  return p;
+}
+
 // hq [rows, H] e4m3 + hs [rows, H/128], and a [rows, 2H] bf16 unless nullptr: GEMM 1 + SwiGLU
 // on the plan's token rows of x [T, D] e4m3 (see SWIGLU)
 extern "C" int megamoe_fp8_gemm1_swiglu(const void* x, long long stride_x, const float* x_scale,
@@ -910,26 +932,12 @@ extern "C" int megamoe_fp8_gemm1_swiglu(const void* x, long long stride_x, const
     rc = encode_tiled_2d(&w3_map, CU_TENSOR_MAP_DATA_TYPE_UINT8, 1, w3,
                          static_cast<long long>(E) * H, D, BN, BK);
   if (rc != 0) return rc;
-  Params p = {};
-  p.x = static_cast<const uint8_t*>(x);
-  p.a_scale = x_scale;
-  p.b_scale = w1_scale;
+  Params p = gathered_params(x, stride_x, x_scale, stride_xs, w1_scale, stride_bse, stride_bsn,
+                             row_slot, tile_expert, num_rows_used, H, D, top_k, plan_bm, group_m);
   p.b3_scale = w3_scale;
   p.hq = static_cast<uint8_t*>(hq);
   p.hs = hs;
   p.a = static_cast<__nv_bfloat16*>(a);
-  p.row_slot = row_slot;
-  p.tile_expert = tile_expert;
-  p.num_rows_used = num_rows_used;
-  p.N = H;
-  p.K = D;
-  p.top_k = top_k;
-  p.plan_bm = plan_bm;
-  p.group_m = group_m;
-  p.stride_x = stride_x;
-  p.stride_as = stride_xs;
-  p.stride_bse = stride_bse;
-  p.stride_bsn = stride_bsn;
   return launch<MODE_SWIGLU>(w1_map, w3_map, w1_map, w1_map, p, num_sms,
                              static_cast<cudaStream_t>(stream));
 }
@@ -957,10 +965,9 @@ extern "C" int megamoe_fp8_dswiglu(const void* dy, long long stride_dy, const fl
   if (rc == 0)
     rc = encode_tiled_2d(&ht_map, CU_TENSOR_MAP_DATA_TYPE_UINT8, 1, hTq, H, rows, BN, 64);
   if (rc != 0) return rc;
-  Params p = {};
-  p.x = static_cast<const uint8_t*>(dy);
-  p.a_scale = dy_scale;
-  p.b_scale = w2t_scale;
+  Params p = gathered_params(dy, stride_dy, dy_scale, stride_dys, w2t_scale, stride_bse,
+                             stride_bsn, row_slot, tile_expert, num_rows_used, H, D, top_k,
+                             plan_bm, group_m);
   p.a_saved = static_cast<const __nv_bfloat16*>(a_saved);
   p.tw = tw;
   p.das = das;
@@ -968,18 +975,6 @@ extern "C" int megamoe_fp8_dswiglu(const void* dy, long long stride_dy, const fl
   p.dats = daTs;
   p.part = part;
   p.rows = rows;
-  p.row_slot = row_slot;
-  p.tile_expert = tile_expert;
-  p.num_rows_used = num_rows_used;
-  p.N = H;
-  p.K = D;
-  p.top_k = top_k;
-  p.plan_bm = plan_bm;
-  p.group_m = group_m;
-  p.stride_x = stride_dy;
-  p.stride_as = stride_dys;
-  p.stride_bse = stride_bse;
-  p.stride_bsn = stride_bsn;
   return launch<MODE_DSWIGLU>(w_map, ht_map, dat_map, daq_map, p, num_sms,
                               static_cast<cudaStream_t>(stream));
 }

@@ -332,12 +332,7 @@ __global__ void __launch_bounds__(THREADS, 1)
         const int slot = it & 1;
         if (tid == 0) {
           mbar_wait(unit_empty + 8 * slot, ((it >> 1) & 1) ^ 1);
-          const int got = atomicAdd(p.ticket, 1);
-          // Every CTA takes exactly one number >= num_units (then stops), so the taker of
-          // num_units + gridDim.x - 1 is the last one to touch the ticket: it zeroes it for the
-          // next launch on this stream (ops/hopper/cuda/sm90.py keeps one ticket pool per stream).
-          if (got == num_units + static_cast<int>(gridDim.x) - 1) atomicExch(p.ticket, 0);
-          unit_id[slot] = got;
+          unit_id[slot] = take_unit(p.ticket, num_units);
           mbar_arrive(unit_full + 8 * slot);  // release: the consumers' wait acquires the id
         }
         if (GATHERS) named_barrier(3, 128);

@@ -28,6 +28,16 @@ __device__ __forceinline__ void grouped_tile(int t, int num_m, int num_n, int gr
   pid_n = (t % per_group) / size;
 }
 
+// The dynamic tile order's next unit number from a global ticket (one thread per CTA). Every CTA
+// takes exactly one number >= num_units (then stops), so the taker of num_units + gridDim.x - 1
+// is the last one to touch the ticket: it zeroes it for the next launch on this stream
+// (ops/hopper/cuda/sm90.py keeps one ticket per stream).
+__device__ __forceinline__ int take_unit(int* ticket, int num_units) {
+  const int got = atomicAdd(ticket, 1);
+  if (got == num_units + static_cast<int>(gridDim.x) - 1) atomicExch(ticket, 0);
+  return got;
+}
+
 // ---- mbarrier -------------------------------------------------------------------------------
 
 __device__ __forceinline__ void mbar_init(uint32_t bar, uint32_t count) {

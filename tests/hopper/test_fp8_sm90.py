@@ -97,19 +97,27 @@ def test_gemm1_swiglu_vs_float64(T, K, E, D, H, name):
     assert torch.equal(hq2[:used].view(torch.uint8), hq[:used].view(torch.uint8))
 
 
-@pytest.mark.parametrize("name", ROUTINGS)
-@pytest.mark.parametrize("T,K,E,N,KD", [(700, 4, 8, 256, 384), (333, 2, 5, 640, 1152)],
-                         ids=["k3", "k9"])
-def test_rows_vs_float64(T, K, E, N, KD, name):
-    plan, *_ = _setup(T, K, E, 128, 128, name)
-    used, slot, expert = _used(plan)
-    g = torch.Generator(device="cuda").manual_seed(1)
+def _row_operands(plan, E, N, KD, seed):
+    """A row GEMM's operands: random row-space rows [R, KD] (zero on padding rows) per row
+    quantized, and random weights [E, N, KD] in 128 x 128 blocks."""
+    used, slot, _ = _used(plan)
+    g = torch.Generator(device="cuda").manual_seed(seed)
     rows = torch.randn(plan.max_rows, KD, device="cuda", generator=g)
     rows[:used][slot < 0] = 0
     aq, a_s = quant_rows(rows)
     w = torch.randn(E, N, KD, device="cuda", generator=g).div(KD ** 0.5).bfloat16()
     bq, b_s = weight_blocks(E, N, KD, "cuda")
     quant_weight(w, q=bq, s=b_s)
+    return aq, a_s, bq, b_s
+
+
+@pytest.mark.parametrize("name", ROUTINGS)
+@pytest.mark.parametrize("T,K,E,N,KD", [(700, 4, 8, 256, 384), (333, 2, 5, 640, 1152)],
+                         ids=["k3", "k9"])
+def test_rows_vs_float64(T, K, E, N, KD, name):
+    plan, *_ = _setup(T, K, E, 128, 128, name)
+    used, slot, expert = _used(plan)
+    aq, a_s, bq, b_s = _row_operands(plan, E, N, KD, seed=1)
     out = nan_tensor(plan.max_rows, N)
     fp8_rows_sm90(aq, a_s, bq, b_s, plan, out)
     torch.cuda.synchronize()
@@ -131,12 +139,7 @@ def test_rows_by_expert_groups(name):
     T, K, E, N, KD = 700, 4, 8, 256, 384
     plan, *_ = _setup(T, K, E, 128, 128, name)
     used, slot, expert = _used(plan)
-    g = torch.Generator(device="cuda").manual_seed(2)
-    rows = torch.randn(plan.max_rows, KD, device="cuda", generator=g)
-    rows[:used][slot < 0] = 0
-    aq, a_s = quant_rows(rows)
-    bq, b_s = weight_blocks(E, N, KD, "cuda")
-    quant_weight(torch.randn(E, N, KD, device="cuda", generator=g).bfloat16(), q=bq, s=b_s)
+    aq, a_s, bq, b_s = _row_operands(plan, E, N, KD, seed=2)
     whole = nan_tensor(plan.max_rows, N)
     fp8_rows_sm90(aq, a_s, bq, b_s, plan, whole)
     split = nan_tensor(plan.max_rows, N)
