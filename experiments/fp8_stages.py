@@ -9,8 +9,8 @@ import argparse
 import torch
 
 from torchtitan_megamoe import mega_moe
-from torchtitan_megamoe.ops.hopper.fp8_backward import backward_fp8
-from torchtitan_megamoe.ops.hopper.fp8_forward import FP8_BLOCK_M, forward_fp8
+from torchtitan_megamoe.ops.hopper.fp8_backward import dgrad_l1_groups
+from torchtitan_megamoe.ops.hopper.fp8_forward import FP8_BLOCK_M
 from torchtitan_megamoe.ops.hopper.fp8_weights import forward_weights, w2_transposed, w13_transposed
 from torchtitan_megamoe.ops.hopper.kernels.bwd_wgrad import longest_first
 from torchtitan_megamoe.ops.hopper.kernels.fp8_gemm_rows import (
@@ -24,6 +24,15 @@ from torchtitan_megamoe.ops.hopper.tune import bucket
 from torchtitan_megamoe.timing import median_ms
 
 SHAPES = {"30B": (2048, 768), "235B": (4096, 1536)}
+
+
+def grouped_dgrad_l1(daq, das, w1, w3, plan):
+    E, H, D = w1.shape
+    out = torch.empty((plan.max_rows, D), dtype=torch.bfloat16, device=daq.device)
+    for lo, hi in dgrad_l1_groups(E, H, D, plan.max_rows):
+        t = w13_transposed(w1, w3, lo, hi)
+        fp8_rows_gemm(daq, das, t.q, t.s, plan, torch.bfloat16, expert_base=lo, out=out)
+    return out
 
 
 def main():
@@ -69,6 +78,9 @@ def main():
             "dw1 + dw3": lambda: [fp8_wgrad(daTq[sl], daTs[sl], *xT, plan, torch.empty_like(w1),
                                             order) for sl in (slice(0, H), slice(H, 2 * H))],
             "dgrad 1": lambda: fp8_rows_gemm(daq, das, w13t.q, w13t.s, plan, torch.bfloat16),
+            # what the backward runs without the weight cache: per group of experts, its
+            # transposed [w1 | w3] copy quantized, then its rows
+            "dgrad 1 by groups + quant": lambda: grouped_dgrad_l1(daq, das, w1, w3, plan),
         }
         flop_row = 2 * D * H
         rows = T * K
