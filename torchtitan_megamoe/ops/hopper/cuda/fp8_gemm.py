@@ -73,6 +73,16 @@ def _check_common(who, plan, N, K, weights, scales):
             raise ValueError(f"{who}: {name} must be fp32 with unit-stride rows")
 
 
+def _check_token_rows(who, q_name, q, s_name, s, D):
+    """The token rows a gathering kernel reads by cp.async: e4m3 [T, D], 16-byte aligned rows,
+    with their [T, D/128] scales."""
+    if q.dtype != FP8 or q.stride(1) != 1 or q.stride(0) % 16 or q.data_ptr() % 16:
+        raise ValueError(f"{who}: {q_name} must be e4m3 with unit-stride, 16-byte aligned rows")
+    if q.shape[1] != D or s.shape != (q.shape[0], D // BK):
+        raise ValueError(f"{who}: {q_name} {tuple(q.shape)} / {s_name} {tuple(s.shape)} do not "
+                         f"match D={D}")
+
+
 def fp8_rows_sm90(aq, a_s, bq, b_s, plan: Plan, out: torch.Tensor, group_m: int = 8,
                   expert_base: int | None = None) -> None:
     """Writes the used rows of out [R_max, N] (bf16) = (aq [R_max, K] @ bq[e]^T [E, N, K]),
@@ -113,10 +123,7 @@ def fp8_gemm1_swiglu_sm90(xq, xs, w1q, w1s, w3q, w3s, plan: Plan, hq, hs, a=None
                   {"xs": xs, "w1s": w1s, "w3s": w3s, "hs": hs})
     if w3q.shape != w1q.shape or w1s.stride() != w3s.stride() or w1s.shape != w3s.shape:
         raise ValueError(f"{who}: w1 and w3 (and their scales) must have one shape and layout")
-    if xq.dtype != FP8 or xq.stride(1) != 1 or xq.stride(0) % 16 or xq.data_ptr() % 16:
-        raise ValueError(f"{who}: xq must be e4m3 with unit-stride, 16-byte aligned rows")
-    if xq.shape[1] != D or xs.shape != (xq.shape[0], D // BK):
-        raise ValueError(f"{who}: xq {tuple(xq.shape)} / xs {tuple(xs.shape)} do not match D={D}")
+    _check_token_rows(who, "xq", xq, "xs", xs, D)
     if hq.shape != (R, H) or not hs.is_contiguous() or hs.shape != (R, H // BN):
         raise ValueError(f"{who}: hq / hs must be [{R}, {H}] / [{R}, {H // BN}] contiguous")
     if a is not None and (a.shape != (R, 2 * H) or a.dtype != torch.bfloat16
@@ -145,10 +152,7 @@ def fp8_dswiglu_sm90(gq, gs, w2tq, w2ts, a_saved, tw, plan: Plan, daq, das, daTq
     R = plan.max_rows
     _check_common(who, plan, H, D, {"w2tq": w2tq, "daq": daq, "daTq": daTq, "hTq": hTq},
                   {"gs": gs, "w2ts": w2ts, "das": das, "daTs": daTs, "hTs": hTs, "part": part})
-    if gq.dtype != FP8 or gq.stride(1) != 1 or gq.stride(0) % 16 or gq.data_ptr() % 16:
-        raise ValueError(f"{who}: gq must be e4m3 with unit-stride, 16-byte aligned rows")
-    if gq.shape[1] != D or gs.shape != (gq.shape[0], D // BK):
-        raise ValueError(f"{who}: gq {tuple(gq.shape)} / gs {tuple(gs.shape)} do not match D={D}")
+    _check_token_rows(who, "gq", gq, "gs", gs, D)
     shapes = {"daq": (daq, (R, 2 * H)), "das": (das, (R, 2 * H // BN)),
               "daTq": (daTq, (2 * H, R)), "daTs": (daTs, (2 * H, R // BM)),
               "hTq": (hTq, (H, R)), "hTs": (hTs, (H, R // BM)), "part": (part, (H // BN, R))}

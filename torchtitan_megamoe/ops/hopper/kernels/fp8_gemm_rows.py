@@ -209,7 +209,7 @@ def _run(mode, a, a_s, b, b_s, plan: Plan, out, out_s, gather, b2=None, b2_s=Non
                 fp8_rows_sm90(a, a_s, b, b_s, plan, out, group_m=cfg["GROUP_M"],
                               expert_base=expert_base)
             elif mode == MODE_DSWIGLU:
-                fp8_dswiglu_sm90(a, a_s, b, b_s, aux, tw.float(), plan, out, out_s, qt, qt_s,
+                fp8_dswiglu_sm90(a, a_s, b, b_s, aux, tw, plan, out, out_s, qt, qt_s,
                                  ht, ht_s, part, group_m=cfg["GROUP_M"])
             else:
                 fp8_gemm1_swiglu_sm90(a, a_s, b, b_s, b2, b2_s, plan, out, out_s, aux,
@@ -304,7 +304,7 @@ def fp8_dswiglu(gq, gs, w2tq, w2ts, a_saved, topk_weights, plan: Plan, config=No
     assert hTq.stride(0) == R and daTq.stride(0) == R and hTs.stride(0) == daTs.stride(0)
     used = lambda t: t[: int(plan.num_rows_used)]  # noqa: E731  (rows past them are unwritten)
     _run(MODE_DSWIGLU, gq, gs, w2tq, w2ts, plan, daq, das, gather=True, aux=a_saved,
-         tw=topk_weights.reshape(-1), qt=daTq, qt_s=daTs, ht=hTq, ht_s=hTs, part=part,
+         tw=topk_weights.reshape(-1).float(), qt=daTq, qt_s=daTs, ht=hTq, ht_s=hTs, part=part,
          config=config,
          outputs=lambda: (used(daq), used(das), part.sum(0)[: int(plan.num_rows_used)]))
     return daq, das, daTq, daTs, hTq, hTs, part
