@@ -201,7 +201,7 @@ __device__ __forceinline__ void store_bf16_tile(const float (&acc)[64], uint32_t
 }
 
 // The SwiGLU backward of one element: g = dhg (before the routing weight w), a1, a3 the saved
-// pre-activations. Same arithmetic as the Triton kernel A (ops/hopper/kernels/fp8_gemm_rows.py)
+// pre-activations. Same arithmetic as the Triton kernel A (ops/hopper/kernels/fp8_gemm.py)
 // up to the sigmoid's approximate division (grouped_gemm_sm90.cu's epi_sigmoid).
 __device__ __forceinline__ void dswiglu_values(float g, float a1, float a3, float w, bool live,
                                                float& h, float& da1, float& da3) {

@@ -1065,7 +1065,7 @@ extern "C" int megamoe_wgrad(const void* tokens, long long stride_tokens, const 
 // dy [tokens, D] (stride_dy per row, gathered by row_slot / top_k), w2 [E, D, H] contiguous,
 // a = [a1 | a3], da [rows, 2H] and hw [rows, H] contiguous bf16, part [H / 256, rows] fp32,
 // topk_w [tokens * top_k] fp32. Shapes are checked by the Python wrapper
-// (ops/hopper/cuda/dgrad_swiglu.py): H % 256 == 0, D % 64 == 0, plan_bm % 128 == 0.
+// (ops/hopper/cuda/dgrad2_swiglu.py): H % 256 == 0, D % 64 == 0, plan_bm % 128 == 0.
 extern "C" int megamoe_dgrad_swiglu(const void* dy, long long stride_dy, const void* w2,
                                     const void* a, void* da, void* hw, void* dy_rows, float* part,
                                     const float* topk_w, const int* row_slot,

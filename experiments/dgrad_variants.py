@@ -19,9 +19,9 @@ import sys
 import torch
 
 from torchtitan_megamoe.bench.shapes import variant_setup
-from torchtitan_megamoe.ops.hopper.cuda.dgrad_swiglu import dgrad_l2_swiglu_sm90
+from torchtitan_megamoe.ops.hopper.cuda.dgrad2_swiglu import dgrad_l2_swiglu_sm90
 from torchtitan_megamoe.ops.hopper.cuda.gemm_rows import gemm_rows_nmajor_sm90
-from torchtitan_megamoe.ops.hopper.kernels.bwd_cublas import dgrad_l2_swiglu_cublas, gather_rows
+from torchtitan_megamoe.ops.hopper.kernels.grouped_mm import dgrad_l2_swiglu_cublas, gather_rows
 from torchtitan_megamoe.timing import median_ms
 
 def main(shape_name: str) -> None:

@@ -12,8 +12,8 @@ from torchtitan_megamoe import mega_moe
 from torchtitan_megamoe.ops.hopper.fp8_backward import dgrad_l1_groups
 from torchtitan_megamoe.ops.hopper.fp8_forward import FP8_BLOCK_M
 from torchtitan_megamoe.ops.hopper.fp8_weights import forward_weights, w2_transposed, w13_transposed
-from torchtitan_megamoe.ops.hopper.kernels.bwd_wgrad import longest_first
-from torchtitan_megamoe.ops.hopper.kernels.fp8_gemm_rows import (
+from torchtitan_megamoe.ops.hopper.kernels.wgrad import longest_first
+from torchtitan_megamoe.ops.hopper.kernels.fp8_gemm import (
     fp8_dswiglu, fp8_gemm1_swiglu, fp8_rows_gemm,
 )
 from torchtitan_megamoe.ops.hopper.kernels.fp8_quant import quant_rows, quant_rows_t

@@ -20,8 +20,8 @@ import torch
 
 from torchtitan_megamoe.bench.shapes import variant_setup
 from torchtitan_megamoe.ops.hopper.cuda.wgrad import wgrad_dw2_sm90, wgrad_dw13_sm90
-from torchtitan_megamoe.ops.hopper.kernels.bwd_cublas import gather_rows, wgrad_dw13_cublas, wgrad_dw2_cublas
-from torchtitan_megamoe.ops.hopper.kernels.bwd_wgrad import longest_first
+from torchtitan_megamoe.ops.hopper.kernels.grouped_mm import gather_rows, wgrad_dw13_cublas, wgrad_dw2_cublas
+from torchtitan_megamoe.ops.hopper.kernels.wgrad import longest_first
 from torchtitan_megamoe.timing import median_ms
 
 def main(shape_name: str = "30b") -> None:

@@ -13,6 +13,7 @@ formula alone, independent of ops/reference.py (the reference backend is tested 
 """
 
 from __future__ import annotations
+from torchtitan_megamoe.ops.options import MegaMoEOptions
 
 import contextlib
 import copy
@@ -299,8 +300,8 @@ def same_bits(a, b) -> bool:
 def saved_and_recomputed(ids, E, D, H, seed):
     """The hopper EP=1 backward on make_inputs(ids, seed) (NaN weights on dropped slots) both
     ways: (inputs, forward_ep1's saved tuple, gradients from it, gradients recomputing)."""
-    from torchtitan_megamoe.ops.hopper.backward_pass import backward_local
-    from torchtitan_megamoe.ops.hopper.local_forward import forward_ep1
+    from torchtitan_megamoe.ops.hopper.bf16_backward import backward_local
+    from torchtitan_megamoe.ops.hopper.bf16_forward import forward_ep1
 
     inp = make_inputs(ids.shape[0], ids.shape[1], E, D, H, ids, seed=seed)
     inp["topk_weights"][inp["topk_ids"] < 0] = float("nan")
@@ -328,7 +329,7 @@ SM90_GPU = [pytest.mark.gpu, pytest.mark.sm90]
 
 def forced_backward_matches_reference(monkeypatch, forced: dict, seed: int, saved: bool):
     """backward_local with each tuner stage named in ``forced`` ({stage: attribute of
-    ops/hopper/backward_pass.py naming the candidate}) forced to that candidate, which must be
+    ops/hopper/bf16_backward.py naming the candidate}) forced to that candidate, which must be
     offered: every gradient against the reference backend within 1e-2, bitwise-equal reruns.
     Inputs: a 4096-token layer (E 32, K 8, D 1024, H 512) with dropped slots and an empty
     expert (3). ``saved``: the backward reads forward_ep1(save=True)'s saved tensors. Returns
@@ -336,9 +337,9 @@ def forced_backward_matches_reference(monkeypatch, forced: dict, seed: int, save
     import importlib
 
     from torchtitan_megamoe.ops import reference
-    from torchtitan_megamoe.ops.hopper.local_forward import forward_ep1
+    from torchtitan_megamoe.ops.hopper.bf16_forward import forward_ep1
 
-    bwd = importlib.import_module("torchtitan_megamoe.ops.hopper.backward_pass")
+    bwd = importlib.import_module("torchtitan_megamoe.ops.hopper.bf16_backward")
     picked = []
     real_pick = bwd.pick_config
 
@@ -363,7 +364,7 @@ def forced_backward_matches_reference(monkeypatch, forced: dict, seed: int, save
     kw = dict(saved=forward_ep1(x, ids, tw, w1, w2, w3, save=True)[1]) if saved else {}
     got = bwd.backward_local(dy, x, ids, tw, w1, w2, w3, **kw)
     assert sorted(picked) == sorted(forced)
-    ref = reference.backward(dy, x, ids, tw, w1, w2, w3, None, "bf16")
+    ref = reference.backward(dy, x, ids, tw, w1, w2, w3, None, MegaMoEOptions(precision="bf16"))
     for name, a, r in zip(NAMES, got, ref):
         assert a.dtype == r.dtype and a.shape == r.shape, name
         assert rel_err(a, r) <= 1e-2, (name, rel_err(a, r))

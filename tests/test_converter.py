@@ -299,7 +299,7 @@ def test_fp8_weight_cache_follows_versions_and_optimizer_steps(monkeypatch):
 
 def test_runtime_knobs_reach_the_op(monkeypatch):
     from torchtitan_megamoe.ops import api
-    from torchtitan_megamoe.ops.hopper import exchange
+    from torchtitan_megamoe.ops.hopper import ep_transport as exchange
 
     monkeypatch.setattr(api, "_SAVE_ACTIVATIONS", "keep")
     monkeypatch.setattr(exchange, "_MAX_TOKENS_PER_RANK", 0)

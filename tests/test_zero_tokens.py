@@ -9,6 +9,7 @@ CPU for both backends (hopper under the interpreter), and (marked multigpu) 2 GP
 hopper backend's symmetric-memory exchange.
 """
 
+from torchtitan_megamoe.ops.options import MegaMoEOptions
 import pytest
 import torch
 import torch.distributed as dist
@@ -79,13 +80,13 @@ def test_hopper_backend_under_the_interpreter(save, monkeypatch):
     import importlib
 
     from torchtitan_megamoe.ops import api
-    from torchtitan_megamoe.ops.hopper import local_forward
+    from torchtitan_megamoe.ops.hopper import bf16_forward
 
     def no_plan(*args, **kwargs):
         raise AssertionError("planned (and launched) for zero tokens")
 
-    monkeypatch.setattr(local_forward, "build_plan", no_plan)
-    monkeypatch.setattr(importlib.import_module("torchtitan_megamoe.ops.hopper.backward_pass"),
+    monkeypatch.setattr(bf16_forward, "build_plan", no_plan)
+    monkeypatch.setattr(importlib.import_module("torchtitan_megamoe.ops.hopper.bf16_backward"),
                         "build_plan", no_plan)
     try:
         api.set_save_activations(save)
@@ -107,7 +108,7 @@ def test_hopper_backend_op_saved_outputs_match_the_fake():
     x, ids, tw, w1, w2, w3 = op_args(_empty_layer(torch.bfloat16))
     out, saved = torch.ops.megamoe.mega_moe(x, ids, tw, w1, w2, w3, "", "hopper", "bf16", True)
     assert out.shape == (0, D)
-    fake = hopper.saved_like(x, ids, tw, w1, w2, w3, None, "bf16")
+    fake = hopper.saved_like(x, ids, tw, w1, w2, w3, None, MegaMoEOptions(precision="bf16"))
     assert [(s.shape, s.dtype) for s in saved] == [(f.shape, f.dtype) for f in fake]
     args = (x.requires_grad_(), ids, tw.requires_grad_(), w1.requires_grad_(), w2, w3, "",
             "hopper", "bf16", True)

@@ -19,7 +19,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from torchtitan_megamoe.ops.hopper.kernels import bwd_combine, bwd_dgrad_l1, bwd_dgrad_l2_swiglu, bwd_wgrad
-from torchtitan_megamoe.ops.hopper.backward_pass import (
+from torchtitan_megamoe.ops.hopper.bf16_backward import (
     A_CANDIDATES, B_CANDIDATES, BLOCK_M, C_CANDIDATES,
 )
 

@@ -47,7 +47,7 @@ def _wrap(owner, name: str, label: str, log: list) -> None:
 def main(key: str = "30b", iters: int = 30) -> None:
     from torchtitan_megamoe import mega_moe
     from torchtitan_megamoe.bench.shapes import SHAPES
-    from torchtitan_megamoe.ops.hopper.exchange import AllToAllExchange, SymmetricExchange
+    from torchtitan_megamoe.ops.hopper.ep_transport import AllToAllExchange, SymmetricExchange
     from torchtitan_megamoe.ops.hopper import ep_forward, ep_route
 
     cuda = torch.cuda.is_available()

@@ -27,7 +27,7 @@ from torchtitan_megamoe.moe import MegaMoE
 from torchtitan_megamoe.ops.api import (
     BACKENDS, PRECISIONS, SAVE_MODES, canonical_backend, set_save_activations,
 )
-from torchtitan_megamoe.ops.hopper.exchange import set_max_tokens_per_rank
+from torchtitan_megamoe.ops.hopper.ep_transport import set_max_tokens_per_rank
 from torchtitan_megamoe.ops.hopper.fp8_weights import new_weights_step, set_weight_cache
 from torchtitan_megamoe.parallel import install_ep_routing
 

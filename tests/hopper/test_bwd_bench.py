@@ -2,7 +2,7 @@
 
 import torch
 
-from torchtitan_megamoe.ops.hopper.backward_pass import (
+from torchtitan_megamoe.ops.hopper.bf16_backward import (
     INTERPRET_A, INTERPRET_B, INTERPRET_BLOCK_M, INTERPRET_C,
 )
 from torchtitan_megamoe.bench.backward_stages import bench_shape

@@ -1,6 +1,7 @@
 """EP=2 backward of backend ``triton`` (2 gloo ranks, kernels under the interpreter) vs float64
 autograd of one rank holding every expert and every token."""
 
+from torchtitan_megamoe.ops.options import MegaMoEOptions
 import pytest
 import torch
 import torch.distributed as dist
@@ -21,14 +22,14 @@ def _inputs():
 
 
 def _worker(rank, init_file, result_file):
-    from torchtitan_megamoe.ops.hopper.backward_pass import backward
+    from torchtitan_megamoe.ops.hopper.bf16_backward import backward
 
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=R)
     inp = _inputs()
     mine = slice(rank * T, (rank + 1) * T)
     experts = slice(rank * E // R, (rank + 1) * E // R)
     args = (inp["dy"][mine], inp["x"][mine], inp["topk_ids"][mine], inp["topk_weights"][mine],
-            inp["w1"][experts], inp["w2"][experts], inp["w3"][experts], dist.group.WORLD, "bf16")
+            inp["w1"][experts], inp["w2"][experts], inp["w3"][experts], dist.group.WORLD, MegaMoEOptions(precision="bf16"))
     first = backward(*args)
     second = backward(*args)
     torch.save([first, all(same_bits(a, b) for a, b in zip(first, second))],
@@ -58,7 +59,7 @@ def test_ep2_backward_matches_single_rank_f64():
 
 def _gpu_worker(rank, init_file, result_file):
     from torchtitan_megamoe.ops import reference
-    from torchtitan_megamoe.ops.hopper.backward_pass import backward
+    from torchtitan_megamoe.ops.hopper.bf16_backward import backward
 
     torch.cuda.set_device(rank)
     dist.init_process_group("nccl", init_method=f"file://{init_file}", rank=rank, world_size=R)
@@ -74,7 +75,7 @@ def _gpu_worker(rank, init_file, result_file):
     ids = torch.multinomial(torch.softmax(logits, 0).expand(T_, E_), K_, generator=g)
     ids[::17, -1] = -1
     tw = torch.softmax(torch.randn(T_, K_, device="cuda", generator=g), -1)
-    args = (dy, x, ids, tw, w1, w2, w3, dist.group.WORLD, "bf16")
+    args = (dy, x, ids, tw, w1, w2, w3, dist.group.WORLD, MegaMoEOptions(precision="bf16"))
     got = backward(*args)
     ref = reference.backward(*args)
     errs = [rel_err(a, b) for a, b in zip(got, ref)]

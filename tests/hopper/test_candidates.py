@@ -1,10 +1,10 @@
 """What the tuner is offered per stage (CPU): the fallback configs only where the shape needs
 them, and no cuBLAS side for kernel C under auto."""
 
-from torchtitan_megamoe.ops.hopper import backward_pass as bwd
-from torchtitan_megamoe.ops.hopper.kernels import bwd_cublas
+from torchtitan_megamoe.ops.hopper import bf16_backward as bwd
+from torchtitan_megamoe.ops.hopper.kernels import grouped_mm as bwd_cublas
 from torchtitan_megamoe.ops.hopper.kernels import gemm1_swiglu as g1
-from torchtitan_megamoe.ops.hopper.kernels import gemm2_rows as g2
+from torchtitan_megamoe.ops.hopper.kernels import gemm2 as g2
 
 
 def test_backward_pointer_configs_only_where_no_tma_config_fits():

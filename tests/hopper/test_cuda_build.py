@@ -11,7 +11,7 @@ import torch
 from torchtitan_megamoe.ops.hopper.cuda import build
 from torchtitan_megamoe.ops.hopper.cuda.sm90 import sm90_usable
 from torchtitan_megamoe.ops.hopper.kernels import gemm1_swiglu as g1
-from torchtitan_megamoe.ops.hopper.kernels import gemm2_rows as g2
+from torchtitan_megamoe.ops.hopper.kernels import gemm2 as g2
 from torchtitan_megamoe.ops.hopper.plan import build_plan
 
 needs_nvcc = pytest.mark.skipif(build.nvcc_path() is None, reason="needs nvcc")

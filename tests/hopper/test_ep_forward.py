@@ -2,6 +2,7 @@
 GPUs with NCCL, marked multigpu) against float64 math of one rank holding every expert; and 3
 gloo ranks, where each rank returns rows to two peers."""
 
+from torchtitan_megamoe.ops.options import MegaMoEOptions
 import pytest
 import torch
 import torch.distributed as dist
@@ -38,8 +39,8 @@ def _worker(rank, backend, shape, world, init_file, result_file):
     mine = slice(rank * T, (rank + 1) * T)
     experts = slice(rank * E // world, (rank + 1) * E // world)
     args = [t.to(dev) for t in (x[mine], ids[mine], w[mine], w1[experts], w2[experts], w3[experts])]
-    out = tb.forward(*args, dist.group.WORLD, "bf16")
-    again = tb.forward(*args, dist.group.WORLD, "bf16")
+    out = tb.forward(*args, dist.group.WORLD, MegaMoEOptions(precision="bf16"))
+    again = tb.forward(*args, dist.group.WORLD, MegaMoEOptions(precision="bf16"))
     torch.save([out.cpu(), torch.equal(out, again)], f"{result_file}.{rank}")
     dist.destroy_process_group()
 

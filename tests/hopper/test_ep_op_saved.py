@@ -50,7 +50,7 @@ def _worker(rank, init_file, result_file):
 
 def test_ep2_op_saved_receive_layout_backward_matches_f64():
     from torchtitan_megamoe.ops.hopper.ep_forward import keeps_saved
-    from torchtitan_megamoe.ops.hopper.local_forward import interpret_defaults
+    from torchtitan_megamoe.ops.hopper.bf16_forward import interpret_defaults
 
     block_m = interpret_defaults(None, None, None)[0]
     assert keeps_saved(R, T, K, E // R, D, H, block_m), "pick a shape that keeps the saved tensors"

@@ -7,6 +7,7 @@ empty expert, dropped slots), only two experts used, one expert holding every ro
 that are not tile multiples.
 """
 
+from torchtitan_megamoe.ops.options import MegaMoEOptions
 import pytest
 import torch
 
@@ -50,7 +51,7 @@ def _check(inputs, precision, tol_emu):
         assert torch.isfinite(g).all(), name
         tol = tol_emu[0] if name == "out" else tol_emu[1]
         assert rel_err(g, e) < tol, (precision, name, rel_err(g, e))
-        # as accurate as the emulated recipe (a broken scale or block would be far worse)
+        # as the emulated recipe (a broken scale or block would be far worse)
         assert rel_err(g, r) < 1.15 * rel_err(e, r) + 2e-3, (precision, name, rel_err(g, r), rel_err(e, r))
     again = _run(inputs, "hopper", precision, torch.bfloat16)
     for name, g, a in zip(NAMES, got, again):
@@ -93,7 +94,7 @@ def test_fp8_rejects_shapes_and_ep():
     w1 = torch.zeros(2, 96, 256, dtype=torch.bfloat16)
     x = torch.zeros(4, 256, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="multiples|% 128"):
-        hopper.check_inputs(x, w1, None, "fp8")
+        hopper.check_inputs(x, w1, None, MegaMoEOptions(precision="fp8"))
 
 
 def test_dgrad_l1_groups_bound_the_transposed_copy(monkeypatch):

@@ -11,12 +11,12 @@ import pytest
 import torch
 
 from moe_testing import SM90_GPU, nan_tensor, rel_err, routing
-from torchtitan_megamoe.ops.hopper.cuda.fp8_gemm import (fp8_dswiglu_sm90, fp8_gemm1_swiglu_sm90,
+from torchtitan_megamoe.ops.hopper.cuda.fp8_library import (fp8_dswiglu_sm90, fp8_gemm1_swiglu_sm90,
                                                        fp8_rows_sm90, fp8_wgrad_sm90)
 from torchtitan_megamoe.ops.hopper.fp8_weights import forward_weights, w2_transposed
-from torchtitan_megamoe.ops.hopper.kernels import fp8_gemm_rows as fg
+from torchtitan_megamoe.ops.hopper.kernels import fp8_gemm as fg
 from torchtitan_megamoe.ops.hopper.kernels import fp8_wgrad as fw
-from torchtitan_megamoe.ops.hopper.kernels.bwd_wgrad import longest_first
+from torchtitan_megamoe.ops.hopper.kernels.wgrad import longest_first
 from torchtitan_megamoe.ops.hopper.kernels.fp8_quant import (FP8, quant_rows, quant_rows_t,
                                                           quant_weight, weight_blocks)
 from torchtitan_megamoe.ops.hopper.plan import build_plan

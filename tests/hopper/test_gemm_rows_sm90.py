@@ -12,7 +12,7 @@ import torch
 from moe_testing import (SM90_GPU, forced_backward_matches_reference, make_weights, nan_tensor,
                          rel_err, routings, skewed_ids)
 from torchtitan_megamoe.ops.hopper.cuda.gemm_rows import gemm_rows_nmajor_sm90, gemm_rows_sm90
-from torchtitan_megamoe.ops.hopper.kernels import gemm2_rows as g2
+from torchtitan_megamoe.ops.hopper.kernels import gemm2 as g2
 from torchtitan_megamoe.ops.hopper.plan import build_phased_plan, build_plan
 
 pytestmark = SM90_GPU
@@ -131,7 +131,7 @@ def test_nmajor_vs_float64_on_uneven_routings(T, K, E, N, KS, n_weights):
 def test_nmajor_real_30b_kernel_c_matches_triton():
     """Kernel C at the 30B shape: [da1 | da3] [R, 2H] against w1, w3 [E, H, D] as stored; the
     row-space result equals the Triton kernel C's slot rows (within bf16), reruns bitwise."""
-    from torchtitan_megamoe.ops.hopper.kernels.bwd_dgrad_l1 import dgrad_l1
+    from torchtitan_megamoe.ops.hopper.kernels.dgrad1 import dgrad_l1
 
     T, K, E, D, H = 16384, 8, 128, 2048, 768
     g = torch.Generator(device="cuda").manual_seed(0)

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from moe_testing import make_weights, rel_err, routings
 from torchtitan_megamoe.ops.hopper.kernels import combine as combine_mod
 from torchtitan_megamoe.ops.hopper.kernels import gemm1_swiglu as g1
-from torchtitan_megamoe.ops.hopper.kernels import gemm2_rows as g2
+from torchtitan_megamoe.ops.hopper.kernels import gemm2 as g2
 from torchtitan_megamoe.ops.hopper.plan import build_plan
 
 CFG = dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=16, GROUP_M=2, num_warps=1, num_stages=1)

@@ -211,7 +211,7 @@ def test_plan_checks_the_id_range(monkeypatch, use_kernels, bad, ok):
 def test_forward_asserts_on_out_of_range_ids():
     # the Triton forward's plan check, as the op's CUDA path relies on (on CPU the assert
     # fails at once; on a GPU it fails the stream with the same message)
-    from torchtitan_megamoe.ops.hopper.local_forward import forward_ep1
+    from torchtitan_megamoe.ops.hopper.bf16_forward import forward_ep1
 
     T, K, E, D, H = 8, 2, 4, 16, 16
     x = torch.randn(T, D)

@@ -4,7 +4,7 @@ launched, with an error that names the problem (CPU: the checks run before the l
 import pytest
 import torch
 
-from torchtitan_megamoe.ops.hopper.cuda.dgrad_swiglu import dgrad_l2_swiglu_sm90
+from torchtitan_megamoe.ops.hopper.cuda.dgrad2_swiglu import dgrad_l2_swiglu_sm90
 from torchtitan_megamoe.ops.hopper.cuda.gemm_rows import gemm_rows_nmajor_sm90, gemm_rows_sm90
 from torchtitan_megamoe.ops.hopper.cuda.wgrad import wgrad_dw13_sm90, wgrad_dw2_sm90
 from torchtitan_megamoe.ops.hopper.plan import build_plan

@@ -13,8 +13,8 @@ import torch
 from moe_testing import (SM90_GPU, forced_backward_matches_reference, nan_tensor, rel_err,
                          routings, skewed_ids)
 from torchtitan_megamoe.ops.hopper.cuda.wgrad import wgrad_dw13_sm90, wgrad_dw2_sm90
-from torchtitan_megamoe.ops.hopper.kernels.bwd_cublas import gather_rows, grouped_wgrad
-from torchtitan_megamoe.ops.hopper.kernels.bwd_wgrad import longest_first
+from torchtitan_megamoe.ops.hopper.kernels.grouped_mm import gather_rows, grouped_wgrad
+from torchtitan_megamoe.ops.hopper.kernels.wgrad import longest_first
 from torchtitan_megamoe.ops.hopper.plan import build_plan
 
 pytestmark = SM90_GPU

@@ -14,6 +14,7 @@ table for the others).
 """
 
 from __future__ import annotations
+from torchtitan_megamoe.ops.options import MegaMoEOptions
 
 import torch
 
@@ -38,8 +39,8 @@ def float64_reference(x, ids, weights, grad, w1, w2, w3) -> dict:
     with torch.no_grad():
         x64, tw64, g64 = x.double(), weights.double(), grad.double()
         w64 = [plain(w).double() for w in (w1, w2, w3)]
-        out = reference.forward(x64, ids, tw64, *w64, None, "bf16")
-        dx, dtw, dw1, dw2, dw3 = reference.backward(g64, x64, ids, tw64, *w64, None, "bf16")
+        out = reference.forward(x64, ids, tw64, *w64, None, MegaMoEOptions(precision="bf16"))
+        dx, dtw, dw1, dw2, dw3 = reference.backward(g64, x64, ids, tw64, *w64, None, MegaMoEOptions(precision="bf16"))
     return {"out": out, "dx": dx, "dtopk_weights": dtw, "dw1": dw1, "dw2": dw2, "dw3": dw3}
 
 

@@ -30,23 +30,23 @@ import os
 import torch
 
 from torchtitan_megamoe.ops.hopper import tune
-from torchtitan_megamoe.ops.hopper.cuda.dgrad_swiglu import dgrad_l2_swiglu_sm90
+from torchtitan_megamoe.ops.hopper.cuda.dgrad2_swiglu import dgrad_l2_swiglu_sm90
 from torchtitan_megamoe.ops.hopper.cuda.gemm_rows import gemm_rows_nmajor_sm90
 from torchtitan_megamoe.ops.hopper.cuda.wgrad import wgrad_dw2_sm90, wgrad_dw13_sm90
-from torchtitan_megamoe.ops.hopper.backward_pass import (
+from torchtitan_megamoe.ops.hopper.bf16_backward import (
     A_CANDIDATES, B_CANDIDATES, BLOCK_M, C_CANDIDATES, C_SM90, a_sm90_fits,
     a_sm90_fused_offered, b_sm90_fits, backward_local, c_sm90_fits,
 )
-from torchtitan_megamoe.ops.hopper.kernels.bwd_wgrad import longest_first
+from torchtitan_megamoe.ops.hopper.kernels.wgrad import longest_first
 from torchtitan_megamoe.ops.hopper.kernels.bwd_combine import bwd_combine
-from torchtitan_megamoe.ops.hopper.kernels.bwd_cublas import (
+from torchtitan_megamoe.ops.hopper.kernels.grouped_mm import (
     IMPL_ENV, dgrad_l1_cublas, dgrad_l2_swiglu_cublas, gather_rows, segment_ends,
     wgrad_dw13_cublas, wgrad_dw2_cublas,
 )
-from torchtitan_megamoe.ops.hopper.kernels.bwd_dgrad_l1 import dgrad_l1
-from torchtitan_megamoe.ops.hopper.kernels.bwd_dgrad_l2_swiglu import dgrad_l2_swiglu
-from torchtitan_megamoe.ops.hopper.kernels.bwd_wgrad import wgrad
-from torchtitan_megamoe.ops.hopper.local_forward import forward_ep1, interpret_defaults
+from torchtitan_megamoe.ops.hopper.kernels.dgrad1 import dgrad_l1
+from torchtitan_megamoe.ops.hopper.kernels.dgrad2_swiglu import dgrad_l2_swiglu
+from torchtitan_megamoe.ops.hopper.kernels.wgrad import wgrad
+from torchtitan_megamoe.ops.hopper.bf16_forward import forward_ep1, interpret_defaults
 from torchtitan_megamoe.ops.hopper.kernels.gemm1_swiglu import gemm1_swiglu
 from torchtitan_megamoe.ops.hopper.plan import build_plan
 from torchtitan_megamoe.ops.hopper.tune import bucket, pick_config

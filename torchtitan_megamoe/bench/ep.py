@@ -172,7 +172,7 @@ def bench_shape_ep(key: str, tokens: int, iters: int, warmup: int, backward: boo
 def exchange_mib(group, dim: int) -> float:
     """Symmetric (or staging) memory of the group's EP exchange for this dim: outside the
     caching allocator, so max_memory_allocated does not see it."""
-    from torchtitan_megamoe.ops.hopper.exchange import _CACHE
+    from torchtitan_megamoe.ops.hopper.ep_transport import _CACHE
 
     return sum(ex.nbytes() for ex in _CACHE.values()
                if ex.group is group and ex.widths["x"][0] == dim) / 2**20

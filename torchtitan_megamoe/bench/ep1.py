@@ -144,9 +144,9 @@ def time_block_compiled(res: dict, name: str, moe, x, xg, grad, fresh, iters: in
 
 def _stage_times(x, ids, w, w1, w2, w3, iters, warmup):
     from torchtitan_megamoe.ops.hopper.kernels.combine import combine
-    from torchtitan_megamoe.ops.hopper.local_forward import BLOCK_M
+    from torchtitan_megamoe.ops.hopper.bf16_forward import BLOCK_M
     from torchtitan_megamoe.ops.hopper.kernels.gemm1_swiglu import gemm1_swiglu
-    from torchtitan_megamoe.ops.hopper.kernels.gemm2_rows import gemm2_rows
+    from torchtitan_megamoe.ops.hopper.kernels.gemm2 import gemm2_rows
     from torchtitan_megamoe.ops.hopper.plan import build_plan
 
     plan = build_plan(ids, w1.shape[0], BLOCK_M)
@@ -176,7 +176,7 @@ def bwd_stage_breakdown(key: str, tokens: int, iters: int) -> dict:
     dims = (shape["dim"], shape["hidden"], shape["experts"], shape["top_k"])
     if torch.cuda.is_available():
         return bwd_bench.bench_shape(key, tokens, iters, shape=dims)
-    from torchtitan_megamoe.ops.hopper.backward_pass import (
+    from torchtitan_megamoe.ops.hopper.bf16_backward import (
         INTERPRET_A, INTERPRET_B, INTERPRET_BLOCK_M, INTERPRET_C,
     )
 

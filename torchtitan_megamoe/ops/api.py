@@ -38,6 +38,7 @@ import torch
 import torch.distributed as dist
 
 from torchtitan_megamoe.ops.device import capability
+from torchtitan_megamoe.ops.options import MegaMoEOptions
 
 BACKENDS = ("auto", "hopper", "reference")
 BACKEND_ALIASES = {"triton": "hopper"}
@@ -291,15 +292,20 @@ def _autocast_off(device_type: str):
     return contextlib.nullcontext()
 
 
+def _options(backend: str, precision: str) -> MegaMoEOptions:
+    return MegaMoEOptions(backend=backend, precision=precision)
+
+
 def _run_forward(x, topk_ids, topk_weights, w1, w2, w3, group_name, backend, precision, save):
     """(out, saved list): the backend's forward, for the registered op and the eager path."""
     impl = backend_module(backend)
     group = _group_from_name(group_name)
     with _autocast_off(x.device.type):
         if not save:
-            return impl.forward(x, topk_ids, topk_weights, w1, w2, w3, group, precision), []
-        out, saved = impl.forward(x, topk_ids, topk_weights, w1, w2, w3, group, precision,
-                                  save=True)
+            return impl.forward(x, topk_ids, topk_weights, w1, w2, w3, group,
+                                _options(backend, precision)), []
+        out, saved = impl.forward(x, topk_ids, topk_weights, w1, w2, w3, group,
+                                  _options(backend, precision), save=True)
     return out, list(saved)
 
 
@@ -310,7 +316,8 @@ def _run_backward(grad_out, x, topk_ids, topk_weights, w1, w2, w3, saved, group_
     with _autocast_off(x.device.type):
         grads = backend_module(backend).backward(
             grad_out.contiguous(), x, topk_ids, topk_weights, w1, w2, w3,
-            _group_from_name(group_name), precision, saved=list(saved) or None,
+            _group_from_name(group_name), _options(backend, precision),
+            saved=list(saved) or None,
         )
     return tuple(g.contiguous() for g in grads)
 
@@ -338,7 +345,8 @@ def _mega_moe_fake(x, topk_ids, topk_weights, w1, w2, w3, group_name, backend, p
     if not save:
         return torch.empty_like(x), []
     saved = backend_module(backend).saved_like(
-        x, topk_ids, topk_weights, w1, w2, w3, _group_from_name(group_name), precision
+        x, topk_ids, topk_weights, w1, w2, w3, _group_from_name(group_name),
+        _options(backend, precision)
     )
     return torch.empty_like(x), saved
 
@@ -379,7 +387,7 @@ def _setup_context(ctx, inputs, output):
     _out, saved = output
     ctx.mark_non_differentiable(*saved)
     # Gradients of the saved outputs are never used: do not let autograd allocate zeros for them
-    # (a is as large as an activation).
+    # (a is as an activation).
     ctx.set_materialize_grads(False)
     ctx.save_for_backward(x, topk_ids, topk_weights, w1, w2, w3, *saved)
     ctx.config = (group_name, backend, precision)

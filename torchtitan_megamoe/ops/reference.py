@@ -29,7 +29,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from torchtitan_megamoe.ops.route import AllToAllRoute, slot_rows
+from torchtitan_megamoe.ops.reference_ep import AllToAllRoute, slot_rows
 
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 FP8_BLOCK = 128
@@ -39,7 +39,8 @@ def supports(x: torch.Tensor, group) -> bool:
     return True
 
 
-def forward(x, topk_ids, topk_weights, w1, w2, w3, group, precision, save=False):
+def forward(x, topk_ids, topk_weights, w1, w2, w3, group, options, save=False):
+    precision = options.precision
     """out; with ``save``, (out, []): this backend saves nothing (its backward recomputes)."""
     T, K = topk_ids.shape
     route = AllToAllRoute(topk_ids, w1.shape[0], group)
@@ -53,11 +54,12 @@ def forward(x, topk_ids, topk_weights, w1, w2, w3, group, precision, save=False)
     return (out, []) if save else out
 
 
-def saved_like(x, topk_ids, topk_weights, w1, w2, w3, group, precision):
+def saved_like(x, topk_ids, topk_weights, w1, w2, w3, group, options):
     return []
 
 
-def backward(grad_out, x, topk_ids, topk_weights, w1, w2, w3, group, precision, saved=None):
+def backward(grad_out, x, topk_ids, topk_weights, w1, w2, w3, group, options, saved=None):
+    precision = options.precision
     if saved:
         raise ValueError("backend 'reference' saves nothing in its forward; pass saved=None")
     T, K = topk_ids.shape

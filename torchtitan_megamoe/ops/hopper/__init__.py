@@ -1,12 +1,12 @@
 """Backend ``hopper`` of mega_moe (formerly ``triton``): Hopper (SM90) kernels, BF16 and FP8.
 
-Forward (EP=1, local_forward.py): device-side plan (plan.py), grouped GEMM 1 + SwiGLU
+Forward (EP=1, bf16_forward.py): device-side plan (plan.py), grouped GEMM 1 + SwiGLU
 (kernels/gemm1_swiglu.py), grouped GEMM 2 into the row space (kernels/gemm2_rows.py), fp32
 combine through the slots' rows (kernels/combine.py). FP8 at EP=1: fp8_forward.py,
-fp8_backward.py. Backward: backward_pass.py (BF16); it reads what the forward saved (GEMM 1's pre-activations and the
+fp8_backward.py. Backward: bf16_backward.py (BF16); it reads what the forward saved (GEMM 1's pre-activations and the
 packed plan) instead of recomputing them. EP > 1 (ep_forward.py, ep_backward.py): each token goes once
 to every rank owning one of its experts through the token exchange (ep_route.py over
-ops/hopper/exchange.py: symmetric memory, copy-engine copies, no host sync), the EP=1 kernels run on the
+ops/hopper/ep_transport.py: symmetric memory, copy-engine copies, no host sync), the EP=1 kernels run on the
 receive buffer and partial rows return to their sources; the forward overlaps both moves with
 its GEMMs (ep_forward.py), the backward does not yet.
 """
@@ -14,12 +14,12 @@ its GEMMs (ep_forward.py), the backward does not yet.
 import torch
 
 from torchtitan_megamoe.ops.device import capability
-from torchtitan_megamoe.ops.hopper.backward_pass import backward as _backward_any_ep
-from torchtitan_megamoe.ops.hopper.backward_pass import check_backward_dtypes
+from torchtitan_megamoe.ops.hopper.bf16_backward import backward as _backward_any_ep
+from torchtitan_megamoe.ops.hopper.bf16_backward import check_backward_dtypes
 from torchtitan_megamoe.ops.hopper.fp8_backward import backward_fp8
 from torchtitan_megamoe.ops.hopper.fp8_forward import FP8_BLOCK_M, forward_fp8
 from torchtitan_megamoe.ops.hopper.ep_forward import forward_ep, saved_like_ep
-from torchtitan_megamoe.ops.hopper.local_forward import (
+from torchtitan_megamoe.ops.hopper.bf16_forward import (
     forward_ep1,
     interpret_defaults,
     interpreting,
@@ -88,10 +88,11 @@ def check_inputs(x, w1, group, precision) -> None:
         )
 
 
-def forward(x, topk_ids, topk_weights, w1, w2, w3, group, precision, save=False):
+def forward(x, topk_ids, topk_weights, w1, w2, w3, group, options, save=False):
     """out; with ``save``, (out, saved: list of tensors for backward(saved=...)). EP=1 saves
-    [a, packed_plan] (local_forward.py); EP > 1 the same in the receive layout, or nothing where
+    [a, packed_plan] (bf16_forward.py); EP > 1 the same in the receive layout, or nothing where
     ep_forward.keeps_saved says the backward recomputes."""
+    precision = options.precision
     check_inputs(x, w1, group, precision)
     if _ep_size(group) > 1:
         block_m, c1, c2 = interpret_defaults(None, None, None)
@@ -110,7 +111,8 @@ def forward(x, topk_ids, topk_weights, w1, w2, w3, group, precision, save=False)
     return out, list(saved)
 
 
-def saved_like(x, topk_ids, topk_weights, w1, w2, w3, group, precision):
+def saved_like(x, topk_ids, topk_weights, w1, w2, w3, group, options):
+    precision = options.precision
     """Empty tensors with the shapes and dtypes forward(..., save=True) saves (fake impl)."""
     if _ep_size(group) > 1:
         block_m, _, _ = interpret_defaults(None, None, None)
@@ -118,11 +120,12 @@ def saved_like(x, topk_ids, topk_weights, w1, w2, w3, group, precision):
     return _saved_like_ep1(x, topk_ids, w1, block_m=FP8_BLOCK_M if precision != "bf16" else None)
 
 
-def backward(grad_out, x, topk_ids, topk_weights, w1, w2, w3, group, precision, saved=None):
+def backward(grad_out, x, topk_ids, topk_weights, w1, w2, w3, group, options, saved=None):
+    precision = options.precision
     if precision != "bf16":
         check_inputs(x, w1, group, precision)
         check_backward_dtypes(grad_out, x, w1)
         return backward_fp8(grad_out, x, topk_ids, topk_weights, w1, w2, w3, precision,
                             saved=saved)
-    return _backward_any_ep(grad_out, x, topk_ids, topk_weights, w1, w2, w3, group, precision,
-                         saved=saved)
+    return _backward_any_ep(grad_out, x, topk_ids, topk_weights, w1, w2, w3, group, options,
+                            saved=saved)

@@ -5,7 +5,7 @@ x and dy, around the EP=1 backward:
        token's experts (same rows as in the forward: the layout depends only on topk_ids);
        x follows on the side stream, under kernel A and dw2, which do not read it (with the
        forward's saved pre-activations; without them kernel A recomputes GEMM 1 and waits);
-    2. the EP=1 backward (backward_pass.backward_local) runs on the R*C received tokens: dw1/dw2/dw3
+    2. the EP=1 backward (bf16_backward.backward_local) runs on the R*C received tokens: dw1/dw2/dw3
        of this rank's experts are complete there (every row of its experts arrives), and a
        received token's dx row is its partial over this rank's experts;
     3. dx partial rows and d(topk_weights) rows go back to the source's regions; the source sums
@@ -20,13 +20,13 @@ Memory per call: the EP=1 backward's transients for R*C tokens, plus the dx part
 
 import torch
 
-from torchtitan_megamoe.ops.hopper.ep_route import TokenRoute
+from torchtitan_megamoe.ops.hopper.ep_dispatch import TokenRoute
 
 
 def backward_ep(grad_out, x, topk_ids, topk_weights, w1, w2, w3, group, local_backward,
                 saved=None):
     """(dx, dtopk_weights, dw1, dw2, dw3) for an EP group; ``local_backward`` is the EP=1
-    backward (backward_pass.backward_local's signature minus group/precision) run on the received
+    backward (bf16_backward.backward_local's signature minus group/precision) run on the received
     tokens; ``saved``: what forward_ep(..., save=True) kept (receive layout), None or empty to
     recompute."""
     route = TokenRoute(topk_ids, topk_weights, w1.shape[0], group, x.shape[1], x.dtype)

@@ -43,7 +43,7 @@ values: permuted input, a1, a3, h); otherwise the backward recomputes GEMM 1. At
 T = C = 16384, K = 8, E = 128, EP=2: 30B 0.78 GiB kept (stock 1.06 GiB); 235B 1.56 GiB kept
 (stock 2.13 GiB); at EP=8 they exceed stock's and are not kept.
 
-Memory. Exchange buffers, shared by all layers (ops/hopper/exchange.py): 3 x [R, C, D] x.dtype + small
+Memory. Exchange buffers, shared by all layers (ops/hopper/ep_transport.py): 3 x [R, C, D] x.dtype + small
 metadata, C = tokens per rank. Per call: h [R_max, H] and GEMM 2's rows y [R_max, D], with R_max
 the static bound for R*C*K received slots (any routing may send every slot here): ~R times the
 rows a rank computes on average. A capacity below that bound needs an overflow path (not built).
@@ -53,12 +53,12 @@ With symmetric memory, the staged return rows: (R - 1) x [C, D] x.dtype until th
 
 import torch
 
-from torchtitan_megamoe.ops.hopper.exchange import capacity_hint
+from torchtitan_megamoe.ops.hopper.ep_transport import capacity_hint
 from torchtitan_megamoe.ops.hopper.kernels.combine import combine
-from torchtitan_megamoe.ops.hopper.ep_route import TokenRoute
-from torchtitan_megamoe.ops.hopper.local_forward import interpret_defaults, saved_like
+from torchtitan_megamoe.ops.hopper.ep_dispatch import TokenRoute
+from torchtitan_megamoe.ops.hopper.bf16_forward import interpret_defaults, saved_like
 from torchtitan_megamoe.ops.hopper.kernels.gemm1_swiglu import gemm1_swiglu
-from torchtitan_megamoe.ops.hopper.kernels.gemm2_rows import gemm2_rows
+from torchtitan_megamoe.ops.hopper.kernels.gemm2 import gemm2_rows
 from torchtitan_megamoe.ops.hopper.plan import build_phased_plan, max_rows, pack_plan
 
 PHASES = 2

@@ -26,14 +26,14 @@ from torchtitan_megamoe.ops.hopper.fp8_forward import FP8_BLOCK_M
 from torchtitan_megamoe.ops.hopper.fp8_weights import (forward_weights, w2_transposed,
                                                      w13_transposed, weight_cache_enabled)
 from torchtitan_megamoe.ops.hopper.kernels.bwd_combine import bwd_combine
-from torchtitan_megamoe.ops.hopper.kernels.fp8_gemm_rows import (
+from torchtitan_megamoe.ops.hopper.kernels.fp8_gemm import (
     fp8_dswiglu, fp8_gemm1_swiglu, fp8_rows_gemm,
 )
 from torchtitan_megamoe.ops.hopper.kernels.fp8_quant import quant_rows, quant_rows_t
 from torchtitan_megamoe.ops.hopper.kernels.fp8_wgrad import fp8_wgrad
-from torchtitan_megamoe.ops.hopper.kernels.bwd_wgrad import longest_first
+from torchtitan_megamoe.ops.hopper.kernels.wgrad import longest_first
 from torchtitan_megamoe.ops.hopper.kernels.gemm1_swiglu import gemm1_swiglu
-from torchtitan_megamoe.ops.hopper.local_forward import interpret_defaults
+from torchtitan_megamoe.ops.hopper.bf16_forward import interpret_defaults
 from torchtitan_megamoe.ops.hopper.plan import build_plan, unpack_plan
 
 

@@ -10,16 +10,16 @@ in its epilogue) -> GEMM 2 -> the bf16 path's fp32 combine.
                bf16 (the same saved layout as the bf16 forward, so the backward is shared)
     GEMM 2     kernels/fp8_gemm_rows.fp8_rows_gemm: y [R_max, D] bf16 in the row space
     combine    kernels/combine.combine: out[t] = sum_k w[t,k] y[slot_row], fp32, fixed k order
-Saved for the backward (``save``): (a, packed plan), as local_forward.forward_ep1 saves.
+Saved for the backward (``save``): (a, packed plan), as bf16_forward.forward_ep1 saves.
 """
 
 import torch
 
 from torchtitan_megamoe.ops.hopper.fp8_weights import forward_weights
 from torchtitan_megamoe.ops.hopper.kernels.combine import combine
-from torchtitan_megamoe.ops.hopper.kernels.fp8_gemm_rows import fp8_gemm1_swiglu, fp8_rows_gemm
+from torchtitan_megamoe.ops.hopper.kernels.fp8_gemm import fp8_gemm1_swiglu, fp8_rows_gemm
 from torchtitan_megamoe.ops.hopper.kernels.fp8_quant import quant_rows
-from torchtitan_megamoe.ops.hopper.local_forward import checked_plan
+from torchtitan_megamoe.ops.hopper.bf16_forward import checked_plan
 from torchtitan_megamoe.ops.hopper.plan import pack_plan
 
 FP8_BLOCK_M = 128

@@ -2,7 +2,7 @@
 A and B by TMA, tiles of 128 rows x 256 output columns, K steps of 64 (see the .cu file).
 
 - ``gemm_rows_sm90``: out[r] = in[r] @ w[e]^T, w [E, N, K] (GEMM 2 of the forward; same
-  contract as ops/hopper/kernels/gemm2_rows.py, so the two are candidates of one tuner entry);
+  contract as ops/hopper/kernels/gemm2.py, so the two are candidates of one tuner entry);
 - ``gemm_rows_nmajor_sm90``: out[r] = in[r, :Ks] @ w[e] + in[r, Ks:] @ w'[e], w, w' [E, Ks, N]
   (the backward's dgrad of linear 1: [da1 | da3] against w1 and w3, as stored, no transpose).
 

@@ -106,7 +106,7 @@ def raise_on_error(lib: ctypes.CDLL, rc: int, who: str) -> None:
 
 if __name__ == "__main__":
     from torchtitan_megamoe.ops.hopper.cuda.build import build
-    from torchtitan_megamoe.ops.hopper.cuda.fp8_gemm import SOURCE as FP8_SOURCE
+    from torchtitan_megamoe.ops.hopper.cuda.fp8_library import SOURCE as FP8_SOURCE
 
     for source in (SOURCE, FP8_SOURCE):
         print(build(source))

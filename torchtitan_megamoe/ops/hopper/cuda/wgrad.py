@@ -11,7 +11,7 @@ rows, so a build_plan segment skips its all-padding last step). An expert withou
 zero gradient. ``pre_gathered=True`` takes the
 token operand already gathered into the row space ([R_max, .], zero padding rows, e.g. the
 dy rows kernel A's cuBLAS side made): both operands then come by TMA and the kernel's
-producer is one thread: the form the tuner offers (backward_pass.B_SM90_PRE_GATHERED; the
+producer is one thread: the form the tuner offers (bf16_backward.B_SM90_PRE_GATHERED; the
 in-kernel gather measured 7-26% behind torch._grouped_mm and is not offered). Same results as
 ops/hopper/kernels/bwd_wgrad.wgrad and the _grouped_mm side within bf16 rounding of the output.
 """

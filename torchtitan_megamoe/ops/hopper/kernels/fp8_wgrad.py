@@ -21,9 +21,9 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from torchtitan_megamoe.ops.hopper.cuda.fp8_gemm import fp8_wgrad_sm90, wgrad_supported
+from torchtitan_megamoe.ops.hopper.cuda.fp8_library import fp8_wgrad_sm90, wgrad_supported
 from torchtitan_megamoe.ops.hopper.cuda.sm90 import sm90_usable
-from torchtitan_megamoe.ops.hopper.kernels.bwd_wgrad import longest_first
+from torchtitan_megamoe.ops.hopper.kernels.wgrad import longest_first
 from torchtitan_megamoe.ops.hopper.kernels.tiling import grouped_tile
 from torchtitan_megamoe.ops.hopper.plan import Plan
 from torchtitan_megamoe.ops.hopper.tune import bucket, interpreting, pick_config

@@ -32,7 +32,7 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from torchtitan_megamoe.ops.hopper.cuda.fp8_gemm import (fp8_dswiglu_sm90, fp8_gemm1_swiglu_sm90,
+from torchtitan_megamoe.ops.hopper.cuda.fp8_library import (fp8_dswiglu_sm90, fp8_gemm1_swiglu_sm90,
                                                        fp8_rows_sm90,
                                                        shape_supported as sm90_shape_supported)
 from torchtitan_megamoe.ops.hopper.cuda.sm90 import sm90_usable

@@ -6,7 +6,7 @@ import torch
 from moe_testing import (
     POISON, SMALL, assert_close, same_bits, make_inputs, per_slot_f64, plan_for, routing,
 )
-from torchtitan_megamoe.ops.hopper.kernels.bwd_dgrad_l2_swiglu import dgrad_l2_swiglu
+from torchtitan_megamoe.ops.hopper.kernels.dgrad2_swiglu import dgrad_l2_swiglu
 from torchtitan_megamoe.ops.hopper.kernels.gemm1_swiglu import gemm1_swiglu
 
 BN, BK = 16, 16

@@ -5,6 +5,7 @@ every forced side at the Qwen3-30B shape.
 _grouped_mm runs on CPU too, so the cuBLAS stages run natively here; the row gather and the
 Triton stages run under the interpreter (tests/conftest.py)."""
 
+from torchtitan_megamoe.ops.options import MegaMoEOptions
 import pytest
 import torch
 
@@ -12,9 +13,9 @@ from moe_testing import (
     BACKWARD_ROUTINGS, NAMES, POISON, SMALL, grads_f64, make_inputs, op_args, plan_for,
     real_routing, rel_err, routing, routings, same_bits, saved_and_recomputed,
 )
-from torchtitan_megamoe.ops.hopper.kernels import bwd_cublas
-from torchtitan_megamoe.ops.hopper.backward_pass import backward
-from torchtitan_megamoe.ops.hopper.kernels.bwd_cublas import (
+from torchtitan_megamoe.ops.hopper.kernels import grouped_mm as bwd_cublas
+from torchtitan_megamoe.ops.hopper.bf16_backward import backward
+from torchtitan_megamoe.ops.hopper.kernels.grouped_mm import (
     CUBLAS, IMPL_ENV, dgrad_l1_cublas, gather_rows, stage_candidates, wgrad_dw13_cublas,
     wgrad_dw2_cublas,
 )
@@ -180,7 +181,7 @@ def _inputs(case, seed=0):
 
 def _grads(inp):
     return backward(inp["dy"], inp["x"], inp["topk_ids"], inp["topk_weights"],
-                    inp["w1"], inp["w2"], inp["w3"], None, "bf16")
+                    inp["w1"], inp["w2"], inp["w3"], None, MegaMoEOptions(precision="bf16"))
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -192,7 +193,7 @@ def test_backward_cublas_vs_reference_and_f64(case, monkeypatch):
     got = _grads(inp)
     clean = dict(inp, topk_weights=inp["topk_weights"].nan_to_num(0.0))
     ref = reference.backward(clean["dy"], clean["x"], clean["topk_ids"], clean["topk_weights"],
-                             clean["w1"], clean["w2"], clean["w3"], None, "bf16")
+                             clean["w1"], clean["w2"], clean["w3"], None, MegaMoEOptions(precision="bf16"))
     for name, g, r, r64 in zip(NAMES, got, ref, grads_f64(clean)):
         assert g.shape == r.shape and g.dtype == r.dtype, name
         _check(g, r64, name)
@@ -258,7 +259,7 @@ def test_backward_30b_each_side_vs_reference(impl, monkeypatch):
     x, ids, _, w1, w2, w3 = op_args(inp)
     tw = torch.softmax(torch.randn(T_, K_, device=dev, generator=g), -1)
     dy = inp["dy"]
-    args = (dy, x, ids, tw, w1, w2, w3, None, "bf16")
+    args = (dy, x, ids, tw, w1, w2, w3, None, MegaMoEOptions(precision="bf16"))
     got = backward(*args)
     ref = reference.backward(*args)
     for name, g, r in zip(NAMES, got, ref):
@@ -276,7 +277,7 @@ def test_saved_backward_cublas_kernel_a(case, monkeypatch):
     """The saved path with every stage forced onto cuBLAS (kernel A = grouped dgrad GEMM + the
     SwiGLU rows kernel; dw2 reusing its gathered dy rows) vs float64 and the Triton side,
     bitwise repeatable."""
-    from torchtitan_megamoe.ops.hopper.backward_pass import backward_local
+    from torchtitan_megamoe.ops.hopper.bf16_backward import backward_local
 
     ids = torch.tensor([[3, -1, 0]]) if case == "t1" else routing(case, T, K, E, seed=3)
     monkeypatch.setenv(IMPL_ENV, "cublas")

@@ -6,7 +6,7 @@ token on one rank (E_local < K), R = 2 and 4, K = 1 and 8."""
 import pytest
 import torch
 
-from torchtitan_megamoe.ops.hopper.kernels.ep_route_kernel import ep_route_tensors
+from torchtitan_megamoe.ops.hopper.kernels.ep_layout import ep_route_tensors
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -102,7 +102,7 @@ def test_route_kernel_overwrites_stale_outputs(monkeypatch):
         t = real_empty(*shape, dtype=dtype, device=device)
         return t.fill_(-77) if not t.is_floating_point() else t.fill_(float("nan"))
 
-    import torchtitan_megamoe.ops.hopper.kernels.ep_route_kernel as mod
+    import torchtitan_megamoe.ops.hopper.kernels.ep_layout as mod
 
     monkeypatch.setattr(mod.torch, "empty", poisoned_empty)
     owner, ret_slot, pos, meta, _ = ep_route_tensors(ids, weights, E_local, R, C, block_t=8)

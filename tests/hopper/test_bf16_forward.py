@@ -1,6 +1,7 @@
 """The triton backend's forward end to end: under the interpreter on CPU at small sizes, and
 (marked gpu) compiled at the real Qwen3 shapes against the reference backend."""
 
+from torchtitan_megamoe.ops.options import MegaMoEOptions
 import pytest
 import torch
 
@@ -23,7 +24,7 @@ def test_forward_matches_f64(name, ids):
     w = torch.rand(ids.shape, generator=g)
     w[ids < 0] = float("nan")  # a dropped slot's weight must not leak into the output
     ids, w = ids.to(dev), w.to(dev)
-    out = tb.forward(x, ids, w, w1, w2, w3, None, "bf16")
+    out = tb.forward(x, ids, w, w1, w2, w3, None, MegaMoEOptions(precision="bf16"))
     assert out.dtype == torch.bfloat16 and out.shape == x.shape
     ref = moe_f64(x.cpu(), ids.cpu(), w.cpu(), w1.cpu(), w2.cpu(), w3.cpu())
     assert not out.isnan().any()
@@ -32,7 +33,7 @@ def test_forward_matches_f64(name, ids):
     else:
         assert rel_err(out.cpu(), ref) < 1e-2
     # deterministic: a second call gives identical bits
-    assert torch.equal(out, tb.forward(x, ids, w, w1, w2, w3, None, "bf16"))
+    assert torch.equal(out, tb.forward(x, ids, w, w1, w2, w3, None, MegaMoEOptions(precision="bf16")))
 
 
 def test_forward_rejects_what_kernels_cannot_take():
@@ -41,12 +42,12 @@ def test_forward_rejects_what_kernels_cannot_take():
     ids = torch.zeros(4, K, dtype=torch.long)
     w = torch.rand(4, K)
     with pytest.raises(TypeError, match="bfloat16"):
-        tb.forward(x.float(), ids, w, w1.float(), w2.float(), w3.float(), None, "bf16")
+        tb.forward(x.float(), ids, w, w1.float(), w2.float(), w3.float(), None, MegaMoEOptions(precision="bf16"))
     with pytest.raises(ValueError, match="% 128"):  # FP8's scaling blocks are 128 wide
-        tb.forward(x, ids, w, w1, w2, w3, None, "fp8")
+        tb.forward(x, ids, w, w1, w2, w3, None, MegaMoEOptions(precision="fp8"))
     w1o, w2o, w3o = make_weights(E, D, 40)
     with pytest.raises(ValueError, match="multiples"):
-        tb.forward(x, ids, w, w1o, w2o, w3o, None, "bf16")
+        tb.forward(x, ids, w, w1o, w2o, w3o, None, MegaMoEOptions(precision="bf16"))
 
 
 # ----------------------------------------------------------------------------- GPU, real shapes
@@ -66,26 +67,26 @@ def test_forward_real_shape_vs_reference(shape):
     x, ids, _, w1, w2, w3 = op_args(make_inputs(T_, K_, E_, D_, H_, ids, device=dev, generator=g))
     w = torch.softmax(torch.randn(T_, K_, device=dev, generator=g), -1)
     assert tb.supports(x, None)
-    out = tb.forward(x, ids, w, w1, w2, w3, None, "bf16")
-    ref = reference.forward(x, ids, w, w1, w2, w3, None, "bf16")
+    out = tb.forward(x, ids, w, w1, w2, w3, None, MegaMoEOptions(precision="bf16"))
+    ref = reference.forward(x, ids, w, w1, w2, w3, None, MegaMoEOptions(precision="bf16"))
     err = rel_err(out.float(), ref.float())
     assert err <= 1e-2, err
-    assert torch.equal(out, tb.forward(x, ids, w, w1, w2, w3, None, "bf16"))
+    assert torch.equal(out, tb.forward(x, ids, w, w1, w2, w3, None, MegaMoEOptions(precision="bf16")))
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_every_tuner_candidate_is_correct():
     """The tuner may pick any candidate, so each one (TMA or not) must be right on its own."""
-    from torchtitan_megamoe.ops.hopper.kernels import gemm1_swiglu, gemm2_rows
-    from torchtitan_megamoe.ops.hopper.local_forward import forward_ep1
+    from torchtitan_megamoe.ops.hopper.kernels import gemm1_swiglu, gemm2 as gemm2_rows
+    from torchtitan_megamoe.ops.hopper.bf16_forward import forward_ep1
 
     D_, H_, T_, K_, E_ = 2048, 768, 3000, 8, 16
     dev = "cuda"
     g = torch.Generator(device=dev).manual_seed(1)
     x, ids, w, w1, w2, w3 = op_args(make_inputs(T_, K_, E_, D_, H_, device=dev, generator=g))
     ids[ids == 3] = -1  # an empty expert and dropped slots
-    ref = reference.forward(x, ids, w, w1, w2, w3, None, "bf16").float()
+    ref = reference.forward(x, ids, w, w1, w2, w3, None, MegaMoEOptions(precision="bf16")).float()
     c1s = list(gemm1_swiglu.GPU_CONFIGS)
     from torchtitan_megamoe.ops.hopper.cuda.sm90 import sm90_buildable
 
@@ -108,7 +109,7 @@ def test_every_tuner_candidate_is_correct():
 
 def _check_saved_rows(x, ids, w1, w3, a, packed, rows):
     """Rows of the saved a = [a1 | a3] against float64 x @ w^T (padding rows exactly 0)."""
-    from torchtitan_megamoe.ops.hopper.local_forward import interpret_defaults
+    from torchtitan_megamoe.ops.hopper.bf16_forward import interpret_defaults
     from torchtitan_megamoe.ops.hopper.plan import unpack_plan
 
     T_, K_ = ids.shape
@@ -134,7 +135,7 @@ def _check_saved_rows(x, ids, w1, w3, a, packed, rows):
 def test_forward_save(name, ids):
     """forward_ep1(save=True): the same out; saved = (a, packed plan) where the packed plan
     unpacks to build_plan's tensors and a holds [a1 | a3]; shapes as saved_like (fake) says."""
-    from torchtitan_megamoe.ops.hopper.local_forward import forward_ep1, interpret_defaults, saved_like
+    from torchtitan_megamoe.ops.hopper.bf16_forward import forward_ep1, interpret_defaults, saved_like
     from torchtitan_megamoe.ops.hopper.plan import build_plan, unpack_plan
 
     w1, w2, w3 = make_weights(E, D, H, seed=5)
@@ -166,6 +167,6 @@ def test_dims_that_are_only_multiples_of_64():
     g = torch.Generator(device=dev).manual_seed(2)
     ids = torch.randint(0, E_, (T_, K_), device=dev, generator=g)  # repeated experts too
     x, ids, w, w1, w2, w3 = op_args(make_inputs(T_, K_, E_, D_, H_, ids, device=dev, generator=g))
-    out = tb.forward(x, ids, w, w1, w2, w3, None, "bf16")
-    ref = reference.forward(x, ids, w, w1, w2, w3, None, "bf16")
+    out = tb.forward(x, ids, w, w1, w2, w3, None, MegaMoEOptions(precision="bf16"))
+    ref = reference.forward(x, ids, w, w1, w2, w3, None, MegaMoEOptions(precision="bf16"))
     assert rel_err(out.float(), ref.float()) <= 1e-2

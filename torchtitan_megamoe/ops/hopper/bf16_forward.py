@@ -8,14 +8,14 @@ With ``save=True`` (what the op does for autograd) two tensors outlive the call 
 backward: a = [a1 | a3] [R_max, 2H] in x.dtype (GEMM 1's pre-activations, stored by its epilogue)
 and the plan packed into one int32 vector (plan.pack_plan, R_max + T*K + R_max/block_m + 2E + 1
 entries). At T=16384, K=8, E=128, block_m=128 (R_max = 147,328): a is 432 MiB at the 30B shape
-(H=768), 864 MiB at 235B (H=1536); the packed plan 1.1 MiB. backward_pass.py compares with stock.
+(H=768), 864 MiB at 235B (H=1536); the packed plan 1.1 MiB. bf16_backward.py compares with stock.
 """
 
 import torch
 
 from torchtitan_megamoe.ops.hopper.kernels.combine import combine
 from torchtitan_megamoe.ops.hopper.kernels.gemm1_swiglu import gemm1_swiglu
-from torchtitan_megamoe.ops.hopper.kernels.gemm2_rows import gemm2_rows
+from torchtitan_megamoe.ops.hopper.kernels.gemm2 import gemm2_rows
 from torchtitan_megamoe.ops.hopper.plan import build_plan, max_rows, pack_plan, packed_plan_numel
 from torchtitan_megamoe.ops.hopper.tune import interpreting
 
@@ -54,7 +54,7 @@ def forward_ep1(
     save: bool = False,
 ) -> torch.Tensor | tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
     """out [T, D]; with ``save``, (out, saved) where saved = (a, packed_plan) is what
-    backward_pass.backward_local(..., saved=saved) reads instead of recomputing GEMM 1 and the plan.
+    bf16_backward.backward_local(..., saved=saved) reads instead of recomputing GEMM 1 and the plan.
     A saved tuple is only valid with the default block_m (the backward's)."""
     if x.shape[0] == 0:
         # No tokens: nothing to plan or launch (EP=1 only: an EP rank without tokens still

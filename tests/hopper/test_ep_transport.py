@@ -2,6 +2,7 @@
 and the protocol on 2 gloo ranks (all_to_all transport) with unequal batches and the capacity
 error; on 2 GPUs, that the symmetric-memory transport is the one used and agrees with float64."""
 
+from torchtitan_megamoe.ops.options import MegaMoEOptions
 import pytest
 import torch
 import torch.distributed as dist
@@ -49,7 +50,7 @@ def _inputs(seed=7):
 
 def _gloo_worker(rank, init_file, result_file):
     from torchtitan_megamoe.ops import hopper as tb
-    from torchtitan_megamoe.ops.hopper.exchange import AllToAllExchange, _CACHE
+    from torchtitan_megamoe.ops.hopper.ep_transport import AllToAllExchange, _CACHE
 
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=R)
     x, ids, w, w1, w2, w3 = _inputs()
@@ -57,7 +58,7 @@ def _gloo_worker(rank, init_file, result_file):
     mine = slice(start, start + T_RANK[rank])
     experts = slice(rank * E // R, (rank + 1) * E // R)
     args = [x[mine], ids[mine], w[mine], w1[experts], w2[experts], w3[experts]]
-    out = tb.forward(*args, dist.group.WORLD, "bf16")
+    out = tb.forward(*args, dist.group.WORLD, MegaMoEOptions(precision="bf16"))
     out = out[0] if isinstance(out, tuple) else out
     (ex,) = _CACHE.values()
     transport = (type(ex) is AllToAllExchange, ex.capacity)
@@ -65,7 +66,7 @@ def _gloo_worker(rank, init_file, result_file):
     # before anything is sent.
     big = [torch.cat([a, a, a]) for a in args[:3]] + args[3:]
     try:
-        tb.forward(*big, dist.group.WORLD, "bf16")
+        tb.forward(*big, dist.group.WORLD, MegaMoEOptions(precision="bf16"))
         error = ""
     except ValueError as e:
         error = str(e)
@@ -75,7 +76,7 @@ def _gloo_worker(rank, init_file, result_file):
     n2 = (2, 3)[rank]
     start2 = sum((2, 3)[:rank])
     later = [t[start2:start2 + n2] for t in (x2, ids2, w2_)] + args[3:]
-    out2 = tb.forward(*later, dist.group.WORLD, "bf16")
+    out2 = tb.forward(*later, dist.group.WORLD, MegaMoEOptions(precision="bf16"))
     torch.save([out, transport, error, out2], f"{result_file}.{rank}")
     dist.destroy_process_group()
 
@@ -102,7 +103,7 @@ def test_ep2_exchange_unequal_batches_and_capacity_error():
 
 def _nccl_worker(rank, init_file, result_file):
     from torchtitan_megamoe.ops import hopper as tb
-    from torchtitan_megamoe.ops.hopper.exchange import SymmetricExchange, _CACHE
+    from torchtitan_megamoe.ops.hopper.ep_transport import SymmetricExchange, _CACHE
 
     torch.cuda.set_device(rank)
     dist.init_process_group("nccl", init_method=f"file://{init_file}", rank=rank, world_size=R)
@@ -114,7 +115,7 @@ def _nccl_worker(rank, init_file, result_file):
     mine = slice(rank * Tg, (rank + 1) * Tg)
     ex_ = slice(rank * Eg // R, (rank + 1) * Eg // R)
     args = [t.cuda() for t in (x[mine], ids[mine], w[mine], w1[ex_], w2[ex_], w3[ex_])]
-    outs = [tb.forward(*args, dist.group.WORLD, "bf16") for _ in range(3)]
+    outs = [tb.forward(*args, dist.group.WORLD, MegaMoEOptions(precision="bf16")) for _ in range(3)]
     outs = [o[0] if isinstance(o, tuple) else o for o in outs]
     symm = all(type(e) is SymmetricExchange for e in _CACHE.values())
     same = all(torch.equal(outs[0], o) for o in outs[1:])
@@ -135,7 +136,7 @@ def test_ep2_symmetric_memory_exchange_gpu():
 
 def test_capacity_hint_and_knob(monkeypatch):
     """What fake impls assume the capacity is: the group's exchange's, else the knob, else T."""
-    from torchtitan_megamoe.ops.hopper import exchange
+    from torchtitan_megamoe.ops.hopper import ep_transport as exchange
 
     class Group:
         group_name = "g"

@@ -12,7 +12,7 @@ experts there) to row t of its region on the source, and the source sums the par
 ranks it sent the token to, in fp32 and fixed rank order.
 
 The forward (ep_forward.py) and the backward (ep_backward.py) overlap these moves with their GEMMs
-(``ex`` from ops/hopper/exchange.py; a transport that cannot overlap runs the same steps in order):
+(``ex`` from ops/hopper/ep_transport.py; a transport that cannot overlap runs the same steps in order):
     dispatch   the batch's rows -> send_region(d, ·) for every d; metadata (local ids,
                weights) as whole regions, so rows a source did not fill read as "no slot";
                rows needed later go on the side stream (dispatch_async, barrier on channel 1)
@@ -32,8 +32,8 @@ from __future__ import annotations
 
 import torch
 
-from torchtitan_megamoe.ops.hopper.exchange import get_exchange
-from torchtitan_megamoe.ops.hopper.kernels.ep_route_kernel import ep_route_tensors
+from torchtitan_megamoe.ops.hopper.ep_transport import get_exchange
+from torchtitan_megamoe.ops.hopper.kernels.ep_layout import ep_route_tensors
 from torchtitan_megamoe.ops.hopper.kernels.sum_partials import sum_partials
 
 

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from moe_testing import POISON, SMALL, assert_close, plan_for, routing, same_bits
-from torchtitan_megamoe.ops.hopper.kernels.bwd_dgrad_l1 import dgrad_l1
+from torchtitan_megamoe.ops.hopper.kernels.dgrad1 import dgrad_l1
 
 BLK = dict(block_n=16, block_k=16)
 

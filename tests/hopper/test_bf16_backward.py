@@ -1,6 +1,7 @@
 """backend ``triton`` backward end to end: under the interpreter vs float64 autograd, through the
 mega_moe op vs the reference backend, and (marked gpu) at the real 30B shape vs reference."""
 
+from torchtitan_megamoe.ops.options import MegaMoEOptions
 import pytest
 import torch
 
@@ -8,7 +9,7 @@ from moe_testing import (
     NAMES, grads_f64, make_inputs, op_args, real_routing, rel_err, routing, same_bits,
     saved_and_recomputed,
 )
-from torchtitan_megamoe.ops.hopper.backward_pass import backward
+from torchtitan_megamoe.ops.hopper.bf16_backward import backward
 
 T, K, E, D, H = 19, 3, 5, 48, 32  # multiples of 16: a recompute runs GEMM 1 (interpreter tiles)
 
@@ -22,7 +23,7 @@ def _inputs(ids, seed=0, device="cpu"):
 
 def _triton_grads(inp):
     return backward(inp["dy"], inp["x"], inp["topk_ids"], inp["topk_weights"],
-                    inp["w1"], inp["w2"], inp["w3"], None, "bf16")
+                    inp["w1"], inp["w2"], inp["w3"], None, MegaMoEOptions(precision="bf16"))
 
 
 def _check_vs_f64(inp, grads):
@@ -98,7 +99,7 @@ def test_saved_backward_matches_recompute_and_f64(case):
 def test_saved_backward_deterministic():
     ids = routing("uneven", T, K, E, seed=9)
     inp, saved, first, _ = saved_and_recomputed(ids, E, Ds, Hs, seed=9)
-    from torchtitan_megamoe.ops.hopper.backward_pass import backward_local
+    from torchtitan_megamoe.ops.hopper.bf16_backward import backward_local
 
     args = [inp[k] for k in ("dy", "x", "topk_ids", "topk_weights", "w1", "w2", "w3")]
     for a, b in zip(first, backward_local(*args, saved=saved)):
@@ -114,7 +115,7 @@ def test_op_carries_saved_tensors_with_fake_shapes():
     inp = make_inputs(T, K, E, Ds, Hs, ids, seed=2)
     args = (inp["x"], inp["topk_ids"], inp["topk_weights"], inp["w1"], inp["w2"], inp["w3"])
     out, saved = torch.ops.megamoe.mega_moe(*args, "", "hopper", "bf16", True)
-    fake = tb.saved_like(*args, None, "bf16")
+    fake = tb.saved_like(*args, None, MegaMoEOptions(precision="bf16"))
     assert len(saved) == len(fake) == 2
     for s, f in zip(saved, fake):
         assert s.shape == f.shape and s.dtype == f.dtype
@@ -151,11 +152,11 @@ def test_backward_rejects_what_it_cannot_compute():
     inp = _inputs(routing("uneven", 4, K, E))
     args = [inp[k] for k in ("dy", "x", "topk_ids", "topk_weights", "w1", "w2", "w3")]
     with pytest.raises(ValueError, match="FP8 precisions run"):  # the package dispatches FP8
-        backward(*args, None, "fp8_bwd")
+        backward(*args, None, MegaMoEOptions(precision="fp8_bwd"))
     with pytest.raises(TypeError, match="bfloat16"):
-        backward(args[0].float(), *args[1:], None, "bf16")
+        backward(args[0].float(), *args[1:], None, MegaMoEOptions(precision="bf16"))
     with pytest.raises(ValueError, match="grad_out shape"):
-        backward(args[0][:2], *args[1:], None, "bf16")
+        backward(args[0][:2], *args[1:], None, MegaMoEOptions(precision="bf16"))
 
 
 # ----------------------------------------------------------------------------- GPU, real shape
@@ -180,7 +181,7 @@ def test_backward_real_shape_vs_reference(shape):
     x, ids, _, w1, w2, w3 = op_args(inp)
     tw = torch.softmax(torch.randn(T_, K_, device=dev, generator=g), -1)
     dy = inp["dy"]
-    args = (dy, x, ids, tw, w1, w2, w3, None, "bf16")
+    args = (dy, x, ids, tw, w1, w2, w3, None, MegaMoEOptions(precision="bf16"))
     got = backward(*args)
     ref = reference.backward(*args)
     for name, g, r in zip(NAMES, got, ref):
@@ -198,8 +199,8 @@ def test_saved_backward_real_shape_30b():
     (saved=...), what training runs) vs backend reference (rel err <= 1e-2), bitwise equal to
     the recompute path and to a rerun; the saved a is [R_max, 2H] bf16 (432 MiB here)."""
     from torchtitan_megamoe.ops import reference
-    from torchtitan_megamoe.ops.hopper.backward_pass import backward_local
-    from torchtitan_megamoe.ops.hopper.local_forward import forward_ep1
+    from torchtitan_megamoe.ops.hopper.bf16_backward import backward_local
+    from torchtitan_megamoe.ops.hopper.bf16_forward import forward_ep1
 
     T_, K_, E_ = 16384, 8, 128
     D_, H_ = SHAPES["qwen3_30b_a3b"]
@@ -214,7 +215,7 @@ def test_saved_backward_real_shape_30b():
     assert saved[0].shape == (147328, 2 * H_)
     assert torch.equal(out, forward_ep1(*fwd))
     got = backward_local(dy, *fwd, saved=saved)
-    ref = reference.backward(dy, *fwd, None, "bf16")
+    ref = reference.backward(dy, *fwd, None, MegaMoEOptions(precision="bf16"))
     recomputed = backward_local(dy, *fwd)
     for name, g, r, rc in zip(NAMES, got, ref, recomputed):
         assert g.dtype == r.dtype and g.shape == r.shape, name
@@ -233,10 +234,10 @@ def test_wait_x_comes_before_the_first_read_of_x(use_saved, monkeypatch):
     recomputes it. With the hook, the gradients are bitwise those without."""
     import importlib
 
-    from torchtitan_megamoe.ops.hopper.local_forward import forward_ep1
+    from torchtitan_megamoe.ops.hopper.bf16_forward import forward_ep1
 
     # the module (the package re-exports a function of the same name)
-    bwd = importlib.import_module("torchtitan_megamoe.ops.hopper.backward_pass")
+    bwd = importlib.import_module("torchtitan_megamoe.ops.hopper.bf16_backward")
     ids = routing("uneven", T, K, E, seed=3)
     inp = make_inputs(T, K, E, Ds, Hs, ids, seed=3)
     args = [inp[k] for k in ("x", "topk_ids", "topk_weights", "w1", "w2", "w3")]

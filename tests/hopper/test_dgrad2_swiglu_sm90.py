@@ -10,9 +10,9 @@ import torch.nn.functional as F
 
 from moe_testing import (SM90_GPU, forced_backward_matches_reference, nan_tensor, rel_err,
                          routings, skewed_ids)
-from torchtitan_megamoe.ops.hopper.cuda.dgrad_swiglu import dgrad_l2_swiglu_sm90
-from torchtitan_megamoe.ops.hopper.kernels.bwd_cublas import gather_rows
-from torchtitan_megamoe.ops.hopper.kernels.bwd_dgrad_l2_swiglu import dgrad_l2_swiglu
+from torchtitan_megamoe.ops.hopper.cuda.dgrad2_swiglu import dgrad_l2_swiglu_sm90
+from torchtitan_megamoe.ops.hopper.kernels.grouped_mm import gather_rows
+from torchtitan_megamoe.ops.hopper.kernels.dgrad2_swiglu import dgrad_l2_swiglu
 from torchtitan_megamoe.ops.hopper.plan import build_plan
 
 pytestmark = SM90_GPU

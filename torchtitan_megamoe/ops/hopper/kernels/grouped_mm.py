@@ -44,7 +44,7 @@ import torch
 import triton
 import triton.language as tl
 
-from torchtitan_megamoe.ops.hopper.kernels.bwd_common import interpreting
+from torchtitan_megamoe.ops.hopper.kernels.mma import interpreting
 from torchtitan_megamoe.ops.hopper.plan import Plan
 from torchtitan_megamoe.ops.hopper.kernels.tiling import cdiv, next_power_of_2
 
@@ -198,7 +198,7 @@ def dgrad_l2_swiglu_cublas(dy: torch.Tensor, a: torch.Tensor, topk_weights: torc
     (da, hw, part [1, R_max], dy_rows); dy_rows (zero padding rows) can feed the dw2 GEMM.
     ``sm90``: the dh GEMM is csrc/grouped_gemm_sm90.cu's N-major ROWS mode (w2 read as stored,
     as kernel C reads w1) instead of torch._grouped_mm."""
-    from torchtitan_megamoe.ops.hopper.kernels.bwd_swiglu import swiglu_bwd_rows
+    from torchtitan_megamoe.ops.hopper.kernels.swiglu_bwd_rows import swiglu_bwd_rows
 
     dy_rows = gather_rows(dy, plan, out=dy_rows)
     if sm90:

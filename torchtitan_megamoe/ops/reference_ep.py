@@ -2,7 +2,7 @@
 
 Each valid slot's row goes to the rank owning its expert and its result comes back to the source
 slot: the plainest correct EP, with host-synced split sizes. It is the oracle's, deliberately
-independent of the Triton backend's token exchange (ops/hopper/exchange.py, ops/hopper/ep_route.py),
+independent of the Triton backend's token exchange (ops/hopper/ep_transport.py, ops/hopper/ep_dispatch.py),
 which sends each token once per owning rank, without a host sync.
 """
 

@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from moe_testing import POISON, plan_for, rel_err, routing
-from torchtitan_megamoe.ops.hopper.kernels.bwd_swiglu import swiglu_bwd_rows
+from torchtitan_megamoe.ops.hopper.kernels.swiglu_bwd_rows import swiglu_bwd_rows
 
 T, K, E, H = 13, 3, 5, 40  # H not a multiple of the 32-column inner tile below
 

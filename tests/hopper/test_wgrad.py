@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from moe_testing import POISON, SMALL, assert_close, plan_for, routing, same_bits
-from torchtitan_megamoe.ops.hopper.kernels.bwd_wgrad import longest_first, wgrad
+from torchtitan_megamoe.ops.hopper.kernels.wgrad import longest_first, wgrad
 
 BLK = dict(block_m=16, block_n=16, block_k=8)
 

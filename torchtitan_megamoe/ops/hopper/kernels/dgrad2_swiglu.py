@@ -3,7 +3,7 @@
 Per (row tile, H tile) of the plan's expert-grouped row space, with e the tile's expert, dy_r the
 row of the row's token (read by indirection, no permute copy), w_r its routing weight and
 a = [a1 | a3] GEMM 1's pre-activations in the same row space (bf16; the forward's saved copy,
-or the backward's recompute with the forward's own kernel, backward_pass.py):
+or the backward's recompute with the forward's own kernel, bf16_backward.py):
 
     dh = dy_r @ w2[e]                               (unweighted, fp32 accumulator)
     h  = silu(a1) * a3
@@ -38,7 +38,7 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from torchtitan_megamoe.ops.hopper.kernels.bwd_common import interpreting, mma
+from torchtitan_megamoe.ops.hopper.kernels.mma import interpreting, mma
 from torchtitan_megamoe.ops.hopper.plan import Plan
 from torchtitan_megamoe.ops.hopper.kernels.tiling import cdiv
 
@@ -105,7 +105,7 @@ def _dgrad_l2_swiglu_kernel(
     # tensors out of the registers (they made the 128-wide tiles spill kilobytes).
     # GEMM 1 stored every row of the used tiles (padding rows as zeros), so no row mask;
     # columns past H (uneven H only) read as 0. a1 becomes silu and silu' before a3 is loaded,
-    # so fewer tiles are live at once; each result is stored as soon as it exists.
+    # so fewer tiles are live at once; each result is stored as it exists.
     row0 = (pid_m * BLOCK_M).to(tl.int32)
     col0 = (pid_n * BLOCK_N).to(tl.int32)
     a_rows = a_ptr + row_off * s_a + rn[None, :]

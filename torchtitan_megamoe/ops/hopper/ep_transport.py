@@ -74,7 +74,7 @@ class Exchange:
                 f"mega_moe: this rank has {T} tokens but the EP exchange holds "
                 f"{self.capacity} per rank (fixed when it was created: symmetric buffers cannot "
                 "grow); set [megamoe] max_tokens_per_rank (or "
-                "torchtitan_megamoe.ops.hopper.exchange.set_max_tokens_per_rank) to at least "
+                "torchtitan_megamoe.ops.hopper.ep_transport.set_max_tokens_per_rank) to at least "
                 f"{T} before the first step"
             )
 

@@ -8,7 +8,7 @@
               from a; SwiGLU backward with the routing weight ->
               da = [da1 | da3], hw = w*h, and per-H-tile partials of d(topk_weights) = <dh, h>
               (no second GEMM for <dy, y>); on sm90 GPUs usually the one-launch Hopper kernel
-              (ops/hopper/cuda/dgrad_swiglu.py), which also stores the dy rows it gathers for dw2
+              (ops/hopper/cuda/dgrad2_swiglu.py), which also stores the dy rows it gathers for dw2
     kernel B  bwd_wgrad x3 (or _grouped_mm, see below): dw2[e] = sum_r dy_r^T hw_r,
               dw1[e] = sum_r da1_r^T x_r, dw3[e] = sum_r da3_r^T x_r (fp32 accumulate, fixed
               row order, param dtype/layout)
@@ -39,7 +39,7 @@ transient a during kernel A. The op returns the saved tensors as extra outputs (
 selective AC and the op in the save list they live from the forward to the backward (no
 recompute of the op); with full AC the layer's forward is recomputed in the backward and they
 live only during that layer's backward. The op saves them even under no_grad (the forward
-cannot tell); there they are freed as soon as the forward returns. saved=None (save_activations
+cannot tell); there they are freed as the forward returns. saved=None (save_activations
 "never", which "auto" implies under per-op selective AC; the EP path where
 ep_forward.keeps_saved says no; direct callers) recomputes GEMM 1 and the plan.
 
@@ -91,21 +91,21 @@ and overlap of kernel C with the weight-gradient launches on a second stream.
 import torch
 import torch.distributed as dist
 
-from torchtitan_megamoe.ops.hopper.cuda import dgrad_swiglu as sm90_dgrad
+from torchtitan_megamoe.ops.hopper.cuda import dgrad2_swiglu as sm90_dgrad
 from torchtitan_megamoe.ops.hopper.cuda import gemm_rows as sm90_rows
 from torchtitan_megamoe.ops.hopper.cuda import wgrad as sm90_wgrad
 from torchtitan_megamoe.ops.hopper.cuda.sm90 import sm90_usable
 from torchtitan_megamoe.ops.hopper.kernels.bwd_combine import bwd_combine
-from torchtitan_megamoe.ops.hopper.kernels.bwd_common import interpreting
-from torchtitan_megamoe.ops.hopper.kernels.bwd_cublas import (
+from torchtitan_megamoe.ops.hopper.kernels.mma import interpreting
+from torchtitan_megamoe.ops.hopper.kernels.grouped_mm import (
     bwd_impl, dgrad_l1_cublas, dgrad_l2_swiglu_cublas, gather_rows, is_cublas, stage_candidates,
     wgrad_dw13_cublas, wgrad_dw2_cublas,
 )
-from torchtitan_megamoe.ops.hopper.kernels.bwd_dgrad_l1 import dgrad_l1
-from torchtitan_megamoe.ops.hopper.kernels.bwd_dgrad_l2_swiglu import dgrad_l2_swiglu
+from torchtitan_megamoe.ops.hopper.kernels.dgrad1 import dgrad_l1
+from torchtitan_megamoe.ops.hopper.kernels.dgrad2_swiglu import dgrad_l2_swiglu
 from torchtitan_megamoe.ops.hopper.ep_backward import backward_ep
-from torchtitan_megamoe.ops.hopper.kernels.bwd_wgrad import longest_first, wgrad
-from torchtitan_megamoe.ops.hopper.local_forward import interpret_defaults
+from torchtitan_megamoe.ops.hopper.kernels.wgrad import longest_first, wgrad
+from torchtitan_megamoe.ops.hopper.bf16_forward import interpret_defaults
 from torchtitan_megamoe.ops.hopper.kernels.gemm1_swiglu import gemm1_swiglu
 from torchtitan_megamoe.ops.hopper.plan import build_plan, unpack_plan
 from torchtitan_megamoe.ops.hopper.tune import bucket, pick_config
@@ -180,7 +180,7 @@ def a_sm90_fits(x: torch.Tensor, w2: torch.Tensor) -> bool:
 
 
 # Kernel A's saved path in one sm90 launch (DGRAD_SWIGLU mode: dy rows gathered inside, the
-# SwiGLU backward in the epilogue; ops/hopper/cuda/dgrad_swiglu.py). It also stores the dy rows it
+# SwiGLU backward in the epilogue; ops/hopper/cuda/dgrad2_swiglu.py). It also stores the dy rows it
 # gathers, so like the two-step sides it leaves dw2 its gathered dy rows and the tuner compares
 # like with like. Offered where A_SM90 is (the usual pick; A_SM90 wins some 235B runs).
 A_SM90_FUSED = dict(impl="sm90_fused", block_n=256)
@@ -242,7 +242,8 @@ def check_backward_dtypes(grad_out, x, w1) -> None:
         )
 
 
-def backward(grad_out, x, topk_ids, topk_weights, w1, w2, w3, group, precision, saved=None):
+def backward(grad_out, x, topk_ids, topk_weights, w1, w2, w3, group, options, saved=None):
+    precision = options.precision
     """(dx, dtopk_weights, dw1, dw2, dw3) of mega_moe for grad_out, BF16; with an EP group of
     more than one rank, rows are exchanged around the EP=1 kernels (ep_backward.py). ``saved``: what
     the forward saved (forward.forward_ep1(..., save=True)); None or empty recomputes."""
