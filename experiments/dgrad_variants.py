@@ -19,9 +19,9 @@ import sys
 import torch
 
 from torchtitan_megamoe.bench.shapes import variant_setup
-from torchtitan_megamoe.ops.hopper.cuda.dgrad2_swiglu import dgrad_l2_swiglu_sm90
+from torchtitan_megamoe.ops.hopper.cuda.dgrad2_swiglu import dgrad2_swiglu_sm90
 from torchtitan_megamoe.ops.hopper.cuda.gemm_rows import gemm_rows_nmajor_sm90
-from torchtitan_megamoe.ops.hopper.kernels.grouped_mm import dgrad_l2_swiglu_cublas, gather_rows
+from torchtitan_megamoe.ops.hopper.kernels.grouped_mm import dgrad2_swiglu_grouped_mm, gather_rows
 from torchtitan_megamoe.timing import median_ms
 
 def main(shape_name: str) -> None:
@@ -36,14 +36,14 @@ def main(shape_name: str) -> None:
     dy_rows = gather_rows(dy, plan)
     dh = torch.empty(plan.max_rows, H, device="cuda", dtype=torch.bfloat16)
     runs = {
-        "two_step_sm90": lambda: dgrad_l2_swiglu_cublas(dy, a, tw, w2, plan, dy_rows=dy_rows,
+        "two_step_sm90": lambda: dgrad2_swiglu_grouped_mm(dy, a, tw, w2, plan, dy_rows=dy_rows,
                                                         sm90=True)[0],
         "part_gather_dy": lambda: gather_rows(dy, plan, out=dy_rows),
         "part_dh_gemm_sm90": lambda: gemm_rows_nmajor_sm90(dy_rows, (w2,), plan, dh),
-        "default": lambda: dgrad_l2_swiglu_sm90(dy, a, tw, w2, plan)[0],
+        "default": lambda: dgrad2_swiglu_sm90(dy, a, tw, w2, plan)[0],
     }
     # what the tuner times: the dy rows stored for dw2 as well
-    runs["default_storing_dy_rows"] = lambda: dgrad_l2_swiglu_sm90(dy, a, tw, w2, plan,
+    runs["default_storing_dy_rows"] = lambda: dgrad2_swiglu_sm90(dy, a, tw, w2, plan,
                                                                    dy_rows=dy_rows)[0]
     only = os.environ.get("VARIANTS")
     ncu = os.environ.get("NCU") == "1"

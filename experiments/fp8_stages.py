@@ -14,7 +14,7 @@ from torchtitan_megamoe.ops.hopper.fp8_forward import FP8_BLOCK_M
 from torchtitan_megamoe.ops.hopper.fp8_weights import forward_weights, w2_transposed, w13_transposed
 from torchtitan_megamoe.ops.hopper.kernels.wgrad import longest_first
 from torchtitan_megamoe.ops.hopper.kernels.fp8_gemm import (
-    fp8_dswiglu, fp8_gemm1_swiglu, fp8_rows_gemm,
+    fp8_dgrad2_swiglu, fp8_gemm1_swiglu, fp8_gemm_rows,
 )
 from torchtitan_megamoe.ops.hopper.kernels.fp8_quant import quant_rows, quant_rows_t
 from torchtitan_megamoe.ops.hopper.kernels.fp8_wgrad import fp8_wgrad
@@ -31,7 +31,7 @@ def grouped_dgrad_l1(daq, das, w1, w3, plan):
     out = torch.empty((plan.max_rows, D), dtype=torch.bfloat16, device=daq.device)
     for lo, hi in dgrad_l1_groups(E, H, D, plan.max_rows):
         t = w13_transposed(w1, w3, lo, hi)
-        fp8_rows_gemm(daq, das, t.q, t.s, plan, torch.bfloat16, expert_base=lo, out=out)
+        fp8_gemm_rows(daq, das, t.q, t.s, plan, torch.bfloat16, expert_base=lo, out=out)
     return out
 
 
@@ -58,7 +58,7 @@ def main():
         w2t, w13t = w2_transposed(w2), w13_transposed(w1, w3)
         hq, hs, a = fp8_gemm1_swiglu(xq, xs, wq.w1q, wq.w1s, wq.w3q, wq.w3s, plan, save_a=True)
         gq, gs = quant_rows(g)
-        res = fp8_dswiglu(gq, gs, w2t.q, w2t.s, a, tw, plan)
+        res = fp8_dgrad2_swiglu(gq, gs, w2t.q, w2t.s, a, tw, plan)
         daq, das, daTq, daTs, hTq, hTs, part = res
         order = longest_first(plan)
         dyT = quant_rows_t(g, plan, gather=True, row_weight=tw.reshape(-1))
@@ -70,14 +70,14 @@ def main():
             "quant weights bwd": lambda: (w2_transposed(w2), w13_transposed(w1, w3)),
             "GEMM 1 + SwiGLU (save a)": lambda: fp8_gemm1_swiglu(
                 xq, xs, wq.w1q, wq.w1s, wq.w3q, wq.w3s, plan, save_a=True),
-            "GEMM 2": lambda: fp8_rows_gemm(hq, hs, wq.w2q, wq.w2s, plan, torch.bfloat16),
-            "kernel A (dswiglu)": lambda: fp8_dswiglu(gq, gs, w2t.q, w2t.s, a, tw, plan),
+            "GEMM 2": lambda: fp8_gemm_rows(hq, hs, wq.w2q, wq.w2s, plan, torch.bfloat16),
+            "kernel A (dswiglu)": lambda: fp8_dgrad2_swiglu(gq, gs, w2t.q, w2t.s, a, tw, plan),
             "quant dy^T": lambda: quant_rows_t(g, plan, gather=True, row_weight=tw.reshape(-1)),
             "quant x^T": lambda: quant_rows_t(x, plan, gather=True),
             "dw2": lambda: fp8_wgrad(*dyT, hTq, hTs, plan, torch.empty_like(w2), order),
             "dw1 + dw3": lambda: [fp8_wgrad(daTq[sl], daTs[sl], *xT, plan, torch.empty_like(w1),
                                             order) for sl in (slice(0, H), slice(H, 2 * H))],
-            "dgrad 1": lambda: fp8_rows_gemm(daq, das, w13t.q, w13t.s, plan, torch.bfloat16),
+            "dgrad 1": lambda: fp8_gemm_rows(daq, das, w13t.q, w13t.s, plan, torch.bfloat16),
             # what the backward runs without the weight cache: per group of experts, its
             # transposed [w1 | w3] copy quantized, then its rows
             "dgrad 1 by groups + quant": lambda: grouped_dgrad_l1(daq, das, w1, w3, plan),

@@ -20,7 +20,7 @@ import torch
 
 from torchtitan_megamoe.bench.shapes import variant_setup
 from torchtitan_megamoe.ops.hopper.cuda.wgrad import wgrad_dw2_sm90, wgrad_dw13_sm90
-from torchtitan_megamoe.ops.hopper.kernels.grouped_mm import gather_rows, wgrad_dw13_cublas, wgrad_dw2_cublas
+from torchtitan_megamoe.ops.hopper.kernels.grouped_mm import gather_rows, wgrad_dw13_grouped_mm, wgrad_dw2_grouped_mm
 from torchtitan_megamoe.ops.hopper.kernels.wgrad import longest_first
 from torchtitan_megamoe.timing import median_ms
 
@@ -36,8 +36,8 @@ def main(shape_name: str = "30b") -> None:
     w1 = torch.empty(E, H, D, device="cuda", dtype=torch.bfloat16)
     w3 = torch.empty_like(w1)
     order = longest_first(plan)
-    runs = {"cublas": (lambda: wgrad_dw2_cublas(dy, hw, plan, w2),
-                       lambda: wgrad_dw13_cublas(da, x, plan, w1, w3))}
+    runs = {"cublas": (lambda: wgrad_dw2_grouped_mm(dy, hw, plan, w2),
+                       lambda: wgrad_dw13_grouped_mm(da, x, plan, w1, w3))}
     runs["default"] = (lambda: wgrad_dw2_sm90(dy, hw, plan, w2, order),
                        lambda: wgrad_dw13_sm90(da, x, plan, w1, w3, order))
     dy_rows, x_rows = gather_rows(dy, plan), gather_rows(x, plan)

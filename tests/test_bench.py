@@ -233,7 +233,7 @@ def test_tuner_lines_name_the_pick_and_every_rejected_candidate():
 
     inf = float("inf")
     r = {"tuned": {
-        "gemm2_rows[1]": [
+        "gemm2[1]": [
             {"config": {"BLOCK_M": 128}, "ms": 0.80, "err": ""},
             {"config": {"IMPL": "sm90"}, "ms": 0.70, "err": ""},
         ],
@@ -245,7 +245,7 @@ def test_tuner_lines_name_the_pick_and_every_rejected_candidate():
     }}
     lines = tuner_lines([r, r]).splitlines()
     assert len(lines) == 2  # one per kernel key, however many shapes repeat it
-    assert lines[0] == "tuner gemm2_rows[1]: sm90 0.700 ms (best triton: 0.800)"
+    assert lines[0] == "tuner gemm2[1]: sm90 0.700 ms (best triton: 0.800)"
     assert lines[1].startswith("tuner gemm1_swiglu[1]: triton 1.500 ms; REJECTED by the "
                                "output check: sm90 (wrong result")
 

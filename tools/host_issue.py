@@ -27,7 +27,7 @@ def main(key: str = "30b", iters: int = 50) -> None:
     from torchtitan_megamoe.ops.hopper.kernels.combine import combine
     from torchtitan_megamoe.ops.hopper.bf16_forward import BLOCK_M
     from torchtitan_megamoe.ops.hopper.kernels.gemm1_swiglu import gemm1_swiglu
-    from torchtitan_megamoe.ops.hopper.kernels.gemm2 import gemm2_rows
+    from torchtitan_megamoe.ops.hopper.kernels.gemm2 import gemm2
     from torchtitan_megamoe.ops.hopper.plan import build_plan
     from torchtitan_megamoe.router import route
     from torchtitan_megamoe.timing import host_issue_ms
@@ -51,7 +51,7 @@ def main(key: str = "30b", iters: int = 50) -> None:
         marks.append(time.perf_counter())
         h = gemm1_swiglu(x, ex.w1, ex.w3, plan)
         marks.append(time.perf_counter())
-        y = gemm2_rows(h, ex.w2, plan)
+        y = gemm2(h, ex.w2, plan)
         marks.append(time.perf_counter())
         combine(y, scores, plan.slot_row, x.dtype)
         marks.append(time.perf_counter())
@@ -106,7 +106,7 @@ def main(key: str = "30b", iters: int = 50) -> None:
     print(f"  {'layer (route + mega_moe)':<26}{layer_us:8.1f}  of which route {router_us:.1f}")
     print(f"  {'stock MoE (syncs inside)':<26}{stock_us:8.1f}")
     _launcher_share()
-    _tight_loops(x, ex, E, moe, route, build_plan, gemm1_swiglu, gemm2_rows, combine, BLOCK_M)
+    _tight_loops(x, ex, E, moe, route, build_plan, gemm1_swiglu, gemm2, combine, BLOCK_M)
     if "--cprofile" in sys.argv:
         import cProfile
         import pstats
@@ -124,7 +124,7 @@ def main(key: str = "30b", iters: int = 50) -> None:
             pstats.Stats(prof).sort_stats(order).print_stats(45)
 
 
-def _tight_loops(x, ex, E, moe, route, build_plan, gemm1_swiglu, gemm2_rows, combine, block_m,
+def _tight_loops(x, ex, E, moe, route, build_plan, gemm1_swiglu, gemm2, combine, block_m,
                  n=100):
     """Each step alone, called n times in a row while the device is kept busy (the host never
     waits): its steady-state host cost, against the in-sequence numbers above."""
@@ -132,12 +132,12 @@ def _tight_loops(x, ex, E, moe, route, build_plan, gemm1_swiglu, gemm2_rows, com
         scores, ids, _ = route(moe.router, x, moe.expert_bias)
         plan = build_plan(ids, E, block_m, id_limit=E)
         h = gemm1_swiglu(x, ex.w1, ex.w3, plan)
-        y = gemm2_rows(h, ex.w2, plan)
+        y = gemm2(h, ex.w2, plan)
         calls = {
             "route": lambda: route(moe.router, x, moe.expert_bias),
             "build_plan": lambda: build_plan(ids, E, block_m, id_limit=E),
             "gemm1": lambda: gemm1_swiglu(x, ex.w1, ex.w3, plan),
-            "gemm2": lambda: gemm2_rows(h, ex.w2, plan),
+            "gemm2": lambda: gemm2(h, ex.w2, plan),
             "combine": lambda: combine(y, scores, plan.slot_row, x.dtype),
         }
         out = []

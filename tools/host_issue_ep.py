@@ -108,7 +108,7 @@ def main(key: str = "30b", iters: int = 30) -> None:
             (ep_route.TokenRoute, "received", "received ids/weights"),
             (ep_forward, "build_phased_plan", "phased plan"),
             (ep_forward, "gemm1_swiglu", "GEMM 1 (x2)"),
-            (ep_forward, "gemm2_rows", "GEMM 2 (x2)"),
+            (ep_forward, "gemm2", "GEMM 2 (x2)"),
             (ep_forward, "combine", "combines"),
             (ep_forward, "phase_of_row", "phase_of_row"),
         ]:

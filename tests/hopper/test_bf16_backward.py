@@ -243,8 +243,8 @@ def test_wait_x_comes_before_the_first_read_of_x(use_saved, monkeypatch):
     args = [inp[k] for k in ("x", "topk_ids", "topk_weights", "w1", "w2", "w3")]
     saved = forward_ep1(*args, save=True)[1] if use_saved else None
     events = []
-    real_a, real_wgrad, real_g1 = bwd.dgrad_l2_swiglu, bwd.wgrad, bwd.gemm1_swiglu
-    monkeypatch.setattr(bwd, "dgrad_l2_swiglu",
+    real_a, real_wgrad, real_g1 = bwd.dgrad2_swiglu, bwd.wgrad, bwd.gemm1_swiglu
+    monkeypatch.setattr(bwd, "dgrad2_swiglu",
                         lambda *a, **kw: events.append("A") or real_a(*a, **kw))
     monkeypatch.setattr(bwd, "gemm1_swiglu",
                         lambda *a, **kw: events.append("G1") or real_g1(*a, **kw))

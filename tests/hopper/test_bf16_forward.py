@@ -78,7 +78,7 @@ def test_forward_real_shape_vs_reference(shape):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_every_tuner_candidate_is_correct():
     """The tuner may pick any candidate, so each one (TMA or not) must be right on its own."""
-    from torchtitan_megamoe.ops.hopper.kernels import gemm1_swiglu, gemm2 as gemm2_rows
+    from torchtitan_megamoe.ops.hopper.kernels import gemm1_swiglu, gemm2 as gemm2
     from torchtitan_megamoe.ops.hopper.bf16_forward import forward_ep1
 
     D_, H_, T_, K_, E_ = 2048, 768, 3000, 8, 16
@@ -92,9 +92,9 @@ def test_every_tuner_candidate_is_correct():
 
     if sm90_buildable(x):  # the CUDA kernels' candidates (offered unless MEGAMOE_CUDA=0)
         c1s += gemm1_swiglu.SM90_CONFIGS
-    c2s = list(gemm2_rows.GPU_CONFIGS)
+    c2s = list(gemm2.GPU_CONFIGS)
     if sm90_buildable(x):
-        c2s += gemm2_rows.SM90_CONFIGS
+        c2s += gemm2.SM90_CONFIGS
     for i in range(max(len(c1s), len(c2s))):
         c1, c2 = c1s[i % len(c1s)], c2s[i % len(c2s)]
         out = forward_ep1(x, ids, w, w1, w2, w3, gemm1_config=c1, gemm2_config=c2)

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from moe_testing import POISON, SMALL, assert_close, plan_for, routing, same_bits
-from torchtitan_megamoe.ops.hopper.kernels.dgrad1 import dgrad_l1
+from torchtitan_megamoe.ops.hopper.kernels.dgrad1 import dgrad1
 
 BLK = dict(block_n=16, block_k=16)
 
@@ -24,7 +24,7 @@ def _run_and_check(ids, E, H, D, seed=0, use_tma=False):
     plan = plan_for(ids, E)
     da, w1, w3 = _inputs(plan, E, H, D, seed)
     out = torch.full((T * K, D), POISON, dtype=torch.bfloat16)
-    dgrad_l1(da, w1, w3, plan, out=out, use_tma=use_tma, **BLK)
+    dgrad1(da, w1, w3, plan, out=out, use_tma=use_tma, **BLK)
     ref = torch.full((T * K, D), float("nan"), dtype=torch.float64)
     flat = ids.reshape(-1)
     rows = plan.slot_row.long()

@@ -6,7 +6,7 @@ import torch
 from moe_testing import (
     POISON, SMALL, assert_close, same_bits, make_inputs, per_slot_f64, plan_for, routing,
 )
-from torchtitan_megamoe.ops.hopper.kernels.dgrad2_swiglu import dgrad_l2_swiglu
+from torchtitan_megamoe.ops.hopper.kernels.dgrad2_swiglu import dgrad2_swiglu
 from torchtitan_megamoe.ops.hopper.kernels.gemm1_swiglu import gemm1_swiglu
 
 BN, BK = 16, 16
@@ -40,7 +40,7 @@ def _run(inp, plan, H, a, block_m=None, use_tma=False):
         torch.full((R, H), POISON, dtype=torch.bfloat16),
         torch.full((n_h, R), POISON, dtype=torch.float32),
     )
-    return dgrad_l2_swiglu(
+    return dgrad2_swiglu(
         inp["dy"], a, inp["topk_weights"], inp["w2"], plan,
         block_m=block_m, block_n=BN, block_k=BK, use_tma=use_tma, out=out,
     )
@@ -116,7 +116,7 @@ def test_dgrad_l2_swiglu_gpu_30b_shape():
     # a from the forward's GEMM 1 (as training saves or recomputes it): the spot checks below
     # then cover both kernels against float64 closed forms
     _, a = gemm1_swiglu(inp["x"], inp["w1"], inp["w3"], plan, save_a=True)
-    da, hw, part = dgrad_l2_swiglu(inp["dy"], a, inp["topk_weights"], inp["w2"], plan)
+    da, hw, part = dgrad2_swiglu(inp["dy"], a, inp["topk_weights"], inp["w2"], plan)
     # Spot-check slots of a few tokens in float64 on the GPU (the closed form of every slot
     # would gather [T, K, H, D] weights).
     sig = torch.nn.functional.silu

@@ -10,9 +10,9 @@ import torch.nn.functional as F
 
 from moe_testing import (SM90_GPU, forced_backward_matches_reference, nan_tensor, rel_err,
                          routings, skewed_ids)
-from torchtitan_megamoe.ops.hopper.cuda.dgrad2_swiglu import dgrad_l2_swiglu_sm90
+from torchtitan_megamoe.ops.hopper.cuda.dgrad2_swiglu import dgrad2_swiglu_sm90
 from torchtitan_megamoe.ops.hopper.kernels.grouped_mm import gather_rows
-from torchtitan_megamoe.ops.hopper.kernels.dgrad2_swiglu import dgrad_l2_swiglu
+from torchtitan_megamoe.ops.hopper.kernels.dgrad2_swiglu import dgrad2_swiglu
 from torchtitan_megamoe.ops.hopper.plan import build_plan
 
 pytestmark = SM90_GPU
@@ -68,7 +68,7 @@ def test_vs_float64_on_uneven_routings(T, K, E, D, H):
         R = plan.max_rows
         out = (nan_tensor(R, 2 * H), nan_tensor(R, H), nan_tensor(H // 256, R, dtype=torch.float32))
         dy_rows = nan_tensor(R, D)
-        da, hw, part = dgrad_l2_swiglu_sm90(dy[:n], a, tw[:n], w2, plan, out=out,
+        da, hw, part = dgrad2_swiglu_sm90(dy[:n], a, tw[:n], w2, plan, out=out,
                                             dy_rows=dy_rows)
         torch.cuda.synchronize()
         used = int(plan.num_rows_used)
@@ -94,15 +94,15 @@ def test_real_30b_shape_matches_the_triton_kernel_a_and_reruns_bitwise():
     tw = torch.softmax(torch.randn(T, K, device="cuda", generator=g), -1)
     plan = build_plan(ids, E, BM)
     a = _saved_a(plan, H, g)
-    da, hw, part = dgrad_l2_swiglu_sm90(dy, a, tw, w2, plan)
-    tda, thw, tpart = dgrad_l2_swiglu(dy, a, tw, w2, plan, block_m=128, block_n=128,
+    da, hw, part = dgrad2_swiglu_sm90(dy, a, tw, w2, plan)
+    tda, thw, tpart = dgrad2_swiglu(dy, a, tw, w2, plan, block_m=128, block_n=128,
                                       block_k=64, num_warps=8, num_stages=3, use_tma=True)
     used = int(plan.num_rows_used)
     assert rel_err(da[:used], tda[:used].double()) < 1e-2
     assert rel_err(hw[:used], thw[:used].double()) < 1e-2
     assert rel_err(part[:, :used].sum(0), tpart[:, :used].sum(0).double()) < 1e-2
     dy_rows = nan_tensor(plan.max_rows, D)
-    da2, hw2, part2 = dgrad_l2_swiglu_sm90(dy, a, tw, w2, plan, dy_rows=dy_rows)
+    da2, hw2, part2 = dgrad2_swiglu_sm90(dy, a, tw, w2, plan, dy_rows=dy_rows)
     assert torch.equal(dy_rows[:used], gather_rows(dy, plan)[:used])
     assert torch.equal(da2[:used], da[:used]) and torch.equal(hw2[:used], hw[:used])
     assert torch.equal(part2[:, :used], part[:, :used]), "reruns must be bitwise identical"

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from moe_testing import SM90_GPU, nan_tensor, rel_err, routing
-from torchtitan_megamoe.ops.hopper.cuda.fp8_library import (fp8_dswiglu_sm90, fp8_gemm1_swiglu_sm90,
-                                                       fp8_rows_sm90, fp8_wgrad_sm90)
+from torchtitan_megamoe.ops.hopper.cuda.fp8_library import (fp8_dgrad2_swiglu_sm90, fp8_gemm1_swiglu_sm90,
+                                                       fp8_gemm_rows_sm90, fp8_wgrad_sm90)
 from torchtitan_megamoe.ops.hopper.fp8_weights import forward_weights, w2_transposed
 from torchtitan_megamoe.ops.hopper.kernels import fp8_gemm as fg
 from torchtitan_megamoe.ops.hopper.kernels import fp8_wgrad as fw
@@ -119,7 +119,7 @@ def test_rows_vs_float64(T, K, E, N, KD, name):
     used, slot, expert = _used(plan)
     aq, a_s, bq, b_s = _row_operands(plan, E, N, KD, seed=1)
     out = nan_tensor(plan.max_rows, N)
-    fp8_rows_sm90(aq, a_s, bq, b_s, plan, out)
+    fp8_gemm_rows_sm90(aq, a_s, bq, b_s, plan, out)
     torch.cuda.synchronize()
     ad, bd = _deq_rows(aq, a_s), _deq_weight(bq, b_s)
     ref = torch.zeros(used, N, dtype=torch.float64, device="cuda")
@@ -141,16 +141,16 @@ def test_rows_by_expert_groups(name):
     used, slot, expert = _used(plan)
     aq, a_s, bq, b_s = _row_operands(plan, E, N, KD, seed=2)
     whole = nan_tensor(plan.max_rows, N)
-    fp8_rows_sm90(aq, a_s, bq, b_s, plan, whole)
+    fp8_gemm_rows_sm90(aq, a_s, bq, b_s, plan, whole)
     split = nan_tensor(plan.max_rows, N)
     for lo, hi in ((0, 3), (3, 4), (4, 8)):
-        fp8_rows_sm90(aq, a_s, bq[lo:hi], b_s[lo:hi], plan, split, expert_base=lo)
+        fp8_gemm_rows_sm90(aq, a_s, bq[lo:hi], b_s[lo:hi], plan, split, expert_base=lo)
         torch.cuda.synchronize()
         done = expert < hi
         assert torch.equal(split[:used][done], whole[:used][done]), (lo, hi)
         assert torch.isnan(split[:used][~done]).all(), f"group {lo}:{hi} wrote other rows"
     with pytest.raises(ValueError, match="not within"):
-        fp8_rows_sm90(aq, a_s, bq[:3], b_s[:3], plan, split, expert_base=6)
+        fp8_gemm_rows_sm90(aq, a_s, bq[:3], b_s[:3], plan, split, expert_base=6)
 
 
 def _dswiglu_setup(T, K, E, D, H, name, seed=0):
@@ -175,7 +175,7 @@ def _kernel_a(plan, gq, gs, w2t, a, tw):
                daTq=fp8_nan(2 * H, R), daTs=nan_tensor(2 * H, R // 128, dtype=torch.float32),
                hTq=fp8_nan(H, R), hTs=nan_tensor(H, R // 128, dtype=torch.float32),
                part=nan_tensor(H // 128, R, dtype=torch.float32))
-    fp8_dswiglu_sm90(gq, gs, w2t.q, w2t.s, a, tw, plan, **out)
+    fp8_dgrad2_swiglu_sm90(gq, gs, w2t.q, w2t.s, a, tw, plan, **out)
     torch.cuda.synchronize()
     return out
 
@@ -292,9 +292,9 @@ def test_qwen3_30b_shape_matches_triton():
                                            save_a=True, config=fg.SM90_CONFIG)
     assert rel_err(a_c[:used], a_t[:used]) < 1e-3
     assert rel_err(_deq_rows(hq_c[:used], hs_c[:used]), _deq_rows(hq_t[:used], hs_t[:used])) < 1e-2
-    y_t = fg.fp8_rows_gemm(hq_c, hs_c, wq.w2q, wq.w2s, plan, torch.bfloat16,
+    y_t = fg.fp8_gemm_rows(hq_c, hs_c, wq.w2q, wq.w2s, plan, torch.bfloat16,
                            config=fg.GPU_CONFIGS[fg.MODE_PLAIN][0])
-    y_c = fg.fp8_rows_gemm(hq_c, hs_c, wq.w2q, wq.w2s, plan, torch.bfloat16,
+    y_c = fg.fp8_gemm_rows(hq_c, hs_c, wq.w2q, wq.w2s, plan, torch.bfloat16,
                            config=fg.SM90_CONFIG)
     assert rel_err(y_c[:used], y_t[:used]) < 1e-3, rel_err(y_c[:used], y_t[:used])
     # kernel A on the same plan: every output against the Triton kernel's
@@ -303,7 +303,7 @@ def test_qwen3_30b_shape_matches_triton():
     gq, gs = quant_rows(dy)
     w2t = w2_transposed(torch.randn(E, D, H, device="cuda", generator=g).div(H ** 0.5).bfloat16())
     tw = torch.rand(T * K, device="cuda", generator=g)
-    outs = [fg.fp8_dswiglu(gq, gs, w2t.q, w2t.s, a_c, tw, plan, config=cfg)
+    outs = [fg.fp8_dgrad2_swiglu(gq, gs, w2t.q, w2t.s, a_c, tw, plan, config=cfg)
             for cfg in (fg.GPU_CONFIGS[fg.MODE_DSWIGLU][0], fg.SM90_CONFIG)]
     (daq_t, das_t, daTq_t, daTs_t, hTq_t, hTs_t, part_t), (daq_c, das_c, daTq_c, daTs_c, hTq_c,
                                                             hTs_c, part_c) = outs
@@ -324,9 +324,9 @@ def test_rejects_bad_operands():
     R = plan.max_rows
     out = nan_tensor(R, 256)
     with pytest.raises(ValueError, match="e4m3"):
-        fp8_rows_sm90(torch.zeros(R, 128, device="cuda").bfloat16(), xs[:R], wq.w2q, wq.w2s,
+        fp8_gemm_rows_sm90(torch.zeros(R, 128, device="cuda").bfloat16(), xs[:R], wq.w2q, wq.w2s,
                       plan, out)
     with pytest.raises(ValueError, match="N % 128"):
-        fp8_rows_sm90(torch.zeros(R, 128, device="cuda").to(FP8),
+        fp8_gemm_rows_sm90(torch.zeros(R, 128, device="cuda").to(FP8),
                       torch.ones(R, 1, device="cuda"), wq.w2q[:, :200], wq.w2s, plan,
                       nan_tensor(R, 200))

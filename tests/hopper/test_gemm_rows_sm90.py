@@ -102,7 +102,7 @@ def test_real_30b_shape_matches_triton_and_float64():
     gemm_rows_sm90(h, w2, plan, y)
     _check(y, h, w2, plan)
     used = int(plan.num_rows_used)
-    tri = g2.gemm2_rows(h, w2, plan, config=g2.GPU_CONFIGS[0])
+    tri = g2.gemm2(h, w2, plan, config=g2.GPU_CONFIGS[0])
     assert rel_err(y[:used], tri[:used]) < 1e-2
     y2 = nan_tensor(plan.max_rows, D)
     gemm_rows_sm90(h, w2, plan, y2)
@@ -131,7 +131,7 @@ def test_nmajor_vs_float64_on_uneven_routings(T, K, E, N, KS, n_weights):
 def test_nmajor_real_30b_kernel_c_matches_triton():
     """Kernel C at the 30B shape: [da1 | da3] [R, 2H] against w1, w3 [E, H, D] as stored; the
     row-space result equals the Triton kernel C's slot rows (within bf16), reruns bitwise."""
-    from torchtitan_megamoe.ops.hopper.kernels.dgrad1 import dgrad_l1
+    from torchtitan_megamoe.ops.hopper.kernels.dgrad1 import dgrad1
 
     T, K, E, D, H = 16384, 8, 128, 2048, 768
     g = torch.Generator(device="cuda").manual_seed(0)
@@ -142,7 +142,7 @@ def test_nmajor_real_30b_kernel_c_matches_triton():
     dx_rows = nan_tensor(plan.max_rows, D)
     gemm_rows_nmajor_sm90(da, (w1, w3), plan, dx_rows)
     _check(dx_rows, da, (w1, w3), plan)
-    tri = dgrad_l1(da, w1, w3, plan, use_tma=True)  # [T*K, D] by slot
+    tri = dgrad1(da, w1, w3, plan, use_tma=True)  # [T*K, D] by slot
     live = plan.slot_row >= 0
     ours = dx_rows[plan.slot_row[live].long()].float()
     assert rel_err(ours, tri[live]) < 1e-2

@@ -16,8 +16,8 @@ from moe_testing import (
 from torchtitan_megamoe.ops.hopper.kernels import grouped_mm as bwd_cublas
 from torchtitan_megamoe.ops.hopper.bf16_backward import backward
 from torchtitan_megamoe.ops.hopper.kernels.grouped_mm import (
-    CUBLAS, IMPL_ENV, dgrad_l1_cublas, gather_rows, stage_candidates, wgrad_dw13_cublas,
-    wgrad_dw2_cublas,
+    CUBLAS, IMPL_ENV, dgrad1_grouped_mm, gather_rows, stage_candidates, wgrad_dw13_grouped_mm,
+    wgrad_dw2_grouped_mm,
 )
 
 pytestmark = pytest.mark.skipif(not hasattr(torch, "_grouped_mm"),
@@ -110,7 +110,7 @@ def test_wgrad_dw2_cublas(case):
     hw = _row_space(plan, v["hw"])
     dy_slot = v["dy"].repeat_interleave(K, 0)
     w2 = torch.zeros(E, D, H).bfloat16()
-    got = wgrad_dw2_cublas(v["dy"], hw, plan, w2)
+    got = wgrad_dw2_grouped_mm(v["dy"], hw, plan, w2)
     assert got.shape == (E, D, H) and got.dtype == torch.bfloat16
     _check(got, _wgrad64(ids, dy_slot, v["hw"]), "dw2")
 
@@ -123,7 +123,7 @@ def test_wgrad_dw13_cublas(case):
     # w1 in a non-contiguous parameter layout: dw1 must come back in that layout.
     w1 = torch.zeros(E, D, H).bfloat16().transpose(1, 2)
     w3 = torch.zeros(E, H, D).bfloat16()
-    got1, got3 = wgrad_dw13_cublas(da, v["x"], plan, w1, w3)
+    got1, got3 = wgrad_dw13_grouped_mm(da, v["x"], plan, w1, w3)
     assert got1.shape == w1.shape and got1.stride() == w1.stride()
     assert got3.shape == w3.shape and got3.stride() == w3.stride()
     assert got1.dtype == got3.dtype == torch.bfloat16
@@ -137,7 +137,7 @@ def test_dgrad_l1_cublas(case):
     da = _row_space(plan, v["da"])
     S = ids.numel()
     out = torch.full((S, D), POISON).bfloat16()
-    got = dgrad_l1_cublas(da, v["w1"], v["w3"], plan, out=out)
+    got = dgrad1_grouped_mm(da, v["w1"], v["w3"], plan, out=out)
     assert got is out
     e_of = _slot_experts(ids)
     live = e_of >= 0
@@ -164,8 +164,8 @@ def test_k_grouped_calls_use_the_layout_that_accepts_empty_groups(monkeypatch):
 
     monkeypatch.setattr(torch, "_grouped_mm", spy)
     ids, plan, v = _setup("uneven")
-    wgrad_dw2_cublas(v["dy"], _row_space(plan, v["hw"]), plan, torch.zeros(E, D, H).bfloat16())
-    wgrad_dw13_cublas(_row_space(plan, v["da"]), v["x"], plan, v["w1"], v["w3"])
+    wgrad_dw2_grouped_mm(v["dy"], _row_space(plan, v["hw"]), plan, torch.zeros(E, D, H).bfloat16())
+    wgrad_dw13_grouped_mm(_row_space(plan, v["da"]), v["x"], plan, v["w1"], v["w3"])
     assert calls == [(True, True)] * 3
 
 

@@ -130,7 +130,7 @@ def test_gemm2_rows(name, ids, cfg):
     plan = build_plan(ids, E, BM)
     h = torch.randn(plan.max_rows, H).to(torch.bfloat16)
     h[plan.row_slot < 0] = 0  # padding rows of h are zeros (GEMM 1 stores them so)
-    y = g2.gemm2_rows(h, w2, plan, config=cfg)
+    y = g2.gemm2(h, w2, plan, config=cfg)
     tile_e = plan.tile_expert.repeat_interleave(BM)
     used = int(plan.num_rows_used)
     for r in range(used):
@@ -153,7 +153,7 @@ def test_gemm2_phase_launches_write_only_their_tiles():
     first = torch.arange(plan.num_tiles) % 2 == 0
     half = dataclasses.replace(plan, tile_expert=torch.where(first, plan.tile_expert, -1))
     poison = torch.full((plan.max_rows, D), float("nan")).to(torch.bfloat16)
-    y = g2.gemm2_rows(h, w2, half, config=CFG_PERSIST, out=poison.clone())
+    y = g2.gemm2(h, w2, half, config=CFG_PERSIST, out=poison.clone())
     skipped = (~first).repeat_interleave(BM)
     assert y[skipped].isnan().all()
     done = first.repeat_interleave(BM) & (plan.tile_expert.repeat_interleave(BM) >= 0)
@@ -165,7 +165,7 @@ def test_gemm2_fp32_output():
     ids = next(routings(T, K, E))[1]
     plan = build_plan(ids, E, BM)
     h = torch.randn(plan.max_rows, H).to(torch.bfloat16)
-    y = g2.gemm2_rows(h, w2, plan, out_dtype=torch.float32, config=CFG)
+    y = g2.gemm2(h, w2, plan, out_dtype=torch.float32, config=CFG)
     assert y.dtype == torch.float32
     r = int(plan.slot_row[0])
     ref = h[r].double() @ w2[int(ids[0, 0])].double().T

@@ -4,7 +4,7 @@ launched, with an error that names the problem (CPU: the checks run before the l
 import pytest
 import torch
 
-from torchtitan_megamoe.ops.hopper.cuda.dgrad2_swiglu import dgrad_l2_swiglu_sm90
+from torchtitan_megamoe.ops.hopper.cuda.dgrad2_swiglu import dgrad2_swiglu_sm90
 from torchtitan_megamoe.ops.hopper.cuda.gemm_rows import gemm_rows_nmajor_sm90, gemm_rows_sm90
 from torchtitan_megamoe.ops.hopper.cuda.wgrad import wgrad_dw13_sm90, wgrad_dw2_sm90
 from torchtitan_megamoe.ops.hopper.plan import build_plan
@@ -58,12 +58,12 @@ def test_dgrad_swiglu_needs_256_wide_hidden_and_matching_buffers(plan):
     R = plan.max_rows
     tw = torch.rand(T, K)
     with pytest.raises(ValueError, match="hidden % 256"):
-        dgrad_l2_swiglu_sm90(_bf16(T, 256), _bf16(R, 384), tw, _bf16(E, 256, 192), plan)
+        dgrad2_swiglu_sm90(_bf16(T, 256), _bf16(R, 384), tw, _bf16(E, 256, 192), plan)
     with pytest.raises(ValueError, match="do not fit"):
-        dgrad_l2_swiglu_sm90(_bf16(T, 256), _bf16(R, 256), tw, _bf16(E, 256, 256), plan)
+        dgrad2_swiglu_sm90(_bf16(T, 256), _bf16(R, 256), tw, _bf16(E, 256, 256), plan)
     with pytest.raises(ValueError, match="topk_weights has 64 entries"):
-        dgrad_l2_swiglu_sm90(_bf16(T, 256), _bf16(R, 512), tw[:, :1], _bf16(E, 256, 256), plan)
+        dgrad2_swiglu_sm90(_bf16(T, 256), _bf16(R, 512), tw[:, :1], _bf16(E, 256, 256), plan)
     with pytest.raises(ValueError, match=r"dy_rows must be a contiguous torch.bfloat16 \[%d, 256\]"
                        % R):
-        dgrad_l2_swiglu_sm90(_bf16(T, 256), _bf16(R, 512), tw, _bf16(E, 256, 256), plan,
+        dgrad2_swiglu_sm90(_bf16(T, 256), _bf16(R, 512), tw, _bf16(E, 256, 256), plan,
                              dy_rows=_bf16(T, 256))

@@ -18,8 +18,8 @@ import re
 import sys
 from dataclasses import dataclass, field
 
-_OURS = ("bwd_combine|combine|dgrad_l1|dgrad_l2_swiglu|ep_route|gather_rows|gemm1_swiglu|"
-         "gemm2_rows|plan_count|plan_place|sum_partials|swiglu_bwd_rows|topk_gate_bwd|topk_gate|"
+_OURS = ("bwd_combine|combine|dgrad1|dgrad2_swiglu|ep_route|gather_rows|gemm1_swiglu|"
+         "gemm2|plan_count|plan_place|sum_partials|swiglu_bwd_rows|topk_gate_bwd|topk_gate|"
          "topk|wgrad")
 
 CATEGORIES = (

@@ -30,7 +30,7 @@ import os
 import torch
 
 from torchtitan_megamoe.ops.hopper import tune
-from torchtitan_megamoe.ops.hopper.cuda.dgrad2_swiglu import dgrad_l2_swiglu_sm90
+from torchtitan_megamoe.ops.hopper.cuda.dgrad2_swiglu import dgrad2_swiglu_sm90
 from torchtitan_megamoe.ops.hopper.cuda.gemm_rows import gemm_rows_nmajor_sm90
 from torchtitan_megamoe.ops.hopper.cuda.wgrad import wgrad_dw2_sm90, wgrad_dw13_sm90
 from torchtitan_megamoe.ops.hopper.bf16_backward import (
@@ -40,11 +40,11 @@ from torchtitan_megamoe.ops.hopper.bf16_backward import (
 from torchtitan_megamoe.ops.hopper.kernels.wgrad import longest_first
 from torchtitan_megamoe.ops.hopper.kernels.bwd_combine import bwd_combine
 from torchtitan_megamoe.ops.hopper.kernels.grouped_mm import (
-    IMPL_ENV, dgrad_l1_cublas, dgrad_l2_swiglu_cublas, gather_rows, segment_ends,
-    wgrad_dw13_cublas, wgrad_dw2_cublas,
+    IMPL_ENV, dgrad1_grouped_mm, dgrad2_swiglu_grouped_mm, gather_rows, segment_ends,
+    wgrad_dw13_grouped_mm, wgrad_dw2_grouped_mm,
 )
-from torchtitan_megamoe.ops.hopper.kernels.dgrad1 import dgrad_l1
-from torchtitan_megamoe.ops.hopper.kernels.dgrad2_swiglu import dgrad_l2_swiglu
+from torchtitan_megamoe.ops.hopper.kernels.dgrad1 import dgrad1
+from torchtitan_megamoe.ops.hopper.kernels.dgrad2_swiglu import dgrad2_swiglu
 from torchtitan_megamoe.ops.hopper.kernels.wgrad import wgrad
 from torchtitan_megamoe.ops.hopper.bf16_forward import forward_ep1, interpret_defaults
 from torchtitan_megamoe.ops.hopper.kernels.gemm1_swiglu import gemm1_swiglu
@@ -152,12 +152,12 @@ def bench_shape(name, tokens, iters, shape=None, device="cuda", block_m=BLOCK_M,
         if (stage, auto_key) in tune._CHOSEN
     }
 
-    da, hw, part = dgrad_l2_swiglu(dy, a_saved, tw, w2, plan, **cfg_a)
+    da, hw, part = dgrad2_swiglu(dy, a_saved, tw, w2, plan, **cfg_a)
     g1_cfg = interpret_defaults(block_m, None, None)[1]  # None on the GPU: the tuner's pick
     dw = torch.empty_like(w1)
     dw_b = torch.empty_like(w3)
     dw2 = torch.empty_like(w2)
-    dx_slot = dgrad_l1(da, w1, w3, plan, **cfg_c)
+    dx_slot = dgrad1(da, w1, w3, plan, **cfg_c)
     ends = segment_ends(plan)
     x_rows, dy_rows = gather_rows(x, plan), gather_rows(dy, plan)
     da1, da3 = da[:, :H], da[:, H:]
@@ -181,23 +181,23 @@ def bench_shape(name, tokens, iters, shape=None, device="cuda", block_m=BLOCK_M,
         "fwd_gemm1_save_a": (lambda: gemm1_swiglu(x, w1, w3, plan, config=g1_cfg, save_a=True),
                              4 * nkdh),
         "plan": (lambda: build_plan(ids, E, block_m), 0),
-        "A_dgrad_l2_swiglu": (lambda: dgrad_l2_swiglu(dy, a_saved, tw, w2, plan, **cfg_a),
+        "A_dgrad_l2_swiglu": (lambda: dgrad2_swiglu(dy, a_saved, tw, w2, plan, **cfg_a),
                               2 * nkdh),
         "A_dgrad_l2_swiglu_cublas": (
-            lambda: dgrad_l2_swiglu_cublas(dy, a_saved, tw, w2, plan, dy_rows=dy_rows), 2 * nkdh),
+            lambda: dgrad2_swiglu_grouped_mm(dy, a_saved, tw, w2, plan, dy_rows=dy_rows), 2 * nkdh),
         "B_dw2": (kernel_b(dy, hw, dw2, True, cfg_w2), 2 * nkdh),
         "B_dw1": (kernel_b(da1, x, dw, False, cfg_w13), 2 * nkdh),
         "B_dw3": (kernel_b(da3, x, dw, False, cfg_w13), 2 * nkdh),
         "B_dw13": (dw13_triton, 4 * nkdh),
-        "B_dw2_cublas": (lambda: wgrad_dw2_cublas(dy, hw, plan, dw2), 2 * nkdh),
-        "B_dw13_cublas": (lambda: wgrad_dw13_cublas(da, x, plan, dw, dw_b), 4 * nkdh),
+        "B_dw2_cublas": (lambda: wgrad_dw2_grouped_mm(dy, hw, plan, dw2), 2 * nkdh),
+        "B_dw13_cublas": (lambda: wgrad_dw13_grouped_mm(da, x, plan, dw, dw_b), 4 * nkdh),
         "gather_dy": (lambda: gather_rows(dy, plan, out=dy_rows), 0),
         "gather_x": (lambda: gather_rows(x, plan, out=x_rows), 0),
         "gemm_dw2_cublas": (lambda: torch._grouped_mm(dy_rows.t(), hw, offs=ends), 2 * nkdh),
         "gemm_dw13_cublas": (lambda: (torch._grouped_mm(da1.t(), x_rows, offs=ends),
                                       torch._grouped_mm(da3.t(), x_rows, offs=ends)), 4 * nkdh),
-        "C_dgrad_l1": (lambda: dgrad_l1(da, w1, w3, plan, out=dx_slot, **cfg_c), 4 * nkdh),
-        "C_dgrad_l1_cublas": (lambda: dgrad_l1_cublas(da, w1, w3, plan, out=dx_slot), 4 * nkdh),
+        "C_dgrad_l1": (lambda: dgrad1(da, w1, w3, plan, out=dx_slot, **cfg_c), 4 * nkdh),
+        "C_dgrad_l1_cublas": (lambda: dgrad1_grouped_mm(da, w1, w3, plan, out=dx_slot), 4 * nkdh),
         "gemm_l1_cublas": (gemm_l1, 4 * nkdh),
         "rows_to_slots": (lambda: torch.index_select(dx_rows, 0, plan.slot_row.clamp(min=0),
                                                      out=dx_slot), 0),
@@ -213,12 +213,12 @@ def bench_shape(name, tokens, iters, shape=None, device="cuda", block_m=BLOCK_M,
                                 rows=True), 0)
     if block_m == BLOCK_M and a_sm90_fits(x, w2):
         stages["A_dgrad_l2_swiglu_sm90"] = (
-            lambda: dgrad_l2_swiglu_cublas(dy, a_saved, tw, w2, plan, dy_rows=dy_rows, sm90=True),
+            lambda: dgrad2_swiglu_grouped_mm(dy, a_saved, tw, w2, plan, dy_rows=dy_rows, sm90=True),
             2 * nkdh)
     if block_m == BLOCK_M and a_sm90_fused_offered(x, w2):
         # with the dy rows stored for dw2, as the tuner times it
         stages["A_dgrad_l2_swiglu_sm90_fused"] = (
-            lambda: dgrad_l2_swiglu_sm90(dy, a_saved, tw, w2, plan, dy_rows=dy_rows), 2 * nkdh)
+            lambda: dgrad2_swiglu_sm90(dy, a_saved, tw, w2, plan, dy_rows=dy_rows), 2 * nkdh)
     if block_m == BLOCK_M and b_sm90_fits(x, (w1, w2, w3)):
         order = longest_first(plan)
         stages["B_dw2_sm90"] = (lambda: wgrad_dw2_sm90(dy, hw, plan, dw2, order), 2 * nkdh)

@@ -146,16 +146,16 @@ def _stage_times(x, ids, w, w1, w2, w3, iters, warmup):
     from torchtitan_megamoe.ops.hopper.kernels.combine import combine
     from torchtitan_megamoe.ops.hopper.bf16_forward import BLOCK_M
     from torchtitan_megamoe.ops.hopper.kernels.gemm1_swiglu import gemm1_swiglu
-    from torchtitan_megamoe.ops.hopper.kernels.gemm2 import gemm2_rows
+    from torchtitan_megamoe.ops.hopper.kernels.gemm2 import gemm2
     from torchtitan_megamoe.ops.hopper.plan import build_plan
 
     plan = build_plan(ids, w1.shape[0], BLOCK_M)
     h = gemm1_swiglu(x, w1, w3, plan)
-    y = gemm2_rows(h, w2, plan)
+    y = gemm2(h, w2, plan)
     return {
         "plan": median_ms(lambda: build_plan(ids, w1.shape[0], BLOCK_M), iters, warmup),
         "gemm1_swiglu": median_ms(lambda: gemm1_swiglu(x, w1, w3, plan), iters, warmup),
-        "gemm2_rows": median_ms(lambda: gemm2_rows(h, w2, plan), iters, warmup),
+        "gemm2": median_ms(lambda: gemm2(h, w2, plan), iters, warmup),
         "combine": median_ms(lambda: combine(y, w, plan.slot_row, x.dtype), iters, warmup),
         "rows_used": int(plan.num_rows_used),
         "max_rows": plan.max_rows,

@@ -1,7 +1,7 @@
 """Backend ``hopper`` of mega_moe (formerly ``triton``): Hopper (SM90) kernels, BF16 and FP8.
 
 Forward (EP=1, bf16_forward.py): device-side plan (plan.py), grouped GEMM 1 + SwiGLU
-(kernels/gemm1_swiglu.py), grouped GEMM 2 into the row space (kernels/gemm2_rows.py), fp32
+(kernels/gemm1_swiglu.py), grouped GEMM 2 into the row space (kernels/gemm2.py), fp32
 combine through the slots' rows (kernels/combine.py). FP8 at EP=1: fp8_forward.py,
 fp8_backward.py. Backward: bf16_backward.py (BF16); it reads what the forward saved (GEMM 1's pre-activations and the
 packed plan) instead of recomputing them. EP > 1 (ep_forward.py, ep_backward.py): each token goes once

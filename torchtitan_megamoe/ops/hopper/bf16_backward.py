@@ -98,11 +98,11 @@ from torchtitan_megamoe.ops.hopper.cuda.sm90 import sm90_usable
 from torchtitan_megamoe.ops.hopper.kernels.bwd_combine import bwd_combine
 from torchtitan_megamoe.ops.hopper.kernels.mma import interpreting
 from torchtitan_megamoe.ops.hopper.kernels.grouped_mm import (
-    bwd_impl, dgrad_l1_cublas, dgrad_l2_swiglu_cublas, gather_rows, is_cublas, stage_candidates,
-    wgrad_dw13_cublas, wgrad_dw2_cublas,
+    bwd_impl, dgrad1_grouped_mm, dgrad2_swiglu_grouped_mm, gather_rows, is_cublas, stage_candidates,
+    wgrad_dw13_grouped_mm, wgrad_dw2_grouped_mm,
 )
-from torchtitan_megamoe.ops.hopper.kernels.dgrad1 import dgrad_l1
-from torchtitan_megamoe.ops.hopper.kernels.dgrad2_swiglu import dgrad_l2_swiglu
+from torchtitan_megamoe.ops.hopper.kernels.dgrad1 import dgrad1
+from torchtitan_megamoe.ops.hopper.kernels.dgrad2_swiglu import dgrad2_swiglu
 from torchtitan_megamoe.ops.hopper.ep_backward import backward_ep
 from torchtitan_megamoe.ops.hopper.kernels.wgrad import longest_first, wgrad
 from torchtitan_megamoe.ops.hopper.bf16_forward import interpret_defaults
@@ -314,14 +314,14 @@ def backward_local(grad_out, x, topk_ids, topk_weights, w1, w2, w3, saved=None, 
         if cfg.get("impl") == "sm90_fused":
             if shared.get("dy_rows") is None:
                 shared["dy_rows"] = torch.empty(R, D, dtype=x.dtype, device=x.device)
-            return sm90_dgrad.dgrad_l2_swiglu_sm90(dy, a_saved, topk_weights, w2, plan,
+            return sm90_dgrad.dgrad2_swiglu_sm90(dy, a_saved, topk_weights, w2, plan,
                                                    out=a_bufs["out"], dy_rows=shared["dy_rows"])
         if rows_side:
-            *res, shared["dy_rows"] = dgrad_l2_swiglu_cublas(
+            *res, shared["dy_rows"] = dgrad2_swiglu_grouped_mm(
                 dy, a_saved, topk_weights, w2, plan, out=a_bufs["out"],
                 dy_rows=shared.get("dy_rows"), sm90=not is_cublas(cfg))
             return tuple(res)
-        return dgrad_l2_swiglu(dy, a_saved, topk_weights, w2, plan, out=a_bufs["out"], **cfg)
+        return dgrad2_swiglu(dy, a_saved, topk_weights, w2, plan, out=a_bufs["out"], **cfg)
 
     # Each stage's candidate list is a function, built only until the tuner has picked (host
     # time: the backward's stages run back to back, nothing hides their issue cost).
@@ -358,7 +358,7 @@ def backward_local(grad_out, x, topk_ids, topk_weights, w1, w2, w3, saved=None, 
                 gather_rows(dy, plan) if rows is None else rows, hw, plan,
                 torch.empty_like(params[1]), order, pre_gathered=True)
         if is_cublas(cfg):
-            return wgrad_dw2_cublas(dy, hw, plan, params[1], dy_rows=shared.get("dy_rows"))
+            return wgrad_dw2_grouped_mm(dy, hw, plan, params[1], dy_rows=shared.get("dy_rows"))
         return wgrad(dy, hw, torch.empty_like(params[1]), plan, a_gather=True, b_gather=False,
                      expert_order=order, **cfg)
 
@@ -369,7 +369,7 @@ def backward_local(grad_out, x, topk_ids, topk_weights, w1, w2, w3, saved=None, 
                                               torch.empty_like(params[2]), order,
                                               pre_gathered=True)
         if is_cublas(cfg):
-            return wgrad_dw13_cublas(da, x, plan, params[0], params[2])
+            return wgrad_dw13_grouped_mm(da, x, plan, params[0], params[2])
         return tuple(wgrad(a, x, torch.empty_like(p), plan, a_gather=False, b_gather=True,
                            expert_order=order, **cfg)
                      for a, p in ((da[:, :H], params[0]), (da[:, H:], params[2])))
@@ -394,12 +394,12 @@ def backward_local(grad_out, x, topk_ids, topk_weights, w1, w2, w3, saved=None, 
     # by slot, or [R_max, D] in the row space (sm90; the second value says which).
     def launch_c(cfg):
         if is_cublas(cfg):
-            return dgrad_l1_cublas(da, w1, w3, plan), False
+            return dgrad1_grouped_mm(da, w1, w3, plan), False
         if cfg.get("impl") == "sm90":
             dx_rows = torch.empty(R, D, dtype=x.dtype, device=x.device)
             sm90_rows.gemm_rows_nmajor_sm90(da, (w1, w3), plan, dx_rows)
             return dx_rows, True
-        return dgrad_l1(da, w1, w3, plan, out_dtype=x.dtype, **cfg), False
+        return dgrad1(da, w1, w3, plan, out_dtype=x.dtype, **cfg), False
 
     def c_stage():
         stage = stage_candidates(c_cands, D, H, E, auto_cublas=False)

@@ -15,7 +15,7 @@ import torch
 
 from torchtitan_megamoe.ops.hopper.kernels.combine import combine
 from torchtitan_megamoe.ops.hopper.kernels.gemm1_swiglu import gemm1_swiglu
-from torchtitan_megamoe.ops.hopper.kernels.gemm2 import gemm2_rows
+from torchtitan_megamoe.ops.hopper.kernels.gemm2 import gemm2
 from torchtitan_megamoe.ops.hopper.plan import build_plan, max_rows, pack_plan, packed_plan_numel
 from torchtitan_megamoe.ops.hopper.tune import interpreting
 
@@ -70,7 +70,7 @@ def forward_ep1(
         h, a = gemm1_swiglu(x, w1, w3, plan, config=gemm1_config, save_a=True)
     else:
         h = gemm1_swiglu(x, w1, w3, plan, config=gemm1_config)
-    y = gemm2_rows(h, w2, plan, config=gemm2_config)
+    y = gemm2(h, w2, plan, config=gemm2_config)
     del h
     out = combine(y, topk_weights.contiguous(), plan.slot_row, x.dtype)
     if not save:

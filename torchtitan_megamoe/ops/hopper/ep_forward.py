@@ -58,7 +58,7 @@ from torchtitan_megamoe.ops.hopper.kernels.combine import combine
 from torchtitan_megamoe.ops.hopper.ep_dispatch import TokenRoute
 from torchtitan_megamoe.ops.hopper.bf16_forward import interpret_defaults, saved_like
 from torchtitan_megamoe.ops.hopper.kernels.gemm1_swiglu import gemm1_swiglu
-from torchtitan_megamoe.ops.hopper.kernels.gemm2 import gemm2_rows
+from torchtitan_megamoe.ops.hopper.kernels.gemm2 import gemm2
 from torchtitan_megamoe.ops.hopper.plan import build_phased_plan, max_rows, pack_plan
 
 PHASES = 2
@@ -134,7 +134,7 @@ def forward_ep(x, topk_ids, topk_weights, w1, w2, w3, group, block_m, gemm1_conf
     # 3. GEMM 2 and the combine, peers' tokens first: their partial rows go home while the
     # own tokens' GEMM 2 runs
     y = torch.empty((plan.max_rows, D), dtype=x.dtype, device=x.device)
-    gemm2_rows(h, w2, others, config=gemm2_config, out=y)
+    gemm2(h, w2, others, config=gemm2_config, out=y)
 
     # The peers' rows: combined here (HBM-bound, every SM), then sent by the copy engines beside
     # GEMM 2 (a combine storing straight into the peers' regions ran at NVLink speed on every SM
@@ -153,7 +153,7 @@ def forward_ep(x, topk_ids, topk_weights, w1, w2, w3, group, block_m, gemm1_conf
             ex.send_region(s, "ret").copy_(rows)
 
     returned = ex.run_async(send_staged) if ex.overlaps else send_staged()
-    gemm2_rows(h, w2, own, config=gemm2_config, out=y)
+    gemm2(h, w2, own, config=gemm2_config, out=y)
     if ex.overlaps:
         torch.cuda.current_stream(x.device).wait_event(returned)
     ex.exchange(["ret"])

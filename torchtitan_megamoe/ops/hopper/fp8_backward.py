@@ -6,13 +6,13 @@
     quant      dy [T, D] per token (1x128); the weights' transposed 128 x 128 copies
                (fp8_weights.w2_transposed, fp8_weights.w13_transposed: each made
                right before its GEMM, so the two are never live together)
-    kernel A   kernels/fp8_gemm_rows.fp8_dswiglu: dhg = dy_rows @ w2[e] and the SwiGLU
+    kernel A   kernels/fp8_gemm_rows.fp8_dgrad2_swiglu: dhg = dy_rows @ w2[e] and the SwiGLU
                backward; its epilogue writes da per row (for dgrad 1), da^T and h^T per 128
                rows (for the weight gradients) and the d(topk_weights) partials <dhg, h>
     dw2        (w * dy)^T quantized per 128 rows (kernels/fp8_quant.quant_rows_t: the routing
                weight goes into dy, as in the reference), kernels/fp8_wgrad.fp8_wgrad with h^T
     dw1, dw3   x^T per 128 rows (quant_rows_t) with da1^T, da3^T
-    dgrad 1    dx rows [R_max, D] = [da1 | da3] @ [w1; w3] (fp8_rows_gemm), then the bf16
+    dgrad 1    dx rows [R_max, D] = [da1 | da3] @ [w1; w3] (fp8_gemm_rows), then the bf16
                path's combine: dx[t] = sum_k in fixed order, d(topk_weights) from the partials.
                Without the weight cache, by groups of experts (dgrad_l1_groups): the
                transposed copy of one group at a time, so the backward's peak (here: a, da,
@@ -27,7 +27,7 @@ from torchtitan_megamoe.ops.hopper.fp8_weights import (forward_weights, w2_trans
                                                      w13_transposed, weight_cache_enabled)
 from torchtitan_megamoe.ops.hopper.kernels.bwd_combine import bwd_combine
 from torchtitan_megamoe.ops.hopper.kernels.fp8_gemm import (
-    fp8_dswiglu, fp8_gemm1_swiglu, fp8_rows_gemm,
+    fp8_dgrad2_swiglu, fp8_gemm1_swiglu, fp8_gemm_rows,
 )
 from torchtitan_megamoe.ops.hopper.kernels.fp8_quant import quant_rows, quant_rows_t
 from torchtitan_megamoe.ops.hopper.kernels.fp8_wgrad import fp8_wgrad
@@ -57,7 +57,7 @@ def backward_fp8(grad_out, x, topk_ids, topk_weights, w1, w2, w3, precision, sav
 
     gq, gs = quant_rows(dy)
     w2t = w2_transposed(w2)
-    daq, das, daTq, daTs, hTq, hTs, part = fp8_dswiglu(gq, gs, w2t.q, w2t.s, a_saved, tw, plan)
+    daq, das, daTq, daTs, hTq, hTs, part = fp8_dgrad2_swiglu(gq, gs, w2t.q, w2t.s, a_saved, tw, plan)
     del gq, gs, a_saved, w2t
     order = longest_first(plan)
     dyTq, dyTs = quant_rows_t(dy, plan, gather=True, row_weight=tw.reshape(-1))
@@ -71,7 +71,7 @@ def backward_fp8(grad_out, x, topk_ids, topk_weights, w1, w2, w3, precision, sav
     groups = dgrad_l1_groups(E, H, D, plan.max_rows)
     for lo, hi in groups:
         w13t = w13_transposed(w1, w3, lo, hi)
-        fp8_rows_gemm(daq, das, w13t.q, w13t.s, plan, out_dtype=x.dtype, out=dx_rows,
+        fp8_gemm_rows(daq, das, w13t.q, w13t.s, plan, out_dtype=x.dtype, out=dx_rows,
                       expert_base=lo if len(groups) > 1 else None)
         del w13t
     del daq, das

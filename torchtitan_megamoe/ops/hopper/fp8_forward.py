@@ -8,7 +8,7 @@ in its epilogue) -> GEMM 2 -> the bf16 path's fp32 combine.
     GEMM 1     kernels/fp8_gemm_rows.fp8_gemm1_swiglu: token rows gathered by the plan,
                h [R_max, H] e4m3 with [R_max, H/128] scales, and with ``save`` a = [a1 | a3]
                bf16 (the same saved layout as the bf16 forward, so the backward is shared)
-    GEMM 2     kernels/fp8_gemm_rows.fp8_rows_gemm: y [R_max, D] bf16 in the row space
+    GEMM 2     kernels/fp8_gemm_rows.fp8_gemm_rows: y [R_max, D] bf16 in the row space
     combine    kernels/combine.combine: out[t] = sum_k w[t,k] y[slot_row], fp32, fixed k order
 Saved for the backward (``save``): (a, packed plan), as bf16_forward.forward_ep1 saves.
 """
@@ -17,7 +17,7 @@ import torch
 
 from torchtitan_megamoe.ops.hopper.fp8_weights import forward_weights
 from torchtitan_megamoe.ops.hopper.kernels.combine import combine
-from torchtitan_megamoe.ops.hopper.kernels.fp8_gemm import fp8_gemm1_swiglu, fp8_rows_gemm
+from torchtitan_megamoe.ops.hopper.kernels.fp8_gemm import fp8_gemm1_swiglu, fp8_gemm_rows
 from torchtitan_megamoe.ops.hopper.kernels.fp8_quant import quant_rows
 from torchtitan_megamoe.ops.hopper.bf16_forward import checked_plan
 from torchtitan_megamoe.ops.hopper.plan import pack_plan
@@ -35,7 +35,7 @@ def forward_fp8(x, topk_ids, topk_weights, w1, w2, w3, save=False):
     wq = forward_weights(w1, w2, w3)
     hq, hs, a = fp8_gemm1_swiglu(xq, xs, wq.w1q, wq.w1s, wq.w3q, wq.w3s, plan, save_a=save)
     del xq, xs
-    y = fp8_rows_gemm(hq, hs, wq.w2q, wq.w2s, plan, out_dtype=x.dtype)
+    y = fp8_gemm_rows(hq, hs, wq.w2q, wq.w2s, plan, out_dtype=x.dtype)
     del hq, hs, wq
     out = combine(y, topk_weights.contiguous(), plan.slot_row, x.dtype)
     if not save:

@@ -6,7 +6,7 @@ forward's saved pre-activations in one launch,
     part[j, r] = <dh, h> over H tile j (256 columns)
 
 with w the routing weight of row r's slot, a = [a1 | a3] [R_max, 2H] the saved pre-activations.
-Same outputs as ops/hopper/kernels/bwd_dgrad_l2_swiglu.dgrad_l2_swiglu(..., a=a) with block_n 256 (da
+Same outputs as ops/hopper/kernels/bwd_dgrad_l2_swiglu.dgrad2_swiglu(..., a=a) with block_n 256 (da
 [R_max, 2H], hw [R_max, H], part [H / 256, R_max]), so the two are candidates of one tuner
 entry; only the used rows are written. With ``dy_rows`` [R_max, D] the kernel also stores the
 dy rows it gathers there (row r = dy[tok(r)], zeros on padding rows; used rows only), what
@@ -26,13 +26,13 @@ from torchtitan_megamoe.ops.hopper.cuda.sm90 import (check_bf16_rows, check_plan
 if TYPE_CHECKING:  # ops/triton imports this module: no runtime import back
     from torchtitan_megamoe.ops.hopper.plan import Plan
 
-def dgrad_l2_swiglu_sm90(dy: torch.Tensor, a: torch.Tensor, topk_weights: torch.Tensor,
+def dgrad2_swiglu_sm90(dy: torch.Tensor, a: torch.Tensor, topk_weights: torch.Tensor,
                          w2: torch.Tensor, plan: Plan, out: tuple | None = None,
                          dy_rows: torch.Tensor | None = None):
     """(da, hw, part): see the module docstring. ``out``: (da, hw, part) to write; ``dy_rows``:
     where to store the gathered dy rows too (None: nowhere)."""
     E, D, H = w2.shape
-    who = "dgrad_l2_swiglu_sm90"
+    who = "dgrad2_swiglu_sm90"
     if not shape_supported(H, D, plan.block_m):  # the dh GEMM: N = H, K = D, as ROWS tiles it
         raise ValueError(f"{who} needs hidden % {BN} == 0, dim % {BK} == 0 and a plan block_m "
                          f"multiple of {BM}; got hidden={H}, dim={D}, block_m={plan.block_m}")

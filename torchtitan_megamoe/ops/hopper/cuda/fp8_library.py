@@ -2,16 +2,16 @@
 (tiles of 128 rows x 128 columns, K steps of 128, the partial product promoted into fp32 per
 step with its scales; see the .cu file).
 
-- ``fp8_rows_sm90``: out [R_max, N] bf16 = aq[r] @ bq[e]^T, scaled (GEMM 2; the backward's
+- ``fp8_gemm_rows_sm90``: out [R_max, N] bf16 = aq[r] @ bq[e]^T, scaled (GEMM 2; the backward's
   dgrad of linear 1 with the transposed [w1 | w3] copy). Same contract as
-  kernels/fp8_gemm_rows.fp8_rows_gemm without the gather, so the two are candidates of one
+  kernels/fp8_gemm_rows.fp8_gemm_rows without the gather, so the two are candidates of one
   tuner entry.
 - ``fp8_gemm1_swiglu_sm90``: GEMM 1 + SwiGLU on the plan's token rows of xq, h in e4m3 with
   per-row scales per 128 columns, optionally a = [a1 | a3] bf16 (kernels/fp8_gemm_rows.
   fp8_gemm1_swiglu's contract).
 - ``fp8_wgrad_sm90``: the weight gradients, K-grouped over each expert's segment
   (kernels/fp8_wgrad.fp8_wgrad's contract), units handed out by a dynamic ticket.
-- ``fp8_dswiglu_sm90``: the backward's kernel A (kernels/fp8_gemm_rows.fp8_dswiglu's
+- ``fp8_dgrad2_swiglu_sm90``: the backward's kernel A (kernels/fp8_gemm_rows.fp8_dgrad2_swiglu's
   contract): dy rows @ w2[e], the SwiGLU backward, da per row, da^T and h^T per 128 rows, the
   d(topk_weights) partials.
 
@@ -83,12 +83,12 @@ def _check_token_rows(who, q_name, q, s_name, s, D):
                          f"match D={D}")
 
 
-def fp8_rows_sm90(aq, a_s, bq, b_s, plan: Plan, out: torch.Tensor, group_m: int = 8,
+def fp8_gemm_rows_sm90(aq, a_s, bq, b_s, plan: Plan, out: torch.Tensor, group_m: int = 8,
                   expert_base: int | None = None) -> None:
     """Writes the used rows of out [R_max, N] (bf16) = (aq [R_max, K] @ bq[e]^T [E, N, K]),
     scaled by a_s [R_max, K/128] and b_s [E, N/128, K/128]. With ``expert_base`` e0: bq, b_s
     hold experts [e0, e0 + E) only, and only their rows are written."""
-    who = "fp8_rows_sm90"
+    who = "fp8_gemm_rows_sm90"
     E, N, K = bq.shape
     if expert_base is not None and not 0 <= expert_base <= plan.num_local_experts - E:
         raise ValueError(f"{who}: experts [{expert_base}, {expert_base + E}) are not within "
@@ -141,13 +141,13 @@ def fp8_gemm1_swiglu_sm90(xq, xs, w1q, w1s, w3q, w3s, plan: Plan, hq, hs, a=None
     raise_on_error(lib, rc, who)
 
 
-def fp8_dswiglu_sm90(gq, gs, w2tq, w2ts, a_saved, tw, plan: Plan, daq, das, daTq, daTs, hTq,
+def fp8_dgrad2_swiglu_sm90(gq, gs, w2tq, w2ts, a_saved, tw, plan: Plan, daq, das, daTq, daTs, hTq,
                      hTs, part, group_m: int = 8) -> None:
     """Writes the used rows of daq [R_max, 2H] e4m3 / das [R_max, 2H/128], the used columns of
     daTq [2H, R_max] / daTs [2H, R_max/128] and hTq [H, R_max] / hTs [H, R_max/128], and part
     [H/128, R_max] (fp32): kernel A on the token rows of gq [T, D] (dy, scales gs [T, D/128])
     against w2tq [E, H, D] (w2^T), with a_saved [R_max, 2H] bf16 and tw [T * top_k] fp32."""
-    who = "fp8_dswiglu_sm90"
+    who = "fp8_dgrad2_swiglu_sm90"
     E, H, D = w2tq.shape
     R = plan.max_rows
     _check_common(who, plan, H, D, {"w2tq": w2tq, "daq": daq, "daTq": daTq, "hTq": hTq},

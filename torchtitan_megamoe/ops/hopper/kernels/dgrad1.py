@@ -85,7 +85,7 @@ def _dgrad_l1_kernel(
     tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=valid[:, None] & n_ok[None, :])
 
 
-def dgrad_l1(
+def dgrad1(
     da: torch.Tensor,
     w1: torch.Tensor,
     w3: torch.Tensor,

@@ -142,7 +142,7 @@ def _dgrad_l2_swiglu_kernel(
         tl.store(da_rows, da1, mask=out_mask)
 
 
-def dgrad_l2_swiglu(
+def dgrad2_swiglu(
     dy: torch.Tensor,
     a: torch.Tensor,
     topk_weights: torch.Tensor,

@@ -32,8 +32,8 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from torchtitan_megamoe.ops.hopper.cuda.fp8_library import (fp8_dswiglu_sm90, fp8_gemm1_swiglu_sm90,
-                                                       fp8_rows_sm90,
+from torchtitan_megamoe.ops.hopper.cuda.fp8_library import (fp8_dgrad2_swiglu_sm90, fp8_gemm1_swiglu_sm90,
+                                                       fp8_gemm_rows_sm90,
                                                        shape_supported as sm90_shape_supported)
 from torchtitan_megamoe.ops.hopper.cuda.sm90 import sm90_usable
 from torchtitan_megamoe.ops.hopper.kernels.fp8_quant import FP8, quantize_block
@@ -190,7 +190,7 @@ def _candidates(mode, a, b, plan, out, gather):
 
 
 INTERPRET_CONFIG = dict(BLOCK_M=128, BLOCK_N=128, GROUP_M=2, num_warps=1, num_stages=1)
-_NAMES = {MODE_PLAIN: "fp8_rows", MODE_SWIGLU: "fp8_gemm1_swiglu", MODE_DSWIGLU: "fp8_dswiglu"}
+_NAMES = {MODE_PLAIN: "fp8_rows", MODE_SWIGLU: "fp8_gemm1_swiglu", MODE_DSWIGLU: "fp8_dgrad2_swiglu"}
 
 
 def _run(mode, a, a_s, b, b_s, plan: Plan, out, out_s, gather, b2=None, b2_s=None,
@@ -206,10 +206,10 @@ def _run(mode, a, a_s, b, b_s, plan: Plan, out, out_s, gather, b2=None, b2_s=Non
         cfg = dict(cfg)
         if cfg.pop("IMPL", None) == "sm90":
             if mode == MODE_PLAIN:
-                fp8_rows_sm90(a, a_s, b, b_s, plan, out, group_m=cfg["GROUP_M"],
+                fp8_gemm_rows_sm90(a, a_s, b, b_s, plan, out, group_m=cfg["GROUP_M"],
                               expert_base=expert_base)
             elif mode == MODE_DSWIGLU:
-                fp8_dswiglu_sm90(a, a_s, b, b_s, aux, tw, plan, out, out_s, qt, qt_s,
+                fp8_dgrad2_swiglu_sm90(a, a_s, b, b_s, aux, tw, plan, out, out_s, qt, qt_s,
                                  ht, ht_s, part, group_m=cfg["GROUP_M"])
             else:
                 fp8_gemm1_swiglu_sm90(a, a_s, b, b_s, b2, b2_s, plan, out, out_s, aux,
@@ -271,7 +271,7 @@ def fp8_gemm1_swiglu(xq, xs, w1q, w1s, w3q, w3s, plan: Plan, save_a: bool, confi
     return hq, hs, a
 
 
-def fp8_rows_gemm(aq, a_s, bq, b_s, plan: Plan, out_dtype, gather: bool = False, config=None,
+def fp8_gemm_rows(aq, a_s, bq, b_s, plan: Plan, out_dtype, gather: bool = False, config=None,
                   expert_base: int | None = None, out: torch.Tensor | None = None):
     """out [R_max, N] (out_dtype) = rows of aq @ bq[e]^T in the row space. With
     ``expert_base`` e0, bq / b_s hold experts [e0, e0 + E) only and only their rows of ``out``
@@ -288,7 +288,7 @@ def fp8_rows_gemm(aq, a_s, bq, b_s, plan: Plan, out_dtype, gather: bool = False,
     return out
 
 
-def fp8_dswiglu(gq, gs, w2tq, w2ts, a_saved, topk_weights, plan: Plan, config=None):
+def fp8_dgrad2_swiglu(gq, gs, w2tq, w2ts, a_saved, topk_weights, plan: Plan, config=None):
     """The backward's kernel A in FP8 (see the module docstring). Returns (daq [R, 2H], das
     [R, 2H/128], daTq [2H, R], daTs [2H, R/128], hTq [H, R], hTs [H, R/128], part [H/128, R])."""
     E, H, D = w2tq.shape

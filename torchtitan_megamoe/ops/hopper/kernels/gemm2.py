@@ -122,7 +122,7 @@ SM90_CONFIGS = [
 ]
 
 
-def gemm2_rows(
+def gemm2(
     h: torch.Tensor,
     w2: torch.Tensor,
     plan: Plan,
@@ -175,6 +175,6 @@ def gemm2_rows(
             cands += SM90_CONFIGS
         return cands
 
-    cfg = config or pick_config("gemm2_rows", key, candidates, launch, outputs=lambda _: (y,))
+    cfg = config or pick_config("gemm2", key, candidates, launch, outputs=lambda _: (y,))
     launch(cfg)
     return y

@@ -181,7 +181,7 @@ def grouped_wgrad(a_rows: torch.Tensor, b_rows: torch.Tensor, plan: Plan,
     return _as_param(res, like)
 
 
-def wgrad_dw2_cublas(dy: torch.Tensor, hw: torch.Tensor, plan: Plan,
+def wgrad_dw2_grouped_mm(dy: torch.Tensor, hw: torch.Tensor, plan: Plan,
                      w2: torch.Tensor, dy_rows: torch.Tensor | None = None) -> torch.Tensor:
     """dw2[e] = sum_r dy_r^T hw_r (layout of w2): one K-grouped GEMM on dy rows (``dy_rows`` if
     kernel A's cuBLAS side already gathered them, else gathered here and freed on return)."""
@@ -190,7 +190,7 @@ def wgrad_dw2_cublas(dy: torch.Tensor, hw: torch.Tensor, plan: Plan,
     return grouped_wgrad(dy_rows, hw, plan, w2)
 
 
-def dgrad_l2_swiglu_cublas(dy: torch.Tensor, a: torch.Tensor, topk_weights: torch.Tensor,
+def dgrad2_swiglu_grouped_mm(dy: torch.Tensor, a: torch.Tensor, topk_weights: torch.Tensor,
                            w2: torch.Tensor, plan: Plan, out: tuple | None = None,
                            dy_rows: torch.Tensor | None = None, sm90: bool = False):
     """Kernel A's cuBLAS side, on the forward's saved a = [a1 | a3]: dh = dy_rows @ w2[e] as one
@@ -211,7 +211,7 @@ def dgrad_l2_swiglu_cublas(dy: torch.Tensor, a: torch.Tensor, topk_weights: torc
     return (*swiglu_bwd_rows(dh, a, topk_weights, plan, out=out), dy_rows)
 
 
-def wgrad_dw13_cublas(da: torch.Tensor, x: torch.Tensor, plan: Plan, w1: torch.Tensor,
+def wgrad_dw13_grouped_mm(da: torch.Tensor, x: torch.Tensor, plan: Plan, w1: torch.Tensor,
                       w3: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """dw1, dw3 (layouts of w1, w3) from da = [da1 | da3]: x rows gathered ONCE for both
     K-grouped GEMMs."""
@@ -221,7 +221,7 @@ def wgrad_dw13_cublas(da: torch.Tensor, x: torch.Tensor, plan: Plan, w1: torch.T
             grouped_wgrad(da[:, H:], x_rows, plan, w3))
 
 
-def dgrad_l1_cublas(da: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, plan: Plan,
+def dgrad1_grouped_mm(da: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, plan: Plan,
                     out: torch.Tensor | None = None) -> torch.Tensor:
     """dx_slot[slot] = da1_r @ w1[e] + da3_r @ w3[e] via two M-grouped GEMMs over the row space,
     then rows -> slots by a gather into out [T*K, D] (allocated after the second GEMM's output
