@@ -43,7 +43,7 @@
 # the report is always written; runs missing at the deadline are listed in it), AB_MIN_RUN_S
 # (default 90: no run starts with less left before the deadline), AB_EXTRA_ARGS (appended to
 # every run), CONFIG, WHEELS=0 (use the current env, not .whl), PYTHON (default python3),
-# MEGAMOE_TRITON_TUNE (default 0: every run uses the first, measured-best kernel config, so no
+# MEGAMOE_TUNE (default 0: every run uses the first, measured-best kernel config, so no
 # run's choice depends on timings taken while other runs share the GPU, and start-up is shorter).
 # Tokens/s of runs that overlapped are reported as n/c (not comparable); losses and peak memory
 # are per run and unaffected. For speed, use scripts/gpu_train_check.sh (one run at a time).
@@ -67,7 +67,7 @@ set -uo pipefail
 source "$(dirname "$0")/_device_env.sh"  # env, $OUT, repo root, PY, install_wheels, env_report
 install_wheels || exit 2
 offline_hf_env
-export MEGAMOE_TRITON_TUNE=${MEGAMOE_TRITON_TUNE:-0}
+export MEGAMOE_TUNE=${MEGAMOE_TUNE:-0}
 
 CONFIG=${CONFIG:-train_configs/qwen3_30b_a3b_gpu_smoke.toml}
 AB_FLAVOR=${AB_FLAVOR:-30B-A3B-L2}
@@ -88,7 +88,7 @@ mkdir -p "$WORK"
 {
   env_report
   echo "config $CONFIG flavor $AB_FLAVOR seq $AB_SEQ steps $AB_STEPS seeds $AB_SEEDS from" \
-    "$AB_SEED_BASE window $AB_WINDOW jobs $AB_JOBS tune $MEGAMOE_TRITON_TUNE extra: $AB_EXTRA_ARGS"
+    "$AB_SEED_BASE window $AB_WINDOW jobs $AB_JOBS tune $MEGAMOE_TUNE extra: $AB_EXTRA_ARGS"
 } 2>&1 | tee "$OUT/env.log"
 
 deadline=$((BUDGET_S - (SECONDS - START) - 50))

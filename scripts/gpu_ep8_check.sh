@@ -22,7 +22,7 @@
 # "--shapes 30b --no-ep1"), BENCH_TIMEOUT_S (150), AB_STEPS (10, --training.steps), RTOL (1e-2),
 # ATOL (1e-2), RUN_TIMEOUT_S (per torchrun of an A/B, 240), BUDGET_S (550), EXTRA_ARGS (appended
 # to every A/B run), AB30_ARGS / AB235_ARGS (to one A/B, e.g. "--model.flavor 30B-A3B-L24"),
-# MEGAMOE_TRITON_TUNE (default 1: kernel tuner on, as in production), WHEELS=0 (use the current
+# MEGAMOE_TUNE (default 1: kernel tuner on, as in production), WHEELS=0 (use the current
 # env, not .whl), PYTHON (python3), WORK (/tmp/megamoe_ep8_check).
 # Output, in $OUT (./.out by hand), refreshed after every part so a cut-off run still leaves
 # what finished: summary.md (the ratios and their targets), env.log, bench_ep<N>.json,
@@ -34,7 +34,7 @@ set -uo pipefail
 source "$(dirname "$0")/_device_env.sh"  # env, $OUT, repo root, PY, install_wheels, run_timeout
 install_wheels || exit 2
 offline_hf_env
-export MEGAMOE_TRITON_TUNE=${MEGAMOE_TRITON_TUNE:-1}
+export MEGAMOE_TUNE=${MEGAMOE_TUNE:-1}
 
 PARTS=${PARTS:-bench ab30 ab235}
 NPROC=${NPROC:-8}
@@ -54,7 +54,7 @@ mkdir -p "$WORK/status"
 
 {
   env_report
-  echo "parts $PARTS nproc $NPROC steps $AB_STEPS rtol $RTOL atol $ATOL tune $MEGAMOE_TRITON_TUNE"
+  echo "parts $PARTS nproc $NPROC steps $AB_STEPS rtol $RTOL atol $ATOL tune $MEGAMOE_TUNE"
   echo "bench args: $BENCH_ARGS; A/B extra: $EXTRA_ARGS | 30: ${AB30_ARGS:-} | 235: ${AB235_ARGS:-}"
 } 2>&1 | tee "$OUT/env.log"
 

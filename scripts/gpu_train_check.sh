@@ -29,7 +29,7 @@
 # BUDGET_S (whole script, default 540: later runs get shorter timeouts; LATER_S, default 80, is
 # kept back per setup still to come), EXTRA_ARGS (appended to
 # every run, e.g. a tiny CPU flavor), CONFIG, NPROC, WHEELS=0 (use the current env, not .whl),
-# PYTHON (default python3), MEGAMOE_TRITON_TUNE (default 0: the first,
+# PYTHON (default python3), MEGAMOE_TUNE (default 0: the first,
 # default kernel config, no per-shape timing or extra compiles; 1 times every candidate),
 # PROFILE_STEP (e.g. 8, from 4 to --training.steps: ab's --profile-step, both runs of each
 # setup trace that step with TorchTitan's profiler, and $OUT/profile_<setup>.md sets rank 0's
@@ -42,7 +42,7 @@ set -uo pipefail
 source "$(dirname "$0")/_device_env.sh"  # env, $OUT, repo root, PY, install_wheels, run_timeout
 install_wheels || exit 2
 offline_hf_env
-export MEGAMOE_TRITON_TUNE=${MEGAMOE_TRITON_TUNE:-0}
+export MEGAMOE_TUNE=${MEGAMOE_TUNE:-0}
 
 CONFIG=${CONFIG:-train_configs/qwen3_30b_a3b_gpu_smoke.toml}
 NPROC=${NPROC:-2}
@@ -58,7 +58,7 @@ mkdir -p "$WORK"
 
 {
   env_report
-  echo "config $CONFIG nproc $NPROC rtol $RTOL atol $ATOL tune $MEGAMOE_TRITON_TUNE extra: $EXTRA_ARGS"
+  echo "config $CONFIG nproc $NPROC rtol $RTOL atol $ATOL tune $MEGAMOE_TUNE extra: $EXTRA_ARGS"
 } 2>&1 | tee "$OUT/env.log"
 
 setup_args() {

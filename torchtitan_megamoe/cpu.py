@@ -21,7 +21,9 @@ import warnings
 
 import torch
 
-ENV_VAR = "MEGAMOE_CPU"
+from torchtitan_megamoe import settings
+
+ENV_VAR = settings.CPU
 """Set to ``1`` to apply the shims (only honoured when CUDA is not available)."""
 
 _applied = False
@@ -29,7 +31,7 @@ _applied = False
 
 def requested() -> bool:
     """True when the user asked for the CPU shims through ``MEGAMOE_CPU``."""
-    return os.environ.get(ENV_VAR, "0").strip().lower() in ("1", "true", "yes", "on")
+    return settings.cpu_shims()
 
 
 def applied() -> bool:

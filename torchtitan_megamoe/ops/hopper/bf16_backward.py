@@ -50,7 +50,7 @@ rows -> slots gather for dx_slot. tune.pick_config times both sides per stage on
 per shape (each side's timed launch includes its gathers and copies) and keeps the faster
 (kernel C's _grouped_mm side only runs forced: it never won); MEGAMOE_BWD_IMPL=triton|cublas
 forces one side (auto, the default, lets the tuner pick; untuned runs - interpreter, graph
-capture, MEGAMOE_TRITON_TUNE=0 - use Triton).
+capture, MEGAMOE_TUNE=0 - use Triton).
 
 Transient memory inside one backward call (R_max = T*K + E*(block_m-1) rounded up to block_m,
 block_m = 128), freed when the call returns (the saved a above stays alive through the call, as
@@ -114,7 +114,7 @@ BLOCK_M = 128
 """Plan tile height on the GPU (row tile of kernels A and C)."""
 
 # Hopper candidates, timed once per shape by tune.pick_config (the first one is used as is under
-# the interpreter, during graph capture or with MEGAMOE_TRITON_TUNE=0). Each Triton config is
+# the interpreter, during graph capture or with MEGAMOE_TUNE=0). Each Triton config is
 # offered because it was the fastest Triton config of its stage at a Qwen3 shape in at least one
 # H200 bench run of 2026-11-30/12-01 (the tuner tables of the bench JSONs in docs/perf at
 # 5e0bafa; what runs with MEGAMOE_BWD_IMPL=triton, and where neither the CUDA kernels nor

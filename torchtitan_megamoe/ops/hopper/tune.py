@@ -2,7 +2,7 @@
 
 triton.autotune would re-run every candidate on the first call of each key too; this does the
 same with device events, but also (a) returns the first candidate without timing under the CPU
-interpreter, during CUDA graph capture or with MEGAMOE_TRITON_TUNE=0, and (b) lets callers pin a
+interpreter, during CUDA graph capture or with MEGAMOE_TUNE=0, and (b) lets callers pin a
 config (tests). Candidates write the same outputs, so timing them in place is harmless.
 
 (c) With ``outputs``, every candidate's result is also checked against the first candidate's
@@ -13,9 +13,9 @@ never picked and its entry in TIMINGS says why. Implementations differ only by b
 a fast but wrong hand-written kernel out of a training run.
 """
 
-import os
-
 import torch
+
+from torchtitan_megamoe import settings
 
 from torchtitan_megamoe.timing import median_ms
 
@@ -26,7 +26,7 @@ TIMINGS: dict = {}
 
 def interpreting() -> bool:
     """True when kernels run under Triton's CPU interpreter (read at launch time)."""
-    return os.environ.get("TRITON_INTERPRET") == "1"
+    return settings.triton_interpreting()
 
 
 def interpreter_needs_f32_dot() -> bool:
@@ -38,7 +38,7 @@ def interpreter_needs_f32_dot() -> bool:
 def _tuning_enabled() -> bool:
     if interpreting():
         return False
-    if os.environ.get("MEGAMOE_TRITON_TUNE", "1") == "0":
+    if not settings.tuning():
         return False
     return not torch.cuda.is_current_stream_capturing()
 

@@ -16,6 +16,8 @@ import shutil
 import subprocess
 from pathlib import Path
 
+from torchtitan_megamoe import settings
+
 def find_csrc() -> Path:
     """The CUDA sources: ``csrc/`` at the top of a checkout (editable installs, running from
     the tree), else the copy a wheel carries inside the package (setup.py's build_py puts it
@@ -78,8 +80,7 @@ def build(name: str) -> Path:
             "or use the Triton kernels (MEGAMOE_CUDA=0)"
         )
     source = CSRC / f"{name}.cu"
-    cache = Path(os.environ.get("MEGAMOE_CUDA_CACHE",
-                                Path.home() / ".cache" / "torchtitan_megamoe" / "cuda"))
+    cache = settings.cuda_cache()
     out_dir = cache / f"{name}-{_cache_key(source, nvcc)}"
     lib = out_dir / f"lib{name}.so"
     if lib.exists():

@@ -4,10 +4,10 @@ library (one build, its entry points typed)."""
 from __future__ import annotations
 
 import ctypes
-import os
 
 import torch
 
+from torchtitan_megamoe import settings
 from torchtitan_megamoe.ops.hopper.cuda.build import load, nvcc_path
 from torchtitan_megamoe.ops.device import capability, sm_count
 
@@ -21,7 +21,7 @@ into .cuda_cache here to carry to a GPU machine (scripts/_device_env.sh uses it 
 
 def sm90_buildable(x: torch.Tensor) -> bool:
     """True where the kernels can run: an sm_90 GPU and nvcc to build them (not the interpreter)."""
-    if os.environ.get("TRITON_INTERPRET") == "1" or x.device.type != "cuda":
+    if settings.triton_interpreting() or x.device.type != "cuda":
         return False
     return capability(x.device) == (9, 0) and nvcc_path() is not None
 
@@ -30,7 +30,7 @@ def sm90_usable(x: torch.Tensor) -> bool:
     """True where the tuners may offer these kernels: buildable, and not turned off with
     MEGAMOE_CUDA=0 (e.g. to rule them out when debugging; a tuner only keeps one where it is
     the fastest candidate)."""
-    return os.environ.get("MEGAMOE_CUDA", "1") != "0" and sm90_buildable(x)
+    return settings.cuda_kernels() and sm90_buildable(x)
 
 
 def grouped_gemm_library() -> ctypes.CDLL:

@@ -38,18 +38,18 @@ that torch's grouped GEMM kernels reduce in a fixed order is checked, not assume
 must give bitwise-equal results (CPU test; the GPU test at the 30B shape).
 """
 
-import os
 
 import torch
 import triton
 import triton.language as tl
 
+from torchtitan_megamoe import settings
 from torchtitan_megamoe.ops.hopper.kernels.mma import interpreting
 from torchtitan_megamoe.ops.hopper.plan import Plan
 from torchtitan_megamoe.ops.hopper.kernels.tiling import cdiv, next_power_of_2
 
-IMPL_ENV = "MEGAMOE_BWD_IMPL"
-IMPLS = ("auto", "triton", "cublas")
+IMPL_ENV = settings.BWD_IMPL
+IMPLS = settings.BWD_IMPLS
 
 CUBLAS = dict(impl="cublas")
 """The candidate config of a cuBLAS stage (Triton configs carry no "impl" key)."""
@@ -57,10 +57,7 @@ CUBLAS = dict(impl="cublas")
 
 def bwd_impl() -> str:
     """MEGAMOE_BWD_IMPL: auto (default: the tuner picks per stage), triton or cublas (forced)."""
-    impl = os.environ.get(IMPL_ENV, "auto").strip().lower() or "auto"
-    if impl not in IMPLS:
-        raise ValueError(f"{IMPL_ENV}={impl!r} is not one of {IMPLS}; unset it or pick one of them")
-    return impl
+    return settings.bwd_impl()
 
 
 def is_cublas(cfg: dict) -> bool:
@@ -81,7 +78,7 @@ def cublas_unsupported_reason(D: int, H: int, E: int = 1) -> str | None:
 def stage_candidates(triton_cands: list, D: int, H: int, E: int = 1,
                      auto_cublas: bool = True) -> list:
     """Candidates of one stage under MEGAMOE_BWD_IMPL. Under auto the Triton configs come first,
-    so whatever runs untuned (interpreter, graph capture, MEGAMOE_TRITON_TUNE=0) stays Triton;
+    so whatever runs untuned (interpreter, graph capture, MEGAMOE_TUNE=0) stays Triton;
     ``auto_cublas`` False: auto offers no cuBLAS side (a stage where it never won)."""
     impl = bwd_impl()
     reason = cublas_unsupported_reason(D, H, E)
