@@ -258,7 +258,8 @@ BAD_SETTINGS = [
     (dict(max_tokens_per_rank=-1), ValueError, r"max_tokens_per_rank=-1 must be >= 0"),
     (dict(max_tokens_per_rank="lots"), TypeError,
      r"\[megamoe\] max_tokens_per_rank='lots' is a str, expected an int \(a count >= 0\)"),
-    (dict(max_tokens_per_rank=1.5), TypeError, r"max_tokens_per_rank=1.5 is a float, expected an int"),
+    (dict(max_tokens_per_rank=1.5), TypeError,
+     r"max_tokens_per_rank=1.5 is a float, expected an int"),
     (dict(max_tokens_per_rank=4096.0), TypeError, r"max_tokens_per_rank=4096.0 is a float"),
     (dict(max_tokens_per_rank=True), TypeError, r"max_tokens_per_rank=True is a bool"),
 ]
