@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import json
 
 import pytest
 import torch
@@ -26,6 +27,7 @@ from torchtitan.protocols.model_converter import (
 from torchtitan_megamoe import converter as conv_mod
 from torchtitan_megamoe.converter import MegaMoEConverter, hopper_shape_error
 from torchtitan_megamoe.moe import KeepDtype, MegaExperts, MegaMoE
+from torchtitan_megamoe.ops.options import MegaMoEOptions
 from torchtitan_megamoe.parallel import install_ep_routing
 
 from moe_testing import (
@@ -80,7 +82,8 @@ def test_toml_section_and_registration():
     moes = [b.moe for b in model.layers.values()]
     assert all(type(m) is MegaMoE for m in moes)
     assert all(
-        (m.experts.backend, m.experts.precision) == ("reference", "fp8_bwd") for m in moes
+        (m.experts.options.backend, m.experts.options.precision) == ("reference", "fp8_bwd")
+        for m in moes
     )
 
 
@@ -237,20 +240,70 @@ def _meta_model(args=None):
         return Qwen3Model(args or tiny_args())
 
 
-@pytest.mark.parametrize(
-    "settings, match",
-    [
-        (dict(backend="cuda"), r"backend='cuda' is not one of"),
-        (dict(precision="fp16"), r"precision='fp16' is not one of"),
-        (dict(fp8_weight_cache=True), r"fp8_weight_cache=true only applies to precision"),
-        (dict(save_activations="always"), r"save_activations='always' is not one of"),
-        (dict(save_activations="sometimes"), r"\('auto', 'keep', 'never'\)"),
-        (dict(max_tokens_per_rank=-1), r"max_tokens_per_rank=-1 must be >= 0"),
-    ],
-)
-def test_rejects_bad_settings(settings, match):
-    with pytest.raises(ValueError, match=match):
-        MegaMoEConverter(job_config(**settings), None)
+BAD_SETTINGS = [
+    # (settings, exception, message): each [megamoe] field with a wrong value and a wrong type
+    (dict(backend="cuda"), ValueError, r"\[megamoe\] backend='cuda' is not one of 'auto', "),
+    (dict(backend="triton"), ValueError, r"backend='triton' is not one of"),  # former name
+    (dict(backend=1), TypeError, r"backend=1 is an int, expected a str: one of 'auto'"),
+    (dict(precision="fp16"), ValueError, r"precision='fp16' is not one of"),
+    (dict(precision=None), TypeError, r"precision=None is a NoneType, expected a str"),
+    (dict(fp8_weight_cache=True), ValueError, r"fp8_weight_cache=true only applies to precision"),
+    (dict(precision="fp8", fp8_weight_cache="false"), TypeError,
+     r"\[megamoe\] fp8_weight_cache='false' is a str, expected a bool \(true or false\)"),
+    (dict(precision="fp8", fp8_weight_cache=1), TypeError,
+     r"fp8_weight_cache=1 is an int, expected a bool"),
+    (dict(save_activations="always"), ValueError, r"save_activations='always' is not one of"),
+    (dict(save_activations="sometimes"), ValueError, r"'auto', 'keep', 'never'"),
+    (dict(save_activations=True), TypeError, r"save_activations=True is a bool, expected a str"),
+    (dict(max_tokens_per_rank=-1), ValueError, r"max_tokens_per_rank=-1 must be >= 0"),
+    (dict(max_tokens_per_rank="lots"), TypeError,
+     r"\[megamoe\] max_tokens_per_rank='lots' is a str, expected an int \(a count >= 0\)"),
+    (dict(max_tokens_per_rank=1.5), TypeError,
+     r"max_tokens_per_rank=1.5 is a float, expected an int"),
+    (dict(max_tokens_per_rank=4096.0), TypeError, r"max_tokens_per_rank=4096.0 is a float"),
+    (dict(max_tokens_per_rank=True), TypeError, r"max_tokens_per_rank=True is a bool"),
+]
+
+
+@pytest.mark.parametrize("settings, exc, match", BAD_SETTINGS)
+def test_rejects_bad_settings(settings, exc, match):
+    # raised when the section is built (TorchTitan builds it from the TOML while parsing)...
+    with pytest.raises(exc, match=match):
+        job_config(**settings)
+    # ...and by the converter, for values assigned to a built section
+    jc = job_config()
+    for name, value in settings.items():
+        setattr(jc.megamoe, name, value)
+    with pytest.raises(exc, match=match):
+        MegaMoEConverter(jc, None)
+
+
+def _toml(value) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return json.dumps(value)  # a TOML string, integer or float alike
+
+
+@pytest.mark.parametrize("settings, exc, match",
+                         [b for b in BAD_SETTINGS if None not in b[0].values()])  # no TOML null
+def test_bad_toml_values_fail_at_config_parse(settings, exc, match, tmp_path):
+    """A new user's TOML, parsed by TorchTitan's ConfigManager: the error names the field, the
+    value and the expected type before anything is built."""
+    lines = ["[job]", 'custom_config_module = "torchtitan_megamoe.config"', "[megamoe]"]
+    lines += [f"{name} = {_toml(value)}" for name, value in settings.items()]
+    path = tmp_path / "bad.toml"
+    path.write_text("\n".join(lines) + "\n")
+    with pytest.raises(exc, match=match):
+        ConfigManager().parse_args(["--job.config_file", str(path)])
+
+
+def test_cli_overrides_are_checked_like_the_toml():
+    args = ["--job.custom_config_module", "torchtitan_megamoe.config", "--megamoe.precision",
+            "fp8", "--megamoe.fp8_weight_cache", "--megamoe.max_tokens_per_rank", "4096"]
+    jc = ConfigManager().parse_args(args)
+    assert (jc.megamoe.fp8_weight_cache, jc.megamoe.max_tokens_per_rank) == (True, 4096)
+    with pytest.raises(SystemExit):  # tyro refuses a word for an int, naming the option
+        ConfigManager().parse_args(args[:-1] + ["lots"])
 
 
 @pytest.mark.parametrize("precision", ["fp8", "fp8_bwd"])
@@ -297,14 +350,33 @@ def test_fp8_weight_cache_follows_versions_and_optimizer_steps(monkeypatch):
     assert len(made) == 5  # off: every call quantizes
 
 
-def test_runtime_knobs_reach_the_op(monkeypatch):
-    from torchtitan_megamoe.ops import api
-    from torchtitan_megamoe.ops.hopper import ep_transport as exchange
+def test_settings_reach_the_backend_as_one_options_object(monkeypatch):
+    """[megamoe] becomes one MegaMoEOptions at conversion, carried by every converted block
+    and handed to the backend on each call: no process-wide state."""
+    from torchtitan_megamoe.ops import reference
 
-    monkeypatch.setattr(api, "_SAVE_ACTIVATIONS", "keep")
-    monkeypatch.setattr(exchange, "_MAX_TOKENS_PER_RANK", 0)
-    MegaMoEConverter(job_config(save_activations="never", max_tokens_per_rank=4096), None)
-    assert api._SAVE_ACTIVATIONS == "never" and exchange._MAX_TOKENS_PER_RANK == 4096
+    jc = job_config(precision="fp8_bwd", save_activations="never", max_tokens_per_rank=4096,
+                    fp8_weight_cache=True)
+    jc.training.mixed_precision_param = "float32"  # the cache needs weights that reach the op
+    converter = MegaMoEConverter(jc, None)
+    expected = MegaMoEOptions(backend="reference", precision="fp8_bwd",
+                              save_activations="never", max_tokens_per_rank=4096,
+                              fp8_weight_cache=True)
+    assert converter.options == expected
+    args = tiny_args(dim=128, moe_inter_dim=128)
+    with torch.device("meta"):
+        model = Qwen3Model(args)
+    converter.convert(model)
+    assert all(b.moe.experts.options is converter.options for b in model.layers.values())
+    model.to_empty(device="cpu")
+    with torch.no_grad():
+        model.init_weights(buffer_device=torch.device("cpu"))
+    seen = []
+    original = reference.forward
+    monkeypatch.setattr(reference, "forward",
+                        lambda *a, **k: seen.append(a[7]) or original(*a, **k))
+    model(torch.randint(0, args.vocab_size, (1, 8)))
+    assert seen == [expected] * args.n_layers
 
 
 @pytest.mark.parametrize(
@@ -319,15 +391,11 @@ def test_runtime_knobs_reach_the_op(monkeypatch):
     ],
 )
 def test_save_activations_auto_follows_activation_checkpointing(
-        monkeypatch, setting, ac_mode, ac_option, expected):
-    from torchtitan_megamoe.ops import api
-
-    monkeypatch.setattr(api, "_SAVE_ACTIVATIONS", "keep")
+        setting, ac_mode, ac_option, expected):
     jc = job_config(save_activations=setting)
     jc.activation_checkpoint.mode = ac_mode
     jc.activation_checkpoint.selective_ac_option = ac_option
-    MegaMoEConverter(jc, None)
-    assert api._SAVE_ACTIVATIONS == expected
+    assert MegaMoEConverter(jc, None).options.save_activations == expected
 
 
 @pytest.mark.parametrize(
@@ -390,7 +458,8 @@ def test_parallel_dims_take_precedence_over_job_config():
             tiny_args(),
             job_config(precision="fp8"),
             ValueError,
-            r"precision='fp8' uses 128-wide scaling blocks.*dim=64, moe_inter_dim=32",
+            r"'layers.0.moe' \(dim=64, moe_inter_dim=32\): mega_moe: precision='fp8' uses "
+            r"128-wide scaling blocks and needs dim and hidden % 128 == 0",
         ),
     ],
 )
@@ -402,7 +471,7 @@ def test_rejects_unsupported_moe(args, jc, exc, match):
     assert all(type(b.moe) is MoE for b in model.layers.values())
 
 
-def test_triton_shapes_accepted_when_aligned():
+def test_hopper_shapes_accepted_when_aligned():
     assert hopper_shape_error(2048, 768) is None
     assert hopper_shape_error(4096, 1536) is None
     model = _meta_model(tiny_args(dim=128, moe_inter_dim=128))
@@ -449,7 +518,9 @@ def test_rejects_dense_model_and_is_idempotent():
 def test_megamoe_direct_construction_rejects_score_before_experts():
     with pytest.raises(ValueError, match=r"score_before_experts=True is not supported"):
         MegaMoE(tiny_args(score_before_experts=True).moe_args, dim=64, hidden_dim=32)
-    moe = MegaMoE(tiny_args().moe_args, dim=64, hidden_dim=32, backend="reference")
+    moe = MegaMoE(tiny_args().moe_args, dim=64, hidden_dim=32,
+                  options=MegaMoEOptions(backend="reference"))
+    assert moe.experts.options.backend == "reference"
     assert isinstance(moe.experts, MegaExperts) and not hasattr(moe, "reorderer")
 
 

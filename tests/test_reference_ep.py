@@ -56,3 +56,37 @@ def test_ep2_matches_single_rank():
     single = [out.detach()] + [t.grad for t in leaves]
     for name, a, b in zip(("out", "dx", "dw", "dw1", "dw2", "dw3"), ep, single):
         assert rel_err(a, b) < 1e-12, name
+
+
+def _capacity_worker(rank, init_file, result_file):
+    """Rank 0 brings T tokens, rank 1 five; capacity T - 3, then T."""
+    init_gloo(rank, R, init_file)
+    x, ids, w, w1, w2, w3, dy = _inputs()
+    mine = slice(0, T) if rank == 0 else slice(T, T + 5)
+    experts = slice(rank * E // R, (rank + 1) * E // R)
+    args = (x[mine], ids[mine], w[mine], w1[experts], w2[experts], w3[experts])
+    errors = []
+    try:
+        mega_moe(*args, group=dist.group.WORLD, backend="reference", max_tokens_per_rank=T - 3)
+    except ValueError as e:
+        errors.append(str(e))
+    leaves = [t.clone().requires_grad_() for t in (args[0], *args[2:])]
+    out = mega_moe(leaves[0], args[1], *leaves[1:], group=dist.group.WORLD, backend="reference",
+                   max_tokens_per_rank=T)
+    out.backward(dy[mine])
+    torch.save([errors, out.detach()], f"{result_file}.{rank}")
+    dist.destroy_process_group()
+
+
+def test_ep2_applies_max_tokens_per_rank_like_hopper():
+    """A batch above max_tokens_per_rank fails on every rank (also the one within it, which
+    would otherwise wait in the exchange), naming the value needed; one within it runs."""
+    ranks = run_ranks(_capacity_worker, R)
+    for errors, out in ranks:
+        assert len(errors) == 1, errors
+        assert f"rank 0 of the group has {T} tokens but the EP exchange takes at most {T - 3}" \
+            in errors[0]
+        assert f"max_tokens_per_rank (mega_moe(max_tokens_per_rank=...)) to at least {T}" \
+            in errors[0]
+        assert torch.isfinite(out).all()
+    assert [r[1].shape[0] for r in ranks] == [T, 5]

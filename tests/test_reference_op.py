@@ -16,6 +16,10 @@ from moe_testing import moe_f64 as oracle
 from moe_testing import op_args, rel_err as rel, routing as routing_ids
 from torchtitan_megamoe import mega_moe
 from torchtitan_megamoe.ops import reference
+from torchtitan_megamoe.ops.options import MegaMoEOptions
+
+REFERENCE = MegaMoEOptions(backend="reference").op_args()
+"""The options' trailing arguments of a raw call of the registered op (backend reference)."""
 
 ROUTINGS = ["random", "dropped", "one_expert", "empty_experts", "all_dropped_but_one"]
 
@@ -125,7 +129,7 @@ def test_op_contract_saved_outputs():
     """megamoe::mega_moe returns (out, saved); the reference backend saves nothing, the public
     mega_moe() returns out alone, and mega_moe_backward takes the saved list."""
     x, ids, w, w1, w2, w3 = make_inputs(8, 2, 3, 8, 8, "dropped", dtype=torch.float32)
-    out, saved = torch.ops.megamoe.mega_moe(x, ids, w, w1, w2, w3, "", "reference", "bf16", True)
+    out, saved = torch.ops.megamoe.mega_moe(x, ids, w, w1, w2, w3, True, "", *REFERENCE)
     assert saved == []
     public = mega_moe(x, ids, w, w1, w2, w3, backend="reference")
     assert isinstance(public, torch.Tensor) and torch.equal(public, out)
@@ -137,8 +141,39 @@ def test_op_contract_saved_outputs():
 
 def test_opcheck():
     x, ids, w, w1, w2, w3 = make_inputs(8, 2, 3, 8, 8, "dropped", dtype=torch.float64)
-    args = (x.requires_grad_(), ids, w.requires_grad_(), w1, w2, w3, "", "reference", "bf16", True)
+    args = (x.requires_grad_(), ids, w.requires_grad_(), w1, w2, w3, True, "", *REFERENCE)
     torch.library.opcheck(torch.ops.megamoe.mega_moe.default, args)
+    fp8 = MegaMoEOptions("reference", "fp8", "never", 4096, True).op_args()
+    x, ids, w, w1, w2, w3 = make_inputs(8, 2, 3, 128, 128, "dropped", dtype=torch.float64)
+    args = (x.requires_grad_(), ids, w.requires_grad_(), w1, w2, w3, False, "", *fp8)
+    torch.library.opcheck(torch.ops.megamoe.mega_moe.default, args)
+
+
+def test_op_schemas_carry_every_option_typed():
+    """Both registered ops end with MegaMoEOptions' fields, in its order, with their types."""
+    import dataclasses
+
+    expected = [(f.name, {bool: "bool", int: "int"}.get(type(f.default), "str"))
+                for f in dataclasses.fields(MegaMoEOptions)]
+    for op in (torch.ops.megamoe.mega_moe.default, torch.ops.megamoe.mega_moe_backward.default):
+        args = op._schema.arguments[-len(expected):]
+        assert [(a.name, str(a.type)) for a in args] == expected, op._schema
+
+
+def test_options_are_checked_and_interned():
+    """mega_moe()'s keyword arguments become one validated MegaMoEOptions per distinct set."""
+    a = MegaMoEOptions.of("reference", "fp8", "never", 64, True)
+    assert a is MegaMoEOptions.of("reference", "fp8", "never", 64, True)
+    assert a == MegaMoEOptions(backend="reference", precision="fp8", save_activations="never",
+                               max_tokens_per_rank=64, fp8_weight_cache=True)
+    assert MegaMoEOptions.of(*a.op_args()) is a and a.with_backend("hopper").backend == "hopper"
+    assert MegaMoEOptions(**a.as_kwargs()) == a
+    # True == 1 and hash(True) == hash(1): the cache must not hand back a checked 1 for True
+    MegaMoEOptions.of("reference", "bf16", "keep", 1, False)
+    with pytest.raises(TypeError, match=r"max_tokens_per_rank=True is a bool, expected an int"):
+        MegaMoEOptions.of("reference", "bf16", "keep", True, False)
+    with pytest.raises(TypeError, match=r"backend=\['reference'\] is a list"):
+        MegaMoEOptions.of(["reference"])
 
 
 @pytest.mark.parametrize(
@@ -153,9 +188,17 @@ def test_opcheck():
         (lambda a: a.update(w3=a["w3"][:2]), ValueError, "w3 shape"),
         (lambda a: a["topk_ids"].__setitem__((0, 0), 99), ValueError, r"topk_ids must lie in \[-1, 4\)"),
         (lambda a: a["topk_ids"].__setitem__((0, 0), -2), ValueError, r"topk_ids must lie in \[-1, 4\)"),
-        (lambda a: a.update(precision="int4"), ValueError, "unknown precision"),
-        (lambda a: a.update(backend="cuda"), ValueError, "unknown backend"),
+        (lambda a: a.update(precision="int4"), ValueError, "precision='int4' is not one of"),
+        (lambda a: a.update(backend="cuda"), ValueError, "backend='cuda' is not one of"),
         (lambda a: a.update(precision="fp8"), ValueError, r"dim and hidden % 128 == 0"),
+        (lambda a: a.update(backend="triton"), ValueError, "backend='triton' is not one of"),
+        (lambda a: a.update(fp8_weight_cache="false"), TypeError,
+         "fp8_weight_cache='false' is a str, expected a bool"),
+        (lambda a: a.update(max_tokens_per_rank=1.5), TypeError,
+         r"max_tokens_per_rank=1.5 is a float, expected an int"),
+        (lambda a: a.update(max_tokens_per_rank=-1), ValueError, "max_tokens_per_rank=-1 must be"),
+        (lambda a: a.update(save_activations=False), TypeError,
+         "save_activations=False is a bool, expected a str: one of 'keep', 'never'"),
     ],
 )
 def test_bad_arguments_raise_clear_errors(mutate, exc, match):
@@ -176,7 +219,7 @@ def _save_flags():
     real = api._run_forward
 
     def spy(*args):
-        seen.append(args[-1])
+        seen.append(args[6])  # (x, topk_ids, topk_weights, w1, w2, w3, save, ...)
         return real(*args)
 
     api._run_forward = spy
@@ -198,20 +241,15 @@ def test_no_grad_call_saves_nothing():
 
 
 def test_save_activations_never_keeps_nothing():
-    from torchtitan_megamoe.ops import api
-
     x, ids, w, w1, w2, w3 = make_inputs(8, 2, 3, 8, 8, "random", dtype=torch.float32)
-    try:
-        api.set_save_activations("never")
-        with _save_flags() as seen:
-            out = mega_moe(x, ids, w, w1.requires_grad_(), w2, w3, backend="reference")
-        out.sum().backward()  # the backward still works (recomputing)
-        assert w1.grad is not None and torch.isfinite(w1.grad).all()
-        with pytest.raises(ValueError, match="save_activations"):
-            api.set_save_activations("sometimes")
-    finally:
-        api.set_save_activations("keep")
+    with _save_flags() as seen:
+        out = mega_moe(x, ids, w, w1.requires_grad_(), w2, w3, backend="reference",
+                       save_activations="never")
+    out.sum().backward()  # the backward still works (recomputing)
+    assert w1.grad is not None and torch.isfinite(w1.grad).all()
     assert seen == [False]
+    with pytest.raises(ValueError, match="save_activations='sometimes' is not one of"):
+        mega_moe(x, ids, w, w1, w2, w3, backend="reference", save_activations="sometimes")
 
 
 # ------------------------------------------------ plain eager calls skip torch.library's wrapper

@@ -31,14 +31,15 @@ def _empty_layer(dtype, device="cpu", D=D, H=H, E=E):
     return inp
 
 
-def _check_zero_token_call(inp, backend, precision="bf16"):
+def _check_zero_token_call(inp, backend, precision="bf16", save="keep"):
     """Forward (no_grad, and with autograd) and backward of one T = 0 call."""
     x, ids, tw, w1, w2, w3 = op_args(inp)
+    options = dict(backend=backend, precision=precision, save_activations=save)
     with torch.no_grad():
-        out = mega_moe(x, ids, tw, w1, w2, w3, backend=backend, precision=precision)
+        out = mega_moe(x, ids, tw, w1, w2, w3, **options)
     assert out.shape == x.shape and out.dtype == x.dtype
     leaves = [t.clone().requires_grad_() for t in (x, tw, w1, w2, w3)]
-    out = mega_moe(leaves[0], ids, *leaves[1:], backend=backend, precision=precision)
+    out = mega_moe(leaves[0], ids, *leaves[1:], **options)
     assert out.shape == x.shape and out.dtype == x.dtype
     grads = torch.autograd.grad(out, leaves, torch.empty_like(out))
     for name, g, like in zip(NAMES, grads, leaves):
@@ -67,8 +68,8 @@ def test_reference_backend_opcheck():
     """Fake and real impls agree at T = 0 (the shapes a compiled graph is traced with)."""
     inp = _empty_layer(torch.float64)
     x, ids, tw, w1, w2, w3 = op_args(inp)
-    args = (x.requires_grad_(), ids, tw.requires_grad_(), w1, w2, w3, "", "reference", "bf16",
-            True)
+    args = (x.requires_grad_(), ids, tw.requires_grad_(), w1, w2, w3, True, "",
+            *MegaMoEOptions(backend="reference").op_args())
     torch.library.opcheck(torch.ops.megamoe.mega_moe.default, args)
 
 
@@ -79,7 +80,6 @@ def test_hopper_backend_under_the_interpreter(save, monkeypatch):
     save_activations "keep" the saved tensors are saved_like's (empty at T = 0)."""
     import importlib
 
-    from torchtitan_megamoe.ops import api
     from torchtitan_megamoe.ops.hopper import bf16_forward
 
     def no_plan(*args, **kwargs):
@@ -88,11 +88,7 @@ def test_hopper_backend_under_the_interpreter(save, monkeypatch):
     monkeypatch.setattr(bf16_forward, "build_plan", no_plan)
     monkeypatch.setattr(importlib.import_module("torchtitan_megamoe.ops.hopper.bf16_backward"),
                         "build_plan", no_plan)
-    try:
-        api.set_save_activations(save)
-        _check_zero_token_call(_empty_layer(torch.bfloat16), "hopper")
-    finally:
-        api.set_save_activations("keep")
+    _check_zero_token_call(_empty_layer(torch.bfloat16), "hopper", save=save)
 
 
 @NO_GPU
@@ -106,12 +102,13 @@ def test_hopper_backend_op_saved_outputs_match_the_fake():
     from torchtitan_megamoe.ops import hopper
 
     x, ids, tw, w1, w2, w3 = op_args(_empty_layer(torch.bfloat16))
-    out, saved = torch.ops.megamoe.mega_moe(x, ids, tw, w1, w2, w3, "", "hopper", "bf16", True)
+    hopper_args = MegaMoEOptions(backend="hopper").op_args()
+    out, saved = torch.ops.megamoe.mega_moe(x, ids, tw, w1, w2, w3, True, "", *hopper_args)
     assert out.shape == (0, D)
     fake = hopper.saved_like(x, ids, tw, w1, w2, w3, None, MegaMoEOptions(precision="bf16"))
     assert [(s.shape, s.dtype) for s in saved] == [(f.shape, f.dtype) for f in fake]
-    args = (x.requires_grad_(), ids, tw.requires_grad_(), w1.requires_grad_(), w2, w3, "",
-            "hopper", "bf16", True)
+    args = (x.requires_grad_(), ids, tw.requires_grad_(), w1.requires_grad_(), w2, w3, True, "",
+            *hopper_args)
     torch.library.opcheck(torch.ops.megamoe.mega_moe.default, args,
                           test_utils=("test_schema", "test_faketensor",
                                       "test_autograd_registration", "test_aot_dispatch_dynamic"))
@@ -123,15 +120,9 @@ def test_hopper_backend_op_saved_outputs_match_the_fake():
 @pytest.mark.parametrize("precision", ["bf16", "fp8", "fp8_bwd"])
 @pytest.mark.parametrize("save", ["keep", "never"])
 def test_hopper_backend_on_the_gpu(backend, precision, save):
-    from torchtitan_megamoe.ops import api
-
-    try:
-        api.set_save_activations(save)
-        for b in (backend, "reference"):
-            _check_zero_token_call(_empty_layer(torch.bfloat16, "cuda", D=256, H=128, E=8), b,
-                                   precision)
-    finally:
-        api.set_save_activations("keep")
+    for b in (backend, "reference"):
+        _check_zero_token_call(_empty_layer(torch.bfloat16, "cuda", D=256, H=128, E=8), b,
+                               precision, save)
 
 
 # ------------------------------------------------------------------ EP=2: a rank with no tokens

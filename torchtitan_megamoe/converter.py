@@ -22,14 +22,12 @@ from torchtitan.models.moe.moe import GroupedExperts, MoE
 from torchtitan.protocols.model_converter import register_model_converter
 from torchtitan.tools.logging import logger
 
-from torchtitan_megamoe.config import MegaMoEConfig
 from torchtitan_megamoe.moe import MegaMoE
-from torchtitan_megamoe.ops.api import (
-    BACKENDS, PRECISIONS, SAVE_MODES, canonical_backend, set_save_activations,
-)
-from torchtitan_megamoe.ops.hopper.ep_transport import set_max_tokens_per_rank
-from torchtitan_megamoe.ops.hopper.fp8_weights import new_weights_step, set_weight_cache
+from torchtitan_megamoe.ops.api import check_args
+from torchtitan_megamoe.ops.hopper.fp8_weights import new_weights_step
+from torchtitan_megamoe.ops.options import MegaMoEOptions
 from torchtitan_megamoe.parallel import install_ep_routing
+from torchtitan_megamoe.settings import MegaMoEConfig
 
 
 # Modules holding a module-level ``_op_sac_save_list`` used by their parallelize function.
@@ -41,7 +39,7 @@ _SAC_LIST_MODULES = (
 
 
 def hopper_shape_error(dim: int, hidden_dim: int) -> str | None:
-    """Why the Triton kernels cannot take this expert shape, or None if they can.
+    """Why the Hopper kernels cannot take this expert shape, or None if they can.
 
     ``dim``: model hidden size (D); ``hidden_dim``: expert intermediate size (H). Kept small and
     standalone so the kernels' owner can tighten it as the kernels' tiling requires.
@@ -54,10 +52,6 @@ def hopper_shape_error(dim: int, hidden_dim: int) -> str | None:
             f"expert intermediate size moe_inter_dim={hidden_dim} is not a multiple of 128"
         )
     return "; ".join(problems) or None
-
-
-CONFIG_SAVE_MODES = ("auto",) + SAVE_MODES
-"""``[megamoe] save_activations``: the op's modes, and ``auto`` (resolve_save_activations)."""
 
 
 def resolve_save_activations(cfg: MegaMoEConfig, job_config: JobConfig) -> str:
@@ -76,34 +70,18 @@ def resolve_save_activations(cfg: MegaMoEConfig, job_config: JobConfig) -> str:
     return "keep"
 
 
-def validate_settings(cfg: MegaMoEConfig) -> None:
-    """Check the ``[megamoe]`` values (TOML/CLI strings are not checked against Literal types);
-    a former backend name is rewritten to today's."""
-    cfg.backend = canonical_backend(cfg.backend)
-    if cfg.backend not in BACKENDS:
-        raise ValueError(
-            f"[megamoe] backend={cfg.backend!r} is not one of {BACKENDS}; "
-            "use 'auto' unless you need to force an implementation."
-        )
-    if cfg.save_activations not in CONFIG_SAVE_MODES:
-        raise ValueError(
-            f"[megamoe] save_activations={cfg.save_activations!r} is not one of "
-            f"{CONFIG_SAVE_MODES}."
-        )
-    if cfg.max_tokens_per_rank < 0:
-        raise ValueError(
-            f"[megamoe] max_tokens_per_rank={cfg.max_tokens_per_rank} must be >= 0 (0: size "
-            "the EP exchange from the first step's tokens per rank)."
-        )
-    if cfg.precision not in PRECISIONS:
-        raise ValueError(
-            f"[megamoe] precision={cfg.precision!r} is not one of {PRECISIONS}."
-        )
-    if cfg.fp8_weight_cache and cfg.precision == "bf16":
-        raise ValueError(
-            "[megamoe] fp8_weight_cache=true only applies to precision 'fp8' / 'fp8_bwd'; "
-            "set it to false or pick an FP8 precision."
-        )
+def build_options(cfg: MegaMoEConfig, job_config: JobConfig) -> MegaMoEOptions:
+    """The op's options for this job, built once at conversion: ``[megamoe]`` checked again
+    (fields may have been assigned after the section was built), ``save_activations='auto'``
+    resolved."""
+    cfg.validate()
+    return MegaMoEOptions(
+        backend=cfg.backend,
+        precision=cfg.precision,
+        save_activations=resolve_save_activations(cfg, job_config),
+        max_tokens_per_rank=cfg.max_tokens_per_rank,
+        fp8_weight_cache=cfg.fp8_weight_cache,
+    )
 
 
 def _degrees(job_config: JobConfig, parallel_dims: ParallelDims | None) -> dict[str, int]:
@@ -133,19 +111,19 @@ def _fsdp_shards_experts(job_config: JobConfig, parallel_dims: ParallelDims | No
     return shard > 1 or (shard == -1 and int(os.environ.get("WORLD_SIZE", "1")) > 1)
 
 
-def validate_job(job_config: JobConfig, parallel_dims: ParallelDims | None) -> None:
+def validate_job(job_config: JobConfig, parallel_dims: ParallelDims | None,
+                 options: MegaMoEOptions) -> None:
     """Reject parallelism and converter combinations the fused path does not support."""
     d = _degrees(job_config, parallel_dims)
-    cfg = getattr(job_config, "megamoe", None)
-    if cfg is not None and cfg.precision != "bf16" and d["ep"] > 1 and cfg.backend != "reference":
+    if options.precision != "bf16" and d["ep"] > 1 and options.backend != "reference":
         # Raised here rather than at the first training step, inside the op.
         raise NotImplementedError(
-            f"megamoe: precision={cfg.precision!r} runs the Hopper kernels on one rank's "
+            f"megamoe: precision={options.precision!r} runs the Hopper kernels on one rank's "
             f"experts only so far; with expert_parallel_degree={d['ep']} the token exchange "
             "moves bf16 rows. Use precision='bf16' with expert parallelism, or "
             "expert_parallel_degree=1 (FSDP alone) for FP8."
         )
-    if cfg is not None and cfg.fp8_weight_cache and _fsdp_shards_experts(job_config, parallel_dims):
+    if options.fp8_weight_cache and _fsdp_shards_experts(job_config, parallel_dims):
         raise NotImplementedError(
             "megamoe: fp8_weight_cache=true needs unsharded expert weights: under FSDP the "
             "gathered weights are rewritten in place every step with their version counter "
@@ -153,8 +131,7 @@ def validate_job(job_config: JobConfig, parallel_dims: ParallelDims | None) -> N
             "[megamoe] fp8_weight_cache=false (the weights are then quantized on every call)."
         )
     mp_param = str(job_config.training.mixed_precision_param)
-    if (cfg is not None and cfg.fp8_weight_cache
-            and not _fsdp_shards_experts(job_config, parallel_dims)
+    if (options.fp8_weight_cache and not _fsdp_shards_experts(job_config, parallel_dims)
             and mp_param not in ("float32", "torch.float32")):
         # Without FSDP TorchTitan trains under torch.autocast, and the op casts the fp32
         # weights to the autocast dtype on every call (ops/api.py): each call would see new
@@ -206,7 +183,7 @@ def validate_job(job_config: JobConfig, parallel_dims: ParallelDims | None) -> N
 
 
 def validate_moe(
-    fqn: str, moe: nn.Module, cfg: MegaMoEConfig, ep_degree: int = 1
+    fqn: str, moe: nn.Module, options: MegaMoEOptions, ep_degree: int = 1
 ) -> None:
     """Reject an MoE block the fused op cannot compute exactly like stock."""
     where = f"megamoe: MoE block '{fqn}'"
@@ -229,25 +206,23 @@ def validate_moe(
             "(SwiGLU: w2 @ (silu(w1 x) * w3 x)) is supported. Apply 'megamoe' before any "
             "converter that replaces the experts, or drop it."
         )
-    e, h, dim = experts.w1.shape
-    if tuple(experts.w3.shape) != (e, h, dim) or tuple(experts.w2.shape) != (e, dim, h):
-        raise ValueError(
-            f"{where}: expert weights w1 {tuple(experts.w1.shape)}, w2 "
-            f"{tuple(experts.w2.shape)}, w3 {tuple(experts.w3.shape)} are not the SwiGLU "
-            "layout [E, H, D], [E, D, H], [E, H, D]."
-        )
+    # the op's own argument checks (expert layout, FP8 block size), on zero-token stand-ins of
+    # this block's inputs: nothing is allocated, and what the op would refuse fails here
+    w1 = experts.w1
+    e, h, dim = w1.shape
+    x = torch.empty((0, dim), dtype=w1.dtype, device=w1.device)
+    ids = torch.empty((0, moe.router.top_k), dtype=torch.int64, device=w1.device)
+    try:
+        check_args(x, ids, ids.to(torch.float32), w1, experts.w2, experts.w3,
+                   precision=options.precision)
+    except (TypeError, ValueError) as err:
+        raise type(err)(f"{where} (dim={dim}, moe_inter_dim={h}): {err}") from None
     if e % ep_degree != 0:
         raise ValueError(
             f"{where}: num_experts={e} is not divisible by expert_parallel_degree={ep_degree}; "
             "choose an EP degree that divides the expert count."
         )
-    if cfg.precision in ("fp8", "fp8_bwd") and (dim % 128 or h % 128):
-        raise ValueError(
-            f"{where}: precision={cfg.precision!r} uses 128-wide scaling blocks and needs dim "
-            f"and moe_inter_dim to be multiples of 128, got dim={dim}, moe_inter_dim={h}. Use "
-            "[megamoe] precision='bf16' for this model."
-        )
-    if cfg.backend == "hopper":
+    if options.backend == "hopper":
         problem = hopper_shape_error(dim, h)
         if problem is not None:
             raise ValueError(
@@ -276,7 +251,9 @@ def add_op_to_sac_save_list() -> bool:
     return True
 
 
-def convert_moe_blocks(model: nn.Module, cfg: MegaMoEConfig, ep_degree: int = 1) -> list[str]:
+def convert_moe_blocks(
+    model: nn.Module, options: MegaMoEOptions, ep_degree: int = 1
+) -> list[str]:
     """Validate every stock MoE block of ``model``, then swap each for ``MegaMoE`` in place.
     Already converted blocks are left alone. Returns the converted module names."""
     found = [
@@ -285,7 +262,7 @@ def convert_moe_blocks(model: nn.Module, cfg: MegaMoEConfig, ep_degree: int = 1)
         if isinstance(m, MoE) and not isinstance(m, MegaMoE)
     ]
     for fqn, m in found:
-        validate_moe(fqn, m, cfg, ep_degree)
+        validate_moe(fqn, m, options, ep_degree)
     for fqn, m in found:
         if not fqn:
             raise ValueError("megamoe: convert() needs a model containing MoE blocks, not an MoE.")
@@ -294,7 +271,7 @@ def convert_moe_blocks(model: nn.Module, cfg: MegaMoEConfig, ep_degree: int = 1)
         setattr(
             parent,
             child,
-            MegaMoE.from_moe(m, backend=cfg.backend, precision=cfg.precision),
+            MegaMoE.from_moe(m, options=options),
         )
     return [fqn for fqn, _ in found]
 
@@ -310,22 +287,18 @@ class MegaMoEConverter:
                 "'torchtitan_megamoe.config'); using the defaults."
             )
             cfg = MegaMoEConfig()
-        validate_settings(cfg)
-        validate_job(job_config, parallel_dims)
-        set_max_tokens_per_rank(cfg.max_tokens_per_rank)
-        set_save_activations(resolve_save_activations(cfg, job_config))
-        set_weight_cache(cfg.fp8_weight_cache)
-        self.cfg = cfg
+        self.options = build_options(cfg, job_config)
+        validate_job(job_config, parallel_dims, self.options)
         self.ep_degree = _degrees(job_config, parallel_dims)["ep"]
 
     def convert(self, model: nn.Module) -> None:
-        converted = convert_moe_blocks(model, self.cfg, self.ep_degree)
+        converted = convert_moe_blocks(model, self.options, self.ep_degree)
         if not any(isinstance(m, MegaMoE) for m in model.modules()):
             raise ValueError(
                 "megamoe: the model has no torchtitan MoE blocks to convert (is it an MoE "
                 "flavor, e.g. qwen3 '30B-A3B'?). Drop 'megamoe' from model.converters."
             )
-        if self.cfg.backend == "auto":
+        if self.options.backend == "auto":
             shapes = {
                 (m.experts.w1.shape[2], m.experts.w1.shape[1])
                 for m in model.modules()
@@ -341,8 +314,8 @@ class MegaMoEConverter:
         install_ep_routing()
         add_op_to_sac_save_list()
         logger.info(
-            f"megamoe: converted {len(converted)} MoE blocks (backend={self.cfg.backend}, "
-            f"precision={self.cfg.precision}, ep={self.ep_degree})"
+            f"megamoe: converted {len(converted)} MoE blocks ({self.options}, "
+            f"ep={self.ep_degree})"
         )
 
     def post_optimizer_hook(self, model: nn.Module | list[nn.Module]) -> None:

@@ -21,6 +21,7 @@ from torch.distributed.tensor import DTensor, Shard
 from torchtitan.models.moe.moe import GroupedExperts, MoE, MoEArgs
 
 import torchtitan_megamoe
+from torchtitan_megamoe.ops.options import MegaMoEOptions
 from torchtitan_megamoe.router import route
 
 
@@ -46,7 +47,8 @@ class MegaExperts(GroupedExperts):
     ``w1``, ``w3``: ``[num_experts, hidden_dim, dim]``; ``w2``: ``[num_experts, dim, hidden_dim]``.
     Under expert parallelism they are DTensors sharded ``Shard(0)`` on the ``ep`` mesh
     (``torchtitan_megamoe.parallel.MegaExpertParallel``): each rank keeps its contiguous block of
-    experts and the op moves the tokens.
+    experts and the op moves the tokens. ``options``: the op's settings, passed on every call
+    (the converter builds one per model from ``[megamoe]``).
     """
 
     def __init__(
@@ -55,16 +57,14 @@ class MegaExperts(GroupedExperts):
         hidden_dim: int,
         num_experts: int,
         *,
-        backend: str = "auto",
-        precision: str = "bf16",
+        options: MegaMoEOptions = MegaMoEOptions(),
     ):
         super().__init__(dim, hidden_dim, num_experts, use_grouped_mm=True)
-        self.backend = backend
-        self.precision = precision
+        self.options = options
 
     @classmethod
     def from_grouped_experts(
-        cls, experts: GroupedExperts, *, backend: str, precision: str
+        cls, experts: GroupedExperts, *, options: MegaMoEOptions
     ) -> "MegaExperts":
         """Adopt ``experts``' Parameter objects (no copy, no allocation: works on meta)."""
         new = cls.__new__(cls)
@@ -75,8 +75,7 @@ class MegaExperts(GroupedExperts):
         new.w2 = experts.w2
         new.w3 = experts.w3
         new.use_grouped_mm = experts.use_grouped_mm  # unused; kept for code that reads it
-        new.backend = backend
-        new.precision = precision
+        new.options = options
         return new
 
     def _local_weights_and_group(self):
@@ -114,15 +113,11 @@ class MegaExperts(GroupedExperts):
             w2,
             w3,
             group=group,
-            backend=self.backend,
-            precision=self.precision,
+            **self.options.as_kwargs(),
         )
 
     def extra_repr(self) -> str:
-        return (
-            f"num_experts={self.num_experts}, backend={self.backend!r}, "
-            f"precision={self.precision!r}"
-        )
+        return f"num_experts={self.num_experts}, options={self.options}"
 
 
 class MegaMoE(MoE):
@@ -130,9 +125,9 @@ class MegaMoE(MoE):
     experts run by the fused op. Requires ``score_before_experts=False`` (the op applies the
     routing weights after the experts, as Qwen3 does).
 
-    Build it from args (``MegaMoE(moe_args, dim, hidden_dim, backend=..., precision=...)``) or
-    adopt an existing stock block without copying (``MegaMoE.from_moe(moe, ...)``, what the
-    converter does).
+    Build it from args (``MegaMoE(moe_args, dim, hidden_dim, options=MegaMoEOptions(...))``) or
+    adopt an existing stock block without copying (``MegaMoE.from_moe(moe, options=...)``, what
+    the converter does).
     """
 
     def __init__(
@@ -141,8 +136,7 @@ class MegaMoE(MoE):
         dim: int,
         hidden_dim: int,
         *,
-        backend: str = "auto",
-        precision: str = "bf16",
+        options: MegaMoEOptions = MegaMoEOptions(),
     ):
         if moe_args.score_before_experts:
             raise ValueError(
@@ -154,12 +148,10 @@ class MegaMoE(MoE):
         # Stateless in stock, and the fused op does its own token ordering.
         del self.reorderer
         # Assigning an existing child keeps its position, so state_dict order matches stock.
-        self.experts = MegaExperts.from_grouped_experts(
-            self.experts, backend=backend, precision=precision
-        )
+        self.experts = MegaExperts.from_grouped_experts(self.experts, options=options)
 
     @classmethod
-    def from_moe(cls, moe: MoE, *, backend: str, precision: str) -> "MegaMoE":
+    def from_moe(cls, moe: MoE, *, options: MegaMoEOptions) -> "MegaMoE":
         """Take over ``moe``'s modules, parameters and buffers as they are (on meta or not)."""
         if moe.score_before_experts:
             raise ValueError(
@@ -168,9 +160,7 @@ class MegaMoE(MoE):
         new = cls.__new__(cls)
         nn.Module.__init__(new)
         # Child and buffer registration order mirrors MoE.__init__ (state_dict order).
-        new.experts = MegaExperts.from_grouped_experts(
-            moe.experts, backend=backend, precision=precision
-        )
+        new.experts = MegaExperts.from_grouped_experts(moe.experts, options=options)
         new.router = moe.router
         new.shared_experts = moe.shared_experts
         new.score_before_experts = moe.score_before_experts
@@ -187,7 +177,7 @@ class MegaMoE(MoE):
         bs, slen, dim = x.shape
         x = x.view(-1, dim)
 
-        # stock's router, with its top-k in one Triton launch on GPUs (router.py)
+        # stock's router, with its top-k in one kernel launch on GPUs (router.py)
         top_scores, selected_experts_indices, num_tokens_per_expert = route(
             self.router, x, self.expert_bias
         )

@@ -1,11 +1,23 @@
-"""Every environment variable the package reads, in one place. Each is read when asked for
-(not at import), so a test or a launcher can set it before the call that needs it. README.md's
-"Settings" table documents them."""
+"""Every setting the package reads, in one place: the ``[megamoe]`` TOML section
+(``MegaMoEConfig``, checked when it is built) and the ``MEGAMOE_*`` environment variables.
+Each variable is read when asked for (not at import), so a test or a launcher can set it before
+the call that needs it. README.md's "Settings" table documents them."""
 
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
+
+from torchtitan_megamoe.ops.options import (
+    FP8_PRECISIONS,
+    Backend,
+    Precision,
+    SaveActivations,
+    check_fields,
+    checked,
+)
 
 CPU = "MEGAMOE_CPU"
 TUNE = "MEGAMOE_TUNE"
@@ -57,3 +69,74 @@ def cuda_cache() -> Path:
 def triton_interpreting() -> bool:
     """TRITON_INTERPRET=1 (Triton's own switch): kernels run on the CPU interpreter."""
     return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+@checked
+@dataclass
+class MegaMoEConfig:
+    """The ``[megamoe]`` section of a TorchTitan TOML (``--megamoe.<field>`` on the command
+    line), added by ``[job] custom_config_module = "torchtitan_megamoe.config"``. Every value is
+    checked when the section is built (TOML values reach it unchecked) and again by the
+    converter: a wrong type or value raises, naming the field, before any step runs. The
+    converter turns it into the op's ``MegaMoEOptions`` (ops/options.py), one per model."""
+
+    backend: Backend = "auto"
+    """Which implementation of the fused op runs. ``auto``: the Hopper kernels (Triton and
+    CUDA C++) on SM90 GPUs, the PyTorch reference everywhere else (CPU, older GPUs).
+    ``hopper``: insist on the kernels (error if they cannot run). ``reference``: plain PyTorch,
+    any device; the oracle the kernels are tested against."""
+
+    precision: Precision = "bf16"
+    """Arithmetic of the expert GEMMs. ``bf16``: BF16 inputs, fp32 accumulation. ``fp8``:
+    blockwise FP8 (e4m3) forward and backward, DeepSeek-V3's recipe: 1x128 activation scales,
+    128x128 weight scales, per-128-row scales for the weight gradients' operands, fp32
+    promotion every 128 of K. ``fp8_bwd``: the BF16 forward, the FP8 backward. Both run in the
+    Hopper kernels with expert_parallel_degree = 1 (FSDP is fine) and need dim and
+    moe_inter_dim % 128 == 0; the reference backend emulates the same recipe on any device."""
+
+    fp8_weight_cache: bool = False
+    """FP8 only: keep each layer's quantized expert weights (forward and backward layouts) from
+    one call to the next instead of quantizing them on every call, re-made after every
+    optimizer step (the converter's post-optimizer hook) and whenever a weight's version
+    counter moves (any in-place write: a checkpoint load, an init). Saves one pass over the
+    weights per layer and call; costs memory equal to the experts' bf16 weights per layer
+    (30B-A3B: 1.2 GB per layer). Refused under FSDP (the gathered weights are rewritten in
+    place without a version change)."""
+
+    save_activations: Literal["auto", SaveActivations] = "auto"
+    """What the fused op keeps from its forward for the backward. ``keep``: the hopper backend
+    keeps GEMM 1's pre-activations a1/a3 (bf16) so the backward does not recompute GEMM 1 -
+    0.42 GiB per MoE layer at 30B-A3B and 16384 tokens per GPU, 0.84 GiB at 235B-A22B (stock
+    TorchTitan keeps 1.06 / 2.13 GiB of routed activations when it keeps any), and at EP > 1
+    only while that bound holds in the receive layout (EP=2 yes, EP >= 4 no). ``never``: keep
+    nothing; the backward runs GEMM 1 again (more time, bitwise the same gradients).
+    ``auto``: ``never`` under per-op selective AC, ``keep`` otherwise. Per-op SAC keeps the
+    op's outputs for every layer while stock TorchTitan 0.2.2's per-op SAC keeps no expert
+    activations (``_grouped_mm`` is not in its save list: it recomputes its experts), so
+    keeping them would put the step's peak memory above stock's; under full AC or no AC
+    ``keep`` costs at most stock's memory. Choose ``keep`` under per-op SAC to trade that
+    memory for the faster backward."""
+
+    max_tokens_per_rank: int = 0
+    """Capacity of the expert-parallel token exchange (EP > 1), in tokens per rank (local batch
+    x sequence length). Each rank's receive buffers hold this many rows from every rank of the
+    EP group, so no routing can overflow them. 0 sizes them from the first MoE call (the
+    largest batch in the group). They are symmetric memory, created once and shared by all
+    layers, and cannot grow: set this when later steps bring more tokens per rank than the
+    first. A call with more tokens raises an error naming this field and the value needed, on
+    the reference backend too. Memory per rank: 3 x ep x max_tokens_per_rank x dim x 2 bytes
+    (30B-A3B, EP=8, 16384 tokens: 1.5 GiB)."""
+
+    def __post_init__(self):
+        self.validate()
+
+    def validate(self) -> None:
+        """Raise, naming the field, the value and what it must be, for any value that does
+        not fit (a string "false" for a bool, a float or a word for a count, an unknown
+        name)."""
+        check_fields(self, "[megamoe]")
+        if self.fp8_weight_cache and self.precision not in FP8_PRECISIONS:
+            raise ValueError(
+                "[megamoe] fp8_weight_cache=true only applies to precision 'fp8' / 'fp8_bwd'; "
+                "set it to false or pick an FP8 precision."
+            )

@@ -2,64 +2,52 @@
 
 The op is registered as ``torch.ops.megamoe.mega_moe`` (forward) and
 ``torch.ops.megamoe.mega_moe_backward`` so that torch.compile and selective activation
-checkpointing see one opaque op each, not a graph of collectives and GEMMs.
+checkpointing see one opaque op each, not a graph of collectives and GEMMs. Both schemas end
+with the fields of ``MegaMoEOptions`` (ops/options.py), in its order, as typed arguments:
 
-    megamoe::mega_moe(x, topk_ids, topk_weights, w1, w2, w3, group_name, backend, precision)
-        -> (Tensor out, Tensor[] saved)
-    megamoe::mega_moe_backward(grad_out, x, topk_ids, topk_weights, w1, w2, w3, Tensor[] saved,
-                               group_name, backend, precision) -> (dx, dtw, dw1, dw2, dw3)
+    megamoe::mega_moe(x, topk_ids, topk_weights, w1, w2, w3, bool save, str group_name,
+                      <options>) -> (Tensor out, Tensor[] saved)
+    megamoe::mega_moe_backward(grad_out, x, topk_ids, topk_weights, w1, w2, w3,
+                               Tensor[] saved, str group_name, <options>)
+        -> (dx, dtopk_weights, dw1, dw2, dw3)
+    <options> = str backend, str precision, str save_activations, int max_tokens_per_rank,
+                bool fp8_weight_cache
 
-``saved`` is whatever the backend keeps from its forward for its backward (Triton EP=1: GEMM 1's
-pre-activations and the packed plan; reference and Triton EP > 1: nothing, they recompute). It is
-an output of the forward op so that selective activation checkpointing with the op in its save
-list keeps it (no recompute of the op), while full AC recomputes the forward and holds it only
-during that layer's backward. Autograd saves the inputs and ``saved`` (non-differentiable, never
-given a gradient). The public ``mega_moe()`` returns ``out`` only. Calls that nothing but
-autograd sees (plain eager: no compile, no dispatch mode such as selective AC's, plain tensors)
-run the same forward and backward functions as an autograd Function (_EagerMegaMoE) without
-the custom op's per-call wrapping.
+``saved`` is whatever the backend keeps from its forward for its backward (hopper EP=1: GEMM 1's
+pre-activations and the packed plan; reference: nothing, it recomputes). It is an output of the
+forward op so that selective activation checkpointing with the op in its save list keeps it (no
+recompute of the op), while full AC recomputes the forward and holds it only during that layer's
+backward. Autograd saves the inputs and ``saved`` (non-differentiable, never given a gradient).
+The public ``mega_moe()`` returns ``out`` only. Calls that nothing but autograd sees (plain
+eager: no compile, no dispatch mode such as selective AC's, plain tensors) run the same forward
+and backward functions as an autograd Function (_EagerMegaMoE), which carries the options object
+itself, without the custom op's per-call wrapping.
 
 Backends are modules with
-    forward(x, topk_ids, topk_weights, w1, w2, w3, group, precision, save=False)
+    forward(x, topk_ids, topk_weights, w1, w2, w3, group, options, save=False)
         -> out, or (out, list[Tensor]) with save=True
-    saved_like(x, topk_ids, topk_weights, w1, w2, w3, group, precision) -> list[Tensor]
+    saved_like(x, topk_ids, topk_weights, w1, w2, w3, group, options) -> list[Tensor]
         (empty tensors of forward's saved shapes/dtypes: the fake impl; static in T, K, E, H)
-    backward(grad_out, x, topk_ids, topk_weights, w1, w2, w3, group, precision, saved=None)
+    backward(grad_out, x, topk_ids, topk_weights, w1, w2, w3, group, options, saved=None)
         (saved None or empty: recompute)
+where ``options`` is a MegaMoEOptions whose backend is the module's own name.
 """
 
 from __future__ import annotations
 
 import contextlib
 import importlib
-import warnings
 
 import torch
 import torch.distributed as dist
 
 from torchtitan_megamoe.ops.device import capability
-from torchtitan_megamoe.ops.options import MegaMoEOptions
-
-BACKENDS = ("auto", "hopper", "reference")
-BACKEND_ALIASES = {"triton": "hopper"}
-"""Former backend names, still accepted (with a warning naming the new one)."""
-PRECISIONS = ("bf16", "fp8", "fp8_bwd")
-SAVE_MODES = ("keep", "never")
-
-_SAVE_ACTIVATIONS = "keep"
-
-
-def set_save_activations(mode: str) -> None:
-    """``keep``: backends keep what their backward can reuse (the hopper backend: GEMM 1's
-    pre-activations, when no larger than stock's saved activations); ``never``: keep nothing,
-    the backward recomputes (less memory, more time). Set by the converter from ``[megamoe]
-    save_activations`` (config.py, whose ``auto`` picks one of the two)."""
-    global _SAVE_ACTIVATIONS
-    if mode not in SAVE_MODES:
-        raise ValueError(
-            f"save_activations={mode!r} is not one of {', '.join(SAVE_MODES)}"
-        )
-    _SAVE_ACTIVATIONS = mode
+from torchtitan_megamoe.ops.options import (  # noqa: F401  (PRECISIONS: bench.cli reads it here)
+    FP8_PRECISIONS,
+    PRECISIONS,
+    MegaMoEOptions,
+    op_schema,
+)
 
 _BACKEND_MODULES = {
     "reference": "torchtitan_megamoe.ops.reference",
@@ -78,6 +66,9 @@ def mega_moe(
     group: dist.ProcessGroup | None = None,
     backend: str = "auto",
     precision: str = "bf16",
+    save_activations: str = "keep",
+    max_tokens_per_rank: int = 0,
+    fp8_weight_cache: bool = False,
 ) -> torch.Tensor:
     """Fused MoE layer: dispatch, expert SwiGLU MLPs, weighted combine.
 
@@ -94,11 +85,22 @@ def mega_moe(
         group: expert-parallel process group; rank ``r`` owns global experts
             ``[r * E_local, (r + 1) * E_local)``. Every rank of the group must call the op.
             ``None``: one rank owns all experts.
+
+    The remaining keyword arguments are the fields of ``MegaMoEOptions`` (ops/options.py),
+    checked on first use of each combination:
         backend: ``auto`` (the Hopper kernels on SM90 GPUs, else reference), ``hopper`` or
-            ``reference`` (``triton``, the former name of ``hopper``, is still accepted).
+            ``reference``.
         precision: ``bf16``, ``fp8`` (blockwise FP8 forward and backward) or ``fp8_bwd``
             (BF16 forward, FP8 backward).
+        save_activations: ``keep`` (the forward keeps what its backward can reuse) or
+            ``never`` (the backward recomputes).
+        max_tokens_per_rank: EP capacity in tokens per rank; a call bringing more raises.
+            0: the hopper backend sizes its exchange from the first call.
+        fp8_weight_cache: FP8: keep each layer's quantized weights until the next optimizer
+            step (``ops.hopper.fp8_weights.new_weights_step``).
     """
+    options = MegaMoEOptions.of(backend, precision, save_activations, max_tokens_per_rank,
+                                fp8_weight_cache)
     if torch.is_autocast_enabled(x.device.type):
         # Autocast does not reach a custom op. TorchTitan trains under it on one device and
         # under DDP (FSDP casts the parameters instead), so do what it does for a matmul: x and
@@ -107,26 +109,28 @@ def mega_moe(
         # (_autocast_off).
         amp_dtype = torch.get_autocast_dtype(x.device.type)
         x, w1, w2, w3 = (t.to(amp_dtype) if t.is_floating_point() else t for t in (x, w1, w2, w3))
-    check_args(x, topk_ids, topk_weights, w1, w2, w3, group=group, precision=precision)
-    backend = resolve_backend(backend, x, group)
-    # The Triton forward checks the ids on CUDA inside its first kernels (EP=1: the plan's
-    # count kernels, EP > 1: the route kernel), one device assert instead of six launches
+    check_args(x, topk_ids, topk_weights, w1, w2, w3, group=group, precision=options.precision)
+    if options.backend == "auto":
+        options = options.with_backend(resolve_backend(x, group))
+    # The hopper forward checks the ids on CUDA inside its first kernels (EP=1: the plan's
+    # count kernels, EP > 1: the dispatch kernel), one device assert instead of six launches
     # before the layer's first kernel, host time a waited call pays; other paths check here.
-    if not (backend == "hopper" and x.is_cuda):
+    if not (options.backend == "hopper" and x.is_cuda):
         _check_ids(topk_ids, w1.shape[0] * group_size(group), group)
     group_name = "" if group is None else group.group_name
     # Keep activations for a backward only when one can follow: inference and no_grad
     # evaluation skip the extra stores (and their memory); save_activations="never" opts out.
     needs_grad = torch.is_grad_enabled() and any(
         t.requires_grad for t in (x, topk_weights, w1, w2, w3))
-    save = _SAVE_ACTIVATIONS != "never" and needs_grad
-    args = (x, topk_ids, topk_weights, w1, w2, w3, group_name, backend, precision, save)
-    if _plain_eager(args[:6]):
+    save = options.save_activations != "never" and needs_grad
+    tensors = (x, topk_ids, topk_weights, w1, w2, w3)
+    if _plain_eager(tensors):
         # no gradient can flow (inference, no_grad, full AC's first forward): not even an
         # autograd Function, whose apply costs host time before the layer's first kernel
-        # (tools/op_overhead.py: ~12 us per no_grad call on this project's CPU)
-        return _EagerMegaMoE.apply(*args) if needs_grad else _forward_only(*args)
-    out, _saved = torch.ops.megamoe.mega_moe(*args)
+        if needs_grad:
+            return _EagerMegaMoE.apply(*tensors, save, group_name, options)
+        return _forward_only(*tensors, save, group_name, options)
+    out, _saved = torch.ops.megamoe.mega_moe(*tensors, save, group_name, *options.op_args())
     return out
 
 
@@ -143,32 +147,9 @@ def _plain_eager(tensors) -> bool:
     )
 
 
-def canonical_backend(backend: str) -> str:
-    """``backend`` with a former name mapped to today's (warning once per name)."""
-    if backend in BACKEND_ALIASES:
-        new = BACKEND_ALIASES[backend]
-        if backend not in _WARNED_ALIASES:
-            _WARNED_ALIASES.add(backend)
-            warnings.warn(
-                f"mega_moe: backend={backend!r} is now called {new!r}; {backend!r} still works "
-                f"but will be removed, write backend={new!r}",
-                FutureWarning, stacklevel=3,
-            )
-        return new
-    return backend
-
-
-_WARNED_ALIASES: set[str] = set()
-
-
-def resolve_backend(backend: str, x: torch.Tensor, group: dist.ProcessGroup | None) -> str:
-    backend = canonical_backend(backend)
-    if backend not in BACKENDS:
-        raise ValueError(
-            f"mega_moe: unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}"
-        )
-    if backend != "auto":
-        return backend
+def resolve_backend(x: torch.Tensor, group: dist.ProcessGroup | None) -> str:
+    """What backend ``auto`` means for this call: the Hopper kernels where they run, else
+    the reference."""
     if x.is_cuda and capability(x.device) == (9, 0):
         if backend_module("hopper").supports(x, group):
             return "hopper"
@@ -195,11 +176,8 @@ def check_args(
     precision: str = "bf16",
 ) -> None:
     """Raise early, with the fix in the message, on anything the op cannot compute correctly
-    (the id range apart: mega_moe checks it where its backend's kernels do not)."""
-    if precision not in PRECISIONS:
-        raise ValueError(
-            f"mega_moe: unknown precision {precision!r}; choose one of {', '.join(PRECISIONS)}"
-        )
+    (the id range apart: mega_moe checks it where its backend's kernels do not). The converter
+    runs it at conversion on zero-token stand-ins of each MoE block's inputs."""
     if x.dim() != 2:
         raise ValueError(
             f"mega_moe: x must be [tokens, dim], got shape {tuple(x.shape)}; "
@@ -244,7 +222,7 @@ def check_args(
     devices = {t.device for t in (x, topk_ids, topk_weights, w1, w2, w3)}
     if len(devices) != 1:
         raise ValueError(f"mega_moe: all tensors must be on one device, got {sorted(map(str, devices))}")
-    if precision in ("fp8", "fp8_bwd") and (D % 128 or H % 128):
+    if precision in FP8_PRECISIONS and (D % 128 or H % 128):
         raise ValueError(
             f"mega_moe: precision={precision!r} uses 128-wide scaling blocks and needs dim and "
             f"hidden % 128 == 0, got dim={D}, hidden={H}; use precision='bf16'"
@@ -292,87 +270,66 @@ def _autocast_off(device_type: str):
     return contextlib.nullcontext()
 
 
-def _options(backend: str, precision: str) -> MegaMoEOptions:
-    return MegaMoEOptions(backend=backend, precision=precision)
-
-
-def _run_forward(x, topk_ids, topk_weights, w1, w2, w3, group_name, backend, precision, save):
+def _run_forward(x, topk_ids, topk_weights, w1, w2, w3, save, group_name, options):
     """(out, saved list): the backend's forward, for the registered op and the eager path."""
-    impl = backend_module(backend)
+    impl = backend_module(options.backend)
     group = _group_from_name(group_name)
     with _autocast_off(x.device.type):
         if not save:
-            return impl.forward(x, topk_ids, topk_weights, w1, w2, w3, group,
-                                _options(backend, precision)), []
-        out, saved = impl.forward(x, topk_ids, topk_weights, w1, w2, w3, group,
-                                  _options(backend, precision), save=True)
+            return impl.forward(x, topk_ids, topk_weights, w1, w2, w3, group, options), []
+        out, saved = impl.forward(x, topk_ids, topk_weights, w1, w2, w3, group, options,
+                                  save=True)
     return out, list(saved)
 
 
-def _run_backward(grad_out, x, topk_ids, topk_weights, w1, w2, w3, saved, group_name, backend,
-                  precision):
+def _run_backward(grad_out, x, topk_ids, topk_weights, w1, w2, w3, saved, group_name, options):
     """(dx, dtopk_weights, dw1, dw2, dw3): the backend's backward (recomputing when ``saved``
     is empty), for the registered op and the eager path."""
     with _autocast_off(x.device.type):
-        grads = backend_module(backend).backward(
+        grads = backend_module(options.backend).backward(
             grad_out.contiguous(), x, topk_ids, topk_weights, w1, w2, w3,
-            _group_from_name(group_name), _options(backend, precision),
-            saved=list(saved) or None,
+            _group_from_name(group_name), options, saved=list(saved) or None,
         )
     return tuple(g.contiguous() for g in grads)
 
 
-@torch.library.custom_op("megamoe::mega_moe", mutates_args=())
-def _mega_moe_op(
-    x: torch.Tensor,
-    topk_ids: torch.Tensor,
-    topk_weights: torch.Tensor,
-    w1: torch.Tensor,
-    w2: torch.Tensor,
-    w3: torch.Tensor,
-    group_name: str,
-    backend: str,
-    precision: str,
-    save: bool,
-) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    return _run_forward(x, topk_ids, topk_weights, w1, w2, w3, group_name, backend, precision,
-                        save)
+# Each field of the options is a typed argument of both schemas, so torch.compile and SAC see
+# one op whose settings are constants of the graph.
+@torch.library.custom_op(
+    "megamoe::mega_moe", mutates_args=(),
+    schema="(Tensor x, Tensor topk_ids, Tensor topk_weights, Tensor w1, Tensor w2, Tensor w3, "
+           f"bool save, str group_name, {op_schema()}) -> (Tensor, Tensor[])",
+)
+def _mega_moe_op(x, topk_ids, topk_weights, w1, w2, w3, save, group_name, *options):
+    return _run_forward(x, topk_ids, topk_weights, w1, w2, w3, save, group_name,
+                        MegaMoEOptions.of(*options))
 
 
 @_mega_moe_op.register_fake
-def _mega_moe_fake(x, topk_ids, topk_weights, w1, w2, w3, group_name, backend, precision,
-                   save):
+def _mega_moe_fake(x, topk_ids, topk_weights, w1, w2, w3, save, group_name, *options):
     if not save:
         return torch.empty_like(x), []
-    saved = backend_module(backend).saved_like(
-        x, topk_ids, topk_weights, w1, w2, w3, _group_from_name(group_name),
-        _options(backend, precision)
+    options = MegaMoEOptions.of(*options)
+    saved = backend_module(options.backend).saved_like(
+        x, topk_ids, topk_weights, w1, w2, w3, _group_from_name(group_name), options
     )
     return torch.empty_like(x), saved
 
 
-@torch.library.custom_op("megamoe::mega_moe_backward", mutates_args=())
-def _mega_moe_backward_op(
-    grad_out: torch.Tensor,
-    x: torch.Tensor,
-    topk_ids: torch.Tensor,
-    topk_weights: torch.Tensor,
-    w1: torch.Tensor,
-    w2: torch.Tensor,
-    w3: torch.Tensor,
-    saved: list[torch.Tensor],
-    group_name: str,
-    backend: str,
-    precision: str,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+@torch.library.custom_op(
+    "megamoe::mega_moe_backward", mutates_args=(),
+    schema="(Tensor grad_out, Tensor x, Tensor topk_ids, Tensor topk_weights, Tensor w1, "
+           f"Tensor w2, Tensor w3, Tensor[] saved, str group_name, {op_schema()}) "
+           "-> (Tensor, Tensor, Tensor, Tensor, Tensor)",
+)
+def _mega_moe_backward_op(grad_out, x, topk_ids, topk_weights, w1, w2, w3, saved, group_name,
+                          *options):
     return _run_backward(grad_out, x, topk_ids, topk_weights, w1, w2, w3, saved, group_name,
-                         backend, precision)
+                         MegaMoEOptions.of(*options))
 
 
 @_mega_moe_backward_op.register_fake
-def _mega_moe_backward_fake(
-    grad_out, x, topk_ids, topk_weights, w1, w2, w3, saved, group_name, backend, precision
-):
+def _mega_moe_backward_fake(grad_out, x, topk_ids, topk_weights, w1, w2, w3, saved, *config):
     return (
         torch.empty_like(x),
         torch.empty_like(topk_weights),
@@ -382,15 +339,19 @@ def _mega_moe_backward_fake(
     )
 
 
+# the gradients of the forward op's non-tensor inputs: save, group_name and the options
+_NO_GRADS = (None,) * (2 + len(MegaMoEOptions().op_args()))
+
+
 def _setup_context(ctx, inputs, output):
-    x, topk_ids, topk_weights, w1, w2, w3, group_name, backend, precision, _save = inputs
+    x, topk_ids, topk_weights, w1, w2, w3, _save, *config = inputs
     _out, saved = output
     ctx.mark_non_differentiable(*saved)
     # Gradients of the saved outputs are never used: do not let autograd allocate zeros for them
     # (a is as an activation).
     ctx.set_materialize_grads(False)
     ctx.save_for_backward(x, topk_ids, topk_weights, w1, w2, w3, *saved)
-    ctx.config = (group_name, backend, precision)
+    ctx.config = tuple(config)  # group_name and the options' fields
 
 
 def _backward(ctx, grad_out, _grad_saved):
@@ -400,7 +361,7 @@ def _backward(ctx, grad_out, _grad_saved):
     dx, dweights, dw1, dw2, dw3 = torch.ops.megamoe.mega_moe_backward(
         grad_out, x, topk_ids, topk_weights, w1, w2, w3, saved, *ctx.config
     )
-    return dx, None, dweights, dw1, dw2, dw3, None, None, None, None
+    return (dx, None, dweights, dw1, dw2, dw3) + _NO_GRADS
 
 
 _mega_moe_op.register_autograd(_backward, setup_context=_setup_context)
@@ -415,28 +376,27 @@ class _EagerMegaMoE(torch.autograd.Function):
     """The registered op's forward and backward (_run_forward, _run_backward) as a plain
     autograd Function, for calls that nothing but autograd sees (_plain_eager): torch.library's
     per-call wrapping of a custom op (argument re-packing, tensor-list pytrees, output alias
-    checks) cost 0.24 ms of host time per forward with autograd and 0.57 ms per forward +
-    backward on the H200 machines' host (tools/op_overhead.py; docs/PERF.md at 5e0bafa), before the
-    layer's first kernel. Same saved tensors, same gradients (bit for
-    bit: the same functions run); compile, export, selective AC and tensor subclasses keep the
-    registered op, which they need to see."""
+    checks) costs host time on every forward and backward (tools/op_overhead.py measures it),
+    before the layer's first kernel. Same saved tensors, same gradients (bit for bit: the same
+    functions run); compile, export, selective AC and tensor subclasses keep the registered op,
+    which they need to see."""
 
     @staticmethod
-    def forward(ctx, x, topk_ids, topk_weights, w1, w2, w3, group_name, backend, precision,
-                save):
-        out, saved = _run_forward(x, topk_ids, topk_weights, w1, w2, w3, group_name, backend,
-                                  precision, save)
+    def forward(ctx, x, topk_ids, topk_weights, w1, w2, w3, save, group_name, options):
+        out, saved = _run_forward(x, topk_ids, topk_weights, w1, w2, w3, save, group_name,
+                                  options)
         ctx.save_for_backward(x, topk_ids, topk_weights, w1, w2, w3, *saved)
-        ctx.config = (group_name, backend, precision)
+        ctx.config = (group_name, options)
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
         x, topk_ids, topk_weights, w1, w2, w3, *saved = ctx.saved_tensors
-        args = (grad_out, x, topk_ids, topk_weights, w1, w2, w3, saved, *ctx.config)
+        group_name, options = ctx.config
+        args = (grad_out, x, topk_ids, topk_weights, w1, w2, w3, saved, group_name)
         if _plain_eager((grad_out, x)):
-            grads = _run_backward(*args)
+            grads = _run_backward(*args, options)
         else:
-            grads = torch.ops.megamoe.mega_moe_backward(*args)
+            grads = torch.ops.megamoe.mega_moe_backward(*args, *options.op_args())
         dx, dweights, dw1, dw2, dw3 = grads
-        return dx, None, dweights, dw1, dw2, dw3, None, None, None, None
+        return dx, None, dweights, dw1, dw2, dw3, None, None, None

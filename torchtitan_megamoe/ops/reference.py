@@ -8,7 +8,8 @@ Data flow with an expert-parallel group of R ranks:
   1. valid slots (t, k) sorted by global expert id (stable, so deterministic): this groups them by
      destination rank, then by local expert;
   2. all_to_all of the token rows and their local expert ids (split sizes exchanged first: the
-     reference syncs with the host, the Triton backend does not);
+     reference syncs with the host, the hopper backend does not); a rank bringing more tokens
+     than ``options.max_tokens_per_rank`` (when set) fails every rank, as on the hopper backend;
   3. each rank runs its local experts on what it received;
   4. the reverse all_to_all returns each row to its source slot; out = sum_k w[t,k] * y[t,k]
      in fp32, in fixed k order.
@@ -40,12 +41,12 @@ def supports(x: torch.Tensor, group) -> bool:
 
 
 def forward(x, topk_ids, topk_weights, w1, w2, w3, group, options, save=False):
-    precision = options.precision
     """out; with ``save``, (out, []): this backend saves nothing (its backward recomputes)."""
     T, K = topk_ids.shape
-    route = AllToAllRoute(topk_ids, w1.shape[0], group)
+    route = AllToAllRoute(topk_ids, w1.shape[0], group, options.max_tokens_per_rank)
     rows = route.dispatch(slot_rows(x, K, route.slots))
-    y = route.combine(_experts_forward(rows, route.local_expert, w1, w2, w3, precision == "fp8"))
+    y = route.combine(_experts_forward(rows, route.local_expert, w1, w2, w3,
+                                      options.precision == "fp8"))
     y_slots = route.to_slots(y, T * K)
     # a dropped slot contributes nothing, whatever its weight holds (even NaN)
     weights = topk_weights.to(y_slots.dtype).masked_fill(topk_ids < 0, 0).unsqueeze(-1)
@@ -59,11 +60,11 @@ def saved_like(x, topk_ids, topk_weights, w1, w2, w3, group, options):
 
 
 def backward(grad_out, x, topk_ids, topk_weights, w1, w2, w3, group, options, saved=None):
-    precision = options.precision
     if saved:
         raise ValueError("backend 'reference' saves nothing in its forward; pass saved=None")
+    precision = options.precision
     T, K = topk_ids.shape
-    route = AllToAllRoute(topk_ids, w1.shape[0], group)
+    route = AllToAllRoute(topk_ids, w1.shape[0], group, options.max_tokens_per_rank)
     rows = route.dispatch(slot_rows(x, K, route.slots))
     grad_rows = route.dispatch(slot_rows(grad_out, K, route.slots))
     row_weights = route.dispatch(topk_weights.reshape(-1)[route.slots].unsqueeze(1))
