@@ -15,9 +15,7 @@ import copy
 from dataclasses import replace
 
 from torchtitan_megamoe.flavors import FLAVORS, add_flavors
-
-FP8_BLOCK = 128
-"""Width of the FP8 recipe's scaling blocks: dim and moe_inter_dim must be multiples of it."""
+from torchtitan_megamoe.ops.reference import FP8_BLOCK
 
 
 def _tiny_fp8():
