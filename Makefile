@@ -1,7 +1,8 @@
 # Two commands do all the set-up on a fresh CPU machine (see README.md):
-#   make smoke   -- the main job: CPU smoke training with the megamoe converter (torchrun)
-#   make test    -- the test suite (what CI runs through .ci/run)
-# Both create .venv and install everything first.
+#   make smoke      -- the main job: CPU smoke training with the megamoe converter (torchrun)
+#   make test       -- the test suite (what CI runs through .ci/run)
+#   make test-fast  -- the same without the slow training runs (pytest -m "not slow")
+# All create .venv and install everything first (the package, and its [test,ab] extras).
 
 PYTHON ?= python3
 VENV := .venv
@@ -12,15 +13,16 @@ CPU_ENV := MEGAMOE_CPU=1 HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 HF_HOME=$(CURDIR
 NPROC ?= 1
 SMOKE_TOML := train_configs/qwen3_moe_tiny_cpu.toml
 
-.PHONY: cuda-cache setup smoke test test-fast ab ab-ep2 bench gpu-check clean
+.PHONY: cuda-cache setup smoke test test-fast ab ab-ep2 ab-fp8 bench gpu-check clean
 
 # torch is pinned to the CPU build that the machine image carries (a plain `torch` from PyPI
-# would pull a multi-GB CUDA build onto a machine with no GPU).
+# would pull a multi-GB CUDA build onto a machine with no GPU). The tests need the A/B tool's
+# extra (matplotlib) besides pytest; the library itself needs neither.
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e '.[test]'
+	$(PY) -m pip install -q -e '.[test,ab]'
 	touch $@
 
 setup: $(STAMP)
@@ -49,10 +51,21 @@ ab: setup
 ab-ep2: setup
 	$(PY) -m torchtitan_megamoe.ab --config $(SMOKE_TOML) --nproc 2 --out outputs/ab_ep2 \
 		-- --parallelism.expert_parallel_degree 2 --debug.moe_force_load_balance
+# FP8 on CPU: the reference backend's emulation of the FP8 recipe against bf16 precision, both
+# with the converter, on the tiny flavor at the recipe's block size (dim = moe_inter_dim = 128).
+FP8_TOML := train_configs/qwen3_moe_tiny_fp8_cpu.toml
+ab-fp8: setup
+	$(PY) -m torchtitan_megamoe.ab --config $(FP8_TOML) --nproc 1 --out outputs/ab_fp8 \
+		--sides fp8=megamoe,bf16=megamoe --b-args '--megamoe.precision bf16' --rtol 1e-2
 
-# GPU only (an H100/H200 with a CUDA torch): layer benchmark, and the one-stop GPU script.
-bench:
-	$(PYTHON) -m torchtitan_megamoe.bench
+# GPU only (an H100/H200 with a CUDA torch in .venv): layer benchmark, and the one-stop GPU
+# script. The check stops a CPU-only venv before the bench's imports and tuner start.
+GPU_ONLY = import sys, torch; torch.cuda.is_available() or sys.exit( \
+	"make bench needs an NVIDIA GPU (H100/H200) and a CUDA build of torch; this .venv has torch " \
+	+ torch.__version__ + " and sees no CUDA device. On a CPU machine: make test, make ab.")
+bench: setup
+	$(PY) -c '$(GPU_ONLY)'
+	$(PY) -m torchtitan_megamoe.bench
 gpu-check:
 	bash scripts/gpu_check.sh
 # nvcc, no GPU needed: the sm90 kernels' tuner builds into .cuda_cache, which the GPU scripts use

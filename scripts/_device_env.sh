@@ -52,9 +52,8 @@ env_report() {
     || echo "torchtitan not installed"
   command -v cc gcc || echo "no C compiler (Inductor/Triton need one)"
   git log -1 --format='commit %H %s' 2>/dev/null || true
-  # A copied working tree's .git can lag the files it runs (a log of 2026-11-30 named an
-  # older commit): the sources' hash names the code itself; `bash scripts/source_hash.sh` on
-  # a checkout of a commit prints the same.
+  # A copied working tree's .git can lag the files it runs: the sources' hash names the code
+  # itself; `bash scripts/source_hash.sh` on a checkout of a commit prints the same.
   echo "sources $(bash scripts/source_hash.sh)"
 }
 

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# On one H100/H200: the multi-seed training A/B of four sides in one go, within one ~10-minute
-# call (python -m torchtitan_megamoe.ab --seeds, ab/seeds.py):
+# On one H100/H200: the multi-seed training A/B of four sides in one go, in about 10 minutes
+# (python -m torchtitan_megamoe.ab --seeds, ab/seeds.py):
 #   stock     TorchTitan's own MoE
 #   bf16      ours, precision bf16 (the baseline: every other side is compared against it)
 #   fp8       ours, precision fp8 (weights quantized per call: the cache cannot hit under
@@ -23,20 +23,21 @@
 # tokens/step runs ~47,000 tokens/s stock and ours, 0.09 s/step; FP8's first step takes ~30 s,
 # Triton JIT; a run's start-up with torch.compile takes 30-60 s):
 #   AB_FLAVOR=30B-A3B-L2  2 layers, ~1.9e9 parameters: ~31 GiB peak per run (38 GiB fp8 with the
-#                         weight cache, docs/PERF.md training row 5), so 3 runs fit on one GPU
+#                         weight cache), so 3 runs fit on one GPU
 #                         at once. 30B-A3B-L6 (~4.4e9 parameters: fp32 weights, grads and Adam
 #                         state ~70 GB per run) allows one run at a time, and 12 of those (start-up
 #                         + 100 steps at seq 8192, each step by estimate several times the L2
-#                         one; not measured) do not fit in one call: run it one seed per call (AB_SEEDS=1 AB_SEED_BASE=11, 12, 13
-#                         with AB_JOBS=1) and combine the calls' $OUT/ab_seeds.tar.gz with
+#                         one; not measured) do not fit in 10 minutes: run it one seed at a time (AB_SEEDS=1
+#                         AB_SEED_BASE=11, 12, 13 with AB_JOBS=1) and combine the runs'
+#                         $OUT/ab_seeds.tar.gz with
 #                         `python -m torchtitan_megamoe.ab ... --analyze` (below).
 #   AB_SEQ=4096           the measured shape; 8192 doubles the logits' memory and the step time
 #   AB_STEPS=100          100 x 0.09 s = 9 s of steps per run alone: start-up dominates a run
 #   AB_JOBS=3             3 runs at once: one run's start-up/compile overlaps the others' steps.
 #                         12 runs x (~50 s start-up + 9 s steps) + 6 FP8 first steps x ~30 s
 #                         ~ 900 s one at a time; with 3 at once all 12 ran in 195 s on an H200
-#                         (2026-12-02, later runs also hit Inductor's and Triton's on-disk
-#                         caches); the deadline below bounds it either way
+#                         (later runs also hit Inductor's and Triton's on-disk caches); the
+#                         deadline below bounds it either way
 #   AB_SEEDS=3 AB_SEED_BASE=11 AB_WINDOW=20
 # Other knobs: AB_TIMEOUT_S (per run, default 240), BUDGET_S (the whole script, default 560:
 # ab gets --deadline-s = what is left minus 50 s for stopping runs and writing the report, so
@@ -52,8 +53,8 @@
 # means, the runs and which are missing), summary.json, seeds.png (windowed mean loss per side,
 # seeds as thin lines; each side's relative difference to bf16), ab.out (the tool's output),
 # ab_seeds.tar.gz (per seed: each run's log and TOML, report.md with per-step tables, ab.png,
-# summary.json; no dump folders), env.log. Re-make the report from archives (one call's, or
-# several calls' of one seed each, extracted into one dir) on any machine, with the knobs used:
+# summary.json; no dump folders), env.log. Re-make the report from archives (one run's of the
+# script, or several of one seed each, extracted into one dir) on any machine, with the knobs:
 #   mkdir -p ab && tar -xzf ab_seeds.tar.gz -C ab && python -m torchtitan_megamoe.ab \
 #     --config train_configs/qwen3_30b_a3b_gpu_smoke.toml --out ab --seeds 3 --seed-base 11 \
 #     --window 20 --sides stock,bf16=megamoe,fp8=megamoe,fp8_bwd=megamoe \

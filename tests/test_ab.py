@@ -440,3 +440,84 @@ def test_seeds_real_cpu_runs(tiny_assets, tmp_path, monkeypatch):
     p1, p2 = res.pairs[1], res.pairs[2]
     assert p1.stock.steps[0].loss != p2.stock.steps[0].loss
     assert (tmp_path / "ab" / "seeds.png").stat().st_size > 0
+
+
+# --- the tool's extra (matplotlib) and what a CPU run's speed means
+
+
+def test_missing_matplotlib_names_the_extra_before_any_training(tmp_path, monkeypatch):
+    import sys
+
+    from torchtitan_megamoe.ab import driver
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # as if not installed
+    with pytest.raises(ModuleNotFoundError, match=r"pip install 'torchtitan-megamoe\[ab\]'"):
+        ab.plot(_run([6.0]), _run([6.0]), str(tmp_path / "ab.png"))
+
+    def no_training(*a, **k):
+        raise AssertionError("the CLI must stop before training")
+
+    monkeypatch.setattr(driver, "run_one", no_training)
+    with pytest.raises(SystemExit) as stop:
+        ab.main(["--config", CONFIG, "--out", str(tmp_path / "ab")])
+    assert stop.value.code == 2
+    # The library part of the tool works without it.
+    assert ab.compare(_run([6.0]), _run([6.0]), 1e-5, 1e-5).ok
+
+
+def test_cpu_reports_say_their_timings_say_nothing_about_gpus():
+    stock, conv = _run([6.0, 5.5, 5.0]), _run([6.0, 5.5, 5.0])
+    cmp = ab.compare(stock, conv, rtol=1e-5, atol=1e-5)
+    meta = {"config": "x.toml", "nproc": 1, "extra_args": []}
+    cpu = ab.render_report(stock, conv, cmp, dict(meta, device="CPU (gloo, MEGAMOE_CPU shims)"))
+    speed = next(line for line in cpu.splitlines() if line.startswith("Speed-up"))
+    assert "1.000" in speed and "say nothing about speed on a GPU" in speed
+    gpu = ab.render_report(stock, conv, cmp, dict(meta, device="CUDA"))
+    assert "say nothing about speed on a GPU" not in gpu
+
+
+# --- FP8 on CPU: the reference backend's emulation of the recipe against bf16 precision
+
+FP8_CONFIG = os.path.join(os.path.dirname(__file__), "..", "train_configs",
+                          "qwen3_moe_tiny_fp8_cpu.toml")
+
+# Step 1 runs the forward on the same weights and batch in both runs; only the e4m3 rounding
+# of the expert GEMMs' operands differs. That rounding moves the MoE output by a few percent,
+# and at initialization the tiny model's MoE branch carries little of the loss: removing it
+# entirely moves this config's step-1 loss by ~5e-6 relative (measured), and fp8 vs bf16
+# differs by ~3e-6. 1e-4 leaves a 30x margin, while an FP8 scale lost or applied twice (outputs
+# off by up to 448x, the e4m3 range) moves the step-1 loss by ~7e-3.
+FP8_STEP1_RTOL = 1e-4
+# Later steps: the FP8 gradients steer the updates, so the runs drift apart (~1e-3 relative by
+# step 10, measured); 1e-2 is the tool's tolerance for a bf16-class difference on GPUs too.
+FP8_RTOL = 1e-2
+
+
+@pytest.mark.slow
+def test_fp8_vs_bf16_on_cpu_through_the_cli(tiny_assets, tmp_path):
+    """``python -m torchtitan_megamoe.ab`` on the FP8 CPU config: fp8 (as the TOML says)
+    against ``--megamoe.precision bf16``, both with the converter (two 10-step trainings)."""
+    import subprocess
+    import sys
+
+    from torchtitan_megamoe import assets
+
+    out = tmp_path / "ab"
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", MEGAMOE_CPU="1",
+               **assets.offline_env(str(tmp_path / "hf_home")))
+    cmd = [sys.executable, "-m", "torchtitan_megamoe.ab", "--config", FP8_CONFIG, "--out",
+           str(out), "--sides", "fp8=megamoe,bf16=megamoe", "--b-args",
+           "--megamoe.precision bf16", "--rtol", str(FP8_RTOL), "--timeout", "300", "--",
+           "--model.hf_assets_path", assets.tokenizer_dir(tiny_assets),
+           "--training.dataset_path", assets.dataset_dir(tiny_assets)]
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=700)
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
+    summary = json.loads((out / "summary.json").read_text())
+    cmp = summary["comparison"]
+    assert cmp["steps"] == list(range(1, 11)) and cmp["max_rel_diff"] <= FP8_RTOL
+    assert cmp["rel_diff"][0] <= FP8_STEP1_RTOL
+    # The precision really reached the op: the runs are not bit-identical.
+    assert cmp["max_abs_diff"] > 0
+    assert "precision=fp8" in (out / "fp8.log").read_text()
+    assert "precision=bf16" in (out / "bf16.log").read_text()
+    assert "say nothing about speed on a GPU" in done.stdout

@@ -114,6 +114,51 @@ def test_two_ranks_ep2_natural_routing(tiny_assets, tmp_path, cpu_env):
     _check_trained(res, logs)
 
 
+FP8_CONFIG = os.path.join(ROOT, "train_configs", "qwen3_moe_tiny_fp8_cpu.toml")
+
+
+@pytest.mark.slow
+def test_fp8_training_on_cpu(tiny_assets, tmp_path, cpu_env):
+    # The FP8 CPU config as a user runs it (torchrun -m torchtitan.train, one rank): the
+    # reference backend emulates the FP8 recipe in every expert GEMM, forward and backward.
+    log_path = str(tmp_path / "fp8.log")
+    cmd = ab.torchrun_command(FP8_CONFIG, 1, str(tmp_path / "dump"), [
+        "--model.hf_assets_path", assets.tokenizer_dir(tiny_assets),
+        "--training.dataset_path", assets.dataset_dir(tiny_assets),
+    ])
+    code = ab.run_one(cmd, log_path, dict(os.environ), 300)
+    with open(log_path, errors="replace") as f:
+        log = f.read()
+    assert code == 0, log[-4000:]
+    assert re.search(r"megamoe: converted 2 MoE blocks \(backend=reference, precision=fp8", log)
+    run = ab.parse_log(log)
+    assert [s.step for s in run.steps] == list(range(1, STEPS + 1))
+    # It learns in FP8 too: from ~ln(512) = 6.2 down by more than 0.5 in 10 steps.
+    assert run.steps[-1].loss < run.steps[0].loss - 0.5
+
+
+def test_fp8_config_fits_the_recipe_and_the_assets():
+    from torchtitan.models.qwen3 import qwen3_args
+
+    from torchtitan_megamoe import flavors, flavors_fp8
+    from torchtitan_megamoe.ops.reference import FP8_BLOCK
+
+    try:
+        import tomllib
+    except ModuleNotFoundError:  # Python 3.10
+        import tomli as tomllib
+    with open(FP8_CONFIG, "rb") as f:
+        config = tomllib.load(f)
+    assert config["experimental"]["custom_import"] == flavors_fp8.__name__
+    assert config["megamoe"] == {"backend": "reference", "precision": "fp8"}
+    args = qwen3_args[config["model"]["flavor"]]
+    assert args.dim % FP8_BLOCK == 0 and args.moe_inter_dim % FP8_BLOCK == 0
+    assert args.vocab_size == flavors.TINY_VOCAB_SIZE and args.eos_id == flavors.TINY_EOS_ID
+    # Its own copy: the CPU flavor it derives from keeps its shape.
+    assert qwen3_args["megamoe_tiny"].dim == 64
+    assert args.moe_args is not qwen3_args["megamoe_tiny"].moe_args
+
+
 # --------------------------------------------------------------------------------------------
 # Fast checks of what the runs stand on.
 

@@ -1,11 +1,13 @@
-"""The JIT build finds the CUDA sources from a checkout and from an installed wheel.
+"""The wheel: it carries the CUDA sources, and it ships the library without the tools' extras.
 
 csrc/ sits at the top of the repository; setup.py copies its .cu/.cuh files into the wheel's
 package (torchtitan_megamoe/csrc/), and ops/hopper/cuda/build.find_csrc() looks in the checkout
-first, then in the package. The wheel test builds the wheel from a copy of the sources (so no
-build/ or egg-info lands in the checkout), installs it into a scratch target and asks find_csrc
-from there, in a fresh interpreter run elsewhere. Offline: pip neither resolves dependencies nor
-reaches an index (--no-deps, --no-index), and builds without isolation when setuptools is
+first, then in the package. The wheel is built once per module from a copy of the sources (so no
+build/ or egg-info lands in the checkout); one test installs it into a scratch target and asks
+find_csrc from there, in a fresh interpreter run elsewhere; another reads its metadata and
+resolves what ``pip install torchtitan-megamoe`` would install, through the distributions
+installed here, to show matplotlib is not among them. Offline: pip neither resolves dependencies
+nor reaches an index (--no-deps, --no-index), and builds without isolation when setuptools is
 installed here (else it must fetch setuptools>=64 for an isolated build).
 """
 
@@ -16,7 +18,12 @@ import shutil
 import subprocess
 import sys
 import zipfile
+from email.parser import Parser
 from pathlib import Path
+
+import pytest
+from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
 
 REPO = Path(__file__).resolve().parents[1]
 CSRC = sorted(p.name for p in (REPO / "csrc").iterdir() if p.suffix in (".cu", ".cuh"))
@@ -43,17 +50,23 @@ def test_checkout_finds_the_top_level_csrc():
     assert build.CSRC == REPO / "csrc"
 
 
-def test_installed_wheel_carries_and_finds_csrc(tmp_path):
-    src = tmp_path / "src"
+@pytest.fixture(scope="module")
+def wheel(tmp_path_factory) -> Path:
+    tmp = tmp_path_factory.mktemp("wheel")
+    src = tmp / "src"
     src.mkdir()
     for name in ("pyproject.toml", "setup.py"):
         shutil.copy2(REPO / name, src / name)
     junk = shutil.ignore_patterns("__pycache__", "*.pyc", "*.egg-info")
     for name in ("csrc", "torchtitan_megamoe"):
         shutil.copytree(REPO / name, src / name, ignore=junk)
-    wheels = tmp_path / "wheels"
-    _pip("wheel", "--wheel-dir", str(wheels), str(src), cwd=tmp_path)
-    (wheel,) = wheels.glob("torchtitan_megamoe-*.whl")
+    wheels = tmp / "wheels"
+    _pip("wheel", "--wheel-dir", str(wheels), str(src), cwd=tmp)
+    (built,) = wheels.glob("torchtitan_megamoe-*.whl")
+    return built
+
+
+def test_installed_wheel_carries_and_finds_csrc(wheel, tmp_path):
     names = zipfile.ZipFile(wheel).namelist()
     assert sorted(n.split("/")[-1] for n in names
                   if n.startswith("torchtitan_megamoe/csrc/")) == CSRC, names
@@ -79,3 +92,65 @@ def test_installed_wheel_carries_and_finds_csrc(tmp_path):
     assert Path(found["csrc"]) == Path(found["CSRC"]) == installed / "csrc", found
     for name in CSRC:
         assert (installed / "csrc" / name).read_bytes() == (REPO / "csrc" / name).read_bytes()
+
+
+def _requires_dist(wheel: Path) -> list[Requirement]:
+    with zipfile.ZipFile(wheel) as z:
+        (meta,) = [n for n in z.namelist() if n.endswith(".dist-info/METADATA")]
+        headers = Parser().parsestr(z.read(meta).decode())
+    return [Requirement(r) for r in headers.get_all("Requires-Dist") or []]
+
+
+def _wanted(req: Requirement, extras: set[str]) -> bool:
+    """Whether ``req`` applies on this Python when its owner is installed with ``extras``."""
+    if req.marker is None:
+        return True
+    return any(req.marker.evaluate({"extra": e}) for e in (extras or {""}))
+
+
+def _closure(reqs: list[Requirement]) -> tuple[set[str], set[str]]:
+    """What installing ``reqs`` pulls in, followed through the distributions installed here:
+    (every project name reached, the names not installed here and so not followed)."""
+    import importlib.metadata as md
+
+    seen: set[tuple[str, frozenset]] = set()
+    names: set[str] = set()
+    missing: set[str] = set()
+    todo = list(reqs)
+    while todo:
+        req = todo.pop()
+        name, extras = canonicalize_name(req.name), frozenset(req.extras)
+        if (name, extras) in seen:
+            continue
+        seen.add((name, extras))
+        names.add(name)
+        try:
+            deps = md.requires(req.name) or []
+        except md.PackageNotFoundError:
+            missing.add(name)
+            continue
+        todo += [d for d in map(Requirement, deps) if _wanted(d, set(extras))]
+    return names, missing
+
+
+def test_plain_install_pulls_no_matplotlib_and_the_extras_do(wheel):
+    reqs = _requires_dist(wheel)
+    core = [r for r in reqs if _wanted(r, set())]
+    by_extra = {e: {canonicalize_name(r.name) for r in reqs
+                    if r.marker is not None and r.marker.evaluate({"extra": e})}
+                for e in ("ab", "bench", "tools", "test")}
+    core_names = {canonicalize_name(r.name) for r in core}
+    # The library and what TorchTitan itself needs stay; the tools' own dependencies do not.
+    assert {"torch", "torchtitan", "triton", "tokenizers", "torchdata"} <= core_names
+    assert "matplotlib" not in core_names and "torchao" not in core_names
+    assert "matplotlib" in by_extra["ab"] and "torchao" in by_extra["bench"]
+    assert "torchtitan-megamoe" in by_extra["tools"]  # [tools] = [ab,bench]
+    # Nothing a plain install brings pulls matplotlib in either (TorchTitan's own dependencies
+    # followed through what is installed here; the test environment has them all).
+    names, missing = _closure(core)
+    assert not missing, f"not installed here, so not followed: {sorted(missing)}"
+    assert "matplotlib" not in names, "a dependency of a plain install pulls matplotlib"
+    assert {"datasets", "tensorboard"} <= names  # the walk does reach TorchTitan's own needs
+    # The extra does bring it.
+    tools = [r for r in reqs if not _wanted(r, set()) and _wanted(r, {"ab"})]
+    assert "matplotlib" in _closure(tools)[0]

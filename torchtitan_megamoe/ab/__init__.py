@@ -48,7 +48,10 @@ output dir that differ only in ``[model] converters``: TorchTitan's CLI cannot g
 list), the same seed and the same extra arguments. Rank 0's log of each run is kept; its step
 lines (loss, grad norm, memory, tokens/s) and their timestamps (step time) are parsed, and the
 output dir gets ``report.md`` (per-step table, max |diff|, max relative diff, tokens/s, memory,
-step time, the runs), ``ab.png`` (loss curves and step times) and ``summary.json``.
+step time, the runs), ``ab.png`` (loss curves and step times) and ``summary.json``. The plots
+need matplotlib, the tool's extra (``pip install 'torchtitan-megamoe[ab]'``); without it the
+command stops before training and says so. On a CPU the step times compare the two CPU runs
+only (the report says so): they say nothing about speed on a GPU.
 
 Exit status: 0 losses agree within tolerance, 1 they do not, 2 a run failed or logged no steps.
 

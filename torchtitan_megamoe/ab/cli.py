@@ -9,6 +9,7 @@ import sys
 from torchtitan_megamoe.ab.comparison import DEFAULT_ATOL, DEFAULT_RTOL
 from torchtitan_megamoe.ab.configs import DEFAULT_CONFIG, parse_sides
 from torchtitan_megamoe.ab.driver import run_ab
+from torchtitan_megamoe.ab.report import require_matplotlib
 from torchtitan_megamoe.ab.stats import DEFAULT_ALPHA, DEFAULT_GAP_LIMIT, DEFAULT_WINDOW
 
 _SIDE_ARGS = ("--a-args", "--b-args", "--side-args")
@@ -109,6 +110,10 @@ def main(argv: list[str] | None = None) -> int:
 
         baseline_index(sides, args.baseline)
     except ValueError as e:
+        p.error(str(e))
+    try:
+        require_matplotlib()
+    except ModuleNotFoundError as e:
         p.error(str(e))
     if args.jobs < 1:
         p.error(f"--jobs must be >= 1, got {args.jobs}")

@@ -50,6 +50,16 @@ NOT_COMPARABLE = "n/c"
 the same GPUs (``--jobs`` > 1): not comparable."""
 
 
+CPU_TIMING_NOTE = ("CPU run: these step times and tokens/s compare two CPU runs only and say "
+                   "nothing about speed on a GPU, where the kernels differ (the reference "
+                   "backend here, the hopper backend there)")
+"""What the reports add to their speed lines when the runs trained on a CPU."""
+
+
+def _cpu_note(meta: dict) -> str:
+    return f" ({CPU_TIMING_NOTE})" if str(meta.get("device", "")).startswith("CPU") else ""
+
+
 def _overlap_note(meta: dict) -> list[str]:
     over = meta.get("overlapped")
     if not over:
@@ -117,7 +127,8 @@ def render_report(
         f"| final loss | {_fmt(sa['final_loss'], '.5f')} | {_fmt(sb['final_loss'], '.5f')} |",
         "",
         f"Speed-up ({na} step time / {nb} step time): "
-        + (f"{NOT_COMPARABLE} (overlapped runs)" if nc else _fmt(ratio, '.3f')),
+        + (f"{NOT_COMPARABLE} (overlapped runs)" if nc
+           else _fmt(ratio, '.3f') + _cpu_note(meta)),
         "",
     ]
     # per step: the step times and tokens/s too, unless a run overlapped another (not comparable)
@@ -141,6 +152,33 @@ def render_report(
     return "\n".join(lines)
 
 
+PLOT_EXTRA = "torchtitan-megamoe[ab]"
+"""The package extra that brings matplotlib, which only the A/B tool's plots need."""
+
+
+def require_matplotlib() -> None:
+    """Raise ModuleNotFoundError naming the extra when matplotlib is missing (the CLI calls it
+    before any training, so a missing plot library does not cost a run)."""
+    import importlib.util
+
+    if importlib.util.find_spec("matplotlib") is None:
+        raise ModuleNotFoundError(
+            f"the A/B tool plots its runs (ab.png, seeds.png) with matplotlib, which is not "
+            f"installed; install the tool's extra: pip install '{PLOT_EXTRA}'",
+            name="matplotlib")
+
+
+def pyplot():
+    """matplotlib.pyplot on the file-only Agg backend, or the error naming the extra."""
+    require_matplotlib()
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
 def plot(
     stock: RunLog, conv: RunLog, path: str, names: tuple[str, str] = ("stock", CONVERTER)
 ) -> None:
@@ -153,11 +191,7 @@ _STYLES = ("-o", "--x", "-.s", ":^", "-d", "--v", "-.p", ":*")
 def plot_runs(runs: list, names, path: str, overlapped=()) -> None:
     """ab.png: every run's loss per step (left) and step time (right; runs in ``overlapped``
     shared the GPUs, their times are marked not comparable)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     fig, (ax_loss, ax_time) = plt.subplots(1, 2, figsize=(11, 4))
     for k, (run, label) in enumerate(zip(runs, names)):
         style = _STYLES[k % len(_STYLES)]
@@ -349,7 +383,7 @@ def _speed_line(speeds: dict, names, overlapped: bool, meta: dict) -> str:
         ratios = f", {names[1]} / {names[0]} {_fmt(tb / ta if ta else None, '.3f')}"
     return ("Tokens/s per device (mean over the seeds, step 2+): "
             + ", ".join(f"{n} {_fmt(tps[n], ',.0f')}" for n in names) + ratios
-            + f". Peak memory (rank 0, max over the seeds): {mem}.")
+            + f". Peak memory (rank 0, max over the seeds): {mem}." + _cpu_note(meta))
 
 
 def _profile_lines(pairs: dict, seeds: list) -> list[str]:
@@ -460,12 +494,9 @@ def plot_seeds(runs: list, names, window: int, path: str, st=None, baseline: int
     window shaded. ``runs``: (seed, RunLog of each side in ``names``' order) tuples, None for a
     run left out (failed, stopped, not started); ``st``: the stats.SeedStats of a two-side A/B,
     or {label: SeedStats} of each other side."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     from torchtitan_megamoe.ab.stats import trailing_means
+
+    plt = pyplot()
 
     names = list(names)
     stats = st if isinstance(st, dict) else ({names[1 - baseline]: st} if st is not None

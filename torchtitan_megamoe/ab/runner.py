@@ -26,10 +26,8 @@ def run_env(out: str) -> dict[str, str]:
 
     env = dict(os.environ)
     if "PYTORCH_ALLOC_CONF" not in env and "PYTORCH_CUDA_ALLOC_CONF" not in env:
-        # what TorchTitan's own launcher (run_train.sh) sets for every run. Without it the
-        # caching allocator's fragmentation decides the peak memory compared: one-GPU full-AC
-        # A/B at 30B shapes (docs/PERF.md, Training A/Bs): 33.54 vs 37.00 GiB reserved without,
-        # 33.26 vs 31.21 with (stock vs ours)
+        # what TorchTitan's own launcher (run_train.sh) sets for every run: without it the
+        # caching allocator's fragmentation, not the live tensors, decides the peak compared
         env["PYTORCH_ALLOC_CONF"] = "expandable_segments:True"
     if not _cuda_available():
         env.setdefault("MEGAMOE_CPU", "1")
