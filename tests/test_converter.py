@@ -24,7 +24,6 @@ from torchtitan.protocols.model_converter import (
     build_model_converters,
 )
 
-from torchtitan_megamoe import converter as conv_mod
 from torchtitan_megamoe.converter import MegaMoEConverter, hopper_shape_error
 from torchtitan_megamoe.moe import KeepDtype, MegaExperts, MegaMoE
 from torchtitan_megamoe.ops.options import MegaMoEOptions
