@@ -136,7 +136,9 @@ __global__ void __launch_bounds__(THREADS, 1)
     const int warp = (tid % 128) / 32;
     const int lane = tid % 32;
     const int r_in = cw * 64 + warp * 16 + lane / 4;
-    Ring<WG_STAGES> ring = smem.ring();
+    const Ring<WG_STAGES> ring = smem.ring();
+    int stage = 0;
+    uint32_t phase = 0;
     float part[64];
     float acc[64];
     for (int it = 0;; ++it) {
@@ -147,9 +149,9 @@ __global__ void __launch_bounds__(THREADS, 1)
 #pragma unroll
       for (int i = 0; i < 64; ++i) acc[i] = 0.f;
       for (int kb = 0; kb < k_blocks; ++kb) {
-        ring.wait_full();
-        const uint32_t a_smem = smem_base + ring.stage * WG_STAGE_BYTES + cw * 64 * BK;
-        const uint32_t b_smem = smem_base + ring.stage * WG_STAGE_BYTES + A_BYTES;
+        mbar_wait(ring.full(stage), phase);
+        const uint32_t a_smem = smem_base + stage * WG_STAGE_BYTES + cw * 64 * BK;
+        const uint32_t b_smem = smem_base + stage * WG_STAGE_BYTES + A_BYTES;
         const uint32_t s_smem = b_smem + BOX_BYTES;
         mma_issue(part, a_smem, b_smem);
         // the scales, read while the wgmmas run (the stage is not released before its wait)
@@ -163,9 +165,12 @@ __global__ void __launch_bounds__(THREADS, 1)
           sb[2 * j + 1] = v.y;
         }
         wgmma_wait<0>();
-        ring.release(ring.stage, cw);  // the warpgroup's wgmmas and scale reads are done
+        ring.release(stage, cw);  // the warpgroup's wgmmas and scale reads are done
         promote_cols(acc, part, s0, s1, sb);
-        ring.advance();
+        if (++stage == WG_STAGES) {
+          stage = 0;
+          phase ^= 1;
+        }
       }
       store_bf16_tile(epi_smem + cw * 2 * EPI_BOX_BYTES, cw, warp, lane, &out_map, pid_n * BN,
                       expert * p.M + pid_m * BM + cw * 64, [&](int j, int h) {

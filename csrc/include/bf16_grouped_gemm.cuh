@@ -460,7 +460,9 @@ __global__ void __launch_bounds__(THREADS, 1)
     const int warp = (tid % 128) / 32;
     const int lane = tid % 32;
     float acc[128];
-    Ring<STAGES> ring = smem.ring();
+    const Ring<STAGES> ring = smem.ring();
+    int stage = 0;
+    uint32_t phase = 0;
     // DEFER: the previous tile's last store (GEMM_ROWS: its second column half), packed, waiting to
     // be staged and stored
     [[maybe_unused]] uint32_t pend[32];
@@ -535,6 +537,13 @@ __global__ void __launch_bounds__(THREADS, 1)
       const bool active = t.expert >= 0;
       const int pid_m = t.pid_m, pid_n = t.pid_n, k_blocks = t.k_blocks;
       const bool zero_rows = active && first_slot < 0;
+      auto release = [&](int s, bool pred) { ring.release(s, cw, pred); };
+      auto advance = [&]() {
+        if (++stage == STAGES) {
+          stage = 0;
+          phase ^= 1;
+        }
+      };
       // DGRAD2_SWIGLU with store_gathered: the warpgroup's thread 0 stores its 64 gathered dy
       // rows of each K step (a [64, 64] box, the one tile per M tile with pid_n 0) into the
       // row-space copy that dw2 reads, then waits until the store engine has read them before
@@ -544,20 +553,20 @@ __global__ void __launch_bounds__(THREADS, 1)
       auto store_gathered = [&](int kb) {
         if constexpr (MODE == DGRAD2_SWIGLU) {
           tma_store_2d_commit_if(&w3_map, kb * BK, pid_m * BM + cw * 64,
-                                 smem_base + ring.stage * STAGE_BYTES + cw * 64 * ROW_BYTES, store_rows);
+                                 smem_base + stage * STAGE_BYTES + cw * 64 * ROW_BYTES, store_rows);
         }
       };
       if (!active || zero_rows) {
         // nothing but padding rows (or no expert, which a plan never gives): pass every stage on
         for (int kb = 0; kb < k_blocks; ++kb) {
-          ring.wait_full();
+          mbar_wait(ring.full(stage), phase);
           if constexpr (MODE == DGRAD2_SWIGLU) {
             fence_proxy_async();  // the zero-filled gathers, for the store engine
             store_gathered(kb);
             bulk_wait_read_all_if(store_rows);
           }
-          ring.release(ring.stage, cw);
-          ring.advance();
+          release(stage, true);
+          advance();
         }
         if (!active) continue;
       }
@@ -568,18 +577,18 @@ __global__ void __launch_bounds__(THREADS, 1)
 #pragma unroll
         for (int i = 0; i < 128; ++i) acc[i] = 0.f;
       }
-      int prev = ring.stage;
+      int prev = stage;
       // one K step: wait for its stage, issue its wgmma batch (left in flight)
       auto issue_step = [&](int kb) {
-        ring.wait_full();
+        mbar_wait(ring.full(stage), phase);
         // the cp.async rows are generic-proxy writes; wgmma reads through the async proxy
         // (no gathers: TMA wrote both operands, nothing to fence)
         if (GATHERS) fence_proxy_async();
         store_gathered(kb);
         // this warpgroup's 64 rows of A: rows [64 cw, +64) (K-major) or box cw (M-major)
         const uint32_t a_smem =
-            smem_base + ring.stage * STAGE_BYTES + (WGRAD ? cw * NMAJOR_BOX_BYTES : cw * 64 * ROW_BYTES);
-        const uint32_t b_smem = smem_base + ring.stage * STAGE_BYTES + A_BYTES;
+            smem_base + stage * STAGE_BYTES + (WGRAD ? cw * NMAJOR_BOX_BYTES : cw * 64 * ROW_BYTES);
+        const uint32_t b_smem = smem_base + stage * STAGE_BYTES + A_BYTES;
         wgmma_fence();
 #pragma unroll
         for (int k = 0; k < BK / 16; ++k) {
@@ -598,9 +607,9 @@ __global__ void __launch_bounds__(THREADS, 1)
       auto retire_step = [&]() {
         wgmma_wait<0>();
         if (MODE == DGRAD2_SWIGLU) bulk_wait_read_all_if(store_rows);
-        ring.release(ring.stage, cw);
-        prev = ring.stage;
-        ring.advance();
+        release(stage, true);
+        prev = stage;
+        advance();
       };
       const int steps = zero_rows ? 0 : k_blocks;
       int kb0 = 0;
@@ -637,8 +646,8 @@ __global__ void __launch_bounds__(THREADS, 1)
         float dot[2] = {0.f, 0.f};
 #pragma unroll
         for (int c = 0; c < EPI_STAGES; ++c) {
-          ring.wait_full();
-          const uint32_t a1_s = smem_base + ring.stage * STAGE_BYTES + cw * (EPI_IN_BYTES / 2);
+          mbar_wait(ring.full(stage), phase);
+          const uint32_t a1_s = smem_base + stage * STAGE_BYTES + cw * (EPI_IN_BYTES / 2);
           const uint32_t a3_s = a1_s + EPI_IN_BYTES;
           const uint32_t hw_s = a3_s + EPI_IN_BYTES;
 #pragma unroll
@@ -690,11 +699,11 @@ __global__ void __launch_bounds__(THREADS, 1)
             }
             if (c == EPI_STAGES - 1) {
               bulk_wait_read<0>();
-              mbar_arrive(ring.empty(ring.stage));
+              mbar_arrive(ring.empty(stage));
             }
           }
-          prev = ring.stage;
-          ring.advance();
+          prev = stage;
+          advance();
         }
 #pragma unroll
         for (int half = 0; half < 2; ++half) {

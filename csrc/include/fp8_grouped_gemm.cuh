@@ -398,7 +398,9 @@ __global__ void __launch_bounds__(THREADS, 1)
     const int warp = (tid % 128) / 32;
     const int lane = tid % 32;
     const int r_in = cw * 64 + warp * 16 + lane / 4;  // this thread's rows: r_in, r_in + 8
-    Ring<STAGES> ring = smem.ring();
+    const Ring<STAGES> ring = smem.ring();
+    int stage = 0;
+    uint32_t phase = 0;
     float part[64];
     float acc[64];
     [[maybe_unused]] float acc3[SWIGLU ? 64 : 1];
@@ -431,9 +433,17 @@ __global__ void __launch_bounds__(THREADS, 1)
 #pragma unroll
         for (int i = 0; i < 64; ++i) acc3[i] = 0.f;
       }
+      auto advance = [&]() {
+        if (++stage == STAGES) {
+          stage = 0;
+          phase ^= 1;
+        }
+      };
+      // the warpgroup's wgmmas have all read stage s
+      auto release = [&](int s) { ring.release(s, cw); };
       auto stage_smem = [&](uint32_t& a_smem, uint32_t& b_smem) {
-        a_smem = smem_base + ring.stage * L::STAGE_BYTES + cw * 64 * BK;
-        b_smem = smem_base + ring.stage * L::STAGE_BYTES + A_BYTES;
+        a_smem = smem_base + stage * L::STAGE_BYTES + cw * 64 * BK;
+        b_smem = smem_base + stage * L::STAGE_BYTES + A_BYTES;
       };
       if constexpr (SWIGLU) {
         // w1's wgmmas, their promotion, w3's (one partial: a1, a3 and it take 192 registers)
@@ -442,7 +452,7 @@ __global__ void __launch_bounds__(THREADS, 1)
           const float a1 = live[1] ? __ldg(sa1 + kb) : 0.f;
           const float b1 = __ldg(p.b_scale + sb_off + kb);
           const float b3 = __ldg(p.b3_scale + sb_off + kb);
-          ring.wait_full();
+          mbar_wait(ring.full(stage), phase);
           fence_proxy_async();  // the cp.async rows, for the wgmma's async proxy
           uint32_t a_smem, b_smem;
           stage_smem(a_smem, b_smem);
@@ -451,9 +461,9 @@ __global__ void __launch_bounds__(THREADS, 1)
           promote(acc, part, a0 * b1, a1 * b1);
           mma_issue(part, a_smem, b_smem + BOX_BYTES);
           wgmma_wait<0>();
-          ring.release(ring.stage, cw);  // the warpgroup's wgmmas have all read it
+          release(stage);
           promote(acc3, part, a0 * b3, a1 * b3);
-          ring.advance();
+          advance();
         }
       } else {
         // One partial per warpgroup, waited for and promoted per step: the other warpgroup's
@@ -463,15 +473,15 @@ __global__ void __launch_bounds__(THREADS, 1)
           const float b1 = __ldg(p.b_scale + sb_off + kb);
           const float s0 = (live[0] ? __ldg(sa0 + kb) : 0.f) * b1;
           const float s1 = (live[1] ? __ldg(sa1 + kb) : 0.f) * b1;
-          ring.wait_full();
+          mbar_wait(ring.full(stage), phase);
           if constexpr (GATHER) fence_proxy_async();  // DGRAD2_SWIGLU's cp.async rows
           uint32_t a_smem, b_smem;
           stage_smem(a_smem, b_smem);
           mma_issue(part, a_smem, b_smem);
           wgmma_wait<0>();
-          ring.release(ring.stage, cw);  // the warpgroup's wgmmas have all read it
+          release(stage);
           promote(acc, part, s0, s1);
-          ring.advance();
+          advance();
         }
       }
       const int col0 = pid_n * BN + 2 * (lane % 4);

@@ -1,6 +1,10 @@
 // The producer/consumer ring every kernel runs on: STAGES shared-memory stages, each with a
 // `full` mbarrier (the producer's loads landed) and an `empty` one (both consumer warpgroups are
-// done with it, one arrival each), walked by a (stage, phase) cursor per thread.
+// done with it, one arrival each). Each role walks it with its own (stage, phase) locals: stage
+// s of round r waits full(s) at parity r & 1 (consumers) or empty(s) at parity (r & 1) ^ 1
+// (producers: a fresh barrier's parity 1 counts as completed, so the first round starts free).
+// The kernels step (stage, phase) in their own loops: through a helper, nvcc schedules the
+// loops differently.
 #pragma once
 
 #include <stdint.h>
@@ -21,8 +25,6 @@ template <int STAGES>
 struct Ring {
   uint32_t full_bar;   // STAGES barriers, 8 bytes apart
   uint32_t empty_bar;  // STAGES barriers, 8 bytes apart
-  int stage = 0;
-  uint32_t phase = 0;
 
   __device__ __forceinline__ Ring(uint32_t full, uint32_t empty)
       : full_bar(full), empty_bar(empty) {}
@@ -38,20 +40,6 @@ struct Ring {
 
   __device__ __forceinline__ uint32_t full(int s) const { return full_bar + 8 * s; }
   __device__ __forceinline__ uint32_t empty(int s) const { return empty_bar + 8 * s; }
-
-  // Producer: until the consumers freed the current stage (a fresh ring starts free).
-  __device__ __forceinline__ void wait_empty() const { mbar_wait(empty(stage), phase ^ 1); }
-  // Consumer: until the producer filled the current stage.
-  __device__ __forceinline__ void wait_full() const { mbar_wait(full(stage), phase); }
-
-  // (The producers step their own (stage, phase) locals inline, with full() / empty(): nvcc
-  // compiles their loops differently through a helper.)
-  __device__ __forceinline__ void advance() {
-    if (++stage == STAGES) {
-      stage = 0;
-      phase ^= 1;
-    }
-  }
 
   // Consumer warpgroup cw frees stage s: the whole warpgroup is past it before its one arrival.
   // The arrival is a predicated instruction, not a branch (see mbar_wait), so a wgmma batch can
