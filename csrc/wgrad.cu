@@ -101,9 +101,10 @@ __global__ void __launch_bounds__(THREADS, 1)
     int stage = 0;
     uint32_t phase = 0;
     for (int it = 0;; ++it) {
-      if (tid == 0) units.publish(it, p.ticket, num_units);
+      const int slot = it & 1;
+      if (tid == 0) units.publish(it, slot, p.ticket, num_units);
       named_barrier(4, 128);
-      const int u = units.read(it);
+      const int u = units.read(slot);
       if (u >= num_units) break;
       int pid_m, pid_n, row0, k_blocks;
       decode(u, pid_m, pid_n, row0, k_blocks);

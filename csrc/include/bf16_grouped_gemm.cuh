@@ -292,9 +292,10 @@ __global__ void __launch_bounds__(THREADS, 1)
     for (int it = 0; GATHERS || tid == 0; ++it) {
       int u;
       if (dynamic) {
-        if (tid == 0) units.publish(it, p.ticket, num_units);
+        const int slot = it & 1;
+        if (tid == 0) units.publish(it, slot, p.ticket, num_units);
         if (GATHERS) named_barrier(3, 128);
-        u = units.read(it);
+        u = units.read(slot);
       } else {
         u = static_unit(it);
       }

@@ -44,17 +44,16 @@ struct UnitRing {
     }
   }
 
-  // The producer's thread 0: the it-th unit of this CTA, taken from the ticket into slot it % 2
+  // The producer's thread 0: the it-th unit of this CTA (slot = it & 1), taken from the ticket
   // once both consumer warpgroups have read the slot's previous id.
-  __device__ __forceinline__ void publish(int it, int* ticket, int num_units) const {
-    const int slot = it & 1;
+  __device__ __forceinline__ void publish(int it, int slot, int* ticket, int num_units) const {
     mbar_wait(empty_bar + 8 * slot, ((it >> 1) & 1) ^ 1);
     id[slot] = take_unit(ticket, num_units);
     mbar_arrive(full_bar + 8 * slot);  // release: the consumers' wait acquires the id
   }
 
   // The other producer threads, after a named barrier with thread 0.
-  __device__ __forceinline__ int read(int it) const { return id[it & 1]; }
+  __device__ __forceinline__ int read(int slot) const { return id[slot]; }
 
   // A consumer warpgroup (barrier id 1 + cw): the it-th unit; the slot is freed once the whole
   // warpgroup has read it (the arrival is predicated, not a branch: see mbar_wait).
