@@ -25,7 +25,7 @@ extern "C" int megamoe_gemm_rows(const GemmRowsParams* a) {
     w2_map = w_map;
   }
   if (rc != 0) return rc;
-  rc = make_map(&in_map, a->in, a->rows, a->K, BM);
+  rc = make_map(&in_map, a->inp, a->rows, a->K, BM);
   if (rc != 0) return rc;
   rc = make_map(&out_map, a->out, a->rows, a->N, 64, 64);
   if (rc != 0) return rc;

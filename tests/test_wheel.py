@@ -1,8 +1,8 @@
 """The JIT build finds the CUDA sources from a checkout and from an installed wheel.
 
-csrc/ sits at the top of the repository; setup.py copies its .cu/.cuh files into the wheel's
-package (torchtitan_megamoe/csrc/), and ops/hopper/cuda/build.find_csrc() looks in the checkout
-first, then in the package. The wheel test builds the wheel from a copy of the sources (so no
+csrc/ sits at the top of the repository; setup.py copies its .cu/.cuh/.h files (with their
+subfolders) into the wheel's package (torchtitan_megamoe/csrc/), and
+ops/hopper/cuda/build.find_csrc() looks in the checkout first, then in the package. The wheel test builds the wheel from a copy of the sources (so no
 build/ or egg-info lands in the checkout), installs it into a scratch target and asks find_csrc
 from there, in a fresh interpreter run elsewhere. Offline: pip neither resolves dependencies nor
 reaches an index (--no-deps, --no-index), and builds without isolation when setuptools is
@@ -19,7 +19,8 @@ import zipfile
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-CSRC = sorted(p.name for p in (REPO / "csrc").iterdir() if p.suffix in (".cu", ".cuh"))
+CSRC = sorted(str(p.relative_to(REPO / "csrc")) for p in (REPO / "csrc").rglob("*")
+              if p.is_file() and p.suffix in (".cu", ".cuh", ".h"))
 
 
 def _pip(*args, cwd):
@@ -37,7 +38,7 @@ def _pip(*args, cwd):
 def test_checkout_finds_the_top_level_csrc():
     from torchtitan_megamoe.ops.hopper.cuda import build
 
-    assert CSRC and "grouped_gemm_sm90.cu" in CSRC
+    assert CSRC and "gemm1_swiglu.cu" in CSRC and "include/launch_params.h" in CSRC
     assert Path(build.__file__).resolve().is_relative_to(REPO), "not the checkout's package"
     assert build.find_csrc() == REPO / "csrc"
     assert build.CSRC == REPO / "csrc"
@@ -55,7 +56,7 @@ def test_installed_wheel_carries_and_finds_csrc(tmp_path):
     _pip("wheel", "--wheel-dir", str(wheels), str(src), cwd=tmp_path)
     (wheel,) = wheels.glob("torchtitan_megamoe-*.whl")
     names = zipfile.ZipFile(wheel).namelist()
-    assert sorted(n.split("/")[-1] for n in names
+    assert sorted(n.removeprefix("torchtitan_megamoe/csrc/") for n in names
                   if n.startswith("torchtitan_megamoe/csrc/")) == CSRC, names
     assert not any(n.startswith(("tests/", "tools/", "experiments/", "csrc/")) for n in names)
 

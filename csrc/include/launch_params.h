@@ -67,11 +67,11 @@ typedef struct Fp8Gemm1SwigluParams {
   void* stream;
 } Fp8Gemm1SwigluParams;
 
-/* gemm_rows, bf16: out[r] = in[r] @ w[e]^T with w [E, N, K] (n_major 0), or in[r, :k_split] @
- * w[e] + in[r, k_split:] @ w2[e] with w, w2 [E, k_split, N] (n_major 1; w2 only read when
+/* gemm_rows, bf16: out[r] = inp[r] @ w[e]^T with w [E, N, K] (n_major 0), or inp[r, :k_split]
+ * @ w[e] + inp[r, k_split:] @ w2[e] with w, w2 [E, k_split, N] (n_major 1; w2 only read when
  * K > k_split). row_slot: the plan's (padding halves of tiles are skipped) or NULL. */
 typedef struct GemmRowsParams {
-  const void* in;
+  const void* inp;
   const void* w;
   const void* w2;
   void* out;
