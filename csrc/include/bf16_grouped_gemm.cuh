@@ -12,7 +12,7 @@
 //     of the two operands is gathered by token (dw2: A = dy rows, B = hw; dw1|dw3: A = [da1 |
 //     da3], B = x rows), the other read by TMA from the row space (or both by TMA from rows
 //     gathered before: WGRAD_TMA).
-//   dgrad2_swiglu (DGRAD2_SWIGLU mode, the backward's kernel A on the forward's saved
+//   dgrad2_swiglu (DGRAD2_SWIGLU mode, dgrad of linear 2 and the SwiGLU backward on the saved
 //     a = [a1 | a3]): dh[r] = dy_tok(r) @ w2[e] (dy gathered as GEMM 1 gathers x, w2 [E, D, H]
 //     N-major as GEMM_ROWS_NMAJOR reads it), and in the epilogue the SwiGLU backward with the row's
 //     routing weight w: da1 = w dh a3 silu'(a1), da3 = w dh silu(a1), hw = w silu(a1) a3, and

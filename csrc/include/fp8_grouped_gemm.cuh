@@ -10,7 +10,7 @@
 //     token row_slot[r] / top_k, padding rows read zeros), a1 against w1 and a3 against w3,
 //     h = silu(a1) * a3 quantized in the epilogue to e4m3 with one scale per row of the tile's
 //     128 columns (GEMM 2's A operand and its scales), optionally a = [a1 | a3] in bf16.
-//   dgrad2_swiglu (DGRAD2_SWIGLU): the backward's kernel A. dhg = dy rows (gathered like
+//   dgrad2_swiglu (DGRAD2_SWIGLU): dgrad of linear 2 and the SwiGLU backward. dhg = dy rows (gathered like
 //     GEMM1_SWIGLU's x) @ w2[e] (B = the transposed [E, H, D] copy), then with the saved a = [a1 |
 //     a3] and the routing weight w of the row: h = silu(a1) a3, dh = w dhg, da3 = dh silu(a1),
 //     da1 = dh a3 sig (1 + a1 (1 - sig)). Outputs, each quantized where it sits in registers:

@@ -46,10 +46,8 @@ def library(family: str) -> ctypes.CDLL:
 
 
 def launch(family: str, entry: str, params: ctypes.Structure, who: str) -> None:
-    """Calls ``entry`` of csrc/<family>.cu with a pointer to ``params``; raises on its error."""
-    if not isinstance(params, ENTRY_POINTS[family][entry]):
-        raise TypeError(f"{who}: {entry} takes {ENTRY_POINTS[family][entry].__name__}, got "
-                        f"{type(params).__name__}")
+    """Calls ``entry`` of csrc/<family>.cu with a pointer to ``params`` (its argtypes refuse any
+    other struct); raises on its error."""
     lib = library(family)
     rc = getattr(lib, entry)(ctypes.byref(params))
     if rc != 0:
