@@ -115,9 +115,3 @@ def build(name: str) -> Path:
 def load(name: str) -> ctypes.CDLL:
     """The ctypes handle of csrc/<name>.cu's library (built on first use)."""
     return ctypes.CDLL(str(build(name)))
-
-
-if __name__ == "__main__":
-    # `make cuda-cache`: every family into $MEGAMOE_CUDA_CACHE ahead of time (nvcc, no GPU)
-    for family in FAMILIES:
-        print(build(family))
