@@ -71,7 +71,7 @@ gpu-check:
 # nvcc, no GPU needed: the sm90 kernels' tuner builds into .cuda_cache, which the GPU scripts use
 # when it is in the repository root (e.g. copied along to a GPU machine): no nvcc time there.
 cuda-cache: setup
-	MEGAMOE_CUDA_CACHE=$(CURDIR)/.cuda_cache $(PY) -m torchtitan_megamoe.ops.hopper.cuda.sm90
+	MEGAMOE_CUDA_CACHE=$(CURDIR)/.cuda_cache $(PY) -m torchtitan_megamoe.ops.hopper.cuda
 
 clean:
 	rm -rf outputs

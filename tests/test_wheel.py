@@ -1,7 +1,7 @@
 """The wheel: it carries the CUDA sources, and it ships the library without the tools' extras.
 
-csrc/ sits at the top of the repository; setup.py copies its .cu/.cuh files into the wheel's
-package (torchtitan_megamoe/csrc/), and ops/hopper/cuda/build.find_csrc() looks in the checkout
+csrc/ sits at the top of the repository; setup.py copies its .cu/.cuh/.h files (with
+their subfolders) into the wheel's package (torchtitan_megamoe/csrc/), and ops/hopper/cuda/build.find_csrc() looks in the checkout
 first, then in the package. The wheel is built once per module from a copy of the sources (so no
 build/ or egg-info lands in the checkout); one test installs it into a scratch target and asks
 find_csrc from there, in a fresh interpreter run elsewhere; another reads its metadata and
@@ -26,7 +26,8 @@ from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
 REPO = Path(__file__).resolve().parents[1]
-CSRC = sorted(p.name for p in (REPO / "csrc").iterdir() if p.suffix in (".cu", ".cuh"))
+CSRC = sorted(str(p.relative_to(REPO / "csrc")) for p in (REPO / "csrc").rglob("*")
+              if p.is_file() and p.suffix in (".cu", ".cuh", ".h"))
 
 
 def _pip(*args, cwd):
@@ -44,7 +45,7 @@ def _pip(*args, cwd):
 def test_checkout_finds_the_top_level_csrc():
     from torchtitan_megamoe.ops.hopper.cuda import build
 
-    assert CSRC and "grouped_gemm_sm90.cu" in CSRC
+    assert CSRC and "gemm1_swiglu.cu" in CSRC and "include/launch_params.h" in CSRC
     assert Path(build.__file__).resolve().is_relative_to(REPO), "not the checkout's package"
     assert build.find_csrc() == REPO / "csrc"
     assert build.CSRC == REPO / "csrc"
@@ -68,7 +69,7 @@ def wheel(tmp_path_factory) -> Path:
 
 def test_installed_wheel_carries_and_finds_csrc(wheel, tmp_path):
     names = zipfile.ZipFile(wheel).namelist()
-    assert sorted(n.split("/")[-1] for n in names
+    assert sorted(n.removeprefix("torchtitan_megamoe/csrc/") for n in names
                   if n.startswith("torchtitan_megamoe/csrc/")) == CSRC, names
     assert not any(n.startswith(("tests/", "tools/", "experiments/", "csrc/")) for n in names)
 

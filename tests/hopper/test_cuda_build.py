@@ -1,6 +1,7 @@
-"""The JIT build of csrc/ (CPU-only machines with nvcc, as CI's, compile it too): the sources
-compile for sm_90a, the library exports its entry points, ptxas reports no large spills, and
-machines without an sm_90 GPU never pick the CUDA kernels."""
+"""The JIT build of csrc/ (CPU-only machines with nvcc, as CI's, compile it too): every kernel
+family's source compiles for sm_90a into its own library, the library exports its bf16 and FP8
+entry points, ptxas reports no large spills, and machines without an sm_90 GPU never pick the
+CUDA kernels."""
 
 import ctypes
 import re
@@ -9,6 +10,7 @@ import pytest
 import torch
 
 from torchtitan_megamoe.ops.hopper.cuda import build
+from torchtitan_megamoe.ops.hopper.cuda.params import ENTRY_POINTS
 from torchtitan_megamoe.ops.hopper.cuda.sm90 import sm90_usable
 from torchtitan_megamoe.ops.hopper.kernels import gemm1_swiglu as g1
 from torchtitan_megamoe.ops.hopper.kernels import gemm2 as g2
@@ -17,13 +19,38 @@ from torchtitan_megamoe.ops.hopper.plan import build_plan
 needs_nvcc = pytest.mark.skipif(build.nvcc_path() is None, reason="needs nvcc")
 
 
+def test_every_family_has_a_source_and_entry_points():
+    assert set(ENTRY_POINTS) == set(build.FAMILIES)
+    for family in build.FAMILIES:
+        assert (build.CSRC / f"{family}.cu").is_file()
+    # each family: one bf16 and one FP8 entry point
+    assert all(len(entries) == 2 for entries in ENTRY_POINTS.values())
+
+
+def test_the_cache_key_covers_every_header(tmp_path, monkeypatch):
+    assert {p.name for p in build.headers()} >= {"launch_params.h", "ring.cuh", "ptx.cuh"}
+    src = tmp_path / "csrc"
+    (src / "include" / "sub").mkdir(parents=True)
+    (src / "gemm_rows.cu").write_text("// source\n")
+    header = src / "include" / "sub" / "deep.cuh"
+    header.write_text("// one\n")
+    monkeypatch.setattr(build, "CSRC", src)
+    version = "echo"  # stands in for `nvcc --version`: the key needs no toolkit
+    key = build._cache_key(src / "gemm_rows.cu", version)
+    assert build._cache_key(src / "gemm_rows.cu", version) == key
+    header.write_text("// two\n")
+    assert build._cache_key(src / "gemm_rows.cu", version) != key
+
+
 @needs_nvcc
-def test_grouped_gemm_sm90_builds_without_spills(tmp_path, monkeypatch):
+@pytest.mark.parametrize("family", build.FAMILIES)
+def test_family_builds_without_spills(family, tmp_path, monkeypatch):
     monkeypatch.setenv("MEGAMOE_CUDA_CACHE", str(tmp_path))
-    lib_path = build.build("grouped_gemm_sm90")
+    lib_path = build.build(family)
     lib = ctypes.CDLL(str(lib_path))  # loads without a GPU (cudart binds the driver lazily)
-    assert lib.megamoe_gemm1_swiglu and lib.megamoe_gemm_rows and lib.megamoe_error_string
-    assert lib.megamoe_wgrad and lib.megamoe_dgrad_swiglu
+    assert lib.megamoe_error_string
+    for entry in ENTRY_POINTS[family]:
+        assert getattr(lib, entry)
     log = (lib_path.parent / "build.log").read_text()
     spills = [int(n) for n in re.findall(r"(\d+) bytes spill stores", log)]
     assert spills and max(spills) <= 64, log  # a few bytes of the producer's row pointers
@@ -33,13 +60,13 @@ def test_grouped_gemm_sm90_builds_without_spills(tmp_path, monkeypatch):
     assert "C7518" not in log and "serialized" not in log, log
     # cached: a second build is the same file, not a recompile
     mtime = lib_path.stat().st_mtime_ns
-    assert build.build("grouped_gemm_sm90") == lib_path and lib_path.stat().st_mtime_ns == mtime
+    assert build.build(family) == lib_path and lib_path.stat().st_mtime_ns == mtime
 
 
 def test_nvcc_missing_names_the_fix(monkeypatch):
     monkeypatch.setattr(build, "nvcc_path", lambda: None)
     with pytest.raises(RuntimeError, match="needs nvcc.*CUDA_HOME"):
-        build.build("grouped_gemm_sm90")
+        build.build("gemm1_swiglu")
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="CPU-only machines")

@@ -1,4 +1,4 @@
-"""csrc/grouped_gemm_sm90.cu's DGRAD_SWIGLU mode (kernel A on the saved a1/a3 in one launch) on an
+"""csrc/dgrad2_swiglu.cu's bf16 mode (dgrad2_swiglu on the saved a1/a3 in one launch) on an
 H200 (marked gpu; skipped without an sm_90 GPU and nvcc): da, hw and the d(topk_weights)
 partials (and the gathered dy rows it can store) against float64 math on uneven routings with
 the outputs poisoned (NaN) first, the real Qwen3-30B shape against the Triton kernel A, bitwise

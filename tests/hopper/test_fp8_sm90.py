@@ -1,7 +1,7 @@
-"""csrc/fp8_gemm_sm90.cu on an H200 (marked gpu; skipped without an sm_90 GPU and nvcc): the
-FP8 GEMM 1 + SwiGLU (h quantized per row and 128 columns in the epilogue, a = [a1 | a3] saved),
-the plain FP8 row GEMM (GEMM 2, dgrad of linear 1), kernel A (dgrad of linear 2 + the SwiGLU
-backward, five quantized outputs) and the weight gradients against float64 math on the same
+"""The FP8 modes of csrc/'s kernel families on an H200 (marked gpu; skipped without an sm_90 GPU
+and nvcc): gemm1_swiglu (h quantized per row and 128 columns in the epilogue, a = [a1 | a3]
+saved), gemm_rows (gemm2, dgrad1), dgrad2_swiglu (dgrad of linear 2 + the SwiGLU backward, five
+quantized outputs) and the weight gradients against float64 math on the same
 quantized operands, on uneven routings (dropped slots, an empty expert, one expert holding
 every row, one token), token counts that are not tile multiples, outputs poisoned first (rows
 past the used ones must stay untouched), and against the Triton FP8 kernels of the same
@@ -11,8 +11,10 @@ import pytest
 import torch
 
 from moe_testing import SM90_GPU, nan_tensor, rel_err, routing
-from torchtitan_megamoe.ops.hopper.cuda.fp8_library import (fp8_dgrad2_swiglu_sm90, fp8_gemm1_swiglu_sm90,
-                                                       fp8_gemm_rows_sm90, fp8_wgrad_sm90)
+from torchtitan_megamoe.ops.hopper.cuda.dgrad2_swiglu import fp8_dgrad2_swiglu_sm90
+from torchtitan_megamoe.ops.hopper.cuda.gemm1_swiglu import fp8_gemm1_swiglu_sm90
+from torchtitan_megamoe.ops.hopper.cuda.gemm_rows import fp8_gemm_rows_sm90
+from torchtitan_megamoe.ops.hopper.cuda.wgrad import fp8_wgrad_sm90
 from torchtitan_megamoe.ops.hopper.fp8_weights import forward_weights, w2_transposed
 from torchtitan_megamoe.ops.hopper.kernels import fp8_gemm as fg
 from torchtitan_megamoe.ops.hopper.kernels import fp8_wgrad as fw
@@ -53,7 +55,7 @@ def _used(plan):
 
 
 def _gemm1(plan, xq, xs, wq, save_a=True):
-    R, (E, H, D) = plan.max_rows, wq.w1q.shape
+    R, H = plan.max_rows, wq.w1q.shape[1]
     hq = torch.full((R, H), float("nan"), device="cuda").to(FP8)
     hs = nan_tensor(R, H // 128, dtype=torch.float32)
     a = nan_tensor(R, 2 * H) if save_a else None
@@ -153,7 +155,7 @@ def test_rows_by_expert_groups(name):
         fp8_gemm_rows_sm90(aq, a_s, bq[:3], b_s[:3], plan, split, expert_base=6)
 
 
-def _dswiglu_setup(T, K, E, D, H, name, seed=0):
+def _dgrad2_swiglu_setup(T, K, E, D, H, name, seed=0):
     """dy, w2 (quantized as kernel A reads them), a saved a (zero on padding rows, as GEMM 1
     leaves it) and routing weights."""
     g = torch.Generator(device="cuda").manual_seed(seed)
@@ -169,7 +171,7 @@ def _dswiglu_setup(T, K, E, D, H, name, seed=0):
 
 
 def _kernel_a(plan, gq, gs, w2t, a, tw):
-    R, (E, H, D) = plan.max_rows, w2t.q.shape
+    R, H = plan.max_rows, w2t.q.shape[1]
     fp8_nan = lambda *shape: torch.full(shape, float("nan"), device="cuda").to(FP8)  # noqa: E731
     out = dict(daq=fp8_nan(R, 2 * H), das=nan_tensor(R, 2 * H // 128, dtype=torch.float32),
                daTq=fp8_nan(2 * H, R), daTs=nan_tensor(2 * H, R // 128, dtype=torch.float32),
@@ -180,7 +182,7 @@ def _kernel_a(plan, gq, gs, w2t, a, tw):
     return out
 
 
-def _dswiglu_f64(plan, gq, gs, w2t, a, tw):
+def _dgrad2_swiglu_f64(plan, gq, gs, w2t, a, tw):
     """(dhg, h, da1, da3) over the used rows, float64, on the quantized dy and w2^T."""
     used, slot, expert = _used(plan)
     H = w2t.q.shape[1]
@@ -205,12 +207,12 @@ def _deq_cols(q, s, used):
 @pytest.mark.parametrize("name", ROUTINGS)
 @pytest.mark.parametrize("T,K,E,D,H", [(700, 4, 8, 384, 256), (333, 2, 5, 1152, 128)],
                          ids=["d384_h256", "d1152_h128"])
-def test_dswiglu_vs_float64(T, K, E, D, H, name):
-    plan, gq, gs, w2t, a, tw = _dswiglu_setup(T, K, E, D, H, name)
+def test_dgrad2_swiglu_vs_float64(T, K, E, D, H, name):
+    plan, gq, gs, w2t, a, tw = _dgrad2_swiglu_setup(T, K, E, D, H, name)
     o = _kernel_a(plan, gq, gs, w2t, a, tw)
     used, slot, _ = _used(plan)
     live = slot >= 0
-    dhg, h, da1, da3 = _dswiglu_f64(plan, gq, gs, w2t, a, tw)
+    dhg, h, da1, da3 = _dgrad2_swiglu_f64(plan, gq, gs, w2t, a, tw)
     da = torch.cat([da1, da3], 1)
     got_da = _deq_rows(o["daq"][:used], o["das"][:used])
     assert torch.isfinite(got_da).all(), "used rows left unwritten"

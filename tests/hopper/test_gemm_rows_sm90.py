@@ -1,4 +1,4 @@
-"""csrc/grouped_gemm_sm90.cu's ROWS mode on an H200 (marked gpu; skipped without an sm_90 GPU
+"""csrc/gemm_rows.cu's bf16 modes on an H200 (marked gpu; skipped without an sm_90 GPU
 and nvcc): GEMM 2 (out[r] = in[r] @ w[e]^T, K-major weights) and the N-major form (the
 backward's kernel C: [da1 | da3] @ [w1; w3][e]) against float64 math on uneven routings with
 the output poisoned (NaN) first, rows past the used ones never written, K not a multiple of the
@@ -160,7 +160,7 @@ def test_backward_with_the_sm90_kernel_c_matches_the_reference(monkeypatch):
 
 
 def test_saved_backward_with_the_sm90_kernel_a_matches_the_reference(monkeypatch):
-    """Kernel A's saved path with its dh GEMM forced to the sm90 N-major ROWS mode (w2 as
+    """Kernel A's saved path with its dh GEMM forced to the sm90 N-major gemm_rows mode (w2 as
     stored, on the gathered dy rows, then the SwiGLU rows kernel): every gradient against the
     reference backend, and bitwise reruns."""
     forced_backward_matches_reference(monkeypatch, {"bwd_dgrad_l2_swiglu": "A_SM90"},

@@ -1,4 +1,4 @@
-"""The Python sides of csrc/grouped_gemm_sm90.cu refuse bad input before anything is built or
+"""The Python sides of the bf16 modes of csrc/'s kernel families refuse bad input before anything is built or
 launched, with an error that names the problem (CPU: the checks run before the library loads)."""
 
 import pytest

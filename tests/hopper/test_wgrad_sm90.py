@@ -1,4 +1,4 @@
-"""csrc/grouped_gemm_sm90.cu's WGRAD mode (the backward's dw2 and dw1|dw3 with the token rows
+"""csrc/wgrad.cu's bf16 modes (the backward's dw2 and dw1|dw3 with the token rows
 gathered inside the kernel) on an H200 (marked gpu; skipped without an sm_90 GPU and nvcc):
 against float64 sums over each expert's rows on uneven routings (empty experts get zeros, a
 single token, dropped slots), the outputs poisoned (NaN) first and the row-space operand's

@@ -1,6 +1,9 @@
-"""JIT build of the CUDA sources in csrc/ into cached shared libraries.
+"""JIT build of the CUDA sources in csrc/ into cached shared libraries, one per kernel family.
 
-A source is compiled once per (source text, headers, nvcc version, target) into
+Each csrc/<family>.cu (its bf16 and FP8 entry points, built from the shared blocks in
+csrc/include/) is its own library: a family's edit rebuilds only that family, and a process
+loads only the families its tuners offer. A source is compiled once per (source text, every
+header, nvcc version, target) into
 ``$MEGAMOE_CUDA_CACHE`` (default ``~/.cache/torchtitan_megamoe/cuda``) and loaded with ctypes.
 Ranks of one torchrun share the cache: a file lock makes one of them compile while the others
 wait, and the library is renamed into place only when complete. No torch headers are involved,
@@ -18,16 +21,20 @@ from pathlib import Path
 
 from torchtitan_megamoe import settings
 
+FAMILIES = ("gemm1_swiglu", "gemm_rows", "dgrad2_swiglu", "wgrad")
+"""The kernel families: csrc/<family>.cu each."""
+
+
 def find_csrc() -> Path:
     """The CUDA sources: ``csrc/`` at the top of a checkout (editable installs, running from
     the tree), else the copy a wheel carries inside the package (setup.py's build_py puts it
     there)."""
     package = Path(__file__).resolve().parents[3]
     for candidate in (package.parent / "csrc", package / "csrc"):
-        if (candidate / "grouped_gemm_sm90.cu").is_file():
+        if (candidate / "include" / "launch_params.h").is_file():
             return candidate
     raise FileNotFoundError(
-        f"torchtitan_megamoe: the CUDA sources (csrc/grouped_gemm_sm90.cu) are neither in "
+        f"torchtitan_megamoe: the CUDA sources (csrc/include/launch_params.h) are neither in "
         f"{package.parent / 'csrc'} (a checkout) nor in {package / 'csrc'} (an installed wheel); "
         "reinstall the package, or set MEGAMOE_CUDA=0 to run without the CUDA kernels"
     )
@@ -60,10 +67,15 @@ def nvcc_command(source: Path, output: Path, nvcc: str) -> list[str]:
     ]
 
 
+def headers() -> list[Path]:
+    """Every header a family's source may include (csrc/include/, any depth)."""
+    return sorted(p for p in (CSRC / "include").rglob("*") if p.suffix in (".cuh", ".h"))
+
+
 def _cache_key(source: Path, nvcc: str) -> str:
     h = hashlib.sha256()
-    for f in sorted(CSRC.glob("*.cuh")) + [source]:
-        h.update(f.name.encode())
+    for f in headers() + [source]:
+        h.update(str(f.relative_to(CSRC)).encode())
         h.update(f.read_bytes())
     version = subprocess.run([nvcc, "--version"], capture_output=True, text=True).stdout
     h.update(version.encode())

@@ -1,16 +1,22 @@
-"""Python side of csrc/grouped_gemm_sm90.cu's DGRAD_SWIGLU mode: the backward's kernel A on the
-forward's saved pre-activations in one launch,
+"""Python side of csrc/dgrad2_swiglu.cu: the backward's dgrad of linear 2 fused with the SwiGLU
+backward, on the forward's saved pre-activations, in one launch.
+
+``dgrad2_swiglu_sm90`` (bf16):
 
     dh = dy[tok(r)] @ w2[e]          (dy rows gathered inside, w2 [E, D, H] read as stored)
     da1 = w dh a3 silu'(a1),  da3 = w dh silu(a1),  hw = w silu(a1) a3,
     part[j, r] = <dh, h> over H tile j (256 columns)
 
 with w the routing weight of row r's slot, a = [a1 | a3] [R_max, 2H] the saved pre-activations.
-Same outputs as ops/hopper/kernels/bwd_dgrad_l2_swiglu.dgrad2_swiglu(..., a=a) with block_n 256 (da
+Same outputs as the Triton dgrad2_swiglu(..., a=a) with block_n 256 (da
 [R_max, 2H], hw [R_max, H], part [H / 256, R_max]), so the two are candidates of one tuner
 entry; only the used rows are written. With ``dy_rows`` [R_max, D] the kernel also stores the
 dy rows it gathers there (row r = dy[tok(r)], zeros on padding rows; used rows only), what
-ops/hopper/kernels/bwd_cublas.gather_rows(dy, plan) gives, for the dw2 weight gradient to read.
+gathering dy by the plan gives, for the dw2 weight gradient to read.
+
+``fp8_dgrad2_swiglu_sm90``: the same from e4m3 dy and w2^T, with da per row, da^T and h^T per 128
+rows quantized to e4m3 with their scales, and the d(topk_weights) partials per 128 columns
+(kernels/fp8_gemm.fp8_dgrad2_swiglu's contract).
 """
 
 from __future__ import annotations
@@ -19,12 +25,22 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from torchtitan_megamoe.ops.hopper.cuda.gemm_rows import BK, BM, BN, shape_supported
-from torchtitan_megamoe.ops.hopper.cuda.sm90 import (check_bf16_rows, check_plan, grouped_gemm_library,
-                                               launch_context, raise_on_error)
+from torchtitan_megamoe.ops.hopper.cuda.params import Dgrad2SwigluParams, Fp8Dgrad2SwigluParams
+from torchtitan_megamoe.ops.hopper.cuda.sm90 import (FP8_BLOCK, check_bf16_rows, check_fp8_operands,
+                                                     check_fp8_token_rows, check_plan, launch,
+                                                     launch_context)
 
-if TYPE_CHECKING:  # ops/triton imports this module: no runtime import back
+if TYPE_CHECKING:
     from torchtitan_megamoe.ops.hopper.plan import Plan
+
+FAMILY = "dgrad2_swiglu"
+BM, BN, BK = 128, 256, 64
+"""The bf16 tile: 128 rows x 256 H columns, K (= D) steps of 64."""
+
+
+def shape_supported(H: int, D: int, block_m: int) -> bool:
+    return H % BN == 0 and D % BK == 0 and block_m % BM == 0
+
 
 def dgrad2_swiglu_sm90(dy: torch.Tensor, a: torch.Tensor, topk_weights: torch.Tensor,
                          w2: torch.Tensor, plan: Plan, out: tuple | None = None,
@@ -33,7 +49,7 @@ def dgrad2_swiglu_sm90(dy: torch.Tensor, a: torch.Tensor, topk_weights: torch.Te
     where to store the gathered dy rows too (None: nowhere)."""
     E, D, H = w2.shape
     who = "dgrad2_swiglu_sm90"
-    if not shape_supported(H, D, plan.block_m):  # the dh GEMM: N = H, K = D, as ROWS tiles it
+    if not shape_supported(H, D, plan.block_m):
         raise ValueError(f"{who} needs hidden % {BN} == 0, dim % {BK} == 0 and a plan block_m "
                          f"multiple of {BM}; got hidden={H}, dim={D}, block_m={plan.block_m}")
     R = plan.max_rows
@@ -59,14 +75,61 @@ def dgrad2_swiglu_sm90(dy: torch.Tensor, a: torch.Tensor, topk_weights: torch.Te
         raise ValueError(f"{who}: topk_weights has {tw.numel()} entries, the plan's slots "
                          f"{plan.num_tokens * plan.top_k}")
     check_plan(plan, dy.device, who, ("row_slot", "tile_expert", "num_rows_used"))
-    lib = grouped_gemm_library()
     num_sms, stream, ticket = launch_context(dy.device)
-    rc = lib.megamoe_dgrad_swiglu(
-        dy.data_ptr(), dy.stride(0), w2.data_ptr(), a.data_ptr(), da.data_ptr(), hw.data_ptr(),
-        None if dy_rows is None else dy_rows.data_ptr(), part.data_ptr(), tw.data_ptr(),
-        plan.row_slot.data_ptr(), plan.tile_expert.data_ptr(),
-        plan.num_rows_used.data_ptr(), E, D, H, plan.top_k, plan.block_m, R, num_sms,
-        ticket.data_ptr(), stream,
+    params = Dgrad2SwigluParams(
+        dy=dy.data_ptr(), stride_dy=dy.stride(0), w2=w2.data_ptr(), a=a.data_ptr(),
+        da=da.data_ptr(), hw=hw.data_ptr(),
+        dy_rows=None if dy_rows is None else dy_rows.data_ptr(), part=part.data_ptr(),
+        topk_w=tw.data_ptr(), row_slot=plan.row_slot.data_ptr(),
+        tile_expert=plan.tile_expert.data_ptr(), num_rows_used=plan.num_rows_used.data_ptr(),
+        E=E, D=D, H=H, top_k=plan.top_k, plan_bm=plan.block_m, rows=R, num_sms=num_sms,
+        ticket=ticket.data_ptr(), stream=stream,
     )
-    raise_on_error(lib, rc, who)
+    launch(FAMILY, "megamoe_dgrad2_swiglu", params, who)
     return da, hw, part
+
+
+def fp8_dgrad2_swiglu_sm90(gq, gs, w2tq, w2ts, a_saved, tw, plan: Plan, daq, das, daTq, daTs,
+                           hTq, hTs, part, group_m: int = 8) -> None:
+    """Writes the used rows of daq [R_max, 2H] e4m3 / das [R_max, 2H/128], the used columns of
+    daTq [2H, R_max] / daTs [2H, R_max/128] and hTq [H, R_max] / hTs [H, R_max/128], and part
+    [H/128, R_max] (fp32): dgrad2_swiglu on the token rows of gq [T, D] (dy, scales gs
+    [T, D/128]) against w2tq [E, H, D] (w2^T), with a_saved [R_max, 2H] bf16 and tw
+    [T * top_k] fp32."""
+    who = "fp8_dgrad2_swiglu_sm90"
+    E, H, D = w2tq.shape
+    R = plan.max_rows
+    B = FP8_BLOCK
+    check_fp8_operands(who, plan, H, D, {"w2tq": w2tq, "daq": daq, "daTq": daTq, "hTq": hTq},
+                       {"gs": gs, "w2ts": w2ts, "das": das, "daTs": daTs, "hTs": hTs,
+                        "part": part})
+    check_fp8_token_rows(who, "gq", gq, "gs", gs, D)
+    shapes = {"daq": (daq, (R, 2 * H)), "das": (das, (R, 2 * H // B)),
+              "daTq": (daTq, (2 * H, R)), "daTs": (daTs, (2 * H, R // B)),
+              "hTq": (hTq, (H, R)), "hTs": (hTs, (H, R // B)), "part": (part, (H // B, R))}
+    for name, (t, shape) in shapes.items():
+        if tuple(t.shape) != shape or not t.is_contiguous():
+            raise ValueError(f"{who}: {name} must be contiguous {list(shape)}, got "
+                             f"{list(t.shape)}")
+    if (a_saved.shape != (R, 2 * H) or a_saved.dtype != torch.bfloat16
+            or not a_saved.is_contiguous()):
+        raise ValueError(f"{who}: a_saved must be contiguous bfloat16 [{R}, {2 * H}]")
+    if (tw.dtype != torch.float32 or not tw.is_contiguous()
+            or tw.numel() != gq.shape[0] * plan.top_k):
+        raise ValueError(f"{who}: tw must be contiguous float32 [T * top_k]")
+    if R % 16:
+        raise ValueError(f"{who}: the plan's max_rows ({R}) must be a multiple of 16 (the "
+                         "transposed outputs' rows are written by TMA)")
+    check_plan(plan, gq.device, who, ("row_slot", "tile_expert", "num_rows_used"))
+    num_sms, stream, _ = launch_context(gq.device, ticket=False)
+    params = Fp8Dgrad2SwigluParams(
+        dy=gq.data_ptr(), stride_dy=gq.stride(0), dy_scale=gs.data_ptr(), stride_dys=gs.stride(0),
+        w2t=w2tq.data_ptr(), w2t_scale=w2ts.data_ptr(), stride_bse=w2ts.stride(0),
+        stride_bsn=w2ts.stride(1), a_saved=a_saved.data_ptr(), tw=tw.data_ptr(),
+        daq=daq.data_ptr(), das=das.data_ptr(), daTq=daTq.data_ptr(), daTs=daTs.data_ptr(),
+        hTq=hTq.data_ptr(), hTs=hTs.data_ptr(), part=part.data_ptr(),
+        row_slot=plan.row_slot.data_ptr(), tile_expert=plan.tile_expert.data_ptr(),
+        num_rows_used=plan.num_rows_used.data_ptr(), E=E, H=H, D=D, top_k=plan.top_k,
+        plan_bm=plan.block_m, group_m=group_m, rows=R, num_sms=num_sms, stream=stream,
+    )
+    launch(FAMILY, "megamoe_fp8_dgrad2_swiglu", params, who)

@@ -1,10 +1,12 @@
-"""Python side of csrc/grouped_gemm_sm90.cu's GATHER mode: the warp-specialized Hopper GEMM 1 +
-SwiGLU.
+"""Python side of csrc/gemm1_swiglu.cu: GEMM 1 + SwiGLU on the plan's gathered token rows.
 
-Same contract as ops/hopper/kernels/gemm1_swiglu.py (one plan, h [R_max, H] and optionally the saved
-pre-activations a [R_max, 2H], tiles of tile_expert -1 skipped), so the two are candidates of
-one tuner entry. The kernel's shapes: 128-row x 128-column tiles, K steps of 64; see the .cu
-file for its roles and barriers.
+- ``gemm1_swiglu_sm90`` (bf16): h [R_max, H] and optionally the saved pre-activations a
+  [R_max, 2H]; same contract as ops/hopper/kernels/gemm1_swiglu.py, so the two are candidates
+  of one tuner entry. Tiles of 128 rows x 128 columns, K steps of 64.
+- ``fp8_gemm1_swiglu_sm90``: h in e4m3 with per-row scales per 128 columns, optionally a in
+  bf16 (kernels/fp8_gemm.fp8_gemm1_swiglu's contract).
+
+Both write only the used rows and skip the tiles whose tile_expert is -1.
 """
 
 from __future__ import annotations
@@ -13,12 +15,15 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from torchtitan_megamoe.ops.hopper.cuda.sm90 import (check_bf16_rows, check_plan, grouped_gemm_library,
-                                               launch_context, raise_on_error)
+from torchtitan_megamoe.ops.hopper.cuda.params import Fp8Gemm1SwigluParams, Gemm1SwigluParams
+from torchtitan_megamoe.ops.hopper.cuda.sm90 import (FP8_BLOCK, check_bf16_rows, check_fp8_operands,
+                                                     check_fp8_token_rows, check_plan, launch,
+                                                     launch_context)
 
-if TYPE_CHECKING:  # ops/triton imports this module: no runtime import back
+if TYPE_CHECKING:
     from torchtitan_megamoe.ops.hopper.plan import Plan
 
+FAMILY = "gemm1_swiglu"
 BM, BN, BK = 128, 128, 64
 
 
@@ -48,17 +53,51 @@ def gemm1_swiglu_sm90(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, plan:
     check_plan(plan, x.device, "gemm1_swiglu_sm90", ("row_slot", "tile_expert", "num_rows_used"))
     assert x.shape[1] == D and h.shape == (plan.max_rows, H)
     assert a is None or a.shape == (plan.max_rows, 2 * H)
-    lib = grouped_gemm_library()
     num_sms, stream, ticket = launch_context(x.device, dynamic)
     num_n = H // BN
     if group_m == 0:
         group_m = max(1, num_sms // num_n)
-    rc = lib.megamoe_gemm1_swiglu(
-        x.data_ptr(), w1.data_ptr(), w3.data_ptr(), h.data_ptr(),
-        a.data_ptr() if a is not None else None,
-        plan.row_slot.data_ptr(), plan.tile_expert.data_ptr(), plan.num_rows_used.data_ptr(),
-        E, H, D, plan.top_k, plan.block_m, group_m, x.stride(0), h.stride(0),
-        a.stride(0) if a is not None else 0, h.shape[0], num_sms,
-        ticket.data_ptr() if ticket is not None else None, stream,
+    params = Gemm1SwigluParams(
+        x=x.data_ptr(), w1=w1.data_ptr(), w3=w3.data_ptr(), h=h.data_ptr(),
+        a=a.data_ptr() if a is not None else None,
+        row_slot=plan.row_slot.data_ptr(), tile_expert=plan.tile_expert.data_ptr(),
+        num_rows_used=plan.num_rows_used.data_ptr(),
+        E=E, H=H, D=D, top_k=plan.top_k, plan_bm=plan.block_m, group_m=group_m,
+        stride_x=x.stride(0), stride_h=h.stride(0), stride_a=a.stride(0) if a is not None else 0,
+        rows=h.shape[0], num_sms=num_sms,
+        ticket=ticket.data_ptr() if ticket is not None else None, stream=stream,
     )
-    raise_on_error(lib, rc, "gemm1_swiglu_sm90")
+    launch(FAMILY, "megamoe_gemm1_swiglu", params, "gemm1_swiglu_sm90")
+
+
+def fp8_gemm1_swiglu_sm90(xq, xs, w1q, w1s, w3q, w3s, plan: Plan, hq, hs, a=None,
+                          group_m: int = 8) -> None:
+    """Writes the used rows of hq [R_max, H] e4m3, hs [R_max, H/128] and (unless None) a
+    [R_max, 2H] bf16: GEMM 1 + SwiGLU on the token rows of xq [T, D] (scales xs [T, D/128])."""
+    who = "fp8_gemm1_swiglu_sm90"
+    E, H, D = w1q.shape
+    R = plan.max_rows
+    check_fp8_operands(who, plan, H, D, {"w1q": w1q, "w3q": w3q, "hq": hq},
+                       {"xs": xs, "w1s": w1s, "w3s": w3s, "hs": hs})
+    if w3q.shape != w1q.shape or w1s.stride() != w3s.stride() or w1s.shape != w3s.shape:
+        raise ValueError(f"{who}: w1 and w3 (and their scales) must have one shape and layout")
+    check_fp8_token_rows(who, "xq", xq, "xs", xs, D)
+    if hq.shape != (R, H) or not hs.is_contiguous() or hs.shape != (R, H // FP8_BLOCK):
+        raise ValueError(f"{who}: hq / hs must be [{R}, {H}] / [{R}, {H // FP8_BLOCK}] "
+                         "contiguous")
+    if a is not None and (a.shape != (R, 2 * H) or a.dtype != torch.bfloat16
+                          or not a.is_contiguous()):
+        raise ValueError(f"{who}: a must be contiguous bfloat16 [{R}, {2 * H}]")
+    check_plan(plan, xq.device, who, ("row_slot", "tile_expert", "num_rows_used"))
+    num_sms, stream, _ = launch_context(xq.device, ticket=False)
+    params = Fp8Gemm1SwigluParams(
+        x=xq.data_ptr(), stride_x=xq.stride(0), x_scale=xs.data_ptr(), stride_xs=xs.stride(0),
+        w1=w1q.data_ptr(), w1_scale=w1s.data_ptr(), w3=w3q.data_ptr(), w3_scale=w3s.data_ptr(),
+        stride_bse=w1s.stride(0), stride_bsn=w1s.stride(1),
+        hq=hq.data_ptr(), hs=hs.data_ptr(), a=a.data_ptr() if a is not None else None,
+        row_slot=plan.row_slot.data_ptr(), tile_expert=plan.tile_expert.data_ptr(),
+        num_rows_used=plan.num_rows_used.data_ptr(),
+        E=E, H=H, D=D, top_k=plan.top_k, plan_bm=plan.block_m, group_m=group_m,
+        num_sms=num_sms, stream=stream,
+    )
+    launch(FAMILY, "megamoe_fp8_gemm1_swiglu", params, who)

@@ -1,5 +1,9 @@
-"""What the Hopper kernels of csrc/grouped_gemm_sm90.cu share: where they may run, and their
-library (one build, its entry points typed)."""
+"""What the CUDA kernel families' wrappers (gemm1_swiglu.py, gemm_rows.py, dgrad2_swiglu.py,
+wgrad.py) share: where the kernels may run, each family's library with its entry points typed,
+the launch (one parameter struct by pointer), the launch context, and the input checks.
+
+The family modules import this one; it imports none of them.
+"""
 
 from __future__ import annotations
 
@@ -8,15 +12,9 @@ import ctypes
 import torch
 
 from torchtitan_megamoe import settings
-from torchtitan_megamoe.ops.hopper.cuda.build import load, nvcc_path
 from torchtitan_megamoe.ops.device import capability, sm_count
-
-
-SOURCE = "grouped_gemm_sm90"
-"""csrc/grouped_gemm_sm90.cu, built once (it has no compile-time settings). ``python -m
-torchtitan_megamoe.ops.hopper.cuda.sm90`` compiles it (and csrc/fp8_gemm_sm90.cu) into
-$MEGAMOE_CUDA_CACHE ahead of time, e.g.
-into .cuda_cache here to carry to a GPU machine (scripts/_device_env.sh uses it there)."""
+from torchtitan_megamoe.ops.hopper.cuda.build import load, nvcc_path
+from torchtitan_megamoe.ops.hopper.cuda.params import ENTRY_POINTS
 
 
 def sm90_buildable(x: torch.Tensor) -> bool:
@@ -33,25 +31,27 @@ def sm90_usable(x: torch.Tensor) -> bool:
     return settings.cuda_kernels() and sm90_buildable(x)
 
 
-def grouped_gemm_library() -> ctypes.CDLL:
-    """csrc/grouped_gemm_sm90.cu's library (built on first use)."""
-    lib = load(SOURCE)
+def library(family: str) -> ctypes.CDLL:
+    """csrc/<family>.cu's library (built on first use), its entry points typed."""
+    lib = load(family)
     if not getattr(lib, "_megamoe_typed", False):
-        p, i, ll = ctypes.c_void_p, ctypes.c_int, ctypes.c_longlong
-        lib.megamoe_gemm1_swiglu.argtypes = [p, p, p, p, p, p, p, p, i, i, i, i, i, i, ll, ll, ll,
-                                             ll, i, p, p]
-        lib.megamoe_gemm1_swiglu.restype = i
-        lib.megamoe_gemm_rows.argtypes = [p, p, p, p, p, p, p, i, i, i, i, i, i, i, ll, i, p, p]
-        lib.megamoe_gemm_rows.restype = i
-        lib.megamoe_wgrad.argtypes = [p, ll, p, ll, p, p, p, p, p, p, i, i, i, i, i, i, i, p, p]
-        lib.megamoe_wgrad.restype = i
-        lib.megamoe_dgrad_swiglu.argtypes = [p, ll, p, p, p, p, p, p, p, p, p, p, i, i, i, i, i,
-                                             ll, i, p, p]
-        lib.megamoe_dgrad_swiglu.restype = i
-        lib.megamoe_error_string.argtypes = [i]
+        for entry, struct in ENTRY_POINTS[family].items():
+            fn = getattr(lib, entry)
+            fn.argtypes = [ctypes.POINTER(struct)]
+            fn.restype = ctypes.c_int
+        lib.megamoe_error_string.argtypes = [ctypes.c_int]
         lib.megamoe_error_string.restype = ctypes.c_char_p
         lib._megamoe_typed = True
     return lib
+
+
+def launch(family: str, entry: str, params: ctypes.Structure, who: str) -> None:
+    """Calls ``entry`` of csrc/<family>.cu with a pointer to ``params`` (its argtypes refuse any
+    other struct); raises on its error."""
+    lib = library(family)
+    rc = getattr(lib, entry)(ctypes.byref(params))
+    if rc != 0:
+        raise RuntimeError(f"{who} launch failed: {lib.megamoe_error_string(rc).decode()}")
 
 
 def launch_context(device: torch.device, ticket: bool = True):
@@ -59,8 +59,8 @@ def launch_context(device: torch.device, ticket: bool = True):
     launch on ``device``. The ticket is the dynamic tile order's counter. Each launch leaves
     its ticket zeroed (the last CTA to take a number resets it), so each stream keeps one: a launch
     starts only after the previous one on its stream ended, and launches on other streams
-    never share it. No allocation or fill kernel per launch (torch.zeros(1): 7.5-9 us of
-    the H200 host's time before the GEMM it precedes, tools/host_issue.py)."""
+    never share it. No allocation or fill kernel per launch: a torch.zeros(1) would cost host
+    time before every GEMM."""
     num_sms = sm_count(device)
     stream = torch.cuda.current_stream(device).cuda_stream
     return num_sms, stream, (_ticket(device, stream) if ticket else None)
@@ -99,14 +99,34 @@ def check_bf16_rows(who: str, **tensors) -> None:
             raise ValueError(f"{who}: {name} needs unit-stride, 16-byte aligned rows")
 
 
-def raise_on_error(lib: ctypes.CDLL, rc: int, who: str) -> None:
-    if rc != 0:
-        raise RuntimeError(f"{who} launch failed: {lib.megamoe_error_string(rc).decode()}")
+FP8 = torch.float8_e4m3fn
+FP8_BLOCK = 128
+"""The FP8 kernels' tile: 128 rows x 128 columns, K steps of 128 (one scale block)."""
 
 
-if __name__ == "__main__":
-    from torchtitan_megamoe.ops.hopper.cuda.build import build
-    from torchtitan_megamoe.ops.hopper.cuda.fp8_library import SOURCE as FP8_SOURCE
+def fp8_shape_supported(N: int, K: int, block_m: int) -> bool:
+    """N output columns, K reduction and a plan's block_m fit the FP8 row-space kernels."""
+    return N % FP8_BLOCK == 0 and K % FP8_BLOCK == 0 and block_m % FP8_BLOCK == 0
 
-    for source in (SOURCE, FP8_SOURCE):
-        print(build(source))
+
+def check_fp8_operands(who, plan, N, K, weights, scales) -> None:
+    if not fp8_shape_supported(N, K, plan.block_m):
+        raise ValueError(f"{who} needs N % {FP8_BLOCK} == 0, K % {FP8_BLOCK} == 0 and a plan "
+                         f"block_m multiple of {FP8_BLOCK}; got N={N}, K={K}, "
+                         f"block_m={plan.block_m}")
+    for name, w in weights.items():
+        if w.dtype != FP8 or not w.is_contiguous() or w.data_ptr() % 16:
+            raise ValueError(f"{who}: {name} must be contiguous, 16-byte aligned e4m3")
+    for name, s in scales.items():
+        if s.dtype != torch.float32 or s.stride(-1) != 1:
+            raise ValueError(f"{who}: {name} must be fp32 with unit-stride rows")
+
+
+def check_fp8_token_rows(who, q_name, q, s_name, s, D) -> None:
+    """The token rows a gathering kernel reads by cp.async: e4m3 [T, D], 16-byte aligned rows,
+    with their [T, D/128] scales."""
+    if q.dtype != FP8 or q.stride(1) != 1 or q.stride(0) % 16 or q.data_ptr() % 16:
+        raise ValueError(f"{who}: {q_name} must be e4m3 with unit-stride, 16-byte aligned rows")
+    if q.shape[1] != D or s.shape != (q.shape[0], D // FP8_BLOCK):
+        raise ValueError(f"{who}: {q_name} {tuple(q.shape)} / {s_name} {tuple(s.shape)} do not "
+                         f"match D={D}")

@@ -1,6 +1,8 @@
-"""Python side of csrc/grouped_gemm_sm90.cu's WGRAD mode: the backward's weight gradients as
-one K-grouped GEMM per launch, fp32 accumulation over each expert's rows in a fixed order,
-with the token-indexed operand gathered inside the kernel (no gathered copy of dy or x):
+"""Python side of csrc/wgrad.cu: the backward's weight gradients as one K-grouped GEMM per
+launch.
+
+bf16: fp32 accumulation over each expert's rows in a fixed order, with the token-indexed
+operand gathered inside the kernel (no gathered copy of dy or x):
 
 - ``wgrad_dw2_sm90``:  dw2[e] = sum_r dy[tok(r)]^T hw[r]            ([E, D, H], w2's layout)
 - ``wgrad_dw13_sm90``: dw1[e] | dw3[e] = sum_r [da1 | da3][r]^T x[tok(r)]   ([E, H, D] each)
@@ -8,12 +10,14 @@ with the token-indexed operand gathered inside the kernel (no gathered copy of d
 over the rows r of expert e's segment of the plan (padding rows add 0: the gathered operand is
 zero there; the K loop stops after the last 64-row step that holds one of plan.count[e]'s real
 rows, so a build_plan segment skips its all-padding last step). An expert without rows gets a
-zero gradient. ``pre_gathered=True`` takes the
-token operand already gathered into the row space ([R_max, .], zero padding rows, e.g. the
-dy rows kernel A's cuBLAS side made): both operands then come by TMA and the kernel's
-producer is one thread: the form the tuner offers (bf16_backward.B_SM90_PRE_GATHERED; the
-in-kernel gather measured 7-26% behind torch._grouped_mm and is not offered). Same results as
-ops/hopper/kernels/bwd_wgrad.wgrad and the _grouped_mm side within bf16 rounding of the output.
+zero gradient. ``pre_gathered=True`` takes the token operand already gathered into the row space ([R_max, .], zero padding rows, e.g. the
+dy rows dgrad2_swiglu stored): both operands then come by TMA and the kernel's
+producer is one thread: the form the tuner offers (the in-kernel gather is slower than
+torch._grouped_mm and is not offered). Same results as the Triton wgrad and the _grouped_mm side
+within bf16 rounding of the output.
+
+FP8: ``fp8_wgrad_sm90``: out [E, M, N] bf16 from operands transposed and quantized per 128 rows
+beforehand (kernels/fp8_wgrad.fp8_wgrad's contract), units handed out by a dynamic ticket.
 """
 
 from __future__ import annotations
@@ -22,12 +26,14 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from torchtitan_megamoe.ops.hopper.cuda.sm90 import (check_bf16_rows, check_plan, grouped_gemm_library,
-                                               launch_context, raise_on_error)
+from torchtitan_megamoe.ops.hopper.cuda.params import Fp8WgradParams, WgradParams
+from torchtitan_megamoe.ops.hopper.cuda.sm90 import (FP8, FP8_BLOCK, check_bf16_rows, check_plan,
+                                                     launch, launch_context)
 
-if TYPE_CHECKING:  # ops/triton imports this module: no runtime import back
+if TYPE_CHECKING:
     from torchtitan_megamoe.ops.hopper.plan import Plan
 
+FAMILY = "wgrad"
 BM, BN, BK = 128, 256, 64
 
 
@@ -86,13 +92,52 @@ def _launch(who, tokens, rows, outs, plan, E, M, N, m_split, gather, expert_orde
                          f"gradient {E}")
     if expert_order is not None:
         expert_order = expert_order.to(torch.int32).contiguous()
-    lib = grouped_gemm_library()
     num_sms, stream, ticket = launch_context(rows.device)
-    rc = lib.megamoe_wgrad(
-        tokens.data_ptr(), tokens.stride(0), rows.data_ptr(), R, outs[0].data_ptr(),
-        outs[-1].data_ptr(), plan.row_slot.data_ptr(), plan.seg_start.data_ptr(),
-        plan.count.data_ptr(), expert_order.data_ptr() if expert_order is not None else None,
-        E, M, N, m_split,
-        plan.top_k, gather, num_sms, ticket.data_ptr(), stream,
+    params = WgradParams(
+        tokens=tokens.data_ptr(), stride_tokens=tokens.stride(0), rows=rows.data_ptr(),
+        num_rows=R, out0=outs[0].data_ptr(), out1=outs[-1].data_ptr(),
+        row_slot=plan.row_slot.data_ptr(), seg_start=plan.seg_start.data_ptr(),
+        count=plan.count.data_ptr(),
+        expert_order=expert_order.data_ptr() if expert_order is not None else None,
+        E=E, M=M, N=N, m_split=m_split, top_k=plan.top_k, gather=gather, num_sms=num_sms,
+        ticket=ticket.data_ptr(), stream=stream,
     )
-    raise_on_error(lib, rc, who)
+    launch(FAMILY, "megamoe_wgrad", params, who)
+
+
+def fp8_wgrad_supported(M: int, N: int, out_dtype: torch.dtype) -> bool:
+    return M % FP8_BLOCK == 0 and N % FP8_BLOCK == 0 and out_dtype == torch.bfloat16
+
+
+def fp8_wgrad_sm90(at, ats, bt, bts, plan: Plan, out: torch.Tensor, order: torch.Tensor,
+                   group_m: int = 8) -> None:
+    """Writes out [E, M, N] bf16 whole: per expert e, at[:, seg(e)] @ bt[:, seg(e)]^T with at
+    [M, R_max], bt [N, R_max] e4m3 scaled per column and 128 rows (ats [M, R_max/128], bts [N,
+    R_max/128]); order: the experts' order (longest first), int32 on the device."""
+    who = "fp8_wgrad_sm90"
+    E, M, N = out.shape
+    R = plan.max_rows
+    B = FP8_BLOCK
+    if not fp8_wgrad_supported(M, N, out.dtype) or not out.is_contiguous():
+        raise ValueError(f"{who} needs M % {B} == 0, N % {B} == 0 and a contiguous bfloat16 "
+                         f"out; got M={M}, N={N}, {out.dtype}")
+    for name, t, rows in (("at", at, M), ("bt", bt, N)):
+        if (t.dtype != FP8 or t.shape != (rows, R) or t.stride(1) != 1 or t.stride(0) % 16
+                or t.data_ptr() % 16):
+            raise ValueError(f"{who}: {name} must be e4m3 [{rows}, {R}] with unit-stride, "
+                             f"16-byte aligned rows")
+    for name, t, rows in (("ats", ats, M), ("bts", bts, N)):
+        if t.dtype != torch.float32 or t.shape != (rows, R // B) or t.stride(1) != 1:
+            raise ValueError(f"{who}: {name} must be fp32 [{rows}, {R // B}], unit-stride rows")
+    if order.dtype != torch.int32 or order.numel() != E or not order.is_contiguous():
+        raise ValueError(f"{who}: order must be {E} contiguous int32 expert ids")
+    check_plan(plan, at.device, who, ("seg_start", "count"))
+    num_sms, stream, ticket = launch_context(at.device)
+    params = Fp8WgradParams(
+        at=at.data_ptr(), at_scale=ats.data_ptr(), stride_as=ats.stride(0),
+        bt=bt.data_ptr(), bt_scale=bts.data_ptr(), stride_bs=bts.stride(0),
+        out=out.data_ptr(), seg_start=plan.seg_start.data_ptr(), count=plan.count.data_ptr(),
+        expert_order=order.data_ptr(), E=E, M=M, N=N, rows=R, group_m=group_m,
+        num_sms=num_sms, ticket=ticket.data_ptr(), stream=stream,
+    )
+    launch(FAMILY, "megamoe_fp8_wgrad", params, who)

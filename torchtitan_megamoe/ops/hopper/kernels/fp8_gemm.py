@@ -32,9 +32,10 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from torchtitan_megamoe.ops.hopper.cuda.fp8_library import (fp8_dgrad2_swiglu_sm90, fp8_gemm1_swiglu_sm90,
-                                                       fp8_gemm_rows_sm90,
-                                                       shape_supported as sm90_shape_supported)
+from torchtitan_megamoe.ops.hopper.cuda.dgrad2_swiglu import fp8_dgrad2_swiglu_sm90
+from torchtitan_megamoe.ops.hopper.cuda.gemm1_swiglu import fp8_gemm1_swiglu_sm90
+from torchtitan_megamoe.ops.hopper.cuda.gemm_rows import fp8_gemm_rows_sm90
+from torchtitan_megamoe.ops.hopper.cuda.sm90 import fp8_shape_supported as sm90_shape_supported
 from torchtitan_megamoe.ops.hopper.cuda.sm90 import sm90_usable
 from torchtitan_megamoe.ops.hopper.kernels.fp8_quant import FP8, quantize_block
 from torchtitan_megamoe.ops.hopper.kernels.tiling import grouped_tile

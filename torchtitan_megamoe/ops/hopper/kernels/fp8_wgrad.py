@@ -21,7 +21,8 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from torchtitan_megamoe.ops.hopper.cuda.fp8_library import fp8_wgrad_sm90, wgrad_supported
+from torchtitan_megamoe.ops.hopper.cuda.wgrad import fp8_wgrad_sm90
+from torchtitan_megamoe.ops.hopper.cuda.wgrad import fp8_wgrad_supported as wgrad_supported
 from torchtitan_megamoe.ops.hopper.cuda.sm90 import sm90_usable
 from torchtitan_megamoe.ops.hopper.kernels.wgrad import longest_first
 from torchtitan_megamoe.ops.hopper.kernels.tiling import grouped_tile

@@ -1,25 +1,25 @@
-// Grouped GEMMs over a plan's row space, warp-specialized for Hopper (sm_90a). Four entry
-// points share one kernel template (its MODE parameter):
-//   megamoe_gemm1_swiglu (GATHER mode, GEMM 1 with SwiGLU in the epilogue):
+// The bf16 grouped GEMM over a plan's row space, warp-specialized for Hopper (sm_90a): one kernel
+// template whose MODE gives the four kernel families their bf16 kernels (entry points in
+// csrc/<family>.cu):
+//   gemm1_swiglu (GEMM1_SWIGLU mode, GEMM 1 with SwiGLU in the epilogue):
 //     h[r] = silu(x_tok(r) @ w1[e]^T) * (x_tok(r) @ w3[e]^T)
-//   megamoe_gemm_rows (ROWS mode, GEMM 2 and the backward's dgrad of linear 1):
+//   gemm_rows (GEMM_ROWS / GEMM_ROWS_NMAJOR modes, GEMM 2 and dgrad1):
 //     out[r] = in[r] @ w[e]^T,  in [R, K], out [R, N], w [E, N, K] (K-major weights), or
 //     out[r] = in[r, :Ks] @ w[e] + in[r, Ks:] @ w'[e],  w, w' [E, Ks, N] (N-major weights,
 //     NMAJOR; w' only when K = 2 Ks, e.g. [da1 | da3] against w1 and w3), all row-major.
-//   megamoe_wgrad (WGRAD mode, the backward's weight gradients, fp32 accumulation over the
+//   wgrad (WGRAD_* modes, the backward's weight gradients, fp32 accumulation over the
 //     expert's rows):  dw[e] = A_e^T @ B_e  with A_e, B_e the rows of expert e's segment; one
 //     of the two operands is gathered by token (dw2: A = dy rows, B = hw; dw1|dw3: A = [da1 |
 //     da3], B = x rows), the other read by TMA from the row space (or both by TMA from rows
 //     gathered before: WGRAD_TMA).
-//   megamoe_dgrad_swiglu (DGRAD_SWIGLU mode, the backward's kernel A on the forward's saved
+//   dgrad2_swiglu (DGRAD2_SWIGLU mode, dgrad of linear 2 and the SwiGLU backward on the saved
 //     a = [a1 | a3]): dh[r] = dy_tok(r) @ w2[e] (dy gathered as GEMM 1 gathers x, w2 [E, D, H]
-//     N-major as ROWS_NMAJOR reads it), and in the epilogue the SwiGLU backward with the row's
+//     N-major as GEMM_ROWS_NMAJOR reads it), and in the epilogue the SwiGLU backward with the row's
 //     routing weight w: da1 = w dh a3 silu'(a1), da3 = w dh silu(a1), hw = w silu(a1) a3, and
 //     per 256-column H tile the partial <dh, h> of d(topk_weights).
-// The GATHER mode is described first; the ROWS, WGRAD and DGRAD_SWIGLU modes' differences
-// follow it.
+// GEMM1_SWIGLU is described first; the differences of the other modes follow it.
 //
-// GATHER: for the rows r of a plan (ops/hopper/plan.py): row r reads token row_slot[r] / top_k of x
+// GEMM1_SWIGLU: for the rows r of a plan (ops/hopper/plan.py): row r reads token row_slot[r] / top_k of x
 // (a gather: no permuted copy of x exists), padding rows (slot -1) read zeros, every 128-row
 // tile belongs to one expert e = tile_expert[tile], tiles with e < 0 are skipped (another launch
 // of a phased plan computes them). Optional pre-activation store a = [a1 | a3] [R, 2H] (what the
@@ -31,14 +31,13 @@
 // K steps of 64 (rows of 128 bytes, 128-byte swizzle); STAGES-deep ring of [A 16 KiB | B 32 KiB].
 //
 // Roles (384 threads, one CTA per SM, persistent over the tiles of the used rows, which are
-// read on device, so no host sync; tile order: see static_unit / the ticket below):
+// read on device, so no host sync; tile order: scheduler.cuh):
 //   warpgroup 0 (producer, 40 registers): per stage, waits `empty[s]`, then
 //       - thread 0: arrive.expect_tx(full[s], 32 KiB) and two TMA loads (w1, w3 tiles);
 //       - all 128 threads: 8 cp.async of 16 bytes each (the gathered x rows, written in the
 //         swizzle pattern the wgmma descriptor expects), then
 //         cp.async.mbarrier.arrive.noinc(full[s]).
-//       (One TMA load per gathered row instead: correct but 1.3-2.2x slower in every mode, the
-//       TMA unit takes ~11 ns per load whatever its size; docs/PERF.md, Tried and rejected; 96ffb6b.)
+//       (cp.async, not one TMA load per gathered row: the TMA unit's cost is per load.)
 //     full[s] completes after 129 arrivals and 32 KiB of TMA bytes.
 //   warpgroups 1, 2 (consumers, 232 registers): rows [0, 64) and [64, 128) of the tile. Per
 //     stage: wait full[s], issue 4 wgmma, wait for them, then a warpgroup barrier and ONE
@@ -47,16 +46,13 @@
 //     shared memory in the 128-byte swizzle and written by bulk tensor stores, so the warpgroup
 //     returns to its MMAs once the store engine has read the tile; meanwhile the producer
 //     already fills the ring with the next tile's stages.
-//   Why most of the epilogue is not overlapped with the next tile's MMAs (docs/PERF.md,
-//     Tried and rejected): a fourth (epilogue) warpgroup does not compile
-//     (ptxas caps a 512-thread CTA at 128 registers per thread; the m64n256k16 wgmma needs 154:
-//     C7602); kernel A's SwiGLU backward run under the next tile's first K steps, consumers on
-//     alternate smaller tiles and CTA pairs sharing weights all measured slower. Only one store
-//     per tile moves under the next tile's first batch: the ROWS mode's second column half and
-//     GEMM 1's last store (DEFER below).
-// ROWS mode: the tile is 128 rows x 256 output columns; the two 128-row halves
+//   Most of the epilogue is not overlapped with the next tile's MMAs: a fourth (epilogue)
+//     warpgroup does not fit the register file (the m64n256k16 accumulator needs more than a
+//     512-thread CTA's 128 registers per thread). Only one store per tile moves under the next
+//     tile's first batch: GEMM_ROWS's second column half and GEMM 1's last store (DEFER below).
+// GEMM_ROWS mode: the tile is 128 rows x 256 output columns; the two 128-row halves
 //   of the B stage are rows [0, 128) and [128, 256) of the weight tile (one tensor map), so the
-//   accumulator holds columns [0, 128) where GATHER has a1 and [128, 256) where it has a3. The
+//   accumulator holds columns [0, 128) where GEMM1_SWIGLU has a1 and [128, 256) where it has a3. The
 //   A tile is a plain [128, 64] TMA box of `in` (its rows are the plan's rows, contiguous), so
 //   full[s] completes on ONE arrival (the producer's thread 0, the only producer thread that
 //   works) and 48 KiB of TMA bytes, and the consumers need no proxy fence. Padding rows of `in`
@@ -65,7 +61,7 @@
 //   [BK k-rows, 64 n] TMA boxes (128-byte rows, 128-byte swizzle), one per 64 output columns,
 //   and the wgmma reads B transposed (MN-major descriptor: 8 KiB between the boxes, 1 KiB
 //   between 8-row k groups). K steps below Ks read w, the others w'.
-// WGRAD mode: a unit is (expert, 128-row M tile, 256-column N tile) of the
+// WGRAD modes: a unit is (expert, 128-row M tile, 256-column N tile) of the
 //   gradient [E, M, N], in the order experts-longest-first (expert_order) so the tiles in
 //   flight share their experts' rows in L2; its K loop walks the expert's segment of the row
 //   space in steps of 64 rows (zero steps for an empty expert: the tile is stored as zeros).
@@ -74,12 +70,12 @@
 //   rows are one box). The TMA operand comes as boxes of the row-space tensor; the gathered one
 //   by cp.async from its token rows (thread t: 16-byte chunk t % 8 of every box row of rows
 //   t / 8 + 16 i, zeros for padding rows), so full[s] takes 128 cp.async arrivals plus the
-//   expect_tx one, as in GATHER. Padding rows contribute 0: the gathered operand is zero there
+//   expect_tx one, as in GEMM1_SWIGLU. Padding rows contribute 0: the gathered operand is zero there
 //   and the TMA one finite. dw1|dw3: M tiles below m_split go to the first output, the others
-//   to the second. WGRAD_TMA: no gathers, one producer thread, as ROWS.
-// DGRAD_SWIGLU mode: the producer gathers the dy rows exactly as GATHER gathers
+//   to the second. WGRAD_TMA: no gathers, one producer thread, as GEMM_ROWS.
+// DGRAD2_SWIGLU mode: the producer gathers the dy rows exactly as GEMM1_SWIGLU gathers
 //   x (128 threads, cp.async, full[s] = 128 arrivals + the B bytes) and loads the w2 tile as the
-//   four N-major boxes of ROWS_NMAJOR; the tile is 128 rows x 256 H columns. After a tile's K
+//   four N-major boxes of GEMM_ROWS_NMAJOR; the tile is 128 rows x 256 H columns. After a tile's K
 //   steps the producer fills EPI_STAGES more ring stages, one per 64 columns, with the saved a1
 //   and a3 boxes by TMA, so they arrive while the consumers still multiply. The epilogue reads
 //   them from shared memory in the accumulator's layout (the row's slot and routing weight were
@@ -92,26 +88,24 @@
 //   of gathering dy again.
 // Waits on: nothing outside the launch. Signals: nothing; h (and a) / out are complete with the
 // launch, and the dynamic order's ticket is zero again (the CTA taking the last number resets
-// it), so the next launch on the stream reuses it (ops/hopper/cuda/sm90.py launch_context).
+// it), so the next launch on the stream reuses it.
 //
-// Measured (docs/PERF.md at 5e0bafa, H200, 2026-11-30): GEMM 2 0.69-0.76 vs Triton 0.76-0.81 ms at 30B;
-// kernel C 1.25-1.28 vs 1.47-1.49; the weight gradients on pre-gathered rows 2-8% ahead of
-// torch._grouped_mm, with the in-kernel gather 7-26% behind it; kernel A in one launch 0.92-1.0
-// ms at 30B (dy rows stored) vs 1.14-1.19 for the dy gather + dh GEMM + SwiGLU rows kernel.
-// GEMM 1: 1.27 vs Triton 1.41-1.43 ms at 30B
-// (1.44 vs 1.83 with the a1/a3 store), level with Triton at 235B (5.29-5.42 vs 5.31-5.47).
-// Every mode is a tuner candidate (MEGAMOE_CUDA=0: never); the tuner keeps whichever is
-// faster per shape, after checking its result against the first candidate's.
+#pragma once
 
 #include <cuda.h>
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 #include <stdint.h>
 
-#include "sm90_primitives.cuh"
+#include "epilogue.cuh"
+#include "launch.h"
+#include "ptx.cuh"
+#include "ring.cuh"
+#include "scheduler.cuh"
+#include "tensor_map.h"
 
 namespace megamoe {
-namespace grouped {
+namespace bf16 {
 
 constexpr int BM = 128;
 constexpr int BN = 128;
@@ -128,28 +122,28 @@ constexpr int B_BYTES = 2 * BN * BK * 2;
 constexpr int STAGE_BYTES = A_BYTES + B_BYTES;
 constexpr int NMAJOR_BOX_BYTES = BK * 128;  // NMAJOR: one [BK, 64] box of the B stage
 constexpr int THREADS = 384;
-// DGRAD_SWIGLU: the epilogue runs on EPI_STAGES more ring stages per tile, one per 64 of its 256
+// DGRAD2_SWIGLU: the epilogue runs on EPI_STAGES more ring stages per tile, one per 64 of its 256
 // columns: [a1 box | a3 box | hw staging], each [128 rows, 64] bf16 in the 128-byte swizzle (a
 // stage of BK 64 holds exactly the three). da1 and da3 overwrite a1 and a3 in place.
 constexpr int EPI_STAGES = 4;
 constexpr int EPI_IN_BYTES = 128 * 64 * 2;
 // The epilogue's staging: one [64 rows, 128 columns] bf16 tile per consumer warpgroup, as two
 // boxes of 64 columns (128-byte rows, 128-byte swizzle), after the ring
-constexpr int EPI_BOX_BYTES = 64 * 64 * 2;
+constexpr int EPI_BOX_BYTES = STAGING_BOX_BYTES;
 constexpr int EPI_BYTES = 2 * 2 * EPI_BOX_BYTES;
 // + ring barriers, the tile scheduler's 2-slot ring (4 barriers, 2 ids), alignment
 constexpr int SMEM_BYTES = STAGES * STAGE_BYTES + EPI_BYTES + 2 * STAGES * 8 + 64 + 1024;
 static_assert(SMEM_BYTES <= 227 * 1024, "shared memory: fewer stages");
 
-struct Params {
-  const __nv_bfloat16* x;  // GATHER: the token rows; ROWS: unused (the A map reads `in`)
-  __nv_bfloat16* h;        // GATHER: h [R, H]; ROWS: out [R, N]
-  __nv_bfloat16* a;  // GATHER: nullptr (no pre-activation store) or a [R, 2H]; ROWS: nullptr
+struct KernelParams {
+  const __nv_bfloat16* x;  // GEMM1_SWIGLU: the token rows; GEMM_ROWS: unused (the A map reads `in`)
+  __nv_bfloat16* h;        // GEMM1_SWIGLU: h [R, H]; GEMM_ROWS: out [R, N]
+  __nv_bfloat16* a;  // GEMM1_SWIGLU: nullptr (no pre-activation store) or a [R, 2H]; GEMM_ROWS: nullptr
   const int* row_slot;
   const int* tile_expert;
   const int* num_rows_used;
-  int N;  // output columns per weight operand: H (GATHER: a1 and a3 each), N (ROWS)
-  int K;  // reduction length: D (GATHER), K (ROWS)
+  int N;  // output columns per weight operand: H (GEMM1_SWIGLU: a1 and a3 each), N (GEMM_ROWS)
+  int K;  // reduction length: D (GEMM1_SWIGLU), K (GEMM_ROWS)
   int k_split;  // NMAJOR: K steps below it read w1_map (rows e * k_split + k), the others w3_map
   // WGRAD: the expert segments [seg_start[e], seg_start[e + 1]) and the order of the experts'
   // units (nullptr: 0, 1, ...); M rows of the gradient per expert, split at m_split between
@@ -161,7 +155,7 @@ struct Params {
   // segment padded to 128 rows loses its last 64-row step when at most 64 of its last 128 rows
   // are real.
   const int* count;
-  // DGRAD_SWIGLU (a, da and hw travel as tensor maps; so do the gathered dy rows, in w3_map,
+  // DGRAD2_SWIGLU (a, da and hw travel as tensor maps; so do the gathered dy rows, in w3_map,
   // when store_gathered is set)
   const float* topk_w;  // [T * K] routing weights by slot
   int store_gathered;
@@ -180,34 +174,20 @@ struct Params {
   long long stride_a;
 };
 
-// The epilogues' sigmoid (GEMM 1's SwiGLU, kernel A's SwiGLU backward): 1 / (1 + __expf(-x))
-// with an approximate division (__fdividef: MUFU.RCP, ~2 ulp, relative accuracy kept for any x).
-// Kernel A at 30B, H200: 0.880 ms against 1.083 with the IEEE division (its consumers run the
-// epilogue with two warps per scheduler, so the division's dependent chain set the pace);
-// tanh.approx was faster still (0.840) but has an absolute error of ~2^-12, a large relative
-// one where the sigmoid is tiny.
-__device__ __forceinline__ float epi_sigmoid(float x) {
-  return __fdividef(1.0f, 1.0f + __expf(-x));
-}
-
-__device__ __forceinline__ float silu_mul(float a1, float a3) {
-  return __fdividef(a1, 1.0f + __expf(-a1)) * a3;
-}
-
 enum Mode : int {
-  MODE_GEMM1 = 0,         // GATHER: x rows gathered, w1|w3 K-major, SwiGLU epilogue
-  MODE_ROWS = 1,          // ROWS: in by TMA, w K-major
-  MODE_ROWS_NMAJOR = 2,   // ROWS: in by TMA, w (and w') N-major
-  MODE_WGRAD_GATHER_A = 3,  // WGRAD: A (dy rows) gathered, B (hw) by TMA
-  MODE_WGRAD_GATHER_B = 4,  // WGRAD: A ([da1 | da3]) by TMA, B (x rows) gathered
-  MODE_WGRAD_TMA = 5,       // WGRAD: both from row-space tensors by TMA (rows gathered before)
-  MODE_DGRAD_SWIGLU = 6,    // kernel A: dy rows gathered, w2 N-major, SwiGLU backward epilogue
+  GEMM1_SWIGLU = 0,      // x rows gathered, w1|w3 K-major, SwiGLU epilogue
+  GEMM_ROWS = 1,         // in by TMA, w K-major
+  GEMM_ROWS_NMAJOR = 2,  // in by TMA, w (and w') N-major
+  WGRAD_GATHER_A = 3,    // A (dy rows) gathered, B (hw) by TMA
+  WGRAD_GATHER_B = 4,    // A ([da1 | da3]) by TMA, B (x rows) gathered
+  WGRAD_TMA = 5,         // both from row-space tensors by TMA (rows gathered before)
+  DGRAD2_SWIGLU = 6,     // dy rows gathered, w2 N-major, SwiGLU backward epilogue
 };
 
-// GATHER: w1_map / w3_map are the two weights, in_map unused, h_map / a_map = h / a. ROWS:
+// GEMM1_SWIGLU: w1_map / w3_map are the two weights, in_map unused, h_map / a_map = h / a. GEMM_ROWS:
 // w1_map = w3_map = the weight (NMAJOR: w and w'), in_map = `in`, h_map = out, a_map unused. WGRAD:
 // in_map = A's row-space tensor (GATHER_B) or w1_map = B's (GATHER_A); h_map, a_map = the two
-// outputs. DGRAD_SWIGLU: w1_map = w2, w3_map = the gathered dy rows' copy (store_gathered),
+// outputs. DGRAD2_SWIGLU: w1_map = w2, w3_map = the gathered dy rows' copy (store_gathered),
 // in_map = a, h_map = da, a_map = hw.
 template <int MODE>
 __global__ void __launch_bounds__(THREADS, 1)
@@ -215,54 +195,37 @@ __global__ void __launch_bounds__(THREADS, 1)
                         const __grid_constant__ CUtensorMap w3_map,
                         const __grid_constant__ CUtensorMap h_map,
                         const __grid_constant__ CUtensorMap a_map,
-                        const __grid_constant__ CUtensorMap in_map, const Params p) {
-  constexpr bool ROWS = MODE != MODE_GEMM1;     // 256-column tiles, one B operand
-  constexpr bool NMAJOR = MODE >= MODE_ROWS_NMAJOR;  // B N-major (transposed wgmma B)
-  constexpr bool WGRAD = MODE >= MODE_WGRAD_GATHER_A && MODE <= MODE_WGRAD_TMA;  // K = expert rows
-  constexpr bool GATHER_ROWS = MODE == MODE_GEMM1 || MODE == MODE_DGRAD_SWIGLU;  // K-major gather
-  constexpr bool GATHER_A = GATHER_ROWS || MODE == MODE_WGRAD_GATHER_A;
-  constexpr bool GATHER_B = MODE == MODE_WGRAD_GATHER_B;
+                        const __grid_constant__ CUtensorMap in_map, const KernelParams p) {
+  constexpr bool ROWS = MODE != GEMM1_SWIGLU;     // 256-column tiles, one B operand
+  constexpr bool NMAJOR = MODE >= GEMM_ROWS_NMAJOR;  // B N-major (transposed wgmma B)
+  constexpr bool WGRAD = MODE >= WGRAD_GATHER_A && MODE <= WGRAD_TMA;  // K = expert rows
+  constexpr bool GATHER_ROWS = MODE == GEMM1_SWIGLU || MODE == DGRAD2_SWIGLU;  // K-major gather
+  constexpr bool GATHER_A = GATHER_ROWS || MODE == WGRAD_GATHER_A;
+  constexpr bool GATHER_B = MODE == WGRAD_GATHER_B;
   constexpr bool GATHERS = GATHER_A || GATHER_B;  // the producer's 128 threads issue cp.async
-  constexpr int TILE_N = ROWS ? 2 * BN : BN;  // output columns of a tile (per operand in GATHER)
-  // DEFER: a tile's last [64, 128] store per warpgroup (ROWS: its second column half; GEMM 1: h
+  constexpr int TILE_N = ROWS ? 2 * BN : BN;  // output columns of a tile (per operand in GEMM1_SWIGLU)
+  // DEFER: a tile's last [64, 128] store per warpgroup (GEMM_ROWS: its second column half; GEMM 1: h
   // in inference, a3 in the training forward) is held as 32 packed bf16x2 registers and staged
   // and stored under the next tile's first wgmma batch (predicated, no branch), so its wait for
-  // the staging tile and its shared-memory writes leave the tensor cores' idle time. H200
-  // (outputs bitwise equal): GEMM 2 -3% at 30B, -6% at 235B; kernel C level / -3%; GEMM 1
-  // inference level / -0.9%, training forward -1.6% / -0.9%. Not in WGRAD, where the same
-  // deferral measured -2% at 30B but +5-8% on dw2 at 235B; deferring both column halves (64
-  // registers) was level or slower (42220ae, reverted).
-  constexpr bool RDEFER = MODE == MODE_ROWS || MODE == MODE_ROWS_NMAJOR;
-  constexpr bool DEFER = RDEFER || MODE == MODE_GEMM1;
-  static_assert(MODE != MODE_DGRAD_SWIGLU || (BK == 64 && TILE_N == 64 * EPI_STAGES &&
+  // the staging tile and its shared-memory writes leave the tensor cores' idle time. Not in
+  // WGRAD, where it was slower on dw2 at large shapes.
+  constexpr bool RDEFER = MODE == GEMM_ROWS || MODE == GEMM_ROWS_NMAJOR;
+  constexpr bool DEFER = RDEFER || MODE == GEMM1_SWIGLU;
+  static_assert(MODE != DGRAD2_SWIGLU || (BK == 64 && TILE_N == 64 * EPI_STAGES &&
                                                STAGE_BYTES == 3 * EPI_IN_BYTES),
-                "DGRAD_SWIGLU: the epilogue stages need BK 64");
+                "DGRAD2_SWIGLU: the epilogue stages need BK 64");
   extern __shared__ __align__(1024) uint8_t smem_raw[];
-  // the swizzled tiles need their 8-row groups aligned (1024 bytes covers both swizzles)
-  uint8_t* smem = reinterpret_cast<uint8_t*>(
-      (reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~static_cast<uintptr_t>(1023));
-  const uint32_t smem_base = smem_u32(smem);
-  const uint32_t epi_smem = smem_base + STAGES * STAGE_BYTES;  // the epilogue's staging tiles
-  const uint32_t full_bar = epi_smem + EPI_BYTES;
-  const uint32_t empty_bar = full_bar + STAGES * 8;
-  // tile scheduler ring (dynamic order): unit ids the producer fetched, 2 slots
-  const uint32_t unit_full = empty_bar + STAGES * 8;
-  const uint32_t unit_empty = unit_full + 2 * 8;
-  volatile int* unit_id = reinterpret_cast<volatile int*>(smem + STAGES * STAGE_BYTES +
-                                                          EPI_BYTES + 2 * STAGES * 8 + 4 * 8);
+  const SmemLayout<STAGES, STAGE_BYTES, EPI_BYTES> smem(smem_raw);
+  const uint32_t smem_base = smem.base;
+  const uint32_t epi_smem = smem.epilogue();  // the epilogue's staging tiles
+  const UnitRing units = smem.units();
   const bool dynamic = p.ticket != nullptr;
 
   const int tid = threadIdx.x;
   const int wg = tid / 128;
   if (tid == 0) {
-    for (int s = 0; s < STAGES; ++s) {
-      mbar_init(full_bar + 8 * s, GATHERS ? 128 + 1 : 1);
-      mbar_init(empty_bar + 8 * s, 2);  // one per consumer warpgroup
-    }
-    for (int s = 0; s < 2; ++s) {
-      mbar_init(unit_full + 8 * s, 1);   // the producer's thread 0 published unit_id[s]
-      mbar_init(unit_empty + 8 * s, 2);  // both consumer warpgroups have read it
-    }
+    smem.ring().init(GATHERS ? 128 + 1 : 1);
+    units.init();
     mbar_init_fence();
     tma_prefetch_desc(&w1_map);
     tma_prefetch_desc(&w3_map);
@@ -282,10 +245,9 @@ __global__ void __launch_bounds__(THREADS, 1)
 
   // Unit of the it-th tile this CTA computes. Static: every gridDim-th unit from blockIdx. Dynamic:
   // the producer's thread 0 takes the next unit number from the global ticket and
-  // passes it to its warpgroup (named barrier 3) and to the consumers (unit_full/unit_empty
-  // ring), so the CTAs walk the units in one global order however they drift apart: the
+  // passes it to its warpgroup (named barrier 3) and to the consumers (the UnitRing), so the CTAs walk the units in one global order however they drift apart: the
   // weights of the units in flight stay in L2 (the static stride let slow and fast SMs spread
-  // over several experts' weights: 3x Triton's DRAM traffic at 235B, docs/PERF.md at 5e0bafa).
+  // over several experts' weights, multiplying the DRAM traffic).
   auto static_unit = [&](int it) { return first_unit + it * unit_stride; };
 
   // What both roles need of a unit: its tile, its expert (-1: another phase's tile, skipped),
@@ -320,23 +282,20 @@ __global__ void __launch_bounds__(THREADS, 1)
     setmaxnreg_dec<PRODUCER_REGS>();
     const int c = tid & (CHUNKS - 1);                              // 16-byte chunk of a row's K step
     const int rg = static_cast<int>(static_cast<unsigned>(tid) / CHUNKS);  // rows rg, rg + ROWS_PER_PASS, ...
+    const Ring<STAGES> ring = smem.ring();
     int stage = 0;
     uint32_t phase = 0;
     // Completes stage `full` once this thread's cp.async gathers land (the consumers fence them
-    // for the async proxy; fencing here one stage later instead measured under 3%, not kept).
+    // for the async proxy).
     auto gathers_issued = [&](uint32_t full) { cp_async_arrive_noinc(full); };
-    // no gathers (ROWS): thread 0 issues every TMA load; the other producer threads idle
+    // no gathers (GEMM_ROWS): thread 0 issues every TMA load; the other producer threads idle
     for (int it = 0; GATHERS || tid == 0; ++it) {
       int u;
       if (dynamic) {
         const int slot = it & 1;
-        if (tid == 0) {
-          mbar_wait(unit_empty + 8 * slot, ((it >> 1) & 1) ^ 1);
-          unit_id[slot] = take_unit(p.ticket, num_units);
-          mbar_arrive(unit_full + 8 * slot);  // release: the consumers' wait acquires the id
-        }
+        if (tid == 0) units.publish(it, slot, p.ticket, num_units);
         if (GATHERS) named_barrier(3, 128);
-        u = unit_id[slot];
+        u = units.read(slot);
       } else {
         u = static_unit(it);
       }
@@ -345,7 +304,7 @@ __global__ void __launch_bounds__(THREADS, 1)
       if (!t.any) continue;
       const int expert = t.expert, pid_m = t.pid_m, pid_n = t.pid_n, k_blocks = t.k_blocks;
       const int w_row = expert * p.N + pid_n * TILE_N;
-      // B halves: the w1 and w3 tiles (GATHER), rows [0, 128) and [128, 256) of w's tile (ROWS)
+      // B halves: the w1 and w3 tiles (GEMM1_SWIGLU), rows [0, 128) and [128, 256) of w's tile (GEMM_ROWS)
       const int w_row_b1 = ROWS ? w_row + BN : w_row;
       int tok[PASSES];
 #pragma unroll
@@ -386,10 +345,10 @@ __global__ void __launch_bounds__(THREADS, 1)
 #pragma unroll
         for (int i = 0; i < ROW_PASSES; ++i) slot[i] = next_slot[i];
         load_slots(kb + 1);
-        mbar_wait(empty_bar + 8 * stage, phase ^ 1);
+        mbar_wait(ring.empty(stage), phase ^ 1);
         const uint32_t a_smem = smem_base + stage * STAGE_BYTES;
         const uint32_t b_smem = a_smem + A_BYTES;
-        const uint32_t full = full_bar + 8 * stage;
+        const uint32_t full = ring.full(stage);
         if constexpr (WGRAD) {
           const int r0 = t.row0 + kb * BK;
           if (tid == 0) {
@@ -430,7 +389,7 @@ __global__ void __launch_bounds__(THREADS, 1)
             }
             gathers_issued(full);
           }
-        } else if constexpr (MODE == MODE_DGRAD_SWIGLU) {
+        } else if constexpr (MODE == DGRAD2_SWIGLU) {
           if (tid == 0) {
             mbar_arrive_expect_tx(full, B_BYTES);
 #pragma unroll
@@ -471,14 +430,14 @@ __global__ void __launch_bounds__(THREADS, 1)
           phase ^= 1;
         }
       }
-      if constexpr (MODE == MODE_DGRAD_SWIGLU) {
+      if constexpr (MODE == DGRAD2_SWIGLU) {
         // The epilogue's stages: per 64 columns of the tile, the saved a1 and a3 [128 rows, 64]
         // boxes, loaded while the consumers still multiply (see EPI_STAGES). full[s] takes the
         // same 129 arrivals as a K step: thread 0's expect_tx and one from every thread.
 #pragma unroll 1
         for (int c = 0; c < EPI_STAGES; ++c) {
-          mbar_wait(empty_bar + 8 * stage, phase ^ 1);
-          const uint32_t full = full_bar + 8 * stage;
+          mbar_wait(ring.empty(stage), phase ^ 1);
+          const uint32_t full = ring.full(stage);
           const uint32_t slot_smem = smem_base + stage * STAGE_BYTES;
           if (tid == 0) {
             const int col = pid_n * TILE_N + 64 * c;
@@ -502,9 +461,10 @@ __global__ void __launch_bounds__(THREADS, 1)
     const int warp = (tid % 128) / 32;
     const int lane = tid % 32;
     float acc[128];
+    const Ring<STAGES> ring = smem.ring();
     int stage = 0;
     uint32_t phase = 0;
-    // DEFER: the previous tile's last store (ROWS: its second column half), packed, waiting to
+    // DEFER: the previous tile's last store (GEMM_ROWS: its second column half), packed, waiting to
     // be staged and stored
     [[maybe_unused]] uint32_t pend[32];
     [[maybe_unused]] bool pending = false;
@@ -538,11 +498,7 @@ __global__ void __launch_bounds__(THREADS, 1)
     for (int it = 0;; ++it) {
       int u;
       if (dynamic) {
-        const int slot = it & 1;
-        mbar_wait(unit_full + 8 * slot, (it >> 1) & 1);
-        u = unit_id[slot];
-        named_barrier(1 + cw, 128);  // the whole warpgroup has read the slot
-        mbar_arrive_if(unit_empty + 8 * slot, tid % 128 == 0);
+        u = units.receive(it, cw);
       } else {
         u = static_unit(it);
       }
@@ -550,8 +506,8 @@ __global__ void __launch_bounds__(THREADS, 1)
       // Padding skip: a segment's padding rows sit at its end and segments are aligned to the
       // plan's 128-row multiple, so when this warpgroup's first row is padding (slot -1) all
       // its 64 rows are; its MMAs would only multiply zeros. It passes the stages on and
-      // writes zeros, what the MMAs would have given (~half the plan's padding compute, ~3%
-      // of the rows at 128 experts). Not in WGRAD, whose K loop is the rows. DGRAD_SWIGLU
+      // writes zeros, what the MMAs would have given (about half the plan's padding compute).
+      // Not in WGRAD, whose K loop is the rows. DGRAD2_SWIGLU
       // also takes the slots of this thread's two epilogue rows (their routing weights follow
       // decode's loads; all are used only after the K loop). The slots are loaded before
       // decode's tile_expert load so that the latencies overlap.
@@ -564,7 +520,7 @@ __global__ void __launch_bounds__(THREADS, 1)
         if (m < num_m) {
           const int* rows = p.row_slot + m * BM + cw * 64;
           first_slot = rows[0];
-          if constexpr (MODE == MODE_DGRAD_SWIGLU) {
+          if constexpr (MODE == DGRAD2_SWIGLU) {
 #pragma unroll
             for (int half = 0; half < 2; ++half) row_slot2[half] = rows[warp * 16 + lane / 4 + 8 * half];
           }
@@ -573,7 +529,7 @@ __global__ void __launch_bounds__(THREADS, 1)
       const Tile t = decode(u);
       if (!t.any) continue;
       float row_w[2] = {0.f, 0.f};
-      if constexpr (MODE == MODE_DGRAD_SWIGLU) {
+      if constexpr (MODE == DGRAD2_SWIGLU) {
 #pragma unroll
         for (int half = 0; half < 2; ++half) {
           if (row_slot2[half] >= 0) row_w[half] = p.topk_w[row_slot2[half]];
@@ -582,27 +538,21 @@ __global__ void __launch_bounds__(THREADS, 1)
       const bool active = t.expert >= 0;
       const int pid_m = t.pid_m, pid_n = t.pid_n, k_blocks = t.k_blocks;
       const bool zero_rows = active && first_slot < 0;
-      // Frees a ring slot: the whole warpgroup is past the slot before its one arrival. The
-      // arrival is a predicated instruction, not a branch (see mbar_wait), so a wgmma batch can
-      // stay in flight across a release.
-      auto release = [&](int s, bool pred) {
-        named_barrier(1 + cw, 128);
-        mbar_arrive_if(empty_bar + 8 * s, pred && tid % 128 == 0);
-      };
+      auto release = [&](int s, bool pred) { ring.release(s, cw, pred); };
       auto advance = [&]() {
         if (++stage == STAGES) {
           stage = 0;
           phase ^= 1;
         }
       };
-      // DGRAD_SWIGLU with store_gathered: the warpgroup's thread 0 stores its 64 gathered dy
+      // DGRAD2_SWIGLU with store_gathered: the warpgroup's thread 0 stores its 64 gathered dy
       // rows of each K step (a [64, 64] box, the one tile per M tile with pid_n 0) into the
       // row-space copy that dw2 reads, then waits until the store engine has read them before
       // the slot is freed (well within the stage's MMAs)
       const bool store_rows =
-          MODE == MODE_DGRAD_SWIGLU && p.store_gathered && pid_n == 0 && tid % 128 == 0;
+          MODE == DGRAD2_SWIGLU && p.store_gathered && pid_n == 0 && tid % 128 == 0;
       auto store_gathered = [&](int kb) {
-        if constexpr (MODE == MODE_DGRAD_SWIGLU) {
+        if constexpr (MODE == DGRAD2_SWIGLU) {
           tma_store_2d_commit_if(&w3_map, kb * BK, pid_m * BM + cw * 64,
                                  smem_base + stage * STAGE_BYTES + cw * 64 * ROW_BYTES, store_rows);
         }
@@ -610,8 +560,8 @@ __global__ void __launch_bounds__(THREADS, 1)
       if (!active || zero_rows) {
         // nothing but padding rows (or no expert, which a plan never gives): pass every stage on
         for (int kb = 0; kb < k_blocks; ++kb) {
-          mbar_wait(full_bar + 8 * stage, phase);
-          if constexpr (MODE == MODE_DGRAD_SWIGLU) {
+          mbar_wait(ring.full(stage), phase);
+          if constexpr (MODE == DGRAD2_SWIGLU) {
             fence_proxy_async();  // the zero-filled gathers, for the store engine
             store_gathered(kb);
             bulk_wait_read_all_if(store_rows);
@@ -631,7 +581,7 @@ __global__ void __launch_bounds__(THREADS, 1)
       int prev = stage;
       // one K step: wait for its stage, issue its wgmma batch (left in flight)
       auto issue_step = [&](int kb) {
-        mbar_wait(full_bar + 8 * stage, phase);
+        mbar_wait(ring.full(stage), phase);
         // the cp.async rows are generic-proxy writes; wgmma reads through the async proxy
         // (no gathers: TMA wrote both operands, nothing to fence)
         if (GATHERS) fence_proxy_async();
@@ -657,7 +607,7 @@ __global__ void __launch_bounds__(THREADS, 1)
       // while the previous one retires measured no faster)
       auto retire_step = [&]() {
         wgmma_wait<0>();
-        if (MODE == MODE_DGRAD_SWIGLU) bulk_wait_read_all_if(store_rows);
+        if (MODE == DGRAD2_SWIGLU) bulk_wait_read_all_if(store_rows);
         release(stage, true);
         prev = stage;
         advance();
@@ -686,7 +636,7 @@ __global__ void __launch_bounds__(THREADS, 1)
       // Epilogue. Accumulator register 4j + q of thread (warp, lane) holds row
       // 16 warp + lane/4 + 8 (q/2) and column 8j + 2 (lane%4) + q%2 of the 64x256 block; j < 16
       // is a1, j >= 16 the a3 of column 8 (j - 16) + ...
-      if constexpr (MODE == MODE_DGRAD_SWIGLU) {
+      if constexpr (MODE == DGRAD2_SWIGLU) {
         // SwiGLU backward on the tile's dh (fp32, in the accumulators), 64 columns per epilogue
         // stage (see EPI_STAGES): this warpgroup's rows [64 cw, +64) of the stage's a1 and a3
         // boxes are read from shared memory in the accumulator's layout, da1 and da3 written
@@ -697,7 +647,7 @@ __global__ void __launch_bounds__(THREADS, 1)
         float dot[2] = {0.f, 0.f};
 #pragma unroll
         for (int c = 0; c < EPI_STAGES; ++c) {
-          mbar_wait(full_bar + 8 * stage, phase);
+          mbar_wait(ring.full(stage), phase);
           const uint32_t a1_s = smem_base + stage * STAGE_BYTES + cw * (EPI_IN_BYTES / 2);
           const uint32_t a3_s = a1_s + EPI_IN_BYTES;
           const uint32_t hw_s = a3_s + EPI_IN_BYTES;
@@ -717,7 +667,7 @@ __global__ void __launch_bounds__(THREADS, 1)
               for (int e = 0; e < 2; ++e) {
                 const float x1 = e ? a1.y : a1.x, x3 = e ? a3.y : a3.x;
                 const float dh = acc[4 * (8 * c + jj) + 2 * half + e];
-                const float sig = epi_sigmoid(x1);
+                const float sig = sigmoid_approx(x1);
                 const float silu = x1 * sig;
                 const float h = silu * x3;
                 dot[half] += dh * h;
@@ -743,15 +693,14 @@ __global__ void __launch_bounds__(THREADS, 1)
             tma_store_2d(&a_map, col, row, hw_s);
             bulk_commit();
             // each stage is freed only once the next one's stores are issued, so its bulk reads
-            // overlap the next stage's math (freeing it right after its own stores are read:
-            // kernel A 1.007 vs 0.964 ms at 30B, 3.445 vs 3.306 at 235B, H200)
+            // overlap the next stage's math
             if (c > 0) {
               bulk_wait_read<1>();  // the previous stage's stores have read it
-              mbar_arrive(empty_bar + 8 * prev);
+              mbar_arrive(ring.empty(prev));
             }
             if (c == EPI_STAGES - 1) {
               bulk_wait_read<0>();
-              mbar_arrive(empty_bar + 8 * stage);
+              mbar_arrive(ring.empty(stage));
             }
           }
           prev = stage;
@@ -768,16 +717,13 @@ __global__ void __launch_bounds__(THREADS, 1)
         }
         continue;
       }
-      // where the tile goes: its rows of the row space (GATHER, ROWS), or of the expert's
+      // where the tile goes: its rows of the row space (GEMM1_SWIGLU, GEMM_ROWS), or of the expert's
       // gradient in the first or second output (WGRAD)
       const bool second = WGRAD && pid_m * BM >= p.m_split;
       const int out_row0 = WGRAD ? t.expert * p.m_split + pid_m * BM - (second ? p.m_split : 0)
                                  : pid_m * BM;
       const CUtensorMap* out_map = second ? &a_map : &h_map;
-      // Stage one [64, 128] bf16 tile of this warpgroup's rows, then one thread stores it
-      // as two boxes. Waits on: the reads of the last store from the same staging tile.
-      // Signals: nothing (the launch's end completes the stores). (Two staging tiles per
-      // warpgroup cost a ring stage: GEMM 2 level inside the tuner, GEMM 1 up to +12%.)
+      // One staging tile per warpgroup (two would cost a ring stage).
       const int out_row = out_row0 + cw * 64;
       // Accumulator pair (j, half) as packed bf16x2: which 0 h = silu(a1) a3, 1 the first
       // column half (a1), 3 the second (a3)
@@ -786,14 +732,13 @@ __global__ void __launch_bounds__(THREADS, 1)
         const float a3x = acc[64 + 4 * j + 2 * half], a3y = acc[64 + 4 * j + 2 * half + 1];
         float vx = a1x, vy = a1y;
         if (which == 0) {
-          vx = silu_mul(a1x, a3x);
-          vy = silu_mul(a1y, a3y);
+          vx = swiglu_approx(a1x, a3x);
+          vy = swiglu_approx(a1y, a3y);
         } else if (which == 3) {
           vx = a3x;
           vy = a3y;
         }
-        __nv_bfloat162 v = __floats2bfloat162_rn(vx, vy);
-        return *reinterpret_cast<uint32_t*>(&v);
+        return bf16x2_bits(vx, vy);
       };
       // DEFER: packs the tile's last store for flush_pending under the next tile's first batch
       [[maybe_unused]] auto defer_out = [&](const CUtensorMap* map, int out_col, int which) {
@@ -808,29 +753,8 @@ __global__ void __launch_bounds__(THREADS, 1)
         pending = true;
       };
       auto stage_out = [&](const CUtensorMap* map, int out_col, int which) {
-        const uint32_t tile = epi_smem + cw * 2 * EPI_BOX_BYTES;
-        if (tid % 128 == 0) bulk_wait_read<0>();
-        named_barrier(1 + cw, 128);
-#pragma unroll
-        for (int j = 0; j < 16; ++j) {
-#pragma unroll
-          for (int half = 0; half < 2; ++half) {
-            const uint32_t v = out_pair(j, half, which);
-            // row r of the warpgroup's 64, column 8j + 2 (lane % 4): box j / 8, 16-byte
-            // chunk j % 8, byte 4 (lane % 4) of it
-            const int r = warp * 16 + lane / 4 + 8 * half;
-            const uint32_t addr = tile + (j / 8) * EPI_BOX_BYTES +
-                                  swizzled_offset<128>(r, j % 8) + 4 * (lane % 4);
-            st_shared_b32(addr, v);
-          }
-        }
-        fence_proxy_async();  // the st.shared writes, before the store engine reads them
-        named_barrier(1 + cw, 128);
-        if (tid % 128 == 0) {
-          tma_store_2d(map, out_col, out_row, tile);
-          tma_store_2d(map, out_col + 64, out_row, tile + EPI_BOX_BYTES);
-          bulk_commit();
-        }
+        store_bf16_tile(epi_smem + cw * 2 * EPI_BOX_BYTES, cw, warp, lane, map, out_col, out_row,
+                        [&](int j, int half) { return out_pair(j, half, which); });
       };
       if constexpr (ROWS) {
         // the two column halves of the tile, as they sit in the accumulator
@@ -856,254 +780,20 @@ __global__ void __launch_bounds__(THREADS, 1)
   }
 }
 
-// bf16 [rows, cols] in [box_rows, box_cols] boxes (sm90_primitives.cuh encode_tiled_2d)
-static int make_map(CUtensorMap* map, const void* ptr, long long rows, long long cols,
-                    int box_rows, int box_cols = BK) {
-  return encode_tiled_2d(map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, ptr, rows, cols, box_rows,
-                         box_cols);
-}
-
+// The launch of MODE: the five tensor maps as the kernel names them, and its parameters.
 template <int MODE>
 static int launch(const CUtensorMap& w1_map, const CUtensorMap& w3_map, const CUtensorMap& h_map,
-                  const CUtensorMap& a_map, const CUtensorMap& in_map, const Params& p,
+                  const CUtensorMap& a_map, const CUtensorMap& in_map, const KernelParams& p,
                   int num_sms, cudaStream_t stream) {
-  constexpr int CLUSTER = 1;
-  static int max_clusters = 0;  // co-resident CTAs of this kernel
-  cudaLaunchConfig_t cfg = {};
-  cudaLaunchAttribute attr[1];
-  cfg.blockDim = dim3(THREADS);
-  cfg.dynamicSmemBytes = SMEM_BYTES;
-  cfg.stream = stream;
-  attr[0].id = cudaLaunchAttributeClusterDimension;
-  attr[0].val.clusterDim.x = CLUSTER;
-  attr[0].val.clusterDim.y = 1;
-  attr[0].val.clusterDim.z = 1;
-  cfg.attrs = attr;
-  cfg.numAttrs = 1;
-  if (max_clusters == 0) {
-    cudaError_t err = cudaFuncSetAttribute(grouped_gemm_kernel<MODE>,
-                                           cudaFuncAttributeMaxDynamicSharedMemorySize, SMEM_BYTES);
-    if (err != cudaSuccess) return static_cast<int>(err);
-    cfg.gridDim = dim3(num_sms / CLUSTER * CLUSTER);
-    int n = 0;
-    err = cudaOccupancyMaxActiveClusters(&n, grouped_gemm_kernel<MODE>, &cfg);
-    if (err != cudaSuccess) return static_cast<int>(err);
-    max_clusters = n > 0 ? min(n, num_sms / CLUSTER) : num_sms / CLUSTER;
-  }
-  // persistent: exactly the clusters that fit at once, so none starts after the others finish
-  cfg.gridDim = dim3(max_clusters * CLUSTER);
-  cudaError_t err =
-      cudaLaunchKernelEx(&cfg, grouped_gemm_kernel<MODE>, w1_map, w3_map, h_map, a_map,
-                         in_map, p);
-  return static_cast<int>(err != cudaSuccess ? err : cudaGetLastError());
+  return launch_persistent<grouped_gemm_kernel<MODE>>(SMEM_BYTES, THREADS, num_sms, stream,
+                                                      w1_map, w3_map, h_map, a_map, in_map, p);
 }
 
-}  // namespace grouped
+// bf16 [rows, cols] in [box_rows, box_cols] boxes (K steps of BK by default)
+static int make_map(CUtensorMap* map, const void* ptr, long long rows, long long cols,
+                    int box_rows, int box_cols = BK) {
+  return make_bf16_map(map, ptr, rows, cols, box_rows, box_cols);
+}
+
+}  // namespace bf16
 }  // namespace megamoe
-
-// C entry point (ctypes). Returns 0, or a negative code / CUDA error number; see
-// megamoe_error_string for the message. Shapes are checked by the Python wrapper
-// (ops/hopper/cuda/gemm1_swiglu.py): H % 128 == 0, D % 64 == 0, plan_bm % 128 == 0, 16-byte aligned
-// rows and pointers. ticket: a zeroed device int (the launch leaves it zeroed) for the dynamic
-// tile order, or nullptr (static).
-// rows: rows of h (and a), the extent of their tensor maps.
-extern "C" int megamoe_gemm1_swiglu(const void* x, const void* w1, const void* w3, void* h,
-                                    void* a, const int* row_slot, const int* tile_expert,
-                                    const int* num_rows_used, int E, int H, int D, int top_k,
-                                    int plan_bm, int group_m, long long stride_x,
-                                    long long stride_h, long long stride_a, long long rows,
-                                    int num_sms, int* ticket, void* stream) {
-  using namespace megamoe::grouped;
-  CUtensorMap w1_map, w3_map;
-  int rc = make_map(&w1_map, w1, static_cast<long long>(E) * H, D, BN);
-  if (rc != 0) return rc;
-  rc = make_map(&w3_map, w3, static_cast<long long>(E) * H, D, BN);
-  if (rc != 0) return rc;
-  // epilogue maps: h [rows, H] and a [rows, 2H], boxes of 64 x 64; without a, the a map is a
-  // copy of h's (never used)
-  CUtensorMap h_map, a_map;
-  rc = make_map(&h_map, h, rows, stride_h, 64, 64);
-  if (rc != 0) return rc;
-  if (a != nullptr) {
-    rc = make_map(&a_map, a, rows, stride_a, 64, 64);
-    if (rc != 0) return rc;
-  } else {
-    a_map = h_map;
-  }
-  Params p;
-  p.x = static_cast<const __nv_bfloat16*>(x);
-  p.h = static_cast<__nv_bfloat16*>(h);
-  p.a = static_cast<__nv_bfloat16*>(a);
-  p.row_slot = row_slot;
-  p.tile_expert = tile_expert;
-  p.num_rows_used = num_rows_used;
-  p.N = H;
-  p.K = D;
-  p.top_k = top_k;
-  p.plan_bm = plan_bm;
-  p.group_m = group_m;
-  p.ticket = ticket;
-  p.stride_x = stride_x;
-  p.stride_h = stride_h;
-  p.stride_a = stride_a;
-  return launch<MODE_GEMM1>(w1_map, w3_map, h_map, a_map, w1_map, p, num_sms,
-                           static_cast<cudaStream_t>(stream));
-}
-
-// C entry point (ctypes) of the ROWS mode (see the header): out[r] = in[r] @ w[e]^T with w
-// [E, N, K] (n_major 0), or in[r, :k_split] @ w[e] + in[r, k_split:] @ w2[e] with w, w2
-// [E, k_split, N] (n_major 1; w2 only read when K > k_split), for the used rows of a plan.
-// in [rows, K] and out [rows, N] contiguous bf16, weights contiguous; row_slot: the plan's
-// (padding rows -1; tiles' padding halves are skipped) or nullptr. Shapes are checked by the
-// Python wrapper (ops/hopper/cuda/gemm_rows.py): N % 256 == 0, K and k_split % 64 == 0, plan_bm %
-// 128 == 0. ticket: a zeroed device int (dynamic tile order; left zeroed) or nullptr (static).
-extern "C" int megamoe_gemm_rows(const void* in, const void* w, const void* w2, void* out,
-                                 const int* row_slot, const int* tile_expert,
-                                 const int* num_rows_used, int E, int N,
-                                 int K, int k_split, int n_major, int plan_bm, int group_m,
-                                 long long rows, int num_sms, int* ticket, void* stream) {
-  using namespace megamoe::grouped;
-  CUtensorMap w_map, w2_map, in_map, out_map;
-  int rc;
-  if (n_major) {
-    rc = make_map(&w_map, w, static_cast<long long>(E) * k_split, N, BK, 64);
-    if (rc == 0) rc = make_map(&w2_map, K > k_split ? w2 : w, static_cast<long long>(E) * k_split,
-                               N, BK, 64);
-  } else {
-    rc = make_map(&w_map, w, static_cast<long long>(E) * N, K, BN);
-    w2_map = w_map;
-  }
-  if (rc != 0) return rc;
-  rc = make_map(&in_map, in, rows, K, BM);
-  if (rc != 0) return rc;
-  rc = make_map(&out_map, out, rows, N, 64, 64);
-  if (rc != 0) return rc;
-  Params p = {};
-  p.h = static_cast<__nv_bfloat16*>(out);
-  p.row_slot = row_slot;  // nullptr: no padding skip
-  p.tile_expert = tile_expert;
-  p.num_rows_used = num_rows_used;
-  p.N = N;
-  p.K = K;
-  p.k_split = n_major ? k_split : K;
-  p.top_k = 1;
-  p.plan_bm = plan_bm;
-  p.group_m = group_m;
-  p.ticket = ticket;
-  p.stride_h = N;
-  cudaStream_t s = static_cast<cudaStream_t>(stream);
-  if (n_major) {
-    return launch<MODE_ROWS_NMAJOR>(w_map, w2_map, out_map, out_map, in_map, p, num_sms, s);
-  }
-  return launch<MODE_ROWS>(w_map, w2_map, out_map, out_map, in_map, p, num_sms, s);
-}
-
-// C entry point (ctypes) of the WGRAD mode (see the header): for every expert e of the plan,
-//   gather 1 (dw2):    out[e] [M, N] = dy[tok(r)]^T @ rows[r]   (dy [tokens, M], rows = hw)
-//   gather 0 (dw1|3):  out[e] [M, N] = rows[r]^T @ x[tok(r)]    (rows = [da1 | da3], x)
-//   gather 2 (either): out[e] [M, N] = tokens[r]^T @ rows[r]    (both [num_rows, .] row space)
-// summed over the rows r of e's segment; M rows [0, m_split) of each expert's gradient go to
-// out0 [E, m_split, N], the others (if M > m_split) to out1. `tokens` (stride_tokens per row)
-// is the gathered tensor (gather 2: A's row-space tensor), `rows` [num_rows, gather == 0 ? M :
-// N] the row-space one; bf16, unit column stride. expert_order: the experts' unit order
-// (nullptr: 0..E-1). count: each expert's real rows at the start of its segment, the rest
-// padding (the K loop skips whole 64-row steps of padding; a phased plan's count is its whole
-// segment). Shapes are checked by the Python wrapper (ops/hopper/cuda/wgrad.py): M % 128 == 0,
-// m_split % 128 == 0, N % 256 == 0, plan_bm % 64 == 0. ticket: a zeroed device int (dynamic
-// order; left zeroed) or nullptr.
-extern "C" int megamoe_wgrad(const void* tokens, long long stride_tokens, const void* rows,
-                             long long num_rows, void* out0, void* out1, const int* row_slot,
-                             const int* seg_start, const int* count,
-                             const int* expert_order, int E, int M, int N,
-                             int m_split, int top_k, int gather, int num_sms, int* ticket,
-                             void* stream) {
-  using namespace megamoe::grouped;
-  CUtensorMap rows_map, a_rows_map, out0_map, out1_map;
-  int rc = make_map(&rows_map, rows, num_rows, gather == 0 ? M : N, BK, 64);
-  if (rc == 0) {
-    rc = gather == 2 ? make_map(&a_rows_map, tokens, num_rows, M, BK, 64)
-                     : (a_rows_map = rows_map, 0);
-  }
-  if (rc == 0) rc = make_map(&out0_map, out0, static_cast<long long>(E) * m_split, N, 64, 64);
-  if (rc == 0) {
-    rc = make_map(&out1_map, M > m_split ? out1 : out0, static_cast<long long>(E) * m_split, N,
-                  64, 64);
-  }
-  if (rc != 0) return rc;
-  Params p = {};
-  p.x = static_cast<const __nv_bfloat16*>(tokens);
-  p.stride_x = stride_tokens;
-  p.h = static_cast<__nv_bfloat16*>(out0);
-  p.a = static_cast<__nv_bfloat16*>(M > m_split ? out1 : out0);
-  p.stride_h = N;
-  p.row_slot = row_slot;
-  p.seg_start = seg_start;
-  p.count = count;
-  p.expert_order = expert_order;
-  p.num_experts = E;
-  p.M = M;
-  p.m_split = m_split;
-  p.N = N;
-  p.top_k = top_k;
-  p.group_m = 1;
-  p.ticket = ticket;
-  cudaStream_t s = static_cast<cudaStream_t>(stream);
-  // B by TMA travels in w1_map, A by TMA in in_map
-  if (gather == 2) {
-    return launch<MODE_WGRAD_TMA>(rows_map, rows_map, out0_map, out1_map, a_rows_map, p,
-                                  num_sms, s);
-  }
-  if (gather == 1) {
-    return launch<MODE_WGRAD_GATHER_A>(rows_map, rows_map, out0_map, out1_map, rows_map, p,
-                                       num_sms, s);
-  }
-  return launch<MODE_WGRAD_GATHER_B>(rows_map, rows_map, out0_map, out1_map, rows_map, p,
-                                     num_sms, s);
-}
-
-// C entry point (ctypes) of the DGRAD_SWIGLU mode (see the header), kernel A on the saved a:
-// dy [tokens, D] (stride_dy per row, gathered by row_slot / top_k), w2 [E, D, H] contiguous,
-// a = [a1 | a3], da [rows, 2H] and hw [rows, H] contiguous bf16, part [H / 256, rows] fp32,
-// topk_w [tokens * top_k] fp32. Shapes are checked by the Python wrapper
-// (ops/hopper/cuda/dgrad2_swiglu.py): H % 256 == 0, D % 64 == 0, plan_bm % 128 == 0.
-extern "C" int megamoe_dgrad_swiglu(const void* dy, long long stride_dy, const void* w2,
-                                    const void* a, void* da, void* hw, void* dy_rows, float* part,
-                                    const float* topk_w, const int* row_slot,
-                                    const int* tile_expert, const int* num_rows_used, int E, int D,
-                                    int H, int top_k, int plan_bm, long long rows, int num_sms,
-                                    int* ticket, void* stream) {
-  using namespace megamoe::grouped;
-  // w2 as kernel C's N-major boxes; a loaded as [128 rows, 64] boxes; da and hw stored as
-  // [64 rows, 64] boxes (both in the 128-byte swizzle)
-  CUtensorMap w2_map, a_map, da_map, hw_map, rows_map;
-  int rc = make_map(&w2_map, w2, static_cast<long long>(E) * D, H, BK, 64);
-  if (rc == 0) rc = make_map(&a_map, a, rows, 2LL * H, BM, 64);
-  if (rc == 0) rc = make_map(&da_map, da, rows, 2LL * H, 64, 64);
-  if (rc == 0) rc = make_map(&hw_map, hw, rows, H, 64, 64);
-  if (rc == 0 && dy_rows != nullptr) rc = make_map(&rows_map, dy_rows, rows, D, 64, 64);
-  if (rc != 0) return rc;
-  if (dy_rows == nullptr) rows_map = w2_map;  // never used
-  Params p = {};
-  p.store_gathered = dy_rows != nullptr;
-  p.x = static_cast<const __nv_bfloat16*>(dy);
-  p.stride_x = stride_dy;
-  p.part = part;
-  p.part_stride = rows;
-  p.topk_w = topk_w;
-  p.row_slot = row_slot;
-  p.tile_expert = tile_expert;
-  p.num_rows_used = num_rows_used;
-  p.N = H;
-  p.K = D;
-  p.k_split = D;
-  p.top_k = top_k;
-  p.plan_bm = plan_bm;
-  p.group_m = 8;
-  p.ticket = ticket;
-  return launch<MODE_DGRAD_SWIGLU>(w2_map, rows_map, da_map, hw_map, a_map, p, num_sms,
-                                   static_cast<cudaStream_t>(stream));
-}
-
-extern "C" const char* megamoe_error_string(int code) {
-  return megamoe::tensor_map_error_string(code);
-}

@@ -1,8 +1,7 @@
-// Hopper (sm_90a) building blocks shared by the kernels in csrc/: mbarriers, cp.async gathers,
-// bulk tensor (TMA) loads, wgmma shared-memory descriptors, the m64n256k16 bf16 and m64n128k32 e4m3
-// wgmmas.
-// Each is one PTX instruction (or a short fixed sequence); the kernels document the protocol
-// they build from them.
+// Hopper (sm_90a) PTX wrappers the kernels are built from: mbarriers, cp.async gathers, bulk
+// tensor (TMA) loads and stores, shared-memory loads and stores, wgmma descriptors, the
+// m64n256k16 bf16 and m64n128k32 e4m3 wgmmas. Each is one PTX instruction (or a short fixed
+// sequence); ring.cuh and scheduler.cuh build the protocols from them.
 #pragma once
 
 #include <cuda.h>
@@ -13,29 +12,6 @@ namespace megamoe {
 
 __device__ __forceinline__ uint32_t smem_u32(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
-
-// ---- tile order -----------------------------------------------------------------------------
-
-// Unit t of a [num_m, num_n] tile grid in grouped order: GROUP_M consecutive M tiles sweep one N
-// tile together (weight tiles reused from L2).
-__device__ __forceinline__ void grouped_tile(int t, int num_m, int num_n, int group_m, int& pid_m,
-                                             int& pid_n) {
-  const int per_group = group_m * num_n;
-  const int first_m = (t / per_group) * group_m;
-  const int size = min(num_m - first_m, group_m);
-  pid_m = first_m + (t % per_group) % size;
-  pid_n = (t % per_group) / size;
-}
-
-// The dynamic tile order's next unit number from a global ticket (one thread per CTA). Every CTA
-// takes exactly one number >= num_units (then stops), so the taker of num_units + gridDim.x - 1
-// is the last one to touch the ticket: it zeroes it for the next launch on this stream
-// (ops/hopper/cuda/sm90.py keeps one ticket per stream).
-__device__ __forceinline__ int take_unit(int* ticket, int num_units) {
-  const int got = atomicAdd(ticket, 1);
-  if (got == num_units + static_cast<int>(gridDim.x) - 1) atomicExch(ticket, 0);
-  return got;
 }
 
 // ---- mbarrier -------------------------------------------------------------------------------
@@ -312,7 +288,7 @@ __device__ __forceinline__ void wgmma_m64n256k16(float* d, uint64_t desc_a, uint
 // transposed-operand form). d[] is the warpgroup's 64x128 accumulator fragment (64 fp32 per
 // thread, laid out as m64n256k16's first half); scale_d = 0 overwrites. Hopper accumulates FP8
 // products with reduced precision, so callers keep d to one 128-wide K block and promote it
-// into an fp32 accumulator of their own (csrc/fp8_gemm_sm90.cu).
+// into an fp32 accumulator of their own (fp8_mma.cuh).
 __device__ __forceinline__ void wgmma_m64n128k32_e4m3(float* d, uint64_t desc_a, uint64_t desc_b,
                                                       int scale_d) {
   asm volatile(
@@ -329,49 +305,6 @@ __device__ __forceinline__ void wgmma_m64n128k32_e4m3(float* d, uint64_t desc_a,
         "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
         "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
       : "l"(desc_a), "l"(desc_b), "r"(scale_d));
-}
-
-
-// ---- host: tensor maps ------------------------------------------------------------------------
-
-typedef CUresult (*EncodeTiled)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*,
-                                const cuuint64_t*, const cuuint64_t*, const cuuint32_t*,
-                                const cuuint32_t*, CUtensorMapInterleave, CUtensorMapSwizzle,
-                                CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
-
-// Tensor map of a row-major [rows, cols] matrix of elem_bytes-wide elements read or written in
-// [box_rows, box_cols] boxes; the swizzle is the box row's span (128 or 64 bytes), as the wgmma
-// descriptors and the epilogues' staging expect. 0, or an error code for
-// tensor_map_error_string (the driver entry point is found through the runtime: no -lcuda).
-static inline int encode_tiled_2d(CUtensorMap* map, CUtensorMapDataType dtype, int elem_bytes,
-                                  const void* ptr, long long rows, long long cols, int box_rows,
-                                  int box_cols) {
-  static EncodeTiled encode = nullptr;
-  if (encode == nullptr) {
-    cudaDriverEntryPointQueryResult q;
-    void* fn = nullptr;
-    cudaError_t err = cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000,
-                                                       cudaEnableDefault, &q);
-    if (err != cudaSuccess || q != cudaDriverEntryPointSuccess || fn == nullptr) return -1;
-    encode = reinterpret_cast<EncodeTiled>(fn);
-  }
-  cuuint64_t dims[2] = {static_cast<cuuint64_t>(cols), static_cast<cuuint64_t>(rows)};
-  cuuint64_t strides[1] = {static_cast<cuuint64_t>(cols) * elem_bytes};
-  cuuint32_t box[2] = {static_cast<cuuint32_t>(box_cols), static_cast<cuuint32_t>(box_rows)};
-  cuuint32_t estr[2] = {1, 1};
-  CUresult r = encode(map, dtype, 2, const_cast<void*>(ptr), dims, strides, box, estr,
-                      CU_TENSOR_MAP_INTERLEAVE_NONE,
-                      box_cols * elem_bytes == 128 ? CU_TENSOR_MAP_SWIZZLE_128B
-                                                   : CU_TENSOR_MAP_SWIZZLE_64B,
-                      CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
-  return r == CUDA_SUCCESS ? 0 : -2;
-}
-
-// What a launch's error code means: encode_tiled_2d's codes, else a cudaError_t.
-static inline const char* tensor_map_error_string(int code) {
-  if (code == -1) return "cuTensorMapEncodeTiled not found through the CUDA runtime";
-  if (code == -2) return "cuTensorMapEncodeTiled rejected a tensor map";
-  return cudaGetErrorString(static_cast<cudaError_t>(code));
 }
 
 }  // namespace megamoe

@@ -1,4 +1,4 @@
-"""csrc/grouped_gemm_sm90.cu on an H200 (marked gpu; skipped without an sm_90 GPU and nvcc):
+"""csrc/gemm1_swiglu.cu's bf16 mode on an H200 (marked gpu; skipped without an sm_90 GPU and nvcc):
 h and the saved [a1 | a3] against float64 math on uneven routings, with every output poisoned
 (NaN) first, at sizes that are and are not multiples of the kernel's tiles and of its pipeline
 depth, phased plans (tiles of the other phase untouched), and the real Qwen3-30B shape."""
