@@ -142,12 +142,8 @@ def test_capacity_hint_and_knob(monkeypatch):
         group_name = "g"
 
     monkeypatch.setattr(exchange, "_CACHE", {})
-    monkeypatch.setattr(exchange, "_MAX_TOKENS_PER_RANK", 0)
     assert exchange.capacity_hint(Group(), 300) == 300
-    exchange.set_max_tokens_per_rank(512)
-    assert exchange.capacity_hint(Group(), 300) == 512
-    with pytest.raises(ValueError, match="max_tokens_per_rank"):
-        exchange.set_max_tokens_per_rank(-1)
+    assert exchange.capacity_hint(Group(), 300, max_tokens_per_rank=512) == 512
 
     class Existing:
         group = Group()

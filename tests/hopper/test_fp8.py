@@ -97,21 +97,20 @@ def test_fp8_rejects_shapes_and_ep():
         hopper.check_inputs(x, w1, None, MegaMoEOptions(precision="fp8"))
 
 
-def test_dgrad_l1_groups_bound_the_transposed_copy(monkeypatch):
+def test_dgrad1_groups_bound_the_transposed_copy():
     """Without the weight cache the dgrad of linear 1 takes the experts in contiguous groups
     whose transposed [w1 | w3] copy (E_g * D * 2H bytes) stays within rows * H bytes; with the
     cache (the whole copy is held anyway) it is one launch."""
-    from torchtitan_megamoe.ops.hopper import fp8_backward, fp8_weights
+    from torchtitan_megamoe.ops.hopper import fp8_backward
 
     for E, H, D, rows in ((128, 768, 2048, 147456), (128, 1536, 4096, 147456), (4, 128, 256, 640),
                           (5, 128, 128, 1 << 20), (3, 128, 4096, 128)):
-        groups = fp8_backward.dgrad_l1_groups(E, H, D, rows)
+        groups = fp8_backward.dgrad1_groups(E, H, D, rows, weight_cache=False)
         assert groups[0][0] == 0 and groups[-1][1] == E
         assert all(a[1] == b[0] for a, b in zip(groups, groups[1:])), groups
         assert all(hi > lo for lo, hi in groups), groups
         sizes = [hi - lo for lo, hi in groups]
         assert max(sizes) == 1 or max(sizes) * D * 2 * H <= rows * H, (E, H, D, rows, groups)
-    assert fp8_backward.dgrad_l1_groups(128, 768, 2048, 147456) == [
+    assert fp8_backward.dgrad1_groups(128, 768, 2048, 147456, weight_cache=False) == [
         (0, 32), (32, 64), (64, 96), (96, 128)]
-    monkeypatch.setattr(fp8_weights, "_CACHE_ON", True)
-    assert fp8_backward.dgrad_l1_groups(128, 768, 2048, 147456) == [(0, 128)]
+    assert fp8_backward.dgrad1_groups(128, 768, 2048, 147456, weight_cache=True) == [(0, 128)]

@@ -38,7 +38,8 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from torchtitan_megamoe.ops.hopper.kernels.mma import interpreting, mma
+from torchtitan_megamoe import settings
+from torchtitan_megamoe.ops.hopper.kernels.mma import mma
 from torchtitan_megamoe.ops.hopper.plan import Plan
 from torchtitan_megamoe.ops.hopper.kernels.tiling import cdiv
 
@@ -206,7 +207,7 @@ def dgrad2_swiglu(
         *w2.stride(),
         da.stride(0), hw.stride(0),
         PLAN_BM=plan.block_m, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-        EVEN=even, USE_TMA=use_tma, UPCAST=interpreting(),
+        EVEN=even, USE_TMA=use_tma, UPCAST=settings.triton_interpreting(),
         num_warps=num_warps, num_stages=num_stages,
     )
     return da, hw, part

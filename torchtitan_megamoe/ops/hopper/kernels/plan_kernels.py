@@ -35,7 +35,7 @@ import torch
 import triton
 import triton.language as tl
 
-from torchtitan_megamoe.ops.hopper.tune import interpreting
+from torchtitan_megamoe import settings
 from torchtitan_megamoe.ops.hopper.kernels.tiling import cdiv, next_power_of_2
 
 
@@ -200,7 +200,7 @@ def plan_tensors(topk_ids: torch.Tensor, E: int, block_m: int, rank: int, R_max:
     P = phases
     EV = E * P  # keys: (local expert, phase) pairs, and EV for slots not computed here
     E_PAD = max(16, next_power_of_2(EV + 1))
-    BLOCK = 16 if interpreting() else BLOCK_SLOTS
+    BLOCK = 16 if settings.triton_interpreting() else BLOCK_SLOTS
     # a chunk = SUB sub-blocks of BLOCK slots; ~TARGET_CHUNKS chunks keep each program's scan
     # short
     SUB = next_power_of_2(max(1, min(16, cdiv(S, BLOCK * TARGET_CHUNKS))))

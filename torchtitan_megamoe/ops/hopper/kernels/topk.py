@@ -32,7 +32,7 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from torchtitan_megamoe.ops.hopper.tune import interpreting
+from torchtitan_megamoe import settings
 from torchtitan_megamoe.ops.hopper.kernels.tiling import cdiv, next_power_of_2
 
 MAX_EXPERTS = 1024
@@ -171,17 +171,10 @@ def _topk_gate_bwd_kernel(p_ptr, idx_ptr, dv_ptr, out_ptr, T, E, stride_p, scale
 
 def _tile(E: int) -> tuple[int, int]:
     """(BLOCK_T, BLOCK_E) of the launches here: a whole row of E experts (a power of 2) per
-    program and ~4096 scores per program (experiments/topk_variants.py: the best of 20 tile
-    choices was within 2% of it at 16384 x 128)."""
+    program and ~4096 scores per program (experiments/topk_variants.py times the other tile
+    choices)."""
     block_e = next_power_of_2(E)
     return max(1, min(64, 4096 // block_e)), block_e
-
-
-def topk_indices_reference(scores: torch.Tensor, k: int, bias: torch.Tensor | None = None):
-    """The same order in plain torch: a stable descending sort, NaN first."""
-    s = scores.float() if bias is None else scores.float() + bias.float()
-    s = torch.where(torch.isnan(s), torch.full_like(s, float("inf")), s)
-    return torch.sort(s, dim=1, descending=True, stable=True).indices[:, :k]
 
 
 def supported(scores: torch.Tensor, k: int) -> bool:
@@ -230,7 +223,7 @@ def _launch_gate(scores, k, bias, norm, scale, softmax=False, block_t=None, num_
         scores, bias if bias is not None else scores, idx, vals, counts,
         probs if softmax else vals, T, E, scores.stride(0), float(scale),
         HAS_BIAS=bias is not None, NORM=bool(norm), SOFTMAX=bool(softmax),
-        LIBDEVICE_EXP=bool(softmax) and not interpreting(), K=k,
+        LIBDEVICE_EXP=bool(softmax) and not settings.triton_interpreting(), K=k,
         K_PAD=next_power_of_2(k), BLOCK_T=BLOCK_T, BLOCK_E=BLOCK_E, num_warps=num_warps,
     )
     return vals, idx, counts, probs

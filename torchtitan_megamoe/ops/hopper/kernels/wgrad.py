@@ -26,7 +26,8 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from torchtitan_megamoe.ops.hopper.kernels.mma import interpreting, mma
+from torchtitan_megamoe import settings
+from torchtitan_megamoe.ops.hopper.kernels.mma import mma
 from torchtitan_megamoe.ops.hopper.plan import Plan
 from torchtitan_megamoe.ops.hopper.kernels.tiling import cdiv
 
@@ -156,7 +157,7 @@ def wgrad(
         A_GATHER=a_gather, B_GATHER=b_gather,
         A_TMA=a_desc is not None, B_TMA=b_desc is not None,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-        EVEN=M % block_m == 0 and N % block_n == 0, UPCAST=interpreting(),
+        EVEN=M % block_m == 0 and N % block_n == 0, UPCAST=settings.triton_interpreting(),
         num_warps=num_warps, num_stages=num_stages,
     )
     return out
