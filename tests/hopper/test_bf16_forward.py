@@ -1,13 +1,14 @@
-"""The triton backend's forward end to end: under the interpreter on CPU at small sizes, and
-(marked gpu) compiled at the real Qwen3 shapes against the reference backend."""
+"""The hopper backend's bf16 forward end to end: under the interpreter on CPU at small sizes,
+and (marked gpu) compiled at the real Qwen3 shapes against the reference backend."""
 
-from torchtitan_megamoe.ops.options import MegaMoEOptions
 import pytest
 import torch
 
 from moe_testing import make_inputs, make_weights, moe_f64, op_args, rel_err, routings, skewed_ids
-from torchtitan_megamoe.ops import reference
+from torchtitan_megamoe import mega_moe
 from torchtitan_megamoe.ops import hopper as tb
+from torchtitan_megamoe.ops import reference
+from torchtitan_megamoe.ops.options import MegaMoEOptions
 
 T, K, E, D, H = 21, 3, 5, 32, 48
 
@@ -43,8 +44,8 @@ def test_forward_rejects_what_kernels_cannot_take():
     w = torch.rand(4, K)
     with pytest.raises(TypeError, match="bfloat16"):
         tb.forward(x.float(), ids, w, w1.float(), w2.float(), w3.float(), None, MegaMoEOptions(precision="bf16"))
-    with pytest.raises(ValueError, match="% 128"):  # FP8's scaling blocks are 128 wide
-        tb.forward(x, ids, w, w1, w2, w3, None, MegaMoEOptions(precision="fp8"))
+    with pytest.raises(ValueError, match="% 128"):  # FP8's scaling blocks: the op checks it
+        mega_moe(x, ids, w, w1, w2, w3, backend="hopper", precision="fp8")
     w1o, w2o, w3o = make_weights(E, D, 40)
     with pytest.raises(ValueError, match="multiples"):
         tb.forward(x, ids, w, w1o, w2o, w3o, None, MegaMoEOptions(precision="bf16"))

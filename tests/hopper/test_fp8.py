@@ -88,13 +88,25 @@ def test_fp8_all_tokens_to_one_expert():
            "fp8", (1e-2, 3e-2))
 
 
-def test_fp8_rejects_shapes_and_ep():
+def test_fp8_rejects_shapes_and_ep(monkeypatch):
+    """hidden 96: the op refuses FP8 (128-wide scaling blocks); an EP group: the backend does."""
     from torchtitan_megamoe.ops import hopper
 
-    w1 = torch.zeros(2, 96, 256, dtype=torch.bfloat16)
+    w1 = w3 = torch.zeros(2, 96, 256, dtype=torch.bfloat16)
+    w2 = torch.zeros(2, 256, 96, dtype=torch.bfloat16)
     x = torch.zeros(4, 256, dtype=torch.bfloat16)
-    with pytest.raises(ValueError, match="multiples|% 128"):
-        hopper.check_inputs(x, w1, None, MegaMoEOptions(precision="fp8"))
+    ids, tw = torch.zeros(4, 1, dtype=torch.long), torch.ones(4, 1)
+    with pytest.raises(ValueError, match="% 128"):
+        mega_moe(x, ids, tw, w1, w2, w3, backend="hopper", precision="fp8")
+
+    class Pair:  # the world size is all check_inputs asks of a group
+        pass
+
+    import torch.distributed as dist
+
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
+    with pytest.raises(NotImplementedError, match="one rank's experts"):
+        hopper.check_inputs(x, torch.zeros(2, 128, 256, dtype=torch.bfloat16), Pair(), "fp8")
 
 
 def test_dgrad1_groups_bound_the_transposed_copy():
