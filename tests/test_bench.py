@@ -524,3 +524,27 @@ def test_block_compiled_stock_keeps_fullgraph_where_it_traces():
     block = BlockCompiledStock(lin, backend="aot_eager")
     assert torch.allclose(block(x), lin(x))
     assert block.describe() == {"mode": "fullgraph", "graphs": 1, "graph_breaks": 0}
+
+
+def test_help_names_the_command_and_every_default(capsys, monkeypatch):
+    """``--help`` reads ``usage: python -m torchtitan_megamoe.bench``; every option has help
+    text, and each option that takes a value shows its default."""
+    from torchtitan_megamoe.bench.cli import parse_args
+
+    with pytest.raises(SystemExit):
+        parse_args(["--help"])
+    out = capsys.readouterr().out
+    assert out.startswith("usage: python -m torchtitan_megamoe.bench ")
+    assert "(default: 16384)" in out and "(default: hopper)" in out
+    import argparse
+
+    seen = []
+    real = argparse.ArgumentParser.add_argument
+
+    def spy(self, *args, **kwargs):
+        seen.append((args, kwargs))
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(argparse.ArgumentParser, "add_argument", spy)
+    parse_args([])
+    assert len(seen) > 15 and all(kw.get("help") for _, kw in seen), seen
