@@ -145,7 +145,7 @@ def backward_bf16(grad_out, x, topk_ids, topk_weights, w1, w2, w3, saved=None, w
     order = longest_first(plan)
 
     def launch_dw2(cfg):
-        if cfg.get("impl") == "sm90":  # on kernel A's gathered dy rows, or gathered here
+        if cfg.get("impl") == "sm90":  # on dgrad2_swiglu's gathered dy rows, or gathered here
             rows = shared.get("dy_rows")
             return sm90_wgrad.wgrad_dw2_sm90(
                 gather_rows(dy, plan) if rows is None else rows, hw, plan,

@@ -81,7 +81,7 @@ class SymmetricExchange(Exchange):
         import torch.distributed._symmetric_memory as symm_mem
 
         if hasattr(symm_mem, "get_backend") and symm_mem.get_backend(device) is None:
-            # The CUDA backend (CUDA IPC + NVLink) is the one validated on H200s;
+            # The CUDA backend (CUDA IPC + NVLink) is the one validated on Hopper;
             # NVSHMEM failed there. The backend can only be chosen before the first allocation.
             try:
                 symm_mem.set_backend("CUDA")

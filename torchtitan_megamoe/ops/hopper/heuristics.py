@@ -14,7 +14,7 @@ The Triton launchers translate these keys to their kernels' constexpr names. The
 candidate of a list also runs untuned (CPU interpreter, CUDA graph capture, MEGAMOE_TUNE=0) and
 is the reference the tuner checks the others against, so a Triton config always comes first.
 Each Triton config is offered because it was the fastest of its stage at a Qwen3 shape in at
-least one H200 bench run (docs/PERF.md keeps those runs).
+least one bench run on the GPU.
 """
 
 from __future__ import annotations
@@ -155,7 +155,7 @@ def stage_candidates(triton_cands: list, D: int, H: int, E: int = 1,
                      auto_cublas: bool = True) -> list:
     """Candidates of one backward stage under MEGAMOE_BWD_IMPL. Under auto the Triton configs
     come first, so whatever runs untuned stays Triton; ``auto_cublas`` False: auto offers no
-    cuBLAS side (a stage where it never won)."""
+    grouped_mm side (a stage where it never won)."""
     impl = settings.bwd_impl()
     reason = cublas_unsupported_reason(D, H, E)
     if impl == "triton" or (impl == "auto" and reason):
@@ -184,7 +184,7 @@ DGRAD2_SWIGLU_CONFIGS = [
 DGRAD2_SWIGLU_UNEVEN = dict(block_m=128, block_n=64, block_k=32, num_warps=8, num_stages=4,
                             use_tma=False)
 # the dh GEMM as csrc/'s N-major row GEMM (w2 read as stored) on gathered dy rows, then the
-# SwiGLU backward rows kernel (the cuBLAS side's structure)
+# SwiGLU backward rows kernel (the grouped_mm side's structure)
 DGRAD2_SWIGLU_SM90 = dict(impl="sm90")
 # one csrc/ launch (dy rows gathered inside, SwiGLU backward in the epilogue); it stores the dy
 # rows it gathers, so dw2 reuses them as after the two-step sides: the usual pick

@@ -15,7 +15,7 @@ Epilogues (MODE):
   swiglu   GEMM 1: two accumulators (w1, w3 share the A tile), h = silu(a1) * a3 quantized in
            the epilogue to e4m3 with one scale per row of the 128-column tile (GEMM 2's A
            operand, no extra pass); optionally a = [a1 | a3] in bf16 for the backward
-  dswiglu  the backward's kernel A: dhg = dy_rows @ w2[e] (B = the transposed [E, H, D] copy),
+  dswiglu  fp8_dgrad2_swiglu: dhg = dy_rows @ w2[e] (B = the transposed [E, H, D] copy),
            the SwiGLU backward with the routing weight in the epilogue, and every operand the
            next GEMMs read, quantized where it sits in registers: da = [da1 | da3] per row
            (dgrad of linear 1), da^T and h^T per 128 rows of a column (the weight gradients),
@@ -248,7 +248,7 @@ def fp8_gemm_rows(aq, a_s, bq, b_s, plan: Plan, out_dtype, gather: bool = False,
 
 
 def fp8_dgrad2_swiglu(gq, gs, w2tq, w2ts, a_saved, topk_weights, plan: Plan, config=None):
-    """The backward's kernel A in FP8 (see the module docstring). Returns (daq [R, 2H], das
+    """fp8_dgrad2_swiglu (see the module docstring). Returns (daq [R, 2H], das
     [R, 2H/128], daTq [2H, R], daTs [2H, R/128], hTq [H, R], hTs [H, R/128], part [H/128, R])."""
     E, H, D = w2tq.shape
     R = plan.max_rows

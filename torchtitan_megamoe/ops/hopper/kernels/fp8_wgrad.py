@@ -5,7 +5,7 @@
 A^T [M, R_max] and B^T [N, R_max] hold the plan's rows transposed (rows contiguous: K-major for
 FP8 wgmma), each with one scale per column and 128 rows ([M, R_max/128], [N, R_max/128]): the
 quantization the weight gradients need, since they contract over tokens (fp8_quant.quant_rows_t,
-or kernel A's epilogue). Expert segments start on 128-row boundaries, so a scale block never
+or dgrad2_swiglu's epilogue). Expert segments start on 128-row boundaries, so a scale block never
 mixes experts; rows past an expert's real count are zeros. The K loop stops at the last
 128-row step holding a real row (all-padding steps are skipped) and promotes each step's
 partial product into the fp32 accumulator with its two scale vectors.

@@ -8,8 +8,8 @@ the plan's block_m, a multiple of BLOCK_M); tiles past the used rows exit at onc
 one program per SM loops over the tiles of the used rows (count read on device).
 
 Optional pre-activation output (``save_a=True``, what the forward saves for the backward so
-kernel A need not recompute GEMM 1): a [R_max, 2H] in x.dtype, a1 = x_r @ w1[e]^T in columns
-[0, H) and a3 = x_r @ w3[e]^T in [H, 2H) (the layout of the backward's da, so kernel A reads a1
+dgrad2_swiglu need not recompute GEMM 1): a [R_max, 2H] in x.dtype, a1 = x_r @ w1[e]^T in columns
+[0, H) and a3 = x_r @ w3[e]^T in [H, 2H) (the layout of the backward's da, so dgrad2_swiglu reads a1
 and a3 of an H tile with the same row offsets it stores da with). Both are the fp32 accumulators
 rounded once to bf16, stored in the epilogue next to h; padding rows store zeros. Off by default
 (then the kernel is the same compiled variant as before: SAVE_A is a constexpr).

@@ -1,9 +1,8 @@
 """Router top-k: the indices of the k largest of (scores + bias) per token, in one launch.
 
-Stock TorchTitan's router calls ``torch.topk(scores + expert_bias, k, sorted=False)``, which
-costs ~115 us per call at 16384 tokens x 128 experts on an H200 (the single-block radix select,
-measured in docs/perf/2026-11-30_h200_ep1_profile_2a1ace5.log), about 4% of our 30B layer's
-forward. Here one program holds BLOCK_T whole rows of scores in registers and takes k arg-max
+Stock TorchTitan's router calls ``torch.topk(scores + expert_bias, k, sorted=False)``, a
+single-block radix select that is a noticeable share of the layer's forward at Qwen3 shapes.
+Here one program holds BLOCK_T whole rows of scores in registers and takes k arg-max
 passes over them.
 
 Order and ties: column j of the result is the j-th largest (descending); among equal values the
@@ -15,7 +14,7 @@ topk_gate (eager) goes one step further: the same selection, the gating values, 
 normalization and scale, and the tokens per expert in the same launch (_topk_gate_kernel), so
 a sigmoid router issues five launches (gate, fp32 cast, sigmoid, the counts' zero fill, this)
 instead of eleven before the layer's first big kernel, where the host's issue time is not
-hidden (~30-40 us of host time per launch, the GPU idle meanwhile in a waited forward).
+hidden (each launch's host time leaves the GPU idle in a waited forward).
 topk_softmax_gate (eager softmax routers) also takes the fp32 cast and the softmax into that
 launch (SOFTMAX: it reads the gate's raw logits and stores the fp32 scores for the backward), so
 those routers issue three (gate, zero fill, this). The backward of both is one launch too

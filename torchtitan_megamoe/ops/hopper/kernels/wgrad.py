@@ -1,4 +1,4 @@
-"""Backward kernel B: grouped weight gradients, out[e] = sum over expert e's rows of A_r^T B_r.
+"""wgrad (Triton): grouped weight gradients, out[e] = sum over expert e's rows of A_r^T B_r.
 
 One kernel serves all three weight gradients (three launches):
     dw2[e] [D, H] = sum_r dy_r^T hw_r        A = dy gathered by token, B = hw (row space)
@@ -18,7 +18,7 @@ otherwise leave a heavy expert's long K-loops running alone at the end of the gr
 accumulator, one store: no atomics and a fixed reduction order, so results are bitwise
 deterministic. An expert without rows stores zeros. Output in the out tensor's dtype (the
 parameter's), any strides (the parameter's layout).
-Waits on: kernel A's da / hw (stream order). Signals: nothing.
+Waits on: dgrad2_swiglu's da / hw (stream order). Signals: nothing.
 """
 
 import torch
@@ -39,7 +39,7 @@ def _load_rows(ptr, desc, stride, r0, r, r_ok, c0, cols, col_ok, row_slot_ptr, T
     or token rows by indirection."""
     if TMA:
         # Whole tile of the row-space buffer: rows past the expert's count are padding rows of
-        # its segment (finite zeros from kernel A) and meet zeros of the gathered operand.
+        # its segment (finite zeros from dgrad2_swiglu) and meet zeros of the gathered operand.
         return desc.load([r0, c0])
     if GATHER:
         slot = tl.load(row_slot_ptr + r, mask=r_ok, other=-1)
@@ -117,14 +117,14 @@ def wgrad(
     use_tma: bool = False,
     expert_order: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Launch kernel B: out[e] = sum over expert e's rows of a_r^T b_r, for every local expert.
+    """Launch wgrad: out[e] = sum over expert e's rows of a_r^T b_r, for every local expert.
 
     a: [rows, M], b: [rows, N] with rows contiguous in the last dim; a "gathered" operand is a
     [T, C] token tensor read through the plan, otherwise a [R_max, C] row-space buffer (column
     slices of a larger buffer are fine). out: [E, M, N], written in its own dtype and strides.
     use_tma loads the row-space operand with a TMA descriptor when block_k divides the plan's
     block_m (so a tile never leaves the expert's padded segment); that path reads the padding
-    rows of the segment, which must be finite (kernel A stores zeros there). expert_order
+    rows of the segment, which must be finite (dgrad2_swiglu stores zeros there). expert_order
     ([E] int32, a permutation; default ``expert_order(plan)``) is the order in which experts'
     tiles are launched.
     """
