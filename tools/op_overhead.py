@@ -22,11 +22,11 @@ from torchtitan_megamoe.ops import api
 def _null_backend() -> None:
     mod = types.ModuleType("megamoe_null_backend")
 
-    def forward(x, topk_ids, topk_weights, w1, w2, w3, group, precision, save=False):
+    def forward(x, topk_ids, topk_weights, w1, w2, w3, group, options, save=False):
         out = torch.empty_like(x)
         return (out, [torch.empty_like(x)]) if save else out
 
-    def backward(grad_out, x, topk_ids, topk_weights, w1, w2, w3, group, precision, saved=None):
+    def backward(grad_out, x, topk_ids, topk_weights, w1, w2, w3, group, options, saved=None):
         return tuple(torch.empty_like(t) for t in (x, topk_weights, w1, w2, w3))
 
     mod.forward, mod.backward = forward, backward
