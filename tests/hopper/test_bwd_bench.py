@@ -16,7 +16,7 @@ def test_bwd_bench_reports_every_stage():
                   "gemm1_swiglu_save_a"):
         assert res[f"{stage}_ms"] > 0, stage
     # every implementation's whole backward on the saved tensors, and the recompute path
-    for side in ("", "_cublas", "_auto", "_recompute"):
+    for side in ("", "_grouped_mm", "_auto", "_recompute"):
         assert res[f"total{side}_ms"] > 0, side
     assert res["saved_gib"] > 0
     assert set(res["configs"]) == {"dgrad2_swiglu", "wgrad_dw2", "wgrad_dw13", "dgrad1"}

@@ -2,8 +2,8 @@
 
     python -m torchtitan_megamoe.bench.backward_stages [--tokens 16384] [--shapes 30b,235b]
 
-Runs the whole backward with each side forced (MEGAMOE_BWD_IMPL = triton, cublas) and with the
-tuner's per-stage pick (auto), then times every side of every stage with CUDA events (median of
+Runs the whole backward with each side forced (MEGAMOE_BWD_IMPL = triton, cublas: the keys
+total_ms, total_grouped_mm_ms) and with the tuner's per-stage pick (auto: total_auto_ms), then times every side of every stage with CUDA events (median of
 --iters) and prints one JSON line per shape: milliseconds and achieved TFLOP/s per stage, each
 total, the peak memory each call allocates on top of its inputs, and the tuner's candidate
 timings of the auto run (which side it picked per stage).
@@ -32,7 +32,8 @@ from torchtitan_megamoe.ops.hopper import stages as hopper
 from torchtitan_megamoe.timing import median_ms
 
 SHAPES = {"30b": (2048, 768, 128, 8), "235b": (4096, 1536, 128, 8)}
-SIDES = ("triton", "cublas", "auto")
+SIDES = {"triton": "", "cublas": "_grouped_mm", "auto": "_auto"}
+"""MEGAMOE_BWD_IMPL values timed whole -> their suffix in the result keys (total*_ms, ...)."""
 
 
 def _with_side(side, fn):
@@ -85,9 +86,8 @@ def bench_shape(name, tokens, iters, shape=None, device="cuda"):
 
     res = {"shape": name, "tokens": tokens}
     nkdh = tokens * K * D * H
-    for side in SIDES:
+    for side, sfx in SIDES.items():
         ms, peak = _whole(side, inputs, iters)
-        sfx = "" if side == "triton" else f"_{side}"
         res[f"total{sfx}_ms"] = ms
         res[f"total{sfx}_tflops"] = 12 * nkdh / ms / 1e9  # GEMM 1 is not recomputed
         res[f"peak_extra{sfx}_gib"] = peak

@@ -25,7 +25,7 @@ BWD_STAGES = [
     ("dgrad1, sm90 kernel (dx in row space)", "dgrad1_sm90", None),
     ("bwd_combine (dx, d topk_weights)", "bwd_combine", None),
     ("bwd_combine of row-space dx (after the sm90 dgrad1)", "bwd_combine_rows", None),
-    ("backward total, one side forced", "total", "total_cublas"),
+    ("backward total, one side forced", "total", "total_grouped_mm"),
     ("backward total, tuner's pick per stage", "total_auto", None),
     ("backward total, recompute path (no saved a: GEMM 1 again)", "total_recompute", None),
 ]
