@@ -7,7 +7,6 @@ empty expert, dropped slots), only two experts used, one expert holding every ro
 that are not tile multiples.
 """
 
-from torchtitan_megamoe.ops.options import MegaMoEOptions
 import pytest
 import torch
 
