@@ -20,6 +20,7 @@ from torchtitan_megamoe.ops.hopper.kernels.gemm1_swiglu import gemm1_swiglu
 from torchtitan_megamoe.ops.hopper.kernels.gemm2 import gemm2
 from torchtitan_megamoe.ops.hopper.plan import build_plan, max_rows, pack_plan, packed_plan_numel
 
+
 def forward_bf16(
     x: torch.Tensor,
     topk_ids: torch.Tensor,
