@@ -1,12 +1,12 @@
-"""The backward's kernel A at one Qwen3 shape: the sm90 one-launch kernel (csrc/grouped_gemm_sm90.cu,
-DGRAD_SWIGLU mode), alone and while storing the dy rows it gathers (as the backward runs it),
+"""dgrad2_swiglu at one Qwen3 shape: the sm90 one-launch kernel (the dgrad2_swiglu CUDA family),
+alone and while storing the dy rows it gathers (as the backward runs it),
 next to the two-step sm90 side (dy rows gathered, the dh GEMM, the SwiGLU rows kernel; the
 gather included, as the tuner times it) and that side's parts alone. CUDA-event medians of 10:
 
     source scripts/_device_env.sh; install_wheels  # the package and wheels on PYTHONPATH
     python3 experiments/dgrad_variants.py 30b [235b ...]
     VARIANTS=default python3 experiments/dgrad_variants.py 30b
-    SCRIPT=experiments/dgrad_variants.py KERNEL='grouped_gemm_kernel<1, 6>' VARIANTS=default \
+    SCRIPT=experiments/dgrad_variants.py KERNEL=<regex of the kernel's name> VARIANTS=default \
         bash experiments/ncu_stalls.sh  # where its warps stall
 
 Each variant's outputs are checked against the first one's (relative Frobenius error of da) so a
@@ -18,11 +18,12 @@ import sys
 
 import torch
 
-from torchtitan_megamoe.bench.shapes import variant_setup
 from torchtitan_megamoe.ops.hopper.cuda.dgrad2_swiglu import dgrad2_swiglu_sm90
 from torchtitan_megamoe.ops.hopper.cuda.gemm_rows import gemm_rows_nmajor_sm90
 from torchtitan_megamoe.ops.hopper.kernels.grouped_mm import dgrad2_swiglu_grouped_mm, gather_rows
 from torchtitan_megamoe.timing import median_ms
+
+from routing import variant_setup  # experiments/routing.py
 
 def main(shape_name: str) -> None:
     D, H, E, K, T, plan = variant_setup(shape_name)

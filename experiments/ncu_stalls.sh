@@ -4,8 +4,8 @@
 # starved by the producer, WARPGROUP.DEPBAR = tensor-core bound, ...).
 #
 #   SHAPE=235b VARIANTS="triton_persistent sm90_g8" bash experiments/ncu_stalls.sh
-#   SCRIPT=experiments/dgrad_variants.py KERNEL='grouped_gemm_kernel<1, 6>' VARIANTS="default" \
-#     bash experiments/ncu_stalls.sh   # kernel A (MODE 6) instead: any script with an NCU=1 mode
+#   SCRIPT=experiments/dgrad_variants.py KERNEL=<regex of the kernel's name> VARIANTS="default" \
+#     bash experiments/ncu_stalls.sh   # dgrad2_swiglu instead: any script with an NCU=1 mode
 #
 # Writes $OUT/<variant>.ncu-rep and prints, per variant, the stall reasons summed over the
 # kernel and the 25 SASS lines with the most stall samples (experiments/ncu_stalls_summary.py).

@@ -12,10 +12,11 @@ import os
 
 import torch
 
-from torchtitan_megamoe.bench.shapes import uniform_routing
 from torchtitan_megamoe.ops.hopper.kernels import plan_kernels
 from torchtitan_megamoe.ops.hopper.plan import max_rows
 from torchtitan_megamoe.timing import back_to_back_ms, median_ms
+
+from routing import uniform_routing  # experiments/routing.py
 
 
 def _module(path):

@@ -18,11 +18,12 @@ import sys
 
 import torch
 
-from torchtitan_megamoe.bench.shapes import variant_setup
 from torchtitan_megamoe.ops.hopper.cuda.wgrad import wgrad_dw2_sm90, wgrad_dw13_sm90
 from torchtitan_megamoe.ops.hopper.kernels.grouped_mm import gather_rows, wgrad_dw13_grouped_mm, wgrad_dw2_grouped_mm
 from torchtitan_megamoe.ops.hopper.kernels.wgrad import longest_first
 from torchtitan_megamoe.timing import median_ms
+
+from routing import variant_setup  # experiments/routing.py
 
 def main(shape_name: str = "30b") -> None:
     D, H, E, K, T, plan = variant_setup(shape_name)

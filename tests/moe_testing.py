@@ -299,17 +299,17 @@ def same_bits(a, b) -> bool:
 
 def saved_and_recomputed(ids, E, D, H, seed):
     """The hopper EP=1 backward on make_inputs(ids, seed) (NaN weights on dropped slots) both
-    ways: (inputs, forward_ep1's saved tuple, gradients from it, gradients recomputing)."""
-    from torchtitan_megamoe.ops.hopper.bf16_backward import backward_local
-    from torchtitan_megamoe.ops.hopper.bf16_forward import forward_ep1
+    ways: (inputs, forward_bf16's saved tuple, gradients from it, gradients recomputing)."""
+    from torchtitan_megamoe.ops.hopper.bf16_backward import backward_bf16
+    from torchtitan_megamoe.ops.hopper.bf16_forward import forward_bf16
 
     inp = make_inputs(ids.shape[0], ids.shape[1], E, D, H, ids, seed=seed)
     inp["topk_weights"][inp["topk_ids"] < 0] = float("nan")
     args = op_args(inp)
-    out, saved = forward_ep1(*args, save=True)
-    assert torch.equal(out, forward_ep1(*args))  # saving changes nothing in the forward
-    saved_grads = backward_local(inp["dy"], *args, saved=saved)
-    return inp, saved, saved_grads, backward_local(inp["dy"], *args)
+    out, saved = forward_bf16(*args, save=True)
+    assert torch.equal(out, forward_bf16(*args))  # saving changes nothing in the forward
+    saved_grads = backward_bf16(inp["dy"], *args, saved=saved)
+    return inp, saved, saved_grads, backward_bf16(inp["dy"], *args)
 
 
 @functools.cache
@@ -328,24 +328,25 @@ SM90_GPU = [pytest.mark.gpu, pytest.mark.sm90]
 
 
 def forced_backward_matches_reference(monkeypatch, forced: dict, seed: int, saved: bool):
-    """backward_local with each tuner stage named in ``forced`` ({stage: attribute of
-    ops/hopper/bf16_backward.py naming the candidate}) forced to that candidate, which must be
+    """backward_bf16 with each tuner stage named in ``forced`` ({stage: attribute of
+    ops/hopper/heuristics.py naming the candidate}) forced to that candidate, which must be
     offered: every gradient against the reference backend within 1e-2, bitwise-equal reruns.
     Inputs: a 4096-token layer (E 32, K 8, D 1024, H 512) with dropped slots and an empty
-    expert (3). ``saved``: the backward reads forward_ep1(save=True)'s saved tensors. Returns
+    expert (3). ``saved``: the backward reads forward_bf16(save=True)'s saved tensors. Returns
     the gradients (dx, dtw, dw1, dw2, dw3)."""
     import importlib
 
     from torchtitan_megamoe.ops import reference
-    from torchtitan_megamoe.ops.hopper.bf16_forward import forward_ep1
+    from torchtitan_megamoe.ops.hopper.bf16_forward import forward_bf16
 
     bwd = importlib.import_module("torchtitan_megamoe.ops.hopper.bf16_backward")
+    heuristics = importlib.import_module("torchtitan_megamoe.ops.hopper.heuristics")
     picked = []
     real_pick = bwd.pick_config
 
     def force(name, key, cands, launch, outputs=None):
         if name in forced:
-            cfg = getattr(bwd, forced[name])
+            cfg = getattr(heuristics, forced[name])
             offered = cands() if callable(cands) else cands  # pick_config's lazy list builder
             assert cfg in offered, f"{forced[name]} must be offered for {name} at this shape"
             picked.append(name)
@@ -361,14 +362,14 @@ def forced_backward_matches_reference(monkeypatch, forced: dict, seed: int, save
     ids[ids == 3] = -1  # an empty expert
     x, _, tw, w1, w2, w3 = op_args(inp)
     dy = inp["dy"]
-    kw = dict(saved=forward_ep1(x, ids, tw, w1, w2, w3, save=True)[1]) if saved else {}
-    got = bwd.backward_local(dy, x, ids, tw, w1, w2, w3, **kw)
+    kw = dict(saved=forward_bf16(x, ids, tw, w1, w2, w3, save=True)[1]) if saved else {}
+    got = bwd.backward_bf16(dy, x, ids, tw, w1, w2, w3, **kw)
     assert sorted(picked) == sorted(forced)
     ref = reference.backward(dy, x, ids, tw, w1, w2, w3, None, MegaMoEOptions(precision="bf16"))
     for name, a, r in zip(NAMES, got, ref):
         assert a.dtype == r.dtype and a.shape == r.shape, name
         assert rel_err(a, r) <= 1e-2, (name, rel_err(a, r))
-    again = bwd.backward_local(dy, x, ids, tw, w1, w2, w3, **kw)
+    again = bwd.backward_bf16(dy, x, ids, tw, w1, w2, w3, **kw)
     assert all(torch.equal(a, b) for a, b in zip(got, again)), "reruns must be bitwise equal"
     return got
 

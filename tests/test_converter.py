@@ -326,29 +326,6 @@ def test_fp8_accepted_on_the_hopper_kernels_and_refused_under_ep(precision):
     MegaMoEConverter(cfg, None)
 
 
-def test_fp8_weight_cache_follows_versions_and_optimizer_steps(monkeypatch):
-    from torchtitan_megamoe.ops.hopper import fp8_weights
-
-    made = []
-    monkeypatch.setattr(fp8_weights, "_forward_weights", lambda *ws: made.append(1) or object())
-    fp8_weights.set_weight_cache(True)
-    try:
-        w = [torch.zeros(2, 128, 128) for _ in range(3)]
-        a = fp8_weights.forward_weights(*w)
-        assert fp8_weights.forward_weights(*w) is a and len(made) == 1
-        with torch.no_grad():
-            w[1].add_(1.0)  # an in-place write bumps the version: requantized
-        assert fp8_weights.forward_weights(*w) is not a and len(made) == 2
-        fp8_weights.new_weights_step()  # the post-optimizer hook
-        fp8_weights.forward_weights(*w)
-        assert len(made) == 3
-    finally:
-        fp8_weights.set_weight_cache(False)
-    fp8_weights.forward_weights(*w)
-    fp8_weights.forward_weights(*w)
-    assert len(made) == 5  # off: every call quantizes
-
-
 def test_settings_reach_the_backend_as_one_options_object(monkeypatch):
     """[megamoe] becomes one MegaMoEOptions at conversion, carried by every converted block
     and handed to the backend on each call: no process-wide state."""

@@ -18,10 +18,11 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from torchtitan_megamoe.ops.hopper.kernels import bwd_combine, bwd_dgrad_l1, bwd_dgrad_l2_swiglu, bwd_wgrad
-from torchtitan_megamoe.ops.hopper.bf16_backward import (
-    A_CANDIDATES, B_CANDIDATES, BLOCK_M, C_CANDIDATES,
+from torchtitan_megamoe import settings
+from torchtitan_megamoe.ops.hopper.heuristics import (
+    BLOCK_M, DGRAD1_CONFIGS, DGRAD2_SWIGLU_CONFIGS, WGRAD_CONFIGS,
 )
+from torchtitan_megamoe.ops.hopper.kernels import bwd_combine, dgrad1, dgrad2_swiglu, wgrad
 
 BF16 = "*bf16"
 
@@ -63,7 +64,7 @@ def compile_one(fn, types, constexprs, num_warps, num_stages):
             f"tma {ptx.count('cp.async.bulk.tensor')}; {_ptxas_report(ptx)}")
 
 
-def _kernel_a(cfg):
+def _dgrad2_swiglu(cfg):
     bm, bn, bk, tma = cfg["block_m"], cfg["block_n"], cfg["block_k"], cfg.get("use_tma", False)
     types = {n: BF16 for n in ("dy_ptr", "w2_ptr", "da_ptr", "hw_ptr", "a_ptr")}
     types.update(tw_ptr="*fp32", row_slot_ptr="*i32", tile_expert_ptr="*i32", part_ptr="*fp32")
@@ -72,10 +73,10 @@ def _kernel_a(cfg):
                  hw_desc=rows)
     consts = dict(PLAN_BM=BLOCK_M, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, EVEN=True, USE_TMA=tma,
                   UPCAST=False)
-    return bwd_dgrad_l2_swiglu._dgrad_l2_swiglu_kernel, types, consts
+    return dgrad2_swiglu._dgrad2_swiglu_kernel, types, consts
 
 
-def _kernel_b(cfg, a_gather):
+def _wgrad(cfg, a_gather):
     bm, bn, bk, tma = cfg["block_m"], cfg["block_n"], cfg["block_k"], cfg.get("use_tma", False)
     a_tma, b_tma = tma and not a_gather, tma and a_gather
     types = dict(a_ptr=BF16, b_ptr=BF16, out_ptr=BF16, seg_start_ptr="*i32", count_ptr="*i32",
@@ -83,38 +84,38 @@ def _kernel_b(cfg, a_gather):
                  a_desc=_desc((bk, bm)) if a_tma else BF16, b_desc=_desc((bk, bn)) if b_tma else BF16)
     consts = dict(A_GATHER=a_gather, B_GATHER=not a_gather, A_TMA=a_tma, B_TMA=b_tma,
                   BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, EVEN=True, UPCAST=False)
-    return bwd_wgrad._wgrad_kernel, types, consts
+    return wgrad._wgrad_kernel, types, consts
 
 
-def _kernel_c(cfg):
+def _dgrad1(cfg):
     bn, bk, tma = cfg["block_n"], cfg["block_k"], cfg.get("use_tma", False)
     types = dict(da_ptr=BF16, w1_ptr=BF16, w3_ptr=BF16, out_ptr=BF16, row_slot_ptr="*i32",
                  tile_expert_ptr="*i32", w1_desc=_desc((bk, bn)) if tma else BF16,
                  w3_desc=_desc((bk, bn)) if tma else BF16)
     consts = dict(BLOCK_M=BLOCK_M, BLOCK_N=bn, BLOCK_K=bk, EVEN=True, USE_TMA=tma, UPCAST=False)
-    return bwd_dgrad_l1._dgrad_l1_kernel, types, consts
+    return dgrad1._dgrad1_kernel, types, consts
 
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--all", action="store_true", help="every tuner candidate")
     args = p.parse_args()
-    if os.environ.get("TRITON_INTERPRET") == "1":
+    if settings.triton_interpreting():
         raise SystemExit("unset TRITON_INTERPRET: this compiles for the GPU")
     pick = (lambda c: c) if args.all else (lambda c: c[:1])
     jobs = []
-    for cfg in pick(A_CANDIDATES):
-        jobs.append((f"A {cfg}", _kernel_a(cfg), cfg))
-    for cfg in pick(B_CANDIDATES):
-        jobs.append((f"B dw2 {cfg}", _kernel_b(cfg, True), cfg))
-        jobs.append((f"B dw13 {cfg}", _kernel_b(cfg, False), cfg))
-    for cfg in pick(C_CANDIDATES):
-        jobs.append((f"C {cfg}", _kernel_c(cfg), cfg))
+    for cfg in pick(DGRAD2_SWIGLU_CONFIGS):
+        jobs.append((f"dgrad2_swiglu {cfg}", _dgrad2_swiglu(cfg), cfg))
+    for cfg in pick(WGRAD_CONFIGS):
+        jobs.append((f"wgrad_dw2 {cfg}", _wgrad(cfg, True), cfg))
+        jobs.append((f"wgrad_dw13 {cfg}", _wgrad(cfg, False), cfg))
+    for cfg in pick(DGRAD1_CONFIGS):
+        jobs.append((f"dgrad1 {cfg}", _dgrad1(cfg), cfg))
     comb = (bwd_combine._bwd_combine_kernel,
             dict(dx_slot_ptr=BF16, part_ptr="*fp32", slot_row_ptr="*i32", dx_ptr=BF16,
                  dtw_ptr="*fp32"),
             dict(TOPK=8, NUM_PART=12, BLOCK_T=8, BLOCK_D=256))
-    jobs.append(("combine K=8", comb, dict(num_warps=4, num_stages=1)))
+    jobs.append(("bwd_combine K=8", comb, dict(num_warps=4, num_stages=1)))
     print(f"triton {triton.__version__}, target sm_90a")
     for name, (fn, types, consts), cfg in jobs:
         try:

@@ -48,7 +48,7 @@ def main(key: str = "30b", iters: int = 30) -> None:
     from torchtitan_megamoe import mega_moe
     from torchtitan_megamoe.bench.shapes import SHAPES
     from torchtitan_megamoe.ops.hopper.ep_transport import AllToAllExchange, SymmetricExchange
-    from torchtitan_megamoe.ops.hopper import ep_forward, ep_route
+    from torchtitan_megamoe.ops.hopper import ep_dispatch, ep_forward
 
     cuda = torch.cuda.is_available()
     if cuda:
@@ -104,8 +104,8 @@ def main(key: str = "30b", iters: int = 30) -> None:
         log: list = []
         for owner, name, label in [
             (ep_forward, "TokenRoute", "route kernel (TokenRoute)"),
-            (ep_route.TokenRoute, "send_meta", "send_meta"),
-            (ep_route.TokenRoute, "received", "received ids/weights"),
+            (ep_dispatch.TokenRoute, "send_meta", "send_meta"),
+            (ep_dispatch.TokenRoute, "received", "received ids/weights"),
             (ep_forward, "build_phased_plan", "phased plan"),
             (ep_forward, "gemm1_swiglu", "GEMM 1 (x2)"),
             (ep_forward, "gemm2", "GEMM 2 (x2)"),

@@ -9,7 +9,7 @@ from moe_testing import (
     NAMES, grads_f64, make_inputs, op_args, real_routing, rel_err, routing, same_bits,
     saved_and_recomputed,
 )
-from torchtitan_megamoe.ops.hopper.bf16_backward import backward
+from torchtitan_megamoe.ops.hopper import backward
 
 T, K, E, D, H = 19, 3, 5, 48, 32  # multiples of 16: a recompute runs GEMM 1 (interpreter tiles)
 
@@ -84,7 +84,7 @@ Ds, Hs = 32, 48  # the triton forward needs multiples of 16 under the interprete
 
 @pytest.mark.parametrize("case", ["uneven", "one_expert", "all_dropped", "t1"])
 def test_saved_backward_matches_recompute_and_f64(case):
-    """backward_local(saved=forward_ep1(..., save=True)[1]) vs float64 on uneven routings
+    """backward_bf16(saved=forward_bf16(..., save=True)[1]) vs float64 on uneven routings
     (dropped slots with NaN weights, empty experts, one expert, T=1), and bitwise equal to the
     recompute path (which runs the forward's GEMM 1 again for a)."""
     ids = torch.tensor([[3, -1, 0]]) if case == "t1" else routing(case, T, K, E, seed=3)
@@ -99,10 +99,10 @@ def test_saved_backward_matches_recompute_and_f64(case):
 def test_saved_backward_deterministic():
     ids = routing("uneven", T, K, E, seed=9)
     inp, saved, first, _ = saved_and_recomputed(ids, E, Ds, Hs, seed=9)
-    from torchtitan_megamoe.ops.hopper.bf16_backward import backward_local
+    from torchtitan_megamoe.ops.hopper.bf16_backward import backward_bf16
 
     args = [inp[k] for k in ("dy", "x", "topk_ids", "topk_weights", "w1", "w2", "w3")]
-    for a, b in zip(first, backward_local(*args, saved=saved)):
+    for a, b in zip(first, backward_bf16(*args, saved=saved)):
         assert same_bits(a, b)
 
 
@@ -152,8 +152,6 @@ def test_compiled_op_uses_saved_path():
 def test_backward_rejects_what_it_cannot_compute():
     inp = _inputs(routing("uneven", 4, K, E))
     args = [inp[k] for k in ("dy", "x", "topk_ids", "topk_weights", "w1", "w2", "w3")]
-    with pytest.raises(ValueError, match="FP8 precisions run"):  # the package dispatches FP8
-        backward(*args, None, MegaMoEOptions(precision="fp8_bwd"))
     with pytest.raises(TypeError, match="bfloat16"):
         backward(args[0].float(), *args[1:], None, MegaMoEOptions(precision="bf16"))
     with pytest.raises(ValueError, match="grad_out shape"):
@@ -196,12 +194,12 @@ def test_backward_real_shape_vs_reference(shape):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_saved_backward_real_shape_30b():
-    """30B layer at 16384 tokens: the saved path (forward_ep1(save=True) -> backward_local
+    """30B layer at 16384 tokens: the saved path (forward_bf16(save=True) -> backward_bf16
     (saved=...), what training runs) vs backend reference (rel err <= 1e-2), bitwise equal to
     the recompute path and to a rerun; the saved a is [R_max, 2H] bf16 (432 MiB here)."""
     from torchtitan_megamoe.ops import reference
-    from torchtitan_megamoe.ops.hopper.bf16_backward import backward_local
-    from torchtitan_megamoe.ops.hopper.bf16_forward import forward_ep1
+    from torchtitan_megamoe.ops.hopper.bf16_backward import backward_bf16
+    from torchtitan_megamoe.ops.hopper.bf16_forward import forward_bf16
 
     T_, K_, E_ = 16384, 8, 128
     D_, H_ = SHAPES["qwen3_30b_a3b"]
@@ -212,17 +210,17 @@ def test_saved_backward_real_shape_30b():
     tw = torch.softmax(torch.randn(T_, K_, device=dev, generator=g), -1)
     dy = inp["dy"]
     fwd = (x, ids, tw, w1, w2, w3)
-    out, saved = forward_ep1(*fwd, save=True)
+    out, saved = forward_bf16(*fwd, save=True)
     assert saved[0].shape == (147328, 2 * H_)
-    assert torch.equal(out, forward_ep1(*fwd))
-    got = backward_local(dy, *fwd, saved=saved)
+    assert torch.equal(out, forward_bf16(*fwd))
+    got = backward_bf16(dy, *fwd, saved=saved)
     ref = reference.backward(dy, *fwd, None, MegaMoEOptions(precision="bf16"))
-    recomputed = backward_local(dy, *fwd)
+    recomputed = backward_bf16(dy, *fwd)
     for name, g, r, rc in zip(NAMES, got, ref, recomputed):
         assert g.dtype == r.dtype and g.shape == r.shape, name
         assert rel_err(g, r) <= 1e-2, f"{name}: rel err vs reference {rel_err(g, r):.2e}"
         assert same_bits(g, rc), f"{name}: saved and recompute paths differ"
-    for name, a, b in zip(NAMES, got, backward_local(dy, *fwd, saved=saved)):
+    for name, a, b in zip(NAMES, got, backward_bf16(dy, *fwd, saved=saved)):
         assert same_bits(a, b), f"{name} differs between two runs"
 
 
@@ -235,14 +233,14 @@ def test_wait_x_comes_before_the_first_read_of_x(use_saved, monkeypatch):
     recomputes it. With the hook, the gradients are bitwise those without."""
     import importlib
 
-    from torchtitan_megamoe.ops.hopper.bf16_forward import forward_ep1
+    from torchtitan_megamoe.ops.hopper.bf16_forward import forward_bf16
 
     # the module (the package re-exports a function of the same name)
     bwd = importlib.import_module("torchtitan_megamoe.ops.hopper.bf16_backward")
     ids = routing("uneven", T, K, E, seed=3)
     inp = make_inputs(T, K, E, Ds, Hs, ids, seed=3)
     args = [inp[k] for k in ("x", "topk_ids", "topk_weights", "w1", "w2", "w3")]
-    saved = forward_ep1(*args, save=True)[1] if use_saved else None
+    saved = forward_bf16(*args, save=True)[1] if use_saved else None
     events = []
     real_a, real_wgrad, real_g1 = bwd.dgrad2_swiglu, bwd.wgrad, bwd.gemm1_swiglu
     monkeypatch.setattr(bwd, "dgrad2_swiglu",
@@ -255,7 +253,7 @@ def test_wait_x_comes_before_the_first_read_of_x(use_saved, monkeypatch):
         return real_wgrad(a, b, *rest, **kw)
 
     monkeypatch.setattr(bwd, "wgrad", wgrad_spy)
-    grads = bwd.backward_local(inp["dy"], *args, saved=saved,
+    grads = bwd.backward_bf16(inp["dy"], *args, saved=saved,
                                wait_x=lambda: events.append("wait_x"))
     assert events.count("wait_x") == 1 and events.index("wait_x") < events.index("dw13"), events
     if use_saved:
@@ -263,5 +261,5 @@ def test_wait_x_comes_before_the_first_read_of_x(use_saved, monkeypatch):
         assert "G1" not in events, events
     else:
         assert events.index("wait_x") < events.index("G1") < events.index("A"), events
-    for a, b in zip(grads, bwd.backward_local(inp["dy"], *args, saved=saved)):
+    for a, b in zip(grads, bwd.backward_bf16(inp["dy"], *args, saved=saved)):
         assert same_bits(a, b)

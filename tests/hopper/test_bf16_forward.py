@@ -1,13 +1,14 @@
-"""The triton backend's forward end to end: under the interpreter on CPU at small sizes, and
-(marked gpu) compiled at the real Qwen3 shapes against the reference backend."""
+"""The hopper backend's bf16 forward end to end: under the interpreter on CPU at small sizes,
+and (marked gpu) compiled at the real Qwen3 shapes against the reference backend."""
 
-from torchtitan_megamoe.ops.options import MegaMoEOptions
 import pytest
 import torch
 
 from moe_testing import make_inputs, make_weights, moe_f64, op_args, rel_err, routings, skewed_ids
-from torchtitan_megamoe.ops import reference
+from torchtitan_megamoe import mega_moe
 from torchtitan_megamoe.ops import hopper as tb
+from torchtitan_megamoe.ops import reference
+from torchtitan_megamoe.ops.options import MegaMoEOptions
 
 T, K, E, D, H = 21, 3, 5, 32, 48
 
@@ -43,8 +44,8 @@ def test_forward_rejects_what_kernels_cannot_take():
     w = torch.rand(4, K)
     with pytest.raises(TypeError, match="bfloat16"):
         tb.forward(x.float(), ids, w, w1.float(), w2.float(), w3.float(), None, MegaMoEOptions(precision="bf16"))
-    with pytest.raises(ValueError, match="% 128"):  # FP8's scaling blocks are 128 wide
-        tb.forward(x, ids, w, w1, w2, w3, None, MegaMoEOptions(precision="fp8"))
+    with pytest.raises(ValueError, match="% 128"):  # FP8's scaling blocks: the op checks it
+        mega_moe(x, ids, w, w1, w2, w3, backend="hopper", precision="fp8")
     w1o, w2o, w3o = make_weights(E, D, 40)
     with pytest.raises(ValueError, match="multiples"):
         tb.forward(x, ids, w, w1o, w2o, w3o, None, MegaMoEOptions(precision="bf16"))
@@ -78,8 +79,8 @@ def test_forward_real_shape_vs_reference(shape):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_every_tuner_candidate_is_correct():
     """The tuner may pick any candidate, so each one (TMA or not) must be right on its own."""
-    from torchtitan_megamoe.ops.hopper.kernels import gemm1_swiglu, gemm2 as gemm2
-    from torchtitan_megamoe.ops.hopper.bf16_forward import forward_ep1
+    from torchtitan_megamoe.ops.hopper import heuristics
+    from torchtitan_megamoe.ops.hopper.bf16_forward import forward_bf16
 
     D_, H_, T_, K_, E_ = 2048, 768, 3000, 8, 16
     dev = "cuda"
@@ -87,21 +88,21 @@ def test_every_tuner_candidate_is_correct():
     x, ids, w, w1, w2, w3 = op_args(make_inputs(T_, K_, E_, D_, H_, device=dev, generator=g))
     ids[ids == 3] = -1  # an empty expert and dropped slots
     ref = reference.forward(x, ids, w, w1, w2, w3, None, MegaMoEOptions(precision="bf16")).float()
-    c1s = list(gemm1_swiglu.GPU_CONFIGS)
+    c1s = list(heuristics.GEMM1_SWIGLU_CONFIGS)
     from torchtitan_megamoe.ops.hopper.cuda.sm90 import sm90_buildable
 
     if sm90_buildable(x):  # the CUDA kernels' candidates (offered unless MEGAMOE_CUDA=0)
-        c1s += gemm1_swiglu.SM90_CONFIGS
-    c2s = list(gemm2.GPU_CONFIGS)
+        c1s.append(heuristics.GEMM1_SWIGLU_SM90)
+    c2s = list(heuristics.GEMM2_CONFIGS)
     if sm90_buildable(x):
-        c2s += gemm2.SM90_CONFIGS
+        c2s.append(heuristics.GEMM2_SM90)
     for i in range(max(len(c1s), len(c2s))):
         c1, c2 = c1s[i % len(c1s)], c2s[i % len(c2s)]
-        out = forward_ep1(x, ids, w, w1, w2, w3, gemm1_config=c1, gemm2_config=c2)
+        out = forward_bf16(x, ids, w, w1, w2, w3, gemm1_config=c1, gemm2_config=c2)
         err = rel_err(out.float(), ref)
         assert err <= 1e-2, (c1, c2, err)
         # the same candidate storing the pre-activations (what training runs)
-        out_s, (a, packed) = forward_ep1(x, ids, w, w1, w2, w3, gemm1_config=c1, gemm2_config=c2,
+        out_s, (a, packed) = forward_bf16(x, ids, w, w1, w2, w3, gemm1_config=c1, gemm2_config=c2,
                                          save=True)
         assert torch.equal(out_s, out), c1
         _check_saved_rows(x, ids, w1, w3, a, packed, rows=range(0, 3000 * 8, 97))
@@ -109,12 +110,12 @@ def test_every_tuner_candidate_is_correct():
 
 def _check_saved_rows(x, ids, w1, w3, a, packed, rows):
     """Rows of the saved a = [a1 | a3] against float64 x @ w^T (padding rows exactly 0)."""
-    from torchtitan_megamoe.ops.hopper.bf16_forward import interpret_defaults
+    from torchtitan_megamoe.ops.hopper.heuristics import plan_block_m
     from torchtitan_megamoe.ops.hopper.plan import unpack_plan
 
     T_, K_ = ids.shape
     E_, H_, _ = w1.shape
-    plan = unpack_plan(packed, T_, K_, E_, interpret_defaults(None, None, None)[0])
+    plan = unpack_plan(packed, T_, K_, E_, plan_block_m())
     used = int(plan.num_rows_used)
     row_slot = plan.row_slot.long().cpu()
     tile_e = plan.tile_expert.long().cpu()
@@ -133,21 +134,22 @@ def _check_saved_rows(x, ids, w1, w3, a, packed, rows):
 
 @pytest.mark.parametrize("name,ids", list(routings(T, K, E)), ids=lambda v: v if isinstance(v, str) else "")
 def test_forward_save(name, ids):
-    """forward_ep1(save=True): the same out; saved = (a, packed plan) where the packed plan
+    """forward_bf16(save=True): the same out; saved = (a, packed plan) where the packed plan
     unpacks to build_plan's tensors and a holds [a1 | a3]; shapes as saved_like (fake) says."""
-    from torchtitan_megamoe.ops.hopper.bf16_forward import forward_ep1, interpret_defaults, saved_like
+    from torchtitan_megamoe.ops.hopper.bf16_forward import forward_bf16, saved_like
+    from torchtitan_megamoe.ops.hopper.heuristics import plan_block_m
     from torchtitan_megamoe.ops.hopper.plan import build_plan, unpack_plan
 
     w1, w2, w3 = make_weights(E, D, H, seed=5)
     g = torch.Generator().manual_seed(5)
     x = torch.randn(ids.shape[0], D, generator=g).to(torch.bfloat16)
     w = torch.rand(ids.shape, generator=g)
-    out, saved = forward_ep1(x, ids, w, w1, w2, w3, save=True)
-    assert torch.equal(out, forward_ep1(x, ids, w, w1, w2, w3))
+    out, saved = forward_bf16(x, ids, w, w1, w2, w3, save=True)
+    assert torch.equal(out, forward_bf16(x, ids, w, w1, w2, w3))
     a, packed = saved
     for got, like in zip(saved, saved_like(x, ids, w1)):
         assert got.shape == like.shape and got.dtype == like.dtype
-    block_m = interpret_defaults(None, None, None)[0]
+    block_m = plan_block_m()
     plan = build_plan(ids, E, block_m)
     unpacked = unpack_plan(packed, ids.shape[0], ids.shape[1], E, block_m)
     for f in ("row_slot", "slot_row", "tile_expert", "seg_start", "count", "num_rows_used"):

@@ -22,7 +22,7 @@ def _inputs():
 
 
 def _worker(rank, init_file, result_file):
-    from torchtitan_megamoe.ops.hopper.bf16_backward import backward
+    from torchtitan_megamoe.ops.hopper import backward
 
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=R)
     inp = _inputs()
@@ -59,7 +59,7 @@ def test_ep2_backward_matches_single_rank_f64():
 
 def _gpu_worker(rank, init_file, result_file):
     from torchtitan_megamoe.ops import reference
-    from torchtitan_megamoe.ops.hopper.bf16_backward import backward
+    from torchtitan_megamoe.ops.hopper import backward
 
     torch.cuda.set_device(rank)
     dist.init_process_group("nccl", init_method=f"file://{init_file}", rank=rank, world_size=R)

@@ -110,4 +110,4 @@ def test_real_30b_shape_matches_the_triton_kernel_a_and_reruns_bitwise():
 
 def test_saved_backward_with_the_fused_kernel_a_matches_the_reference(monkeypatch):
     forced_backward_matches_reference(
-        monkeypatch, {"bwd_dgrad_l2_swiglu": "A_SM90_FUSED"}, seed=13, saved=True)
+        monkeypatch, {"dgrad2_swiglu": "DGRAD2_SWIGLU_SM90_FUSED"}, seed=13, saved=True)

@@ -81,6 +81,31 @@ def _gloo_worker(rank, init_file, result_file):
     dist.destroy_process_group()
 
 
+def _capacity_worker(rank, init_file, result_file):
+    from torchtitan_megamoe.ops import hopper as tb
+    from torchtitan_megamoe.ops.hopper.ep_transport import _CACHE
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=R)
+    x, ids, w, w1, w2, w3 = _inputs()
+    start = sum(T_RANK[:rank])
+    mine = slice(start, start + T_RANK[rank])
+    experts = slice(rank * E // R, (rank + 1) * E // R)
+    args = [x[mine], ids[mine], w[mine], w1[experts], w2[experts], w3[experts]]
+    opts = MegaMoEOptions(precision="bf16", max_tokens_per_rank=3 * max(T_RANK))
+    big = [torch.cat([a, a, a]) for a in args[:3]] + args[3:]
+    tb.forward(*args, dist.group.WORLD, opts)
+    tb.forward(*big, dist.group.WORLD, opts)  # within the capacity the options set
+    (ex,) = _CACHE.values()
+    torch.save(ex.capacity, f"{result_file}.{rank}")
+    dist.destroy_process_group()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the gloo/interpreter variant is for CPU")
+def test_ep2_capacity_from_the_options():
+    """MegaMoEOptions.max_tokens_per_rank sizes the exchange, not the first call's batch."""
+    assert run_ranks(_capacity_worker, R) == [3 * max(T_RANK)] * R
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the gloo/interpreter variant is for CPU")
 def test_ep2_exchange_unequal_batches_and_capacity_error():
     ranks = run_ranks(_gloo_worker, R)
@@ -142,12 +167,8 @@ def test_capacity_hint_and_knob(monkeypatch):
         group_name = "g"
 
     monkeypatch.setattr(exchange, "_CACHE", {})
-    monkeypatch.setattr(exchange, "_MAX_TOKENS_PER_RANK", 0)
     assert exchange.capacity_hint(Group(), 300) == 300
-    exchange.set_max_tokens_per_rank(512)
-    assert exchange.capacity_hint(Group(), 300) == 512
-    with pytest.raises(ValueError, match="max_tokens_per_rank"):
-        exchange.set_max_tokens_per_rank(-1)
+    assert exchange.capacity_hint(Group(), 300, max_tokens_per_rank=512) == 512
 
     class Existing:
         group = Group()

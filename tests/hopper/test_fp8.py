@@ -7,7 +7,6 @@ empty expert, dropped slots), only two experts used, one expert holding every ro
 that are not tile multiples.
 """
 
-from torchtitan_megamoe.ops.options import MegaMoEOptions
 import pytest
 import torch
 
@@ -88,30 +87,63 @@ def test_fp8_all_tokens_to_one_expert():
            "fp8", (1e-2, 3e-2))
 
 
-def test_fp8_rejects_shapes_and_ep():
+def test_fp8_rejects_shapes_and_ep(monkeypatch):
+    """hidden 96: the op refuses FP8 (128-wide scaling blocks); an EP group: the backend does."""
     from torchtitan_megamoe.ops import hopper
 
-    w1 = torch.zeros(2, 96, 256, dtype=torch.bfloat16)
+    w1 = w3 = torch.zeros(2, 96, 256, dtype=torch.bfloat16)
+    w2 = torch.zeros(2, 256, 96, dtype=torch.bfloat16)
     x = torch.zeros(4, 256, dtype=torch.bfloat16)
-    with pytest.raises(ValueError, match="multiples|% 128"):
-        hopper.check_inputs(x, w1, None, MegaMoEOptions(precision="fp8"))
+    ids, tw = torch.zeros(4, 1, dtype=torch.long), torch.ones(4, 1)
+    with pytest.raises(ValueError, match="% 128"):
+        mega_moe(x, ids, tw, w1, w2, w3, backend="hopper", precision="fp8")
+
+    class Pair:  # the world size is all check_inputs asks of a group
+        pass
+
+    import torch.distributed as dist
+
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
+    with pytest.raises(NotImplementedError, match="one rank's experts"):
+        hopper.check_inputs(x, torch.zeros(2, 128, 256, dtype=torch.bfloat16), Pair(), "fp8")
 
 
-def test_dgrad_l1_groups_bound_the_transposed_copy(monkeypatch):
+def test_dgrad1_groups_bound_the_transposed_copy():
     """Without the weight cache the dgrad of linear 1 takes the experts in contiguous groups
     whose transposed [w1 | w3] copy (E_g * D * 2H bytes) stays within rows * H bytes; with the
     cache (the whole copy is held anyway) it is one launch."""
-    from torchtitan_megamoe.ops.hopper import fp8_backward, fp8_weights
+    from torchtitan_megamoe.ops.hopper import fp8_backward
 
     for E, H, D, rows in ((128, 768, 2048, 147456), (128, 1536, 4096, 147456), (4, 128, 256, 640),
                           (5, 128, 128, 1 << 20), (3, 128, 4096, 128)):
-        groups = fp8_backward.dgrad_l1_groups(E, H, D, rows)
+        groups = fp8_backward.dgrad1_groups(E, H, D, rows, weight_cache=False)
         assert groups[0][0] == 0 and groups[-1][1] == E
         assert all(a[1] == b[0] for a, b in zip(groups, groups[1:])), groups
         assert all(hi > lo for lo, hi in groups), groups
         sizes = [hi - lo for lo, hi in groups]
         assert max(sizes) == 1 or max(sizes) * D * 2 * H <= rows * H, (E, H, D, rows, groups)
-    assert fp8_backward.dgrad_l1_groups(128, 768, 2048, 147456) == [
+    assert fp8_backward.dgrad1_groups(128, 768, 2048, 147456, weight_cache=False) == [
         (0, 32), (32, 64), (64, 96), (96, 128)]
-    monkeypatch.setattr(fp8_weights, "_CACHE_ON", True)
-    assert fp8_backward.dgrad_l1_groups(128, 768, 2048, 147456) == [(0, 128)]
+    assert fp8_backward.dgrad1_groups(128, 768, 2048, 147456, weight_cache=True) == [(0, 128)]
+
+
+def test_fp8_weight_cache_follows_versions_and_optimizer_steps(monkeypatch):
+    """cache=True (MegaMoEOptions.fp8_weight_cache): one quantization until a weight's version
+    moves or the optimizer steps; cache=False quantizes every call and holds nothing."""
+    from torchtitan_megamoe.ops.hopper import fp8_weights
+
+    made = []
+    monkeypatch.setattr(fp8_weights, "_forward_weights", lambda *ws: made.append(1) or object())
+    monkeypatch.setattr(fp8_weights, "_CACHE", {})
+    w = [torch.zeros(2, 128, 128) for _ in range(3)]
+    a = fp8_weights.forward_weights(*w, cache=True)
+    assert fp8_weights.forward_weights(*w, cache=True) is a and len(made) == 1
+    with torch.no_grad():
+        w[1].add_(1.0)  # an in-place write bumps the version: requantized
+    assert fp8_weights.forward_weights(*w, cache=True) is not a and len(made) == 2
+    fp8_weights.new_weights_step()  # the post-optimizer hook
+    fp8_weights.forward_weights(*w, cache=True)
+    assert len(made) == 3
+    fp8_weights.forward_weights(*w)
+    fp8_weights.forward_weights(*w)
+    assert len(made) == 5 and not fp8_weights._CACHE  # off: every call quantizes

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from moe_testing import SM90_GPU, nan_tensor, rel_err, routing
+from torchtitan_megamoe.ops.hopper import heuristics
 from torchtitan_megamoe.ops.hopper.cuda.dgrad2_swiglu import fp8_dgrad2_swiglu_sm90
 from torchtitan_megamoe.ops.hopper.cuda.gemm1_swiglu import fp8_gemm1_swiglu_sm90
 from torchtitan_megamoe.ops.hopper.cuda.gemm_rows import fp8_gemm_rows_sm90
@@ -287,17 +288,17 @@ def test_qwen3_30b_shape_matches_triton():
     T, K, E, D, H = 4096, 8, 128, 2048, 768
     plan, xq, xs, wq = _setup(T, K, E, D, H, "random", seed=3)
     used = int(plan.num_rows_used)
-    tri = fg.GPU_CONFIGS[fg.MODE_SWIGLU][0]
+    tri = heuristics.FP8_GEMM1_SWIGLU_CONFIGS[0]
     hq_t, hs_t, a_t = fg.fp8_gemm1_swiglu(xq, xs, wq.w1q, wq.w1s, wq.w3q, wq.w3s, plan,
                                            save_a=True, config=tri)
     hq_c, hs_c, a_c = fg.fp8_gemm1_swiglu(xq, xs, wq.w1q, wq.w1s, wq.w3q, wq.w3s, plan,
-                                           save_a=True, config=fg.SM90_CONFIG)
+                                           save_a=True, config=heuristics.FP8_SM90)
     assert rel_err(a_c[:used], a_t[:used]) < 1e-3
     assert rel_err(_deq_rows(hq_c[:used], hs_c[:used]), _deq_rows(hq_t[:used], hs_t[:used])) < 1e-2
     y_t = fg.fp8_gemm_rows(hq_c, hs_c, wq.w2q, wq.w2s, plan, torch.bfloat16,
-                           config=fg.GPU_CONFIGS[fg.MODE_PLAIN][0])
+                           config=heuristics.FP8_GEMM_ROWS_CONFIGS[0])
     y_c = fg.fp8_gemm_rows(hq_c, hs_c, wq.w2q, wq.w2s, plan, torch.bfloat16,
-                           config=fg.SM90_CONFIG)
+                           config=heuristics.FP8_SM90)
     assert rel_err(y_c[:used], y_t[:used]) < 1e-3, rel_err(y_c[:used], y_t[:used])
     # kernel A on the same plan: every output against the Triton kernel's
     g = torch.Generator(device="cuda").manual_seed(4)
@@ -306,7 +307,7 @@ def test_qwen3_30b_shape_matches_triton():
     w2t = w2_transposed(torch.randn(E, D, H, device="cuda", generator=g).div(H ** 0.5).bfloat16())
     tw = torch.rand(T * K, device="cuda", generator=g)
     outs = [fg.fp8_dgrad2_swiglu(gq, gs, w2t.q, w2t.s, a_c, tw, plan, config=cfg)
-            for cfg in (fg.GPU_CONFIGS[fg.MODE_DSWIGLU][0], fg.SM90_CONFIG)]
+            for cfg in (heuristics.FP8_DGRAD2_SWIGLU_CONFIGS[0], heuristics.FP8_SM90)]
     (daq_t, das_t, daTq_t, daTs_t, hTq_t, hTs_t, part_t), (daq_c, das_c, daTq_c, daTs_c, hTq_c,
                                                             hTs_c, part_c) = outs
     assert rel_err(_deq_rows(daq_c[:used], das_c[:used]), _deq_rows(daq_t[:used], das_t[:used])) < 1e-2
@@ -317,7 +318,7 @@ def test_qwen3_30b_shape_matches_triton():
     # the weight gradients dw2 (dy^T against h^T) of the same plan against the Triton kernel's
     dyTq, dyTs = quant_rows_t(dy, plan, gather=True, row_weight=tw)
     dw = [fw.fp8_wgrad(dyTq, dyTs, hTq_c, hTs_c, plan, nan_tensor(E, D, H), config=cfg)
-          for cfg in (fw.GPU_CONFIGS[0], fw.SM90_CONFIG)]
+          for cfg in (heuristics.FP8_WGRAD_CONFIGS[0], heuristics.FP8_SM90)]
     assert rel_err(dw[1], dw[0]) < 1e-3, rel_err(dw[1], dw[0])
 
 

@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from moe_testing import SM90_GPU, make_weights, nan_tensor, rel_err, routings, skewed_ids
+from torchtitan_megamoe.ops.hopper import heuristics
 from torchtitan_megamoe.ops.hopper.cuda.gemm1_swiglu import gemm1_swiglu_sm90
 from torchtitan_megamoe.ops.hopper.kernels import gemm1_swiglu as g1
 from torchtitan_megamoe.ops.hopper.plan import build_phased_plan, build_plan
@@ -99,7 +100,7 @@ def test_real_30b_shape_matches_triton_and_float64():
     a1, a3, slot = _ref_rows(x, K, plan, w1, w3)
     _check(h, a, a1, a3, slot)
     used = int(plan.num_rows_used)
-    tri = g1.gemm1_swiglu(x, w1, w3, plan, config=g1.GPU_CONFIGS[0])
+    tri = g1.gemm1_swiglu(x, w1, w3, plan, config=heuristics.GEMM1_SWIGLU_CONFIGS[0])
     assert rel_err(h[:used], tri[:used]) < 1e-2
     h2 = nan_tensor(plan.max_rows, H)
     gemm1_swiglu_sm90(x, w1, w3, plan, h2)

@@ -11,6 +11,7 @@ import torch
 
 from moe_testing import (SM90_GPU, forced_backward_matches_reference, make_weights, nan_tensor,
                          rel_err, routings, skewed_ids)
+from torchtitan_megamoe.ops.hopper import heuristics
 from torchtitan_megamoe.ops.hopper.cuda.gemm_rows import gemm_rows_nmajor_sm90, gemm_rows_sm90
 from torchtitan_megamoe.ops.hopper.kernels import gemm2 as g2
 from torchtitan_megamoe.ops.hopper.plan import build_phased_plan, build_plan
@@ -102,7 +103,7 @@ def test_real_30b_shape_matches_triton_and_float64():
     gemm_rows_sm90(h, w2, plan, y)
     _check(y, h, w2, plan)
     used = int(plan.num_rows_used)
-    tri = g2.gemm2(h, w2, plan, config=g2.GPU_CONFIGS[0])
+    tri = g2.gemm2(h, w2, plan, config=heuristics.GEMM2_CONFIGS[0])
     assert rel_err(y[:used], tri[:used]) < 1e-2
     y2 = nan_tensor(plan.max_rows, D)
     gemm_rows_sm90(h, w2, plan, y2)
@@ -155,7 +156,7 @@ def test_nmajor_real_30b_kernel_c_matches_triton():
 def test_backward_with_the_sm90_kernel_c_matches_the_reference(monkeypatch):
     """The whole backward with kernel C forced to the sm90 candidate (row-space dx, combine
     through slot_row): every gradient against the reference backend, and bitwise reruns."""
-    forced_backward_matches_reference(monkeypatch, {"bwd_dgrad_l1": "C_SM90"}, seed=7,
+    forced_backward_matches_reference(monkeypatch, {"dgrad1": "DGRAD1_SM90"}, seed=7,
                                       saved=False)
 
 
@@ -163,5 +164,5 @@ def test_saved_backward_with_the_sm90_kernel_a_matches_the_reference(monkeypatch
     """Kernel A's saved path with its dh GEMM forced to the sm90 N-major gemm_rows mode (w2 as
     stored, on the gathered dy rows, then the SwiGLU rows kernel): every gradient against the
     reference backend, and bitwise reruns."""
-    forced_backward_matches_reference(monkeypatch, {"bwd_dgrad_l2_swiglu": "A_SM90"},
+    forced_backward_matches_reference(monkeypatch, {"dgrad2_swiglu": "DGRAD2_SWIGLU_SM90"},
                                       seed=11, saved=True)

@@ -1,4 +1,4 @@
-"""torch._grouped_mm stages of the triton backward (bwd_cublas.py) vs float64 math, the whole
+"""torch._grouped_mm stages of the hopper backward (kernels/grouped_mm.py) vs float64 math, the whole
 backward forced onto them (MEGAMOE_BWD_IMPL=cublas) vs the reference backend, and (marked gpu)
 every forced side at the Qwen3-30B shape.
 
@@ -13,12 +13,12 @@ from moe_testing import (
     BACKWARD_ROUTINGS, NAMES, POISON, SMALL, grads_f64, make_inputs, op_args, plan_for,
     real_routing, rel_err, routing, routings, same_bits, saved_and_recomputed,
 )
-from torchtitan_megamoe.ops.hopper.kernels import grouped_mm as bwd_cublas
-from torchtitan_megamoe.ops.hopper.bf16_backward import backward
+from torchtitan_megamoe.ops.hopper import backward
+from torchtitan_megamoe.ops.hopper.heuristics import CUBLAS, stage_candidates
 from torchtitan_megamoe.ops.hopper.kernels.grouped_mm import (
-    CUBLAS, IMPL_ENV, dgrad1_grouped_mm, gather_rows, stage_candidates, wgrad_dw13_grouped_mm,
-    wgrad_dw2_grouped_mm,
+    dgrad1_grouped_mm, gather_rows, wgrad_dw13_grouped_mm, wgrad_dw2_grouped_mm,
 )
+from torchtitan_megamoe.settings import BWD_IMPL as IMPL_ENV
 
 pytestmark = pytest.mark.skipif(not hasattr(torch, "_grouped_mm"),
                                 reason="this torch has no torch._grouped_mm")
@@ -95,7 +95,7 @@ def test_gather_rows(case, monkeypatch):
     outs = []
     for fallback in (False, True):
         if fallback:
-            monkeypatch.setattr(bwd_cublas, "interpreting", lambda: False)
+            monkeypatch.delenv("TRITON_INTERPRET", raising=False)
         out = torch.full((plan.max_rows, D), POISON).bfloat16()
         got = gather_rows(v["x"], plan, block_r=8, block_c=16, out=out)
         assert got is out
@@ -277,17 +277,17 @@ def test_saved_backward_cublas_kernel_a(case, monkeypatch):
     """The saved path with every stage forced onto cuBLAS (kernel A = grouped dgrad GEMM + the
     SwiGLU rows kernel; dw2 reusing its gathered dy rows) vs float64 and the Triton side,
     bitwise repeatable."""
-    from torchtitan_megamoe.ops.hopper.bf16_backward import backward_local
+    from torchtitan_megamoe.ops.hopper.bf16_backward import backward_bf16
 
     ids = torch.tensor([[3, -1, 0]]) if case == "t1" else routing(case, T, K, E, seed=3)
     monkeypatch.setenv(IMPL_ENV, "cublas")
     inp, saved, got, _ = saved_and_recomputed(ids, E, 32, 48, seed=3)  # D, H: forward tiles
     clean = dict(inp, topk_weights=inp["topk_weights"].nan_to_num(0.0))
     args = [inp[k] for k in ("dy", "x", "topk_ids", "topk_weights", "w1", "w2", "w3")]
-    for name, a, b in zip(NAMES, got, backward_local(*args, saved=saved)):
+    for name, a, b in zip(NAMES, got, backward_bf16(*args, saved=saved)):
         assert same_bits(a, b), name
     monkeypatch.setenv(IMPL_ENV, "triton")
-    tri = backward_local(*args, saved=saved)
+    tri = backward_bf16(*args, saved=saved)
     for name, g, t, r64 in zip(NAMES, got, tri, grads_f64(clean)):
         assert torch.isfinite(g).all(), name
         if r64.norm() == 0:

@@ -11,11 +11,11 @@ from torchtitan_megamoe.ops.hopper.kernels import gemm1_swiglu as g1
 from torchtitan_megamoe.ops.hopper.kernels import gemm2 as g2
 from torchtitan_megamoe.ops.hopper.plan import build_plan
 
-CFG = dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=16, GROUP_M=2, num_warps=1, num_stages=1)
-# the bulk-tensor-copy (TMA descriptor) path, and a BLOCK_M smaller than the plan's tile height
-CFG_TMA = dict(CFG, BLOCK_M=8, USE_TMA=True)
+CFG = dict(block_m=16, block_n=16, block_k=16, group_m=2, num_warps=1, num_stages=1)
+# the bulk-tensor-copy (TMA descriptor) path, and a block_m smaller than the plan's tile height
+CFG_TMA = dict(CFG, block_m=8, use_tma=True)
 # persistent grid: a few programs loop over the used tiles only
-CFG_PERSIST = dict(CFG_TMA, PERSISTENT=True)
+CFG_PERSIST = dict(CFG_TMA, persistent=True)
 T, K, E, D, H, BM = 13, 2, 4, 32, 48, 16
 
 
@@ -123,7 +123,7 @@ def test_gemm1_tuner_times_the_candidates_with_the_a_store(monkeypatch):
 
 
 @pytest.mark.parametrize("name,ids", list(routings(T, K, E)), ids=lambda v: v if isinstance(v, str) else "")
-@pytest.mark.parametrize("cfg", [CFG, CFG_TMA, CFG_PERSIST, dict(CFG_PERSIST, TMA_STORE=True)],
+@pytest.mark.parametrize("cfg", [CFG, CFG_TMA, CFG_PERSIST, dict(CFG_PERSIST, tma_store=True)],
                          ids=["ptr", "tma", "persistent", "tma_store"])
 def test_gemm2_rows(name, ids, cfg):
     w1, w2, w3 = make_weights(E, D, H)

@@ -211,7 +211,7 @@ def test_plan_checks_the_id_range(monkeypatch, use_kernels, bad, ok):
 def test_forward_asserts_on_out_of_range_ids():
     # the Triton forward's plan check, as the op's CUDA path relies on (on CPU the assert
     # fails at once; on a GPU it fails the stream with the same message)
-    from torchtitan_megamoe.ops.hopper.bf16_forward import forward_ep1
+    from torchtitan_megamoe.ops.hopper.bf16_forward import forward_bf16
 
     T, K, E, D, H = 8, 2, 4, 16, 16
     x = torch.randn(T, D)
@@ -220,4 +220,4 @@ def test_forward_asserts_on_out_of_range_ids():
     w1, w3 = torch.randn(E, H, D), torch.randn(E, H, D)
     w2 = torch.randn(E, D, H)
     with pytest.raises(RuntimeError, match=r"topk_ids must lie in \[-1, 4\)"):
-        forward_ep1(x, ids, torch.rand(T, K), w1, w2, w3)
+        forward_bf16(x, ids, torch.rand(T, K), w1, w2, w3)

@@ -7,10 +7,17 @@ import torch
 from torchtitan.models.moe.moe import TokenChoiceTopKRouter
 
 from torchtitan_megamoe.ops.hopper.kernels.topk import (router_topk, topk_gate, topk_indices,
-                                                 topk_indices_reference, topk_softmax_gate)
+                                                        topk_softmax_gate)
 from torchtitan_megamoe.router import fast_path_ok, route
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def topk_indices_reference(scores: torch.Tensor, k: int, bias: torch.Tensor | None = None):
+    """The kernel's order in plain torch: a stable descending sort, NaN first."""
+    s = scores.float() if bias is None else scores.float() + bias.float()
+    s = torch.where(torch.isnan(s), torch.full_like(s, float("inf")), s)
+    return torch.sort(s, dim=1, descending=True, stable=True).indices[:, :k]
 
 
 @pytest.mark.parametrize("T,E,K", [(37, 8, 2), (70, 60, 8), (5, 128, 8), (16, 33, 33)])

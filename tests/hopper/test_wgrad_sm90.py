@@ -122,7 +122,7 @@ def test_real_30b_shape_matches_grouped_mm_and_reruns_bitwise():
 
 
 def test_backward_with_the_sm90_weight_gradients_matches_the_reference(monkeypatch):
-    variant = "B_SM90_PRE_GATHERED"  # the tuner's sm90 candidate (rows gathered first)
+    variant = "WGRAD_SM90_PRE_GATHERED"  # the tuner's sm90 candidate (rows gathered first)
     got = forced_backward_matches_reference(
-        monkeypatch, {"bwd_wgrad_dw2": variant, "bwd_wgrad_dw13": variant}, seed=7, saved=False)
+        monkeypatch, {"wgrad_dw2": variant, "wgrad_dw13": variant}, seed=7, saved=False)
     assert torch.all(got[2][3] == 0) and torch.all(got[3][3] == 0)  # the empty expert

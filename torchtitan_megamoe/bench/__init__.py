@@ -27,12 +27,13 @@ route_norm, no shared experts, score_before_experts=False) in bf16, then times:
   the same way; "not available" without torchao;
 - ours: the same module's router with its top-k in one launch (router.route), then ``mega_moe``
   on its routing and expert weights (the layer the converter builds); at EP=1 also the op
-  alone, stock's and our router alone and the op's forward stages (plan, GEMM1, GEMM2, combine);
+  alone, stock's and our router alone and the op's forward stages (plan, gemm1_swiglu, gemm2,
+  combine);
 - with --backward (default on): forward + backward of both, when the backend has a backward;
-  at EP=1 with the triton backend also the backward's stages (kernel A: dgrad of layer 2 +
-  SwiGLU with GEMM 1 recomputed, the three weight gradients, kernel C: dgrad of layer 1, the
-  combine; each with its Triton kernel and its _grouped_mm counterpart where one exists, and
-  the totals per forced side and with the tuner's per-stage pick), timed by
+  at EP=1 with the hopper backend also the backward's stages (dgrad2_swiglu: dgrad of layer 2
+  + SwiGLU, wgrad_dw2 and wgrad_dw13, dgrad1: dgrad of layer 1, bwd_combine; each with every
+  side: Triton, grouped_mm and, where they run, sm90; and the totals per forced side and with
+  the tuner's per-stage pick), timed by
   ``bench/backward_stages.py`` on its own random routing of the same shape;
 - ours at each of --precisions (bf16 always), EP=1: ``mega_moe(..., precision=p)``; a
   precision the backend lacks (NotImplementedError) prints its row as "not available: ...". Each

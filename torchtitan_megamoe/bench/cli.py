@@ -91,23 +91,40 @@ def main_ep(args) -> int:
             dist.destroy_process_group()
 
 
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Every option's default in its help, except a switch's (its name says what it turns)."""
+
+    def _get_help_string(self, action):
+        if action.nargs == 0:
+            return action.help
+        return super()._get_help_string(action)
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
+        prog="python -m torchtitan_megamoe.bench",
         description="MoE layer benchmark: stock TorchTitan MoE (eager, compiled as "
-                    "--compile.enable does, block-compiled, + torchao FP8) vs mega_moe")
+                    "--compile.enable does, block-compiled, + torchao FP8) vs mega_moe. Needs a "
+                    "CUDA GPU (on CPU only --backend reference runs, as a smoke test); --ep N "
+                    "runs under torchrun --nproc_per_node N.",
+        formatter_class=HelpFormatter)
     p.add_argument("--shapes", default="30b,235b", help="comma list of: " + ",".join(SHAPES))
     p.add_argument("--tokens", type=int, default=16384, help="tokens per GPU")
-    p.add_argument("--iters", type=int, default=None, help="timed calls (30; 20 with --ep > 1)")
-    p.add_argument("--warmup", type=int, default=5)
-    p.add_argument("--no-backward", dest="backward", action="store_false")
-    p.add_argument("--backend", default="hopper", choices=["hopper", "reference", "auto"])
+    p.add_argument("--iters", type=int, default=None,
+                   help="timed calls per measurement (None: 30, or 20 with --ep > 1)")
+    p.add_argument("--warmup", type=int, default=5,
+                   help="untimed calls before each measurement (the first also tunes)")
+    p.add_argument("--no-backward", dest="backward", action="store_false",
+                   help="time the forward only (forward + backward by default)")
+    p.add_argument("--backend", default="hopper", choices=["hopper", "reference", "auto"],
+                   help="mega_moe's backend for ours")
     p.add_argument("--precisions", "--precision", dest="precisions", default="bf16",
                    help="comma list of ours' precisions, from: " + ",".join(PRECISIONS)
                         + " (mega_moe(..., precision=p); ours in bf16 always runs; one the "
                           "backend lacks prints 'not available: <why>'); EP=1 only")
     p.add_argument("--baselines", default=None,
                    help="comma list of the stock baselines to time, from: "
-                        + ",".join(BASELINE_CHOICES) + " (default: all; at --ep > 1 "
+                        + ",".join(BASELINE_CHOICES) + " (None: all; at --ep > 1 "
                         "eager,compiled). eager always runs (the reference of every output "
                         "check); compiled: as TorchTitan's --compile.enable compiles a MoE "
                         "block; block: the whole MoE block under one torch.compile (fullgraph "
@@ -121,7 +138,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "--baselines)")
     p.add_argument("--compile-backend", default=None,
                    help="torch.compile backend of the compiled stock layers, block-compiled "
-                        "included (default: inductor, TorchTitan's compile.backend; aot_eager "
+                        "included (None: inductor, TorchTitan's compile.backend; aot_eager "
                         "without CUDA, for the smoke runs)")
     p.add_argument("--no-torchao", dest="torchao", action="store_false",
                    help="skip stock + torchao's rowwise FP8 grouped GEMMs (compiled), which "
@@ -143,7 +160,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="EP degree (GPUs); > 1 runs under torchrun")
     p.add_argument("--no-ep1", dest="ep1", action="store_false",
                    help="with --ep > 1: skip timing our EP=1 layer in the same run")
-    p.add_argument("--json", default=None, help="write results here")
+    p.add_argument("--json", default=None, help="write the results here (JSON)")
     p.add_argument("--profile", action="store_true",
                    help="print (rank 0's) top GPU kernels and host profile of ours (fwd+bwd; at EP=1 "
                         "also stock's fwd+bwd, at EP > 1 also ours' fwd)")

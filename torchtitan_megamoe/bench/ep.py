@@ -102,14 +102,15 @@ def bench_shape_ep(key: str, tokens: int, iters: int, warmup: int, backward: boo
         iters, warmup, backward, res, "ours")
     res["exchange_mib"] = exchange_mib(group, D)
     if profile:
-        from torchtitan_megamoe.ops import hopper as triton_backend
+        from torchtitan_megamoe.ops import hopper
+        from torchtitan_megamoe.ops.options import MegaMoEOptions
 
         with torch.no_grad():
             scores, ids, _ = route(moe.router, x, moe.expert_bias)
             profile_kernels(f"{shape['name']} EP={world} ours fwd",
                             lambda: ours_layer(x, *mine_w, group), rank,
-                            host_fn=lambda: triton_backend.forward(
-                                x, ids, scores, *mine_w, group, "bf16"))
+                            host_fn=lambda: hopper.forward(
+                                x, ids, scores, *mine_w, group, MegaMoEOptions(backend="hopper")))
             timeline(f"{shape['name']} EP={world} ours fwd",
                      lambda: ours_layer(x, *mine_w, group), rank)
         if backward:
@@ -172,7 +173,6 @@ def bench_shape_ep(key: str, tokens: int, iters: int, warmup: int, backward: boo
 def exchange_mib(group, dim: int) -> float:
     """Symmetric (or staging) memory of the group's EP exchange for this dim: outside the
     caching allocator, so max_memory_allocated does not see it."""
-    from torchtitan_megamoe.ops.hopper.ep_transport import _CACHE
+    from torchtitan_megamoe.ops.hopper import stages as hopper
 
-    return sum(ex.nbytes() for ex in _CACHE.values()
-               if ex.group is group and ex.widths["x"][0] == dim) / 2**20
+    return hopper.exchange_bytes(group, dim) / 2**20

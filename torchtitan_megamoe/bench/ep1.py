@@ -143,46 +143,24 @@ def time_block_compiled(res: dict, name: str, moe, x, xg, grad, fresh, iters: in
 
 
 def _stage_times(x, ids, w, w1, w2, w3, iters, warmup):
-    from torchtitan_megamoe.ops.hopper.kernels.combine import combine
-    from torchtitan_megamoe.ops.hopper.bf16_forward import BLOCK_M
-    from torchtitan_megamoe.ops.hopper.kernels.gemm1_swiglu import gemm1_swiglu
-    from torchtitan_megamoe.ops.hopper.kernels.gemm2 import gemm2
-    from torchtitan_megamoe.ops.hopper.plan import build_plan
+    from torchtitan_megamoe.ops.hopper import stages as hopper
 
-    plan = build_plan(ids, w1.shape[0], BLOCK_M)
-    h = gemm1_swiglu(x, w1, w3, plan)
-    y = gemm2(h, w2, plan)
-    return {
-        "plan": median_ms(lambda: build_plan(ids, w1.shape[0], BLOCK_M), iters, warmup),
-        "gemm1_swiglu": median_ms(lambda: gemm1_swiglu(x, w1, w3, plan), iters, warmup),
-        "gemm2": median_ms(lambda: gemm2(h, w2, plan), iters, warmup),
-        "combine": median_ms(lambda: combine(y, w, plan.slot_row, x.dtype), iters, warmup),
-        "rows_used": int(plan.num_rows_used),
-        "max_rows": plan.max_rows,
-        "workspace_bytes": plan.max_rows * w1.shape[1] * x.element_size()
-        + y.numel() * y.element_size(),
-    }
+    stages, res = hopper.forward_stages(x, ids, w, w1, w2, w3)
+    return {**{name: median_ms(st.run, iters, warmup) for name, st in stages.items()}, **res}
 
 
 def bwd_stage_breakdown(key: str, tokens: int, iters: int) -> dict:
-    """The triton backward's per-stage times (bench/backward_stages.py) at one shape.
+    """The hopper backward's per-stage times (bench/backward_stages.py) at one shape.
 
-    Without CUDA it runs under Triton's interpreter with the backward's interpreter tiles (a
-    smoke test of this wiring; use a tiny shape there).
+    Without CUDA it runs under Triton's interpreter with its small tiles (a smoke test of this
+    wiring; use a tiny shape there).
     """
     from torchtitan_megamoe.bench import backward_stages as bwd_bench
 
     shape = SHAPES[key]
     dims = (shape["dim"], shape["hidden"], shape["experts"], shape["top_k"])
-    if torch.cuda.is_available():
-        return bwd_bench.bench_shape(key, tokens, iters, shape=dims)
-    from torchtitan_megamoe.ops.hopper.bf16_backward import (
-        INTERPRET_A, INTERPRET_B, INTERPRET_BLOCK_M, INTERPRET_C,
-    )
-
-    return bwd_bench.bench_shape(key, tokens, iters, shape=dims, device="cpu",
-                                 block_m=INTERPRET_BLOCK_M,
-                                 candidates=([INTERPRET_A], [INTERPRET_B], [INTERPRET_C]))
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    return bwd_bench.bench_shape(key, tokens, iters, shape=dims, device=device)
 
 
 def bench_shape(key: str, tokens: int, iters: int, warmup: int, backward: bool, backend: str,
@@ -357,11 +335,11 @@ def bench_shape(key: str, tokens: int, iters: int, warmup: int, backward: bool, 
         moe.zero_grad(set_to_none=True)
     if compile_stock or torchao or block_compile_stock:
         torch._dynamo.reset()
-    from torchtitan_megamoe.ops.hopper import tune
+    from torchtitan_megamoe.ops.hopper import stages as hopper
 
     res["tuned"] = {
         f"{name}{list(k)}": [{"config": c, "ms": ms, "err": e} for c, ms, e in v]
-        for (name, k), v in tune.TIMINGS.items()
+        for (name, k), v in hopper.tuner_timings().items()
     }
     del moe
     torch.cuda.empty_cache()

@@ -13,23 +13,6 @@ SHAPES = {
 }
 
 
-def uniform_routing(E: int, K: int, T: int, device="cuda") -> torch.Tensor:
-    """[T, K] expert ids: each token's K distinct experts drawn uniformly (one randperm each),
-    the balanced routing the kernel variant scripts (scripts/*_variants.py) time on."""
-    return torch.stack([torch.randperm(E, device=device)[:K] for _ in range(T)])
-
-
-def variant_setup(shape_name: str, tokens: int = 16384):
-    """(D, H, E, K, T, plan) of a kernel variant script at a Qwen3 shape: torch seeded with 0,
-    then uniform_routing's ids planned in 128-row tiles (the same random numbers every run)."""
-    from torchtitan_megamoe.ops.hopper.plan import build_plan
-
-    shape = SHAPES[shape_name]
-    D, H, E, K = shape["dim"], shape["hidden"], shape["experts"], shape["top_k"]
-    torch.manual_seed(0)
-    return D, H, E, K, tokens, build_plan(uniform_routing(E, K, tokens), E, 128)
-
-
 def _rel_err(got: torch.Tensor, ref: torch.Tensor) -> float:
     got, ref = got.float(), ref.float()
     return float((got - ref).norm() / ref.norm())

@@ -2,35 +2,37 @@
 
 from __future__ import annotations
 
-# bench/backward_stages.py's stage keys in backward order: (label, Triton kernel, _grouped_mm
-# counterpart or None). The tuner picks a side per stage; "auto" below is what the layer runs.
+# bench/backward_stages.py's stage keys in backward order: (label, Triton side, grouped_mm side
+# or None). The tuner picks a side per stage; "auto" below is what the layer runs.
 BWD_STAGES = [
-    ("fwd: GEMM 1 + SwiGLU (inference)", "fwd_gemm1", None),
-    ("fwd: GEMM 1 + SwiGLU + store a1/a3 (training)", "fwd_gemm1_save_a", None),
+    ("gemm1_swiglu (forward, inference)", "gemm1_swiglu", None),
+    ("gemm1_swiglu + store a1/a3 (forward, training)", "gemm1_swiglu_save_a", None),
     ("plan (built by the forward, reused)", "plan", None),
-    ("A: dgrad L2 + SwiGLU on saved a1/a3", "A_dgrad_l2_swiglu", "A_dgrad_l2_swiglu_cublas"),
-    ("A: sm90 dh GEMM + SwiGLU rows kernel (dy gather included)", "A_dgrad_l2_swiglu_sm90", None),
-    ("A: sm90 in one launch (dy rows stored for dw2)", "A_dgrad_l2_swiglu_sm90_fused", None),
-    ("wgrad dw2", "B_dw2", "B_dw2_cublas"),
-    ("wgrad dw2, sm90 kernel (dy gathered inside)", "B_dw2_sm90", None),
-    ("wgrad dw2, sm90 kernel on gathered dy rows", "B_dw2_sm90_pre", None),
-    ("wgrad dw1", "B_dw1", None),
-    ("wgrad dw3", "B_dw3", None),
-    ("wgrad dw1 + dw3", "B_dw13", "B_dw13_cublas"),
-    ("wgrad dw1 + dw3, sm90 kernel (x gathered inside)", "B_dw13_sm90", None),
-    ("wgrad dw1 + dw3, sm90 kernel on gathered x rows", "B_dw13_sm90_pre", None),
-    ("C: dgrad L1", "C_dgrad_l1", "C_dgrad_l1_cublas"),
-    ("C: dgrad L1, sm90 kernel (dx in row space)", "C_dgrad_l1_sm90", None),
-    ("combine (dx, d topk_weights)", "combine", None),
-    ("combine of row-space dx (after the sm90 C)", "combine_rows", None),
-    ("backward total, one side forced", "total", "total_cublas"),
+    ("dgrad2_swiglu on saved a1/a3", "dgrad2_swiglu", "dgrad2_swiglu_grouped_mm"),
+    ("dgrad2_swiglu, sm90 dh GEMM + SwiGLU rows kernel (dy gather included)",
+     "dgrad2_swiglu_sm90", None),
+    ("dgrad2_swiglu, sm90 in one launch (dy rows stored for wgrad_dw2)",
+     "dgrad2_swiglu_sm90_fused", None),
+    ("wgrad_dw2", "wgrad_dw2", "wgrad_dw2_grouped_mm"),
+    ("wgrad_dw2, sm90 kernel (dy gathered inside)", "wgrad_dw2_sm90", None),
+    ("wgrad_dw2, sm90 kernel on gathered dy rows", "wgrad_dw2_sm90_pre_gathered", None),
+    ("wgrad dw1", "wgrad_dw1", None),
+    ("wgrad dw3", "wgrad_dw3", None),
+    ("wgrad_dw13 (dw1 + dw3)", "wgrad_dw13", "wgrad_dw13_grouped_mm"),
+    ("wgrad_dw13, sm90 kernel (x gathered inside)", "wgrad_dw13_sm90", None),
+    ("wgrad_dw13, sm90 kernel on gathered x rows", "wgrad_dw13_sm90_pre_gathered", None),
+    ("dgrad1", "dgrad1", "dgrad1_grouped_mm"),
+    ("dgrad1, sm90 kernel (dx in row space)", "dgrad1_sm90", None),
+    ("bwd_combine (dx, d topk_weights)", "bwd_combine", None),
+    ("bwd_combine of row-space dx (after the sm90 dgrad1)", "bwd_combine_rows", None),
+    ("backward total, one side forced", "total", "total_grouped_mm"),
     ("backward total, tuner's pick per stage", "total_auto", None),
     ("backward total, recompute path (no saved a: GEMM 1 again)", "total_recompute", None),
 ]
 # stages timed only where the sm90 kernels run (an sm_90 GPU with nvcc); '-' elsewhere
-SM90_ONLY_STAGES = {"A_dgrad_l2_swiglu_sm90", "A_dgrad_l2_swiglu_sm90_fused", "B_dw2_sm90",
-                    "B_dw2_sm90_pre", "B_dw13_sm90", "B_dw13_sm90_pre", "C_dgrad_l1_sm90",
-                    "combine_rows"}
+SM90_ONLY_STAGES = {"dgrad2_swiglu_sm90", "dgrad2_swiglu_sm90_fused", "wgrad_dw2_sm90",
+                    "wgrad_dw2_sm90_pre_gathered", "wgrad_dw13_sm90",
+                    "wgrad_dw13_sm90_pre_gathered", "dgrad1_sm90", "bwd_combine_rows"}
 
 
 def _tflops(flops: float, ms: float | None) -> str:
@@ -303,7 +305,7 @@ def _b2b_line(results: list[dict], head: str) -> str:
 
 
 def bwd_table(results: list[dict]) -> str:
-    """Backward stages: per shape, the Triton kernel's and the _grouped_mm side's "ms (TFLOP/s)";
+    """Backward stages: per shape, the Triton side's and the grouped_mm side's "ms (TFLOP/s)";
     '' when no result has a breakdown."""
     cols = [r for r in results if "bwd_stages" in r or "bwd_stages_error" in r]
     if not cols:
@@ -317,7 +319,7 @@ def bwd_table(results: list[dict]) -> str:
         return f"{ms:.3f}" + (f" ({tf:.0f})" if tf else "")
 
     head = "| backward stage, ms (TFLOP/s) | " + " | ".join(
-        f"{r['shape']} Triton | {r['shape']} _grouped_mm" for r in cols) + " |"
+        f"{r['shape']} Triton | {r['shape']} grouped_mm" for r in cols) + " |"
     lines = [head, "| --- |" + " --- | --- |" * len(cols)]
     for label, tri, cub in BWD_STAGES:
         cells = []
@@ -398,7 +400,7 @@ def ep_table(results: list[dict]) -> str:
 
 def _impl(cfg: dict) -> str:
     """A tuner candidate's short name: sm90 (+ its knobs), cublas, or triton."""
-    impl = cfg.get("IMPL") or cfg.get("impl") or "triton"
+    impl = cfg.get("impl") or "triton"
     extra = [k for k in ("pre_gathered",) if cfg.get(k)]
     return "+".join([impl] + extra)
 

@@ -1,31 +1,32 @@
-"""Backend ``hopper`` of mega_moe (formerly ``triton``): Hopper (SM90) kernels, BF16 and FP8.
+"""Backend ``hopper`` of mega_moe: Hopper (SM90) kernels, BF16 and FP8.
 
-Forward (EP=1, bf16_forward.py): device-side plan (plan.py), grouped GEMM 1 + SwiGLU
-(kernels/gemm1_swiglu.py), grouped GEMM 2 into the row space (kernels/gemm2.py), fp32
-combine through the slots' rows (kernels/combine.py). FP8 at EP=1: fp8_forward.py,
-fp8_backward.py. Backward: bf16_backward.py (BF16); it reads what the forward saved (GEMM 1's pre-activations and the
-packed plan) instead of recomputing them. EP > 1 (ep_forward.py, ep_backward.py): each token goes once
-to every rank owning one of its experts through the token exchange (ep_route.py over
-ops/hopper/ep_transport.py: symmetric memory, copy-engine copies, no host sync), the EP=1 kernels run on the
-receive buffer and partial rows return to their sources; the forward overlaps both moves with
-its GEMMs (ep_forward.py), the backward does not yet.
+The stages come in pairs, one file per direction, and ``_stages`` below picks the pair by
+precision x EP, for the forward and the backward alike:
+
+    bf16, EP=1   bf16_forward.py / bf16_backward.py   plan, gemm1_swiglu, gemm2, combine /
+                                                      dgrad2_swiglu, wgrad, dgrad1, bwd_combine
+    fp8,  EP=1   fp8_forward.py  / fp8_backward.py    the same stages in blockwise FP8
+    fp8_bwd      bf16_forward.py (128-row plan) / fp8_backward.py
+    bf16, EP>1   ep_forward.py   / ep_backward.py     dispatch (ep_dispatch.py over
+                                                      ep_transport.py) around the EP=1 kernels,
+                                                      partial rows returned to their sources
+
+The backward reads what the forward saved (GEMM 1's pre-activations and the packed plan)
+instead of recomputing them. heuristics.py chooses the kernel configs every stage offers its
+tuner (tune.py); stages.py is the benchmark's view of the stages.
 """
 
 import torch
 
+from torchtitan_megamoe import settings
 from torchtitan_megamoe.ops.device import capability
-from torchtitan_megamoe.ops.hopper.bf16_backward import backward as _backward_any_ep
-from torchtitan_megamoe.ops.hopper.bf16_backward import check_backward_dtypes
-from torchtitan_megamoe.ops.hopper.fp8_backward import backward_fp8
-from torchtitan_megamoe.ops.hopper.fp8_forward import FP8_BLOCK_M, forward_fp8
+from torchtitan_megamoe.ops.hopper.bf16_backward import backward_bf16, check_backward_dtypes
+from torchtitan_megamoe.ops.hopper.bf16_forward import forward_bf16, saved_like as saved_like_bf16
+from torchtitan_megamoe.ops.hopper.ep_backward import backward_ep
 from torchtitan_megamoe.ops.hopper.ep_forward import forward_ep, saved_like_ep
-from torchtitan_megamoe.ops.hopper.bf16_forward import (
-    forward_ep1,
-    interpret_defaults,
-    interpreting,
-    min_multiple,
-    saved_like as _saved_like_ep1,
-)
+from torchtitan_megamoe.ops.hopper.fp8_backward import backward_fp8
+from torchtitan_megamoe.ops.hopper.fp8_forward import forward_fp8
+from torchtitan_megamoe.ops.hopper.heuristics import FP8_BLOCK_M, min_multiple
 
 _SUPPORTED_DTYPES = (torch.bfloat16,)
 
@@ -48,27 +49,20 @@ def supports(x: torch.Tensor, group) -> bool:
 
 
 def check_inputs(x, w1, group, precision) -> None:
-    """Raise, naming the fix, for inputs these kernels cannot take."""
-    if precision != "bf16":
-        E, H, D = w1.shape
-        if D % FP8_BLOCK_M or H % FP8_BLOCK_M:
-            raise ValueError(
-                f"mega_moe backend='hopper' precision={precision!r} uses 128-wide scaling "
-                f"blocks and needs dim and hidden % 128 == 0, got dim={D}, hidden={H}; use "
-                "precision='bf16'"
-            )
-        if _ep_size(group) > 1:
-            raise NotImplementedError(
-                f"mega_moe backend='hopper' precision={precision!r} runs on one rank's experts "
-                "only so far (the expert-parallel exchange moves bf16 rows); use "
-                "precision='bf16' with an expert-parallel group, or group=None"
-            )
+    """Raise, naming the fix, for inputs these kernels cannot take (the op's own checks,
+    ops/api.check_args, ran first: FP8's multiple-of-128 included)."""
+    if precision != "bf16" and _ep_size(group) > 1:
+        raise NotImplementedError(
+            f"mega_moe backend='hopper' precision={precision!r} runs on one rank's experts "
+            "only so far (the expert-parallel exchange moves bf16 rows); use "
+            "precision='bf16' with an expert-parallel group, or group=None"
+        )
     if x.dtype not in _SUPPORTED_DTYPES:
         raise TypeError(
             f"mega_moe backend='hopper' needs bfloat16 tensors, got {x.dtype}; cast x and the "
             "weights to torch.bfloat16 or use backend='reference'"
         )
-    if not interpreting():
+    if not settings.triton_interpreting():
         if not x.is_cuda:
             raise ValueError(
                 "mega_moe backend='hopper' needs CUDA tensors; use backend='reference' on CPU"
@@ -88,44 +82,62 @@ def check_inputs(x, w1, group, precision) -> None:
         )
 
 
+# (forward, backward) per (precision, EP > 1); EP > 1 runs bf16 only (check_inputs)
+_STAGES = {
+    ("bf16", False): ("bf16", "bf16"),
+    ("fp8", False): ("fp8", "fp8"),
+    ("fp8_bwd", False): ("bf16", "fp8"),
+    ("bf16", True): ("ep", "ep"),
+}
+
+
+def _stages(options, group) -> tuple[str, str]:
+    """Which forward and backward file serve this call: "bf16", "fp8" or "ep"."""
+    return _STAGES[(options.precision, _ep_size(group) > 1)]
+
+
 def forward(x, topk_ids, topk_weights, w1, w2, w3, group, options, save=False):
     """out; with ``save``, (out, saved: list of tensors for backward(saved=...)). EP=1 saves
     [a, packed_plan] (bf16_forward.py); EP > 1 the same in the receive layout, or nothing where
     ep_forward.keeps_saved says the backward recomputes."""
-    precision = options.precision
-    check_inputs(x, w1, group, precision)
-    if _ep_size(group) > 1:
-        block_m, c1, c2 = interpret_defaults(None, None, None)
-        return forward_ep(x, topk_ids, topk_weights, w1, w2, w3, group, block_m, c1, c2,
+    check_inputs(x, w1, group, options.precision)
+    stage, _ = _stages(options, group)
+    if stage == "ep":
+        res = forward_ep(x, topk_ids, topk_weights, w1, w2, w3, group,
+                         options.max_tokens_per_rank, save=save)
+    elif stage == "fp8":
+        res = forward_fp8(x, topk_ids, topk_weights, w1, w2, w3, options.fp8_weight_cache,
                           save=save)
-    if precision == "fp8":
-        if not save:
-            return forward_fp8(x, topk_ids, topk_weights, w1, w2, w3)
-        out, saved = forward_fp8(x, topk_ids, topk_weights, w1, w2, w3, save=True)
-        return out, list(saved)
-    # fp8_bwd: the bf16 forward, on the FP8 backward's 128-row segments
-    block_m = FP8_BLOCK_M if precision == "fp8_bwd" else None
+    else:
+        # fp8_bwd: the bf16 forward on the FP8 backward's 128-row segments
+        block_m = FP8_BLOCK_M if options.precision == "fp8_bwd" else None
+        res = forward_bf16(x, topk_ids, topk_weights, w1, w2, w3, block_m=block_m, save=save)
     if not save:
-        return forward_ep1(x, topk_ids, topk_weights, w1, w2, w3, block_m=block_m)
-    out, saved = forward_ep1(x, topk_ids, topk_weights, w1, w2, w3, block_m=block_m, save=True)
+        return res
+    out, saved = res
     return out, list(saved)
 
 
 def saved_like(x, topk_ids, topk_weights, w1, w2, w3, group, options):
-    precision = options.precision
     """Empty tensors with the shapes and dtypes forward(..., save=True) saves (fake impl)."""
-    if _ep_size(group) > 1:
-        block_m, _, _ = interpret_defaults(None, None, None)
-        return saved_like_ep(x, topk_ids, w1, group, block_m)
-    return _saved_like_ep1(x, topk_ids, w1, block_m=FP8_BLOCK_M if precision != "bf16" else None)
+    stage, _ = _stages(options, group)
+    if stage == "ep":
+        return saved_like_ep(x, topk_ids, w1, group, options.max_tokens_per_rank)
+    block_m = FP8_BLOCK_M if options.precision != "bf16" else None
+    return saved_like_bf16(x, topk_ids, w1, block_m=block_m)
 
 
 def backward(grad_out, x, topk_ids, topk_weights, w1, w2, w3, group, options, saved=None):
-    precision = options.precision
-    if precision != "bf16":
-        check_inputs(x, w1, group, precision)
-        check_backward_dtypes(grad_out, x, w1)
-        return backward_fp8(grad_out, x, topk_ids, topk_weights, w1, w2, w3, precision,
-                            saved=saved)
-    return _backward_any_ep(grad_out, x, topk_ids, topk_weights, w1, w2, w3, group, options,
-                            saved=saved)
+    """(dx, dtopk_weights, dw1, dw2, dw3); ``saved``: what forward(..., save=True) returned,
+    None or empty to recompute."""
+    if options.precision != "bf16":  # bf16's were checked by the forward
+        check_inputs(x, w1, group, options.precision)
+    check_backward_dtypes(grad_out, x, w1)
+    _, stage = _stages(options, group)
+    if stage == "ep":
+        return backward_ep(grad_out, x, topk_ids, topk_weights, w1, w2, w3, group,
+                           options.max_tokens_per_rank, saved=saved)
+    if stage == "fp8":
+        return backward_fp8(grad_out, x, topk_ids, topk_weights, w1, w2, w3, options.precision,
+                            options.fp8_weight_cache, saved=saved)
+    return backward_bf16(grad_out, x, topk_ids, topk_weights, w1, w2, w3, saved=saved)

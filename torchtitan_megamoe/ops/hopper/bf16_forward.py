@@ -8,40 +8,20 @@ With ``save=True`` (what the op does for autograd) two tensors outlive the call 
 backward: a = [a1 | a3] [R_max, 2H] in x.dtype (GEMM 1's pre-activations, stored by its epilogue)
 and the plan packed into one int32 vector (plan.pack_plan, R_max + T*K + R_max/block_m + 2E + 1
 entries). At T=16384, K=8, E=128, block_m=128 (R_max = 147,328): a is 432 MiB at the 30B shape
-(H=768), 864 MiB at 235B (H=1536); the packed plan 1.1 MiB. bf16_backward.py compares with stock.
+(H=768), 864 MiB at 235B (H=1536); the packed plan 1.1 MiB (docs/ARCHITECTURE.md, "Memory of the
+bf16 backward", compares with stock).
 """
 
 import torch
 
+from torchtitan_megamoe.ops.hopper.heuristics import forward_configs, plan_block_m
 from torchtitan_megamoe.ops.hopper.kernels.combine import combine
 from torchtitan_megamoe.ops.hopper.kernels.gemm1_swiglu import gemm1_swiglu
 from torchtitan_megamoe.ops.hopper.kernels.gemm2 import gemm2
 from torchtitan_megamoe.ops.hopper.plan import build_plan, max_rows, pack_plan, packed_plan_numel
-from torchtitan_megamoe.ops.hopper.tune import interpreting
-
-BLOCK_M = 128
-"""Plan tile height on the GPU; every GEMM candidate's BLOCK_M divides it."""
-
-# The CPU interpreter runs numpy per program: small tiles keep tests quick and still cover
-# several tiles per expert.
-INTERPRET_BLOCK_M = 16
-INTERPRET_GEMM_CONFIG = dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=16, GROUP_M=2, num_warps=1, num_stages=1)
 
 
-def min_multiple() -> int:
-    """What D and H must be multiples of (the smallest BLOCK_N / BLOCK_K the kernels use)."""
-    return INTERPRET_GEMM_CONFIG["BLOCK_K"] if interpreting() else 64
-
-
-def interpret_defaults(block_m, gemm1_config, gemm2_config):
-    if interpreting():
-        block_m = block_m or INTERPRET_BLOCK_M
-        gemm1_config = gemm1_config or INTERPRET_GEMM_CONFIG
-        gemm2_config = gemm2_config or INTERPRET_GEMM_CONFIG
-    return block_m or BLOCK_M, gemm1_config, gemm2_config
-
-
-def forward_ep1(
+def forward_bf16(
     x: torch.Tensor,
     topk_ids: torch.Tensor,
     topk_weights: torch.Tensor,
@@ -54,14 +34,15 @@ def forward_ep1(
     save: bool = False,
 ) -> torch.Tensor | tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
     """out [T, D]; with ``save``, (out, saved) where saved = (a, packed_plan) is what
-    bf16_backward.backward_local(..., saved=saved) reads instead of recomputing GEMM 1 and the plan.
-    A saved tuple is only valid with the default block_m (the backward's)."""
+    bf16_backward.backward_bf16(..., saved=saved) reads instead of recomputing GEMM 1 and the
+    plan. A saved tuple is only valid with the default block_m (the backward's)."""
     if x.shape[0] == 0:
         # No tokens: nothing to plan or launch (EP=1 only: an EP rank without tokens still
         # takes part in the exchange, ep_forward.py). saved_like's T = 0 shapes: empty.
         out = x.new_zeros(x.shape)
         return (out, tuple(saved_like(x, topk_ids, w1))) if save else out
-    block_m, gemm1_config, gemm2_config = interpret_defaults(block_m, gemm1_config, gemm2_config)
+    block_m = block_m or plan_block_m()
+    gemm1_config, gemm2_config = forward_configs(gemm1_config, gemm2_config)
     x = x.contiguous()
     w1, w2, w3 = w1.contiguous(), w2.contiguous(), w3.contiguous()
     E = w1.shape[0]
@@ -90,13 +71,13 @@ def checked_plan(topk_ids: torch.Tensor, num_experts: int, block_m: int):
 
 def saved_like(x: torch.Tensor, topk_ids: torch.Tensor, w1: torch.Tensor,
                phases: int = 1, block_m: int | None = None) -> list[torch.Tensor]:
-    """Empty tensors shaped like forward_ep1(..., save=True)'s saved tuple (fake impls, meta):
+    """Empty tensors shaped like forward_bf16(..., save=True)'s saved tuple (fake impls, meta):
     every size is a static function of (T, K, E_local, H, block_m); ``phases`` for the EP
     forward's phased plan."""
-    block_m, _, _ = interpret_defaults(None, None, None)
+    block_m = block_m or plan_block_m()
     T, K = topk_ids.shape
     E, H, _ = w1.shape
-    if T == 0:  # forward_ep1 returns at once: no pre-activations, no plan
+    if T == 0:  # forward_bf16 returns at once: no pre-activations, no plan
         return [x.new_empty((0, 2 * H)), x.new_empty((0,), dtype=torch.int32)]
     R = max_rows(T * K, E, block_m, phases)
     return [

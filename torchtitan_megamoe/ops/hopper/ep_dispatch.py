@@ -2,7 +2,7 @@
 
 A token travels once per destination rank, not once per slot (at top-8 over 2 ranks a token
 has ~4 slots on each rank, so per-slot dispatch would move ~4x the bytes). It lands at its own
-row t of its source's region (the identity layout of ep_route_kernel.py), so a source sends its
+row t of its source's region (the identity layout of kernels/ep_layout.py), so a source sends its
 whole batch to every rank as one contiguous copy (copy engines): the rows of tokens without a
 slot there travel too (~1% of them at EP=2 and top-8 of 128 experts, ~1/3 at EP=8) and are
 marked "no slot" by the metadata. On the receiver a token has K slots whose ids are that rank's
@@ -53,13 +53,15 @@ class TokenRoute:
     """The routing of this rank's tokens [T, K] over an EP group of R ranks with E_local experts
     each: ``pos[t, d]`` = row of token t in its region on rank d (-1: t has no expert on d)."""
 
-    def __init__(self, topk_ids, topk_weights, E_local, group, D, dtype, check_ids=False):
+    def __init__(self, topk_ids, topk_weights, E_local, group, D, dtype, check_ids=False,
+                 max_tokens_per_rank=0):
         T, K = topk_ids.shape
         self.T, self.K, self.E_local = T, K, E_local
-        self.ex = get_exchange(group, T, exchange_widths(D, K, dtype), topk_ids.device)
+        self.ex = get_exchange(group, T, exchange_widths(D, K, dtype), topk_ids.device,
+                               max_tokens_per_rank)
         R, C = self.ex.R, self.ex.capacity
         self.R, self.C = R, C
-        # One launch (ep_route_kernel.py) for owner, pos (token t at row t of its region, -1
+        # One launch (kernels/ep_layout.py) for owner, pos (token t at row t of its region, -1
         # where it does not go) and the metadata regions: local ids of the slots d owns (-1 elsewhere and in unused rows) and the
         # routing weights' bit patterns. Whole regions travel (C x 2K int32, ~1 MB at
         # C = 16384, K = 8), so rows a source did not fill this call never show stale ids.

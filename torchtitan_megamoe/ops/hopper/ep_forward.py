@@ -1,7 +1,7 @@
-"""Expert-parallel (EP > 1) forward: the token exchange (ep_route.py) overlapped with the GEMMs.
+"""Expert-parallel (EP > 1) forward: the token exchange (ep_dispatch.py) overlapped with the GEMMs.
 
 Receive layout: every rank holds R regions of C rows; row t of region s is token t of source
-s (ep_route_kernel.py). The received tokens are computed as one batch of R*C tokens with a
+s (kernels/ep_layout.py). The received tokens are computed as one batch of R*C tokens with a
 PHASED plan (plan.build_phased_plan): each expert's rows are split into phase 0 (tokens of this
 rank's own region, here at once) and phase 1 (the peers' tokens, in transit), so GEMM 1 starts
 on phase 0 while the peers' rows still travel:
@@ -43,7 +43,7 @@ values: permuted input, a1, a3, h); otherwise the backward recomputes GEMM 1. At
 T = C = 16384, K = 8, E = 128, EP=2: 30B 0.78 GiB kept (stock 1.06 GiB); 235B 1.56 GiB kept
 (stock 2.13 GiB); at EP=8 they exceed stock's and are not kept.
 
-Memory. Exchange buffers, shared by all layers (ops/hopper/ep_transport.py): 3 x [R, C, D] x.dtype + small
+Memory. Exchange buffers, shared by all layers (ep_transport.py): 3 x [R, C, D] x.dtype + small
 metadata, C = tokens per rank. Per call: h [R_max, H] and GEMM 2's rows y [R_max, D], with R_max
 the static bound for R*C*K received slots (any routing may send every slot here): ~R times the
 rows a rank computes on average. A capacity below that bound needs an overflow path (not built).
@@ -53,10 +53,11 @@ With symmetric memory, the staged return rows: (R - 1) x [C, D] x.dtype until th
 
 import torch
 
-from torchtitan_megamoe.ops.hopper.ep_transport import capacity_hint
-from torchtitan_megamoe.ops.hopper.kernels.combine import combine
+from torchtitan_megamoe.ops.hopper.bf16_forward import saved_like
 from torchtitan_megamoe.ops.hopper.ep_dispatch import TokenRoute
-from torchtitan_megamoe.ops.hopper.bf16_forward import interpret_defaults, saved_like
+from torchtitan_megamoe.ops.hopper.ep_transport import capacity_hint
+from torchtitan_megamoe.ops.hopper.heuristics import forward_configs, plan_block_m
+from torchtitan_megamoe.ops.hopper.kernels.combine import combine
 from torchtitan_megamoe.ops.hopper.kernels.gemm1_swiglu import gemm1_swiglu
 from torchtitan_megamoe.ops.hopper.kernels.gemm2 import gemm2
 from torchtitan_megamoe.ops.hopper.plan import build_phased_plan, max_rows, pack_plan
@@ -89,15 +90,18 @@ def keeps_saved(R, C, K, E_local, D, H, block_m) -> bool:
     return ours <= stock
 
 
-def forward_ep(x, topk_ids, topk_weights, w1, w2, w3, group, block_m, gemm1_config=None,
-               gemm2_config=None, save=False):
-    """out, or (out, saved list) with ``save`` (empty when the backward must recompute)."""
-    block_m, gemm1_config, gemm2_config = interpret_defaults(block_m, gemm1_config, gemm2_config)
+def forward_ep(x, topk_ids, topk_weights, w1, w2, w3, group, max_tokens_per_rank=0,
+               block_m=None, gemm1_config=None, gemm2_config=None, save=False):
+    """out, or (out, saved list) with ``save`` (empty when the backward must recompute);
+    ``max_tokens_per_rank``: the exchange's capacity (0: this call's largest batch)."""
+    block_m = block_m or plan_block_m()
+    gemm1_config, gemm2_config = forward_configs(gemm1_config, gemm2_config)
     x = x.contiguous()
     w1, w2, w3 = w1.contiguous(), w2.contiguous(), w3.contiguous()
     E_local, H, D = w1.shape
     T = x.shape[0]
-    route = TokenRoute(topk_ids, topk_weights, E_local, group, D, x.dtype, check_ids=True)
+    route = TokenRoute(topk_ids, topk_weights, E_local, group, D, x.dtype, check_ids=True,
+                       max_tokens_per_rank=max_tokens_per_rank)
     ex, R, C, K, me = route.ex, route.R, route.C, route.K, route.ex.rank
     peers = [d for d in range(R) if d != me]
 
@@ -137,10 +141,9 @@ def forward_ep(x, topk_ids, topk_weights, w1, w2, w3, group, block_m, gemm1_conf
     gemm2(h, w2, others, config=gemm2_config, out=y)
 
     # The peers' rows: combined here (HBM-bound, every SM), then sent by the copy engines beside
-    # GEMM 2 (a combine storing straight into the peers' regions ran at NVLink speed on every SM
-    # between the two GEMM 2 launches: docs/PERF.md at 5e0bafa, 2026-11-30, 2.769 -> 2.721 ms
-    # at 30B, 10.009 -> 9.810 at 235B, EP=2 back to back). Without symmetric memory the same steps run
-    # in order.
+    # GEMM 2 (a combine storing straight into the peers' regions would run at NVLink speed on
+    # every SM between the two GEMM 2 launches). Without symmetric memory the same steps run in
+    # order.
     staged = []
     for s in peers:
         slots = slice(s * C * K, (s + 1) * C * K)
@@ -166,14 +169,15 @@ def forward_ep(x, topk_ids, topk_weights, w1, w2, w3, group, block_m, gemm1_conf
     return out, ([a, pack_plan(plan)] if keep else [])
 
 
-def saved_like_ep(x, topk_ids, w1, group, block_m):
+def saved_like_ep(x, topk_ids, w1, group, max_tokens_per_rank=0):
     """Empty tensors shaped like forward_ep(..., save=True)'s saved list (fake impls)."""
     import torch.distributed as dist
 
+    block_m = plan_block_m()
     R = dist.get_world_size(group)
     T, K = topk_ids.shape
     E_local, H, D = w1.shape
-    C = capacity_hint(group, T)
+    C = capacity_hint(group, T, max_tokens_per_rank)
     if not keeps_saved(R, C, K, E_local, D, H, block_m):
         return []
     return saved_like(x.new_empty((R * C, D)), topk_ids.new_empty((R * C, K)), w1, PHASES)

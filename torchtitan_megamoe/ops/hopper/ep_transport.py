@@ -19,10 +19,10 @@ implement that contract:
 One exchange object per (group, device, capacity, row widths, dtype) is cached and shared by
 every layer and by forward and backward: layers run one after another on one stream, and each
 call's own barriers order its reads of ``recv`` before any peer's next stores (see
-ops/hopper/kernels/ep_exchange.py for the protocol).
+ep_dispatch.py for the protocol).
 
-Capacity. C is fixed when the exchange is created: ``max_tokens_per_rank`` if set (the
-``[megamoe] max_tokens_per_rank`` knob, via ``set_max_tokens_per_rank``), else the largest
+Capacity. C is fixed when the exchange is created: ``max_tokens_per_rank`` if set
+(MegaMoEOptions.max_tokens_per_rank, the ``[megamoe] max_tokens_per_rank`` knob), else the largest
 token count any rank of the group brings to that first call (agreed with one all_reduce, once).
 Symmetric buffers must have the same size on every rank, so C cannot grow later: a call with
 more tokens raises, naming the knob. A receive region holds a source's whole batch, so no
@@ -34,16 +34,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-_MAX_TOKENS_PER_RANK = 0
 _CACHE: dict = {}
-
-
-def set_max_tokens_per_rank(n: int) -> None:
-    """Capacity of the EP exchange in tokens per rank (0: the first call's largest batch)."""
-    global _MAX_TOKENS_PER_RANK
-    if n < 0:
-        raise ValueError(f"max_tokens_per_rank must be >= 0, got {n}")
-    _MAX_TOKENS_PER_RANK = int(n)
 
 
 def symmetric_memory_usable(device: torch.device, group) -> bool:
@@ -73,9 +64,8 @@ class Exchange:
             raise ValueError(
                 f"mega_moe: this rank has {T} tokens but the EP exchange holds "
                 f"{self.capacity} per rank (fixed when it was created: symmetric buffers cannot "
-                "grow); set [megamoe] max_tokens_per_rank (or "
-                "torchtitan_megamoe.ops.hopper.ep_transport.set_max_tokens_per_rank) to at least "
-                f"{T} before the first step"
+                "grow); set [megamoe] max_tokens_per_rank (mega_moe's max_tokens_per_rank) to at "
+                f"least {T} before the first step"
             )
 
     def nbytes(self) -> int:
@@ -91,7 +81,7 @@ class SymmetricExchange(Exchange):
         import torch.distributed._symmetric_memory as symm_mem
 
         if hasattr(symm_mem, "get_backend") and symm_mem.get_backend(device) is None:
-            # The CUDA backend (CUDA IPC + NVLink) is the one validated on H200s;
+            # The CUDA backend (CUDA IPC + NVLink) is the one validated on Hopper;
             # NVSHMEM failed there. The backend can only be chosen before the first allocation.
             try:
                 symm_mem.set_backend("CUDA")
@@ -158,23 +148,25 @@ class AllToAllExchange(Exchange):
                                    group=self.group)
 
 
-def capacity_hint(group, T: int) -> int:
+def capacity_hint(group, T: int, max_tokens_per_rank: int = 0) -> int:
     """The capacity a call with T tokens will see, without communicating (fake impls): the
-    group's existing exchange's, else the knob, else T (ranks of one TorchTitan job bring
-    equal batches, so the group's largest is this rank's)."""
+    group's existing exchange's, else ``max_tokens_per_rank``, else T (ranks of one TorchTitan
+    job bring equal batches, so the group's largest is this rank's)."""
     for ex in _CACHE.values():
         if ex.group is group or ex.group.group_name == group.group_name:
             return ex.capacity
-    return max(_MAX_TOKENS_PER_RANK or T, 1)
+    return max(max_tokens_per_rank or T, 1)
 
 
-def get_exchange(group, T: int, widths: dict, device: torch.device) -> Exchange:
-    """The group's cached exchange for these row widths (created collectively on first use)."""
+def get_exchange(group, T: int, widths: dict, device: torch.device,
+                 max_tokens_per_rank: int = 0) -> Exchange:
+    """The group's cached exchange for these row widths (created collectively on first use,
+    with capacity ``max_tokens_per_rank``, or 0: the group's largest T of this call)."""
     key = (group.group_name, str(device), tuple(sorted((n, w, str(dt))
                                                         for n, (w, dt) in widths.items())))
     ex = _CACHE.get(key)
     if ex is None:
-        capacity = _MAX_TOKENS_PER_RANK
+        capacity = max_tokens_per_rank
         if capacity == 0:
             # One host sync, once per group and shape: the buffers must be the same size on
             # every rank.
@@ -186,3 +178,10 @@ def get_exchange(group, T: int, widths: dict, device: torch.device) -> Exchange:
         ex = _CACHE[key] = cls(group, capacity, widths, device)
     ex.check_tokens(T)
     return ex
+
+
+def exchange_nbytes(group, dim: int) -> int:
+    """Bytes of the group's exchange buffers for token rows of width ``dim`` (symmetric or
+    staging memory: outside the caching allocator, so max_memory_allocated does not see it)."""
+    return sum(ex.nbytes() for ex in _CACHE.values()
+               if ex.group is group and ex.widths["x"][0] == dim)

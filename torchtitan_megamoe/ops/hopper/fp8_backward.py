@@ -6,15 +6,15 @@
     quant      dy [T, D] per token (1x128); the weights' transposed 128 x 128 copies
                (fp8_weights.w2_transposed, fp8_weights.w13_transposed: each made
                right before its GEMM, so the two are never live together)
-    kernel A   kernels/fp8_gemm_rows.fp8_dgrad2_swiglu: dhg = dy_rows @ w2[e] and the SwiGLU
-               backward; its epilogue writes da per row (for dgrad 1), da^T and h^T per 128
+    fp8_dgrad2_swiglu  kernels/fp8_gemm.fp8_dgrad2_swiglu: dhg = dy_rows @ w2[e] and the SwiGLU
+               backward; its epilogue writes da per row (for dgrad1), da^T and h^T per 128
                rows (for the weight gradients) and the d(topk_weights) partials <dhg, h>
-    dw2        (w * dy)^T quantized per 128 rows (kernels/fp8_quant.quant_rows_t: the routing
-               weight goes into dy, as in the reference), kernels/fp8_wgrad.fp8_wgrad with h^T
-    dw1, dw3   x^T per 128 rows (quant_rows_t) with da1^T, da3^T
-    dgrad 1    dx rows [R_max, D] = [da1 | da3] @ [w1; w3] (fp8_gemm_rows), then the bf16
-               path's combine: dx[t] = sum_k in fixed order, d(topk_weights) from the partials.
-               Without the weight cache, by groups of experts (dgrad_l1_groups): the
+    fp8_wgrad  dw2: (w * dy)^T quantized per 128 rows (kernels/fp8_quant.quant_rows_t: the
+               routing weight goes into dy, as in the reference) with h^T
+               (kernels/fp8_wgrad.fp8_wgrad); dw1, dw3: x^T per 128 rows with da1^T, da3^T
+    fp8_dgrad1 dx rows [R_max, D] = [da1 | da3] @ [w1; w3] (fp8_gemm_rows), then the bf16
+               path's bwd_combine: dx[t] = sum_k in fixed order, d(topk_weights) from the
+               partials. Without the weight cache, by groups of experts (dgrad1_groups): the
                transposed copy of one group at a time, so the backward's peak (here: a, da,
                the dx rows, the copy) stays under the bf16 path's (a, da in bf16, the dx rows)
 Deterministic: fixed-order reductions, no atomics.
@@ -22,22 +22,23 @@ Deterministic: fixed-order reductions, no atomics.
 
 import torch
 
-from torchtitan_megamoe.ops.hopper.fp8_forward import FP8_BLOCK_M
-from torchtitan_megamoe.ops.hopper.fp8_weights import (forward_weights, w2_transposed,
-                                                     w13_transposed, weight_cache_enabled)
+from torchtitan_megamoe.ops.hopper.fp8_weights import forward_weights, w2_transposed, w13_transposed
+from torchtitan_megamoe.ops.hopper.heuristics import FP8_BLOCK_M, forward_configs
 from torchtitan_megamoe.ops.hopper.kernels.bwd_combine import bwd_combine
 from torchtitan_megamoe.ops.hopper.kernels.fp8_gemm import (
     fp8_dgrad2_swiglu, fp8_gemm1_swiglu, fp8_gemm_rows,
 )
 from torchtitan_megamoe.ops.hopper.kernels.fp8_quant import quant_rows, quant_rows_t
 from torchtitan_megamoe.ops.hopper.kernels.fp8_wgrad import fp8_wgrad
-from torchtitan_megamoe.ops.hopper.kernels.wgrad import longest_first
 from torchtitan_megamoe.ops.hopper.kernels.gemm1_swiglu import gemm1_swiglu
-from torchtitan_megamoe.ops.hopper.bf16_forward import interpret_defaults
+from torchtitan_megamoe.ops.hopper.kernels.wgrad import longest_first
 from torchtitan_megamoe.ops.hopper.plan import build_plan, unpack_plan
 
 
-def backward_fp8(grad_out, x, topk_ids, topk_weights, w1, w2, w3, precision, saved=None):
+def backward_fp8(grad_out, x, topk_ids, topk_weights, w1, w2, w3, precision, weight_cache=False,
+                 saved=None):
+    """(dx, dtopk_weights, dw1, dw2, dw3); ``precision``: the forward's (fp8: GEMM 1 in FP8,
+    fp8_bwd: in bf16), for the recompute when nothing was ``saved``."""
     T, D = x.shape
     E, H, _ = w1.shape
     if T == 0:
@@ -52,11 +53,11 @@ def backward_fp8(grad_out, x, topk_ids, topk_weights, w1, w2, w3, precision, sav
         plan = unpack_plan(packed, T, topk_ids.shape[1], E, FP8_BLOCK_M)
     else:
         plan = build_plan(topk_ids, E, FP8_BLOCK_M)
-        a_saved = _recompute_a(x, w1, w2, w3, plan, precision)
+        a_saved = _recompute_a(x, w1, w2, w3, plan, precision, weight_cache)
     tw = topk_weights.contiguous()
 
     gq, gs = quant_rows(dy)
-    w2t = w2_transposed(w2)
+    w2t = w2_transposed(w2, cache=weight_cache)
     daq, das, daTq, daTs, hTq, hTs, part = fp8_dgrad2_swiglu(gq, gs, w2t.q, w2t.s, a_saved, tw, plan)
     del gq, gs, a_saved, w2t
     order = longest_first(plan)
@@ -68,11 +69,11 @@ def backward_fp8(grad_out, x, topk_ids, topk_weights, w1, w2, w3, precision, sav
     dw3 = fp8_wgrad(daTq[H:], daTs[H:], xTq, xTs, plan, torch.empty_like(params[2]), order)
     del xTq, xTs, daTq, daTs
     dx_rows = torch.empty((plan.max_rows, D), dtype=x.dtype, device=x.device)
-    groups = dgrad_l1_groups(E, H, D, plan.max_rows)
+    groups = dgrad1_groups(E, H, D, plan.max_rows, weight_cache)
     for lo, hi in groups:
-        w13t = w13_transposed(w1, w3, lo, hi)
+        w13t = w13_transposed(w1, w3, lo, hi, cache=weight_cache)
         fp8_gemm_rows(daq, das, w13t.q, w13t.s, plan, out_dtype=x.dtype, out=dx_rows,
-                      expert_base=lo if len(groups) > 1 else None)
+                      expert_base=lo if len(groups) > 1 else None, stage="fp8_dgrad1")
         del w13t
     del daq, das
     dx, dtw = bwd_combine(dx_rows, part, plan, dx_dtype=x.dtype, dtw_dtype=topk_weights.dtype,
@@ -80,24 +81,24 @@ def backward_fp8(grad_out, x, topk_ids, topk_weights, w1, w2, w3, precision, sav
     return dx, dtw, dw1, dw2, dw3
 
 
-def dgrad_l1_groups(E: int, H: int, D: int, rows: int) -> list[tuple[int, int]]:
-    """Expert ranges for the dgrad of linear 1: each group's transposed [w1 | w3] copy (E_g *
-    D * 2H bytes) at most rows * H bytes, half of what da in e4m3 saves over bf16; one group
-    with the weight cache (its whole copy is held anyway)."""
-    if weight_cache_enabled():
+def dgrad1_groups(E: int, H: int, D: int, rows: int, weight_cache: bool) -> list[tuple[int, int]]:
+    """Expert ranges of fp8_dgrad1: each group's transposed [w1 | w3] copy (E_g * D * 2H bytes)
+    at most rows * H bytes, half of what da in e4m3 saves over bf16; one group with the weight
+    cache (its whole copy is held anyway)."""
+    if weight_cache:
         return [(0, E)]
     n = min(E, -(-(E * D * 2 * H) // max(rows * H, 1)))
     size = -(-E // n)
     return [(lo, min(lo + size, E)) for lo in range(0, E, size)]
 
 
-def _recompute_a(x, w1, w2, w3, plan, precision):
+def _recompute_a(x, w1, w2, w3, plan, precision, weight_cache):
     """GEMM 1's [a1 | a3] as the forward computed it (same kernel, same arithmetic)."""
     if precision == "fp8":
         xq, xs = quant_rows(x)
-        wq = forward_weights(w1, w2, w3)
+        wq = forward_weights(w1, w2, w3, cache=weight_cache)
         _hq, _hs, a = fp8_gemm1_swiglu(xq, xs, wq.w1q, wq.w1s, wq.w3q, wq.w3s, plan, save_a=True)
         return a
-    g1_config = interpret_defaults(plan.block_m, None, None)[1]
+    g1_config, _ = forward_configs(None, None)
     _h, a = gemm1_swiglu(x, w1, w3, plan, config=g1_config, save_a=True)
     return a

@@ -2,17 +2,16 @@
 
     forward   w1, w3 [E, H, D] as stored (GEMM 1 contracts over D)
               w2     [E, D, H] as stored (GEMM 2 contracts over H)
-    backward  w2^T        [E, H, D]  (kernel A: dh = dy @ w2[e], contracts over D)
-              [w1 | w3]^T [E, D, 2H] (dgrad of linear 1: dx = [da1 | da3] @ [w1; w3], over 2H)
+    backward  w2^T        [E, H, D]  (fp8_dgrad2_swiglu: dh = dy @ w2[e], contracts over D)
+              [w1 | w3]^T [E, D, 2H] (fp8_dgrad1: dx = [da1 | da3] @ [w1; w3], over 2H)
 A block's scale serves both uses: the transposed copies carry the same scales, transposed.
 
 By default the weights are quantized on every call (one pass over each weight: read 2 bytes,
 write 1 per element and a scale per 16,384), so a quantized copy is never stale, whatever
 changed the weights (an optimizer step, a checkpoint load, FSDP's all-gather into reused
-storage). The pass is bound by HBM bandwidth: ~0.5 ms per layout set per 30B-A3B layer on
-H200 (docs/PERF.md).
+storage). The pass is bound by HBM bandwidth.
 
-With the cache on (``set_weight_cache``, the converter's ``[megamoe] fp8_weight_cache``) a
+With the cache on (``cache=True``: MegaMoEOptions.fp8_weight_cache, ``[megamoe] fp8_weight_cache``) a
 layer's quantized weights are kept until the next optimizer step (``new_weights_step``, the
 converter's post-optimizer hook) or until any weight's version counter moves (every in-place
 write through PyTorch bumps it: the optimizer, copy_, a checkpoint load), whichever comes
@@ -42,26 +41,15 @@ class ForwardWeights:
 
 @dataclass
 class TransposedWeights:
-    """w2^T [E, H, D] (kernel A), or [w1 | w3]^T [E, D, 2H] (dgrad of linear 1: w1^T in
+    """w2^T [E, H, D] (fp8_dgrad2_swiglu), or [w1 | w3]^T [E, D, 2H] (fp8_dgrad1: w1^T in
     columns [0, H), w3^T in [H, 2H)), with the blocks' scales transposed alike."""
 
     q: torch.Tensor
     s: torch.Tensor
 
 
-_CACHE_ON = False
 _GENERATION = 0
 _CACHE: dict = {}
-
-
-def set_weight_cache(enabled: bool) -> None:
-    global _CACHE_ON
-    _CACHE_ON = bool(enabled)
-    _CACHE.clear()
-
-
-def weight_cache_enabled() -> bool:
-    return _CACHE_ON
 
 
 def new_weights_step() -> None:
@@ -71,8 +59,11 @@ def new_weights_step() -> None:
     _CACHE.clear()
 
 
-def _cached(kind: str, ws: tuple, make):
-    if not _CACHE_ON or torch.compiler.is_compiling() or (
+def _cached(kind: str, ws: tuple, make, cache: bool):
+    if not cache:
+        _CACHE.clear()  # the cache turned off holds nothing
+        return make()
+    if torch.compiler.is_compiling() or (
             torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()):
         return make()
     key = (kind,) + tuple((w.data_ptr(), tuple(w.shape), w.dtype, w.device) for w in ws)
@@ -85,23 +76,25 @@ def _cached(kind: str, ws: tuple, make):
     return value
 
 
-def forward_weights(w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor) -> ForwardWeights:
-    return _cached("fwd", (w1, w2, w3), lambda: _forward_weights(w1, w2, w3))
+def forward_weights(w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor,
+                    cache: bool = False) -> ForwardWeights:
+    """``cache``: keep the copies until the weights change (see the module docstring)."""
+    return _cached("fwd", (w1, w2, w3), lambda: _forward_weights(w1, w2, w3), cache)
 
 
-def w2_transposed(w2: torch.Tensor) -> TransposedWeights:
-    """Quantized only when kernel A runs (and freed after it), so the two transposed copies
-    are never live together in a backward."""
-    return _cached("w2t", (w2,), lambda: _w2_transposed(w2))
+def w2_transposed(w2: torch.Tensor, cache: bool = False) -> TransposedWeights:
+    """Quantized only when fp8_dgrad2_swiglu runs (and freed after it), so the two transposed
+    copies are never live together in a backward."""
+    return _cached("w2t", (w2,), lambda: _w2_transposed(w2), cache)
 
 
 def w13_transposed(w1: torch.Tensor, w3: torch.Tensor, lo: int = 0,
-                   hi: int | None = None) -> TransposedWeights:
+                   hi: int | None = None, cache: bool = False) -> TransposedWeights:
     """Experts [lo, hi) (default: all). Only the whole copy is cached: a group of experts is
     the backward's way to hold less than the whole copy at once (fp8_backward)."""
     hi = w1.shape[0] if hi is None else hi
     if lo == 0 and hi == w1.shape[0]:
-        return _cached("w13t", (w1, w3), lambda: _w13_transposed(w1, w3))
+        return _cached("w13t", (w1, w3), lambda: _w13_transposed(w1, w3), cache)
     return _w13_transposed(w1[lo:hi], w3[lo:hi])
 
 

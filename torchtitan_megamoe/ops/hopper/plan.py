@@ -121,8 +121,8 @@ def build_plan(
     S = T * K
     R_max = max_rows(S, E, block_m)
     if topk_ids.is_cuda or use_kernels:
-        # Same layout from three Triton launches: the ~25 torch ops below cost the host ~1 ms
-        # to issue on the H200 machine, time the GPU spent idle.
+        # Same layout from three Triton launches: the ~25 torch ops below keep the GPU idle
+        # while the host issues them.
         from torchtitan_megamoe.ops.hopper.kernels.plan_kernels import plan_tensors
 
         row_slot, slot_row, tile_expert, seg_start, count, _, ids_ok, packed = plan_tensors(

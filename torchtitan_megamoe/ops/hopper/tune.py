@@ -21,22 +21,12 @@ from torchtitan_megamoe.timing import median_ms
 
 _CHOSEN: dict = {}
 TIMINGS: dict = {}
-"""(kernel name, shape key) -> [(config, ms)], for the benchmark's report."""
-
-
-def interpreting() -> bool:
-    """True when kernels run under Triton's CPU interpreter (read at launch time)."""
-    return settings.triton_interpreting()
-
-
-def interpreter_needs_f32_dot() -> bool:
-    """The CPU interpreter (seen with Triton 3.9) returns garbage from tl.dot on bf16 operands,
-    so kernels upcast their dot operands to fp32 there; compiled kernels keep bf16 MMAs."""
-    return interpreting()
+"""(stage name, shape key) -> [(config, ms, why it was rejected or "")], for the benchmark's
+report."""
 
 
 def _tuning_enabled() -> bool:
-    if interpreting():
+    if settings.triton_interpreting():
         return False
     if not settings.tuning():
         return False
@@ -98,6 +88,12 @@ def tuned(name: str, key: tuple) -> dict | None:
     None before. Lets a wrapper skip building its candidate list on every later call."""
     chosen = _CHOSEN.get((name, key))
     return chosen if chosen is not None and _tuning_enabled() else None
+
+
+def picked(name: str, key: tuple) -> dict | None:
+    """What pick_config chose for (name, key) after timing its candidates; None before (or when
+    it never timed them)."""
+    return _CHOSEN.get((name, key))
 
 
 def pick_config(name: str, key: tuple, candidates, launch, outputs=None,

@@ -1,7 +1,7 @@
 """Backward combine: dx[t] = sum_k dx_slot[t*K + k] and dtopk_weights[t, k] = sum_j part[j, row].
 
-(With ``rows``, kernel C's output is in the plan's row space, [R_max, D], and slot s's row is
-dx_rows[slot_row[s]]: the sm90 kernel C writes whole tiles by bulk stores instead of
+(With ``rows``, dgrad1's output is in the plan's row space, [R_max, D], and slot s's row is
+dx_rows[slot_row[s]]: the sm90 dgrad1 writes whole tiles by bulk stores instead of
 scattering rows into slots.)
 
 Both sums run in fp32 in a fixed order (k ascending; H tiles ascending), so the result is
@@ -10,7 +10,7 @@ slot_row == -1) contribute 0 and their dx_slot rows are never read (they were ne
 
 Tiles: one program per (BLOCK_T tokens, BLOCK_D columns of D); the programs of the first D
 column block also reduce the d(topk_weights) partials of their tokens (NUM_PART rows of part).
-Waits on: kernel C's dx_slot and kernel A's partials (stream order). Signals: nothing.
+Waits on: dgrad1's dx_slot and dgrad2_swiglu's partials (stream order). Signals: nothing.
 """
 
 import torch
@@ -74,7 +74,7 @@ def bwd_combine(
     rows: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Sum each token's slots. dx_slot: [T*K, D] (or, with ``rows``, [R_max, D] in the plan's
-    row space); part: [n_h_tiles, R_max] fp32 from kernel A. Returns dx [T, D] in dx_dtype and
+    row space); part: [n_h_tiles, R_max] fp32 from dgrad2_swiglu. Returns dx [T, D] in dx_dtype and
     dtopk_weights [T, K] in dtw_dtype."""
     T, K = plan.num_tokens, plan.top_k
     D = dx_slot.shape[1]

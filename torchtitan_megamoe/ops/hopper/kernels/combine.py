@@ -15,9 +15,9 @@ import torch
 import triton
 import triton.language as tl
 
+from torchtitan_megamoe import settings
 from torchtitan_megamoe.ops.hopper.kernels.sum_partials import add_partials
 from torchtitan_megamoe.ops.hopper.kernels.tiling import cast_out, cdiv, next_power_of_2
-from torchtitan_megamoe.ops.hopper.tune import interpreter_needs_f32_dot
 
 
 @triton.jit
@@ -103,7 +103,7 @@ def combine(
         T, D, y.stride(0), topk_weights.stride(0), out.stride(0),
         part.stride(0) if R > 1 else 0, part.stride(1) if R > 1 else 0,
         pos.stride(0) if R > 1 else 0, me, R=R,
-        TOP_K=K, BLOCK_T=block_t, BLOCK_D=block_d, EMULATE_RTNE=interpreter_needs_f32_dot(),
+        TOP_K=K, BLOCK_T=block_t, BLOCK_D=block_d, EMULATE_RTNE=settings.triton_interpreting(),
         num_warps=4,
     )
     return out

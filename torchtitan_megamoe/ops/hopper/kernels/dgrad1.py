@@ -1,4 +1,4 @@
-"""Backward kernel C: dgrad of linear 1, dx rows stored into their (token, k) slots.
+"""dgrad1 (Triton): dgrad of linear 1, dx rows stored into their (token, k) slots.
 
 Per (row tile, D tile) of the plan's row space, e the tile's expert:
 
@@ -10,7 +10,7 @@ drop every mask but the row one (EVEN). Rows are stored straight into the slot b
 sums each token's K slots in fixed order), so no un-permute copy is needed. Padding rows and
 tiles past the used rows store nothing; slots that are dropped are never written and never read.
 Program ids run D tiles fastest, so the programs in flight share a row tile's da rows in L2.
-Waits on: kernel A's da (stream order). Signals: nothing.
+Waits on: dgrad2_swiglu's da (stream order). Signals: nothing.
 """
 
 import torch
@@ -18,13 +18,14 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from torchtitan_megamoe.ops.hopper.kernels.mma import interpreting, mma
+from torchtitan_megamoe import settings
+from torchtitan_megamoe.ops.hopper.kernels.mma import mma
 from torchtitan_megamoe.ops.hopper.plan import Plan
 from torchtitan_megamoe.ops.hopper.kernels.tiling import cdiv
 
 
 @triton.jit
-def _dgrad_l1_kernel(
+def _dgrad1_kernel(
     da_ptr, w1_ptr, w3_ptr, w1_desc, w3_desc, out_ptr,
     row_slot_ptr, tile_expert_ptr,
     H, D,
@@ -99,7 +100,7 @@ def dgrad1(
     use_tma: bool = False,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Launch kernel C. da: [R_max, 2H] from kernel A; w1, w3: [E, H, D].
+    """Launch dgrad1. da: [R_max, 2H] from dgrad2_swiglu; w1, w3: [E, H, D].
     Returns dx_slot [T*K, D] (rows of dropped slots left unwritten). use_tma loads the weight
     tiles with TMA descriptors; it applies only when H % block_k == D % block_n == 0 and the
     weights are contiguous (else pointer loads)."""
@@ -120,7 +121,7 @@ def dgrad1(
     else:
         d1, d3 = w1, w3
     grid = (plan.num_tiles * cdiv(D, block_n),)
-    _dgrad_l1_kernel[grid](
+    _dgrad1_kernel[grid](
         da, w1, w3, d1, d3, out,
         plan.row_slot, plan.tile_expert,
         H, D,
@@ -128,7 +129,7 @@ def dgrad1(
         *w1.stride(), *w3.stride(),
         out.stride(0),
         BLOCK_M=plan.block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-        EVEN=even, USE_TMA=use_tma, UPCAST=interpreting(),
+        EVEN=even, USE_TMA=use_tma, UPCAST=settings.triton_interpreting(),
         num_warps=num_warps, num_stages=num_stages,
     )
     return out

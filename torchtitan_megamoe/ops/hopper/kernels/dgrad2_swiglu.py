@@ -1,4 +1,4 @@
-"""Backward kernel A: dgrad of linear 2 fused with the SwiGLU backward and d(topk_weights).
+"""dgrad2_swiglu (Triton): dgrad of linear 2 fused with the SwiGLU backward and d(topk_weights).
 
 Per (row tile, H tile) of the plan's expert-grouped row space, with e the tile's expert, dy_r the
 row of the row's token (read by indirection, no permute copy), w_r its routing weight and
@@ -16,10 +16,9 @@ second GEMM: each H tile stores its partial dot and the combine kernel sums the 
 order (deterministic, no atomics).
 
 The K loop is one plain dgrad GEMM dy_r @ w2[e] (2*T*K*D*H flops, one accumulator); the
-epilogue loads the a1 / a3 tiles at the same (row, column) offsets it stores da at. (Until
-2026-11-30 a second variant recomputed a1/a3 in the K loop, three accumulators and 6*T*K*D*H
-flops: 3.16 ms at the 30B shape. GEMM 1 again with its a store plus this kernel's sm90 form
-made the whole recompute-path backward 9.28 -> 6.94 ms there (docs/PERF.md at 5e0bafa), so it went.)
+epilogue loads the a1 / a3 tiles at the same (row, column) offsets it stores da at. (Recomputing
+a1/a3 in the K loop instead takes three accumulators and three times the flops; rerunning
+GEMM 1 with its a store before this kernel is faster.)
 
 Tiles: BLOCK_M rows (a divisor of the plan's block_m, so a tile has one expert) x BLOCK_N columns
 of H, K-loop over D in BLOCK_K. Program ids run H tiles fastest, so the programs in flight share
@@ -38,13 +37,14 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from torchtitan_megamoe.ops.hopper.kernels.mma import interpreting, mma
+from torchtitan_megamoe import settings
+from torchtitan_megamoe.ops.hopper.kernels.mma import mma
 from torchtitan_megamoe.ops.hopper.plan import Plan
 from torchtitan_megamoe.ops.hopper.kernels.tiling import cdiv
 
 
 @triton.jit
-def _dgrad_l2_swiglu_kernel(
+def _dgrad2_swiglu_kernel(
     dy_ptr, tw_ptr, w2_ptr, w2_desc,
     row_slot_ptr, tile_expert_ptr, a_ptr, a_desc,
     da_ptr, hw_ptr, da_desc, hw_desc, part_ptr,
@@ -157,7 +157,7 @@ def dgrad2_swiglu(
     use_tma: bool = False,
     out: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Launch kernel A. Returns (da [R_max, 2H], hw [R_max, H], dtw_part [n_h_tiles, R_max]).
+    """Launch dgrad2_swiglu. Returns (da [R_max, 2H], hw [R_max, H], dtw_part [n_h_tiles, R_max]).
 
     dy: [T, D] (rows contiguous in D); a: [R_max, 2H] GEMM 1's pre-activations [a1 | a3] for
     this plan (gemm1_swiglu(..., save_a=True)); topk_weights: [T, K]; w2: [E, D, H].
@@ -197,7 +197,7 @@ def dgrad2_swiglu(
         da_d = TensorDescriptor.from_tensor(da, [block_m, block_n])
         hw_d = TensorDescriptor.from_tensor(hw, [block_m, block_n])
     grid = (R // block_m * n_tiles_h,)
-    _dgrad_l2_swiglu_kernel[grid](
+    _dgrad2_swiglu_kernel[grid](
         dy, tw, w2, d2,
         plan.row_slot, plan.tile_expert, a, a_d,
         da, hw, da_d, hw_d, part,
@@ -206,7 +206,7 @@ def dgrad2_swiglu(
         *w2.stride(),
         da.stride(0), hw.stride(0),
         PLAN_BM=plan.block_m, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-        EVEN=even, USE_TMA=use_tma, UPCAST=interpreting(),
+        EVEN=even, USE_TMA=use_tma, UPCAST=settings.triton_interpreting(),
         num_warps=num_warps, num_stages=num_stages,
     )
     return da, hw, part

@@ -1,12 +1,12 @@
-"""The EP token route in one Triton launch (the path of ep_route.TokenRoute).
+"""The EP token route in one Triton launch (the path of ep_dispatch.TokenRoute).
 
 Receive layout: token t of source s sits at row t of region s on every rank it goes to (the
 identity layout). Rows of tokens that do not go to a rank stay in place with "no slot"
 metadata. A region is then a plain copy of the source's batch, so the dispatch can be one
 contiguous copy per peer on the copy engines (no SMs, overlappable with the GEMMs), and every
 position is known without a scan. It replaced a compacted layout (rows numbered by a scan in
-token order): same bytes on the copy-engine path at EP=2 (a token has a slot on both ranks 99%
-of the time at top-8 of 128 experts), more at EP=8 (~1.5x), where the copy runs under compute.
+token order): the same bytes on the copy-engine path at EP=2 (at top-8 of 128 experts a token
+almost always has a slot on both ranks), more at EP=8, where the copy runs under compute.
 
     owner    [T, K] int64     expert's rank per slot (-1: dropped slot)
     ret_slot [T, K] int64     flat index of slot (t, k) in an [R, C, K] buffer of rows the
@@ -94,9 +94,9 @@ def ep_route_tensors(topk_ids: torch.Tensor, topk_weights: torch.Tensor, E_local
     pos = torch.empty((T, R), dtype=torch.int32, device=dev)
     meta = torch.empty((R, C, 2 * K), dtype=torch.int32, device=dev)
     K_PAD = next_power_of_2(K)
-    # [BLOCK_T, K_PAD] tiles of ~4K elements; one program per (destination, token tile):
-    # 2 x 32 programs at T = C = 16384, K = 8, R = 2 (one program per destination walking all
-    # tokens took 124 us on the H200; the identity layout needs no scan, so tiles are independent)
+    # [BLOCK_T, K_PAD] tiles of ~4K elements; one program per (destination, token tile): the
+    # identity layout needs no scan, so tiles are independent (one program per destination
+    # walking all tokens is serial)
     BLOCK_T = block_t or max(16, min(1024, 4096 // K_PAD))
     blocks = cdiv(C, BLOCK_T)
     ok = torch.empty(blocks, dtype=torch.int32, device=dev) if check_ids else pos

@@ -15,7 +15,7 @@ Epilogues (MODE):
   swiglu   GEMM 1: two accumulators (w1, w3 share the A tile), h = silu(a1) * a3 quantized in
            the epilogue to e4m3 with one scale per row of the 128-column tile (GEMM 2's A
            operand, no extra pass); optionally a = [a1 | a3] in bf16 for the backward
-  dswiglu  the backward's kernel A: dhg = dy_rows @ w2[e] (B = the transposed [E, H, D] copy),
+  dswiglu  fp8_dgrad2_swiglu: dhg = dy_rows @ w2[e] (B = the transposed [E, H, D] copy),
            the SwiGLU backward with the routing weight in the epilogue, and every operand the
            next GEMMs read, quantized where it sits in registers: da = [da1 | da3] per row
            (dgrad of linear 1), da^T and h^T per 128 rows of a column (the weight gradients),
@@ -32,17 +32,17 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
+from torchtitan_megamoe import settings
 from torchtitan_megamoe.ops.hopper.cuda.dgrad2_swiglu import fp8_dgrad2_swiglu_sm90
 from torchtitan_megamoe.ops.hopper.cuda.gemm1_swiglu import fp8_gemm1_swiglu_sm90
 from torchtitan_megamoe.ops.hopper.cuda.gemm_rows import fp8_gemm_rows_sm90
-from torchtitan_megamoe.ops.hopper.cuda.sm90 import fp8_shape_supported as sm90_shape_supported
-from torchtitan_megamoe.ops.hopper.cuda.sm90 import sm90_usable
+from torchtitan_megamoe.ops.hopper.heuristics import FP8_INTERPRET, fp8_gemm_candidates
 from torchtitan_megamoe.ops.hopper.kernels.fp8_quant import FP8, quantize_block
-from torchtitan_megamoe.ops.hopper.kernels.tiling import grouped_tile
+from torchtitan_megamoe.ops.hopper.kernels.tiling import constexprs, grouped_tile
 from torchtitan_megamoe.ops.hopper.plan import Plan
-from torchtitan_megamoe.ops.hopper.tune import bucket, interpreting, pick_config, relative_difference
+from torchtitan_megamoe.ops.hopper.tune import bucket, pick_config, relative_difference
 
-MODE_PLAIN, MODE_SWIGLU, MODE_DSWIGLU = 0, 1, 2
+MODE_GEMM_ROWS, MODE_GEMM1_SWIGLU, MODE_DGRAD2_SWIGLU = 0, 1, 2
 
 
 @triton.jit
@@ -145,78 +145,32 @@ def _fp8_rows_kernel(
             tl.store(qts_ptr + cols_t * stride_qts + rb, s)
 
 
-# Candidates per mode, timed once per shape by tune.pick_config. Offline sm_90a compiles
-# (Triton 3.9): plain 128x128 at 8 warps spills nothing (154 registers), 128x256 a little;
-# swiglu spills at 128x128 (two accumulators) and not at 64x128; dswiglu's epilogue (five
-# quantized stores) spills ~1.5 KB at its only legal tile, 128x128. Triton waits for each
-# 128-K step's wgmma before scaling it into the accumulator, so 4-warp tiles (several CTAs per
-# SM, one's promotion under another's MMAs) are offered next to the 8-warp ones.
-GPU_CONFIGS = {
-    MODE_PLAIN: [  # first: the H200's pick at both Qwen3 shapes but one (it runs untuned)
-        dict(BLOCK_M=64, BLOCK_N=128, GROUP_M=8, num_warps=4, num_stages=3),
-        dict(BLOCK_M=128, BLOCK_N=128, GROUP_M=8, num_warps=8, num_stages=3),
-        dict(BLOCK_M=128, BLOCK_N=128, GROUP_M=8, num_warps=8, num_stages=4),
-        dict(BLOCK_M=128, BLOCK_N=256, GROUP_M=8, num_warps=8, num_stages=3),
-        dict(BLOCK_M=64, BLOCK_N=128, GROUP_M=8, num_warps=4, num_stages=4),
-        dict(BLOCK_M=128, BLOCK_N=64, GROUP_M=8, num_warps=4, num_stages=4),
-        dict(BLOCK_M=64, BLOCK_N=256, GROUP_M=8, num_warps=8, num_stages=3),
-    ],
-    MODE_SWIGLU: [
-        dict(BLOCK_M=64, BLOCK_N=128, GROUP_M=8, num_warps=8, num_stages=3),
-        dict(BLOCK_M=64, BLOCK_N=128, GROUP_M=8, num_warps=8, num_stages=4),
-        dict(BLOCK_M=128, BLOCK_N=128, GROUP_M=8, num_warps=8, num_stages=3),
-        dict(BLOCK_M=64, BLOCK_N=128, GROUP_M=8, num_warps=4, num_stages=4),
-        dict(BLOCK_M=64, BLOCK_N=128, GROUP_M=8, num_warps=4, num_stages=3),
-    ],
-    MODE_DSWIGLU: [
-        dict(BLOCK_M=128, BLOCK_N=128, GROUP_M=8, num_warps=8, num_stages=3),
-        dict(BLOCK_M=128, BLOCK_N=128, GROUP_M=8, num_warps=8, num_stages=2),
-        dict(BLOCK_M=128, BLOCK_N=128, GROUP_M=8, num_warps=8, num_stages=4),
-    ],
-}
-# The warp-specialized CUDA kernels (csrc/fp8_gemm_sm90.cu: producer warpgroup, two consumer
-# warpgroups promoting unsynchronized), offered where they build (sm_90 + nvcc; MEGAMOE_CUDA=0:
-# never) for GEMM 1 + SwiGLU, kernel A, and the plain GEMMs on row-space A with a bf16 output.
-SM90_CONFIG = dict(IMPL="sm90", GROUP_M=8)
+_EPILOGUES = {MODE_GEMM_ROWS: "gemm_rows", MODE_GEMM1_SWIGLU: "gemm1_swiglu", MODE_DGRAD2_SWIGLU: "dgrad2_swiglu"}
+"""Each mode's candidate list in heuristics.FP8_CONFIGS."""
 
 
-def _candidates(mode, a, b, plan, out, gather):
-    E, N, K = b.shape
-    cands = list(GPU_CONFIGS[mode])
-    sm90_mode = (mode in (MODE_SWIGLU, MODE_DSWIGLU) and gather) or (
-        mode == MODE_PLAIN and not gather and out.dtype == torch.bfloat16)
-    if sm90_mode and sm90_shape_supported(N, K, plan.block_m) and sm90_usable(a):
-        cands.append(SM90_CONFIG)
-    return cands
-
-
-INTERPRET_CONFIG = dict(BLOCK_M=128, BLOCK_N=128, GROUP_M=2, num_warps=1, num_stages=1)
-_NAMES = {MODE_PLAIN: "fp8_rows", MODE_SWIGLU: "fp8_gemm1_swiglu", MODE_DSWIGLU: "fp8_dgrad2_swiglu"}
-
-
-def _run(mode, a, a_s, b, b_s, plan: Plan, out, out_s, gather, b2=None, b2_s=None,
+def _run(stage, mode, a, a_s, b, b_s, plan: Plan, out, out_s, gather, b2=None, b2_s=None,
          aux=None, tw=None, qt=None, qt_s=None, ht=None, ht_s=None, part=None, config=None,
          outputs=None, expert_base=None):
     E, N, K = b.shape
     e_lo = expert_base or 0
-    assert expert_base is None or mode == MODE_PLAIN
+    assert expert_base is None or mode == MODE_GEMM_ROWS
     R = plan.max_rows
     assert K % 128 == 0 and N % 128 == 0 and a.shape[1] == K, (a.shape, b.shape)
 
     def launch(cfg):
-        cfg = dict(cfg)
-        if cfg.pop("IMPL", None) == "sm90":
-            if mode == MODE_PLAIN:
-                fp8_gemm_rows_sm90(a, a_s, b, b_s, plan, out, group_m=cfg["GROUP_M"],
-                              expert_base=expert_base)
-            elif mode == MODE_DSWIGLU:
+        if cfg.get("impl") == "sm90":
+            if mode == MODE_GEMM_ROWS:
+                fp8_gemm_rows_sm90(a, a_s, b, b_s, plan, out, group_m=cfg["group_m"],
+                                   expert_base=expert_base)
+            elif mode == MODE_DGRAD2_SWIGLU:
                 fp8_dgrad2_swiglu_sm90(a, a_s, b, b_s, aux, tw, plan, out, out_s, qt, qt_s,
-                                 ht, ht_s, part, group_m=cfg["GROUP_M"])
+                                       ht, ht_s, part, group_m=cfg["group_m"])
             else:
                 fp8_gemm1_swiglu_sm90(a, a_s, b, b_s, b2, b2_s, plan, out, out_s, aux,
-                                      group_m=cfg["GROUP_M"])
+                                      group_m=cfg["group_m"])
             return
-        bm, bn = cfg["BLOCK_M"], cfg["BLOCK_N"]
+        bm, bn = cfg["block_m"], cfg["block_n"]
         assert plan.block_m % bm == 0 and N % bn == 0
         num_m = R // bm
         desc = TensorDescriptor.from_tensor
@@ -239,22 +193,24 @@ def _run(mode, a, a_s, b, b_s, plan: Plan, out, out_s, gather, b2=None, b2_s=Non
             out_s.stride(0) if out_s is not None else 0,
             qt_s.stride(0) if qt_s is not None else 0,
             TOP_K=plan.top_k, PLAN_BM=plan.block_m, GATHER=gather, MODE=mode,
-            SAVE_A=aux is not None, F32_DOT=interpreting(), **cfg,
+            SAVE_A=aux is not None, F32_DOT=settings.triton_interpreting(), **constexprs(cfg),
         )
 
     def checked():  # what the tuner compares (the used rows: every position written; syncs)
         return outputs() if outputs else (out[: int(plan.num_rows_used)],)
 
     if config is None:
-        if interpreting():
-            config = INTERPRET_CONFIG
+        if settings.triton_interpreting():
+            config = FP8_INTERPRET
         else:
             key = (bucket(R), N, K, E, plan.block_m, gather, aux is not None,
                    expert_base is not None)
             # a function: the list (and its sm90 check) is built only until the tuner has picked
-            config = pick_config(_NAMES[mode], key,
-                                 lambda: _candidates(mode, a, b, plan, out, gather), launch,
-                                 outputs=lambda _: checked(), mismatch=relative_difference)
+            config = pick_config(stage, key,
+                                 lambda: fp8_gemm_candidates(_EPILOGUES[mode], a, N, K,
+                                                             plan.block_m, out, gather),
+                                 launch, outputs=lambda _: checked(),
+                                 mismatch=relative_difference)
     launch(config)
 
 
@@ -266,15 +222,17 @@ def fp8_gemm1_swiglu(xq, xs, w1q, w1s, w3q, w3s, plan: Plan, save_a: bool, confi
     hq = torch.empty((R, H), dtype=FP8, device=xq.device)
     hs = torch.empty((R, H // 128), dtype=torch.float32, device=xq.device)
     a = torch.empty((R, 2 * H), dtype=torch.bfloat16, device=xq.device) if save_a else None
-    _run(MODE_SWIGLU, xq, xs, w1q, w1s, plan, hq, hs, gather=True, b2=w3q, b2_s=w3s, aux=a,
+    _run("fp8_gemm1_swiglu", MODE_GEMM1_SWIGLU, xq, xs, w1q, w1s, plan, hq, hs, gather=True, b2=w3q, b2_s=w3s, aux=a,
          config=config, outputs=lambda: tuple(t[: int(plan.num_rows_used)]
                                               for t in (hq, hs) + ((a,) if save_a else ())))
     return hq, hs, a
 
 
 def fp8_gemm_rows(aq, a_s, bq, b_s, plan: Plan, out_dtype, gather: bool = False, config=None,
-                  expert_base: int | None = None, out: torch.Tensor | None = None):
-    """out [R_max, N] (out_dtype) = rows of aq @ bq[e]^T in the row space. With
+                  expert_base: int | None = None, out: torch.Tensor | None = None,
+                  stage: str = "fp8_gemm2"):
+    """out [R_max, N] (out_dtype) = rows of aq @ bq[e]^T in the row space; ``stage``: the
+    tuner's name (fp8_gemm2, or fp8_dgrad1 for the backward's use). With
     ``expert_base`` e0, bq / b_s hold experts [e0, e0 + E) only and only their rows of ``out``
     (given, or new) are written: one group of a GEMM split by experts."""
     if out is None:
@@ -284,13 +242,13 @@ def fp8_gemm_rows(aq, a_s, bq, b_s, plan: Plan, out_dtype, gather: bool = False,
         def outputs():
             lo, hi = plan.seg_start[[expert_base, expert_base + bq.shape[0]]].tolist()
             return (out[lo:hi],)
-    _run(MODE_PLAIN, aq, a_s, bq, b_s, plan, out, None, gather=gather, config=config,
+    _run(stage, MODE_GEMM_ROWS, aq, a_s, bq, b_s, plan, out, None, gather=gather, config=config,
          outputs=outputs, expert_base=expert_base)
     return out
 
 
 def fp8_dgrad2_swiglu(gq, gs, w2tq, w2ts, a_saved, topk_weights, plan: Plan, config=None):
-    """The backward's kernel A in FP8 (see the module docstring). Returns (daq [R, 2H], das
+    """fp8_dgrad2_swiglu (see the module docstring). Returns (daq [R, 2H], das
     [R, 2H/128], daTq [2H, R], daTs [2H, R/128], hTq [H, R], hTs [H, R/128], part [H/128, R])."""
     E, H, D = w2tq.shape
     R = plan.max_rows
@@ -304,7 +262,7 @@ def fp8_dgrad2_swiglu(gq, gs, w2tq, w2ts, a_saved, topk_weights, plan: Plan, con
     part = torch.empty((H // 128, R), dtype=torch.float32, device=dev)
     assert hTq.stride(0) == R and daTq.stride(0) == R and hTs.stride(0) == daTs.stride(0)
     used = lambda t: t[: int(plan.num_rows_used)]  # noqa: E731  (rows past them are unwritten)
-    _run(MODE_DSWIGLU, gq, gs, w2tq, w2ts, plan, daq, das, gather=True, aux=a_saved,
+    _run("fp8_dgrad2_swiglu", MODE_DGRAD2_SWIGLU, gq, gs, w2tq, w2ts, plan, daq, das, gather=True, aux=a_saved,
          tw=topk_weights.reshape(-1).float(), qt=daTq, qt_s=daTs, ht=hTq, ht_s=hTs, part=part,
          config=config,
          outputs=lambda: (used(daq), used(das), part.sum(0)[: int(plan.num_rows_used)]))

@@ -24,9 +24,9 @@ import torch
 import triton
 import triton.language as tl
 
+from torchtitan_megamoe import settings
 from torchtitan_megamoe.ops.hopper.plan import Plan
 from torchtitan_megamoe.ops.hopper.kernels.tiling import cdiv
-from torchtitan_megamoe.ops.hopper.tune import interpreting
 
 SCALE_BLOCK = 128
 FP8 = torch.float8_e4m3fn
@@ -85,7 +85,7 @@ def quant_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         block_r = 32
         _quant_rows_kernel[(cdiv(N, block_r), K // SCALE_BLOCK)](
             x, q, s, N, K, x.stride(0), q.stride(0), s.stride(0), BLOCK_R=block_r,
-            EMULATE=interpreting(), num_warps=4)
+            EMULATE=settings.triton_interpreting(), num_warps=4)
     return q, s
 
 
@@ -132,7 +132,7 @@ def quant_weight(w: torch.Tensor, q=None, s=None, qt=None, st=None, t_col0: int 
         qq.stride(0), qq.stride(1), ss.stride(0), ss.stride(1),
         tt.stride(0), tt.stride(1), sst.stride(0), sst.stride(1),
         t_col0, t_col0 // SCALE_BLOCK, STORE_Q=store_q, STORE_T=store_t,
-        EMULATE=interpreting(), num_warps=8)
+        EMULATE=settings.triton_interpreting(), num_warps=8)
 
 
 def weight_blocks(E: int, N: int, K: int, device, transposed_n: int | None = None):
@@ -188,5 +188,5 @@ def quant_rows_t(src: torch.Tensor, plan: Plan, gather: bool, row_weight=None):
     _quant_rows_t_kernel[(R // SCALE_BLOCK, C // SCALE_BLOCK)](
         src, w, plan.row_slot, plan.num_rows_used, q, s, C, src.stride(0), q.stride(0),
         s.stride(0), TOP_K=plan.top_k, GATHER=gather, WEIGHTED=row_weight is not None,
-        EMULATE=interpreting(), num_warps=8)
+        EMULATE=settings.triton_interpreting(), num_warps=8)
     return q, s

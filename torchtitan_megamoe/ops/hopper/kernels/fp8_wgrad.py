@@ -5,7 +5,7 @@
 A^T [M, R_max] and B^T [N, R_max] hold the plan's rows transposed (rows contiguous: K-major for
 FP8 wgmma), each with one scale per column and 128 rows ([M, R_max/128], [N, R_max/128]): the
 quantization the weight gradients need, since they contract over tokens (fp8_quant.quant_rows_t,
-or kernel A's epilogue). Expert segments start on 128-row boundaries, so a scale block never
+or dgrad2_swiglu's epilogue). Expert segments start on 128-row boundaries, so a scale block never
 mixes experts; rows past an expert's real count are zeros. The K loop stops at the last
 128-row step holding a real row (all-padding steps are skipped) and promotes each step's
 partial product into the fp32 accumulator with its two scale vectors.
@@ -21,13 +21,13 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
+from torchtitan_megamoe import settings
 from torchtitan_megamoe.ops.hopper.cuda.wgrad import fp8_wgrad_sm90
-from torchtitan_megamoe.ops.hopper.cuda.wgrad import fp8_wgrad_supported as wgrad_supported
-from torchtitan_megamoe.ops.hopper.cuda.sm90 import sm90_usable
+from torchtitan_megamoe.ops.hopper.heuristics import FP8_INTERPRET, fp8_wgrad_candidates
+from torchtitan_megamoe.ops.hopper.kernels.tiling import constexprs, grouped_tile
 from torchtitan_megamoe.ops.hopper.kernels.wgrad import longest_first
-from torchtitan_megamoe.ops.hopper.kernels.tiling import grouped_tile
 from torchtitan_megamoe.ops.hopper.plan import Plan
-from torchtitan_megamoe.ops.hopper.tune import bucket, interpreting, pick_config
+from torchtitan_megamoe.ops.hopper.tune import bucket, pick_config
 
 
 @triton.jit
@@ -61,21 +61,6 @@ def _fp8_wgrad_kernel(
     out_desc.store([(e * M + m0).to(tl.int32), n0], acc.to(out_desc.dtype))
 
 
-# 4-warp tiles run several CTAs per SM (see fp8_gemm_rows.GPU_CONFIGS); the first, the H200's
-# pick at both Qwen3 shapes, runs untuned
-GPU_CONFIGS = [
-    dict(BLOCK_M=64, BLOCK_N=128, GROUP_M=8, num_warps=4, num_stages=3),
-    dict(BLOCK_M=128, BLOCK_N=128, GROUP_M=8, num_warps=8, num_stages=3),
-    dict(BLOCK_M=64, BLOCK_N=128, GROUP_M=8, num_warps=4, num_stages=4),
-    dict(BLOCK_M=128, BLOCK_N=64, GROUP_M=8, num_warps=4, num_stages=4),
-    dict(BLOCK_M=128, BLOCK_N=256, GROUP_M=8, num_warps=8, num_stages=3),
-    dict(BLOCK_M=128, BLOCK_N=128, GROUP_M=8, num_warps=8, num_stages=4),
-]
-# csrc/fp8_gemm_sm90.cu's WGRAD kernel (warp-specialized, dynamic tile order), where it builds
-SM90_CONFIG = dict(IMPL="sm90", GROUP_M=8)
-INTERPRET_CONFIG = dict(BLOCK_M=128, BLOCK_N=128, GROUP_M=2, num_warps=1, num_stages=1)
-
-
 def fp8_wgrad(at, ats, bt, bts, plan: Plan, out: torch.Tensor, order=None, config=None):
     """out [E, M, N] (written whole) = per expert A^T[:, seg] @ B^T[:, seg]^T."""
     E, M, N = out.shape
@@ -84,29 +69,26 @@ def fp8_wgrad(at, ats, bt, bts, plan: Plan, out: torch.Tensor, order=None, confi
     order = longest_first(plan) if order is None else order
 
     def launch(cfg):
-        cfg = dict(cfg)
-        if cfg.pop("IMPL", None) == "sm90":
-            fp8_wgrad_sm90(at, ats, bt, bts, plan, out, order, group_m=cfg["GROUP_M"])
+        if cfg.get("impl") == "sm90":
+            fp8_wgrad_sm90(at, ats, bt, bts, plan, out, order, group_m=cfg["group_m"])
             return (out,)
-        bm, bn = cfg["BLOCK_M"], cfg["BLOCK_N"]
+        bm, bn = cfg["block_m"], cfg["block_n"]
         assert M % bm == 0 and N % bn == 0, (M, N, cfg)
         desc = TensorDescriptor.from_tensor
         _fp8_wgrad_kernel[(E * (M // bm) * (N // bn),)](
             desc(at, [bm, 128]), ats, desc(bt, [bn, 128]), bts,
             desc(out.view(E * M, N), [bm, bn]), plan.seg_start, plan.count, order, M, N,
-            ats.stride(0), bts.stride(0), F32_DOT=interpreting(), **cfg)
+            ats.stride(0), bts.stride(0), F32_DOT=settings.triton_interpreting(),
+            **constexprs(cfg))
         return (out,)
 
     if config is None:
-        if interpreting():
-            config = INTERPRET_CONFIG
+        if settings.triton_interpreting():
+            config = FP8_INTERPRET
         else:
-            def cands():  # built only until the tuner has picked
-                c = [c for c in GPU_CONFIGS if M % c["BLOCK_M"] == 0 and N % c["BLOCK_N"] == 0]
-                if wgrad_supported(M, N, out.dtype) and sm90_usable(at):
-                    c.append(SM90_CONFIG)
-                return c
-            config = pick_config("fp8_wgrad", (bucket(plan.max_rows), M, N, E), cands, launch,
+            # a function: the list is built only until the tuner has picked
+            config = pick_config("fp8_wgrad", (bucket(plan.max_rows), M, N, E),
+                                 lambda: fp8_wgrad_candidates(at, M, N, out.dtype), launch,
                                  outputs=lambda res: res)
     launch(config)
     return out

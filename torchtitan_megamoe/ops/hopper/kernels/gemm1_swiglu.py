@@ -8,8 +8,8 @@ the plan's block_m, a multiple of BLOCK_M); tiles past the used rows exit at onc
 one program per SM loops over the tiles of the used rows (count read on device).
 
 Optional pre-activation output (``save_a=True``, what the forward saves for the backward so
-kernel A need not recompute GEMM 1): a [R_max, 2H] in x.dtype, a1 = x_r @ w1[e]^T in columns
-[0, H) and a3 = x_r @ w3[e]^T in [H, 2H) (the layout of the backward's da, so kernel A reads a1
+dgrad2_swiglu need not recompute GEMM 1): a [R_max, 2H] in x.dtype, a1 = x_r @ w1[e]^T in columns
+[0, H) and a3 = x_r @ w3[e]^T in [H, 2H) (the layout of the backward's da, so dgrad2_swiglu reads a1
 and a3 of an H tile with the same row offsets it stores da with). Both are the fp32 accumulators
 rounded once to bf16, stored in the epilogue next to h; padding rows store zeros. Off by default
 (then the kernel is the same compiled variant as before: SAVE_A is a constexpr).
@@ -23,14 +23,14 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from torchtitan_megamoe.ops.hopper.cuda.gemm1_swiglu import gemm1_swiglu_sm90, shape_supported
-from torchtitan_megamoe.ops.hopper.cuda.sm90 import sm90_usable
-from torchtitan_megamoe.ops.hopper.plan import Plan
+from torchtitan_megamoe import settings
+from torchtitan_megamoe.ops.hopper.cuda.gemm1_swiglu import gemm1_swiglu_sm90
+from torchtitan_megamoe.ops.hopper.heuristics import gemm1_swiglu_candidates
 from torchtitan_megamoe.ops.hopper.kernels.tiling import (
     cast_out, grouped_tile, launch_config, persistent_programs,
 )
-from torchtitan_megamoe.ops.hopper.tune import bucket as _bucket
-from torchtitan_megamoe.ops.hopper.tune import interpreter_needs_f32_dot, pick_config
+from torchtitan_megamoe.ops.hopper.plan import Plan
+from torchtitan_megamoe.ops.hopper.tune import bucket, pick_config
 
 
 @triton.jit
@@ -123,42 +123,6 @@ def _gemm1_swiglu_kernel(
             )
 
 
-# Hopper candidates; the tuner times them once per shape (the first one also runs untuned and is
-# the reference the others are checked against). Two accumulators double the register footprint
-# of a plain GEMM tile, hence BLOCK_N <= 128. Each one is offered because it was the fastest
-# Triton config at a Qwen3 shape in at least one of the H200 bench runs of 2026-11-30/12-01
-# (the tuner tables of the bench JSONs in docs/perf at 5e0bafa): what runs with MEGAMOE_CUDA=0
-# or without nvcc, and at 235B sometimes ahead of the CUDA kernel. GROUP_M 16 (plain or
-# persistent) and the warp-specialized K loop never were, so they are not offered.
-GPU_CONFIGS = [
-    dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=3, USE_TMA=True),
-    # pointer weight loads: won with the a1/a3 store at both shapes
-    dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=3, USE_TMA=False),
-    # deeper pipeline (4 x 48 KiB of shared memory per CTA): the usual 30B pick
-    dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=4, USE_TMA=True),
-    # persistent grid (one program per SM over the used tiles)
-    dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=3, USE_TMA=True, PERSISTENT=True),
-    # GROUP_M "wave": one group per wave of resident programs (SMs // N tiles M tiles), so the
-    # tiles sharing an A or a weight tile run concurrently and hit in L2; persistent, the usual
-    # 235B pick
-    dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M="wave", num_warps=8, num_stages=3, USE_TMA=True, PERSISTENT=True),
-    dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M="wave", num_warps=8, num_stages=3, USE_TMA=True),
-    # hidden sizes that are multiples of 64 but not 128 (the fallback: where a 128-wide tile
-    # fits, this one lost by 20-40%, so it is only offered where none does)
-    dict(BLOCK_M=128, BLOCK_N=64, BLOCK_K=64, GROUP_M=8, num_warps=4, num_stages=4),
-]
-# The warp-specialized CUDA kernel (csrc/grouped_gemm_sm90.cu: TMA weights, cp.async row
-# gathers, wgmma, a global tile ticket, the bulk-tensor-store epilogue), offered where it builds
-# (an sm_90 GPU and nvcc; MEGAMOE_CUDA=0 turns it off) and the shape fits its tiles. It is the
-# usual pick at both shapes (H200, 2026-11-30/12-01: 1.26-1.35 vs Triton 1.41-1.5 ms at 30B;
-# 5.0-5.7 ms at 235B, where a Triton config still wins some runs). Its register-store epilogue,
-# clusters of 2 (multicast weight tiles) and other variants never won and are gone from the
-# kernel; experiments/ncu_gemm1.py times its tile orders.
-SM90_CONFIGS = [
-    dict(IMPL="sm90", BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8),
-]
-
-
 def gemm1_swiglu(
     x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, plan: Plan, config: dict | None = None,
     save_a: bool = False,
@@ -180,20 +144,20 @@ def gemm1_swiglu(
 
     def launch(cfg, a_out=a if save_a else None):  # a_out: where a1/a3 go, None: not stored
         store_a = a_out is not None
-        bm, bn, bk = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
+        bm, bn, bk = cfg["block_m"], cfg["block_n"], cfg["block_k"]
         assert plan.block_m % bm == 0 and H % bn == 0 and D % bk == 0, (cfg, H, D)
-        if cfg.get("IMPL") == "sm90":
-            group_m = 0 if cfg["GROUP_M"] == "wave" else cfg["GROUP_M"]  # 0: the kernel's wave
+        if cfg.get("impl") == "sm90":
+            group_m = 0 if cfg["group_m"] == "wave" else cfg["group_m"]  # 0: the kernel's wave
             gemm1_swiglu_sm90(x, w1, w3, plan, h, a_out, group_m=group_m,
-                              dynamic=not cfg.get("STATIC", False))
+                              dynamic=not cfg.get("static", False))
             return
         num_m = R // bm
-        cfg, grid = launch_config(cfg, num_m * (H // bn), x.device)
-        if cfg["GROUP_M"] == "wave":
-            cfg["GROUP_M"] = max(1, persistent_programs(x.device) // (H // bn))
+        kw, grid = launch_config(cfg, num_m * (H // bn), x.device)
+        if kw["GROUP_M"] == "wave":
+            kw["GROUP_M"] = max(1, persistent_programs(x.device) // (H // bn))
         a_ptr = a_out if store_a else h  # a placeholder when nothing is stored
         d1, d3, dh, da = w1, w3, h, a_ptr  # placeholders on the pointer path
-        if cfg["USE_TMA"]:
+        if kw["USE_TMA"]:
             d1 = TensorDescriptor.from_tensor(w1.view(E * H, D), [bn, bk])
             d3 = TensorDescriptor.from_tensor(w3.view(E * H, D), [bn, bk])
             if store_a:
@@ -203,18 +167,17 @@ def gemm1_swiglu(
             x, w1, w3, d1, d3, h, a_ptr, dh, da, plan.row_slot, plan.tile_expert,
             plan.num_rows_used, num_m, H, D,
             x.stride(0), w1.stride(0), w1.stride(1), h.stride(0), a_ptr.stride(0),
-            TOP_K=plan.top_k, PLAN_BM=plan.block_m, F32_DOT=interpreter_needs_f32_dot(),
-            SAVE_A=store_a, **cfg,
+            TOP_K=plan.top_k, PLAN_BM=plan.block_m, F32_DOT=settings.triton_interpreting(),
+            SAVE_A=store_a, **kw,
         )
 
     # One pick per shape for both variants: h must be bitwise the same with and without the
     # store, since activation checkpointing recomputes a forward with save_a whose first run had
     # none, and the Triton and CUDA kernels round SwiGLU differently. The candidates are timed
     # with the a1/a3 store whichever variant runs first (a scratch a when the call has none):
-    # timed without it, the tuner once took a Triton config at 235B for a 4% inference lead
-    # (5.20 vs 5.41 ms) that takes 7.08 ms with the store against the sm90 kernel's 5.73
-    # (docs/PERF.md, Kept after measuring; c89f3b5).
-    key = (_bucket(R), H, D, E, plan.block_m)
+    # the store costs the Triton configs more than the CUDA kernel, so timing without it can
+    # pick the slower one for training.
+    key = (bucket(R), H, D, E, plan.block_m)
     tune_a = []  # the scratch a, made only if the tuner runs
 
     def tune_launch(cfg):
@@ -224,15 +187,9 @@ def gemm1_swiglu(
             tune_a.append(torch.empty((R, 2 * H), dtype=x.dtype, device=x.device))
         return launch(cfg, tune_a[0])
 
-    def candidates():  # built only until the tuner has picked (pick_config)
-        cands = [c for c in GPU_CONFIGS if H % c["BLOCK_N"] == 0 and D % c["BLOCK_K"] == 0]
-        if any(c["BLOCK_N"] == 128 for c in cands):
-            cands = [c for c in cands if c["BLOCK_N"] == 128]
-        if shape_supported(H, D, plan.block_m) and sm90_usable(x):
-            cands += SM90_CONFIGS
-        return cands
-
-    cfg = config or pick_config("gemm1_swiglu", key, candidates, tune_launch,
+    # a function: the list is built only until the tuner has picked
+    cfg = config or pick_config("gemm1_swiglu", key,
+                                lambda: gemm1_swiglu_candidates(x, H, D, plan.block_m), tune_launch,
                                 outputs=lambda _: (h, a if save_a else tune_a[0]))
     launch(cfg)
     return (h, a) if save_a else h

@@ -18,12 +18,12 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from torchtitan_megamoe.ops.hopper.cuda.gemm_rows import gemm_rows_sm90, shape_supported
-from torchtitan_megamoe.ops.hopper.cuda.sm90 import sm90_usable
-from torchtitan_megamoe.ops.hopper.plan import Plan
+from torchtitan_megamoe import settings
+from torchtitan_megamoe.ops.hopper.cuda.gemm_rows import gemm_rows_sm90
+from torchtitan_megamoe.ops.hopper.heuristics import gemm2_candidates
 from torchtitan_megamoe.ops.hopper.kernels.tiling import cast_out, grouped_tile, launch_config
-from torchtitan_megamoe.ops.hopper.tune import bucket as _bucket
-from torchtitan_megamoe.ops.hopper.tune import interpreter_needs_f32_dot, pick_config
+from torchtitan_megamoe.ops.hopper.plan import Plan
+from torchtitan_megamoe.ops.hopper.tune import bucket, pick_config
 
 
 @triton.jit
@@ -97,31 +97,6 @@ def _gemm2_rows_kernel(
             )
 
 
-# Hopper candidates, timed once per shape (the first one also runs untuned). Each one is offered
-# because it was the fastest Triton config at a Qwen3 shape in at least one of the H200 bench
-# runs of 2026-11-30/12-01 (the tuner tables of the bench JSONs in docs/perf at 5e0bafa); the
-# persistent one with the bulk tensor store nearly always is. GROUP_M 16, the warp-specialized
-# K loop, the non-persistent bulk store and the persistent 4-stage variant never were.
-GPU_CONFIGS = [
-    dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=3, USE_TMA=True),
-    dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=4, USE_TMA=True),
-    # persistent grid (one program per SM over the used tiles), and with the output tile as one
-    # bulk tensor store (+64 KiB of shared memory for the staging tile)
-    dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=3, USE_TMA=True, PERSISTENT=True),
-    dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=3, USE_TMA=True, PERSISTENT=True, TMA_STORE=True),
-    # any dim/hidden that are multiples of 64: only offered where the 256-wide tiles do not fit
-    # (it lost by 30-40% where they do)
-    dict(BLOCK_M=128, BLOCK_N=64, BLOCK_K=64, GROUP_M=8, num_warps=4, num_stages=4),
-]
-# The warp-specialized CUDA kernel (csrc/grouped_gemm_sm90.cu, ROWS mode: TMA for both operands,
-# wgmma, a global tile ticket, the bulk-tensor-store epilogue), offered where it builds (sm_90 +
-# nvcc; MEGAMOE_CUDA=0: never) and the shape fits its 128 x 256 tiles: the usual pick at both
-# shapes (its register-store epilogue never won, and is gone from the kernel).
-SM90_CONFIGS = [
-    dict(IMPL="sm90", BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, GROUP_M=8),
-]
-
-
 def gemm2(
     h: torch.Tensor,
     w2: torch.Tensor,
@@ -142,39 +117,32 @@ def gemm2(
     assert y.shape == (R, D) and y.is_contiguous()
 
     def launch(cfg):
-        bm, bn, bk = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
+        bm, bn, bk = cfg["block_m"], cfg["block_n"], cfg["block_k"]
         assert plan.block_m % bm == 0 and D % bn == 0 and H % bk == 0, (cfg, D, H)
-        if cfg.get("IMPL") == "sm90":
-            gemm_rows_sm90(h, w2, plan, y, group_m=cfg["GROUP_M"],
-                           dynamic=not cfg.get("STATIC", False))
+        if cfg.get("impl") == "sm90":
+            gemm_rows_sm90(h, w2, plan, y, group_m=cfg["group_m"],
+                           dynamic=not cfg.get("static", False))
             return
         num_m = R // bm
-        cfg, grid = launch_config(cfg, num_m * (D // bn), h.device,
-                                  ("USE_TMA", "PERSISTENT", "TMA_STORE"))
+        kw, grid = launch_config(cfg, num_m * (D // bn), h.device,
+                                 ("use_tma", "persistent", "tma_store"))
         dh, dw, dy = h, w2, y  # placeholders on the pointer paths
-        if cfg["USE_TMA"]:
+        if kw["USE_TMA"]:
             dh = TensorDescriptor.from_tensor(h, [bm, bk])
             dw = TensorDescriptor.from_tensor(w2.view(E * D, H), [bn, bk])
-        if cfg["TMA_STORE"]:
+        if kw["TMA_STORE"]:
             dy = TensorDescriptor.from_tensor(y, [bm, bn])
         _gemm2_rows_kernel[grid](
             h, w2, dh, dw, y, dy, plan.tile_expert, plan.num_rows_used,
             num_m, D, H,
             h.stride(0), w2.stride(0), w2.stride(1), y.stride(0),
-            PLAN_BM=plan.block_m, F32_DOT=interpreter_needs_f32_dot(),
-            **cfg,
+            PLAN_BM=plan.block_m, F32_DOT=settings.triton_interpreting(),
+            **kw,
         )
 
-    key = (_bucket(R), H, D, E, plan.block_m)
-    def candidates():  # built only until the tuner has picked (pick_config)
-        cands = [c for c in GPU_CONFIGS if D % c["BLOCK_N"] == 0 and H % c["BLOCK_K"] == 0]
-        if any(c["BLOCK_N"] == 256 for c in cands):
-            cands = [c for c in cands if c["BLOCK_N"] == 256]
-        bf16 = h.dtype == w2.dtype == y.dtype == torch.bfloat16
-        if bf16 and shape_supported(D, H, plan.block_m) and sm90_usable(h):
-            cands += SM90_CONFIGS
-        return cands
-
-    cfg = config or pick_config("gemm2", key, candidates, launch, outputs=lambda _: (y,))
+    key = (bucket(R), H, D, E, plan.block_m)
+    # a function: the list is built only until the tuner has picked
+    cfg = config or pick_config("gemm2", key, lambda: gemm2_candidates(h, w2, y, plan.block_m),
+                                launch, outputs=lambda _: (y,))
     launch(cfg)
     return y

@@ -1,15 +1,13 @@
-"""cuBLAS-side (``torch._grouped_mm``) candidates of the backward stages, beside the Triton kernels.
+"""The grouped_mm side (``torch._grouped_mm``, cuBLAS) of the backward stages, beside the Triton
+and sm90 kernels; heuristics.stage_candidates offers it (MEGAMOE_BWD_IMPL=cublas forces it).
 
-The tuner (tune.pick_config) times these against the Triton kernels on the first call per shape
-and keeps the faster one per stage; MEGAMOE_BWD_IMPL=triton|cublas|auto forces a side (tests).
-
-    A       dh_rows = dy_rows @ w2[e]                       M-grouped (on the forward's saved a1/a3
-                                                            only), then bwd_swiglu.py's rows
-                                                            kernel; dy_rows are reused by dw2
+    dgrad2  dh_rows = dy_rows @ w2[e]                       M-grouped (on the forward's saved a1/a3
+                                                            only), then swiglu_bwd_rows.py's
+                                                            rows kernel; dy_rows are reused by dw2
     wgrad   dw2[e] = dy_rows[seg e]^T @ hw[seg e]           K-grouped: _grouped_mm(A.t(), B, offs)
             dw1[e] = da1[seg e]^T @ x_rows[seg e]           over the plan's padded segments
             dw3[e] = da3[seg e]^T @ x_rows[seg e]           (x_rows gathered once for dw1 and dw3)
-    dgrad   dx_rows = da1 @ w1[e] + da3 @ w3[e]             M-grouped, twice, summed in bf16;
+    dgrad1  dx_rows = da1 @ w1[e] + da3 @ w3[e]             M-grouped, twice, summed in bf16;
                                                             rows -> slots by a gather so the
                                                             combine kernel reads dx_slot unchanged
 
@@ -44,52 +42,8 @@ import triton
 import triton.language as tl
 
 from torchtitan_megamoe import settings
-from torchtitan_megamoe.ops.hopper.kernels.mma import interpreting
 from torchtitan_megamoe.ops.hopper.plan import Plan
 from torchtitan_megamoe.ops.hopper.kernels.tiling import cdiv, next_power_of_2
-
-IMPL_ENV = settings.BWD_IMPL
-IMPLS = settings.BWD_IMPLS
-
-CUBLAS = dict(impl="cublas")
-"""The candidate config of a cuBLAS stage (Triton configs carry no "impl" key)."""
-
-
-def bwd_impl() -> str:
-    """MEGAMOE_BWD_IMPL: auto (default: the tuner picks per stage), triton or cublas (forced)."""
-    return settings.bwd_impl()
-
-
-def is_cublas(cfg: dict) -> bool:
-    return cfg.get("impl") == "cublas"
-
-
-def cublas_unsupported_reason(D: int, H: int, E: int = 1) -> str | None:
-    """Why the _grouped_mm stages cannot run for these dims (None: they can)."""
-    if not hasattr(torch, "_grouped_mm"):
-        return f"torch {torch.__version__} has no torch._grouped_mm"
-    if E >= 1024:
-        return f"torch._grouped_mm takes fewer than 1024 groups, got {E} local experts"
-    if D % 8 or H % 8:
-        return f"torch._grouped_mm needs D and H multiples of 8 (16-byte strides), got D={D}, H={H}"
-    return None
-
-
-def stage_candidates(triton_cands: list, D: int, H: int, E: int = 1,
-                     auto_cublas: bool = True) -> list:
-    """Candidates of one stage under MEGAMOE_BWD_IMPL. Under auto the Triton configs come first,
-    so whatever runs untuned (interpreter, graph capture, MEGAMOE_TUNE=0) stays Triton;
-    ``auto_cublas`` False: auto offers no cuBLAS side (a stage where it never won)."""
-    impl = bwd_impl()
-    reason = cublas_unsupported_reason(D, H, E)
-    if impl == "triton" or (impl == "auto" and reason):
-        return triton_cands
-    if impl == "cublas":
-        if reason:
-            raise ValueError(f"{IMPL_ENV}=cublas: {reason}; set {IMPL_ENV}=triton or auto")
-        return [CUBLAS]
-    return triton_cands + [CUBLAS] if auto_cublas else triton_cands
-
 
 # ---------------------------------------------------------------------------- row gather
 
@@ -137,7 +91,7 @@ def gather_rows(src: torch.Tensor, plan: Plan, block_r: int = 16, block_c: int =
         out = torch.empty(R, C, dtype=src.dtype, device=src.device)
     elif out.shape != (R, C) or not out.is_contiguous() or out.dtype != src.dtype:
         raise ValueError(f"out must be a contiguous [{R}, {C}] {src.dtype} tensor")
-    if not (src.is_cuda or interpreting()):
+    if not (src.is_cuda or settings.triton_interpreting()):
         # CPU without Triton: the same rows by torch indexing.
         slot = plan.row_slot.long()
         torch.index_select(src, 0, slot.clamp(min=0) // plan.top_k, out=out)
@@ -181,7 +135,7 @@ def grouped_wgrad(a_rows: torch.Tensor, b_rows: torch.Tensor, plan: Plan,
 def wgrad_dw2_grouped_mm(dy: torch.Tensor, hw: torch.Tensor, plan: Plan,
                      w2: torch.Tensor, dy_rows: torch.Tensor | None = None) -> torch.Tensor:
     """dw2[e] = sum_r dy_r^T hw_r (layout of w2): one K-grouped GEMM on dy rows (``dy_rows`` if
-    kernel A's cuBLAS side already gathered them, else gathered here and freed on return)."""
+    dgrad2_swiglu's grouped_mm or sm90 side already gathered them, else gathered here and freed on return)."""
     if dy_rows is None:
         dy_rows = gather_rows(dy, plan)
     return grouped_wgrad(dy_rows, hw, plan, w2)
@@ -190,11 +144,11 @@ def wgrad_dw2_grouped_mm(dy: torch.Tensor, hw: torch.Tensor, plan: Plan,
 def dgrad2_swiglu_grouped_mm(dy: torch.Tensor, a: torch.Tensor, topk_weights: torch.Tensor,
                            w2: torch.Tensor, plan: Plan, out: tuple | None = None,
                            dy_rows: torch.Tensor | None = None, sm90: bool = False):
-    """Kernel A's cuBLAS side, on the forward's saved a = [a1 | a3]: dh = dy_rows @ w2[e] as one
-    M-grouped GEMM (bf16 dh), then the SwiGLU backward rows kernel (bwd_swiglu.py). Returns
+    """dgrad2_swiglu's grouped_mm side, on the forward's saved a = [a1 | a3]: dh = dy_rows @ w2[e]
+    as one M-grouped GEMM (bf16 dh), then the SwiGLU backward rows kernel (swiglu_bwd_rows.py). Returns
     (da, hw, part [1, R_max], dy_rows); dy_rows (zero padding rows) can feed the dw2 GEMM.
-    ``sm90``: the dh GEMM is csrc/grouped_gemm_sm90.cu's N-major ROWS mode (w2 read as stored,
-    as kernel C reads w1) instead of torch._grouped_mm."""
+    ``sm90``: the dh GEMM is the sm90 row GEMM in N-major mode (w2 read as stored, as dgrad1
+    reads w1) instead of torch._grouped_mm."""
     from torchtitan_megamoe.ops.hopper.kernels.swiglu_bwd_rows import swiglu_bwd_rows
 
     dy_rows = gather_rows(dy, plan, out=dy_rows)
@@ -223,7 +177,7 @@ def dgrad1_grouped_mm(da: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, plan
     """dx_slot[slot] = da1_r @ w1[e] + da3_r @ w3[e] via two M-grouped GEMMs over the row space,
     then rows -> slots by a gather into out [T*K, D] (allocated after the second GEMM's output
     is freed unless given; dropped slots' rows hold junk that the combine never reads, as with
-    kernel C)."""
+    dgrad1's Triton side)."""
     H = w1.shape[1]
     ends = segment_ends(plan)
     dx_rows = torch._grouped_mm(da[:, :H], w1, offs=ends)

@@ -1,4 +1,4 @@
-"""Pieces shared by the backward kernels: the MMA helper and launch-time switches.
+"""The MMA helper of the bf16 backward kernels.
 
 Triton's CPU interpreter (TRITON_INTERPRET=1, used by CI) stores bf16 as raw uint16 and gets
 bf16 ``tl.dot`` and bf16 arithmetic wrong, so under the interpreter the kernels upcast MMA
@@ -8,8 +8,6 @@ products are exact in fp32 either way, so both paths compute the same math.
 
 import triton
 import triton.language as tl
-
-from torchtitan_megamoe.ops.hopper.tune import interpreting  # noqa: F401  (re-exported)
 
 
 @triton.jit

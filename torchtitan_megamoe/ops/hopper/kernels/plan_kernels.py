@@ -1,8 +1,7 @@
 """The routing plan in two small Triton launches (GPU path of plan.build_plan).
 
-The torch-op version of the plan is ~25 tiny launches; on the H200 machine the host needs
-~1 ms to issue them while the GPU idles (measured: plan 1.16 ms of a 3.9 ms forward at the 30B
-shape). These two kernels compute the same layout, bit for bit.
+The torch-op version of the plan is ~25 tiny launches, whose issue keeps the GPU idle for a
+large share of a forward. These two kernels compute the same layout, bit for bit.
 
 Slots are cut into chunks of SUB x BLOCK; each program of a launch owns one chunk and walks its
 SUB sub-blocks in order. Bins ("keys") are the local experts (with phases: local * P + phase),
@@ -23,19 +22,16 @@ plus bin E for slots not computed here; E_PAD > E bins.
          padded to whole tiles, never by a whole tile). Increasing slot order inside each
          expert, as the torch path.
          Waits on: the count launch (stream order). Signals: nothing.
-The scan was a one-program launch of its own until 2026-11-30 (1665cce): each launch before
-the first GEMM costs the H200 host tens of microseconds in a waited forward
-(tools/host_issue.py), more than the redundant scans' reads (256 KiB
-of L2 per program at 30B; estimated at a few microseconds, not measured alone). Measured before
-the sort (one-hot [BLOCK, E_PAD] cumsums, the tile map in the one-program scan): 25 + 35 + 46 us
-at 30B EP=1, 68 + 50 + 108 us at EP=2 (before 65c9c50).
+Every program redoes the scan instead of a one-program launch of its own: each launch before
+the first GEMM costs the host tens of microseconds in a waited forward (tools/host_issue.py),
+more than the redundant scans' reads from L2.
 """
 
 import torch
 import triton
 import triton.language as tl
 
-from torchtitan_megamoe.ops.hopper.tune import interpreting
+from torchtitan_megamoe import settings
 from torchtitan_megamoe.ops.hopper.kernels.tiling import cdiv, next_power_of_2
 
 
@@ -200,7 +196,7 @@ def plan_tensors(topk_ids: torch.Tensor, E: int, block_m: int, rank: int, R_max:
     P = phases
     EV = E * P  # keys: (local expert, phase) pairs, and EV for slots not computed here
     E_PAD = max(16, next_power_of_2(EV + 1))
-    BLOCK = 16 if interpreting() else BLOCK_SLOTS
+    BLOCK = 16 if settings.triton_interpreting() else BLOCK_SLOTS
     # a chunk = SUB sub-blocks of BLOCK slots; ~TARGET_CHUNKS chunks keep each program's scan
     # short
     SUB = next_power_of_2(max(1, min(16, cdiv(S, BLOCK * TARGET_CHUNKS))))
@@ -210,9 +206,8 @@ def plan_tensors(topk_ids: torch.Tensor, E: int, block_m: int, rank: int, R_max:
     tile_entries = num_tiles * (P + 1 if P > 1 else 1)
     tiles_per_prog = cdiv(tile_entries, num_chunks)
 
-    # every int32 vector of the plan carved from one allocation: torch.empty costs the H200
-    # machine's host 2.3-3.7 us a call in a loop, ~3x that in a waited forward
-    # (tools/host_issue.py), and the plan needed ten before the first GEMM. The plan's own
+    # every int32 vector of the plan carved from one allocation: each torch.empty costs host
+    # microseconds (tools/host_issue.py), and the plan needed ten before the first GEMM. The plan's own
     # vectors come first, back to back in plan.pack_plan's order (P = 1: the packed plan is a
     # view, no copy); the scratch parts after them start 16-byte aligned.
     check = id_limit > 0

@@ -1,7 +1,8 @@
-"""SwiGLU backward over rows, after a separate dgrad GEMM: the cuBLAS side of kernel A.
+"""SwiGLU backward over rows, after a separate dgrad GEMM: the grouped_mm and sm90 sides of
+dgrad2_swiglu.
 
-Kernel A (bwd_dgrad_l2_swiglu.py) fuses dh = dy_r @ w2[e] with this epilogue. Its cuBLAS
-candidate (bwd_cublas.dgrad2_swiglu_grouped_mm) instead runs dh as one M-grouped
+The Triton dgrad2_swiglu (dgrad2_swiglu.py) fuses dh = dy_r @ w2[e] with this epilogue. Its
+grouped_mm side (grouped_mm.dgrad2_swiglu_grouped_mm) instead runs dh as one M-grouped
 torch._grouped_mm on gathered dy rows (dh in bf16) and then this kernel, per row r of the plan's
 row space, with w_r the routing weight of the row's slot and a = [a1 | a3] the forward's saved
 pre-activations:

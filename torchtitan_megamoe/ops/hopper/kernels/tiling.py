@@ -4,8 +4,8 @@ import torch
 import triton
 import triton.language as tl
 
+from torchtitan_megamoe import settings
 from torchtitan_megamoe.ops.device import sm_count
-from torchtitan_megamoe.ops.hopper.tune import interpreting
 
 
 @triton.jit
@@ -21,15 +21,26 @@ def grouped_tile(t, num_m, num_n, GROUP_M: tl.constexpr):
     return pid_m, pid_n
 
 
+LAUNCH_KNOBS = ("num_warps", "num_stages")
+"""Config keys that Triton's launcher takes as they are; every other key is a kernel constexpr."""
+
+
+def constexprs(cfg: dict) -> dict:
+    """A config in heuristics.py's schema (lowercase keys) as a Triton launch's keyword
+    arguments: block_m -> BLOCK_M, use_tma -> USE_TMA, ...; num_warps and num_stages as they
+    are."""
+    return {k if k in LAUNCH_KNOBS else k.upper(): v for k, v in cfg.items()}
+
+
 def launch_config(cfg: dict, num_tiles: int, device: torch.device,
-                  flags=("USE_TMA", "PERSISTENT")) -> tuple[dict, tuple]:
-    """(cfg with its boolean ``flags`` defaulted to False, grid): one program per SM when
-    PERSISTENT, else one per tile."""
+                  flags=("use_tma", "persistent")) -> tuple[dict, tuple]:
+    """(the launch's keyword arguments, with the boolean ``flags`` defaulted to False, grid):
+    one program per SM when persistent, else one per tile."""
     cfg = dict(cfg)
     for f in flags:
         cfg.setdefault(f, False)
-    grid = (persistent_programs(device),) if cfg["PERSISTENT"] else (num_tiles,)
-    return cfg, grid
+    grid = (persistent_programs(device),) if cfg["persistent"] else (num_tiles,)
+    return constexprs(cfg), grid
 
 
 def cdiv(a: int, b: int) -> int:
@@ -46,7 +57,7 @@ def next_power_of_2(n: int) -> int:
 
 def persistent_programs(device: torch.device) -> int:
     """Programs of a persistent launch: one per SM (a few under the CPU interpreter)."""
-    if interpreting() or device.type != "cuda":
+    if settings.triton_interpreting() or device.type != "cuda":
         return 3
     return sm_count(device)
 

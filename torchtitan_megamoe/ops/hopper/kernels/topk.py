@@ -1,9 +1,8 @@
 """Router top-k: the indices of the k largest of (scores + bias) per token, in one launch.
 
-Stock TorchTitan's router calls ``torch.topk(scores + expert_bias, k, sorted=False)``, which
-costs ~115 us per call at 16384 tokens x 128 experts on an H200 (the single-block radix select,
-measured in docs/perf/2026-11-30_h200_ep1_profile_2a1ace5.log), about 4% of our 30B layer's
-forward. Here one program holds BLOCK_T whole rows of scores in registers and takes k arg-max
+Stock TorchTitan's router calls ``torch.topk(scores + expert_bias, k, sorted=False)``, a
+single-block radix select that is a noticeable share of the layer's forward at Qwen3 shapes.
+Here one program holds BLOCK_T whole rows of scores in registers and takes k arg-max
 passes over them.
 
 Order and ties: column j of the result is the j-th largest (descending); among equal values the
@@ -15,7 +14,7 @@ topk_gate (eager) goes one step further: the same selection, the gating values, 
 normalization and scale, and the tokens per expert in the same launch (_topk_gate_kernel), so
 a sigmoid router issues five launches (gate, fp32 cast, sigmoid, the counts' zero fill, this)
 instead of eleven before the layer's first big kernel, where the host's issue time is not
-hidden (~30-40 us of host time per launch, the GPU idle meanwhile in a waited forward).
+hidden (each launch's host time leaves the GPU idle in a waited forward).
 topk_softmax_gate (eager softmax routers) also takes the fp32 cast and the softmax into that
 launch (SOFTMAX: it reads the gate's raw logits and stores the fp32 scores for the backward), so
 those routers issue three (gate, zero fill, this). The backward of both is one launch too
@@ -32,7 +31,7 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from torchtitan_megamoe.ops.hopper.tune import interpreting
+from torchtitan_megamoe import settings
 from torchtitan_megamoe.ops.hopper.kernels.tiling import cdiv, next_power_of_2
 
 MAX_EXPERTS = 1024
@@ -171,17 +170,10 @@ def _topk_gate_bwd_kernel(p_ptr, idx_ptr, dv_ptr, out_ptr, T, E, stride_p, scale
 
 def _tile(E: int) -> tuple[int, int]:
     """(BLOCK_T, BLOCK_E) of the launches here: a whole row of E experts (a power of 2) per
-    program and ~4096 scores per program (experiments/topk_variants.py: the best of 20 tile
-    choices was within 2% of it at 16384 x 128)."""
+    program and ~4096 scores per program (experiments/topk_variants.py times the other tile
+    choices)."""
     block_e = next_power_of_2(E)
     return max(1, min(64, 4096 // block_e)), block_e
-
-
-def topk_indices_reference(scores: torch.Tensor, k: int, bias: torch.Tensor | None = None):
-    """The same order in plain torch: a stable descending sort, NaN first."""
-    s = scores.float() if bias is None else scores.float() + bias.float()
-    s = torch.where(torch.isnan(s), torch.full_like(s, float("inf")), s)
-    return torch.sort(s, dim=1, descending=True, stable=True).indices[:, :k]
 
 
 def supported(scores: torch.Tensor, k: int) -> bool:
@@ -230,7 +222,7 @@ def _launch_gate(scores, k, bias, norm, scale, softmax=False, block_t=None, num_
         scores, bias if bias is not None else scores, idx, vals, counts,
         probs if softmax else vals, T, E, scores.stride(0), float(scale),
         HAS_BIAS=bias is not None, NORM=bool(norm), SOFTMAX=bool(softmax),
-        LIBDEVICE_EXP=bool(softmax) and not interpreting(), K=k,
+        LIBDEVICE_EXP=bool(softmax) and not settings.triton_interpreting(), K=k,
         K_PAD=next_power_of_2(k), BLOCK_T=BLOCK_T, BLOCK_E=BLOCK_E, num_warps=num_warps,
     )
     return vals, idx, counts, probs

@@ -1,4 +1,4 @@
-"""Backward kernel B: grouped weight gradients, out[e] = sum over expert e's rows of A_r^T B_r.
+"""wgrad (Triton): grouped weight gradients, out[e] = sum over expert e's rows of A_r^T B_r.
 
 One kernel serves all three weight gradients (three launches):
     dw2[e] [D, H] = sum_r dy_r^T hw_r        A = dy gathered by token, B = hw (row space)
@@ -18,7 +18,7 @@ otherwise leave a heavy expert's long K-loops running alone at the end of the gr
 accumulator, one store: no atomics and a fixed reduction order, so results are bitwise
 deterministic. An expert without rows stores zeros. Output in the out tensor's dtype (the
 parameter's), any strides (the parameter's layout).
-Waits on: kernel A's da / hw (stream order). Signals: nothing.
+Waits on: dgrad2_swiglu's da / hw (stream order). Signals: nothing.
 """
 
 import torch
@@ -26,7 +26,8 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from torchtitan_megamoe.ops.hopper.kernels.mma import interpreting, mma
+from torchtitan_megamoe import settings
+from torchtitan_megamoe.ops.hopper.kernels.mma import mma
 from torchtitan_megamoe.ops.hopper.plan import Plan
 from torchtitan_megamoe.ops.hopper.kernels.tiling import cdiv
 
@@ -38,7 +39,7 @@ def _load_rows(ptr, desc, stride, r0, r, r_ok, c0, cols, col_ok, row_slot_ptr, T
     or token rows by indirection."""
     if TMA:
         # Whole tile of the row-space buffer: rows past the expert's count are padding rows of
-        # its segment (finite zeros from kernel A) and meet zeros of the gathered operand.
+        # its segment (finite zeros from dgrad2_swiglu) and meet zeros of the gathered operand.
         return desc.load([r0, c0])
     if GATHER:
         slot = tl.load(row_slot_ptr + r, mask=r_ok, other=-1)
@@ -116,14 +117,14 @@ def wgrad(
     use_tma: bool = False,
     expert_order: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Launch kernel B: out[e] = sum over expert e's rows of a_r^T b_r, for every local expert.
+    """Launch wgrad: out[e] = sum over expert e's rows of a_r^T b_r, for every local expert.
 
     a: [rows, M], b: [rows, N] with rows contiguous in the last dim; a "gathered" operand is a
     [T, C] token tensor read through the plan, otherwise a [R_max, C] row-space buffer (column
     slices of a larger buffer are fine). out: [E, M, N], written in its own dtype and strides.
     use_tma loads the row-space operand with a TMA descriptor when block_k divides the plan's
     block_m (so a tile never leaves the expert's padded segment); that path reads the padding
-    rows of the segment, which must be finite (kernel A stores zeros there). expert_order
+    rows of the segment, which must be finite (dgrad2_swiglu stores zeros there). expert_order
     ([E] int32, a permutation; default ``expert_order(plan)``) is the order in which experts'
     tiles are launched.
     """
@@ -156,7 +157,7 @@ def wgrad(
         A_GATHER=a_gather, B_GATHER=b_gather,
         A_TMA=a_desc is not None, B_TMA=b_desc is not None,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-        EVEN=M % block_m == 0 and N % block_n == 0, UPCAST=interpreting(),
+        EVEN=M % block_m == 0 and N % block_n == 0, UPCAST=settings.triton_interpreting(),
         num_warps=num_warps, num_stages=num_stages,
     )
     return out
