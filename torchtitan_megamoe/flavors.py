@@ -8,6 +8,8 @@ parsed, so registering at import is in time.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from torchtitan.models.moe import MoEArgs
 from torchtitan.models.qwen3 import qwen3_args, Qwen3ModelArgs
 
@@ -59,7 +61,14 @@ def _tiny() -> Qwen3ModelArgs:
     )
 
 
-FLAVORS: dict[str, Qwen3ModelArgs] = {"megamoe_tiny": _tiny()}
+def _tiny_fp8() -> Qwen3ModelArgs:
+    # The FP8 recipe scales in 128-wide blocks: dim and moe_inter_dim one block each, the
+    # smallest shape it accepts, so a CPU step stays well under a second; routing and
+    # vocabulary as megamoe_tiny (the same generated assets).
+    return replace(_tiny(), dim=128, head_dim=32, hidden_dim=256, moe_inter_dim=128)
+
+
+FLAVORS: dict[str, Qwen3ModelArgs] = {"megamoe_tiny": _tiny(), "megamoe_tiny_fp8": _tiny_fp8()}
 """Flavors this module adds to ``torchtitan.models.qwen3.qwen3_args``."""
 
 
