@@ -314,8 +314,9 @@ class MegaMoEConverter:
         install_ep_routing()
         add_op_to_sac_save_list()
         logger.info(
-            f"megamoe: converted {len(converted)} MoE blocks ({self.options}, "
-            f"ep={self.ep_degree})"
+            f"megamoe: converted {len(converted)} MoE blocks ("
+            + ", ".join(f"{k}={v}" for k, v in self.options.as_kwargs().items())
+            + f", ep={self.ep_degree})"
         )
 
     def post_optimizer_hook(self, model: nn.Module | list[nn.Module]) -> None:
