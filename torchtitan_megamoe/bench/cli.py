@@ -16,7 +16,7 @@ from torchtitan_megamoe.bench.shapes import SHAPES
 from torchtitan_megamoe.bench.stock import note_for, torchao_version
 from torchtitan_megamoe.bench.tables import (accuracy_table, bwd_table, ep_table, layer_rows,
                                              table, tuner_lines)
-from torchtitan_megamoe.ops.api import PRECISIONS
+from torchtitan_megamoe.ops.options import PRECISIONS
 
 FP8_PRECISIONS = ("fp8", "fp8_bwd")
 BASELINE_CHOICES = ("eager", "compiled", "block", "torchao")

@@ -42,9 +42,8 @@ import torch
 import torch.distributed as dist
 
 from torchtitan_megamoe.ops.device import capability
-from torchtitan_megamoe.ops.options import (  # noqa: F401  (PRECISIONS: bench.cli reads it here)
+from torchtitan_megamoe.ops.options import (
     FP8_PRECISIONS,
-    PRECISIONS,
     MegaMoEOptions,
     op_schema,
 )
