@@ -24,6 +24,8 @@ TUNE = "MEGAMOE_TUNE"
 BWD_IMPL = "MEGAMOE_BWD_IMPL"
 CUDA = "MEGAMOE_CUDA"
 CUDA_CACHE = "MEGAMOE_CUDA_CACHE"
+FP8_WGRAD = "MEGAMOE_FP8_WGRAD"
+DEEPGEMM = "MEGAMOE_DEEPGEMM"
 
 BWD_IMPLS = ("auto", "triton", "cublas")
 
@@ -58,6 +60,17 @@ def bwd_impl() -> str:
 def cuda_kernels() -> bool:
     """MEGAMOE_CUDA=0: never offer the hand-written CUDA kernels (Triton and cuBLAS only)."""
     return _flag(CUDA, "1")
+
+
+def fp8_wgrad() -> bool:
+    """MEGAMOE_FP8_WGRAD=1: FP8 weight gradients too (the all-FP8 recipe). Default: the FP8
+    precisions take their weight gradients in bf16, faster at the Qwen3 shapes."""
+    return _flag(FP8_WGRAD, "0")
+
+
+def deepgemm() -> bool:
+    """MEGAMOE_DEEPGEMM=0: never offer DeepGEMM's kernels, even where it is installed."""
+    return _flag(DEEPGEMM, "1")
 
 
 def cuda_cache() -> Path:

@@ -18,11 +18,14 @@ Backward saves nothing but the inputs: it re-dispatches x, dy and the routing we
 way, recomputes linear 1 per expert, and returns dx rows and d(topk_weights) to their source
 slots by the reverse exchange; dx is summed over k in fixed order (bitwise deterministic).
 
-precision: ``bf16`` computes in fp32 as above. ``fp8`` rounds every GEMM operand through e4m3
-(1x128 blocks for activations and gradients, 128x128 blocks for weights, amax scaling) in the
-forward and backward; ``fp8_bwd`` does so in the backward GEMMs only. In both, the backward
-reads GEMM 1's pre-activations rounded to the input dtype, as the kernels save them. This
-emulates the arithmetic of the FP8 kernels so they can be tested against it.
+precision: ``bf16`` computes in fp32 as above. ``fp8`` rounds the operands of the forward GEMMs
+and of the backward's data-gradient GEMMs through e4m3 (1x128 blocks for activations and
+gradients, 128x128 blocks for weights, amax scaling); ``fp8_bwd`` does so in the backward's
+data-gradient GEMMs only. The weight gradients take unrounded operands (the kernels run them in
+bf16), unless MEGAMOE_FP8_WGRAD=1 (settings.fp8_wgrad: the all-FP8 recipe, operands in 1x128
+blocks along the token axis). In all FP8 recipes the backward reads GEMM 1's pre-activations
+rounded to the input dtype, as the kernels save them. This emulates the arithmetic of the FP8
+kernels so they can be tested against it.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from torchtitan_megamoe import settings
 from torchtitan_megamoe.ops.reference_ep import AllToAllRoute, slot_rows
 
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
@@ -71,6 +75,7 @@ def backward(grad_out, x, topk_ids, topk_weights, w1, w2, w3, group, options, sa
     dx_rows, dweight_rows, dw1, dw2, dw3 = _experts_backward(
         rows, grad_rows, row_weights, route.local_expert, w1, w2, w3,
         fp8_fwd=precision == "fp8", fp8_bwd=precision in ("fp8", "fp8_bwd"),
+        fp8_wgrad=precision in ("fp8", "fp8_bwd") and settings.fp8_wgrad(),
     )
     dx_slots = route.to_slots(route.combine(dx_rows), T * K)
     dx = dx_slots.view(T, K, dx_slots.shape[-1]).sum(dim=1)
@@ -110,9 +115,11 @@ def _experts_forward(rows, local_expert, w1, w2, w3, fp8):
     return y
 
 
-def _experts_backward(rows, grad_rows, row_weights, local_expert, w1, w2, w3, fp8_fwd, fp8_bwd):
+def _experts_backward(rows, grad_rows, row_weights, local_expert, w1, w2, w3, fp8_fwd, fp8_bwd,
+                      fp8_wgrad=False):
     """Gradients of ``sum_rows <grad_row, weight_row * y_row>``: per row dx and d(weight), and
-    the summed weight gradients of each local expert (fp32 or wider)."""
+    the summed weight gradients of each local expert (fp32 or wider). ``fp8_bwd``: the dgrad
+    GEMMs' operands through e4m3; ``fp8_wgrad``: the weight-gradient GEMMs' too."""
     acc = _acc_dtype(rows)
     n = rows.shape[0]
     dx = torch.zeros(n, rows.shape[1], dtype=acc, device=rows.device)
@@ -138,9 +145,9 @@ def _experts_backward(rows, grad_rows, row_weights, local_expert, w1, w2, w3, fp
         da1 = dh * a3 * sig * (1 + a1 * (1 - sig))  # silu'(a) = sig(a) * (1 + a * (1 - sig(a)))
         da3 = dh * silu_a1
         dx[idx] = _dgrad(da1, w1e, fp8_bwd) + _dgrad(da3, w3e, fp8_bwd)
-        dw2[e] = _wgrad(dy, h, fp8_bwd)
-        dw1[e] = _wgrad(da1, xe, fp8_bwd)
-        dw3[e] = _wgrad(da3, xe, fp8_bwd)
+        dw2[e] = _wgrad(dy, h, fp8_wgrad)
+        dw1[e] = _wgrad(da1, xe, fp8_wgrad)
+        dw3[e] = _wgrad(da3, xe, fp8_wgrad)
     return dx, dweight, dw1, dw2, dw3
 
 
