@@ -94,8 +94,25 @@ def test_fp8_emulation_close_to_exact_and_not_identical():
     mega_moe(leaves[0], ids, *leaves[1:], backend="reference", precision="fp8_bwd").sum().backward()
     exact_leaves = [t.clone().requires_grad_() for t in (x, w, w1, w2, w3)]
     mega_moe(exact_leaves[0], ids, *exact_leaves[1:], backend="reference").sum().backward()
-    for a, b in zip(leaves, exact_leaves):
-        assert 0 < rel(a.grad, b.grad) < 0.15
+    for i, (a, b) in enumerate(zip(leaves, exact_leaves)):
+        if i == 3:  # dw2 = (w dy)^T h: a bf16 weight gradient of operands no FP8 GEMM touched
+            assert torch.equal(a.grad, b.grad)
+        else:
+            assert 0 < rel(a.grad, b.grad) < 0.15
+
+
+def test_fp8_wgrad_switch_rounds_the_weight_gradients(monkeypatch):
+    """MEGAMOE_FP8_WGRAD=1: the weight-gradient GEMMs' operands go through e4m3 too."""
+    x, ids, w, w1, w2, w3 = make_inputs(48, 2, 4, 128, 128, "dropped", dtype=torch.float32)
+    grads = {}
+    for flag in ("0", "1"):
+        monkeypatch.setenv("MEGAMOE_FP8_WGRAD", flag)
+        leaves = [t.clone().requires_grad_() for t in (x, w, w1, w2, w3)]
+        mega_moe(leaves[0], ids, *leaves[1:], backend="reference", precision="fp8_bwd").sum().backward()
+        grads[flag] = [t.grad for t in leaves]
+    assert torch.equal(grads["0"][0], grads["1"][0])  # dx: the dgrads are FP8 in both
+    for i in (2, 3, 4):
+        assert 0 < rel(grads["1"][i], grads["0"][i]) < 0.15
 
 
 def test_quantize_dequantize_blocks():

@@ -58,8 +58,12 @@ def _check(inputs, precision, tol_emu):
 
 
 @pytest.mark.skipif(CUDA, reason="interpreter test; the GPU runs the gpu-marked ones")
+@pytest.mark.parametrize("wgrad", ["bf16", "fp8"])
 @pytest.mark.parametrize("precision", ["fp8", "fp8_bwd"])
-def test_fp8_interpreter_uneven(precision):
+def test_fp8_interpreter_uneven(precision, wgrad, monkeypatch):
+    """Both weight-gradient recipes: bf16 (the default) and FP8 (MEGAMOE_FP8_WGRAD=1), each
+    against the reference's emulation of the same recipe."""
+    monkeypatch.setenv("MEGAMOE_FP8_WGRAD", "1" if wgrad == "fp8" else "0")
     inputs = _inputs(T=21, K=2, E=4, D=256, H=128, routing_name="uneven", device="cpu")
     _check(inputs, precision, (1e-2, 3e-2))
 
@@ -75,7 +79,9 @@ def test_fp8_gpu(precision, routing_name):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
-def test_fp8_gpu_qwen3_30b_shape():
+@pytest.mark.parametrize("wgrad", ["bf16", "fp8"])
+def test_fp8_gpu_qwen3_30b_shape(wgrad, monkeypatch):
+    monkeypatch.setenv("MEGAMOE_FP8_WGRAD", "1" if wgrad == "fp8" else "0")
     inputs = _inputs(T=2048, K=8, E=128, D=2048, H=768, routing_name="random", device="cuda")
     _check(inputs, "fp8", (1e-2, 3e-2))
 

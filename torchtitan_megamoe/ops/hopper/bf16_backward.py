@@ -139,45 +139,11 @@ def backward_bf16(grad_out, x, topk_ids, topk_weights, w1, w2, w3, saved=None, w
         shared.clear()  # no dy rows for dw2 to reuse
     del a_bufs, a_saved
 
-    # Weight gradients: dw2 first so hw is freed before dgrad1 allocates its dx rows. (Running
-    # dw1/dw3 after the combine, so that under EP the dx rows could travel under them, would
-    # keep dx alive through dw1/dw3 for no gain.)
-    order = longest_first(plan)
-
-    def launch_dw2(cfg):
-        if cfg.get("impl") == "sm90":  # on dgrad2_swiglu's gathered dy rows, or gathered here
-            rows = shared.get("dy_rows")
-            return sm90_wgrad.wgrad_dw2_sm90(
-                gather_rows(dy, plan) if rows is None else rows, hw, plan,
-                torch.empty_like(params[1]), order, pre_gathered=True)
-        if is_cublas(cfg):
-            return wgrad_dw2_grouped_mm(dy, hw, plan, params[1], dy_rows=shared.get("dy_rows"))
-        return wgrad(dy, hw, torch.empty_like(params[1]), plan, a_gather=True, b_gather=False,
-                     expert_order=order, **cfg)
-
-    def launch_dw13(cfg):
-        if cfg.get("impl") == "sm90":  # on the gathered x rows
-            return sm90_wgrad.wgrad_dw13_sm90(da, gather_rows(x, plan), plan,
-                                              torch.empty_like(params[0]),
-                                              torch.empty_like(params[2]), order,
-                                              pre_gathered=True)
-        if is_cublas(cfg):
-            return wgrad_dw13_grouped_mm(da, x, plan, params[0], params[2])
-        return tuple(wgrad(a, x, torch.empty_like(p), plan, a_gather=False, b_gather=True,
-                           expert_order=order, **cfg)
-                     for a, p in ((da[:, :H], params[0]), (da[:, H:], params[2])))
-
-    def b_stage():
-        return heuristics.wgrad_candidates(x, params, block_m)
-
-    dw2 = launch_dw2(pick_config("wgrad_dw2", key, b_stage, launch_dw2,
-                                 outputs=lambda r: (r,)))
+    # dgrad2_swiglu's gathered dy rows (its sm90 and grouped_mm sides) serve wgrad_dw2 too
+    acts = {"hw": hw, "dy_rows": shared.pop("dy_rows", None)}
     del hw
     shared.clear()
-    if wait_x is not None:
-        wait_x()
-    dw1, dw3 = launch_dw13(pick_config("wgrad_dw13", key, b_stage, launch_dw13,
-                                       outputs=lambda r: r))
+    dw1, dw2, dw3 = weight_grads(dy, x, da, acts, plan, params, key, block_m, wait_x)
 
     # dgrad1, then bwd_combine. Each side allocates its dx rows itself (the grouped_mm side
     # only after its second GEMM's output is freed): [T*K, D] by slot, or [R_max, D] in the
@@ -203,3 +169,52 @@ def backward_bf16(grad_out, x, topk_ids, topk_weights, w1, w2, w3, saved=None, w
     dx, dtw = bwd_combine(dx_slot, part, plan, dx_dtype=x.dtype, dtw_dtype=topk_weights.dtype,
                           rows=in_rows)
     return dx, dtw, dw1, dw2, dw3
+
+
+def weight_grads(dy, x, da, acts: dict, plan, params, key, block_m, wait_x=None):
+    """(dw1, dw2, dw3) in bf16 from da = [da1 | da3] and acts = {"hw": w*h rows, "dy_rows":
+    dy gathered into the row space or None}; the tuner picks each GEMM's side (wgrad_dw2,
+    wgrad_dw13). Shared by the FP8 backward, whose weight gradients are bf16 too. acts is
+    emptied as its tensors are used, so hw is freed before dw1/dw3 run (the caller keeps no
+    reference). ``wait_x()`` runs before the first read of x."""
+    # dw2 first so hw is freed before dgrad1 allocates its dx rows. (Running dw1/dw3 after the
+    # combine, so that under EP the dx rows could travel under them, would keep dx alive
+    # through dw1/dw3 for no gain.)
+    order = longest_first(plan)
+    H = da.shape[1] // 2
+
+    def launch_dw2(cfg):
+        if cfg.get("impl") == "sm90":  # on the gathered dy rows, or gathered here
+            rows = acts.get("dy_rows")
+            return sm90_wgrad.wgrad_dw2_sm90(
+                gather_rows(dy, plan) if rows is None else rows, acts["hw"], plan,
+                torch.empty_like(params[1]), order, pre_gathered=True)
+        if is_cublas(cfg):
+            return wgrad_dw2_grouped_mm(dy, acts["hw"], plan, params[1],
+                                        dy_rows=acts.get("dy_rows"))
+        return wgrad(dy, acts["hw"], torch.empty_like(params[1]), plan, a_gather=True,
+                     b_gather=False, expert_order=order, **cfg)
+
+    def launch_dw13(cfg):
+        if cfg.get("impl") == "sm90":  # on the gathered x rows
+            return sm90_wgrad.wgrad_dw13_sm90(da, gather_rows(x, plan), plan,
+                                              torch.empty_like(params[0]),
+                                              torch.empty_like(params[2]), order,
+                                              pre_gathered=True)
+        if is_cublas(cfg):
+            return wgrad_dw13_grouped_mm(da, x, plan, params[0], params[2])
+        return tuple(wgrad(a, x, torch.empty_like(p), plan, a_gather=False, b_gather=True,
+                           expert_order=order, **cfg)
+                     for a, p in ((da[:, :H], params[0]), (da[:, H:], params[2])))
+
+    def b_stage():
+        return heuristics.wgrad_candidates(x, params, block_m)
+
+    dw2 = launch_dw2(pick_config("wgrad_dw2", key, b_stage, launch_dw2,
+                                 outputs=lambda r: (r,)))
+    acts.clear()
+    if wait_x is not None:
+        wait_x()
+    dw1, dw3 = launch_dw13(pick_config("wgrad_dw13", key, b_stage, launch_dw13,
+                                       outputs=lambda r: r))
+    return dw1, dw2, dw3

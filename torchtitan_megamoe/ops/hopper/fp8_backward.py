@@ -1,27 +1,34 @@
-"""EP=1 backward in blockwise FP8 (precision ``fp8`` and ``fp8_bwd``): every GEMM in e4m3.
+"""EP=1 backward in blockwise FP8 (precision ``fp8`` and ``fp8_bwd``): the data-gradient GEMMs
+in e4m3, the weight gradients in bf16 (faster than FP8 ones at the Qwen3 shapes, and they need
+no transposed quantization of x and dy). MEGAMOE_FP8_WGRAD=1 takes them in FP8 too.
 
     plan       unpacked from what the forward saved, or rebuilt (128-row segments)
     a          the forward's saved [a1 | a3] (bf16), or GEMM 1 again (the forward's own kernel:
                FP8 for ``fp8``, bf16 for ``fp8_bwd``) when nothing was saved
     quant      dy [T, D] per token (1x128); the weights' transposed 128 x 128 copies
-               (fp8_weights.w2_transposed, fp8_weights.w13_transposed: each made
-               right before its GEMM, so the two are never live together)
-    fp8_dgrad2_swiglu  kernels/fp8_gemm.fp8_dgrad2_swiglu: dhg = dy_rows @ w2[e] and the SwiGLU
-               backward; its epilogue writes da per row (for dgrad1), da^T and h^T per 128
-               rows (for the weight gradients) and the d(topk_weights) partials <dhg, h>
-    fp8_wgrad  dw2: (w * dy)^T quantized per 128 rows (kernels/fp8_quant.quant_rows_t: the
-               routing weight goes into dy, as in the reference) with h^T
-               (kernels/fp8_wgrad.fp8_wgrad); dw1, dw3: x^T per 128 rows with da1^T, da3^T
+               (fp8_weights.w2_transposed, fp8_weights.w13_transposed: each made right before
+               its GEMM, so the two are never live together)
+    fp8_dgrad2 dh rows = dy_rows @ w2[e] (kernels/fp8_gemm.fp8_gemm_rows on the token rows,
+               gathered by the plan: our kernels or DeepGEMM, whichever the tuner times faster)
+    swiglu_bwd kernels/swiglu_bwd_rows: da = [da1 | da3] and hw = w*h in bf16 for the weight
+               gradients, da again in e4m3 per row for fp8_dgrad1, the d(topk_weights) partials
+    wgrad      bf16_backward.weight_grads: the bf16 path's weight-gradient stages and picks
     fp8_dgrad1 dx rows [R_max, D] = [da1 | da3] @ [w1; w3] (fp8_gemm_rows), then the bf16
                path's bwd_combine: dx[t] = sum_k in fixed order, d(topk_weights) from the
                partials. Without the weight cache, by groups of experts (dgrad1_groups): the
-               transposed copy of one group at a time, so the backward's peak (here: a, da,
-               the dx rows, the copy) stays under the bf16 path's (a, da in bf16, the dx rows)
+               transposed copy of one group at a time, so the backward's peak stays under the
+               bf16 path's
+
+All-FP8 (MEGAMOE_FP8_WGRAD=1): kernels/fp8_gemm.fp8_dgrad2_swiglu fuses dgrad2 with the SwiGLU
+backward and writes da^T and h^T per 128 rows; (w * dy)^T and x^T are quantized per 128 rows
+(kernels/fp8_quant.quant_rows_t) for kernels/fp8_wgrad.fp8_wgrad.
 Deterministic: fixed-order reductions, no atomics.
 """
 
 import torch
 
+from torchtitan_megamoe import settings
+from torchtitan_megamoe.ops.hopper.bf16_backward import tuner_key, weight_grads
 from torchtitan_megamoe.ops.hopper.fp8_weights import forward_weights, w2_transposed, w13_transposed
 from torchtitan_megamoe.ops.hopper.heuristics import FP8_BLOCK_M, forward_configs
 from torchtitan_megamoe.ops.hopper.kernels.bwd_combine import bwd_combine
@@ -31,6 +38,7 @@ from torchtitan_megamoe.ops.hopper.kernels.fp8_gemm import (
 from torchtitan_megamoe.ops.hopper.kernels.fp8_quant import quant_rows, quant_rows_t
 from torchtitan_megamoe.ops.hopper.kernels.fp8_wgrad import fp8_wgrad
 from torchtitan_megamoe.ops.hopper.kernels.gemm1_swiglu import gemm1_swiglu
+from torchtitan_megamoe.ops.hopper.kernels.swiglu_bwd_rows import swiglu_bwd_rows
 from torchtitan_megamoe.ops.hopper.kernels.wgrad import longest_first
 from torchtitan_megamoe.ops.hopper.plan import build_plan, unpack_plan
 
@@ -58,16 +66,23 @@ def backward_fp8(grad_out, x, topk_ids, topk_weights, w1, w2, w3, precision, wei
 
     gq, gs = quant_rows(dy)
     w2t = w2_transposed(w2, cache=weight_cache)
-    daq, das, daTq, daTs, hTq, hTs, part = fp8_dgrad2_swiglu(gq, gs, w2t.q, w2t.s, a_saved, tw, plan)
-    del gq, gs, a_saved, w2t
-    order = longest_first(plan)
-    dyTq, dyTs = quant_rows_t(dy, plan, gather=True, row_weight=tw.reshape(-1))
-    dw2 = fp8_wgrad(dyTq, dyTs, hTq, hTs, plan, torch.empty_like(params[1]), order)
-    del dyTq, dyTs, hTq, hTs
-    xTq, xTs = quant_rows_t(x, plan, gather=True)
-    dw1 = fp8_wgrad(daTq[:H], daTs[:H], xTq, xTs, plan, torch.empty_like(params[0]), order)
-    dw3 = fp8_wgrad(daTq[H:], daTs[H:], xTq, xTs, plan, torch.empty_like(params[2]), order)
-    del xTq, xTs, daTq, daTs
+    if settings.fp8_wgrad():  # fused dgrad2 + SwiGLU backward writing the FP8 wgrad operands
+        daq, das, daTq, daTs, hTq, hTs, part = fp8_dgrad2_swiglu(gq, gs, w2t.q, w2t.s,
+                                                                 a_saved, tw, plan)
+        del gq, gs, a_saved, w2t
+        dw1, dw2, dw3 = _fp8_weight_grads(daTq, daTs, hTq, hTs, dy, x, tw, params, plan)
+        del daTq, daTs, hTq, hTs
+    else:
+        dh = fp8_gemm_rows(gq, gs, w2t.q, w2t.s, plan, out_dtype=x.dtype, gather=True,
+                           stage="fp8_dgrad2")
+        del gq, gs, w2t
+        da, hw, part, daq, das = swiglu_bwd_rows(dh, a_saved, tw, plan, quant=True)
+        del dh, a_saved
+        acts = {"hw": hw, "dy_rows": None}
+        del hw
+        key = tuner_key(plan.max_rows, D, H, E, FP8_BLOCK_M, settings.bwd_impl())
+        dw1, dw2, dw3 = weight_grads(dy, x, da, acts, plan, params, key, FP8_BLOCK_M)
+        del da
     dx_rows = torch.empty((plan.max_rows, D), dtype=x.dtype, device=x.device)
     groups = dgrad1_groups(E, H, D, plan.max_rows, weight_cache)
     for lo, hi in groups:
@@ -79,6 +94,19 @@ def backward_fp8(grad_out, x, topk_ids, topk_weights, w1, w2, w3, precision, wei
     dx, dtw = bwd_combine(dx_rows, part, plan, dx_dtype=x.dtype, dtw_dtype=topk_weights.dtype,
                           rows=True)
     return dx, dtw, dw1, dw2, dw3
+
+
+def _fp8_weight_grads(daTq, daTs, hTq, hTs, dy, x, tw, params, plan):
+    """(dw1, dw2, dw3) of the all-FP8 recipe, from fp8_dgrad2_swiglu's transposed operands."""
+    H = params[0].shape[1]
+    order = longest_first(plan)
+    dyTq, dyTs = quant_rows_t(dy, plan, gather=True, row_weight=tw.reshape(-1))
+    dw2 = fp8_wgrad(dyTq, dyTs, hTq, hTs, plan, torch.empty_like(params[1]), order)
+    del dyTq, dyTs
+    xTq, xTs = quant_rows_t(x, plan, gather=True)
+    dw1 = fp8_wgrad(daTq[:H], daTs[:H], xTq, xTs, plan, torch.empty_like(params[0]), order)
+    dw3 = fp8_wgrad(daTq[H:], daTs[H:], xTq, xTs, plan, torch.empty_like(params[2]), order)
+    return dw1, dw2, dw3
 
 
 def dgrad1_groups(E: int, H: int, D: int, rows: int, weight_cache: bool) -> list[tuple[int, int]]:

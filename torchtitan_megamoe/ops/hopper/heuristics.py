@@ -8,7 +8,8 @@ and their launchers, tune.py times what this module offers. One key schema for e
     num_warps, num_stages       Triton launch knobs
     use_tma, persistent, tma_store, pre_gathered, static   switches (absent: off)
     impl                        side: absent (Triton), "sm90" (csrc/ kernels), "sm90_fused",
-                                "cublas" (torch._grouped_mm)
+                                "cublas" (torch._grouped_mm), "deepgemm" (deepgemm.py, when
+                                installed)
 
 The Triton launchers translate these keys to their kernels' constexpr names. The first
 candidate of a list also runs untuned (CPU interpreter, CUDA graph capture, MEGAMOE_TUNE=0) and
@@ -22,6 +23,7 @@ from __future__ import annotations
 import torch
 
 from torchtitan_megamoe import settings
+from torchtitan_megamoe.ops.hopper import deepgemm
 from torchtitan_megamoe.ops.hopper.cuda import gemm1_swiglu as sm90_gemm1
 from torchtitan_megamoe.ops.hopper.cuda import gemm_rows as sm90_rows
 from torchtitan_megamoe.ops.hopper.cuda import wgrad as sm90_wgrad
@@ -324,6 +326,7 @@ FP8_DGRAD2_SWIGLU_CONFIGS = [  # 128 x 128 only: one row and one column scale pe
 # unsynchronized): GEMM 1 + SwiGLU, dgrad2_swiglu, and the row GEMMs on row-space A with a
 # bf16 output
 FP8_SM90 = dict(impl="sm90", group_m=8)
+FP8_DEEPGEMM = dict(impl="deepgemm")  # DeepGEMM picks its own tiles
 FP8_INTERPRET = dict(block_m=128, block_n=128, group_m=2, num_warps=1, num_stages=1)
 
 
@@ -341,9 +344,14 @@ def fp8_gemm_candidates(epilogue: str, a: torch.Tensor, N: int, K: int, block_m:
     gathered token rows and the row GEMM on row-space A with a bf16 output."""
     cands = list(FP8_CONFIGS[epilogue])
     swiglu = epilogue != "gemm_rows"
-    sm90_mode = (swiglu and gather) or (not swiglu and not gather and out.dtype == torch.bfloat16)
+    # the sm90 row GEMM reads row-space A: per-token A is gathered first (fp8_gemm._run)
+    sm90_mode = (swiglu and gather) or (not swiglu and out.dtype == torch.bfloat16)
     if sm90_mode and fp8_shape_supported(N, K, block_m) and sm90_usable(a):
         cands.append(FP8_SM90)
+    # DeepGEMM: plain GEMMs with a bf16 output (GEMM 1's SwiGLU then runs as a pass)
+    plain = epilogue == "gemm1_swiglu" or (epilogue == "gemm_rows" and out.dtype == torch.bfloat16)
+    if plain and block_m == FP8_BLOCK_M and deepgemm.available(a):
+        cands.append(FP8_DEEPGEMM)
     return cands
 
 

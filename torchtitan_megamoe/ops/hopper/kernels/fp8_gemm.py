@@ -33,11 +33,14 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from torchtitan_megamoe import settings
+from torchtitan_megamoe.ops.hopper import deepgemm
 from torchtitan_megamoe.ops.hopper.cuda.dgrad2_swiglu import fp8_dgrad2_swiglu_sm90
 from torchtitan_megamoe.ops.hopper.cuda.gemm1_swiglu import fp8_gemm1_swiglu_sm90
 from torchtitan_megamoe.ops.hopper.cuda.gemm_rows import fp8_gemm_rows_sm90
 from torchtitan_megamoe.ops.hopper.heuristics import FP8_INTERPRET, fp8_gemm_candidates
-from torchtitan_megamoe.ops.hopper.kernels.fp8_quant import FP8, quantize_block
+from torchtitan_megamoe.ops.hopper.kernels.fp8_quant import (
+    FP8, gather_rows, quantize_block, swiglu_quant_rows,
+)
 from torchtitan_megamoe.ops.hopper.kernels.tiling import constexprs, grouped_tile
 from torchtitan_megamoe.ops.hopper.plan import Plan
 from torchtitan_megamoe.ops.hopper.tune import bucket, pick_config, relative_difference
@@ -159,9 +162,13 @@ def _run(stage, mode, a, a_s, b, b_s, plan: Plan, out, out_s, gather, b2=None, b
     assert K % 128 == 0 and N % 128 == 0 and a.shape[1] == K, (a.shape, b.shape)
 
     def launch(cfg):
+        if cfg.get("impl") == "deepgemm":
+            _deepgemm(mode, a, a_s, b, b_s, plan, out, out_s, gather, b2, b2_s, aux, expert_base)
+            return
         if cfg.get("impl") == "sm90":
             if mode == MODE_GEMM_ROWS:
-                fp8_gemm_rows_sm90(a, a_s, b, b_s, plan, out, group_m=cfg["group_m"],
+                rows, rows_s = gather_rows(a, a_s, plan) if gather else (a, a_s)
+                fp8_gemm_rows_sm90(rows, rows_s, b, b_s, plan, out, group_m=cfg["group_m"],
                                    expert_base=expert_base)
             elif mode == MODE_DGRAD2_SWIGLU:
                 fp8_dgrad2_swiglu_sm90(a, a_s, b, b_s, aux, tw, plan, out, out_s, qt, qt_s,
@@ -203,8 +210,9 @@ def _run(stage, mode, a, a_s, b, b_s, plan: Plan, out, out_s, gather, b2=None, b
         if settings.triton_interpreting():
             config = FP8_INTERPRET
         else:
+            # DeepGEMM on or off (MEGAMOE_DEEPGEMM) offers other candidates: another pick
             key = (bucket(R), N, K, E, plan.block_m, gather, aux is not None,
-                   expert_base is not None)
+                   expert_base is not None, deepgemm.available(a))
             # a function: the list (and its sm90 check) is built only until the tuner has picked
             config = pick_config(stage, key,
                                  lambda: fp8_gemm_candidates(_EPILOGUES[mode], a, N, K,
@@ -212,6 +220,24 @@ def _run(stage, mode, a, a_s, b, b_s, plan: Plan, out, out_s, gather, b2=None, b
                                  launch, outputs=lambda _: checked(),
                                  mismatch=relative_difference)
     launch(config)
+
+
+def _deepgemm(mode, a, a_s, b, b_s, plan, out, out_s, gather, b2, b2_s, aux, expert_base):
+    """The DeepGEMM side (deepgemm.py): A gathered into the row space where it is per token,
+    the plain GEMM, and the fused epilogue's work as passes around it (GEMM 1: a = [a1 | a3]
+    from two GEMMs on the same rows, then the SwiGLU quantized per row)."""
+    assert mode in (MODE_GEMM_ROWS, MODE_GEMM1_SWIGLU), mode
+    E, N, _ = b.shape
+    rows, rows_s = gather_rows(a, a_s, plan) if gather else (a, a_s)
+    layout = deepgemm.grouped_layout(plan, expert_base, E)
+    if mode == MODE_GEMM_ROWS:
+        deepgemm.gemm_rows(rows, rows_s, b, b_s, layout, out)
+        return
+    acts = aux if aux is not None else torch.empty(
+        (plan.max_rows, 2 * N), dtype=torch.bfloat16, device=a.device)
+    deepgemm.gemm_rows(rows, rows_s, b, b_s, layout, acts[:, :N])
+    deepgemm.gemm_rows(rows, rows_s, b2, b2_s, layout, acts[:, N:])
+    swiglu_quant_rows(acts, plan, out, out_s)
 
 
 def fp8_gemm1_swiglu(xq, xs, w1q, w1s, w3q, w3s, plan: Plan, save_a: bool, config=None):

@@ -11,6 +11,9 @@ every operand is stored with its contraction axis contiguous:
     quant_weight    [E, N, K] -> q [E, N, K], s [E, N/128, K/128]          forward GEMMs
                     and / or q^T [E, K, N(+offset)], s^T [E, K/128, ...]  dgrad GEMMs (the same
                                                                 block scales, transposed)
+    gather_rows     per-token q, s -> the plan's row space (for GEMMs that read A rows
+                    contiguously)
+    swiglu_quant_rows  a = [a1 | a3] rows -> h = silu(a1) * a3 quantized per row (GEMM 2's A)
     quant_rows_t    rows r of src (gathered by the plan, times an optional per-row weight) ->
                     q^T [C, R_max], s [C, R_max/128]            weight-gradient operands, which
                                                                 contract over rows: scales per
@@ -190,3 +193,79 @@ def quant_rows_t(src: torch.Tensor, plan: Plan, gather: bool, row_weight=None):
         s.stride(0), TOP_K=plan.top_k, GATHER=gather, WEIGHTED=row_weight is not None,
         EMULATE=settings.triton_interpreting(), num_warps=8)
     return q, s
+
+
+@triton.jit
+def _gather_rows_kernel(q_ptr, s_ptr, row_slot_ptr, num_rows_used_ptr, out_q_ptr, out_s_ptr, K,
+                        stride_q, stride_s, stride_oq, stride_os,
+                        TOP_K: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
+                        NUM_SB: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    if tl.program_id(0) * BLOCK_R >= tl.load(num_rows_used_ptr):
+        return
+    slot = tl.load(row_slot_ptr + rows)
+    live = slot >= 0
+    src = tl.where(live, slot // TOP_K, 0).to(tl.int64)
+    r64 = rows.to(tl.int64)
+    for k0 in range(0, K, BLOCK_K):
+        cols = k0 + tl.arange(0, BLOCK_K)
+        v = tl.load(q_ptr + src[:, None] * stride_q + cols[None, :], mask=live[:, None], other=0)
+        tl.store(out_q_ptr + r64[:, None] * stride_oq + cols[None, :], v)
+    sb = tl.arange(0, NUM_SB)
+    ok = sb[None, :] < K // 128
+    s = tl.load(s_ptr + src[:, None] * stride_s + sb[None, :], mask=live[:, None] & ok, other=0.0)
+    tl.store(out_s_ptr + r64[:, None] * stride_os + sb[None, :], s, mask=ok)
+
+
+def gather_rows(q: torch.Tensor, s: torch.Tensor, plan: Plan) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q rows [R_max, K] e4m3, s rows [R_max, K/128]) of per-token quantized rows in the plan's
+    row space: row r holds token row_slot[r] // top_k; padding rows are zero (scale 0). For the
+    GEMMs that read A row-contiguous (DeepGEMM, the sm90 row GEMM). Rows past the used ones
+    are left unwritten (their tiles are skipped)."""
+    T, K = q.shape
+    R = plan.max_rows
+    block_r = 32
+    assert K % SCALE_BLOCK == 0 and R % block_r == 0, (K, R)
+    out_q = torch.empty((R, K), dtype=q.dtype, device=q.device)
+    out_s = torch.empty((R, K // SCALE_BLOCK), dtype=torch.float32, device=q.device)
+    block_k = min(K, 512)
+    assert K % block_k == 0
+    # bytes move as uint8: the copy needs no FP8 arithmetic
+    _gather_rows_kernel[(R // block_r,)](
+        q.view(torch.uint8), s, plan.row_slot, plan.num_rows_used, out_q.view(torch.uint8),
+        out_s, K, q.stride(0), s.stride(0), out_q.stride(0), out_s.stride(0),
+        TOP_K=plan.top_k, BLOCK_R=block_r, BLOCK_K=block_k,
+        NUM_SB=triton.next_power_of_2(K // SCALE_BLOCK), num_warps=4)
+    return out_q, out_s
+
+
+@triton.jit
+def _swiglu_quant_rows_kernel(a_ptr, num_rows_used_ptr, q_ptr, s_ptr, H, stride_a, stride_q,
+                              stride_s, BLOCK_R: tl.constexpr, EMULATE: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    if tl.program_id(0) * BLOCK_R >= tl.load(num_rows_used_ptr):
+        return
+    cb = tl.program_id(1)
+    cols = cb * 128 + tl.arange(0, 128)
+    r64 = rows.to(tl.int64)
+    a1 = tl.load(a_ptr + r64[:, None] * stride_a + cols[None, :]).to(tl.float32)
+    a3 = tl.load(a_ptr + r64[:, None] * stride_a + H + cols[None, :]).to(tl.float32)
+    # from the bf16 a (the plain GEMM's only output); the fused GEMM 1 uses its fp32
+    # accumulators: the two h differ by bf16 rounding, far below the e4m3 step
+    h = a1 * tl.sigmoid(a1) * a3
+    q, scale = quantize_block(h, 1, EMULATE)
+    tl.store(q_ptr + r64[:, None] * stride_q + cols[None, :], q.to(q_ptr.dtype.element_ty))
+    tl.store(s_ptr + r64 * stride_s + cb, scale)
+
+
+def swiglu_quant_rows(a: torch.Tensor, plan: Plan, hq: torch.Tensor, hs: torch.Tensor) -> None:
+    """h = silu(a1) * a3 of a = [a1 | a3] [R_max, 2H] (bf16), quantized per row and 128
+    columns into hq [R_max, H] e4m3 / hs [R_max, H/128]: the SwiGLU of GEMM 1 when the GEMM
+    itself (DeepGEMM) has no such epilogue. Rows past the used ones are left unwritten."""
+    R, H2 = a.shape
+    H = H2 // 2
+    block_r = 32
+    assert H % SCALE_BLOCK == 0 and R % block_r == 0 and a.stride(1) == 1
+    _swiglu_quant_rows_kernel[(R // block_r, H // SCALE_BLOCK)](
+        a, plan.num_rows_used, hq, hs, H, a.stride(0), hq.stride(0), hs.stride(0),
+        BLOCK_R=block_r, EMULATE=settings.triton_interpreting(), num_warps=4)

@@ -11,6 +11,10 @@ pre-activations:
     da1 = w_r * dh * a3 * silu'(a1),  da3 = w_r * dh * silu(a1),  hw = w_r * h
     part[0, r] = sum_h dh * h        (d(topk_weights) of the row's slot: <dy, y> = <dh, h>)
 
+With ``quant`` (the FP8 backward: dh from an FP8 dgrad GEMM) it also writes da in e4m3 per
+row and 128 columns (daq, das: the A operand of the FP8 dgrad1) from the same registers; da
+and hw stay bf16 for the bf16 weight gradients.
+
 Tiles: BLOCK_R rows per program, an inner loop over H in BLOCK_H columns (the row's dot product
 accumulates in fp32 across it, in fixed column order: deterministic). Programs wholly past the
 used rows exit; padding rows have dh = 0 (zero dy rows) and store zeros.
@@ -21,16 +25,18 @@ import torch
 import triton
 import triton.language as tl
 
-from torchtitan_megamoe.ops.hopper.plan import Plan
+from torchtitan_megamoe import settings
+from torchtitan_megamoe.ops.hopper.kernels.fp8_quant import FP8, quantize_block
 from torchtitan_megamoe.ops.hopper.kernels.tiling import next_power_of_2
+from torchtitan_megamoe.ops.hopper.plan import Plan
 
 
 @triton.jit
 def _swiglu_bwd_rows_kernel(
     dh_ptr, a_ptr, tw_ptr, row_slot_ptr, used_ptr,
-    da_ptr, hw_ptr, part_ptr,
-    H, s_dh, s_a, s_da, s_hw,
-    BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr,
+    da_ptr, hw_ptr, part_ptr, daq_ptr, das_ptr,
+    H, s_dh, s_a, s_da, s_hw, s_daq, s_das,
+    BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr, QUANT: tl.constexpr, EMULATE: tl.constexpr,
 ):
     pid = tl.program_id(0)
     if pid * BLOCK_R >= tl.load(used_ptr):
@@ -57,13 +63,23 @@ def _swiglu_bwd_rows_kernel(
         tl.store(da_ptr + r64[:, None] * s_da + c[None, :], da1.to(out_t), mask=m)
         tl.store(da_ptr + r64[:, None] * s_da + H + c[None, :], da3.to(out_t), mask=m)
         tl.store(hw_ptr + r64[:, None] * s_hw + c[None, :], (h * w[:, None]).to(out_t), mask=m)
+        if QUANT:  # BLOCK_H == 128: this block is one scale block of da1 and of da3
+            q1, sc1 = quantize_block(da1, 1, EMULATE)
+            q3, sc3 = quantize_block(da3, 1, EMULATE)
+            tl.store(daq_ptr + r64[:, None] * s_daq + c[None, :], q1.to(daq_ptr.dtype.element_ty))
+            tl.store(daq_ptr + r64[:, None] * s_daq + H + c[None, :],
+                     q3.to(daq_ptr.dtype.element_ty))
+            tl.store(das_ptr + r64 * s_das + h0 // 128, sc1)
+            tl.store(das_ptr + r64 * s_das + (H + h0) // 128, sc3)
     tl.store(part_ptr + r, dot)
 
 
 def swiglu_bwd_rows(dh: torch.Tensor, a: torch.Tensor, topk_weights: torch.Tensor, plan: Plan,
-                    out: tuple | None = None, block_r: int = 8, block_h: int = 256):
+                    out: tuple | None = None, block_r: int = 8, block_h: int = 256,
+                    quant: bool = False):
     """(da [R_max, 2H], hw [R_max, H], part [1, R_max] fp32) from dh [R_max, H] and the saved
-    a [R_max, 2H]; rows past the used ones are left unwritten (never read)."""
+    a [R_max, 2H]; with ``quant`` also (daq [R_max, 2H] e4m3, das [R_max, 2H/128]) appended.
+    Rows past the used ones are left unwritten (never read)."""
     R, H = dh.shape
     if a.shape != (R, 2 * H) or plan.max_rows != R:
         raise ValueError(f"a must be [{R}, {2 * H}] for dh {tuple(dh.shape)} and the plan's "
@@ -80,9 +96,21 @@ def swiglu_bwd_rows(dh: torch.Tensor, a: torch.Tensor, topk_weights: torch.Tenso
         assert t.stride(-1) == 1
     tw = topk_weights.reshape(-1).contiguous()
     block_h = min(block_h, next_power_of_2(H))
+    daq = das = None
+    if quant:
+        if H % 128:
+            raise ValueError(f"quant needs hidden {H} to be a multiple of 128")
+        block_h = 128
+        daq = torch.empty(R, 2 * H, dtype=FP8, device=dh.device)
+        das = torch.empty(R, 2 * H // 128, dtype=torch.float32, device=dh.device)
     _swiglu_bwd_rows_kernel[(R // block_r,)](
         dh, a, tw, plan.row_slot, plan.num_rows_used, da, hw, part,
+        daq if quant else da, das if quant else part,
         H, dh.stride(0), a.stride(0), da.stride(0), hw.stride(0),
-        BLOCK_R=block_r, BLOCK_H=block_h, num_warps=4,
+        daq.stride(0) if quant else 0, das.stride(0) if quant else 0,
+        BLOCK_R=block_r, BLOCK_H=block_h, QUANT=quant,
+        EMULATE=quant and settings.triton_interpreting(), num_warps=4,
     )
+    if quant:
+        return da, hw, part, daq, das
     return da, hw, part

@@ -1,0 +1,141 @@
+"""The FP8 row passes around a plain grouped GEMM (kernels/fp8_quant.gather_rows,
+swiglu_quant_rows; swiglu_bwd_rows with ``quant``) against float64 math, outputs poisoned first,
+and, on a GPU with DeepGEMM installed, DeepGEMM's side of each FP8 GEMM against ours."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from moe_testing import plan_for, rel_err, routing
+from torchtitan_megamoe.ops.hopper.kernels.fp8_quant import (
+    FP8, gather_rows, quant_rows, swiglu_quant_rows,
+)
+from torchtitan_megamoe.ops.hopper.kernels.swiglu_bwd_rows import swiglu_bwd_rows
+from torchtitan_megamoe.ops.reference import ACT, quantize_dequantize_fp8
+
+CUDA = torch.cuda.is_available()
+DEV = "cuda" if CUDA else "cpu"
+
+
+def _dequant(q, s):
+    return q.double() * s.double().repeat_interleave(128, dim=1)
+
+
+@pytest.mark.parametrize("case", ["uneven", "one_expert", "all_dropped"])
+def test_gather_rows_puts_token_rows_in_the_row_space(case):
+    T, K, E, D = 37, 3, 5, 256
+    ids = routing(case, T, K, E, seed=3).to(DEV)
+    plan = plan_for(ids, E, 128)
+    x = torch.randn(T, D, device=DEV).bfloat16()
+    q, s = quant_rows(x)
+    rq, rs = gather_rows(q, s, plan)
+    used = int(plan.num_rows_used)
+    slot = plan.row_slot[:used].long()
+    live = slot >= 0
+    tok = slot.clamp(min=0) // K
+    assert torch.equal(rq[:used][live].view(torch.uint8), q[tok[live]].view(torch.uint8))
+    assert torch.equal(rs[:used][live], s[tok[live]])
+    assert (rq[:used][~live].view(torch.uint8) == 0).all() and (rs[:used][~live] == 0).all()
+
+
+def test_swiglu_quant_rows_vs_f64():
+    T, K, E, H = 29, 2, 3, 256
+    ids = routing("uneven", T, K, E, seed=4).to(DEV)
+    plan = plan_for(ids, E, 128)
+    R = plan.max_rows
+    a = torch.randn(R, 2 * H, device=DEV).bfloat16()
+    hq = torch.full((R, H), float("nan"), device=DEV).to(FP8)
+    hs = torch.full((R, H // 128), float("nan"), device=DEV)
+    swiglu_quant_rows(a, plan, hq, hs)
+    used = int(plan.num_rows_used)
+    h = F.silu(a[:used, :H].double()) * a[:used, H:].double()
+    got = _dequant(hq[:used], hs[:used])
+    assert torch.isfinite(got).all()
+    # the recipe's own rounding of h: the kernel must land on it (ties aside)
+    assert rel_err(got, quantize_dequantize_fp8(h, ACT)) < 2e-3
+    assert 1e-3 < rel_err(got, h) < 6e-2  # e4m3 error, not none
+
+
+@pytest.mark.parametrize("case", ["uneven", "one_expert"])
+def test_swiglu_bwd_rows_quant_matches_its_bf16_da(case):
+    T, K, E, H = 31, 3, 4, 256
+    ids = routing(case, T, K, E, seed=5).to(DEV)
+    plan = plan_for(ids, E, 128)
+    R = plan.max_rows
+    slot = plan.row_slot.long()
+    dh = torch.randn(R, H, device=DEV).bfloat16().masked_fill((slot < 0)[:, None], 0.0)
+    a = torch.randn(R, 2 * H, device=DEV).bfloat16()
+    tw = torch.rand(T, K, device=DEV)
+    da, hw, part, daq, das = swiglu_bwd_rows(dh, a, tw, plan, quant=True)
+    ref, _, _ = swiglu_bwd_rows(dh, a, tw, plan)
+    used = int(plan.num_rows_used)
+    assert torch.equal(da[:used], ref[:used])  # quant adds outputs, changes none
+    got = _dequant(daq[:used], das[:used])
+    assert torch.isfinite(got).all()
+    # quantized from the fp32 values (not from the bf16 da): the recipe's rounding of them
+    a1, a3, d = a[:used, :H].double(), a[:used, H:].double(), dh[:used].double()
+    s_ = slot[:used]
+    w = torch.where(s_ >= 0, tw.reshape(-1)[s_.clamp(min=0)].double(), 0.0)[:, None]
+    sig = torch.sigmoid(a1)
+    want = torch.cat([w * d * a3 * (sig + a1 * sig * (1 - sig)), w * d * F.silu(a1)], 1)
+    assert rel_err(got, quantize_dequantize_fp8(want, ACT)) < 3e-3
+    assert 1e-3 < rel_err(got, want) < 6e-2
+    pad = (slot[:used] < 0)
+    assert (got[pad] == 0).all()
+
+
+def _deepgemm_ready():
+    if not CUDA:
+        return False
+    from torchtitan_megamoe.ops.hopper import deepgemm
+
+    return deepgemm.available(torch.zeros(1, device="cuda"))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _deepgemm_ready(), reason="needs a Hopper GPU with DeepGEMM installed")
+@pytest.mark.parametrize("case", ["random", "uneven", "one_expert"])
+def test_deepgemm_side_matches_ours(case):
+    """Each FP8 GEMM with the DeepGEMM side pinned vs our Triton side: the row GEMM on row-space
+    A (GEMM 2, dgrad1), on token rows (dgrad2), one group of experts (dgrad1 by groups), and
+    GEMM 1 with its SwiGLU pass."""
+    from torchtitan_megamoe.ops.hopper.fp8_weights import forward_weights, w2_transposed
+    from torchtitan_megamoe.ops.hopper.heuristics import FP8_CONFIGS, FP8_DEEPGEMM
+    from torchtitan_megamoe.ops.hopper.kernels.fp8_gemm import fp8_gemm1_swiglu, fp8_gemm_rows
+
+    T, K, E, D, H = 1000, 4, 8, 512, 384
+    ids = routing(case, T, K, E, seed=6).cuda()
+    plan = plan_for(ids, E, 128)
+    used = int(plan.num_rows_used)
+    x = torch.randn(T, D, device="cuda").bfloat16()
+    w1, w3 = (torch.randn(E, H, D, device="cuda") * D ** -0.5).bfloat16(), \
+        (torch.randn(E, H, D, device="cuda") * D ** -0.5).bfloat16()
+    w2 = (torch.randn(E, D, H, device="cuda") * H ** -0.5).bfloat16()
+    xq, xs = quant_rows(x)
+    wq = forward_weights(w1, w2, w3)
+    g1, rows_cfg = FP8_CONFIGS["gemm1_swiglu"][0], FP8_CONFIGS["gemm_rows"][0]
+    ours = fp8_gemm1_swiglu(xq, xs, wq.w1q, wq.w1s, wq.w3q, wq.w3s, plan, True, g1)
+    dg = fp8_gemm1_swiglu(xq, xs, wq.w1q, wq.w1s, wq.w3q, wq.w3s, plan, True, FP8_DEEPGEMM)
+    assert rel_err(dg[2][:used].double(), ours[2][:used].double()) < 1e-2  # a
+    assert rel_err(_dequant(dg[0][:used], dg[1][:used]), _dequant(ours[0][:used], ours[1][:used])) < 3e-2
+    hq, hs = ours[0], ours[1]
+    y_ours = fp8_gemm_rows(hq, hs, wq.w2q, wq.w2s, plan, torch.bfloat16, config=rows_cfg)
+    y_dg = fp8_gemm_rows(hq, hs, wq.w2q, wq.w2s, plan, torch.bfloat16, config=FP8_DEEPGEMM)
+    assert rel_err(y_dg[:used].double(), y_ours[:used].double()) < 1e-2
+    gq, gs = quant_rows(torch.randn(T, D, device="cuda").bfloat16())
+    w2t = w2_transposed(w2)
+    dh_ours = fp8_gemm_rows(gq, gs, w2t.q, w2t.s, plan, torch.bfloat16, gather=True,
+                            config=rows_cfg, stage="fp8_dgrad2")
+    dh_dg = fp8_gemm_rows(gq, gs, w2t.q, w2t.s, plan, torch.bfloat16, gather=True,
+                          config=FP8_DEEPGEMM, stage="fp8_dgrad2")
+    live = plan.row_slot[:used] >= 0
+    assert rel_err(dh_dg[:used][live].double(), dh_ours[:used][live].double()) < 1e-2
+    lo, hi = 2, 5  # one group of experts: only its rows written
+    out = torch.full((plan.max_rows, H), float("nan"), device="cuda").bfloat16()
+    rq, rs = gather_rows(gq, gs, plan)
+    fp8_gemm_rows(rq, rs, w2t.q[lo:hi].contiguous(), w2t.s[lo:hi].contiguous(), plan,
+                  torch.bfloat16, config=FP8_DEEPGEMM, expert_base=lo, out=out,
+                  stage="fp8_dgrad2")
+    r0, r1 = plan.seg_start[[lo, hi]].tolist()
+    assert rel_err(out[r0:r1][live[r0:r1]].double(), dh_ours[r0:r1][live[r0:r1]].double()) < 1e-2
+    assert out[:r0].isnan().all() and out[r1:used].isnan().all()

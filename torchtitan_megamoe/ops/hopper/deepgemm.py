@@ -1,0 +1,72 @@
+"""DeepGEMM's M-grouped FP8 GEMM as one more side of the FP8 row GEMMs (optional).
+
+DeepGEMM (the ``deep_gemm`` package, PyPI sdist ``deepinfer-gemm``, this project's
+``[deepgemm]`` extra: scripts/install_deepgemm.sh) picks its tile shape per problem. Where it is
+importable, heuristics.fp8_gemm_candidates offers it to the tuner next to our kernels, and the
+tuner keeps whichever is faster (and agrees with ours). Nothing else depends on it.
+
+    m_grouped_fp8_gemm_nt_contiguous(A rows [M, K] e4m3 + [M, K/128] fp32 scales,
+                                     B [E, N, K] e4m3 + [E, N/128, K/128] scales,
+                                     D [M, N] bf16, grouped_layout [M] int32)
+
+The plan's row space is already DeepGEMM's contiguous layout: every expert's segment is padded to
+128 rows (heuristics.FP8_BLOCK_M, its M alignment on SM90), and a row's group is its tile's
+expert (-1 past the used rows: DeepGEMM skips those blocks and leaves their D rows unwritten).
+A must be row-contiguous: per-token operands are gathered into the row space first
+(kernels/fp8_quant.gather_rows). Scales are passed as fp32 with DeepGEMM's power-of-two (UE8M0)
+rounding turned off, so it computes the recipe our kernels and the reference do.
+"""
+
+import functools
+import importlib
+
+import torch
+
+from torchtitan_megamoe import settings
+from torchtitan_megamoe.ops.hopper.plan import Plan
+
+
+@functools.cache
+def _module():
+    """deep_gemm, or None when it is not installed or fails to load (then never offered)."""
+    try:
+        return importlib.import_module("deep_gemm")
+    except Exception:  # not installed, or built against another torch: ours run alone
+        return None
+
+
+def available(t: torch.Tensor) -> bool:
+    """Whether DeepGEMM may run on ``t``'s device: installed, not switched off
+    (MEGAMOE_DEEPGEMM=0), a CUDA tensor on a Hopper GPU, not under the CPU interpreter."""
+    if not settings.deepgemm() or settings.triton_interpreting() or not t.is_cuda:
+        return False
+    if torch.cuda.get_device_capability(t.device)[0] != 9:
+        return False
+    return _module() is not None
+
+
+def version() -> str | None:
+    mod = _module()
+    return None if mod is None else getattr(mod, "__version__", "unknown")
+
+
+def grouped_layout(plan: Plan, expert_base: int | None = None,
+                   num_experts: int | None = None) -> torch.Tensor:
+    """[R_max] int32: each row's expert (its tile's), -1 where DeepGEMM must skip. With
+    ``expert_base`` e0, B holds experts [e0, e0 + num_experts) only: rows of other experts are
+    skipped and the rest count from e0."""
+    te = plan.tile_expert
+    if expert_base is not None:
+        inside = (te >= expert_base) & (te < expert_base + num_experts)
+        te = torch.where(inside, te - expert_base, -1)
+    return te.to(torch.int32).repeat_interleave(plan.block_m)
+
+
+def gemm_rows(aq: torch.Tensor, a_s: torch.Tensor, bq: torch.Tensor, b_s: torch.Tensor,
+              layout: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """out [M, N] (bf16, row stride free) = aq @ bq[group(row)]^T with the blockwise scales."""
+    if out.dtype != torch.bfloat16:
+        raise TypeError(f"DeepGEMM writes bf16, got an output of {out.dtype}")
+    _module().m_grouped_fp8_gemm_nt_contiguous(
+        (aq, a_s), (bq, b_s), out, layout, disable_ue8m0_cast=True)
+    return out
