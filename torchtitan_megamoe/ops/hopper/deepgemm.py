@@ -12,6 +12,8 @@ tuner keeps whichever is faster (and agrees with ours). Nothing else depends on 
 The plan's row space is already DeepGEMM's contiguous layout: every expert's segment is padded to
 128 rows (heuristics.FP8_BLOCK_M, its M alignment on SM90), and a row's group is its tile's
 expert (-1 past the used rows: DeepGEMM skips those blocks and leaves their D rows unwritten).
+DeepGEMM writes zeros into the rows of skipped blocks, so it cannot write one group of experts
+into an output that holds the others' rows (heuristics.fp8_gemm_candidates: not offered there).
 A must be row-contiguous: per-token operands are gathered into the row space first
 (kernels/fp8_quant.gather_rows). Scales are passed as fp32 with DeepGEMM's power-of-two (UE8M0)
 rounding turned off, so it computes the recipe our kernels and the reference do.
@@ -50,16 +52,9 @@ def version() -> str | None:
     return None if mod is None else getattr(mod, "__version__", "unknown")
 
 
-def grouped_layout(plan: Plan, expert_base: int | None = None,
-                   num_experts: int | None = None) -> torch.Tensor:
-    """[R_max] int32: each row's expert (its tile's), -1 where DeepGEMM must skip. With
-    ``expert_base`` e0, B holds experts [e0, e0 + num_experts) only: rows of other experts are
-    skipped and the rest count from e0."""
-    te = plan.tile_expert
-    if expert_base is not None:
-        inside = (te >= expert_base) & (te < expert_base + num_experts)
-        te = torch.where(inside, te - expert_base, -1)
-    return te.to(torch.int32).repeat_interleave(plan.block_m)
+def grouped_layout(plan: Plan) -> torch.Tensor:
+    """[R_max] int32: each row's expert (its tile's), -1 where DeepGEMM must skip."""
+    return plan.tile_expert.to(torch.int32).repeat_interleave(plan.block_m)
 
 
 def gemm_rows(aq: torch.Tensor, a_s: torch.Tensor, bq: torch.Tensor, b_s: torch.Tensor,

@@ -339,9 +339,11 @@ FP8_CONFIGS = {
 
 
 def fp8_gemm_candidates(epilogue: str, a: torch.Tensor, N: int, K: int, block_m: int,
-                        out: torch.Tensor, gather: bool) -> list[dict]:
+                        out: torch.Tensor, gather: bool, expert_group: bool = False) -> list[dict]:
     """``epilogue``: a key of FP8_CONFIGS. The csrc/ kernels take the SwiGLU epilogues on
-    gathered token rows and the row GEMM on row-space A with a bf16 output."""
+    gathered token rows and the row GEMM on row-space A with a bf16 output. DeepGEMM is not
+    offered for one group of experts (``expert_group``): it writes zeros into the rows of the
+    experts it skips, which hold the other groups' results."""
     cands = list(FP8_CONFIGS[epilogue])
     swiglu = epilogue != "gemm_rows"
     # the sm90 row GEMM reads row-space A: per-token A is gathered first (fp8_gemm._run)
@@ -350,7 +352,7 @@ def fp8_gemm_candidates(epilogue: str, a: torch.Tensor, N: int, K: int, block_m:
         cands.append(FP8_SM90)
     # DeepGEMM: plain GEMMs with a bf16 output (GEMM 1's SwiGLU then runs as a pass)
     plain = epilogue == "gemm1_swiglu" or (epilogue == "gemm_rows" and out.dtype == torch.bfloat16)
-    if plain and block_m == FP8_BLOCK_M and deepgemm.available(a):
+    if plain and not expert_group and block_m == FP8_BLOCK_M and deepgemm.available(a):
         cands.append(FP8_DEEPGEMM)
     return cands
 

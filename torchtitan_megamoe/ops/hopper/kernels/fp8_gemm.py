@@ -216,7 +216,8 @@ def _run(stage, mode, a, a_s, b, b_s, plan: Plan, out, out_s, gather, b2=None, b
             # a function: the list (and its sm90 check) is built only until the tuner has picked
             config = pick_config(stage, key,
                                  lambda: fp8_gemm_candidates(_EPILOGUES[mode], a, N, K,
-                                                             plan.block_m, out, gather),
+                                                             plan.block_m, out, gather,
+                                                             expert_base is not None),
                                  launch, outputs=lambda _: checked(),
                                  mismatch=relative_difference)
     launch(config)
@@ -226,10 +227,10 @@ def _deepgemm(mode, a, a_s, b, b_s, plan, out, out_s, gather, b2, b2_s, aux, exp
     """The DeepGEMM side (deepgemm.py): A gathered into the row space where it is per token,
     the plain GEMM, and the fused epilogue's work as passes around it (GEMM 1: a = [a1 | a3]
     from two GEMMs on the same rows, then the SwiGLU quantized per row)."""
-    assert mode in (MODE_GEMM_ROWS, MODE_GEMM1_SWIGLU), mode
-    E, N, _ = b.shape
+    assert mode in (MODE_GEMM_ROWS, MODE_GEMM1_SWIGLU) and expert_base is None, mode
+    N = b.shape[1]
     rows, rows_s = gather_rows(a, a_s, plan) if gather else (a, a_s)
-    layout = deepgemm.grouped_layout(plan, expert_base, E)
+    layout = deepgemm.grouped_layout(plan)
     if mode == MODE_GEMM_ROWS:
         deepgemm.gemm_rows(rows, rows_s, b, b_s, layout, out)
         return
