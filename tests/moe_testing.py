@@ -186,6 +186,34 @@ def make_inputs(T, K, E, D, H, ids=None, seed=0, dtype=torch.bfloat16, device="c
     return dict(x=x, topk_ids=ids.to(device), topk_weights=tw, w1=w1, w2=w2, w3=w3, dy=dy)
 
 
+OUTLIER_KINDS = ("plain", "tokens", "channel", "both")
+
+
+def outlier_inputs(T, K, E, D, H, kind="both", seed=0, device="cpu", token_share=0.01,
+                   token_scale=(20.0, 100.0), channel_scale=20.0) -> dict:
+    """make_inputs (fp32 draws) with outliers in x, every tensor then rounded to bf16 (x, the
+    weights, dy) or fp32 (topk_weights), so float64 sees the same values as a bf16 run.
+    ``kind``: "tokens" scales ``token_share`` of the tokens by factors uniform in
+    ``token_scale``; "channel" scales one of the D channels by ``channel_scale``; "both" does
+    both; "plain" neither. Adds "outlier_tokens" (indices) and "outlier_channel" (-1: none)."""
+    if kind not in OUTLIER_KINDS:
+        raise ValueError(f"kind {kind!r} not in {OUTLIER_KINDS}")
+    inp = make_inputs(T, K, E, D, H, seed=seed, dtype=torch.float32)
+    g = torch.Generator().manual_seed(seed + 7919)
+    tokens, channel = torch.zeros(0, dtype=torch.long), -1
+    if kind in ("tokens", "both"):
+        tokens = torch.randperm(T, generator=g)[:max(1, round(token_share * T))]
+        lo, hi = token_scale
+        inp["x"][tokens] *= lo + (hi - lo) * torch.rand(len(tokens), 1, generator=g)
+    if kind in ("channel", "both"):
+        channel = int(torch.randint(D, (1,), generator=g))
+        inp["x"][:, channel] *= channel_scale
+    for k in ("x", "w1", "w2", "w3", "dy"):
+        inp[k] = inp[k].to(torch.bfloat16)
+    inp = {k: v.to(device) for k, v in inp.items()}
+    return dict(inp, outlier_tokens=tokens.to(device), outlier_channel=channel)
+
+
 def op_args(inp: dict) -> tuple:
     """(x, topk_ids, topk_weights, w1, w2, w3): the op's tensor arguments, in order."""
     return tuple(inp[k] for k in ("x", "topk_ids", "topk_weights", "w1", "w2", "w3"))
