@@ -13,7 +13,7 @@ CPU_ENV := MEGAMOE_CPU=1 HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 HF_HOME=$(CURDIR
 NPROC ?= 1
 SMOKE_TOML := train_configs/qwen3_moe_tiny_cpu.toml
 
-.PHONY: cuda-cache setup smoke test test-fast ab ab-ep2 ab-fp8 bench gpu-check clean
+.PHONY: cuda-cache setup smoke test test-fast ab ab-ep2 ab-fp8 bench gpu-check deepgemm clean
 
 # torch is pinned to the CPU build that the machine image carries (a plain `torch` from PyPI
 # would pull a multi-GB CUDA build onto a machine with no GPU). The tests need the A/B tool's
@@ -68,6 +68,11 @@ bench: setup
 	$(PY) -m torchtitan_megamoe.bench
 gpu-check:
 	bash scripts/gpu_check.sh
+# The optional DeepGEMM extra, built from source into .venv's python (else python3): a GPU
+# machine's job (CUDA torch, nvcc >= 12.9, g++ >= 13); the script names whatever is missing.
+# DEEPGEMM_ARGS passes --sdist PATH (offline), --target DIR or --check-only through.
+deepgemm:
+	PYTHON=$(if $(wildcard $(PY)),$(PY),$(PYTHON)) bash scripts/install_deepgemm.sh $(DEEPGEMM_ARGS)
 # nvcc, no GPU needed: the sm90 kernels' tuner builds into .cuda_cache, which the GPU scripts use
 # when it is in the repository root (e.g. copied along to a GPU machine): no nvcc time there.
 cuda-cache: setup
