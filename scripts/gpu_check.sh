@@ -25,7 +25,8 @@
 # install from an earlier run, used as is), else .dgsdist/deepinfer_gemm-2.8.2.tar.gz (built with
 # scripts/install_deepgemm.sh into DEEPGEMM_SITE, ~2.5 min), and .dgjit/ (its JIT-compiled kernels).
 # When $OUT is given, the build comes back as $OUT/dgsite.tgz and the kernels as $OUT/dgjit.tgz:
-#   mkdir -p .dgsite .dgjit && tar -xzf dgsite.tgz -C .dgsite && tar -xzf dgjit.tgz -C .dgjit
+#   mkdir -p .dgsite .dgjit && cp dgsite.tgz .dgsite/ && tar -xzf dgjit.tgz -C .dgjit
+# (.dgsite/dgsite.tgz is unpacked into DEEPGEMM_SITE: the unpacked build is ~60 MB)
 # What the bench prints: at EP=1, stock vs ours per shape plus the backward's per-stage table
 # (bench/backward_stages.py, run inside the bench: no separate run); at EP=2, stock
 # TorchTitan's ExpertParallel layer vs ours in the same run, with our EP=1 time for the ratio
@@ -75,7 +76,11 @@ dg_setup() {
   export DG_JIT_CACHE_DIR=${DG_JIT_CACHE_DIR:-/tmp/dgjit}
   mkdir -p "$DG_JIT_CACHE_DIR"
   [ -d .dgjit ] && cp -r .dgjit/. "$DG_JIT_CACHE_DIR"/ && chmod -R u+w "$DG_JIT_CACHE_DIR"
-  if [ -d .dgsite ]; then
+  if [ -f .dgsite/dgsite.tgz ]; then  # the build packed (a folder would be too big to carry)
+    rm -rf "$DG_SITE" && mkdir -p "$DG_SITE" && tar -xzf .dgsite/dgsite.tgz -C "$DG_SITE"
+    dg_use "$DG_SITE" && return
+    echo "DeepGEMM: .dgsite/dgsite.tgz does not import here (built for another torch or python?)"
+  elif [ -d .dgsite ]; then
     dg_use .dgsite && return
     echo "DeepGEMM: .dgsite/ does not import here (built for another torch or python?)"
   fi
