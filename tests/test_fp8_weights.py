@@ -466,3 +466,105 @@ def test_fsdp_fp8_allgather_trains_bitwise_like_bf16_allgather():
         assert out[(False, "gather_bytes")] - out[(True, "gather_bytes")] == gathers * saved
         # a change outside the step is seen (the output moves), the load restores it exactly
         assert out[(True, "ckpt")] == out[(False, "ckpt")] == (True, True)
+
+
+def test_per_op_selective_checkpointing_with_module_copies():
+    """Per-op SAC (the op saved, or recomputed) around MegaExperts in fp8: the registered op
+    carries the copies through the recompute; gradients bitwise the plain call's."""
+    from functools import partial
+
+    from torch.utils.checkpoint import (
+        CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts,
+    )
+
+    x, ids, tw, *_ = _weights()
+    grads = []
+    for save_op in (None, True, False):
+        m = _experts()
+
+        def policy(ctx, op, *args, **kwargs):
+            if op is torch.ops.megamoe.mega_moe.default and save_op:
+                return CheckpointPolicy.MUST_SAVE
+            return CheckpointPolicy.PREFER_RECOMPUTE
+
+        xx = x.detach().clone().requires_grad_()
+        if save_op is None:
+            out = m(xx, ids, tw)
+        else:
+            out = checkpoint(m, xx, ids, tw, use_reentrant=False,
+                             context_fn=partial(create_selective_checkpoint_contexts, policy))
+        out.float().sum().backward()
+        grads.append([xx.grad, m.w1.grad, m.w2.grad, m.w3.grad])
+        assert m.fp8_weights_made == 1
+    for other in grads[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(grads[0], other))
+
+
+def test_converter_installs_the_fp8_allgather_only_where_it_applies(caplog):
+    from torchtitan.models.qwen3 import Qwen3Model
+
+    from moe_testing import tiny_args, with_parallelism
+    from torchtitan_megamoe.converter import MegaMoEConverter, fp8_allgather_applies
+    from torchtitan_megamoe.fp8_allgather import ExpertWeight, installed
+
+    def convert(experts=8, shard=2, **megamoe):
+        jc = with_parallelism(job_config(**{"backend": "hopper", "precision": "fp8", **megamoe}),
+                              data_parallel_shard_degree=shard)
+        with torch.device("meta"):
+            model = Qwen3Model(tiny_args(dim=128, moe_inter_dim=128, num_experts=experts))
+        MegaMoEConverter(jc, None).convert(model)
+        blocks = [m for m in model.modules() if isinstance(m, MegaExperts)]
+        return [installed(e) for e in blocks]
+
+    assert convert() == [True, True]
+    assert convert(shard=1) == convert(fp8_weight_cache=False) == [False, False]
+    assert convert(precision="fp8_bwd") == convert(backend="reference") == [False, False]
+    with caplog.at_level("WARNING"):
+        assert convert(experts=6, shard=4) == [False, False]
+    assert "num_experts=6 is not divisible by the FSDP degree 4" in caplog.text
+    o = MegaMoEOptions(backend="hopper", precision="fp8")
+    assert fp8_allgather_applies(o, 8, 2, ep_degree=2) == "FSDP does not shard the experts alone"
+    assert fp8_allgather_applies(o, 8, 2, 1) is None
+    # the extension keeps everything else plain: the state dict, its values' types
+    with torch.device("meta"):
+        m = MegaExperts(128, 128, 4, options=o)
+    from torchtitan_megamoe import fp8_allgather
+
+    fp8_allgather.install(m)
+    assert isinstance(m.w1, ExpertWeight)
+    assert all(type(v) is torch.Tensor for v in m.state_dict().values())
+
+
+@pytest.mark.slow
+@NO_GPU
+def test_tiny_fp8_config_trains_the_same_with_and_without_the_cache(tmp_path, monkeypatch):
+    """train_configs/qwen3_moe_tiny_fp8_cpu.toml as a user runs it (torchrun, one rank, bf16
+    autocast over fp32 parameters), on the hopper backend: the logged losses with
+    fp8_weight_cache on and off agree to the printed digit."""
+    import os
+
+    from torchtitan_megamoe import ab, assets
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = str(tmp_path)
+    assets.make_assets(out + "/assets")
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", MEGAMOE_CPU="1",
+               **assets.offline_env(out + "/hf"))
+    runs = {}
+    for flag in ("--megamoe.fp8_weight_cache", "--megamoe.no_fp8_weight_cache"):
+        cmd = ab.torchrun_command(
+            os.path.join(root, "train_configs", "qwen3_moe_tiny_fp8_cpu.toml"), 1,
+            out + "/dump", ["--model.hf_assets_path", assets.tokenizer_dir(out + "/assets"),
+                            "--training.dataset_path", assets.dataset_dir(out + "/assets"),
+                            "--megamoe.backend", "hopper",
+                            "--training.mixed_precision_param", "bfloat16",
+                            "--training.steps", "4", flag])
+        log = out + f"/{flag.rsplit('.', 1)[1]}.log"
+        code = ab.run_one(cmd, log, env, 900)
+        with open(log, errors="replace") as f:
+            text = f.read()
+        assert code == 0, text[-4000:]
+        assert "backend=hopper, precision=fp8" in text
+        runs[flag] = [(s.step, s.loss) for s in ab.parse_log(text).steps]
+    on, off = runs.values()
+    assert len(on) == 4 and on == off, runs

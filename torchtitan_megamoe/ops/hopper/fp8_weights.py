@@ -4,33 +4,35 @@
               w2     [E, D, H] as stored (GEMM 2 contracts over H)
     backward  w2^T        [E, H, D]  (fp8_dgrad2_swiglu: dh = dy @ w2[e], contracts over D)
               [w1 | w3]^T [E, D, 2H] (fp8_dgrad1: dx = [da1 | da3] @ [w1; w3], over 2H)
-A block's scale serves both uses: the transposed copies carry the same scales, transposed, and
-are made from the FP8 forward copy by a byte transpose of each block (kernels/fp8_transpose.py:
-bitwise what quantizing the bf16 weight into the transposed layout gives), never by reading the
-bf16 weights again.
+A block's scale serves both uses: the transposed copies carry the same scales, transposed. The
+module-made ones (below) come from the FP8 forward copy by a byte transpose of each block
+(kernels/fp8_transpose.py: bitwise what quantizing the bf16 weight into the transposed layout
+gives), not by reading the bf16 weights again; per call they are quantized from bf16 directly.
 
 Who makes them. The stage code asks ``forward_weights``, ``w2_transposed`` and ``w13_transposed``
-with ``cache``: the layer's ``Fp8Weights`` when the op was given them, else nothing.
+with ``cache``: the layer's ``Fp8Weights`` when the op was given them, else anything falsy.
 
 - Given (``Fp8Weights``, the op's ``fp8_weights`` argument): the module that owns the weights
   (moe.MegaExperts, with ``fp8_weight_cache`` on, the default) made them once per optimizer step
-  (the converter's post-optimizer hook), from the parameters themselves: under a bf16 autocast
-  from the fp32 parameter rounded to bf16 (the bits the op's per-call cast would give), under
-  FSDP from the rank's local shard before the all-gather (moe.py: whole experts per rank, so the
-  blocks are local, and the all-gather moves e4m3 bytes, half of bf16's). The module checks every
-  parameter's identity, version counter and storage before each call and re-makes the copies if
-  anything changed outside the optimizer step (a checkpoint load, a copy_), so they are never
-  stale. The transposed copies are held too (``fp8``, ``fp8_bwd``) or, where only the forward
-  copy is there (the FSDP all-gather brings only that one), made from it in the backward.
-- Not given (``fp8_weight_cache`` off, or a functional ``mega_moe`` call without them): quantized
-  here on every call (one pass over each weight: read 2 bytes, write 1 per element and a scale
-  per 16,384), each copy right before the GEMM that reads it.
+  (the converter's post-optimizer hook) from the parameters themselves: under a bf16 autocast
+  from the fp32 parameter rounded to bf16 (the bits the op's per-call cast would give); under
+  FSDP (``fp8``) from the rank's local shard before the all-gather, which then moves the e4m3
+  copy (fp8_allgather.py). The module compares each parameter's identity, version counter and
+  storage with what the copies were made from before every call and re-makes them if anything
+  changed outside the optimizer step (a checkpoint load, a copy_), so they are never stale. Held:
+  the forward copies (``fp8``) and the transposed ones; where only the forward copy is there
+  (what the FSDP all-gather brings) the transposed ones are made from it in the backward.
+  In ``fp8`` the op's w1, w2, w3 are then zero-stride stand-ins: read their shapes only.
+- Not given (``fp8_weight_cache`` off, a functional ``mega_moe`` call without them, FSDP
+  without the FP8 all-gather): quantized here on every call (one pass over each weight: read 2
+  bytes, write 1 per element and a scale per 16,384), each copy right before the GEMM that
+  reads it.
 
 Memory kept across calls by a layer's Fp8Weights (E experts, hidden H, dim D; scales add
 1/4096): ``fp8`` the forward copies 3·E·H·D bytes plus the transposed copies 3·E·H·D bytes, as
 much as the layer's bf16 expert weights (Qwen3-30B-A3B: 1.2 GB per layer); ``fp8_bwd`` the
-transposed copies only, half that. Under FSDP a rank keeps its shard's forward copies
-(3·E·H·D / world bytes) and nothing else between calls.
+transposed copies only, half that. Under the FP8 all-gather a rank keeps its shard's forward
+copies (3·E·H·D / FSDP degree bytes) and nothing else between calls.
 """
 
 from dataclasses import dataclass
