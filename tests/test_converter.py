@@ -246,7 +246,6 @@ BAD_SETTINGS = [
     (dict(backend=1), TypeError, r"backend=1 is an int, expected a str: one of 'auto'"),
     (dict(precision="fp16"), ValueError, r"precision='fp16' is not one of"),
     (dict(precision=None), TypeError, r"precision=None is a NoneType, expected a str"),
-    (dict(fp8_weight_cache=True), ValueError, r"fp8_weight_cache=true only applies to precision"),
     (dict(precision="fp8", fp8_weight_cache="false"), TypeError,
      r"\[megamoe\] fp8_weight_cache='false' is a str, expected a bool \(true or false\)"),
     (dict(precision="fp8", fp8_weight_cache=1), TypeError,
@@ -301,6 +300,8 @@ def test_cli_overrides_are_checked_like_the_toml():
             "fp8", "--megamoe.fp8_weight_cache", "--megamoe.max_tokens_per_rank", "4096"]
     jc = ConfigManager().parse_args(args)
     assert (jc.megamoe.fp8_weight_cache, jc.megamoe.max_tokens_per_rank) == (True, 4096)
+    off = ConfigManager().parse_args(args[:4] + ["--megamoe.no_fp8_weight_cache"])
+    assert off.megamoe.fp8_weight_cache is False
     with pytest.raises(SystemExit):  # tyro refuses a word for an int, naming the option
         ConfigManager().parse_args(args[:-1] + ["lots"])
 
@@ -313,17 +314,12 @@ def test_fp8_accepted_on_the_hopper_kernels_and_refused_under_ep(precision):
     cfg.parallelism.expert_parallel_degree = 2
     with pytest.raises(NotImplementedError, match=r"expert_parallel_degree=2 the token exchange"):
         MegaMoEConverter(cfg, None)
-    cfg = job_config(precision=precision, fp8_weight_cache=True)
-    cfg.parallelism.data_parallel_shard_degree = 2
-    with pytest.raises(NotImplementedError, match=r"fp8_weight_cache=true needs unsharded"):
-        MegaMoEConverter(cfg, None)
-    # one device (autocast casts the weights per call): refused unless the params stay fp32
-    cfg = job_config(precision=precision, fp8_weight_cache=True)
-    cfg.training.mixed_precision_param = "bfloat16"
-    with pytest.raises(NotImplementedError, match=r"cannot hit under autocast"):
-        MegaMoEConverter(cfg, None)
-    cfg.training.mixed_precision_param = "float32"
-    MegaMoEConverter(cfg, None)
+    # the module-owned FP8 weights (the default) hold under FSDP and under autocast alike
+    for shard, param_dtype in ((2, "bfloat16"), (1, "bfloat16"), (1, "float32")):
+        cfg = job_config(precision=precision, fp8_weight_cache=True)
+        cfg.parallelism.data_parallel_shard_degree = shard
+        cfg.training.mixed_precision_param = param_dtype
+        assert MegaMoEConverter(cfg, None).options.fp8_weight_cache
 
 
 def test_settings_reach_the_backend_as_one_options_object(monkeypatch):
@@ -332,12 +328,11 @@ def test_settings_reach_the_backend_as_one_options_object(monkeypatch):
     from torchtitan_megamoe.ops import reference
 
     jc = job_config(precision="fp8_bwd", save_activations="never", max_tokens_per_rank=4096,
-                    fp8_weight_cache=True)
-    jc.training.mixed_precision_param = "float32"  # the cache needs weights that reach the op
+                    fp8_weight_cache=False)
     converter = MegaMoEConverter(jc, None)
     expected = MegaMoEOptions(backend="reference", precision="fp8_bwd",
                               save_activations="never", max_tokens_per_rank=4096,
-                              fp8_weight_cache=True)
+                              fp8_weight_cache=False)
     assert converter.options == expected
     args = tiny_args(dim=128, moe_inter_dim=128)
     with torch.device("meta"):

@@ -22,9 +22,10 @@ from torchtitan.models.moe.moe import GroupedExperts, MoE
 from torchtitan.protocols.model_converter import register_model_converter
 from torchtitan.tools.logging import logger
 
-from torchtitan_megamoe.moe import MegaMoE
+from torchtitan_megamoe import fp8_allgather
+from torchtitan_megamoe.moe import MegaExperts, MegaMoE
 from torchtitan_megamoe.ops.api import check_args
-from torchtitan_megamoe.ops.hopper.fp8_weights import new_weights_step
+from torchtitan_megamoe.ops.device import capability
 from torchtitan_megamoe.ops.options import MegaMoEOptions
 from torchtitan_megamoe.parallel import install_ep_routing
 from torchtitan_megamoe.settings import MegaMoEConfig
@@ -103,12 +104,35 @@ def _degrees(job_config: JobConfig, parallel_dims: ParallelDims | None) -> dict[
     }
 
 
-def _fsdp_shards_experts(job_config: JobConfig, parallel_dims: ParallelDims | None) -> bool:
+def _fsdp_degree(job_config: JobConfig, parallel_dims: ParallelDims | None) -> int:
+    """Over how many ranks FSDP shards each routed expert weight at EP=1 (1: not sharded)."""
     if parallel_dims is not None:
-        return bool(parallel_dims.fsdp_enabled)
-    shard = job_config.parallelism.data_parallel_shard_degree
-    # -1: all ranks left over, which shard whenever there is more than one
-    return shard > 1 or (shard == -1 and int(os.environ.get("WORLD_SIZE", "1")) > 1)
+        return parallel_dims.dp_shard * parallel_dims.cp if parallel_dims.fsdp_enabled else 1
+    p = job_config.parallelism
+    if p.data_parallel_shard_degree != -1:
+        return max(p.data_parallel_shard_degree, 1)
+    # -1: the ranks left over by the other degrees
+    rest = (max(p.data_parallel_replicate_degree, 1) * p.tensor_parallel_degree
+            * p.pipeline_parallel_degree * p.context_parallel_degree)
+    return max(int(os.environ.get("WORLD_SIZE", "1")) // rest, 1)
+
+
+def fp8_allgather_applies(options: MegaMoEOptions, num_experts: int, fsdp_degree: int,
+                          ep_degree: int) -> str | None:
+    """Why FSDP cannot gather this model's expert weights as FP8 (fp8_allgather.py), or None
+    if it can: precision fp8 with the weight cache, on the Hopper kernels, FSDP alone sharding
+    whole experts evenly."""
+    if options.precision != "fp8" or not options.fp8_weight_cache:
+        return "it serves precision 'fp8' with fp8_weight_cache on"
+    if fsdp_degree <= 1 or ep_degree > 1:
+        return "FSDP does not shard the experts alone"
+    if num_experts % fsdp_degree:
+        return (f"num_experts={num_experts} is not divisible by the FSDP degree {fsdp_degree} "
+                "(FSDP would pad the shards)")
+    if options.backend == "reference" or (options.backend == "auto" and not (
+            torch.cuda.is_available() and capability(torch.device("cuda")) == (9, 0))):
+        return "the reference backend emulates FP8 from the bf16 weights"
+    return None
 
 
 def validate_job(job_config: JobConfig, parallel_dims: ParallelDims | None,
@@ -122,27 +146,6 @@ def validate_job(job_config: JobConfig, parallel_dims: ParallelDims | None,
             f"experts only so far; with expert_parallel_degree={d['ep']} the token exchange "
             "moves bf16 rows. Use precision='bf16' with expert parallelism, or "
             "expert_parallel_degree=1 (FSDP alone) for FP8."
-        )
-    if options.fp8_weight_cache and _fsdp_shards_experts(job_config, parallel_dims):
-        raise NotImplementedError(
-            "megamoe: fp8_weight_cache=true needs unsharded expert weights: under FSDP the "
-            "gathered weights are rewritten in place every step with their version counter "
-            "kept, so a cached FP8 copy could not tell new values from old. Set "
-            "[megamoe] fp8_weight_cache=false (the weights are then quantized on every call)."
-        )
-    mp_param = str(job_config.training.mixed_precision_param)
-    if (options.fp8_weight_cache and not _fsdp_shards_experts(job_config, parallel_dims)
-            and mp_param not in ("float32", "torch.float32")):
-        # Without FSDP TorchTitan trains under torch.autocast, and the op casts the fp32
-        # weights to the autocast dtype on every call (ops/api.py): each call would see new
-        # tensors, so the cache could never hit and would pin every cast until the step ends.
-        raise NotImplementedError(
-            "megamoe: fp8_weight_cache=true cannot hit under autocast: without FSDP the fp32 "
-            f"expert weights reach the op as a fresh {mp_param} cast on every call "
-            f"(training.mixed_precision_param={mp_param}), so every cached copy would be "
-            "made once and held until the optimizer step. Set [megamoe] fp8_weight_cache="
-            "false (the weights are then quantized on every call), or train with "
-            "training.mixed_precision_param='float32'."
         )
     if d["tp"] > 1:
         raise NotImplementedError(
@@ -290,6 +293,7 @@ class MegaMoEConverter:
         self.options = build_options(cfg, job_config)
         validate_job(job_config, parallel_dims, self.options)
         self.ep_degree = _degrees(job_config, parallel_dims)["ep"]
+        self.fsdp_degree = _fsdp_degree(job_config, parallel_dims)
 
     def convert(self, model: nn.Module) -> None:
         converted = convert_moe_blocks(model, self.options, self.ep_degree)
@@ -311,6 +315,7 @@ class MegaMoEConverter:
                         f"megamoe: backend='auto' will use the slow PyTorch reference on GPUs "
                         f"too for this model: {problem}."
                     )
+        self._install_fp8_allgather(model)
         install_ep_routing()
         add_op_to_sac_save_list()
         logger.info(
@@ -319,10 +324,43 @@ class MegaMoEConverter:
             + f", ep={self.ep_degree})"
         )
 
+    def _install_fp8_allgather(self, model: nn.Module) -> None:
+        """Under FSDP with precision fp8, have FSDP gather the experts' FP8 copies
+        (fp8_allgather.py); where it cannot, say so: those weights are gathered in bf16 and
+        quantized on every call."""
+        if self.options.precision not in ("fp8", "fp8_bwd") or self.fsdp_degree <= 1:
+            return
+        blocks = [m for m in model.modules() if isinstance(m, MegaMoE)]
+        for moe in blocks:
+            why = fp8_allgather_applies(self.options, moe.experts.num_experts,
+                                        self.fsdp_degree, self.ep_degree)
+            if why is not None:
+                logger.warning(
+                    "megamoe: under FSDP the expert weights are gathered in bf16 and quantized "
+                    f"to FP8 on every call ({why}); the FP8 all-gather needs precision 'fp8', "
+                    "fp8_weight_cache=true, the hopper backend and experts divisible by the "
+                    "FSDP degree.")
+                return
+            fp8_allgather.install(moe.experts)
+        logger.info(f"megamoe: FSDP gathers the expert weights as FP8 ({len(blocks)} blocks)")
+
     def post_optimizer_hook(self, model: nn.Module | list[nn.Module]) -> None:
-        # new weights: cached FP8 copies (fp8_weight_cache) are dropped and re-made on the
-        # next call, once per optimizer step
-        new_weights_step()
+        # new weights: each layer re-makes its FP8 copies (fp8_weight_cache) here, once per
+        # optimizer step, so the next step's forward and backward quantize nothing
+        refresh_fp8_weights(model)
+
+
+def refresh_fp8_weights(model: nn.Module | list[nn.Module]) -> int:
+    """Have every MegaExperts of ``model`` (or of each model part) re-make the FP8 copies it
+    holds whose weights changed; returns how many modules were asked."""
+    parts = model if isinstance(model, (list, tuple)) else [model]
+    asked = 0
+    for part in parts:
+        for m in part.modules():
+            if isinstance(m, MegaExperts):
+                m.refresh_fp8_weights()
+                asked += 1
+    return asked
 
 
 def _register() -> None:

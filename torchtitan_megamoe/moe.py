@@ -10,6 +10,15 @@ chain becomes one call of the fused op.
 That call runs inside ``MegaExperts.__call__``: with expert parallelism FSDP wraps ``moe.experts``
 as its own unit, and its unshard / reduce-scatter hooks live on that module's call. Calling the op
 with the experts' weights from anywhere else trains on stale shards and gives wrong losses.
+
+FP8 weights. With an FP8 precision on the hopper backend and ``fp8_weight_cache`` on (the
+default), ``MegaExperts`` owns its weights' FP8 copies (ops/hopper/fp8_weights.py): it makes them
+from its parameters, keeps them from one call to the next, re-makes them once per optimizer
+step (``refresh_fp8_weights``, the converter's post-optimizer hook) and before any call that
+finds a parameter changed since (identity, version counter, storage: a checkpoint load, a
+copy_), and passes them to the op, so no quantization runs in the step's forward or backward.
+In ``fp8`` the op then gets zero-stride stand-ins for the weights (``_StandIns``): no per-call
+cast under autocast, and the gradients reach the parameters through them.
 """
 
 from __future__ import annotations
@@ -21,7 +30,9 @@ from torch.distributed.tensor import DTensor, Shard
 from torchtitan.models.moe.moe import GroupedExperts, MoE, MoEArgs
 
 import torchtitan_megamoe
-from torchtitan_megamoe.ops.options import MegaMoEOptions
+from torchtitan_megamoe.fp8_allgather import ExpertWeight, Fp8Gathered, plain_state_dict
+from torchtitan_megamoe.ops.api import compute_dtype, resolved_backend
+from torchtitan_megamoe.ops.options import FP8_PRECISIONS, MegaMoEOptions
 from torchtitan_megamoe.router import route
 
 
@@ -39,6 +50,22 @@ class KeepDtype:
 
     def __init__(self, tensor: torch.Tensor):
         self.tensor = tensor
+
+
+class _StandIns(torch.autograd.Function):
+    """Zero-stride stand-ins in ``dtype`` for weights the op reads only through their FP8
+    copies (precision fp8): the op sees their shapes, and their gradients (cast to each
+    parameter's dtype, as autocast's cast would) reach the parameters."""
+
+    @staticmethod
+    def forward(ctx, dtype, *weights):
+        ctx.dtypes = [w.dtype for w in weights]
+        return tuple(torch.zeros((), dtype=dtype, device=w.device).expand(w.shape)
+                     for w in weights)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        return (None, *(g if g is None else g.to(d) for g, d in zip(grads, ctx.dtypes)))
 
 
 class MegaExperts(GroupedExperts):
@@ -61,6 +88,7 @@ class MegaExperts(GroupedExperts):
     ):
         super().__init__(dim, hidden_dim, num_experts, use_grouped_mm=True)
         self.options = options
+        self._init_fp8()
 
     @classmethod
     def from_grouped_experts(
@@ -76,7 +104,101 @@ class MegaExperts(GroupedExperts):
         new.w3 = experts.w3
         new.use_grouped_mm = experts.use_grouped_mm  # unused; kept for code that reads it
         new.options = options
+        new._init_fp8()
         return new
+
+    def _init_fp8(self) -> None:
+        self._fp8 = None  # fp8_weights.Fp8Weights of this layer, or None
+        self._fp8_from = None  # what they were made from (_source_of)
+        self.fp8_weights_made = 0  # how many times this module made its FP8 copies
+        # under the FP8 all-gather (fp8_allgather.py): role -> (source, q, s) of the local
+        # shard's FP8 copy, and how many times one was made
+        self._fp8_shards = {}
+        self.fp8_shards_made = 0
+        self.register_state_dict_post_hook(plain_state_dict)
+        # FSDP swaps the registered weights through setattr (a sharded DTensor at rest, the
+        # gathered tensor in forward and backward); the gathered ones are refilled in place with
+        # their version counter kept, so copies made from them could go stale unseen
+        self._fsdp_managed = False
+
+    def __setattr__(self, name, value):
+        if name in ("w1", "w2", "w3") and isinstance(value, DTensor):
+            # expert parallelism registers its DTensors with register_parameter; this is FSDP
+            self.__dict__["_fsdp_managed"] = True
+        super().__setattr__(name, value)
+
+    def _source_of(self, weights, dtype) -> tuple:
+        """What the FP8 copies of ``weights`` in ``dtype`` depend on: each tensor's identity,
+        version counter (every in-place write through PyTorch moves it: the optimizer, copy_,
+        a checkpoint load), storage and shape, and the recipe."""
+        return (dtype, self.options.precision) + tuple(
+            (id(w), w._version, w.data_ptr(), tuple(w.shape), w.dtype, w.device) for w in weights)
+
+    def _fp8_applies(self, x: torch.Tensor, group) -> bool:
+        """Whether this call takes module-owned FP8 copies: an FP8 precision on the hopper
+        backend with the cache on, one rank's experts, weights FSDP does not rewrite."""
+        o = self.options
+        return (o.precision in FP8_PRECISIONS and o.fp8_weight_cache and group is None
+                and not self._fsdp_managed and resolved_backend(x, group, o.backend) == "hopper")
+
+    def _make_fp8(self, weights, dtype, source) -> None:
+        from torchtitan_megamoe.ops.hopper.fp8_weights import make_fp8_weights
+
+        self._fp8 = None  # the old copies go before the new ones are made
+        # normal tensors even inside inference_mode (a later training call saves them)
+        with torch.no_grad(), torch.inference_mode(False):
+            w1, w2, w3 = (w.detach().to(dtype) for w in weights)
+            self._fp8 = make_fp8_weights(w1, w2, w3, forward=self.options.precision == "fp8")
+        self._fp8_from = source
+        self.fp8_weights_made += 1
+
+    def fp8_weights(self, weights, dtype):
+        """This layer's FP8 copies of ``weights`` (the parameters) for a call computing in
+        ``dtype``, re-made first if anything they depend on changed (_source_of)."""
+        source = self._source_of(weights, dtype)
+        if self._fp8 is None or source != self._fp8_from:
+            self._make_fp8(weights, dtype, source)
+        return self._fp8
+
+    def fp8_shard(self, role: str, local: torch.Tensor, dtype: torch.dtype):
+        """(q, s): the FP8 copy of this rank's shard of weight ``role`` (an
+        fp8_allgather.ExpertWeight), what its FSDP all-gather moves; re-made first if the shard
+        changed since (identity, version counters, storage) or the dtype differs."""
+        data = local._data
+        # writes through ExpertWeights (fp8_allgather: the optimizer's, copy_) and through
+        # plain aliases of the shard (a checkpoint loading into its state dict's tensors)
+        source = (dtype, id(local), local.writes, data._version, data.data_ptr(),
+                  tuple(data.shape))
+        entry = self._fp8_shards.get(role)
+        if entry is None or entry[0] != source:
+            from torchtitan_megamoe.ops.hopper.fp8_weights import quantize_weight
+
+            self._fp8_shards.pop(role, None)
+            with torch.no_grad(), torch.inference_mode(False):
+                q, s = quantize_weight(data.detach().to(dtype))
+            entry = self._fp8_shards[role] = (source, q, s)
+            self.fp8_shards_made += 1
+        return entry[1], entry[2]
+
+    def refresh_fp8_weights(self) -> None:
+        """After an optimizer step (the converter's post-optimizer hook): re-make the FP8 copies
+        now, once, if the weights changed, so that the step's calls find them current."""
+        for role, (source, _q, _s) in list(self._fp8_shards.items()):
+            w = getattr(self, role)
+            local = w._local_tensor if isinstance(w, DTensor) else None
+            if isinstance(local, ExpertWeight):  # at rest (sharded): its all-gather comes next
+                self.fp8_shard(role, local, source[0])
+        if self._fp8 is None or self._fsdp_managed:
+            return
+        dtype = self._fp8_from[0]
+        weights = (self.w1, self.w2, self.w3)
+        source = self._source_of(weights, dtype)
+        if source != self._fp8_from:
+            self._make_fp8(weights, dtype, source)
+
+    def drop_fp8_weights(self) -> None:
+        """Free the FP8 copies (they are made again on the next call that needs them)."""
+        self._fp8 = self._fp8_from = None
 
     def _local_weights_and_group(self):
         w1, w2, w3 = self.w1, self.w2, self.w3
@@ -105,6 +227,20 @@ class MegaExperts(GroupedExperts):
         if isinstance(topk_weights, KeepDtype):
             topk_weights = topk_weights.tensor
         w1, w2, w3, group = self._local_weights_and_group()
+        fp8 = None
+        if isinstance(w1, Fp8Gathered):
+            # FSDP gathered the FP8 copies (fp8_allgather.py); the op reads only those
+            from torchtitan_megamoe.ops.hopper.fp8_weights import ForwardWeights, Fp8Weights
+
+            fp8 = Fp8Weights(ForwardWeights(w1._q, w1._s, w3._q, w3._s, w2._q, w2._s))
+            w1, w2, w3 = _StandIns.apply(w1.dtype, w1, w2, w3)
+        elif self._fp8_applies(x, group):
+            dtype = compute_dtype(x)
+            fp8 = self.fp8_weights((w1, w2, w3), dtype)
+            if self.options.precision == "fp8":
+                w1, w2, w3 = _StandIns.apply(dtype, w1, w2, w3)
+        elif self._fp8 is not None:
+            self.drop_fp8_weights()  # no longer used (the settings or the parallelism changed)
         return torchtitan_megamoe.mega_moe(
             x,
             topk_ids,
@@ -113,6 +249,7 @@ class MegaExperts(GroupedExperts):
             w2,
             w3,
             group=group,
+            fp8_weights=fp8,
             **self.options.as_kwargs(),
         )
 

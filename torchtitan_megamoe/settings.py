@@ -11,7 +11,6 @@ from pathlib import Path
 from typing import Literal
 
 from torchtitan_megamoe.ops.options import (
-    FP8_PRECISIONS,
     Backend,
     Precision,
     SaveActivations,
@@ -107,14 +106,15 @@ class MegaMoEConfig:
     Hopper kernels with expert_parallel_degree = 1 (FSDP is fine) and need dim and
     moe_inter_dim % 128 == 0; the reference backend emulates the same recipe on any device."""
 
-    fp8_weight_cache: bool = False
-    """FP8 only: keep each layer's quantized expert weights (forward and backward layouts) from
-    one call to the next instead of quantizing them on every call, re-made after every
-    optimizer step (the converter's post-optimizer hook) and whenever a weight's version
-    counter moves (any in-place write: a checkpoint load, an init). Saves one pass over the
-    weights per layer and call; costs memory equal to the experts' bf16 weights per layer
-    (30B-A3B: 1.2 GB per layer). Refused under FSDP (the gathered weights are rewritten in
-    place without a version change)."""
+    fp8_weight_cache: bool = True
+    """FP8 precisions on the hopper backend (ignored otherwise): each MoE layer makes its
+    expert weights' FP8 copies (forward and transposed layouts) once per optimizer step, in the
+    converter's post-optimizer hook, and keeps them from one call to the next, so the step's
+    forward and backward quantize no weight. A weight changed outside the optimizer step (a
+    checkpoint load, a copy_) is seen by its version counter and quantized again before the
+    next call. Memory kept: as much as the layer's bf16 expert weights for ``fp8`` (30B-A3B:
+    1.2 GB per layer), half that for ``fp8_bwd``. ``false``: quantize on every call and keep
+    nothing. Under FSDP see docs/ARCHITECTURE.md ("FP8 weights")."""
 
     save_activations: Literal["auto", SaveActivations] = "auto"
     """What the fused op keeps from its forward for the backward. ``keep``: the hopper backend
@@ -148,8 +148,3 @@ class MegaMoEConfig:
         not fit (a string "false" for a bool, a float or a word for a count, an unknown
         name)."""
         check_fields(self, "[megamoe]")
-        if self.fp8_weight_cache and self.precision not in FP8_PRECISIONS:
-            raise ValueError(
-                "[megamoe] fp8_weight_cache=true only applies to precision 'fp8' / 'fp8_bwd'; "
-                "set it to false or pick an FP8 precision."
-            )

@@ -132,24 +132,3 @@ def test_dgrad1_groups_bound_the_transposed_copy():
         (0, 32), (32, 64), (64, 96), (96, 128)]
     assert fp8_backward.dgrad1_groups(128, 768, 2048, 147456, weight_cache=True) == [(0, 128)]
 
-
-def test_fp8_weight_cache_follows_versions_and_optimizer_steps(monkeypatch):
-    """cache=True (MegaMoEOptions.fp8_weight_cache): one quantization until a weight's version
-    moves or the optimizer steps; cache=False quantizes every call and holds nothing."""
-    from torchtitan_megamoe.ops.hopper import fp8_weights
-
-    made = []
-    monkeypatch.setattr(fp8_weights, "_forward_weights", lambda *ws: made.append(1) or object())
-    monkeypatch.setattr(fp8_weights, "_CACHE", {})
-    w = [torch.zeros(2, 128, 128) for _ in range(3)]
-    a = fp8_weights.forward_weights(*w, cache=True)
-    assert fp8_weights.forward_weights(*w, cache=True) is a and len(made) == 1
-    with torch.no_grad():
-        w[1].add_(1.0)  # an in-place write bumps the version: requantized
-    assert fp8_weights.forward_weights(*w, cache=True) is not a and len(made) == 2
-    fp8_weights.new_weights_step()  # the post-optimizer hook
-    fp8_weights.forward_weights(*w, cache=True)
-    assert len(made) == 3
-    fp8_weights.forward_weights(*w)
-    fp8_weights.forward_weights(*w)
-    assert len(made) == 5 and not fp8_weights._CACHE  # off: every call quantizes

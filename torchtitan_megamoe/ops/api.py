@@ -5,13 +5,19 @@ The op is registered as ``torch.ops.megamoe.mega_moe`` (forward) and
 checkpointing see one opaque op each, not a graph of collectives and GEMMs. Both schemas end
 with the fields of ``MegaMoEOptions`` (ops/options.py), in its order, as typed arguments:
 
-    megamoe::mega_moe(x, topk_ids, topk_weights, w1, w2, w3, bool save, str group_name,
-                      <options>) -> (Tensor out, Tensor[] saved)
+    megamoe::mega_moe(x, topk_ids, topk_weights, w1, w2, w3, Tensor?[] fp8_weights, bool save,
+                      str group_name, <options>) -> (Tensor out, Tensor[] saved)
     megamoe::mega_moe_backward(grad_out, x, topk_ids, topk_weights, w1, w2, w3,
-                               Tensor[] saved, str group_name, <options>)
+                               Tensor?[] fp8_weights, Tensor[] saved, str group_name, <options>)
         -> (dx, dtopk_weights, dw1, dw2, dw3)
     <options> = str backend, str precision, str save_activations, int max_tokens_per_rank,
                 bool fp8_weight_cache
+
+``fp8_weights``: the layer's FP8 weight copies as their owner made them
+(ops/hopper/fp8_weights.Fp8Weights.tensors(): 10 slots, None where a part is not held), or an
+empty list; the hopper backend's FP8 stages read them instead of quantizing the weights. With
+them, precision ``fp8`` reads nothing of w1, w2, w3 but their shapes (moe.MegaExperts then
+passes zero-stride stand-ins that carry the weights' gradients).
 
 ``saved`` is whatever the backend keeps from its forward for its backward (hopper EP=1: GEMM 1's
 pre-activations and the packed plan; reference: nothing, it recomputes). It is an output of the
@@ -30,7 +36,9 @@ Backends are modules with
         (empty tensors of forward's saved shapes/dtypes: the fake impl; static in T, K, E, H)
     backward(grad_out, x, topk_ids, topk_weights, w1, w2, w3, group, options, saved=None)
         (saved None or empty: recompute)
-where ``options`` is a MegaMoEOptions whose backend is the module's own name.
+where ``options`` is a MegaMoEOptions whose backend is the module's own name; the hopper
+module's forward and backward also take ``fp8_weights`` (an Fp8Weights or None), which the
+others are never given.
 """
 
 from __future__ import annotations
@@ -67,7 +75,8 @@ def mega_moe(
     precision: str = "bf16",
     save_activations: str = "keep",
     max_tokens_per_rank: int = 0,
-    fp8_weight_cache: bool = False,
+    fp8_weight_cache: bool = True,
+    fp8_weights=None,
 ) -> torch.Tensor:
     """Fused MoE layer: dispatch, expert SwiGLU MLPs, weighted combine.
 
@@ -95,8 +104,14 @@ def mega_moe(
             ``never`` (the backward recomputes).
         max_tokens_per_rank: EP capacity in tokens per rank; a call bringing more raises.
             0: the hopper backend sizes its exchange from the first call.
-        fp8_weight_cache: FP8: keep each layer's quantized weights until the next optimizer
-            step (``ops.hopper.fp8_weights.new_weights_step``).
+        fp8_weight_cache: FP8: whether the module owning the weights (moe.MegaExperts) makes
+            their FP8 copies once per optimizer step and passes them as ``fp8_weights``; the op
+            itself reads only ``fp8_weights``.
+
+    ``fp8_weights``: an ``ops.hopper.fp8_weights.Fp8Weights`` made from these very weights (in
+    the dtype the op computes in), or None: the hopper backend's FP8 stages then read these
+    copies instead of quantizing the weights on every call. Its owner vouches that they are
+    current; the op checks their shapes only.
     """
     options = MegaMoEOptions.of(backend, precision, save_activations, max_tokens_per_rank,
                                 fp8_weight_cache)
@@ -106,11 +121,26 @@ def mega_moe(
         # the weights in its dtype (the casts are differentiable: fp32 parameters get fp32
         # gradients), out in that dtype; the op's own math runs with autocast off
         # (_autocast_off).
-        amp_dtype = torch.get_autocast_dtype(x.device.type)
+        amp_dtype = compute_dtype(x)
         x, w1, w2, w3 = (t.to(amp_dtype) if t.is_floating_point() else t for t in (x, w1, w2, w3))
     check_args(x, topk_ids, topk_weights, w1, w2, w3, group=group, precision=options.precision)
     if options.backend == "auto":
         options = options.with_backend(resolve_backend(x, group))
+    if fp8_weights is not None:
+        if options.precision not in FP8_PRECISIONS:
+            raise ValueError(f"mega_moe: fp8_weights given with precision={options.precision!r}; "
+                             "they serve the FP8 precisions only")
+        fp8_weights.check(w1, w2)
+        if options.backend != "hopper":
+            # the reference emulates the recipe from real weights: stand-ins get the values
+            # the FP8 copies hold (their gradients still flow through the stand-ins)
+            if fp8_weights.fwd is not None and any(map(is_stand_in, (w1, w2, w3))):
+                from torchtitan_megamoe.ops.hopper.fp8_weights import dequantized
+
+                f = fp8_weights.fwd
+                w1, w2, w3 = (w + dequantized(q, sc, w.dtype) for w, q, sc in
+                              ((w1, f.w1q, f.w1s), (w2, f.w2q, f.w2s), (w3, f.w3q, f.w3s)))
+            fp8_weights = None
     # The hopper forward checks the ids on CUDA inside its first kernels (EP=1: the plan's
     # count kernels, EP > 1: the dispatch kernel), one device assert instead of six launches
     # before the layer's first kernel, host time a waited call pays; other paths check here.
@@ -127,10 +157,18 @@ def mega_moe(
         # no gradient can flow (inference, no_grad, full AC's first forward): not even an
         # autograd Function, whose apply costs host time before the layer's first kernel
         if needs_grad:
-            return _EagerMegaMoE.apply(*tensors, save, group_name, options)
-        return _forward_only(*tensors, save, group_name, options)
-    out, _saved = torch.ops.megamoe.mega_moe(*tensors, save, group_name, *options.op_args())
+            return _EagerMegaMoE.apply(*tensors, fp8_weights, save, group_name, options)
+        return _forward_only(*tensors, fp8_weights, save, group_name, options)
+    fp8_list = [] if fp8_weights is None else fp8_weights.tensors()
+    out, _saved = torch.ops.megamoe.mega_moe(*tensors, fp8_list, save, group_name,
+                                             *options.op_args())
     return out
+
+
+def is_stand_in(w: torch.Tensor) -> bool:
+    """A zero-stride stand-in for a weight whose values only its FP8 copies carry
+    (moe.MegaExperts, precision fp8)."""
+    return w.numel() > 1 and not any(w.stride())
 
 
 def _plain_eager(tensors) -> bool:
@@ -153,6 +191,23 @@ def resolve_backend(x: torch.Tensor, group: dist.ProcessGroup | None) -> str:
         if backend_module("hopper").supports(x, group):
             return "hopper"
     return "reference"
+
+
+def resolved_backend(x: torch.Tensor, group: dist.ProcessGroup | None, backend: str) -> str:
+    """The backend a mega_moe call with this ``x`` (cast as an autocast would) runs."""
+    if backend != "auto":
+        return backend
+    if torch.is_autocast_enabled(x.device.type):
+        x = x[:0].to(torch.get_autocast_dtype(x.device.type))
+    return resolve_backend(x, group)
+
+
+def compute_dtype(x: torch.Tensor) -> torch.dtype:
+    """The dtype a mega_moe call with this ``x`` computes in: the autocast dtype under an
+    autocast (x and the weights are cast to it), else x's."""
+    if torch.is_autocast_enabled(x.device.type):
+        return torch.get_autocast_dtype(x.device.type)
+    return x.dtype
 
 
 def backend_module(name: str):
@@ -269,25 +324,45 @@ def _autocast_off(device_type: str):
     return contextlib.nullcontext()
 
 
-def _run_forward(x, topk_ids, topk_weights, w1, w2, w3, save, group_name, options):
-    """(out, saved list): the backend's forward, for the registered op and the eager path."""
+def _fp8_from_list(tensors):
+    """The op's ``fp8_weights`` list as an Fp8Weights, or None (empty). The hopper package is
+    imported only once there are copies: importing the op stays free of Triton."""
+    if not tensors:
+        return None
+    from torchtitan_megamoe.ops.hopper.fp8_weights import Fp8Weights
+
+    return Fp8Weights.from_tensors(tensors)
+
+
+def _fp8_kwargs(fp8_weights) -> dict:
+    # only the hopper backend is ever given copies (mega_moe drops them for the others)
+    return {} if fp8_weights is None else {"fp8_weights": fp8_weights}
+
+
+def _run_forward(x, topk_ids, topk_weights, w1, w2, w3, fp8_weights, save, group_name,
+                 options):
+    """(out, saved list): the backend's forward, for the registered op and the eager path;
+    ``fp8_weights``: an Fp8Weights or None."""
     impl = backend_module(options.backend)
     group = _group_from_name(group_name)
+    kw = _fp8_kwargs(fp8_weights)
     with _autocast_off(x.device.type):
         if not save:
-            return impl.forward(x, topk_ids, topk_weights, w1, w2, w3, group, options), []
+            return impl.forward(x, topk_ids, topk_weights, w1, w2, w3, group, options, **kw), []
         out, saved = impl.forward(x, topk_ids, topk_weights, w1, w2, w3, group, options,
-                                  save=True)
+                                  save=True, **kw)
     return out, list(saved)
 
 
-def _run_backward(grad_out, x, topk_ids, topk_weights, w1, w2, w3, saved, group_name, options):
+def _run_backward(grad_out, x, topk_ids, topk_weights, w1, w2, w3, fp8_weights, saved,
+                  group_name, options):
     """(dx, dtopk_weights, dw1, dw2, dw3): the backend's backward (recomputing when ``saved``
     is empty), for the registered op and the eager path."""
     with _autocast_off(x.device.type):
         grads = backend_module(options.backend).backward(
             grad_out.contiguous(), x, topk_ids, topk_weights, w1, w2, w3,
             _group_from_name(group_name), options, saved=list(saved) or None,
+            **_fp8_kwargs(fp8_weights),
         )
     return tuple(g.contiguous() for g in grads)
 
@@ -297,15 +372,18 @@ def _run_backward(grad_out, x, topk_ids, topk_weights, w1, w2, w3, saved, group_
 @torch.library.custom_op(
     "megamoe::mega_moe", mutates_args=(),
     schema="(Tensor x, Tensor topk_ids, Tensor topk_weights, Tensor w1, Tensor w2, Tensor w3, "
+           "Tensor?[] fp8_weights, "
            f"bool save, str group_name, {op_schema()}) -> (Tensor, Tensor[])",
 )
-def _mega_moe_op(x, topk_ids, topk_weights, w1, w2, w3, save, group_name, *options):
-    return _run_forward(x, topk_ids, topk_weights, w1, w2, w3, save, group_name,
-                        MegaMoEOptions.of(*options))
+def _mega_moe_op(x, topk_ids, topk_weights, w1, w2, w3, fp8_weights, save, group_name,
+                 *options):
+    return _run_forward(x, topk_ids, topk_weights, w1, w2, w3, _fp8_from_list(fp8_weights),
+                        save, group_name, MegaMoEOptions.of(*options))
 
 
 @_mega_moe_op.register_fake
-def _mega_moe_fake(x, topk_ids, topk_weights, w1, w2, w3, save, group_name, *options):
+def _mega_moe_fake(x, topk_ids, topk_weights, w1, w2, w3, fp8_weights, save, group_name,
+                   *options):
     if not save:
         return torch.empty_like(x), []
     options = MegaMoEOptions.of(*options)
@@ -318,17 +396,19 @@ def _mega_moe_fake(x, topk_ids, topk_weights, w1, w2, w3, save, group_name, *opt
 @torch.library.custom_op(
     "megamoe::mega_moe_backward", mutates_args=(),
     schema="(Tensor grad_out, Tensor x, Tensor topk_ids, Tensor topk_weights, Tensor w1, "
-           f"Tensor w2, Tensor w3, Tensor[] saved, str group_name, {op_schema()}) "
-           "-> (Tensor, Tensor, Tensor, Tensor, Tensor)",
+           "Tensor w2, Tensor w3, Tensor?[] fp8_weights, Tensor[] saved, str group_name, "
+           f"{op_schema()}) -> (Tensor, Tensor, Tensor, Tensor, Tensor)",
 )
-def _mega_moe_backward_op(grad_out, x, topk_ids, topk_weights, w1, w2, w3, saved, group_name,
-                          *options):
-    return _run_backward(grad_out, x, topk_ids, topk_weights, w1, w2, w3, saved, group_name,
+def _mega_moe_backward_op(grad_out, x, topk_ids, topk_weights, w1, w2, w3, fp8_weights, saved,
+                          group_name, *options):
+    return _run_backward(grad_out, x, topk_ids, topk_weights, w1, w2, w3,
+                         _fp8_from_list(fp8_weights), saved, group_name,
                          MegaMoEOptions.of(*options))
 
 
 @_mega_moe_backward_op.register_fake
-def _mega_moe_backward_fake(grad_out, x, topk_ids, topk_weights, w1, w2, w3, saved, *config):
+def _mega_moe_backward_fake(grad_out, x, topk_ids, topk_weights, w1, w2, w3, fp8_weights, saved,
+                            *config):
     return (
         torch.empty_like(x),
         torch.empty_like(topk_weights),
@@ -343,24 +423,32 @@ _NO_GRADS = (None,) * (2 + len(MegaMoEOptions().op_args()))
 
 
 def _setup_context(ctx, inputs, output):
-    x, topk_ids, topk_weights, w1, w2, w3, _save, *config = inputs
+    x, topk_ids, topk_weights, w1, w2, w3, fp8_weights, _save, *config = inputs
     _out, saved = output
     ctx.mark_non_differentiable(*saved)
     # Gradients of the saved outputs are never used: do not let autograd allocate zeros for them
     # (a is as an activation).
     ctx.set_materialize_grads(False)
-    ctx.save_for_backward(x, topk_ids, topk_weights, w1, w2, w3, *saved)
+    fp8_held = [t for t in fp8_weights if t is not None]
+    ctx.fp8_slots = [t is not None for t in fp8_weights]
+    ctx.save_for_backward(x, topk_ids, topk_weights, w1, w2, w3, *fp8_held, *saved)
     ctx.config = tuple(config)  # group_name and the options' fields
 
 
 def _backward(ctx, grad_out, _grad_saved):
-    x, topk_ids, topk_weights, w1, w2, w3, *saved = ctx.saved_tensors
+    x, topk_ids, topk_weights, w1, w2, w3, *rest = ctx.saved_tensors
+    held = iter(rest[:sum(ctx.fp8_slots)])
+    fp8_weights = [next(held) if slot else None for slot in ctx.fp8_slots]
+    saved = rest[sum(ctx.fp8_slots):]
     if grad_out is None:  # out itself was unused (grads are not materialized)
         grad_out = torch.zeros_like(x)
     dx, dweights, dw1, dw2, dw3 = torch.ops.megamoe.mega_moe_backward(
-        grad_out, x, topk_ids, topk_weights, w1, w2, w3, saved, *ctx.config
+        grad_out, x, topk_ids, topk_weights, w1, w2, w3, fp8_weights, saved, *ctx.config
     )
-    return (dx, None, dweights, dw1, dw2, dw3) + _NO_GRADS
+    # torch.library passes a tensor list holding a None as one opaque argument (its gradient:
+    # None) and a list of tensors element by element (a None each)
+    fp8_grad = None if not all(ctx.fp8_slots) else [None] * len(ctx.fp8_slots)
+    return (dx, None, dweights, dw1, dw2, dw3, fp8_grad) + _NO_GRADS
 
 
 _mega_moe_op.register_autograd(_backward, setup_context=_setup_context)
@@ -381,10 +469,13 @@ class _EagerMegaMoE(torch.autograd.Function):
     which they need to see."""
 
     @staticmethod
-    def forward(ctx, x, topk_ids, topk_weights, w1, w2, w3, save, group_name, options):
-        out, saved = _run_forward(x, topk_ids, topk_weights, w1, w2, w3, save, group_name,
-                                  options)
+    def forward(ctx, x, topk_ids, topk_weights, w1, w2, w3, fp8_weights, save, group_name,
+                options):
+        out, saved = _run_forward(x, topk_ids, topk_weights, w1, w2, w3, fp8_weights, save,
+                                  group_name, options)
         ctx.save_for_backward(x, topk_ids, topk_weights, w1, w2, w3, *saved)
+        # held by reference, as the module holds them: read-only to the op, never a gradient
+        ctx.fp8_weights = fp8_weights
         ctx.config = (group_name, options)
         return out
 
@@ -392,10 +483,13 @@ class _EagerMegaMoE(torch.autograd.Function):
     def backward(ctx, grad_out):
         x, topk_ids, topk_weights, w1, w2, w3, *saved = ctx.saved_tensors
         group_name, options = ctx.config
-        args = (grad_out, x, topk_ids, topk_weights, w1, w2, w3, saved, group_name)
+        fp8 = ctx.fp8_weights
         if _plain_eager((grad_out, x)):
-            grads = _run_backward(*args, options)
+            grads = _run_backward(grad_out, x, topk_ids, topk_weights, w1, w2, w3, fp8, saved,
+                                  group_name, options)
         else:
-            grads = torch.ops.megamoe.mega_moe_backward(*args, *options.op_args())
+            grads = torch.ops.megamoe.mega_moe_backward(
+                grad_out, x, topk_ids, topk_weights, w1, w2, w3,
+                [] if fp8 is None else fp8.tensors(), saved, group_name, *options.op_args())
         dx, dweights, dw1, dw2, dw3 = grads
-        return dx, None, dweights, dw1, dw2, dw3, None, None, None
+        return dx, None, dweights, dw1, dw2, dw3, None, None, None, None

@@ -83,15 +83,19 @@ class MegaMoEOptions:
     hopper backend's receive buffers; both backends raise on a call above it). 0: the hopper
     backend sizes its buffers from the first call, the reference backend sets no bound."""
 
-    fp8_weight_cache: bool = False
-    """FP8 only: keep each layer's FP8 weight copies until the next optimizer step."""
+    fp8_weight_cache: bool = True
+    """FP8 precisions on the hopper backend: the module owning the expert weights
+    (moe.MegaExperts) makes their FP8 copies once per optimizer step, keeps them across calls
+    and passes them to the op (``fp8_weights``); off, the op quantizes the weights on every
+    call (less memory: ops/hopper/fp8_weights.py says how much the copies hold). The op itself
+    reads only ``fp8_weights``."""
 
     def __post_init__(self):
         check_fields(self, "mega_moe:")
 
     @classmethod
     def of(cls, backend="auto", precision="bf16", save_activations="keep",
-           max_tokens_per_rank=0, fp8_weight_cache=False) -> "MegaMoEOptions":
+           max_tokens_per_rank=0, fp8_weight_cache=True) -> "MegaMoEOptions":
         """The options for these values, validated once per distinct set: later calls are a
         cache lookup (the op runs on the host's path to every layer's first kernel)."""
         values = (backend, precision, save_activations, max_tokens_per_rank, fp8_weight_cache)

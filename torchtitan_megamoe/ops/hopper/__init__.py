@@ -96,17 +96,18 @@ def _stages(options, group) -> tuple[str, str]:
     return _STAGES[(options.precision, _ep_size(group) > 1)]
 
 
-def forward(x, topk_ids, topk_weights, w1, w2, w3, group, options, save=False):
+def forward(x, topk_ids, topk_weights, w1, w2, w3, group, options, save=False, fp8_weights=None):
     """out; with ``save``, (out, saved: list of tensors for backward(saved=...)). EP=1 saves
     [a, packed_plan] (bf16_forward.py); EP > 1 the same in the receive layout, or nothing where
-    ep_forward.keeps_saved says the backward recomputes."""
+    ep_forward.keeps_saved says the backward recomputes. ``fp8_weights``: the layer's
+    fp8_weights.Fp8Weights (the FP8 stages' ``weight_cache``), or None: quantize per call."""
     check_inputs(x, w1, group, options.precision)
     stage, _ = _stages(options, group)
     if stage == "ep":
         res = forward_ep(x, topk_ids, topk_weights, w1, w2, w3, group,
                          options.max_tokens_per_rank, save=save)
     elif stage == "fp8":
-        res = forward_fp8(x, topk_ids, topk_weights, w1, w2, w3, options.fp8_weight_cache,
+        res = forward_fp8(x, topk_ids, topk_weights, w1, w2, w3, _weight_cache(fp8_weights),
                           save=save)
     else:
         # fp8_bwd: the bf16 forward on the FP8 backward's 128-row segments
@@ -118,6 +119,12 @@ def forward(x, topk_ids, topk_weights, w1, w2, w3, group, options, save=False):
     return out, list(saved)
 
 
+def _weight_cache(fp8_weights):
+    """What the FP8 stages get as ``weight_cache`` (fp8_weights.py): the layer's copies, or
+    False (quantize on every call)."""
+    return False if fp8_weights is None else fp8_weights
+
+
 def saved_like(x, topk_ids, topk_weights, w1, w2, w3, group, options):
     """Empty tensors with the shapes and dtypes forward(..., save=True) saves (fake impl)."""
     stage, _ = _stages(options, group)
@@ -127,9 +134,10 @@ def saved_like(x, topk_ids, topk_weights, w1, w2, w3, group, options):
     return saved_like_bf16(x, topk_ids, w1, block_m=block_m)
 
 
-def backward(grad_out, x, topk_ids, topk_weights, w1, w2, w3, group, options, saved=None):
+def backward(grad_out, x, topk_ids, topk_weights, w1, w2, w3, group, options, saved=None,
+             fp8_weights=None):
     """(dx, dtopk_weights, dw1, dw2, dw3); ``saved``: what forward(..., save=True) returned,
-    None or empty to recompute."""
+    None or empty to recompute; ``fp8_weights`` as in forward."""
     if options.precision != "bf16":  # bf16's were checked by the forward
         check_inputs(x, w1, group, options.precision)
     check_backward_dtypes(grad_out, x, w1)
@@ -139,5 +147,5 @@ def backward(grad_out, x, topk_ids, topk_weights, w1, w2, w3, group, options, sa
                            options.max_tokens_per_rank, saved=saved)
     if stage == "fp8":
         return backward_fp8(grad_out, x, topk_ids, topk_weights, w1, w2, w3, options.precision,
-                            options.fp8_weight_cache, saved=saved)
+                            _weight_cache(fp8_weights), saved=saved)
     return backward_bf16(grad_out, x, topk_ids, topk_weights, w1, w2, w3, saved=saved)

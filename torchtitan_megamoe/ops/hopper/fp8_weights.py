@@ -4,29 +4,45 @@
               w2     [E, D, H] as stored (GEMM 2 contracts over H)
     backward  w2^T        [E, H, D]  (fp8_dgrad2_swiglu: dh = dy @ w2[e], contracts over D)
               [w1 | w3]^T [E, D, 2H] (fp8_dgrad1: dx = [da1 | da3] @ [w1; w3], over 2H)
-A block's scale serves both uses: the transposed copies carry the same scales, transposed.
+A block's scale serves both uses: the transposed copies carry the same scales, transposed. The
+module-made ones (below) come from the FP8 forward copy by a byte transpose of each block
+(kernels/fp8_transpose.py: bitwise what quantizing the bf16 weight into the transposed layout
+gives), not by reading the bf16 weights again; per call they are quantized from bf16 directly.
 
-By default the weights are quantized on every call (one pass over each weight: read 2 bytes,
-write 1 per element and a scale per 16,384), so a quantized copy is never stale, whatever
-changed the weights (an optimizer step, a checkpoint load, FSDP's all-gather into reused
-storage). The pass is bound by HBM bandwidth.
+Who makes them. The stage code asks ``forward_weights``, ``w2_transposed`` and ``w13_transposed``
+with ``cache``: the layer's ``Fp8Weights`` when the op was given them, else anything falsy.
 
-With the cache on (``cache=True``: MegaMoEOptions.fp8_weight_cache, ``[megamoe] fp8_weight_cache``) a
-layer's quantized weights are kept until the next optimizer step (``new_weights_step``, the
-converter's post-optimizer hook) or until any weight's version counter moves (every in-place
-write through PyTorch bumps it: the optimizer, copy_, a checkpoint load), whichever comes
-first. An entry holds its weights, so their memory cannot be reused under the cache's key.
-Only for weights that nothing rewrites behind the version counter and that reach the op as
-themselves: the converter refuses the cache under FSDP, whose all-gather refills reused storage
-and restores the counter, and under autocast with a lower-precision dtype, where every call
-gets a fresh cast (no hit, and each cast held until the next optimizer step).
+- Given (``Fp8Weights``, the op's ``fp8_weights`` argument): the module that owns the weights
+  (moe.MegaExperts, with ``fp8_weight_cache`` on, the default) made them once per optimizer step
+  (the converter's post-optimizer hook) from the parameters themselves: under a bf16 autocast
+  from the fp32 parameter rounded to bf16 (the bits the op's per-call cast would give); under
+  FSDP (``fp8``) from the rank's local shard before the all-gather, which then moves the e4m3
+  copy (fp8_allgather.py). The module compares each parameter's identity, version counter and
+  storage with what the copies were made from before every call and re-makes them if anything
+  changed outside the optimizer step (a checkpoint load, a copy_), so they are never stale. Held:
+  the forward copies (``fp8``) and the transposed ones; where only the forward copy is there
+  (what the FSDP all-gather brings) the transposed ones are made from it in the backward.
+  In ``fp8`` the op's w1, w2, w3 are then zero-stride stand-ins: read their shapes only.
+- Not given (``fp8_weight_cache`` off, a functional ``mega_moe`` call without them, FSDP
+  without the FP8 all-gather): quantized here on every call (one pass over each weight: read 2
+  bytes, write 1 per element and a scale per 16,384), each copy right before the GEMM that
+  reads it.
+
+Memory kept across calls by a layer's Fp8Weights (E experts, hidden H, dim D; scales add
+1/4096): ``fp8`` the forward copies 3·E·H·D bytes plus the transposed copies 3·E·H·D bytes, as
+much as the layer's bf16 expert weights (Qwen3-30B-A3B: 1.2 GB per layer); ``fp8_bwd`` the
+transposed copies only, half that. Under the FP8 all-gather a rank keeps its shard's forward
+copies (3·E·H·D / FSDP degree bytes) and nothing else between calls.
 """
 
 from dataclasses import dataclass
 
 import torch
 
-from torchtitan_megamoe.ops.hopper.kernels.fp8_quant import quant_weight, weight_blocks
+from torchtitan_megamoe.ops.hopper.kernels.fp8_quant import FP8, quant_weight, weight_blocks
+from torchtitan_megamoe.ops.hopper.kernels.fp8_transpose import transpose_blocks
+
+BLOCK = 128
 
 
 @dataclass
@@ -48,53 +64,142 @@ class TransposedWeights:
     s: torch.Tensor
 
 
-_GENERATION = 0
-_CACHE: dict = {}
+@dataclass
+class Fp8Weights:
+    """One layer's FP8 expert weights as their owner made them (module docstring): the forward
+    copies, and the transposed ones where held. Travels through the op as a list of tensors
+    (``tensors`` / ``from_tensors``: None where a part is not held)."""
+
+    fwd: ForwardWeights | None
+    w2t: TransposedWeights | None = None
+    w13t: TransposedWeights | None = None
+
+    SLOTS = 10
+
+    def tensors(self) -> list:
+        fwd = ([self.fwd.w1q, self.fwd.w1s, self.fwd.w3q, self.fwd.w3s, self.fwd.w2q,
+                self.fwd.w2s] if self.fwd is not None else [None] * 6)
+        return (fwd + ([self.w2t.q, self.w2t.s] if self.w2t is not None else [None, None])
+                + ([self.w13t.q, self.w13t.s] if self.w13t is not None else [None, None]))
+
+    @classmethod
+    def from_tensors(cls, ts) -> "Fp8Weights | None":
+        """The inverse of ``tensors``; None for an empty list (no copies given)."""
+        if not ts:
+            return None
+        if len(ts) != cls.SLOTS:
+            raise ValueError(f"mega_moe: fp8_weights must hold {cls.SLOTS} tensors, got {len(ts)}")
+        fwd = ForwardWeights(*ts[:6]) if ts[0] is not None else None
+        w2t = TransposedWeights(*ts[6:8]) if ts[6] is not None else None
+        w13t = TransposedWeights(*ts[8:10]) if ts[8] is not None else None
+        return cls(fwd, w2t, w13t)
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors() if t is not None)
+
+    def check(self, w1: torch.Tensor, w2: torch.Tensor) -> None:
+        """Raise, naming the part, if a copy does not fit weights w1 [E, H, D], w2 [E, D, H]."""
+        E, H, D = w1.shape
+        want = {}
+        if self.fwd is not None:
+            f = self.fwd
+            want.update(w1q=(f.w1q, (E, H, D)), w3q=(f.w3q, (E, H, D)), w2q=(f.w2q, (E, D, H)),
+                        w1s=(f.w1s, (E, H // BLOCK, D // BLOCK)),
+                        w3s=(f.w3s, (E, H // BLOCK, D // BLOCK)),
+                        w2s=(f.w2s, (E, D // BLOCK, H // BLOCK)))
+        if self.w2t is not None:
+            want.update(w2t_q=(self.w2t.q, (E, H, D)),
+                        w2t_s=(self.w2t.s, (E, H // BLOCK, D // BLOCK)))
+        if self.w13t is not None:
+            want.update(w13t_q=(self.w13t.q, (E, D, 2 * H)),
+                        w13t_s=(self.w13t.s, (E, D // BLOCK, 2 * H // BLOCK)))
+        if not want:
+            raise ValueError("mega_moe: fp8_weights holds no copy; pass None instead")
+        for name, (t, shape) in want.items():
+            dtype = torch.float32 if name.endswith("s") else FP8
+            if tuple(t.shape) != shape or t.dtype != dtype or t.device != w1.device:
+                raise ValueError(
+                    f"mega_moe: fp8_weights {name} is {tuple(t.shape)} {t.dtype} on {t.device}, "
+                    f"expected {shape} {dtype} on {w1.device} (experts {E}, hidden {H}, dim {D})"
+                )
 
 
-def new_weights_step() -> None:
-    """The weights changed (an optimizer step): every cached copy is re-made on next use."""
-    global _GENERATION
-    _GENERATION += 1
-    _CACHE.clear()
+def make_fp8_weights(w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor,
+                     forward: bool = True, transposed: bool = True) -> Fp8Weights:
+    """The copies of weights w1, w3 [E, H, D], w2 [E, D, H] (bf16: the values the op computes
+    with): one quantization pass per weight into the forward layout, the transposed copies made
+    from it (``transposed``). ``forward=False`` drops the forward copies once the transposed ones
+    are made (``fp8_bwd``, whose forward is bf16)."""
+    fwd = _forward_weights(w1.contiguous(), w2.contiguous(), w3.contiguous())
+    w2t = w13t = None
+    if transposed:
+        w2t = transposed_w2(fwd)
+        w13t = transposed_w13(fwd)
+    return Fp8Weights(fwd if forward else None, w2t, w13t)
 
 
-def _cached(kind: str, ws: tuple, make, cache: bool):
-    if not cache:
-        _CACHE.clear()  # the cache turned off holds nothing
-        return make()
-    if torch.compiler.is_compiling() or (
-            torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()):
-        return make()
-    key = (kind,) + tuple((w.data_ptr(), tuple(w.shape), w.dtype, w.device) for w in ws)
-    stamp = (_GENERATION,) + tuple(w._version for w in ws)
-    hit = _CACHE.get(key)
-    if hit is not None and hit[0] == stamp:
-        return hit[2]
-    value = make()
-    _CACHE[key] = (stamp, ws, value)
-    return value
+def quantize_weight(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q, s): one weight [E, N, K] in its forward layout (an FSDP shard's copy, moe.py)."""
+    E, N, K = w.shape
+    q, s = weight_blocks(E, N, K, w.device)
+    quant_weight(w.contiguous(), q=q, s=s)
+    return q, s
+
+
+def transposed_w2(fwd: ForwardWeights) -> TransposedWeights:
+    """w2^T from the forward copy of w2 (a byte transpose: no bf16 read)."""
+    E, D, H = fwd.w2q.shape
+    q, s = weight_blocks(E, D, H, fwd.w2q.device, transposed_n=D)
+    transpose_blocks(fwd.w2q, fwd.w2s, q, s)
+    return TransposedWeights(q, s)
+
+
+def transposed_w13(fwd: ForwardWeights, lo: int = 0, hi: int | None = None) -> TransposedWeights:
+    """[w1 | w3]^T of experts [lo, hi) from the forward copies of w1 and w3."""
+    E, H, D = fwd.w1q.shape
+    hi = E if hi is None else hi
+    q, s = weight_blocks(hi - lo, H, D, fwd.w1q.device, transposed_n=2 * H)
+    transpose_blocks(fwd.w1q[lo:hi], fwd.w1s[lo:hi], q, s, t_col0=0)
+    transpose_blocks(fwd.w3q[lo:hi], fwd.w3s[lo:hi], q, s, t_col0=H)
+    return TransposedWeights(q, s)
+
+
+def dequantized(q: torch.Tensor, s: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """q [E, N, K] e4m3 times its block scales, in ``dtype``: the values FP8 GEMMs multiply
+    (for a backend that takes real weights where only the FP8 copy was gathered)."""
+    scale = s.repeat_interleave(BLOCK, dim=1).repeat_interleave(BLOCK, dim=2)
+    return (q.to(torch.float32) * scale).to(dtype)
 
 
 def forward_weights(w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor,
-                    cache: bool = False) -> ForwardWeights:
-    """``cache``: keep the copies until the weights change (see the module docstring)."""
-    return _cached("fwd", (w1, w2, w3), lambda: _forward_weights(w1, w2, w3), cache)
+                    cache=None) -> ForwardWeights:
+    """``cache``: the layer's Fp8Weights (module docstring), else quantized now."""
+    if isinstance(cache, Fp8Weights) and cache.fwd is not None:
+        return cache.fwd
+    return _forward_weights(w1, w2, w3)
 
 
-def w2_transposed(w2: torch.Tensor, cache: bool = False) -> TransposedWeights:
-    """Quantized only when fp8_dgrad2_swiglu runs (and freed after it), so the two transposed
-    copies are never live together in a backward."""
-    return _cached("w2t", (w2,), lambda: _w2_transposed(w2), cache)
+def w2_transposed(w2: torch.Tensor, cache=None) -> TransposedWeights:
+    """Without a held copy, made only when fp8_dgrad2_swiglu runs (and freed after it), so the
+    two transposed copies are never live together in a backward."""
+    if isinstance(cache, Fp8Weights):
+        if cache.w2t is not None:
+            return cache.w2t
+        if cache.fwd is not None:
+            return transposed_w2(cache.fwd)
+    return _w2_transposed(w2)
 
 
 def w13_transposed(w1: torch.Tensor, w3: torch.Tensor, lo: int = 0,
-                   hi: int | None = None, cache: bool = False) -> TransposedWeights:
-    """Experts [lo, hi) (default: all). Only the whole copy is cached: a group of experts is
-    the backward's way to hold less than the whole copy at once (fp8_backward)."""
+                   hi: int | None = None, cache=None) -> TransposedWeights:
+    """Experts [lo, hi) (default: all): a group of experts is the backward's way to hold less
+    than the whole copy at once when it is not held (fp8_backward)."""
     hi = w1.shape[0] if hi is None else hi
-    if lo == 0 and hi == w1.shape[0]:
-        return _cached("w13t", (w1, w3), lambda: _w13_transposed(w1, w3), cache)
+    if isinstance(cache, Fp8Weights):
+        if cache.w13t is not None:
+            return TransposedWeights(cache.w13t.q[lo:hi], cache.w13t.s[lo:hi])
+        if cache.fwd is not None:
+            return transposed_w13(cache.fwd, lo, hi)
     return _w13_transposed(w1[lo:hi], w3[lo:hi])
 
 

@@ -1,0 +1,570 @@
+"""No weight quantization in the step's critical path (ops/hopper/fp8_weights.py, moe.py,
+fp8_allgather.py): the FP8 expert weights are made by the module that owns them, once per
+optimizer step, and are never stale.
+
+- Fp8Weights: the transposed copies come from the FP8 copy (bitwise what quantizing the bf16
+  weight into the transposed layout gives); through the op they give bitwise the results of
+  per-call quantization, eagerly and through the registered op.
+- MegaExperts: one make until a weight changes; each way of changing one outside the optimizer
+  step (copy_, load_state_dict, .data =, an in-place op) is seen; the post-optimizer hook makes
+  them and the next forward and backward make nothing; under bf16 autocast the copies come from
+  the fp32 parameter and give the per-call cast's bits.
+- The converter's training loop (TorchTitan's Qwen3 at the tiny FP8 flavor's shape, AdamW, the
+  post-optimizer hook), cache on against off, bitwise, with quantization counts per step; under
+  FSDP on 2 gloo ranks the same, with the FP8 all-gather (and a checkpoint save / load).
+
+The hopper backend runs under Triton's interpreter on CPU (tests/conftest.py), on the GPU
+otherwise; the gloo tests run on CPU machines only.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import dataclasses
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from moe_testing import cpu_histc, init_gloo, job_config, make_inputs, op_args, routing, run_ranks
+
+from torchtitan_megamoe import mega_moe
+from torchtitan_megamoe.moe import MegaExperts
+from torchtitan_megamoe.ops.hopper import fp8_weights as fw
+from torchtitan_megamoe.ops.options import MegaMoEOptions
+
+CUDA = torch.cuda.is_available()
+DEVICE = "cuda" if CUDA else "cpu"
+NO_GPU = pytest.mark.skipif(CUDA, reason="gloo ranks with the interpreter; the GPU has its own")
+T, K, E, D, H = 24, 2, 4, 128, 128
+
+
+@contextlib.contextmanager
+def counting():
+    """Counts of fp8_weights' weight quantizations and FP8 block transposes while inside."""
+    seen = {"quant": 0, "transpose": 0}
+    real_q, real_t = fw.quant_weight, fw.transpose_blocks
+
+    def quant(*a, **k):
+        seen["quant"] += 1
+        return real_q(*a, **k)
+
+    def transpose(*a, **k):
+        seen["transpose"] += 1
+        return real_t(*a, **k)
+
+    fw.quant_weight, fw.transpose_blocks = quant, transpose
+    try:
+        yield seen
+    finally:
+        fw.quant_weight, fw.transpose_blocks = real_q, real_t
+
+
+def _weights(seed=0, dtype=torch.bfloat16):
+    inp = make_inputs(T, K, E, D, H, routing("uneven", T, K, E, seed), seed=seed,
+                      dtype=torch.float32, device=DEVICE)
+    x, ids, tw, w1, w2, w3 = op_args(inp)
+    return x.to(dtype), ids, tw.to(dtype), *(w.to(dtype) for w in (w1, w2, w3))
+
+
+def _bytes(t):
+    return t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t
+
+
+# ------------------------------------------------------------------------------ Fp8Weights
+
+
+def test_transposed_copies_are_made_from_the_fp8_copy():
+    _x, _ids, _tw, w1, w2, w3 = _weights()
+    with counting() as seen:
+        made = fw.make_fp8_weights(w1, w2, w3)
+    # one quantization pass per weight (forward layout); three block transposes from it
+    assert seen == {"quant": 3, "transpose": 3}
+    want_w2t, want_w13t = fw._w2_transposed(w2), fw._w13_transposed(w1, w3)
+    for got, want in ((made.w2t, want_w2t), (made.w13t, want_w13t)):
+        assert torch.equal(_bytes(got.q), _bytes(want.q)) and torch.equal(got.s, want.s)
+    part = fw.w13_transposed(w1, w3, 1, 3, cache=made)
+    assert torch.equal(_bytes(part.q), _bytes(want_w13t.q[1:3]))
+    # only the forward copy held (what the FSDP all-gather brings): made from it on demand
+    fwd_only = fw.Fp8Weights(made.fwd)
+    for got, want in ((fw.w2_transposed(w2, cache=fwd_only), want_w2t),
+                      (fw.w13_transposed(w1, w3, 1, 3, cache=fwd_only),
+                       fw.TransposedWeights(want_w13t.q[1:3], want_w13t.s[1:3]))):
+        assert torch.equal(_bytes(got.q), _bytes(want.q)) and torch.equal(got.s, want.s)
+    assert fw.make_fp8_weights(w1, w2, w3, forward=False).fwd is None  # fp8_bwd
+    assert made.nbytes() == 2 * 3 * E * H * D + 2 * 3 * E * (H // 128) * (D // 128) * 4
+
+
+def test_op_with_copies_is_bitwise_per_call_quantization():
+    """mega_moe(fp8_weights=...) against the same call quantizing per call: forward and every
+    gradient bitwise, eager and through the registered op (a dispatch mode forces it), with the
+    zero-stride stand-ins MegaExperts gives the op in fp8."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Passthrough(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    x, ids, tw, w1, w2, w3 = _weights()
+    dy = torch.randn(T, D, device=DEVICE).to(torch.bfloat16)
+    for precision in ("fp8", "fp8_bwd"):
+        copies = fw.make_fp8_weights(w1, w2, w3, forward=precision == "fp8")
+        results = []
+        for given, stand_ins, mode in ((False, False, None), (True, False, None),
+                                       (True, precision == "fp8", Passthrough)):
+            leaves = [t.detach().clone().requires_grad_() for t in (x, tw, w1, w2, w3)]
+            xx, tww, *ws = leaves
+            if stand_ins:
+                ws = [torch.zeros((), dtype=w.dtype, device=w.device).expand(w.shape)
+                      .requires_grad_() for w in ws]
+                leaves[2:] = ws
+            with mode() if mode else contextlib.nullcontext():
+                out = mega_moe(xx, ids, tww, *ws, backend="hopper", precision=precision,
+                               fp8_weights=copies if given else None)
+            (out.float() * dy.float()).sum().backward()
+            results.append([out.detach()] + [t.grad for t in leaves])
+        for other in results[1:]:
+            assert all(torch.equal(a, b) for a, b in zip(results[0], other)), precision
+
+
+def test_op_checks_the_copies():
+    x, ids, tw, w1, w2, w3 = _weights()
+    copies = fw.make_fp8_weights(w1, w2, w3)
+    with pytest.raises(ValueError, match="precision='bf16'"):
+        mega_moe(x, ids, tw, w1, w2, w3, backend="hopper", fp8_weights=copies)
+    bad = fw.Fp8Weights(copies.fwd, fw.TransposedWeights(copies.w13t.q, copies.w13t.s))
+    with pytest.raises(ValueError, match=r"fp8_weights w2t_q is \(4, 128, 256\)"):
+        mega_moe(x, ids, tw, w1, w2, w3, backend="hopper", precision="fp8", fp8_weights=bad)
+
+
+def test_reference_backend_reads_stand_ins_through_the_copies():
+    """A call that ends up on the reference backend with stand-ins (only the FP8 copy gathered)
+    computes from the copies' values, and the gradients reach the stand-ins."""
+    x, ids, tw, w1, w2, w3 = _weights()
+    copies = fw.make_fp8_weights(w1, w2, w3)
+    deq = [fw.dequantized(q, s, torch.bfloat16) for q, s in
+           ((copies.fwd.w1q, copies.fwd.w1s), (copies.fwd.w2q, copies.fwd.w2s),
+            (copies.fwd.w3q, copies.fwd.w3s))]
+    stand = [torch.zeros((), dtype=torch.bfloat16, device=DEVICE).expand(w.shape)
+             .requires_grad_() for w in (w1, w2, w3)]
+    got = mega_moe(x, ids, tw, *stand, backend="reference", precision="fp8", fp8_weights=copies)
+    want = mega_moe(x, ids, tw, *deq, backend="reference", precision="fp8")
+    assert torch.equal(got, want)
+    got.float().sum().backward()
+    assert all(s.grad is not None and s.grad.shape == s.shape for s in stand)
+
+
+# ------------------------------------------------------------------------------ MegaExperts
+
+
+def _experts(precision="fp8", cache=True, dtype=torch.bfloat16, seed=0):
+    m = MegaExperts(D, H, E, options=MegaMoEOptions(backend="hopper", precision=precision,
+                                                    fp8_weight_cache=cache))
+    _x, _ids, _tw, w1, w2, w3 = _weights(seed)
+    with torch.no_grad():
+        for p, w in zip((m.w1, m.w2, m.w3), (w1, w2, w3)):
+            p.data = w.to(dtype).clone()
+    return m
+
+
+def _call(m, seed=0, autocast=False):
+    x, ids, tw, *_ = _weights(seed)
+    x = x.float() if autocast else x
+    with torch.autocast(DEVICE, dtype=torch.bfloat16, enabled=autocast):
+        return m(x, ids, tw.to(x.dtype))
+
+
+def test_module_makes_its_copies_once_and_sees_every_change():
+    m, ref = _experts(), _experts(cache=False)
+    with counting() as seen:
+        first = _call(m)
+        _call(m, seed=1)
+    assert m.fp8_weights_made == 1 and seen["quant"] == 3
+    assert torch.equal(first, _call(ref))
+
+    def changed(write):
+        before = m.fp8_weights_made
+        with torch.no_grad():
+            write(m)
+            write(ref)
+        out = _call(m)
+        assert m.fp8_weights_made == before + 1, write
+        assert torch.equal(out, _call(ref)), write  # made from the new values
+
+    changed(lambda e: e.w1.copy_(e.w1 * 0.5))  # a manual copy_
+    changed(lambda e: e.w2.mul_(2))  # any in-place op
+    sd = {k: v.clone() * 0.25 for k, v in _experts(seed=3).state_dict().items()}
+    changed(lambda e: e.load_state_dict(sd))  # a checkpoint load
+    new = torch.randn_like(m.w3) * 0.01
+    changed(lambda e: setattr(e.w3, "data", new.clone()))  # new storage
+    changed(lambda e: setattr(e, "w1", torch.nn.Parameter(e.w1.detach().clone())))  # new param
+    # the optimizer step: the post-optimizer hook makes them, the next calls make nothing
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
+    x, ids, tw, *_ = _weights()
+    m(x, ids, tw).float().sum().backward()
+    opt.step()
+    made = m.fp8_weights_made
+    m.refresh_fp8_weights()
+    assert m.fp8_weights_made == made + 1
+    with counting() as seen:
+        m(x, ids, tw).float().sum().backward()
+    assert seen == {"quant": 0, "transpose": 0} and m.fp8_weights_made == made + 1
+    m.refresh_fp8_weights()  # nothing changed since: nothing made
+    assert m.fp8_weights_made == made + 1
+
+
+def test_off_precision_and_backend_make_nothing():
+    for m in (_experts(cache=False), _experts(precision="bf16")):
+        _call(m)
+        assert m.fp8_weights_made == 0 and m._fp8 is None
+    m = _experts()
+    m.options = MegaMoEOptions(backend="reference", precision="fp8")
+    _call(m)
+    assert m.fp8_weights_made == 0
+
+
+@pytest.mark.parametrize("precision", ["fp8", "fp8_bwd"])
+def test_autocast_copies_come_from_the_parameter(precision):
+    """fp32 parameters under a bf16 autocast (TorchTitan without FSDP): the copies are made
+    from the parameter (the bits the op's per-call cast would give), outputs and fp32
+    gradients bitwise those of per-call quantization; fp8 gives the op stand-ins, not a cast."""
+    from torchtitan_megamoe.ops import api
+
+    on, off = _experts(precision, dtype=torch.float32), _experts(precision, False, torch.float32)
+    seen = []
+    real = api._run_forward
+
+    def spy(*args):
+        seen.append(all(not any(w.stride()) for w in args[3:6]))
+        return real(*args)
+
+    api._run_forward = spy
+    try:
+        outs = []
+        for m in (on, off):
+            out = _call(m, autocast=True)
+            out.float().sum().backward()
+            outs.append([out.detach()] + [p.grad for p in (m.w1, m.w2, m.w3)])
+    finally:
+        api._run_forward = real
+    assert seen == [precision == "fp8", False]
+    assert on.fp8_weights_made == 1 and (on._fp8.fwd is not None) == (precision == "fp8")
+    assert all(g.dtype == torch.float32 for g in outs[0][1:])
+    assert all(torch.equal(a, b) for a, b in zip(*outs))
+
+
+def test_inference_mode_first_call_then_training():
+    m = _experts()
+    with torch.inference_mode():
+        _call(m)
+    x, ids, tw, *_ = _weights()
+    m(x, ids, tw).float().sum().backward()  # the copies made under inference_mode are normal
+    assert m.fp8_weights_made == 1 and m.w1.grad is not None
+
+
+# ------------------------------------------------------------------ the converter's training
+
+
+def _train(cache, precision, steps=3, seed=0):
+    """TorchTitan's way on one device: meta build, convert, materialize, init; bf16 autocast
+    over fp32 parameters; AdamW; the converter's post-optimizer hook after each step."""
+    from torchtitan.models.qwen3 import Qwen3Model, qwen3_args
+
+    import torchtitan_megamoe.flavors  # noqa: F401  (registers megamoe_tiny_fp8)
+    from torchtitan_megamoe.converter import MegaMoEConverter
+
+    args = copy.deepcopy(qwen3_args["megamoe_tiny_fp8"])
+    jc = job_config(backend="hopper", precision=precision, fp8_weight_cache=cache)
+    conv = MegaMoEConverter(jc, None)
+    with torch.device("meta"):
+        model = Qwen3Model(args)
+    conv.convert(model)
+    model.to_empty(device=DEVICE)
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        model.init_weights(buffer_device=torch.device(DEVICE))
+    experts = [m for m in model.modules() if isinstance(m, MegaExperts)]
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    gen = torch.Generator().manual_seed(seed + 1)
+    losses, counts = [], []
+    for _ in range(steps):
+        tokens = torch.randint(0, args.vocab_size, (2, 16), generator=gen).to(DEVICE)
+        labels = torch.randint(0, args.vocab_size, (2, 16), generator=gen).to(DEVICE)
+        opt.zero_grad()
+        with counting() as in_step:
+            with torch.autocast(DEVICE, dtype=torch.bfloat16):
+                logits = model(tokens)
+            loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
+            loss.backward()
+        opt.step()
+        with counting() as in_hook:
+            conv.post_optimizer_hook([model])
+        losses.append(loss.detach())
+        counts.append((dict(in_step), dict(in_hook)))
+    return losses, [p.detach().clone() for p in model.parameters()], counts, len(experts)
+
+
+@pytest.mark.parametrize("precision", ["fp8", "fp8_bwd"])
+def test_training_cache_on_is_bitwise_cache_off(precision):
+    with cpu_histc():
+        on_losses, on_params, on_counts, layers = _train(True, precision)
+        off_losses, off_params, off_counts, _ = _train(False, precision)
+    assert all(torch.equal(a, b) for a, b in zip(on_losses, off_losses)), (on_losses, off_losses)
+    assert all(torch.equal(a, b) for a, b in zip(on_params, off_params))
+    # on: the first step's forward makes each layer's copies (3 weights, 3 transposes); after
+    # that one make per layer per optimizer step, in the hook, none in forward or backward
+    once = {"quant": 3 * layers, "transpose": 3 * layers}
+    none = {"quant": 0, "transpose": 0}
+    assert on_counts[0] == (once, once)
+    assert all(c == (none, once) for c in on_counts[1:]), on_counts
+    # off: every call quantizes, the hook makes nothing
+    assert all(step["quant"] > 0 and hook == none for step, hook in off_counts), off_counts
+
+
+# ----------------------------------------------------------- FSDP (2 gloo ranks, EP = 1)
+
+
+def _fsdp_worker(rank, world, precision, init_file, result_file):
+    """TorchTitan's parallelize_qwen3 with FSDP over both ranks (bf16 params in the
+    all-gather), the tiny FP8 flavor's shape, cache on (FP8 all-gather) against off; then a
+    checkpoint save, a change, and a load: the shard's FP8 copy follows each."""
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions, get_model_state_dict, set_model_state_dict,
+    )
+
+    import torchtitan_megamoe.cpu as cpu
+    from torchtitan.distributed import ParallelDims
+    from torchtitan.models.qwen3 import Qwen3Model, parallelize_qwen3
+
+    from moe_testing import build_stock, tiny_args
+    from torchtitan_megamoe.converter import MegaMoEConverter
+    from torchtitan_megamoe.fp8_allgather import ExpertWeight, Fp8Gathered
+
+    cpu.apply()
+    init_gloo(rank, world, init_file)
+    out = {}
+    try:
+        pd = ParallelDims(dp_replicate=1, dp_shard=-1, cp=1, tp=1, pp=1, ep=1, etp=1,
+                          world_size=world)
+        pd.build_mesh()
+        args = tiny_args(dim=128, moe_inter_dim=128)
+        full_sd = build_stock(args, seed=0).state_dict()
+
+        def build(cache):
+            jc = job_config(backend="hopper", precision=precision, fp8_weight_cache=cache)
+            jc.training = dataclasses.replace(jc.training, seq_len=16,
+                                              mixed_precision_param="bfloat16",
+                                              mixed_precision_reduce="float32")
+            with torch.device("meta"):
+                model = Qwen3Model(copy.deepcopy(args))
+            conv = MegaMoEConverter(jc, pd)
+            conv.convert(model)
+            model = parallelize_qwen3(model, pd, jc)
+            model.to_empty(device="cpu")
+            with torch.no_grad():
+                model.init_weights(buffer_device=torch.device("cpu"))
+            set_model_state_dict(model, full_sd,
+                                 options=StateDictOptions(full_state_dict=True))
+            return model, conv
+
+        gather_bytes, fp8_gathers = [], []
+        real_ag, real_pre = dist.all_gather_single, ExpertWeight.fsdp_pre_all_gather
+
+        def spy_ag(output, inp, *a, **k):
+            gather_bytes[-1] += inp.numel() * inp.element_size()
+            return real_ag(output, inp, *a, **k)
+
+        def spy_pre(self, mesh, outer_size, outer_stride, module, mp_policy):
+            fp8_gathers[-1] += 1
+            return real_pre(self, mesh, outer_size, outer_stride, module, mp_policy)
+
+        for cache in (True, False):
+            model, conv = build(cache)
+            experts = [m for m in model.modules() if isinstance(m, MegaExperts)]
+            out[(cache, "installed")] = all(
+                isinstance(e.w1._local_tensor, ExpertWeight) for e in experts)
+            gathered = []
+            hook = experts[0].register_forward_pre_hook(
+                lambda mod, a: gathered.append(type(mod.w1) is Fp8Gathered))
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+            gen = torch.Generator().manual_seed(200 + rank)
+            losses, made = [], []
+            dist.all_gather_single, ExpertWeight.fsdp_pre_all_gather = spy_ag, spy_pre
+            for _ in range(3):
+                gather_bytes.append(0)
+                fp8_gathers.append(0)
+                tokens = torch.randint(0, args.vocab_size, (2, 16), generator=gen)
+                labels = torch.randint(0, args.vocab_size, (2, 16), generator=gen)
+                opt.zero_grad()
+                before = sum(e.fp8_shards_made for e in experts)
+                loss = F.cross_entropy(model(tokens).flatten(0, 1).float(), labels.flatten())
+                loss.backward()
+                in_step = sum(e.fp8_shards_made for e in experts) - before
+                opt.step()
+                conv.post_optimizer_hook([model])
+                made.append((in_step, sum(e.fp8_shards_made for e in experts) - before
+                             - in_step))
+                losses.append(loss.detach())
+            dist.all_gather_single, ExpertWeight.fsdp_pre_all_gather = real_ag, real_pre
+            hook.remove()
+            out[(cache, "gathered")] = gathered
+            out[(cache, "losses")] = losses
+            out[(cache, "made")] = made
+            out[(cache, "gather_bytes")] = gather_bytes[-1]
+            out[(cache, "fp8_gathers")] = fp8_gathers[-1]
+            out[(cache, "sd")] = get_model_state_dict(
+                model, options=StateDictOptions(full_state_dict=True))
+
+            tokens = torch.randint(0, args.vocab_size, (2, 16),
+                                   generator=torch.Generator().manual_seed(7))
+
+            def fwd():
+                with torch.no_grad():
+                    return model(tokens).float()
+
+            saved = fwd()
+            ckpt = f"{init_file}.ckpt{cache}"
+            dcp.save(get_model_state_dict(model), checkpoint_id=ckpt)
+            with torch.no_grad():
+                for e in experts:
+                    e.w1.mul_(0.5)  # a change outside the optimizer step (no hook after it)
+            changed = fwd()
+            sd = get_model_state_dict(model)
+            dcp.load(sd, checkpoint_id=ckpt)
+            set_model_state_dict(model, sd)
+            out[(cache, "ckpt")] = (not torch.equal(saved, changed), torch.equal(saved, fwd()))
+        out["sd_plain"] = all(type(v) is torch.Tensor for v in out[(True, "sd")].values())
+        torch.save(out, f"{result_file}.{rank}")
+    finally:
+        dist.destroy_process_group()
+
+
+@NO_GPU
+def test_fsdp_fp8_allgather_trains_bitwise_like_bf16_allgather():
+    for out in run_ranks(_fsdp_worker, 2, 2, "fp8"):
+        assert out[(True, "installed")] and not out[(False, "installed")]
+        on, off = out[(True, "losses")], out[(False, "losses")]
+        assert all(torch.equal(a, b) for a, b in zip(on, off)), (on, off)
+        sd_on, sd_off = out[(True, "sd")], out[(False, "sd")]
+        assert sd_on.keys() == sd_off.keys() and out["sd_plain"]
+        assert all(torch.equal(sd_on[k], sd_off[k]) for k in sd_on)
+        # the first layer's experts saw the gathered FP8 copies at each of the 3 forwards
+        assert out[(True, "gathered")] == [True] * 3 and out[(False, "gathered")] == [False] * 3
+        # each rank's shard quantized at the first forward, then once per step in the hook
+        # (2 layers x 3 weights), never inside forward or backward after the first
+        assert out[(True, "made")] == [(6, 6), (0, 6), (0, 6)], out[(True, "made")]
+        assert out[(False, "made")] == [(0, 0)] * 3
+        # the experts' gather moves e4m3 and scales instead of bf16: per weight and rank
+        # E / 2 x D x H elements, 1 byte and a 4-byte scale per 16384 instead of 2 bytes
+        per_weight = (8 // 2) * 128 * 128
+        saved = per_weight * 2 - (per_weight + per_weight // 16384 * 4)
+        gathers = out[(True, "fp8_gathers")]  # weights gathered in the last step
+        assert gathers >= 6 and out[(False, "fp8_gathers")] == 0
+        assert out[(False, "gather_bytes")] - out[(True, "gather_bytes")] == gathers * saved
+        # a change outside the step is seen (the output moves), the load restores it exactly
+        assert out[(True, "ckpt")] == out[(False, "ckpt")] == (True, True)
+
+
+def test_per_op_selective_checkpointing_with_module_copies():
+    """Per-op SAC (the op saved, or recomputed) around MegaExperts in fp8: the registered op
+    carries the copies through the recompute; gradients bitwise the plain call's."""
+    from functools import partial
+
+    from torch.utils.checkpoint import (
+        CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts,
+    )
+
+    x, ids, tw, *_ = _weights()
+    grads = []
+    for save_op in (None, True, False):
+        m = _experts()
+
+        def policy(ctx, op, *args, **kwargs):
+            if op is torch.ops.megamoe.mega_moe.default and save_op:
+                return CheckpointPolicy.MUST_SAVE
+            return CheckpointPolicy.PREFER_RECOMPUTE
+
+        xx = x.detach().clone().requires_grad_()
+        if save_op is None:
+            out = m(xx, ids, tw)
+        else:
+            out = checkpoint(m, xx, ids, tw, use_reentrant=False,
+                             context_fn=partial(create_selective_checkpoint_contexts, policy))
+        out.float().sum().backward()
+        grads.append([xx.grad, m.w1.grad, m.w2.grad, m.w3.grad])
+        assert m.fp8_weights_made == 1
+    for other in grads[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(grads[0], other))
+
+
+def test_converter_installs_the_fp8_allgather_only_where_it_applies(caplog):
+    from torchtitan.models.qwen3 import Qwen3Model
+
+    from moe_testing import tiny_args, with_parallelism
+    from torchtitan_megamoe.converter import MegaMoEConverter, fp8_allgather_applies
+    from torchtitan_megamoe.fp8_allgather import ExpertWeight, installed
+
+    def convert(experts=8, shard=2, **megamoe):
+        jc = with_parallelism(job_config(**{"backend": "hopper", "precision": "fp8", **megamoe}),
+                              data_parallel_shard_degree=shard)
+        with torch.device("meta"):
+            model = Qwen3Model(tiny_args(dim=128, moe_inter_dim=128, num_experts=experts))
+        MegaMoEConverter(jc, None).convert(model)
+        blocks = [m for m in model.modules() if isinstance(m, MegaExperts)]
+        return [installed(e) for e in blocks]
+
+    assert convert() == [True, True]
+    assert convert(shard=1) == convert(fp8_weight_cache=False) == [False, False]
+    assert convert(precision="fp8_bwd") == convert(backend="reference") == [False, False]
+    with caplog.at_level("WARNING"):
+        assert convert(experts=6, shard=4) == [False, False]
+    assert "num_experts=6 is not divisible by the FSDP degree 4" in caplog.text
+    o = MegaMoEOptions(backend="hopper", precision="fp8")
+    assert fp8_allgather_applies(o, 8, 2, ep_degree=2) == "FSDP does not shard the experts alone"
+    assert fp8_allgather_applies(o, 8, 2, 1) is None
+    # the extension keeps everything else plain: the state dict, its values' types
+    with torch.device("meta"):
+        m = MegaExperts(128, 128, 4, options=o)
+    from torchtitan_megamoe import fp8_allgather
+
+    fp8_allgather.install(m)
+    assert isinstance(m.w1, ExpertWeight)
+    assert all(type(v) is torch.Tensor for v in m.state_dict().values())
+
+
+@pytest.mark.slow
+@NO_GPU
+def test_tiny_fp8_config_trains_the_same_with_and_without_the_cache(tmp_path, monkeypatch):
+    """train_configs/qwen3_moe_tiny_fp8_cpu.toml as a user runs it (torchrun, one rank, bf16
+    autocast over fp32 parameters), on the hopper backend: the logged losses with
+    fp8_weight_cache on and off agree to the printed digit."""
+    import os
+
+    from torchtitan_megamoe import ab, assets
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = str(tmp_path)
+    assets.make_assets(out + "/assets")
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", MEGAMOE_CPU="1",
+               **assets.offline_env(out + "/hf"))
+    runs = {}
+    for flag in ("--megamoe.fp8_weight_cache", "--megamoe.no_fp8_weight_cache"):
+        cmd = ab.torchrun_command(
+            os.path.join(root, "train_configs", "qwen3_moe_tiny_fp8_cpu.toml"), 1,
+            out + "/dump", ["--model.hf_assets_path", assets.tokenizer_dir(out + "/assets"),
+                            "--training.dataset_path", assets.dataset_dir(out + "/assets"),
+                            "--megamoe.backend", "hopper",
+                            "--training.mixed_precision_param", "bfloat16",
+                            "--training.steps", "4", flag])
+        log = out + f"/{flag.rsplit('.', 1)[1]}.log"
+        code = ab.run_one(cmd, log, env, 900)
+        with open(log, errors="replace") as f:
+            text = f.read()
+        assert code == 0, text[-4000:]
+        assert "backend=hopper, precision=fp8" in text
+        runs[flag] = [(s.step, s.loss) for s in ab.parse_log(text).steps]
+    on, off = runs.values()
+    assert len(on) == 4 and on == off, runs
