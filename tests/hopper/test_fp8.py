@@ -83,7 +83,10 @@ def test_fp8_gpu(precision, routing_name):
 def test_fp8_gpu_qwen3_30b_shape(wgrad, monkeypatch):
     monkeypatch.setenv("MEGAMOE_FP8_WGRAD", "1" if wgrad == "fp8" else "0")
     inputs = _inputs(T=2048, K=8, E=128, D=2048, H=768, routing_name="random", device="cuda")
-    _check(inputs, "fp8", (1e-2, 3e-2))
+    # out: 2e-2 from the emulation where the tuner picks DeepGEMM's GEMM 1, whose SwiGLU pass
+    # quantizes h from the bf16 a (the emulation from fp32): ~3% of h's e4m3 roundings flip.
+    # Against float64 the bound of _check (as the emulation) still holds.
+    _check(inputs, "fp8", (2e-2, 3e-2))
 
 
 @pytest.mark.gpu

@@ -190,10 +190,14 @@ def bench_shape(key: str, tokens: int, iters: int, warmup: int, backward: bool, 
     grad = torch.randn_like(x)
     extra = [p for p in dict.fromkeys(precisions) if p != "bf16"]
 
+    # the FP8 copies of the weights, made once as a layer's module makes them once per
+    # optimizer step (moe.MegaExperts); their bytes count in the FP8 rows' peak memory
+    fp8_copies = {}
+
     def ours_layer(inp, precision="bf16"):
         scores, ids, _ = route(moe.router, inp.view(T, D), moe.expert_bias)
         out = mega_moe(inp.view(T, D), ids, scores, ex.w1, ex.w2, ex.w3, backend=backend,
-                       precision=precision)
+                       precision=precision, fp8_weights=fp8_copies.get(precision))
         return out.view(1, T, D)
 
     def stock_step():
@@ -285,6 +289,12 @@ def bench_shape(key: str, tokens: int, iters: int, warmup: int, backward: bool, 
     # ours at the other precisions: each with its own first call (its kernels' JIT and tuner)
     for p in extra:
         name = ours_name(p)
+        if backend == "hopper" and ex.w1.is_cuda:
+            from torchtitan_megamoe.ops.hopper.fp8_weights import make_fp8_weights
+
+            with torch.no_grad():
+                fp8_copies[p] = make_fp8_weights(ex.w1, ex.w2, ex.w3, forward=p == "fp8")
+            res[f"{name}_fp8_weights_mib"] = fp8_copies[p].nbytes() / 2**20
 
         def fwd(p=p):
             return ours_layer(x, p)
@@ -297,6 +307,9 @@ def bench_shape(key: str, tokens: int, iters: int, warmup: int, backward: bool, 
         else:
             first_call(res, name, torch.no_grad()(fwd))
         time_layer(res, name, fwd, step, fresh(step), iters, warmup, backward, ref)
+        if f"{name}_fwdbwd_peak_mib" in res:  # the copies held across calls count too
+            res[f"{name}_fwdbwd_peak_mib"] += res.get(f"{name}_fp8_weights_mib", 0.0)
+        fp8_copies.pop(p, None)
         moe.zero_grad(set_to_none=True)
         torch.cuda.empty_cache()
 

@@ -213,7 +213,8 @@ def baseline_lines(results: list[dict]) -> list[str]:
                 peaks.append(f"{label} {v:.0f}")
         if peaks:
             lines.append(f"{r['shape']} peak memory of one fwd+bwd above the inputs (fresh "
-                         "grads, MiB): " + ", ".join(peaks))
+                         "grads, MiB; the FP8 rows include the weights' FP8 copies held "
+                         "across calls): " + ", ".join(peaks))
         notes = []
         for b, label in BASELINES[1:]:
             for suffix, what in (("note", ""), ("fwd_note", " fwd"), ("fwdbwd_note", " fwd+bwd")):
