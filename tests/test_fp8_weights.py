@@ -214,6 +214,23 @@ def test_module_makes_its_copies_once_and_sees_every_change():
     assert m.fp8_weights_made == made + 1
 
 
+def test_forward_copies_only_transpose_in_the_backward():
+    """fp8_keep_transposed=False: half the memory kept; the backward makes the transposed
+    copies from the held FP8 copy (3 block transposes per call, no quantization), same bits."""
+    x, ids, tw, *_ = _weights()
+    grads = []
+    for keep in (True, False):
+        m = _experts()
+        m.fp8_keep_transposed = keep
+        m(x, ids, tw)  # makes the copies
+        assert (m._fp8.w2t is None) is (not keep)
+        with counting() as seen:
+            m(x, ids, tw).float().sum().backward()
+        assert seen == {"quant": 0, "transpose": 0 if keep else 3}
+        grads.append([p.grad for p in (m.w1, m.w2, m.w3)])
+    assert all(torch.equal(a, b) for a, b in zip(*grads))
+
+
 def test_off_precision_and_backend_make_nothing():
     for m in (_experts(cache=False), _experts(precision="bf16")):
         _call(m)

@@ -71,6 +71,11 @@ class _StandIns(torch.autograd.Function):
 class MegaExperts(GroupedExperts):
     """Routed experts computed by the fused op; same ``w1``/``w2``/``w3`` and init as stock.
 
+    ``fp8_keep_transposed`` (FP8 weight copies, module docstring): True keeps the transposed
+    copies across calls too (no weight pass at all in the step); False keeps the forward copies
+    only, 3·E·H·D bytes less per layer, and the backward makes the transposed ones from them
+    (a byte transpose per call, no quantization).
+
     ``w1``, ``w3``: ``[num_experts, hidden_dim, dim]``; ``w2``: ``[num_experts, dim, hidden_dim]``.
     Under expert parallelism they are DTensors sharded ``Shard(0)`` on the ``ep`` mesh
     (``torchtitan_megamoe.parallel.MegaExpertParallel``): each rank keeps its contiguous block of
@@ -107,6 +112,8 @@ class MegaExperts(GroupedExperts):
         new._init_fp8()
         return new
 
+    fp8_keep_transposed: bool = True
+
     def _init_fp8(self) -> None:
         self._fp8 = None  # fp8_weights.Fp8Weights of this layer, or None
         self._fp8_from = None  # what they were made from (_source_of)
@@ -131,7 +138,7 @@ class MegaExperts(GroupedExperts):
         """What the FP8 copies of ``weights`` in ``dtype`` depend on: each tensor's identity,
         version counter (every in-place write through PyTorch moves it: the optimizer, copy_,
         a checkpoint load), storage and shape, and the recipe."""
-        return (dtype, self.options.precision) + tuple(
+        return (dtype, self.options.precision, self.fp8_keep_transposed) + tuple(
             (id(w), w._version, w.data_ptr(), tuple(w.shape), w.dtype, w.device) for w in weights)
 
     def _fp8_applies(self, x: torch.Tensor, group) -> bool:
@@ -147,8 +154,9 @@ class MegaExperts(GroupedExperts):
         self._fp8 = None  # the old copies go before the new ones are made
         # normal tensors even inside inference_mode (a later training call saves them)
         with torch.no_grad(), torch.inference_mode(False):
-            w1, w2, w3 = (w.detach().to(dtype) for w in weights)
-            self._fp8 = make_fp8_weights(w1, w2, w3, forward=self.options.precision == "fp8")
+            w1, w2, w3 = (w.detach() for w in weights)
+            self._fp8 = make_fp8_weights(w1, w2, w3, forward=self.options.precision == "fp8",
+                                         transposed=self.fp8_keep_transposed, dtype=dtype)
         self._fp8_from = source
         self.fp8_weights_made += 1
 
@@ -231,6 +239,12 @@ class MegaExperts(GroupedExperts):
         if isinstance(w1, Fp8Gathered):
             # FSDP gathered the FP8 copies (fp8_allgather.py); the op reads only those
             from torchtitan_megamoe.ops.hopper.fp8_weights import ForwardWeights, Fp8Weights
+
+            if self.options.precision != "fp8":
+                raise RuntimeError(
+                    "megamoe: FSDP gathers these expert weights as FP8 (precision 'fp8' at "
+                    f"conversion) but the layer now runs precision={self.options.precision!r}; "
+                    "convert the model again with the precision it trains in")
 
             fp8 = Fp8Weights(ForwardWeights(w1._q, w1._s, w3._q, w3._s, w2._q, w2._s))
             w1, w2, w3 = _StandIns.apply(w1.dtype, w1, w2, w3)

@@ -198,7 +198,7 @@ def resolved_backend(x: torch.Tensor, group: dist.ProcessGroup | None, backend: 
     if backend != "auto":
         return backend
     if torch.is_autocast_enabled(x.device.type):
-        x = x[:0].to(torch.get_autocast_dtype(x.device.type))
+        x = x.new_empty((0, *x.shape[1:]), dtype=torch.get_autocast_dtype(x.device.type))
     return resolve_backend(x, group)
 
 

@@ -125,12 +125,20 @@ class Fp8Weights:
 
 
 def make_fp8_weights(w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor,
-                     forward: bool = True, transposed: bool = True) -> Fp8Weights:
-    """The copies of weights w1, w3 [E, H, D], w2 [E, D, H] (bf16: the values the op computes
-    with): one quantization pass per weight into the forward layout, the transposed copies made
-    from it (``transposed``). ``forward=False`` drops the forward copies once the transposed ones
-    are made (``fp8_bwd``, whose forward is bf16)."""
-    fwd = _forward_weights(w1.contiguous(), w2.contiguous(), w3.contiguous())
+                     forward: bool = True, transposed: bool = True,
+                     dtype: torch.dtype | None = None) -> Fp8Weights:
+    """The copies of weights w1, w3 [E, H, D], w2 [E, D, H]: one quantization pass per weight
+    into the forward layout, the transposed copies made from it (``transposed``).
+    ``forward=False`` drops the forward copies once the transposed ones are made (``fp8_bwd``,
+    whose forward is bf16). ``dtype``: the values the op computes with are the weights cast to
+    it (bf16 under autocast), one weight at a time."""
+    E, H, D = w1.shape
+    parts = []
+    for w, (n, k) in ((w1, (H, D)), (w3, (H, D)), (w2, (D, H))):
+        q, s = weight_blocks(E, n, k, w.device)
+        quant_weight((w if dtype is None else w.to(dtype)).contiguous(), q=q, s=s)
+        parts += [q, s]
+    fwd = ForwardWeights(*parts)
     w2t = w13t = None
     if transposed:
         w2t = transposed_w2(fwd)
