@@ -210,8 +210,24 @@ def test_module_makes_its_copies_once_and_sees_every_change():
     with counting() as seen:
         m(x, ids, tw).float().sum().backward()
     assert seen == {"quant": 0, "transpose": 0} and m.fp8_weights_made == made + 1
-    m.refresh_fp8_weights()  # nothing changed since: nothing made
+
+
+def test_fused_optimizer_step_is_seen_through_the_hook():
+    """torch's fused AdamW (TorchTitan's default on GPUs) writes the weights without moving
+    their version counters: only the post-optimizer hook can see its step, so it re-makes the
+    copies every time, and the next call computes with the stepped weights."""
+    m, ref = _experts(), _experts(cache=False)
+    x, ids, tw, *_ = _weights()
+    opts = [torch.optim.AdamW(e.parameters(), lr=1e-2, fused=True) for e in (m, ref)]
+    for e, opt in zip((m, ref), opts):
+        e(x, ids, tw).float().sum().backward()
+        versions = [p._version for p in e.parameters()]
+        opt.step()
+        assert [p._version for p in e.parameters()] == versions  # the step is invisible
+    made = m.fp8_weights_made
+    m.refresh_fp8_weights()
     assert m.fp8_weights_made == made + 1
+    assert torch.equal(_call(m), _call(ref))  # the stepped weights, not the old copies
 
 
 def test_forward_copies_only_transpose_in_the_backward():

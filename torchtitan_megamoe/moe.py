@@ -190,19 +190,20 @@ class MegaExperts(GroupedExperts):
 
     def refresh_fp8_weights(self) -> None:
         """After an optimizer step (the converter's post-optimizer hook): re-make the FP8 copies
-        now, once, if the weights changed, so that the step's calls find them current."""
+        now, once, so that the step's calls find them current. Unconditionally: a fused
+        optimizer (torch's fused AdamW, TorchTitan's default on GPUs) writes the weights
+        without moving their version counters, so _source_of cannot see its step."""
         for role, (source, _q, _s) in list(self._fp8_shards.items()):
             w = getattr(self, role)
             local = w._local_tensor if isinstance(w, DTensor) else None
             if isinstance(local, ExpertWeight):  # at rest (sharded): its all-gather comes next
+                self._fp8_shards.pop(role)
                 self.fp8_shard(role, local, source[0])
         if self._fp8 is None or self._fsdp_managed:
             return
         dtype = self._fp8_from[0]
         weights = (self.w1, self.w2, self.w3)
-        source = self._source_of(weights, dtype)
-        if source != self._fp8_from:
-            self._make_fp8(weights, dtype, source)
+        self._make_fp8(weights, dtype, self._source_of(weights, dtype))
 
     def drop_fp8_weights(self) -> None:
         """Free the FP8 copies (they are made again on the next call that needs them)."""

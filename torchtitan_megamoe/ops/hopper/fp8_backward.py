@@ -29,7 +29,9 @@ import torch
 
 from torchtitan_megamoe import settings
 from torchtitan_megamoe.ops.hopper.bf16_backward import tuner_key, weight_grads
-from torchtitan_megamoe.ops.hopper.fp8_weights import forward_weights, w2_transposed, w13_transposed
+from torchtitan_megamoe.ops.hopper.fp8_weights import (
+    dense_weights, forward_weights, w2_transposed, w13_transposed,
+)
 from torchtitan_megamoe.ops.hopper.heuristics import FP8_BLOCK_M, forward_configs
 from torchtitan_megamoe.ops.hopper.kernels.bwd_combine import bwd_combine
 from torchtitan_megamoe.ops.hopper.kernels.fp8_gemm import (
@@ -55,7 +57,7 @@ def backward_fp8(grad_out, x, topk_ids, topk_weights, w1, w2, w3, precision, wei
     params = (w1, w2, w3)
     dy = grad_out.contiguous()
     x = x.contiguous()
-    w1, w2, w3 = w1.contiguous(), w2.contiguous(), w3.contiguous()
+    w1, w2, w3 = dense_weights(weight_cache, w1, w2, w3)
     if saved:
         a_saved, packed = saved
         plan = unpack_plan(packed, T, topk_ids.shape[1], E, FP8_BLOCK_M)

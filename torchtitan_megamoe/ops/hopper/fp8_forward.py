@@ -14,7 +14,7 @@ Saved for the backward (``save``): (a, packed plan), as bf16_forward.forward_bf1
 """
 
 from torchtitan_megamoe.ops.hopper.bf16_forward import checked_plan
-from torchtitan_megamoe.ops.hopper.fp8_weights import forward_weights
+from torchtitan_megamoe.ops.hopper.fp8_weights import dense_weights, forward_weights
 from torchtitan_megamoe.ops.hopper.heuristics import FP8_BLOCK_M
 from torchtitan_megamoe.ops.hopper.kernels.combine import combine
 from torchtitan_megamoe.ops.hopper.kernels.fp8_gemm import fp8_gemm1_swiglu, fp8_gemm_rows
@@ -27,7 +27,7 @@ def forward_fp8(x, topk_ids, topk_weights, w1, w2, w3, weight_cache=False, save=
     weights until the next optimizer step (fp8_weights.py)."""
     E, H, D = w1.shape
     x = x.contiguous()
-    w1, w2, w3 = w1.contiguous(), w2.contiguous(), w3.contiguous()
+    w1, w2, w3 = dense_weights(weight_cache, w1, w2, w3)
     plan = checked_plan(topk_ids, E, FP8_BLOCK_M)
     xq, xs = quant_rows(x)
     wq = forward_weights(w1, w2, w3, cache=weight_cache)

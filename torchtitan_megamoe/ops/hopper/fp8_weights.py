@@ -124,6 +124,14 @@ class Fp8Weights:
                 )
 
 
+def dense_weights(cache, *ws) -> tuple:
+    """The weights as the stages may read them: contiguous, except where the layer's copies
+    are given (``cache``: an Fp8Weights) and a weight is a zero-stride stand-in (moe.py,
+    precision fp8), which is never read and would be a full buffer of zeros if made dense."""
+    given = isinstance(cache, Fp8Weights)
+    return tuple(w if given and not any(w.stride()) else w.contiguous() for w in ws)
+
+
 def make_fp8_weights(w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor,
                      forward: bool = True, transposed: bool = True,
                      dtype: torch.dtype | None = None) -> Fp8Weights:
