@@ -100,9 +100,10 @@ class MegaMoEConfig:
 
     precision: Precision = "bf16"
     """Arithmetic of the expert GEMMs. ``bf16``: BF16 inputs, fp32 accumulation. ``fp8``:
-    blockwise FP8 (e4m3) forward and backward, DeepSeek-V3's recipe: 1x128 activation scales,
-    128x128 weight scales, per-128-row scales for the weight gradients' operands, fp32
-    promotion every 128 of K. ``fp8_bwd``: the BF16 forward, the FP8 backward. Both run in the
+    the forward and data-gradient GEMMs in blockwise FP8 (e4m3), DeepSeek-V3's recipe: 1x128
+    activation scales, 128x128 weight scales, fp32 promotion every 128 of K; the weight
+    gradients in bf16 (faster at the Qwen3 shapes; MEGAMOE_FP8_WGRAD=1: FP8 too).
+    ``fp8_bwd``: the BF16 forward, the FP8 data gradients, bf16 weight gradients. Both run in the
     Hopper kernels with expert_parallel_degree = 1 (FSDP is fine) and need dim and
     moe_inter_dim % 128 == 0; the reference backend emulates the same recipe on any device."""
 
@@ -110,7 +111,8 @@ class MegaMoEConfig:
     """FP8 precisions on the hopper backend (ignored otherwise): each MoE layer makes its
     expert weights' FP8 copies (forward and transposed layouts) once per optimizer step, in the
     converter's post-optimizer hook, and keeps them from one call to the next, so the step's
-    forward and backward quantize no weight. A weight changed outside the optimizer step (a
+    forward and backward quantize no weight (the hook re-makes them every step: a fused
+    optimizer moves no version counter). A weight changed outside the optimizer step (a
     checkpoint load, a copy_) is seen by its version counter and quantized again before the
     next call. Memory kept: as much as the layer's bf16 expert weights for ``fp8`` (30B-A3B:
     1.2 GB per layer), half that for ``fp8_bwd``. ``false``: quantize on every call and keep

@@ -98,8 +98,8 @@ def mega_moe(
     checked on first use of each combination:
         backend: ``auto`` (the Hopper kernels on SM90 GPUs, else reference), ``hopper`` or
             ``reference``.
-        precision: ``bf16``, ``fp8`` (blockwise FP8 forward and backward) or ``fp8_bwd``
-            (BF16 forward, FP8 backward).
+        precision: ``bf16``, ``fp8`` (blockwise FP8 forward and data gradients, bf16 weight
+            gradients) or ``fp8_bwd`` (BF16 forward, FP8 data gradients).
         save_activations: ``keep`` (the forward keeps what its backward can reuse) or
             ``never`` (the backward recomputes).
         max_tokens_per_rank: EP capacity in tokens per rank; a call bringing more raises.

@@ -71,8 +71,8 @@ class MegaMoEOptions:
     ``reference``. Inside the op it is never ``auto``: mega_moe() resolves it per call."""
 
     precision: Precision = "bf16"
-    """``bf16``, ``fp8`` (blockwise FP8 forward and backward) or ``fp8_bwd`` (BF16 forward,
-    FP8 backward)."""
+    """``bf16``, ``fp8`` (blockwise FP8 forward and data gradients, bf16 weight gradients) or
+    ``fp8_bwd`` (BF16 forward, FP8 data gradients)."""
 
     save_activations: SaveActivations = "keep"
     """``keep``: the forward keeps what its backward can reuse; ``never``: the backward
