@@ -36,12 +36,12 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
-from moe_testing import OUTLIER_KINDS, op_args, outlier_inputs, rel_err  # noqa: E402
+from moe_testing import (  # noqa: E402
+    OUTLIER_KINDS, RESULT_NAMES as NAMES, op_results, outlier_inputs, rel_err,
+)
 
 from torchtitan_megamoe.ops import reference  # noqa: E402
-from torchtitan_megamoe.ops.api import mega_moe  # noqa: E402
 
-NAMES = ("out", "dx", "dw1", "dw2", "dw3", "dtopk_weights")
 SHAPES = {"small": dict(T=512, D=256, H=256, E=8, K=2),
           "big": dict(T=2048, D=512, H=256, E=16, K=4)}
 
@@ -61,15 +61,8 @@ def fp8_wgrad(on: bool):
 
 
 def run(inp, precision, backend="reference", exact=False):
-    """(out, dx, dw1, dw2, dw3, dtopk_weights) of the op for the output gradient inp["dy"], in
-    float64; ``exact``: every input in float64 (the truth, at precision bf16)."""
-    x, ids, tw, w1, w2, w3 = op_args(inp)
-    leaves = [(t.double() if exact else t).detach().requires_grad_() for t in (x, tw, w1, w2, w3)]
-    xx, tww, a, b, c = leaves
-    out = mega_moe(xx, ids, tww, a, b, c, backend=backend, precision=precision)
-    (out.double() * inp["dy"].double()).sum().backward()
-    return dict(zip(NAMES, [out.detach().double()] + [t.grad.double()
-                                                       for t in (xx, a, b, c, tww)]))
+    """{name: float64 result} of the op (moe_testing.op_results)."""
+    return op_results(inp, precision, backend, exact)
 
 
 def errors(got, exact):

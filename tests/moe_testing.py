@@ -187,6 +187,21 @@ def make_inputs(T, K, E, D, H, ids=None, seed=0, dtype=torch.bfloat16, device="c
 
 
 OUTLIER_KINDS = ("plain", "tokens", "channel", "both")
+RESULT_NAMES = ("out", "dx", "dw1", "dw2", "dw3", "dtopk_weights")
+
+
+def op_results(inp, precision, backend="reference", exact=False) -> dict:
+    """{name: float64 result} (RESULT_NAMES) of mega_moe on make_inputs-style ``inp`` with the
+    output gradient inp["dy"]; ``exact``: every input in float64 (the truth, at bf16 precision)."""
+    from torchtitan_megamoe import mega_moe
+
+    x, ids, tw, w1, w2, w3 = op_args(inp)
+    leaves = [(t.double() if exact else t).detach().requires_grad_() for t in (x, tw, w1, w2, w3)]
+    xx, tww, a, b, c = leaves
+    out = mega_moe(xx, ids, tww, a, b, c, backend=backend, precision=precision)
+    (out.double() * inp["dy"].double()).sum().backward()
+    return dict(zip(RESULT_NAMES, [out.detach().double()] + [t.grad.double()
+                                                              for t in (xx, a, b, c, tww)]))
 
 
 def outlier_inputs(T, K, E, D, H, kind="both", seed=0, device="cpu", token_share=0.01,

@@ -12,12 +12,10 @@ the default, and MEGAMOE_FP8_WGRAD=1).
 import pytest
 import torch
 
-from moe_testing import op_args, outlier_inputs, rel_err
+from moe_testing import RESULT_NAMES as NAMES, op_results, outlier_inputs, rel_err
 
-from torchtitan_megamoe import mega_moe
 
 SHAPE = dict(T=512, D=256, H=256, E=8, K=2)
-NAMES = ("out", "dx", "dw1", "dw2", "dw3", "dtopk_weights")
 
 # rel err vs float64 at seed 0 (python3 experiments/fp8_outliers.py averages seeds 0-2)
 MEASURED = {
@@ -41,13 +39,7 @@ MEASURED = {
 
 
 def _run(inp, precision, exact=False):
-    x, ids, tw, w1, w2, w3 = op_args(inp)
-    leaves = [(t.double() if exact else t).detach().requires_grad_() for t in (x, tw, w1, w2, w3)]
-    xx, tww, a, b, c = leaves
-    out = mega_moe(xx, ids, tww, a, b, c, backend="reference", precision=precision)
-    (out.double() * inp["dy"].double()).sum().backward()
-    return dict(zip(NAMES, [out.detach().double()] + [t.grad.double()
-                                                       for t in (xx, a, b, c, tww)]))
+    return op_results(inp, precision, exact=exact)
 
 
 @pytest.fixture(scope="module")

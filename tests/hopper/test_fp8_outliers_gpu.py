@@ -8,23 +8,15 @@ pinned by tests/test_fp8_outliers.py (docs/FP8.md, "FP8 accuracy with outliers")
 import pytest
 import torch
 
-from moe_testing import op_args, outlier_inputs, rel_err
+from moe_testing import RESULT_NAMES as NAMES, op_results, outlier_inputs, rel_err
 
-from torchtitan_megamoe import mega_moe
 
 SHAPE = dict(T=2048, D=512, H=256, E=16, K=4)
-NAMES = ("out", "dx", "dw1", "dw2", "dw3", "dtopk_weights")
 CUDA = torch.cuda.is_available()
 
 
 def _run(inp, backend, precision, exact=False):
-    x, ids, tw, w1, w2, w3 = op_args(inp)
-    leaves = [(t.double() if exact else t).detach().requires_grad_() for t in (x, tw, w1, w2, w3)]
-    xx, tww, a, b, c = leaves
-    out = mega_moe(xx, ids, tww, a, b, c, backend=backend, precision=precision)
-    (out.double() * inp["dy"].double()).sum().backward()
-    return dict(zip(NAMES, [out.detach().double()] + [t.grad.double()
-                                                       for t in (xx, a, b, c, tww)]))
+    return op_results(inp, precision, backend, exact)
 
 
 @pytest.fixture(scope="module")
