@@ -601,3 +601,26 @@ def test_tiny_fp8_config_trains_the_same_with_and_without_the_cache(tmp_path, mo
         runs[flag] = [(s.step, s.loss) for s in ab.parse_log(text).steps]
     on, off = runs.values()
     assert len(on) == 4 and on == off, runs
+
+
+@pytest.mark.parametrize("keep", [True, False])
+def test_config_fp8_keep_transposed_reaches_every_layer(keep):
+    """[megamoe] fp8_keep_transposed: the converter sets it on each layer's MegaExperts; false
+    holds only the forward copies (half the bytes), and the layer still computes the same."""
+    from torchtitan.models.qwen3 import Qwen3Model, qwen3_args
+
+    import torchtitan_megamoe.flavors  # noqa: F401  (registers megamoe_tiny_fp8)
+    from torchtitan_megamoe.converter import MegaMoEConverter
+
+    jc = job_config(backend="hopper", precision="fp8", fp8_keep_transposed=keep)
+    with torch.device("meta"):
+        model = Qwen3Model(copy.deepcopy(qwen3_args["megamoe_tiny_fp8"]))
+    MegaMoEConverter(jc, None).convert(model)
+    experts = [m for m in model.modules() if isinstance(m, MegaExperts)]
+    assert experts and all(m.fp8_keep_transposed is keep for m in experts)
+    m, ref = _experts(), _experts(cache=False)
+    m.fp8_keep_transposed = keep
+    out = _call(m)
+    held = m._fp8
+    assert (held.w2t is not None) is keep and (held.w13t is not None) is keep
+    assert torch.equal(out, _call(ref))

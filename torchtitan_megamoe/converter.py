@@ -291,6 +291,7 @@ class MegaMoEConverter:
             )
             cfg = MegaMoEConfig()
         self.options = build_options(cfg, job_config)
+        self.fp8_keep_transposed = cfg.fp8_keep_transposed
         validate_job(job_config, parallel_dims, self.options)
         self.ep_degree = _degrees(job_config, parallel_dims)["ep"]
         self.fsdp_degree = _fsdp_degree(job_config, parallel_dims)
@@ -315,6 +316,9 @@ class MegaMoEConverter:
                         f"megamoe: backend='auto' will use the slow PyTorch reference on GPUs "
                         f"too for this model: {problem}."
                     )
+        for m in model.modules():
+            if isinstance(m, MegaExperts):
+                m.fp8_keep_transposed = self.fp8_keep_transposed
         self._install_fp8_allgather(model)
         install_ep_routing()
         add_op_to_sac_save_list()

@@ -118,6 +118,13 @@ class MegaMoEConfig:
     1.2 GB per layer), half that for ``fp8_bwd``. ``false``: quantize on every call and keep
     nothing. Under FSDP see docs/ARCHITECTURE.md ("FP8 weights")."""
 
+    fp8_keep_transposed: bool = True
+    """With ``fp8_weight_cache`` at precision ``fp8``: keep the transposed copies (the
+    backward's layouts) too. ``false`` keeps only the forward copies, half the memory (the
+    layer's bf16 expert weights' worth becomes half that), and the backward makes the transposed
+    ones from them by a byte transpose on every call (no quantization, one read and write of
+    the FP8 weights)."""
+
     save_activations: Literal["auto", SaveActivations] = "auto"
     """What the fused op keeps from its forward for the backward. ``keep``: the hopper backend
     keeps GEMM 1's pre-activations a1/a3 (bf16) so the backward does not recompute GEMM 1 -
