@@ -25,6 +25,7 @@ import importlib
 import torch
 
 from torchtitan_megamoe import settings
+from torchtitan_megamoe.ops.device import capability
 from torchtitan_megamoe.ops.hopper.plan import Plan
 
 
@@ -42,7 +43,7 @@ def available(t: torch.Tensor) -> bool:
     (MEGAMOE_DEEPGEMM=0), a CUDA tensor on a Hopper GPU, not under the CPU interpreter."""
     if not settings.deepgemm() or settings.triton_interpreting() or not t.is_cuda:
         return False
-    if torch.cuda.get_device_capability(t.device)[0] != 9:
+    if capability(t.device)[0] != 9:
         return False
     return _module() is not None
 

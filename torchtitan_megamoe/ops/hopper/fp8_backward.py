@@ -111,10 +111,12 @@ def _fp8_weight_grads(daTq, daTs, hTq, hTs, dy, x, tw, params, plan):
     return dw1, dw2, dw3
 
 
-def dgrad1_groups(E: int, H: int, D: int, rows: int, weight_cache: bool) -> list[tuple[int, int]]:
+def dgrad1_groups(E: int, H: int, D: int, rows: int, weight_cache) -> list[tuple[int, int]]:
     """Expert ranges of fp8_dgrad1: each group's transposed [w1 | w3] copy (E_g * D * 2H bytes)
-    at most rows * H bytes, half of what da in e4m3 saves over bf16; one group with the weight
-    cache (its whole copy is held anyway)."""
+    at most rows * H bytes, half of what da in e4m3 saves over bf16. One group where the layer's
+    copies are given (``weight_cache``: an Fp8Weights): its transposed copy is held, or made
+    whole from the forward copy in one byte transpose, and DeepGEMM (offered for one launch
+    only) runs it."""
     if weight_cache:
         return [(0, E)]
     n = min(E, -(-(E * D * 2 * H) // max(rows * H, 1)))
