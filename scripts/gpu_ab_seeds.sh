@@ -3,8 +3,7 @@
 # (python -m torchtitan_megamoe.ab --seeds, ab/seeds.py):
 #   stock     TorchTitan's own MoE
 #   bf16      ours, precision bf16 (the baseline: every other side is compared against it)
-#   fp8       ours, precision fp8 (weights quantized per call: the cache cannot hit under
-#             the autocast of one-GPU training, the converter refuses it there)
+#   fp8       ours, precision fp8 (FP8 weight copies made once per optimizer step)
 #   fp8_bwd   ours, precision fp8_bwd
 # each trained from AB_SEEDS seeds (11, 12, 13), AB_STEPS steps; a run of one side and seed
 # serves every comparison it is part of (12 runs for the 3 comparisons). The report answers per
