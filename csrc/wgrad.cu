@@ -194,15 +194,23 @@ extern "C" int megamoe_wgrad(const WgradParams* a) {
     rc = a->gather == 2 ? make_map(&a_rows_map, a->tokens, a->num_rows, M, BK, 64)
                         : (a_rows_map = rows_map, 0);
   }
-  if (rc == 0) {
-    rc = make_map(&out0_map, a->out0, static_cast<long long>(a->E) * m_split, N, 64, 64);
-  }
-  if (rc == 0) {
-    rc = make_map(&out1_map, M > m_split ? a->out1 : a->out0,
-                  static_cast<long long>(a->E) * m_split, N, 64, 64);
+  if (a->out_f32) {  // written from the registers: the maps are placeholders
+    out0_map = out1_map = rows_map;
+  } else {
+    if (rc == 0) {
+      rc = make_map(&out0_map, a->out0, static_cast<long long>(a->E) * m_split, N, 64, 64);
+    }
+    if (rc == 0) {
+      rc = make_map(&out1_map, M > m_split ? a->out1 : a->out0,
+                    static_cast<long long>(a->E) * m_split, N, 64, 64);
+    }
   }
   if (rc != 0) return rc;
   KernelParams p = {};
+  if (a->out_f32) {
+    p.out_f32[0] = static_cast<float*>(a->out0);
+    p.out_f32[1] = static_cast<float*>(M > m_split ? a->out1 : a->out0);
+  }
   p.x = static_cast<const __nv_bfloat16*>(a->tokens);
   p.stride_x = a->stride_tokens;
   p.h = static_cast<__nv_bfloat16*>(a->out0);

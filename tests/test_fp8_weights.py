@@ -75,13 +75,16 @@ def _bytes(t):
 # ------------------------------------------------------------------------------ Fp8Weights
 
 
-def test_transposed_copies_are_made_from_the_fp8_copy():
+def test_copies_come_from_one_pass_per_weight():
     _x, _ids, _tw, w1, w2, w3 = _weights()
     with counting() as seen:
         made = fw.make_fp8_weights(w1, w2, w3)
-    # one quantization pass per weight (forward layout); three block transposes from it
-    assert seen == {"quant": 3, "transpose": 3}
+    # one quantization pass per weight writes both layouts; nothing is transposed afterwards
+    assert seen == {"quant": 3, "transpose": 0}
     want_w2t, want_w13t = fw._w2_transposed(w2), fw._w13_transposed(w1, w3)
+    want_fwd = fw._forward_weights(w1, w2, w3)
+    for name in ("w1q", "w1s", "w2q", "w2s", "w3q", "w3s"):
+        assert torch.equal(_bytes(getattr(made.fwd, name)), _bytes(getattr(want_fwd, name)))
     for got, want in ((made.w2t, want_w2t), (made.w13t, want_w13t)):
         assert torch.equal(_bytes(got.q), _bytes(want.q)) and torch.equal(got.s, want.s)
     part = fw.w13_transposed(w1, w3, 1, 3, cache=made)
@@ -94,6 +97,20 @@ def test_transposed_copies_are_made_from_the_fp8_copy():
         assert torch.equal(_bytes(got.q), _bytes(want.q)) and torch.equal(got.s, want.s)
     assert fw.make_fp8_weights(w1, w2, w3, forward=False).fwd is None  # fp8_bwd
     assert made.nbytes() == 2 * 3 * E * H * D + 2 * 3 * E * (H // 128) * (D // 128) * 4
+    with pytest.raises(ValueError, match="neither"):
+        fw.make_fp8_weights(w1, w2, w3, forward=False, transposed=False)
+
+
+def test_copies_of_fp32_weights_round_to_the_compute_dtype_in_the_pass():
+    """Under a bf16 autocast the copies are made from the fp32 parameters: bitwise the copies of
+    their bf16 cast, without a cast pass."""
+    _x, _ids, _tw, w1, w2, w3 = _weights(dtype=torch.float32)
+    # values bf16 cannot hold, so a missing rounding would show
+    w1, w2, w3 = (w * (1 + 2.0 ** -12) for w in (w1, w2, w3))
+    got = fw.make_fp8_weights(w1, w2, w3, dtype=torch.bfloat16)
+    want = fw.make_fp8_weights(*(w.to(torch.bfloat16) for w in (w1, w2, w3)))
+    for a, b in zip(got.tensors(), want.tensors()):
+        assert torch.equal(_bytes(a), _bytes(b))
 
 
 def test_op_with_copies_is_bitwise_per_call_quantization():
@@ -285,6 +302,10 @@ def test_autocast_copies_come_from_the_parameter(precision):
     assert on.fp8_weights_made == 1 and (on._fp8.fwd is not None) == (precision == "fp8")
     assert all(g.dtype == torch.float32 for g in outs[0][1:])
     assert all(torch.equal(a, b) for a, b in zip(*outs))
+    # fp8 writes the fp32 gradients itself (no bf16 rounding, no cast pass); fp8_bwd casts
+    # its bf16 weights' gradients
+    low_bits = any(bool((g.view(torch.int32) & 0xFFFF).any()) for g in outs[0][1:])
+    assert low_bits == (precision == "fp8")
 
 
 def test_inference_mode_first_call_then_training():
@@ -345,9 +366,10 @@ def test_training_cache_on_is_bitwise_cache_off(precision):
         off_losses, off_params, off_counts, _ = _train(False, precision)
     assert all(torch.equal(a, b) for a, b in zip(on_losses, off_losses)), (on_losses, off_losses)
     assert all(torch.equal(a, b) for a, b in zip(on_params, off_params))
-    # on: the first step's forward makes each layer's copies (3 weights, 3 transposes); after
-    # that one make per layer per optimizer step, in the hook, none in forward or backward
-    once = {"quant": 3 * layers, "transpose": 3 * layers}
+    # on: the first step's forward makes each layer's copies (one pass per weight writes both
+    # layouts); after that one make per layer per optimizer step, in the hook, none in
+    # forward or backward
+    once = {"quant": 3 * layers, "transpose": 0}
     none = {"quant": 0, "transpose": 0}
     assert on_counts[0] == (once, once)
     assert all(c == (none, once) for c in on_counts[1:]), on_counts

@@ -55,12 +55,14 @@ class KeepDtype:
 class _StandIns(torch.autograd.Function):
     """Zero-stride stand-ins in ``dtype`` for weights the op reads only through their FP8
     copies (precision fp8): the op sees their shapes, and their gradients (cast to each
-    parameter's dtype, as autocast's cast would) reach the parameters."""
+    parameter's dtype, as autocast's cast would) reach the parameters. ``dtype`` None: each
+    weight's own dtype, so the op writes an fp32 parameter's gradient in fp32 itself (no cast
+    pass over it afterwards)."""
 
     @staticmethod
     def forward(ctx, dtype, *weights):
         ctx.dtypes = [w.dtype for w in weights]
-        return tuple(torch.zeros((), dtype=dtype, device=w.device).expand(w.shape)
+        return tuple(torch.zeros((), dtype=dtype or w.dtype, device=w.device).expand(w.shape)
                      for w in weights)
 
     @staticmethod
@@ -155,8 +157,11 @@ class MegaExperts(GroupedExperts):
         # normal tensors even inside inference_mode (a later training call saves them)
         with torch.no_grad(), torch.inference_mode(False):
             w1, w2, w3 = (w.detach() for w in weights)
-            self._fp8 = make_fp8_weights(w1, w2, w3, forward=self.options.precision == "fp8",
-                                         transposed=self.fp8_keep_transposed, dtype=dtype)
+            fp8 = self.options.precision == "fp8"
+            # fp8_bwd holds only the transposed copies: fp8_keep_transposed is fp8's choice
+            self._fp8 = make_fp8_weights(w1, w2, w3, forward=fp8,
+                                         transposed=self.fp8_keep_transposed or not fp8,
+                                         dtype=dtype)
         self._fp8_from = source
         self.fp8_weights_made += 1
 
@@ -253,7 +258,7 @@ class MegaExperts(GroupedExperts):
             dtype = compute_dtype(x)
             fp8 = self.fp8_weights((w1, w2, w3), dtype)
             if self.options.precision == "fp8":
-                w1, w2, w3 = _StandIns.apply(dtype, w1, w2, w3)
+                w1, w2, w3 = _StandIns.apply(None, w1, w2, w3)
         elif self._fp8 is not None:
             self.drop_fp8_weights()  # no longer used (the settings or the parallelism changed)
         return torchtitan_megamoe.mega_moe(

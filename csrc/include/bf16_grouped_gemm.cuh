@@ -155,6 +155,9 @@ struct KernelParams {
   // segment padded to 128 rows loses its last 64-row step when at most 64 of its last 128 rows
   // are real.
   const int* count;
+  // WGRAD: fp32 outputs (the gradients of fp32 parameters, written from the registers) instead
+  // of the bf16 ones in h_map / a_map; nullptr: bf16
+  float* out_f32[2];
   // DGRAD2_SWIGLU (a, da and hw travel as tensor maps; so do the gathered dy rows, in w3_map,
   // when store_gathered is set)
   const float* topk_w;  // [T * K] routing weights by slot
@@ -756,6 +759,27 @@ __global__ void __launch_bounds__(THREADS, 1)
         store_bf16_tile(epi_smem + cw * 2 * EPI_BOX_BYTES, cw, warp, lane, map, out_col, out_row,
                         [&](int j, int half) { return out_pair(j, half, which); });
       };
+      if constexpr (WGRAD) {
+        if (p.out_f32[0] != nullptr) {
+          // fp32 gradient: each quad's 8 consecutive floats of a row are one 32-byte sector, so
+          // the stores go straight from the registers (no staging tile, no bf16 pass after)
+          float* out = p.out_f32[second ? 1 : 0] + static_cast<long long>(out_row) * p.N +
+                       pid_n * TILE_N + 2 * (lane % 4);
+#pragma unroll
+          for (int j = 0; j < 16; ++j) {
+#pragma unroll
+            for (int half = 0; half < 2; ++half) {
+              float* at = out + static_cast<long long>(warp * 16 + lane / 4 + 8 * half) * p.N +
+                          8 * j;
+              *reinterpret_cast<float2*>(at) =
+                  make_float2(acc[4 * j + 2 * half], acc[4 * j + 2 * half + 1]);
+              *reinterpret_cast<float2*>(at + BN) =
+                  make_float2(acc[64 + 4 * j + 2 * half], acc[64 + 4 * j + 2 * half + 1]);
+            }
+          }
+          continue;
+        }
+      }
       if constexpr (ROWS) {
         // the two column halves of the tile, as they sit in the accumulator
         stage_out(out_map, pid_n * TILE_N, 1);

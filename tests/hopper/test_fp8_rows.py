@@ -92,6 +92,25 @@ def _deepgemm_ready():
     return deepgemm.available(torch.zeros(1, device="cuda"))
 
 
+def test_deepgemm_joined_finds_the_halves_of_one_copy():
+    """deepgemm.joined: w1's and w3's copies as the halves of one [E, 2H, D] copy give the
+    whole (one GEMM 1 launch); separate buffers, or halves in the other order, give None."""
+    from torchtitan_megamoe.ops.hopper import deepgemm
+
+    E, H, D = 3, 256, 384
+    q = torch.randn(E, 2 * H, D).to(FP8)
+    s = torch.rand(E, 2 * H // 128, D // 128)
+    w1q, w3q, w1s, w3s = q[:, :H], q[:, H:], s[:, :H // 128], s[:, H // 128:]
+    whole = deepgemm.joined(w1q, w1s, w3q, w3s)
+    assert whole is not None
+    assert whole[0].data_ptr() == q.data_ptr() and whole[0].shape == q.shape
+    assert torch.equal(whole[0].view(torch.uint8), q.view(torch.uint8))
+    assert torch.equal(whole[1], s)
+    assert deepgemm.joined(w3q, w3s, w1q, w1s) is None
+    assert deepgemm.joined(w1q.contiguous(), w1s.contiguous(), w3q.contiguous(),
+                           w3s.contiguous()) is None
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not _deepgemm_ready(), reason="needs a Hopper GPU with DeepGEMM installed")
 @pytest.mark.parametrize("case", ["random", "uneven", "one_expert"])
@@ -119,6 +138,16 @@ def test_deepgemm_side_matches_ours(case):
     dg = fp8_gemm1_swiglu(xq, xs, wq.w1q, wq.w1s, wq.w3q, wq.w3s, plan, True, FP8_DEEPGEMM)
     assert rel_err(dg[2][:used].double(), ours[2][:used].double()) < 1e-2  # a
     assert rel_err(_dequant(dg[0][:used], dg[1][:used]), _dequant(ours[0][:used], ours[1][:used])) < 3e-2
+    # the module's copies (make_fp8_weights): with DeepGEMM, w1|w3 are halves of one copy and
+    # GEMM 1 is one launch over both; ours copy the halves contiguous: the same results
+    from torchtitan_megamoe.ops.hopper import deepgemm
+    from torchtitan_megamoe.ops.hopper.fp8_weights import make_fp8_weights
+
+    held = make_fp8_weights(w1, w2, w3).fwd
+    assert deepgemm.joined(held.w1q, held.w1s, held.w3q, held.w3s) is not None
+    for cfg, want in ((FP8_DEEPGEMM, dg), (g1, ours)):
+        got = fp8_gemm1_swiglu(xq, xs, held.w1q, held.w1s, held.w3q, held.w3s, plan, True, cfg)
+        assert rel_err(got[2][:used].double(), want[2][:used].double()) < 1e-3, cfg
     hq, hs = ours[0], ours[1]
     y_ours = fp8_gemm_rows(hq, hs, wq.w2q, wq.w2s, plan, torch.bfloat16, config=rows_cfg)
     y_dg = fp8_gemm_rows(hq, hs, wq.w2q, wq.w2s, plan, torch.bfloat16, config=FP8_DEEPGEMM)

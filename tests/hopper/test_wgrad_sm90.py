@@ -78,14 +78,49 @@ def test_vs_float64_on_uneven_routings(T, K, E, D, H, ordered, pre):
         assert torch.equal(dw1_full, dw1) and torch.equal(dw3_full, dw3), name
 
 
+@pytest.mark.parametrize("T,K,E,D,H", [(700, 4, 8, 256, 256), (333, 2, 5, 512, 256)])
+def test_fp32_gradients_are_the_unrounded_accumulators(T, K, E, D, H):
+    """fp32 outputs (the gradients of fp32 parameters): written straight from the accumulators,
+    every element (NaN-poisoned first), empty experts 0, within fp32 summation error of float64,
+    and rounded to bf16 bitwise the bf16 outputs of the same launch form."""
+    g = torch.Generator(device="cuda").manual_seed(1)
+    dy = torch.randn(T, D, device="cuda", generator=g).bfloat16()
+    x = torch.randn(T, D, device="cuda", generator=g).bfloat16()
+    for name, ids in routings(T, K, E):
+        plan = build_plan(ids.cuda(), E, BM)
+        R = plan.max_rows
+        hw = torch.randn(R, H, device="cuda", generator=g).bfloat16()
+        da = torch.randn(R, 2 * H, device="cuda", generator=g).bfloat16()
+        order = longest_first(plan)
+        n = ids.shape[0]
+        dy_rows, x_rows = gather_rows(dy[:n], plan), gather_rows(x[:n], plan)
+        f32 = dict(dtype=torch.float32)
+        dw2 = wgrad_dw2_sm90(dy_rows, hw, plan, nan_tensor(E, D, H, **f32), order, True)
+        dw1, dw3 = wgrad_dw13_sm90(da, x_rows, plan, nan_tensor(E, H, D, **f32),
+                                   nan_tensor(E, H, D, **f32), order, pre_gathered=True)
+        b2 = wgrad_dw2_sm90(dy_rows, hw, plan, nan_tensor(E, D, H), order, True)
+        b1, b3 = wgrad_dw13_sm90(da, x_rows, plan, nan_tensor(E, H, D), nan_tensor(E, H, D),
+                                 order, pre_gathered=True)
+        ref2 = _ref(dy[:n], hw, plan, E, True)
+        ref13 = _ref(x[:n], da, plan, E, False)
+        empty = plan.count == 0
+        for got, bf, ref, what in ((dw2, b2, ref2, "dw2"), (dw1, b1, ref13[:, :H], "dw1"),
+                                   (dw3, b3, ref13[:, H:], "dw3")):
+            assert got.dtype == torch.float32 and not got.isnan().any(), (name, what)
+            assert torch.all(got[empty] == 0), (name, what)
+            assert rel_err(got, ref) <= 1e-5, (name, what, rel_err(got, ref))
+            assert torch.equal(got.bfloat16(), bf), (name, what, "not the bf16 outputs' values")
+
+
 def test_bad_shapes_name_the_requirement():
     ids = torch.randint(0, 4, (64, 2), device="cuda")
     plan = build_plan(ids, 4, BM)
     dy = torch.randn(64, 256, device="cuda").bfloat16()
     with pytest.raises(ValueError, match="columns % 256"):
         wgrad_dw2_sm90(dy, nan_tensor(plan.max_rows, 192), plan, nan_tensor(4, 256, 192))
-    with pytest.raises(TypeError, match="output 0 must be bfloat16"):
-        wgrad_dw2_sm90(dy, nan_tensor(plan.max_rows, 256), plan, torch.empty(4, 256, 256, device="cuda"))
+    with pytest.raises(TypeError, match="all bfloat16 or all float32"):
+        wgrad_dw2_sm90(dy, nan_tensor(plan.max_rows, 256), plan,
+                       torch.empty(4, 256, 256, device="cuda", dtype=torch.float16))
     with pytest.raises(ValueError, match="3 experts|the plan has 4 experts"):
         wgrad_dw2_sm90(dy, nan_tensor(plan.max_rows, 256), plan, nan_tensor(3, 256, 256))
 

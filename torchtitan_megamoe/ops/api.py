@@ -120,12 +120,21 @@ def mega_moe(
         # under DDP (FSDP casts the parameters instead), so do what it does for a matmul: x and
         # the weights in its dtype (the casts are differentiable: fp32 parameters get fp32
         # gradients), out in that dtype; the op's own math runs with autocast off
-        # (_autocast_off).
+        # (_autocast_off). Precision fp8 reads the weights only through FP8 copies, quantized
+        # from their values rounded to that dtype by the quantization pass itself, and writes
+        # their gradients in their own dtype: no cast pass either way. Zero-stride stand-ins
+        # (moe.py) are never read and keep their dtype, their gradients'.
         amp_dtype = compute_dtype(x)
-        x, w1, w2, w3 = (t.to(amp_dtype) if t.is_floating_point() else t for t in (x, w1, w2, w3))
+        x = x.to(amp_dtype) if x.is_floating_point() else x
+        if options.precision != "fp8":
+            w1, w2, w3 = (w if is_stand_in(w) else w.to(amp_dtype) for w in (w1, w2, w3))
     check_args(x, topk_ids, topk_weights, w1, w2, w3, group=group, precision=options.precision)
     if options.backend == "auto":
         options = options.with_backend(resolve_backend(x, group))
+    if options.backend != "hopper":
+        # the reference computes from the weights' values: those of their cast to x's dtype
+        w1, w2, w3 = (w if is_stand_in(w) or w.dtype == x.dtype else w.to(x.dtype)
+                      for w in (w1, w2, w3))
     if fp8_weights is not None:
         if options.precision not in FP8_PRECISIONS:
             raise ValueError(f"mega_moe: fp8_weights given with precision={options.precision!r}; "
@@ -138,7 +147,7 @@ def mega_moe(
                 from torchtitan_megamoe.ops.hopper.fp8_weights import dequantized
 
                 f = fp8_weights.fwd
-                w1, w2, w3 = (w + dequantized(q, sc, w.dtype) for w, q, sc in
+                w1, w2, w3 = ((w + dequantized(q, sc, w.dtype)).to(x.dtype) for w, q, sc in
                               ((w1, f.w1q, f.w1s), (w2, f.w2q, f.w2s), (w3, f.w3q, f.w3s)))
             fp8_weights = None
     # The hopper forward checks the ids on CUDA inside its first kernels (EP=1: the plan's
@@ -258,7 +267,10 @@ def check_args(
             raise ValueError(
                 f"mega_moe: {name} must be 3-D [experts, ...], got shape {tuple(w.shape)}"
             )
-        if w.dtype != x.dtype:
+        # fp8 reads weights through FP8 copies of their values in x's dtype, and a stand-in
+        # (moe.py) is never read: either may be in its parameter's dtype, the gradient's
+        if w.dtype != x.dtype and not (w.is_floating_point()
+                                       and (precision == "fp8" or is_stand_in(w))):
             raise TypeError(
                 f"mega_moe: {name} dtype {w.dtype} differs from x dtype {x.dtype}; cast them to "
                 "one dtype (TorchTitan's mixed precision, FSDP or autocast, does this for you)"

@@ -140,7 +140,7 @@ def backward(grad_out, x, topk_ids, topk_weights, w1, w2, w3, group, options, sa
     None or empty to recompute; ``fp8_weights`` as in forward."""
     if options.precision != "bf16":  # bf16's were checked by the forward
         check_inputs(x, w1, group, options.precision)
-    check_backward_dtypes(grad_out, x, w1)
+    check_backward_dtypes(grad_out, x, w1, options.precision)
     _, stage = _stages(options, group)
     if stage == "ep":
         return backward_ep(grad_out, x, topk_ids, topk_weights, w1, w2, w3, group,

@@ -38,9 +38,12 @@ from torchtitan_megamoe.ops.hopper.plan import build_plan, unpack_plan
 from torchtitan_megamoe.ops.hopper.tune import bucket, pick_config
 
 
-def check_backward_dtypes(grad_out, x, w1) -> None:
-    for name, t in (("grad_out", grad_out), ("x", x), ("w1", w1)):
-        if t.dtype != torch.bfloat16:
+def check_backward_dtypes(grad_out, x, w1, precision: str = "bf16") -> None:
+    # fp8 reads the weights only through FP8 copies: fp32 ones get fp32 gradients (api.mega_moe)
+    weights = (torch.bfloat16, torch.float32) if precision == "fp8" else (torch.bfloat16,)
+    for name, t, ok in (("grad_out", grad_out, (torch.bfloat16,)), ("x", x, (torch.bfloat16,)),
+                        ("w1", w1, weights)):
+        if t.dtype not in ok:
             raise TypeError(
                 f"mega_moe backend='hopper' backward needs bfloat16 tensors, {name} is "
                 f"{t.dtype}; cast to torch.bfloat16 or use backend='reference'"
@@ -172,9 +175,10 @@ def backward_bf16(grad_out, x, topk_ids, topk_weights, w1, w2, w3, saved=None, w
 
 
 def weight_grads(dy, x, da, acts: dict, plan, params, key, block_m, wait_x=None):
-    """(dw1, dw2, dw3) in bf16 from da = [da1 | da3] and acts = {"hw": w*h rows, "dy_rows":
+    """(dw1, dw2, dw3) in the parameters' dtype (bf16, or fp32 for the stand-ins of fp32
+    parameters, moe.py) from da = [da1 | da3] and acts = {"hw": w*h rows, "dy_rows":
     dy gathered into the row space or None}; the tuner picks each GEMM's side (wgrad_dw2,
-    wgrad_dw13). Shared by the FP8 backward, whose weight gradients are bf16 too. acts is
+    wgrad_dw13). Shared by the FP8 backward (its weight gradients are bf16 GEMMs too). acts is
     emptied as its tensors are used, so hw is freed before dw1/dw3 run (the caller keeps no
     reference). ``wait_x()`` runs before the first read of x."""
     # dw2 first so hw is freed before dgrad1 allocates its dx rows. (Running dw1/dw3 after the
@@ -182,6 +186,7 @@ def weight_grads(dy, x, da, acts: dict, plan, params, key, block_m, wait_x=None)
     # through dw1/dw3 for no gain.)
     order = longest_first(plan)
     H = da.shape[1] // 2
+    key = key + (params[0].dtype,)  # fp32 gradients (fp32 parameters) change the sides' costs
 
     def launch_dw2(cfg):
         if cfg.get("impl") == "sm90":  # on the gathered dy rows, or gathered here

@@ -66,3 +66,23 @@ def gemm_rows(aq: torch.Tensor, a_s: torch.Tensor, bq: torch.Tensor, b_s: torch.
     _module().m_grouped_fp8_gemm_nt_contiguous(
         (aq, a_s), (bq, b_s), out, layout, disable_ue8m0_cast=True)
     return out
+
+
+def joined(b: torch.Tensor, b_s: torch.Tensor, b2: torch.Tensor,
+           b2_s: torch.Tensor) -> tuple | None:
+    """(q [E, 2N, K], s [E, 2N/128, K/128]) when weights b, b2 [E, N, K] (and their scales) are
+    the halves of one such copy (fp8_weights._w13_halves): GEMM 1 then runs as one launch over
+    [w1; w3], its output [a1 | a3] as the forward saves it. Else None."""
+    E, N, K = b.shape
+
+    def whole(x, y, rows, cols):
+        shape, strides = (E, 2 * rows, cols), (2 * rows * cols, cols, 1)
+        if (x.stride() == y.stride() == strides
+                and x.untyped_storage().data_ptr() == y.untyped_storage().data_ptr()
+                and y.storage_offset() == x.storage_offset() + rows * cols):
+            return x.as_strided(shape, strides)
+        return None
+
+    q, s = whole(b, b2, N, K), whole(b_s, b2_s, N // 128, K // 128)
+    return None if q is None or s is None else (q, s)
+

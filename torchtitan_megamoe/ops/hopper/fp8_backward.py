@@ -67,7 +67,7 @@ def backward_fp8(grad_out, x, topk_ids, topk_weights, w1, w2, w3, precision, wei
     tw = topk_weights.contiguous()
 
     gq, gs = quant_rows(dy)
-    w2t = w2_transposed(w2, cache=weight_cache)
+    w2t = w2_transposed(w2, cache=weight_cache, dtype=x.dtype)
     if settings.fp8_wgrad():  # fused dgrad2 + SwiGLU backward writing the FP8 wgrad operands
         daq, das, daTq, daTs, hTq, hTs, part = fp8_dgrad2_swiglu(gq, gs, w2t.q, w2t.s,
                                                                  a_saved, tw, plan)
@@ -88,7 +88,7 @@ def backward_fp8(grad_out, x, topk_ids, topk_weights, w1, w2, w3, precision, wei
     dx_rows = torch.empty((plan.max_rows, D), dtype=x.dtype, device=x.device)
     groups = dgrad1_groups(E, H, D, plan.max_rows, weight_cache)
     for lo, hi in groups:
-        w13t = w13_transposed(w1, w3, lo, hi, cache=weight_cache)
+        w13t = w13_transposed(w1, w3, lo, hi, cache=weight_cache, dtype=x.dtype)
         fp8_gemm_rows(daq, das, w13t.q, w13t.s, plan, out_dtype=x.dtype, out=dx_rows,
                       expert_base=lo if len(groups) > 1 else None, stage="fp8_dgrad1")
         del w13t
@@ -128,7 +128,7 @@ def _recompute_a(x, w1, w2, w3, plan, precision, weight_cache):
     """GEMM 1's [a1 | a3] as the forward computed it (same kernel, same arithmetic)."""
     if precision == "fp8":
         xq, xs = quant_rows(x)
-        wq = forward_weights(w1, w2, w3, cache=weight_cache)
+        wq = forward_weights(w1, w2, w3, cache=weight_cache, dtype=x.dtype)
         _hq, _hs, a = fp8_gemm1_swiglu(xq, xs, wq.w1q, wq.w1s, wq.w3q, wq.w3s, plan, save_a=True)
         return a
     g1_config, _ = forward_configs(None, None)

@@ -30,7 +30,7 @@ def forward_fp8(x, topk_ids, topk_weights, w1, w2, w3, weight_cache=False, save=
     w1, w2, w3 = dense_weights(weight_cache, w1, w2, w3)
     plan = checked_plan(topk_ids, E, FP8_BLOCK_M)
     xq, xs = quant_rows(x)
-    wq = forward_weights(w1, w2, w3, cache=weight_cache)
+    wq = forward_weights(w1, w2, w3, cache=weight_cache, dtype=x.dtype)
     hq, hs, a = fp8_gemm1_swiglu(xq, xs, wq.w1q, wq.w1s, wq.w3q, wq.w3s, plan, save_a=save)
     del xq, xs
     y = fp8_gemm_rows(hq, hs, wq.w2q, wq.w2s, plan, out_dtype=x.dtype, stage="fp8_gemm2")

@@ -5,9 +5,10 @@
     backward  w2^T        [E, H, D]  (fp8_dgrad2_swiglu: dh = dy @ w2[e], contracts over D)
               [w1 | w3]^T [E, D, 2H] (fp8_dgrad1: dx = [da1 | da3] @ [w1; w3], over 2H)
 A block's scale serves both uses: the transposed copies carry the same scales, transposed. The
-module-made ones (below) come from the FP8 forward copy by a byte transpose of each block
-(kernels/fp8_transpose.py: bitwise what quantizing the bf16 weight into the transposed layout
-gives), not by reading the bf16 weights again; per call they are quantized from bf16 directly.
+module-made ones (below) come out of the same quantization pass as the forward copy (one read of
+each weight writes both layouts); where only the forward copy is at hand (the FSDP all-gather's,
+or ``fp8_keep_transposed = False``) the transposed ones are a byte transpose of it
+(kernels/fp8_transpose.py: bitwise what quantizing the weight into the transposed layout gives).
 
 Who makes them. The stage code asks ``forward_weights``, ``w2_transposed`` and ``w13_transposed``
 with ``cache``: the layer's ``Fp8Weights`` when the op was given them, else anything falsy.
@@ -39,6 +40,7 @@ from dataclasses import dataclass
 
 import torch
 
+from torchtitan_megamoe.ops.hopper import deepgemm
 from torchtitan_megamoe.ops.hopper.kernels.fp8_quant import FP8, quant_weight, weight_blocks
 from torchtitan_megamoe.ops.hopper.kernels.fp8_transpose import transpose_blocks
 
@@ -135,23 +137,38 @@ def dense_weights(cache, *ws) -> tuple:
 def make_fp8_weights(w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor,
                      forward: bool = True, transposed: bool = True,
                      dtype: torch.dtype | None = None) -> Fp8Weights:
-    """The copies of weights w1, w3 [E, H, D], w2 [E, D, H]: one quantization pass per weight
-    into the forward layout, the transposed copies made from it (``transposed``).
-    ``forward=False`` drops the forward copies once the transposed ones are made (``fp8_bwd``,
-    whose forward is bf16). ``dtype``: the values the op computes with are the weights cast to
-    it (bf16 under autocast), one weight at a time."""
+    """The copies of weights w1, w3 [E, H, D], w2 [E, D, H]: one quantization pass per weight,
+    which writes the forward layout and (``transposed``) the transposed one from a single read.
+    ``forward=False`` makes the transposed copies only (``fp8_bwd``, whose forward is bf16).
+    ``dtype``: the values the op computes with are the weights cast to it (bf16 under
+    autocast); the pass rounds an fp32 weight to it as it reads."""
+    if not (forward or transposed):
+        raise ValueError("make_fp8_weights: asked for neither the forward nor the transposed copies")
     E, H, D = w1.shape
-    parts = []
-    for w, (n, k) in ((w1, (H, D)), (w3, (H, D)), (w2, (D, H))):
-        q, s = weight_blocks(E, n, k, w.device)
-        quant_weight((w if dtype is None else w.to(dtype)).contiguous(), q=q, s=s)
-        parts += [q, s]
-    fwd = ForwardWeights(*parts)
-    w2t = w13t = None
+    dev = w1.device
+    fwd = w2t = w13t = None
+    if forward:
+        fwd = ForwardWeights(*_w13_halves(E, H, D, dev), *weight_blocks(E, D, H, dev))
     if transposed:
-        w2t = transposed_w2(fwd)
-        w13t = transposed_w13(fwd)
-    return Fp8Weights(fwd if forward else None, w2t, w13t)
+        w2t = TransposedWeights(*weight_blocks(E, D, H, dev, transposed_n=D))
+        w13t = TransposedWeights(*weight_blocks(E, H, D, dev, transposed_n=2 * H))
+    for w, fq, fs, t, col in ((w1, "w1q", "w1s", w13t, 0), (w3, "w3q", "w3s", w13t, H),
+                              (w2, "w2q", "w2s", w2t, 0)):
+        quant_weight(w.contiguous(), q=getattr(fwd, fq, None), s=getattr(fwd, fs, None),
+                     qt=None if t is None else t.q, st=None if t is None else t.s, t_col0=col,
+                     dtype=dtype)
+    return Fp8Weights(fwd, w2t, w13t)
+
+
+def _w13_halves(E: int, H: int, D: int, device) -> tuple:
+    """Empty (w1q, w1s, w3q, w3s). Where DeepGEMM runs, the halves of one [E, 2H, D] copy (and
+    its scales): GEMM 1 is then one DeepGEMM launch over [w1; w3] (deepgemm.joined), and our
+    kernels, which read each weight contiguous, take contiguous copies of the halves (the tuner
+    weighs that in). Else two buffers."""
+    if not deepgemm.available(torch.empty(0, device=device)):
+        return (*weight_blocks(E, H, D, device), *weight_blocks(E, H, D, device))
+    q, s = weight_blocks(E, 2 * H, D, device)
+    return q[:, :H], s[:, :H // BLOCK], q[:, H:], s[:, H // BLOCK:]
 
 
 def quantize_weight(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -188,14 +205,17 @@ def dequantized(q: torch.Tensor, s: torch.Tensor, dtype: torch.dtype) -> torch.T
 
 
 def forward_weights(w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor,
-                    cache=None) -> ForwardWeights:
-    """``cache``: the layer's Fp8Weights (module docstring), else quantized now."""
+                    cache=None, dtype: torch.dtype | None = None) -> ForwardWeights:
+    """``cache``: the layer's Fp8Weights (module docstring), else quantized now. ``dtype``: the
+    one the op computes in (x's): weights in another (fp32 parameters under a bf16 autocast,
+    precision fp8) are quantized from their values rounded to it, by the quantization pass."""
     if isinstance(cache, Fp8Weights) and cache.fwd is not None:
         return cache.fwd
-    return _forward_weights(w1, w2, w3)
+    return _forward_weights(w1, w2, w3, dtype)
 
 
-def w2_transposed(w2: torch.Tensor, cache=None) -> TransposedWeights:
+def w2_transposed(w2: torch.Tensor, cache=None,
+                  dtype: torch.dtype | None = None) -> TransposedWeights:
     """Without a held copy, made only when fp8_dgrad2_swiglu runs (and freed after it), so the
     two transposed copies are never live together in a backward."""
     if isinstance(cache, Fp8Weights):
@@ -203,11 +223,12 @@ def w2_transposed(w2: torch.Tensor, cache=None) -> TransposedWeights:
             return cache.w2t
         if cache.fwd is not None:
             return transposed_w2(cache.fwd)
-    return _w2_transposed(w2)
+    return _w2_transposed(w2, dtype)
 
 
 def w13_transposed(w1: torch.Tensor, w3: torch.Tensor, lo: int = 0,
-                   hi: int | None = None, cache=None) -> TransposedWeights:
+                   hi: int | None = None, cache=None,
+                   dtype: torch.dtype | None = None) -> TransposedWeights:
     """Experts [lo, hi) (default: all): a group of experts is the backward's way to hold less
     than the whole copy at once when it is not held (fp8_backward)."""
     hi = w1.shape[0] if hi is None else hi
@@ -216,30 +237,32 @@ def w13_transposed(w1: torch.Tensor, w3: torch.Tensor, lo: int = 0,
             return TransposedWeights(cache.w13t.q[lo:hi], cache.w13t.s[lo:hi])
         if cache.fwd is not None:
             return transposed_w13(cache.fwd, lo, hi)
-    return _w13_transposed(w1[lo:hi], w3[lo:hi])
+    return _w13_transposed(w1[lo:hi], w3[lo:hi], dtype)
 
 
-def _forward_weights(w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor) -> ForwardWeights:
+def _forward_weights(w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor,
+                     dtype: torch.dtype | None = None) -> ForwardWeights:
     E, H, D = w1.shape
     w1q, w1s = weight_blocks(E, H, D, w1.device)
     w3q, w3s = weight_blocks(E, H, D, w1.device)
     w2q, w2s = weight_blocks(E, D, H, w1.device)
-    quant_weight(w1, q=w1q, s=w1s)
-    quant_weight(w3, q=w3q, s=w3s)
-    quant_weight(w2, q=w2q, s=w2s)
+    quant_weight(w1, q=w1q, s=w1s, dtype=dtype)
+    quant_weight(w3, q=w3q, s=w3s, dtype=dtype)
+    quant_weight(w2, q=w2q, s=w2s, dtype=dtype)
     return ForwardWeights(w1q, w1s, w3q, w3s, w2q, w2s)
 
 
-def _w2_transposed(w2: torch.Tensor) -> TransposedWeights:
+def _w2_transposed(w2: torch.Tensor, dtype: torch.dtype | None = None) -> TransposedWeights:
     E, D, H = w2.shape
     q, sc = weight_blocks(E, D, H, w2.device, transposed_n=D)
-    quant_weight(w2, qt=q, st=sc)
+    quant_weight(w2, qt=q, st=sc, dtype=dtype)
     return TransposedWeights(q, sc)
 
 
-def _w13_transposed(w1: torch.Tensor, w3: torch.Tensor) -> TransposedWeights:
+def _w13_transposed(w1: torch.Tensor, w3: torch.Tensor,
+                    dtype: torch.dtype | None = None) -> TransposedWeights:
     E, H, D = w1.shape
     q, sc = weight_blocks(E, H, D, w1.device, transposed_n=2 * H)
-    quant_weight(w1, qt=q, st=sc, t_col0=0)
-    quant_weight(w3, qt=q, st=sc, t_col0=H)
+    quant_weight(w1, qt=q, st=sc, t_col0=0, dtype=dtype)
+    quant_weight(w3, qt=q, st=sc, t_col0=H, dtype=dtype)
     return TransposedWeights(q, sc)

@@ -233,11 +233,14 @@ INTERPRET_WGRAD = dict(block_m=32, block_n=32, block_k=16, num_warps=1, num_stag
 
 
 def wgrad_sm90_fits(x: torch.Tensor, params: tuple, block_m: int) -> bool:
-    """bf16 x and contiguous bf16 parameters (the gradients are written in their layout;
-    a zero-stride stand-in's, moe.py, is contiguous too), and tiles that fit D and H."""
+    """bf16 x and contiguous bf16 or fp32 parameters of one dtype (the gradients are written in
+    their dtype and layout; a zero-stride stand-in's, moe.py, is contiguous too), and tiles that
+    fit D and H."""
     _, H, D = params[0].shape
     return (_sm90_offered(block_m) and x.dtype == torch.bfloat16
-            and all(p.dtype == torch.bfloat16 and (p.is_contiguous() or not any(p.stride()))
+            and all(p.dtype == params[0].dtype for p in params)
+            and all(p.dtype in (torch.bfloat16, torch.float32)
+                    and (p.is_contiguous() or not any(p.stride()))
                     for p in params)
             and sm90_wgrad.shapes_supported(D, H, BLOCK_M) and sm90_usable(x))
 

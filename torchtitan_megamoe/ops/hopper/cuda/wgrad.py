@@ -16,6 +16,10 @@ producer is one thread: the form the tuner offers (the in-kernel gather is slowe
 torch._grouped_mm and is not offered). Same results as the Triton wgrad and the _grouped_mm side
 within bf16 rounding of the output.
 
+The gradients are written in the outputs' dtype: bf16 through a staging tile and TMA stores, or
+fp32 (the gradients of fp32 parameters, under a bf16 autocast) straight from the accumulators,
+so no cast pass follows.
+
 FP8: ``fp8_wgrad_sm90``: out [E, M, N] bf16 from operands transposed and quantized per 128 rows
 beforehand (kernels/fp8_wgrad.fp8_wgrad's contract), units handed out by a dynamic ticket.
 """
@@ -76,8 +80,12 @@ def _launch(who, tokens, rows, outs, plan, E, M, N, m_split, gather, expert_orde
         raise ValueError(f"{who} needs the gradient's rows per expert % {BM} == 0 and columns "
                          f"% {BN} == 0 (plan block_m % {BK}); got {M} x {N}, block_m "
                          f"{plan.block_m}")
-    check_bf16_rows(who, **{"the token rows": tokens, "the row-space operand": rows},
-                    **{f"output {i}": o for i, o in enumerate(outs)})
+    check_bf16_rows(who, **{"the token rows": tokens, "the row-space operand": rows})
+    out_f32 = outs[0].dtype == torch.float32
+    if any(o.dtype != outs[0].dtype or o.dtype not in (torch.bfloat16, torch.float32)
+           for o in outs):
+        raise TypeError(f"{who}: the gradients must all be bfloat16 or all float32 (fp32 "
+                        f"parameters), got {[o.dtype for o in outs]}")
     if not (rows.is_contiguous() and all(o.is_contiguous() for o in outs)):
         raise ValueError(f"{who}: the row-space operand and the outputs must be contiguous")
     R = plan.max_rows
@@ -99,7 +107,8 @@ def _launch(who, tokens, rows, outs, plan, E, M, N, m_split, gather, expert_orde
         row_slot=plan.row_slot.data_ptr(), seg_start=plan.seg_start.data_ptr(),
         count=plan.count.data_ptr(),
         expert_order=expert_order.data_ptr() if expert_order is not None else None,
-        E=E, M=M, N=N, m_split=m_split, top_k=plan.top_k, gather=gather, num_sms=num_sms,
+        E=E, M=M, N=N, m_split=m_split, top_k=plan.top_k, gather=gather, out_f32=int(out_f32),
+        num_sms=num_sms,
         ticket=ticket.data_ptr(), stream=stream,
     )
     launch(FAMILY, "megamoe_wgrad", params, who)

@@ -165,24 +165,27 @@ def _run(stage, mode, a, a_s, b, b_s, plan: Plan, out, out_s, gather, b2=None, b
         if cfg.get("impl") == "deepgemm":
             _deepgemm(mode, a, a_s, b, b_s, plan, out, out_s, gather, b2, b2_s, aux, expert_base)
             return
+        # ours read each weight contiguous: the halves of a joined [w1; w3] copy are copied
+        # (deepgemm.joined; the tuner times that too)
+        bb, bbs, bb2, bb2s = (t if t is None else t.contiguous() for t in (b, b_s, b2, b2_s))
         if cfg.get("impl") == "sm90":
             if mode == MODE_GEMM_ROWS:
                 rows, rows_s = gather_rows(a, a_s, plan) if gather else (a, a_s)
-                fp8_gemm_rows_sm90(rows, rows_s, b, b_s, plan, out, group_m=cfg["group_m"],
+                fp8_gemm_rows_sm90(rows, rows_s, bb, bbs, plan, out, group_m=cfg["group_m"],
                                    expert_base=expert_base)
             elif mode == MODE_DGRAD2_SWIGLU:
-                fp8_dgrad2_swiglu_sm90(a, a_s, b, b_s, aux, tw, plan, out, out_s, qt, qt_s,
+                fp8_dgrad2_swiglu_sm90(a, a_s, bb, bbs, aux, tw, plan, out, out_s, qt, qt_s,
                                        ht, ht_s, part, group_m=cfg["group_m"])
             else:
-                fp8_gemm1_swiglu_sm90(a, a_s, b, b_s, b2, b2_s, plan, out, out_s, aux,
+                fp8_gemm1_swiglu_sm90(a, a_s, bb, bbs, bb2, bb2s, plan, out, out_s, aux,
                                       group_m=cfg["group_m"])
             return
         bm, bn = cfg["block_m"], cfg["block_n"]
         assert plan.block_m % bm == 0 and N % bn == 0
         num_m = R // bm
         desc = TensorDescriptor.from_tensor
-        b_desc = desc(b.view(E * N, K), [bn, 128])
-        b2_desc = desc(b2.view(E * N, K), [bn, 128]) if b2 is not None else b_desc
+        b_desc = desc(bb.view(E * N, K), [bn, 128])
+        b2_desc = desc(bb2.view(E * N, K), [bn, 128]) if b2 is not None else b_desc
         a_desc = desc(a, [bm, 128]) if not gather else b_desc
         out_desc = desc(out, [bm, bn])
         aux_desc = desc(aux, [bm, bn]) if aux is not None else out_desc
@@ -190,13 +193,13 @@ def _run(stage, mode, a, a_s, b, b_s, plan: Plan, out, out_s, gather, b2=None, b
         ht_desc = desc(ht, [bn, bm]) if ht is not None else out_desc
         f32 = a_s  # placeholder for fp32 pointers a mode does not use
         _fp8_rows_kernel[(num_m * (N // bn),)](
-            a, a_desc, a_s, b_desc, b_s, b2_desc, b2_s if b2_s is not None else b_s,
+            a, a_desc, a_s, b_desc, bbs, b2_desc, bb2s if b2_s is not None else bbs,
             plan.row_slot, plan.tile_expert, tw if tw is not None else f32,
             out_desc, out_s if out_s is not None else f32, aux_desc,
             qt_desc, qt_s if qt_s is not None else f32, ht_desc, ht_s if ht_s is not None else f32,
             part if part is not None else f32,
             num_m, N, K, R, e_lo, e_lo + E,
-            a.stride(0), a_s.stride(0), b_s.stride(0), b_s.stride(1),
+            a.stride(0), a_s.stride(0), bbs.stride(0), bbs.stride(1),
             out_s.stride(0) if out_s is not None else 0,
             qt_s.stride(0) if qt_s is not None else 0,
             TOP_K=plan.top_k, PLAN_BM=plan.block_m, GATHER=gather, MODE=mode,
@@ -236,8 +239,12 @@ def _deepgemm(mode, a, a_s, b, b_s, plan, out, out_s, gather, b2, b2_s, aux, exp
         return
     acts = aux if aux is not None else torch.empty(
         (plan.max_rows, 2 * N), dtype=torch.bfloat16, device=a.device)
-    deepgemm.gemm_rows(rows, rows_s, b, b_s, layout, acts[:, :N])
-    deepgemm.gemm_rows(rows, rows_s, b2, b2_s, layout, acts[:, N:])
+    w13 = deepgemm.joined(b, b_s, b2, b2_s)
+    if w13 is not None:  # one launch over [w1; w3] writes [a1 | a3]
+        deepgemm.gemm_rows(rows, rows_s, *w13, layout, acts)
+    else:
+        deepgemm.gemm_rows(rows, rows_s, b, b_s, layout, acts[:, :N])
+        deepgemm.gemm_rows(rows, rows_s, b2, b2_s, layout, acts[:, N:])
     swiglu_quant_rows(acts, plan, out, out_s)
 
 

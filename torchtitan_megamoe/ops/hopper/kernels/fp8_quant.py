@@ -36,6 +36,17 @@ FP8 = torch.float8_e4m3fn
 
 
 @triton.jit
+def round_to_bf16(v, EMULATE: tl.constexpr):
+    """v (fp32, finite) rounded to the nearest bf16 value, ties to even, still in fp32: what
+    torch's cast gives. GPUs convert in hardware (cvt.rn); the CPU interpreter's cast truncates,
+    so there the rounding is done on the bits."""
+    if EMULATE:
+        bits = v.to(tl.uint32, bitcast=True)
+        return ((bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000).to(tl.float32, bitcast=True)
+    return v.to(tl.bfloat16).to(tl.float32)
+
+
+@triton.jit
 def round_to_e4m3(v):
     """v (fp32, |v| <= 448) rounded to the nearest e4m3 value, ties to even, still in fp32. The
     CPU interpreter's fp32 -> e4m3 cast (seen with Triton 3.9) loses the carry when rounding
@@ -96,7 +107,8 @@ def quant_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def _quant_weight_kernel(w_ptr, q_ptr, s_ptr, qt_ptr, st_ptr, N, K,
                          stride_we, stride_wn, stride_qe, stride_qn, stride_se, stride_sn,
                          stride_qte, stride_qtk, stride_ste, stride_stk, t_col0, t_sblk0,
-                         STORE_Q: tl.constexpr, STORE_T: tl.constexpr, EMULATE: tl.constexpr):
+                         STORE_Q: tl.constexpr, STORE_T: tl.constexpr, ROUND_BF16: tl.constexpr,
+                         EMULATE: tl.constexpr):
     e = tl.program_id(0).to(tl.int64)
     nb = tl.program_id(1)
     kb = tl.program_id(2)
@@ -104,6 +116,8 @@ def _quant_weight_kernel(w_ptr, q_ptr, s_ptr, qt_ptr, st_ptr, N, K,
     k = kb * 128 + tl.arange(0, 128)
     v = tl.load(w_ptr + e * stride_we + n[:, None].to(tl.int64) * stride_wn + k[None, :])
     v = v.to(tl.float32)
+    if ROUND_BF16:  # the values of w.to(bf16), the autocast cast, without its pass
+        v = round_to_bf16(v, EMULATE)
     amax = tl.maximum(tl.max(tl.max(tl.abs(v), axis=1), axis=0), 1e-12)
     scale = amax / 448.0
     q = v / scale
@@ -120,10 +134,16 @@ def _quant_weight_kernel(w_ptr, q_ptr, s_ptr, qt_ptr, st_ptr, N, K,
         tl.store(st_ptr + e * stride_ste + kb * stride_stk + t_sblk0 + nb, scale)
 
 
-def quant_weight(w: torch.Tensor, q=None, s=None, qt=None, st=None, t_col0: int = 0):
+def quant_weight(w: torch.Tensor, q=None, s=None, qt=None, st=None, t_col0: int = 0,
+                 dtype: torch.dtype | None = None):
     """Quantize w [E, N, K] in 128 x 128 blocks into q [E, N, K] / s [E, N/128, K/128] and / or
     its transpose qt [E, K, N_total] / st [E, K/128, N_total/128] at column ``t_col0`` (so w1
-    and w3 can share one transposed [E, D, 2H] operand). Pass the outputs to fill."""
+    and w3 can share one transposed [E, D, 2H] operand), from one read of w. Pass the outputs
+    to fill. ``dtype``: quantize the values of ``w.to(dtype)`` (an fp32 weight under a bf16
+    autocast is rounded to bf16 in the kernel, not by a cast pass)."""
+    round_bf16 = dtype == torch.bfloat16 and w.dtype != torch.bfloat16
+    if dtype is not None and dtype != w.dtype and not round_bf16:
+        w = w.to(dtype)
     E, N, K = w.shape
     assert N % SCALE_BLOCK == 0 and K % SCALE_BLOCK == 0, (N, K)
     assert w.stride(2) == 1
@@ -134,7 +154,7 @@ def quant_weight(w: torch.Tensor, q=None, s=None, qt=None, st=None, t_col0: int 
         w, qq, ss, tt, sst, N, K, w.stride(0), w.stride(1),
         qq.stride(0), qq.stride(1), ss.stride(0), ss.stride(1),
         tt.stride(0), tt.stride(1), sst.stride(0), sst.stride(1),
-        t_col0, t_col0 // SCALE_BLOCK, STORE_Q=store_q, STORE_T=store_t,
+        t_col0, t_col0 // SCALE_BLOCK, STORE_Q=store_q, STORE_T=store_t, ROUND_BF16=round_bf16,
         EMULATE=settings.triton_interpreting(), num_warps=8)
 
 
