@@ -42,8 +42,11 @@ def test_wgrad_needs_tile_multiples_and_a_plan_with_the_gradients_experts(plan):
     dy = _bf16(T, 256)
     with pytest.raises(ValueError, match="columns % 256"):
         wgrad_dw2_sm90(dy, _bf16(R, 192), plan, _bf16(E, 256, 192))
-    with pytest.raises(TypeError, match="output 0 must be bfloat16"):
-        wgrad_dw2_sm90(dy, _bf16(R, 256), plan, torch.zeros(E, 256, 256))
+    with pytest.raises(TypeError, match="must all be bfloat16 or all float32"):
+        wgrad_dw2_sm90(dy, _bf16(R, 256), plan, torch.zeros(E, 256, 256, dtype=torch.float16))
+    with pytest.raises(TypeError, match="must all be bfloat16 or all float32"):  # mixed outputs
+        wgrad_dw13_sm90(_bf16(R, 512), _bf16(T, 256), plan, _bf16(E, 256, 256),
+                        torch.zeros(E, 256, 256))
     with pytest.raises(ValueError, match="the plan has 4 experts, the gradient 3"):
         wgrad_dw2_sm90(dy, _bf16(R, 256), plan, _bf16(3, 256, 256))
     with pytest.raises(ValueError, match="do not match the gradient"):

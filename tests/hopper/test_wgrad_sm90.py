@@ -118,7 +118,7 @@ def test_bad_shapes_name_the_requirement():
     dy = torch.randn(64, 256, device="cuda").bfloat16()
     with pytest.raises(ValueError, match="columns % 256"):
         wgrad_dw2_sm90(dy, nan_tensor(plan.max_rows, 192), plan, nan_tensor(4, 256, 192))
-    with pytest.raises(TypeError, match="all bfloat16 or all float32"):
+    with pytest.raises(TypeError, match="must all be bfloat16 or all float32"):
         wgrad_dw2_sm90(dy, nan_tensor(plan.max_rows, 256), plan,
                        torch.empty(4, 256, 256, device="cuda", dtype=torch.float16))
     with pytest.raises(ValueError, match="3 experts|the plan has 4 experts"):
