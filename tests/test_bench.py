@@ -549,3 +549,21 @@ def test_help_names_the_command_and_every_default(capsys, monkeypatch):
     monkeypatch.setattr(argparse.ArgumentParser, "add_argument", spy)
     parse_args([])
     assert len(seen) > 15 and all(kw.get("help") for _, kw in seen), seen
+
+
+def test_back_to_back_time_is_not_moved_by_one_stall():
+    """back_to_back_ms is the median per-call interval: one slow call among many (an allocator
+    or driver hiccup) leaves it at the usual call's time, where a mean would carry the stall."""
+    import time as _time
+
+    from torchtitan_megamoe.timing import back_to_back_ms
+
+    calls = []
+
+    def fn():
+        calls.append(None)
+        _time.sleep(0.2 if len(calls) == 5 else 0.002)
+
+    t = back_to_back_ms(fn, 15)
+    assert len(calls) == 15
+    assert 1.5 < t < 8, t  # ~2 ms; the mean over the calls would be ~15 ms

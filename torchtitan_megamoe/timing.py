@@ -29,26 +29,30 @@ def median_ms(fn, iters: int, warmup: int = 0) -> float:
 
 
 def back_to_back_ms(fn, iters: int, warmup: int = 0) -> float:
-    """Mean time per call of ``iters`` calls issued back to back, one pair of events around all
-    of them: the host may run ahead of the device, as it does across layers in training when
-    nothing syncs. Against median_ms (each call waited for), the difference is host time the
-    device would otherwise idle for. Wall time without CUDA."""
+    """Time per call of ``iters`` calls issued back to back: the host may run ahead of the
+    device, as it does across layers in training when nothing syncs. An event is recorded
+    before each call and after the last (recording does not sync the host); the result is the
+    median of the intervals between consecutive events, so one stall inside the run (an
+    allocator or driver hiccup) does not move it, as it would a mean over the calls. Against
+    median_ms (each call waited for), the difference is host time the device would otherwise
+    idle for. Wall time per call (median) without CUDA."""
     for _ in range(warmup):
         fn()
     if not torch.cuda.is_available():
-        t0 = time.perf_counter()
+        times = []
         for _ in range(iters):
+            t0 = time.perf_counter()
             fn()
-        return (time.perf_counter() - t0) * 1e3 / iters
+            times.append((time.perf_counter() - t0) * 1e3)
+        return statistics.median(times)
     torch.cuda.synchronize()
-    start = torch.cuda.Event(enable_timing=True)
-    end = torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(iters):
+    events = [torch.cuda.Event(enable_timing=True) for _ in range(iters + 1)]
+    events[0].record()
+    for i in range(iters):
         fn()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) / iters
+        events[i + 1].record()
+    events[-1].synchronize()
+    return statistics.median(a.elapsed_time(b) for a, b in zip(events, events[1:]))
 
 
 def host_issue_ms(fn, iters: int, warmup: int = 0) -> float:
