@@ -53,21 +53,19 @@ class KeepDtype:
 
 
 class _StandIns(torch.autograd.Function):
-    """Zero-stride stand-ins in ``dtype`` for weights the op reads only through their FP8
-    copies (precision fp8): the op sees their shapes, and their gradients (cast to each
-    parameter's dtype, as autocast's cast would) reach the parameters. ``dtype`` None: each
-    weight's own dtype, so the op writes an fp32 parameter's gradient in fp32 itself (no cast
-    pass over it afterwards)."""
+    """Zero-stride stand-ins, each in its weight's dtype, for weights the op reads only through
+    their FP8 copies (precision fp8): the op sees their shapes, writes their gradients in that
+    dtype (an fp32 parameter's in fp32, no cast pass afterwards), and the gradients reach the
+    parameters through them."""
 
     @staticmethod
-    def forward(ctx, dtype, *weights):
-        ctx.dtypes = [w.dtype for w in weights]
-        return tuple(torch.zeros((), dtype=dtype or w.dtype, device=w.device).expand(w.shape)
+    def forward(ctx, *weights):
+        return tuple(torch.zeros((), dtype=w.dtype, device=w.device).expand(w.shape)
                      for w in weights)
 
     @staticmethod
     def backward(ctx, *grads):
-        return (None, *(g if g is None else g.to(d) for g, d in zip(grads, ctx.dtypes)))
+        return grads
 
 
 class MegaExperts(GroupedExperts):
@@ -253,12 +251,12 @@ class MegaExperts(GroupedExperts):
                     "convert the model again with the precision it trains in")
 
             fp8 = Fp8Weights(ForwardWeights(w1._q, w1._s, w3._q, w3._s, w2._q, w2._s))
-            w1, w2, w3 = _StandIns.apply(w1.dtype, w1, w2, w3)
+            w1, w2, w3 = _StandIns.apply(w1, w2, w3)
         elif self._fp8_applies(x, group):
             dtype = compute_dtype(x)
             fp8 = self.fp8_weights((w1, w2, w3), dtype)
             if self.options.precision == "fp8":
-                w1, w2, w3 = _StandIns.apply(None, w1, w2, w3)
+                w1, w2, w3 = _StandIns.apply(w1, w2, w3)
         elif self._fp8 is not None:
             self.drop_fp8_weights()  # no longer used (the settings or the parallelism changed)
         return torchtitan_megamoe.mega_moe(

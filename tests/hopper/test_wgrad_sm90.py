@@ -40,28 +40,37 @@ def _ref(tokens, rows, plan, E, gathered_first):
 
 
 
-@pytest.mark.parametrize("pre", [False, True], ids=["gather_inside", "pre_gathered"])
-@pytest.mark.parametrize("ordered", [True, False], ids=["longest_first", "natural"])
-@pytest.mark.parametrize("T,K,E,D,H", [(700, 4, 8, 256, 256), (333, 2, 5, 512, 256)])
-def test_vs_float64_on_uneven_routings(T, K, E, D, H, ordered, pre):
-    g = torch.Generator(device="cuda").manual_seed(0)
+SHAPES = [(700, 4, 8, 256, 256), (333, 2, 5, 512, 256)]
+
+
+def _cases(T, K, E, D, H, seed):
+    """Per uneven routing: (name, plan, dy, x, hw, da, the float64 dw2 and [dw1 | dw3]); the
+    row-space operands' padding rows are random too (they must add nothing)."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
     dy = torch.randn(T, D, device="cuda", generator=g).bfloat16()
     x = torch.randn(T, D, device="cuda", generator=g).bfloat16()
     for name, ids in routings(T, K, E):
         plan = build_plan(ids.cuda(), E, BM)
-        R = plan.max_rows
-        hw = torch.randn(R, H, device="cuda", generator=g).bfloat16()  # padding rows random too
+        R, n = plan.max_rows, ids.shape[0]
+        hw = torch.randn(R, H, device="cuda", generator=g).bfloat16()
         da = torch.randn(R, 2 * H, device="cuda", generator=g).bfloat16()
+        yield (name, plan, dy[:n], x[:n], hw, da, _ref(dy[:n], hw, plan, E, True),
+               _ref(x[:n], da, plan, E, False))
+
+
+@pytest.mark.parametrize("pre", [False, True], ids=["gather_inside", "pre_gathered"])
+@pytest.mark.parametrize("ordered", [True, False], ids=["longest_first", "natural"])
+@pytest.mark.parametrize("T,K,E,D,H", SHAPES)
+def test_vs_float64_on_uneven_routings(T, K, E, D, H, ordered, pre):
+    for name, plan, dy, x, hw, da, ref2, ref13 in _cases(T, K, E, D, H, seed=0):
         order = longest_first(plan) if ordered else None
-        dy_in, x_in = dy[: ids.shape[0]], x[: ids.shape[0]]
+        dy_in, x_in = dy, x
         if pre:  # the token rows gathered into the row space first (zero padding rows)
             dy_in, x_in = gather_rows(dy_in, plan), gather_rows(x_in, plan)
         dw2 = wgrad_dw2_sm90(dy_in, hw, plan, nan_tensor(E, D, H), order, pre_gathered=pre)
         dw1, dw3 = wgrad_dw13_sm90(da, x_in, plan, nan_tensor(E, H, D), nan_tensor(E, H, D), order,
                                    pre_gathered=pre)
         torch.cuda.synchronize()
-        ref2 = _ref(dy[: ids.shape[0]], hw, plan, E, True)
-        ref13 = _ref(x[: ids.shape[0]], da, plan, E, False)
         empty = plan.count == 0
         for got, ref, what in ((dw2, ref2, "dw2"), (dw1, ref13[:, :H], "dw1"),
                                (dw3, ref13[:, H:], "dw3")):
@@ -78,22 +87,14 @@ def test_vs_float64_on_uneven_routings(T, K, E, D, H, ordered, pre):
         assert torch.equal(dw1_full, dw1) and torch.equal(dw3_full, dw3), name
 
 
-@pytest.mark.parametrize("T,K,E,D,H", [(700, 4, 8, 256, 256), (333, 2, 5, 512, 256)])
+@pytest.mark.parametrize("T,K,E,D,H", SHAPES)
 def test_fp32_gradients_are_the_unrounded_accumulators(T, K, E, D, H):
     """fp32 outputs (the gradients of fp32 parameters): written straight from the accumulators,
     every element (NaN-poisoned first), empty experts 0, within fp32 summation error of float64,
     and rounded to bf16 bitwise the bf16 outputs of the same launch form."""
-    g = torch.Generator(device="cuda").manual_seed(1)
-    dy = torch.randn(T, D, device="cuda", generator=g).bfloat16()
-    x = torch.randn(T, D, device="cuda", generator=g).bfloat16()
-    for name, ids in routings(T, K, E):
-        plan = build_plan(ids.cuda(), E, BM)
-        R = plan.max_rows
-        hw = torch.randn(R, H, device="cuda", generator=g).bfloat16()
-        da = torch.randn(R, 2 * H, device="cuda", generator=g).bfloat16()
+    for name, plan, dy, x, hw, da, ref2, ref13 in _cases(T, K, E, D, H, seed=1):
         order = longest_first(plan)
-        n = ids.shape[0]
-        dy_rows, x_rows = gather_rows(dy[:n], plan), gather_rows(x[:n], plan)
+        dy_rows, x_rows = gather_rows(dy, plan), gather_rows(x, plan)
         f32 = dict(dtype=torch.float32)
         dw2 = wgrad_dw2_sm90(dy_rows, hw, plan, nan_tensor(E, D, H, **f32), order, True)
         dw1, dw3 = wgrad_dw13_sm90(da, x_rows, plan, nan_tensor(E, H, D, **f32),
@@ -101,8 +102,6 @@ def test_fp32_gradients_are_the_unrounded_accumulators(T, K, E, D, H):
         b2 = wgrad_dw2_sm90(dy_rows, hw, plan, nan_tensor(E, D, H), order, True)
         b1, b3 = wgrad_dw13_sm90(da, x_rows, plan, nan_tensor(E, H, D), nan_tensor(E, H, D),
                                  order, pre_gathered=True)
-        ref2 = _ref(dy[:n], hw, plan, E, True)
-        ref13 = _ref(x[:n], da, plan, E, False)
         empty = plan.count == 0
         for got, bf, ref, what in ((dw2, b2, ref2, "dw2"), (dw1, b1, ref13[:, :H], "dw1"),
                                    (dw3, b3, ref13[:, H:], "dw3")):
