@@ -13,6 +13,7 @@
 #   offline_hf_env     Hugging Face caches to scratch, every offline switch on (no network needed)
 #   env_report         GPUs, clocks, versions, C compiler, commit (callers tee it into env.log)
 #   run_timeout R L    seconds each of the next R runs may take within BUDGET_S (see below)
+#   dg_setup, dg_version, dg_pack_jit   the optional DeepGEMM extra (scripts/_deepgemm_env.sh)
 
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 # a .cuda_cache in the repository root (`make cuda-cache`: nvcc, no GPU needed) holds the sm90
@@ -21,6 +22,7 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
   export MEGAMOE_CUDA_CACHE=${MEGAMOE_CUDA_CACHE:-$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)/.cuda_cache}
 export PYTHONUNBUFFERED=1
 START=$SECONDS
+OUT_GIVEN=${OUT:+1}  # before OUT is defaulted: the DeepGEMM archives go only to a given $OUT
 OUT=${OUT:-$PWD/.out}
 mkdir -p "$OUT"
 OUT=$(cd "$OUT" && pwd)
@@ -55,6 +57,9 @@ env_report() {
   # A copied working tree's .git can lag the files it runs: the sources' hash names the code
   # itself; `bash scripts/source_hash.sh` on a checkout of a commit prints the same.
   echo "sources $(bash scripts/source_hash.sh)"
+  local v
+  v=$(dg_version)
+  echo "DeepGEMM: ${v:-not importable}${v:+ (DG_JIT_CACHE_DIR=${DG_JIT_CACHE_DIR:-} LD_PRELOAD=${LD_PRELOAD:-})}"
 }
 
 # Seconds each of the next `runs` runs may take: RUN_TIMEOUT_S, less when the remaining budget
@@ -68,3 +73,6 @@ run_timeout() {
   [ "$t" -lt 20 ] && t=20
   echo "$t"
 }
+
+# shellcheck source=scripts/_deepgemm_env.sh
+source scripts/_deepgemm_env.sh

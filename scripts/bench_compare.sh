@@ -11,6 +11,7 @@
 set -uo pipefail
 source "$(dirname "$0")/_device_env.sh"
 install_wheels || exit 1
+dg_setup  # DeepGEMM where carried (.dgsite/ or .dgsdist/): the kernels its users run
 old=$(cd "$1" && pwd); new=$(cd "$2" && pwd); repeats=${3:-3}
 args=${BENCH_ARGS:---shapes 30b,235b --precisions bf16,fp8,fp8_bwd --baselines eager --no-stages}
 base_path=$PYTHONPATH

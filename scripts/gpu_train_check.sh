@@ -42,6 +42,7 @@ set -uo pipefail
 source "$(dirname "$0")/_device_env.sh"  # env, $OUT, repo root, PY, install_wheels, run_timeout
 install_wheels || exit 2
 offline_hf_env
+dg_setup  # DeepGEMM where carried (.dgsite/ or .dgsdist/): the kernels its users run
 export MEGAMOE_TUNE=${MEGAMOE_TUNE:-0}
 
 CONFIG=${CONFIG:-train_configs/qwen3_30b_a3b_gpu_smoke.toml}
