@@ -10,13 +10,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from torchtitan_megamoe.ops.options import (
-    Backend,
-    Precision,
-    SaveActivations,
-    check_fields,
-    checked,
-)
+from torchtitan_megamoe.checked import check_fields, checked
+from torchtitan_megamoe.ops.recipe import Precision
+
+Backend = Literal["auto", "hopper", "reference"]
+"""Which implementation of the op runs (mega_moe's ``backend``, [megamoe] backend)."""
+SaveActivations = Literal["keep", "never"]
+"""What the op's forward keeps for its backward (``save_activations``; [megamoe] adds auto)."""
 
 CPU = "MEGAMOE_CPU"
 TUNE = "MEGAMOE_TUNE"
