@@ -90,7 +90,8 @@ class MegaMoEConfig:
     line), added by ``[job] custom_config_module = "torchtitan_megamoe.config"``. Every value is
     checked when the section is built (TOML values reach it unchecked) and again by the
     converter: a wrong type or value raises, naming the field, before any step runs. The
-    converter turns it into the op's ``MegaMoEOptions`` (ops/options.py), one per model."""
+    converter turns it into the op's ``MegaMoEOptions`` (ops/options.py), one per model: each
+    options field from the field of its name here (a new option is a field in both)."""
 
     backend: Backend = "auto"
     """Which implementation of the fused op runs. ``auto``: the Hopper kernels (Triton and

@@ -11,13 +11,16 @@ with the fields of ``MegaMoEOptions`` (ops/options.py), in its order, as typed a
                                Tensor?[] fp8_weights, Tensor[] saved, str group_name, <options>)
         -> (dx, dtopk_weights, dw1, dw2, dw3)
     <options> = str backend, str precision, str save_activations, int max_tokens_per_rank,
-                bool fp8_weight_cache
+                bool fp8_weight_cache, bool fp8_keep_transposed   (options.op_schema())
+
+mega_moe() takes the same fields as keyword arguments (its signature and docstring are built
+from them).
 
 ``fp8_weights``: the layer's FP8 weight copies as their owner made them
-(ops/hopper/fp8_weights.Fp8Weights.tensors(): 10 slots, None where a part is not held), or an
+(ops/fp8_weights.Fp8Weights.tensors(): 10 slots, None where a part is not held), or an
 empty list; the hopper backend's FP8 stages read them instead of quantizing the weights. With
-them, precision ``fp8`` reads nothing of w1, w2, w3 but their shapes (moe.MegaExperts then
-passes zero-stride stand-ins that carry the weights' gradients).
+them, a recipe whose ``stand_ins`` hold (``fp8``) reads nothing of w1, w2, w3 but their shapes
+(moe.MegaExperts then passes zero-stride stand-ins that carry the weights' gradients).
 
 ``saved`` is whatever the backend keeps from its forward for its backward (hopper EP=1: GEMM 1's
 pre-activations and the packed plan; reference: nothing, it recomputes). It is an output of the
@@ -38,7 +41,8 @@ Backends are modules with
         (saved None or empty: recompute)
 where ``options`` is a MegaMoEOptions whose backend is the module's own name; the hopper
 module's forward and backward also take ``fp8_weights`` (an Fp8Weights or None), which the
-others are never given.
+others are never given, and it makes the module-owned copies (``make_fp8_weights``,
+``quantize_weight``: moe.MegaExperts asks it through ``backend_module``).
 """
 
 from __future__ import annotations
