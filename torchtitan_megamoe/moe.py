@@ -12,15 +12,15 @@ as its own unit, and its unshard / reduce-scatter hooks live on that module's ca
 with the experts' weights from anywhere else trains on stale shards and gives wrong losses.
 
 FP8 weights. With an FP8 recipe on the hopper backend and ``fp8_weight_cache`` on (the
-default), ``MegaExperts`` owns its weights' FP8 copies (ops/fp8_weights.py; the backend makes
-them, ops/hopper/fp8_weights.py): it makes them
-from its parameters, keeps them from one call to the next, re-makes them once per optimizer
-step (``refresh_fp8_weights``, the converter's post-optimizer hook) and before any call that
-finds a parameter changed since (identity, version counter, storage: a checkpoint load, a
-copy_), and passes them to the op, so no quantization runs in the step's forward or backward.
-Where the recipe reads the weights only through the copies (``Recipe.stand_ins``: ``fp8``) the op
-then gets zero-stride stand-ins for the weights (``_StandIns``): no per-call cast under autocast,
-and the gradients reach the parameters through them.
+default), ``MegaExperts`` owns its weights' FP8 copies (ops/fp8_weights.py): it has the backend
+make them from its parameters (ops/hopper/fp8_weights.py), keeps them from one call to the next,
+re-makes them once per optimizer step (``refresh_fp8_weights``, the converter's post-optimizer
+hook) and before any call that finds a parameter changed since (identity, version counter,
+storage: a checkpoint load, a copy_), and passes them to the op, so no quantization runs in the
+step's forward or backward. Where the recipe reads the weights only through the copies
+(``Recipe.stand_ins``: ``fp8``) the op then gets zero-stride stand-ins for the weights
+(``_StandIns``): no per-call cast under autocast, and the gradients reach the parameters through
+them.
 """
 
 from __future__ import annotations
