@@ -170,7 +170,7 @@ def mega_moe(
 mega_moe.__signature__ = inspect.signature(mega_moe).replace(parameters=[
     p for p in inspect.signature(mega_moe).parameters.values() if p.kind is not p.VAR_KEYWORD
 ] + keyword_parameters())
-mega_moe.__doc__ += keyword_doc(" " * 8) + "\n"
+mega_moe.__doc__ = mega_moe.__doc__.rstrip(" ") + keyword_doc(" " * 8) + "\n    "
 
 
 def is_stand_in(w: torch.Tensor) -> bool:
