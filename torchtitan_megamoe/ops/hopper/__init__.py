@@ -1,7 +1,8 @@
 """Backend ``hopper`` of mega_moe: Hopper (SM90) kernels, BF16 and FP8.
 
-The stages come in pairs, one file per direction, and ``_stages`` below picks the pair by
-precision x EP, for the forward and the backward alike:
+The stages come in pairs, one file per direction, and ``_stages`` below picks the pair by the
+recipe (options.recipe, ops/recipe.py: which GEMMs run in FP8) x EP, for the forward and the
+backward alike:
 
     bf16, EP=1   bf16_forward.py / bf16_backward.py   plan, gemm1_swiglu, gemm2, combine /
                                                       dgrad2_swiglu, wgrad, dgrad1, bwd_combine
@@ -11,8 +12,7 @@ precision x EP, for the forward and the backward alike:
                                                       ep_transport.py) around the EP=1 kernels,
                                                       partial rows returned to their sources
 
-The recipe (options.recipe, ops/recipe.py) picks the pair: which of its GEMMs run in FP8. The
-backward reads what the forward saved (GEMM 1's pre-activations and the packed plan)
+The backward reads what the forward saved (GEMM 1's pre-activations and the packed plan)
 instead of recomputing them. heuristics.py chooses the kernel configs every stage offers its
 tuner (tune.py); stages.py is the benchmark's view of the stages. The module that owns a
 layer's FP8 weight copies makes them with this backend's ``make_fp8_weights`` and
