@@ -34,10 +34,11 @@ import torch
 import torch.nn.functional as F
 
 from torchtitan_megamoe import settings
+from torchtitan_megamoe.ops.recipe import SCALE_BLOCK
 from torchtitan_megamoe.ops.reference_ep import AllToAllRoute, slot_rows
 
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
-FP8_BLOCK = 128
+FP8_BLOCK = SCALE_BLOCK
 
 
 def supports(x: torch.Tensor, group) -> bool:
