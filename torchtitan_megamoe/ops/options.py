@@ -94,6 +94,7 @@ class MegaMoEOptions:
         return {name: getattr(self, name) for name in _NAMES}
 
     def with_backend(self, backend: str) -> "MegaMoEOptions":
+        """The same options on ``backend`` (what ``auto`` resolved to for a call)."""
         return MegaMoEOptions.of(**{**self.as_kwargs(), "backend": backend})
 
 
