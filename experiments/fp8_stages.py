@@ -37,6 +37,7 @@ from torchtitan_megamoe.ops.hopper.kernels.swiglu_bwd_rows import swiglu_bwd_row
 from torchtitan_megamoe.ops.hopper.kernels.wgrad import longest_first
 from torchtitan_megamoe.ops.hopper.plan import build_plan
 from torchtitan_megamoe.ops.options import MegaMoEOptions
+from torchtitan_megamoe.ops.recipe import PRECISIONS, recipe_named
 from torchtitan_megamoe.timing import median_ms
 
 SHAPES = {"30B": (2048, 768), "235B": (4096, 1536)}
@@ -224,9 +225,9 @@ def main():
 
         if args.no_op:
             continue
-        runs = [("bf16", "bf16", {}), ("fp8", "fp8", {}), ("fp8_bwd", "fp8_bwd", {}),
-                ("fp8 cached", "fp8", {}), ("fp8_bwd cached", "fp8_bwd", {}),
-                ("fp8 cached fp8-wgrad", "fp8", {"MEGAMOE_FP8_WGRAD": "1"}),
+        runs = [(p, p, {}) for p in PRECISIONS]
+        runs += [(f"{p} cached", p, {}) for p in PRECISIONS if recipe_named(p).fp8]
+        runs += [("fp8 cached fp8-wgrad", "fp8", {"MEGAMOE_FP8_WGRAD": "1"}),
                 ("fp8 cached no-DeepGEMM", "fp8", {"MEGAMOE_DEEPGEMM": "0"})]
         for label, prec, env in runs:
             cached = "cached" in label
@@ -235,8 +236,8 @@ def main():
             opts = MegaMoEOptions(backend="hopper", precision=prec)
             op_args = (x, ids, tw, w1, w2, w3, None, opts)
             # the copies a layer's module makes once per optimizer step (moe.MegaExperts)
-            fw = make_fp8_weights(w1, w2, w3, forward=prec == "fp8") if cached and \
-                prec != "bf16" else None
+            fw = make_fp8_weights(w1, w2, w3, forward=recipe_named(prec).forward_copies) \
+                if cached else None
 
             def fwdbwd():
                 _, saved = hopper.forward(*op_args, save=True, fp8_weights=fw)

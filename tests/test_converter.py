@@ -24,9 +24,11 @@ from torchtitan.protocols.model_converter import (
     build_model_converters,
 )
 
-from torchtitan_megamoe.converter import MegaMoEConverter, hopper_shape_error
+from torchtitan_megamoe.converter import MegaMoEConverter
 from torchtitan_megamoe.moe import KeepDtype, MegaExperts, MegaMoE
 from torchtitan_megamoe.ops.options import MegaMoEOptions
+from torchtitan_megamoe.ops.recipe import RECIPES
+from torchtitan_megamoe.ops.shapes import hopper_multiple, shape_error
 from torchtitan_megamoe.parallel import install_ep_routing
 
 from moe_testing import (
@@ -419,11 +421,11 @@ def test_parallel_dims_take_precedence_over_job_config():
             r"num_experts=8 is not divisible by expert_parallel_degree=3",
         ),
         (
-            tiny_args(),
+            tiny_args(moe_inter_dim=40),
             job_config(backend="hopper"),
             ValueError,
-            r"backend='hopper' cannot run this shape: hidden size dim=64 is not a multiple of "
-            r"128; expert intermediate size moe_inter_dim=32",
+            r"backend='hopper' cannot run this shape: the hopper kernels need dim and hidden to "
+            r"be multiples of (16|64) \(their narrowest tile\), got dim=64, hidden=40",
         ),
         (
             tiny_args(),
@@ -442,9 +444,20 @@ def test_rejects_unsupported_moe(args, jc, exc, match):
     assert all(type(b.moe) is MoE for b in model.layers.values())
 
 
-def test_hopper_shapes_accepted_when_aligned():
-    assert hopper_shape_error(2048, 768) is None
-    assert hopper_shape_error(4096, 1536) is None
+def test_one_shape_rule_per_backend_and_recipe():
+    """ops/shapes.py: an FP8 recipe's scale blocks on every backend, the hopper kernels' tiles
+    on that backend only."""
+    for recipe in RECIPES.values():
+        for backend in ("hopper", "reference"):
+            assert shape_error(2048, 768, recipe, backend) is None
+            assert shape_error(4096, 1536, recipe, backend) is None
+    m = hopper_multiple()
+    bf16, fp8 = RECIPES["bf16"], RECIPES["fp8"]
+    assert shape_error(m, 3 * m, bf16, "hopper") is None
+    assert f"multiples of {m}" in shape_error(m, m + 8, bf16, "hopper")
+    assert shape_error(m, m + 8, bf16, "reference") is None
+    for backend in ("hopper", "reference"):
+        assert "needs dim and hidden % 128 == 0" in shape_error(128, 192, fp8, backend)
     model = _meta_model(tiny_args(dim=128, moe_inter_dim=128))
     MegaMoEConverter(job_config(backend="hopper"), None).convert(model)
     assert all(type(b.moe) is MegaMoE for b in model.layers.values())

@@ -1,4 +1,4 @@
-"""No weight quantization in the step's critical path (ops/hopper/fp8_weights.py, moe.py,
+"""No weight quantization in the step's critical path (ops/fp8_weights.py, its hopper side, moe.py,
 fp8_allgather.py): the FP8 expert weights are made by the module that owns them, once per
 optimizer step, and are never stale.
 
@@ -31,6 +31,7 @@ from moe_testing import cpu_histc, init_gloo, job_config, make_inputs, op_args, 
 
 from torchtitan_megamoe import mega_moe
 from torchtitan_megamoe.moe import MegaExperts
+from torchtitan_megamoe.ops.fp8_weights import Fp8Weights, TransposedWeights, dequantized
 from torchtitan_megamoe.ops.hopper import fp8_weights as fw
 from torchtitan_megamoe.ops.options import MegaMoEOptions
 
@@ -90,10 +91,10 @@ def test_copies_come_from_one_pass_per_weight():
     part = fw.w13_transposed(w1, w3, 1, 3, cache=made)
     assert torch.equal(_bytes(part.q), _bytes(want_w13t.q[1:3]))
     # only the forward copy held (what the FSDP all-gather brings): made from it on demand
-    fwd_only = fw.Fp8Weights(made.fwd)
+    fwd_only = Fp8Weights(made.fwd)
     for got, want in ((fw.w2_transposed(w2, cache=fwd_only), want_w2t),
                       (fw.w13_transposed(w1, w3, 1, 3, cache=fwd_only),
-                       fw.TransposedWeights(want_w13t.q[1:3], want_w13t.s[1:3]))):
+                       TransposedWeights(want_w13t.q[1:3], want_w13t.s[1:3]))):
         assert torch.equal(_bytes(got.q), _bytes(want.q)) and torch.equal(got.s, want.s)
     assert fw.make_fp8_weights(w1, w2, w3, forward=False).fwd is None  # fp8_bwd
     assert made.nbytes() == 2 * 3 * E * H * D + 2 * 3 * E * (H // 128) * (D // 128) * 4
@@ -150,7 +151,7 @@ def test_op_checks_the_copies():
     copies = fw.make_fp8_weights(w1, w2, w3)
     with pytest.raises(ValueError, match="precision='bf16'"):
         mega_moe(x, ids, tw, w1, w2, w3, backend="hopper", fp8_weights=copies)
-    bad = fw.Fp8Weights(copies.fwd, fw.TransposedWeights(copies.w13t.q, copies.w13t.s))
+    bad = Fp8Weights(copies.fwd, TransposedWeights(copies.w13t.q, copies.w13t.s))
     with pytest.raises(ValueError, match=r"fp8_weights w2t_q is \(4, 128, 256\)"):
         mega_moe(x, ids, tw, w1, w2, w3, backend="hopper", precision="fp8", fp8_weights=bad)
 
@@ -160,7 +161,7 @@ def test_reference_backend_reads_stand_ins_through_the_copies():
     computes from the copies' values, and the gradients reach the stand-ins."""
     x, ids, tw, w1, w2, w3 = _weights()
     copies = fw.make_fp8_weights(w1, w2, w3)
-    deq = [fw.dequantized(q, s, torch.bfloat16) for q, s in
+    deq = [dequantized(q, s, torch.bfloat16) for q, s in
            ((copies.fwd.w1q, copies.fwd.w1s), (copies.fwd.w2q, copies.fwd.w2s),
             (copies.fwd.w3q, copies.fwd.w3s))]
     stand = [torch.zeros((), dtype=torch.bfloat16, device=DEVICE).expand(w.shape)
@@ -175,9 +176,10 @@ def test_reference_backend_reads_stand_ins_through_the_copies():
 # ------------------------------------------------------------------------------ MegaExperts
 
 
-def _experts(precision="fp8", cache=True, dtype=torch.bfloat16, seed=0):
+def _experts(precision="fp8", cache=True, dtype=torch.bfloat16, seed=0, keep_transposed=True):
     m = MegaExperts(D, H, E, options=MegaMoEOptions(backend="hopper", precision=precision,
-                                                    fp8_weight_cache=cache))
+                                                    fp8_weight_cache=cache,
+                                                    fp8_keep_transposed=keep_transposed))
     _x, _ids, _tw, w1, w2, w3 = _weights(seed)
     with torch.no_grad():
         for p, w in zip((m.w1, m.w2, m.w3), (w1, w2, w3)):
@@ -253,8 +255,7 @@ def test_forward_copies_only_transpose_in_the_backward():
     x, ids, tw, *_ = _weights()
     grads = []
     for keep in (True, False):
-        m = _experts()
-        m.fp8_keep_transposed = keep
+        m = _experts(keep_transposed=keep)
         m(x, ids, tw)  # makes the copies
         assert (m._fp8.w2t is None) is (not keep)
         with counting() as seen:
@@ -630,8 +631,9 @@ def test_tiny_fp8_config_trains_the_same_with_and_without_the_cache(tmp_path, mo
 
 @pytest.mark.parametrize("keep", [True, False])
 def test_config_fp8_keep_transposed_reaches_every_layer(keep):
-    """[megamoe] fp8_keep_transposed: the converter sets it on each layer's MegaExperts; false
-    holds only the forward copies (half the bytes), and the layer still computes the same."""
+    """[megamoe] fp8_keep_transposed: part of the options every layer's MegaExperts is built
+    with; false holds only the forward copies (half the bytes), and the layer still computes
+    the same."""
     from torchtitan.models.qwen3 import Qwen3Model, qwen3_args
 
     import torchtitan_megamoe.flavors  # noqa: F401  (registers megamoe_tiny_fp8)
@@ -642,9 +644,8 @@ def test_config_fp8_keep_transposed_reaches_every_layer(keep):
         model = Qwen3Model(copy.deepcopy(qwen3_args["megamoe_tiny_fp8"]))
     MegaMoEConverter(jc, None).convert(model)
     experts = [m for m in model.modules() if isinstance(m, MegaExperts)]
-    assert experts and all(m.fp8_keep_transposed is keep for m in experts)
-    m, ref = _experts(), _experts(cache=False)
-    m.fp8_keep_transposed = keep
+    assert experts and all(m.options.fp8_keep_transposed is keep for m in experts)
+    m, ref = _experts(keep_transposed=keep), _experts(cache=False)
     out = _call(m)
     held = m._fp8
     assert (held.w2t is not None) is keep and (held.w13t is not None) is keep

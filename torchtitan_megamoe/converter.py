@@ -11,6 +11,7 @@ error naming the setting and what to change.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import torch
@@ -25,8 +26,9 @@ from torchtitan.tools.logging import logger
 from torchtitan_megamoe import fp8_allgather
 from torchtitan_megamoe.moe import MegaExperts, MegaMoE
 from torchtitan_megamoe.ops.api import check_args
-from torchtitan_megamoe.ops.device import capability
+from torchtitan_megamoe.ops.device import hopper_present
 from torchtitan_megamoe.ops.options import MegaMoEOptions
+from torchtitan_megamoe.ops.shapes import shape_error
 from torchtitan_megamoe.parallel import install_ep_routing
 from torchtitan_megamoe.settings import MegaMoEConfig
 
@@ -37,22 +39,6 @@ _SAC_LIST_MODULES = (
     "torchtitan.models.llama4.infra.parallelize",
     "torchtitan.models.deepseek_v3.infra.parallelize",
 )
-
-
-def hopper_shape_error(dim: int, hidden_dim: int) -> str | None:
-    """Why the Hopper kernels cannot take this expert shape, or None if they can.
-
-    ``dim``: model hidden size (D); ``hidden_dim``: expert intermediate size (H). Kept small and
-    standalone so the kernels' owner can tighten it as the kernels' tiling requires.
-    """
-    problems = []
-    if dim % 128 != 0:
-        problems.append(f"hidden size dim={dim} is not a multiple of 128")
-    if hidden_dim % 128 != 0:
-        problems.append(
-            f"expert intermediate size moe_inter_dim={hidden_dim} is not a multiple of 128"
-        )
-    return "; ".join(problems) or None
 
 
 def resolve_save_activations(cfg: MegaMoEConfig, job_config: JobConfig) -> str:
@@ -72,17 +58,13 @@ def resolve_save_activations(cfg: MegaMoEConfig, job_config: JobConfig) -> str:
 
 
 def build_options(cfg: MegaMoEConfig, job_config: JobConfig) -> MegaMoEOptions:
-    """The op's options for this job, built once at conversion: ``[megamoe]`` checked again
-    (fields may have been assigned after the section was built), ``save_activations='auto'``
-    resolved."""
+    """The op's options for this job, built once at conversion: each options field from the
+    ``[megamoe]`` field of its name, checked again (fields may have been assigned after the
+    section was built), ``save_activations='auto'`` resolved."""
     cfg.validate()
-    return MegaMoEOptions(
-        backend=cfg.backend,
-        precision=cfg.precision,
-        save_activations=resolve_save_activations(cfg, job_config),
-        max_tokens_per_rank=cfg.max_tokens_per_rank,
-        fp8_weight_cache=cfg.fp8_weight_cache,
-    )
+    values = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(MegaMoEOptions)}
+    values["save_activations"] = resolve_save_activations(cfg, job_config)
+    return MegaMoEOptions(**values)
 
 
 def _degrees(job_config: JobConfig, parallel_dims: ParallelDims | None) -> dict[str, int]:
@@ -120,17 +102,16 @@ def _fsdp_degree(job_config: JobConfig, parallel_dims: ParallelDims | None) -> i
 def fp8_allgather_applies(options: MegaMoEOptions, num_experts: int, fsdp_degree: int,
                           ep_degree: int) -> str | None:
     """Why FSDP cannot gather this model's expert weights as FP8 (fp8_allgather.py), or None
-    if it can: precision fp8 with the weight cache, on the Hopper kernels, FSDP alone sharding
-    whole experts evenly."""
-    if options.precision != "fp8" or not options.fp8_weight_cache:
+    if it can: a recipe that reads the weights only through their FP8 copies (``fp8``) with the
+    weight cache, on the Hopper kernels, FSDP alone sharding whole experts evenly."""
+    if not options.recipe.stand_ins or not options.fp8_weight_cache:
         return "it serves precision 'fp8' with fp8_weight_cache on"
     if fsdp_degree <= 1 or ep_degree > 1:
         return "FSDP does not shard the experts alone"
     if num_experts % fsdp_degree:
         return (f"num_experts={num_experts} is not divisible by the FSDP degree {fsdp_degree} "
                 "(FSDP would pad the shards)")
-    if options.backend == "reference" or (options.backend == "auto" and not (
-            torch.cuda.is_available() and capability(torch.device("cuda")) == (9, 0))):
+    if options.backend == "reference" or (options.backend == "auto" and not hopper_present()):
         return "the reference backend emulates FP8 from the bf16 weights"
     return None
 
@@ -139,7 +120,7 @@ def validate_job(job_config: JobConfig, parallel_dims: ParallelDims | None,
                  options: MegaMoEOptions) -> None:
     """Reject parallelism and converter combinations the fused path does not support."""
     d = _degrees(job_config, parallel_dims)
-    if options.precision != "bf16" and d["ep"] > 1 and options.backend != "reference":
+    if options.recipe.fp8 and d["ep"] > 1 and options.backend != "reference":
         # Raised here rather than at the first training step, inside the op.
         raise NotImplementedError(
             f"megamoe: precision={options.precision!r} runs the Hopper kernels on one rank's "
@@ -226,7 +207,7 @@ def validate_moe(
             "choose an EP degree that divides the expert count."
         )
     if options.backend == "hopper":
-        problem = hopper_shape_error(dim, h)
+        problem = shape_error(dim, h, options.recipe, "hopper")
         if problem is not None:
             raise ValueError(
                 f"{where}: backend='hopper' cannot run this shape: {problem}. Use "
@@ -291,7 +272,6 @@ class MegaMoEConverter:
             )
             cfg = MegaMoEConfig()
         self.options = build_options(cfg, job_config)
-        self.fp8_keep_transposed = cfg.fp8_keep_transposed
         validate_job(job_config, parallel_dims, self.options)
         self.ep_degree = _degrees(job_config, parallel_dims)["ep"]
         self.fsdp_degree = _fsdp_degree(job_config, parallel_dims)
@@ -310,15 +290,12 @@ class MegaMoEConverter:
                 if isinstance(m, MegaMoE)
             }
             for dim, hidden in sorted(shapes):
-                problem = hopper_shape_error(dim, hidden)
+                problem = shape_error(dim, hidden, self.options.recipe, "hopper")
                 if problem is not None:
                     logger.warning(
                         f"megamoe: backend='auto' will use the slow PyTorch reference on GPUs "
                         f"too for this model: {problem}."
                     )
-        for m in model.modules():
-            if isinstance(m, MegaExperts):
-                m.fp8_keep_transposed = self.fp8_keep_transposed
         self._install_fp8_allgather(model)
         install_ep_routing()
         add_op_to_sac_save_list()
@@ -332,7 +309,7 @@ class MegaMoEConverter:
         """Under FSDP with precision fp8, have FSDP gather the experts' FP8 copies
         (fp8_allgather.py); where it cannot, say so: those weights are gathered in bf16 and
         quantized on every call."""
-        if self.options.precision not in ("fp8", "fp8_bwd") or self.fsdp_degree <= 1:
+        if not self.options.recipe.fp8 or self.fsdp_degree <= 1:
             return
         blocks = [m for m in model.modules() if isinstance(m, MegaMoE)]
         for moe in blocks:

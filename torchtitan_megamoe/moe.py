@@ -11,14 +11,16 @@ That call runs inside ``MegaExperts.__call__``: with expert parallelism FSDP wra
 as its own unit, and its unshard / reduce-scatter hooks live on that module's call. Calling the op
 with the experts' weights from anywhere else trains on stale shards and gives wrong losses.
 
-FP8 weights. With an FP8 precision on the hopper backend and ``fp8_weight_cache`` on (the
-default), ``MegaExperts`` owns its weights' FP8 copies (ops/hopper/fp8_weights.py): it makes them
-from its parameters, keeps them from one call to the next, re-makes them once per optimizer
-step (``refresh_fp8_weights``, the converter's post-optimizer hook) and before any call that
-finds a parameter changed since (identity, version counter, storage: a checkpoint load, a
-copy_), and passes them to the op, so no quantization runs in the step's forward or backward.
-In ``fp8`` the op then gets zero-stride stand-ins for the weights (``_StandIns``): no per-call
-cast under autocast, and the gradients reach the parameters through them.
+FP8 weights. With an FP8 recipe on the hopper backend and ``fp8_weight_cache`` on (the
+default), ``MegaExperts`` owns its weights' FP8 copies (ops/fp8_weights.py): it has the backend
+make them from its parameters (ops/hopper/fp8_weights.py), keeps them from one call to the next,
+re-makes them once per optimizer step (``refresh_fp8_weights``, the converter's post-optimizer
+hook) and before any call that finds a parameter changed since (identity, version counter,
+storage: a checkpoint load, a copy_), and passes them to the op, so no quantization runs in the
+step's forward or backward. Where the recipe reads the weights only through the copies
+(``Recipe.stand_ins``: ``fp8``) the op then gets zero-stride stand-ins for the weights
+(``_StandIns``): no per-call cast under autocast, and the gradients reach the parameters through
+them.
 """
 
 from __future__ import annotations
@@ -31,8 +33,9 @@ from torchtitan.models.moe.moe import GroupedExperts, MoE, MoEArgs
 
 import torchtitan_megamoe
 from torchtitan_megamoe.fp8_allgather import ExpertWeight, Fp8Gathered, plain_state_dict
-from torchtitan_megamoe.ops.api import compute_dtype, resolved_backend
-from torchtitan_megamoe.ops.options import FP8_PRECISIONS, MegaMoEOptions
+from torchtitan_megamoe.ops.api import backend_module, compute_dtype, resolved_backend
+from torchtitan_megamoe.ops.fp8_weights import ForwardWeights, Fp8Weights
+from torchtitan_megamoe.ops.options import MegaMoEOptions
 from torchtitan_megamoe.router import route
 
 
@@ -71,16 +74,14 @@ class _StandIns(torch.autograd.Function):
 class MegaExperts(GroupedExperts):
     """Routed experts computed by the fused op; same ``w1``/``w2``/``w3`` and init as stock.
 
-    ``fp8_keep_transposed`` (FP8 weight copies, module docstring): True keeps the transposed
-    copies across calls too (no weight pass at all in the step); False keeps the forward copies
-    only, 3·E·H·D bytes less per layer, and the backward makes the transposed ones from them
-    (a byte transpose per call, no quantization).
-
     ``w1``, ``w3``: ``[num_experts, hidden_dim, dim]``; ``w2``: ``[num_experts, dim, hidden_dim]``.
     Under expert parallelism they are DTensors sharded ``Shard(0)`` on the ``ep`` mesh
     (``torchtitan_megamoe.parallel.MegaExpertParallel``): each rank keeps its contiguous block of
     experts and the op moves the tokens. ``options``: the op's settings, passed on every call
-    (the converter builds one per model from ``[megamoe]``).
+    (the converter builds one per model from ``[megamoe]``); its recipe says which FP8 copies
+    the module keeps (module docstring), ``options.fp8_keep_transposed`` whether the transposed
+    ones too (False: 3·E·H·D bytes less per layer, the backward makes them from the forward
+    copies by a byte transpose per call, no quantization).
     """
 
     def __init__(
@@ -112,8 +113,6 @@ class MegaExperts(GroupedExperts):
         new._init_fp8()
         return new
 
-    fp8_keep_transposed: bool = True
-
     def _init_fp8(self) -> None:
         self._fp8 = None  # fp8_weights.Fp8Weights of this layer, or None
         self._fp8_from = None  # what they were made from (_source_of)
@@ -138,28 +137,25 @@ class MegaExperts(GroupedExperts):
         """What the FP8 copies of ``weights`` in ``dtype`` depend on: each tensor's identity,
         version counter (every in-place write through PyTorch moves it: the optimizer, copy_,
         a checkpoint load), storage and shape, and the recipe."""
-        return (dtype, self.options.precision, self.fp8_keep_transposed) + tuple(
+        return (dtype, self.options.recipe, self.options.fp8_keep_transposed) + tuple(
             (id(w), w._version, w.data_ptr(), tuple(w.shape), w.dtype, w.device) for w in weights)
 
     def _fp8_applies(self, x: torch.Tensor, group) -> bool:
-        """Whether this call takes module-owned FP8 copies: an FP8 precision on the hopper
+        """Whether this call takes module-owned FP8 copies: an FP8 recipe on the hopper
         backend with the cache on, one rank's experts, weights FSDP does not rewrite."""
         o = self.options
-        return (o.precision in FP8_PRECISIONS and o.fp8_weight_cache and group is None
+        return (o.recipe.fp8 and o.fp8_weight_cache and group is None
                 and not self._fsdp_managed and resolved_backend(x, group, o.backend) == "hopper")
 
     def _make_fp8(self, weights, dtype, source) -> None:
-        from torchtitan_megamoe.ops.hopper.fp8_weights import make_fp8_weights
-
         self._fp8 = None  # the old copies go before the new ones are made
         # normal tensors even inside inference_mode (a later training call saves them)
         with torch.no_grad(), torch.inference_mode(False):
             w1, w2, w3 = (w.detach() for w in weights)
-            fp8 = self.options.precision == "fp8"
-            # fp8_bwd holds only the transposed copies: fp8_keep_transposed is fp8's choice
-            self._fp8 = make_fp8_weights(w1, w2, w3, forward=fp8,
-                                         transposed=self.fp8_keep_transposed or not fp8,
-                                         dtype=dtype)
+            forward, transposed = self.options.recipe.kept_copies(
+                self.options.fp8_keep_transposed)
+            self._fp8 = _copies_maker().make_fp8_weights(w1, w2, w3, forward=forward,
+                                                         transposed=transposed, dtype=dtype)
         self._fp8_from = source
         self.fp8_weights_made += 1
 
@@ -182,11 +178,9 @@ class MegaExperts(GroupedExperts):
                   tuple(data.shape))
         entry = self._fp8_shards.get(role)
         if entry is None or entry[0] != source:
-            from torchtitan_megamoe.ops.hopper.fp8_weights import quantize_weight
-
             self._fp8_shards.pop(role, None)
             with torch.no_grad(), torch.inference_mode(False):
-                q, s = quantize_weight(data.detach().to(dtype))
+                q, s = _copies_maker().quantize_weight(data.detach().to(dtype))
             entry = self._fp8_shards[role] = (source, q, s)
             self.fp8_shards_made += 1
         return entry[1], entry[2]
@@ -242,20 +236,19 @@ class MegaExperts(GroupedExperts):
         fp8 = None
         if isinstance(w1, Fp8Gathered):
             # FSDP gathered the FP8 copies (fp8_allgather.py); the op reads only those
-            from torchtitan_megamoe.ops.hopper.fp8_weights import ForwardWeights, Fp8Weights
-
-            if self.options.precision != "fp8":
+            if not self.options.recipe.stand_ins:
                 raise RuntimeError(
-                    "megamoe: FSDP gathers these expert weights as FP8 (precision 'fp8' at "
-                    f"conversion) but the layer now runs precision={self.options.precision!r}; "
-                    "convert the model again with the precision it trains in")
+                    "megamoe: FSDP gathers these expert weights as FP8 (a recipe that reads "
+                    "the weights only through their FP8 copies, at conversion) but the layer now "
+                    f"runs precision={self.options.precision!r}; convert the model again with "
+                    "the precision it trains in")
 
             fp8 = Fp8Weights(ForwardWeights(w1._q, w1._s, w3._q, w3._s, w2._q, w2._s))
             w1, w2, w3 = _StandIns.apply(w1, w2, w3)
         elif self._fp8_applies(x, group):
             dtype = compute_dtype(x)
             fp8 = self.fp8_weights((w1, w2, w3), dtype)
-            if self.options.precision == "fp8":
+            if self.options.recipe.stand_ins:
                 w1, w2, w3 = _StandIns.apply(w1, w2, w3)
         elif self._fp8 is not None:
             self.drop_fp8_weights()  # no longer used (the settings or the parallelism changed)
@@ -273,6 +266,12 @@ class MegaExperts(GroupedExperts):
 
     def extra_repr(self) -> str:
         return f"num_experts={self.num_experts}, options={self.options}"
+
+
+def _copies_maker():
+    """The backend that makes the module-owned FP8 copies: the one that reads them (module
+    docstring), imported only once a layer needs copies."""
+    return backend_module("hopper")
 
 
 class MegaMoE(MoE):

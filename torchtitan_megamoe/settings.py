@@ -10,13 +10,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from torchtitan_megamoe.ops.options import (
-    Backend,
-    Precision,
-    SaveActivations,
-    check_fields,
-    checked,
-)
+from torchtitan_megamoe.checked import check_fields, checked
+from torchtitan_megamoe.ops.recipe import Precision
+
+Backend = Literal["auto", "hopper", "reference"]
+"""Which implementation of the op runs (mega_moe's ``backend``, [megamoe] backend)."""
+SaveActivations = Literal["keep", "never"]
+"""What the op's forward keeps for its backward (``save_activations``; [megamoe] adds auto)."""
 
 CPU = "MEGAMOE_CPU"
 TUNE = "MEGAMOE_TUNE"
@@ -90,7 +90,8 @@ class MegaMoEConfig:
     line), added by ``[job] custom_config_module = "torchtitan_megamoe.config"``. Every value is
     checked when the section is built (TOML values reach it unchecked) and again by the
     converter: a wrong type or value raises, naming the field, before any step runs. The
-    converter turns it into the op's ``MegaMoEOptions`` (ops/options.py), one per model."""
+    converter turns it into the op's ``MegaMoEOptions`` (ops/options.py), one per model: each
+    options field from the field of its name here (a new option is a field in both)."""
 
     backend: Backend = "auto"
     """Which implementation of the fused op runs. ``auto``: the Hopper kernels (Triton and

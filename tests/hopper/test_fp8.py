@@ -13,6 +13,7 @@ import torch
 from moe_testing import make_inputs, op_args, rel_err, routing
 
 from torchtitan_megamoe import mega_moe
+from torchtitan_megamoe.ops.recipe import RECIPES
 
 NAMES = ("out", "dx", "dtopk_weights", "dw1", "dw2", "dw3")
 CUDA = torch.cuda.is_available()
@@ -114,7 +115,8 @@ def test_fp8_rejects_shapes_and_ep(monkeypatch):
 
     monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
     with pytest.raises(NotImplementedError, match="one rank's experts"):
-        hopper.check_inputs(x, torch.zeros(2, 128, 256, dtype=torch.bfloat16), Pair(), "fp8")
+        hopper.check_inputs(x, torch.zeros(2, 128, 256, dtype=torch.bfloat16), Pair(),
+                            RECIPES["fp8"])
 
 
 def test_dgrad1_groups_bound_the_transposed_copy():

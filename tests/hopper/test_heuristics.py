@@ -7,6 +7,7 @@ import torch
 
 from torchtitan_megamoe import settings
 from torchtitan_megamoe.ops.hopper import heuristics as hx
+from torchtitan_megamoe.ops.shapes import hopper_multiple
 
 QWEN3 = {"30b": (2048, 768), "235b": (4096, 1536)}  # (D, H)
 
@@ -125,9 +126,9 @@ def test_fp8_lists(gpu_lists):
 
 def test_interpreter_tiles(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    assert hx.plan_block_m() == hx.INTERPRET_BLOCK_M and hx.min_multiple() == 16
+    assert hx.plan_block_m() == hx.INTERPRET_BLOCK_M and hopper_multiple() == 16
     assert hx.forward_configs(None, None) == (hx.INTERPRET_GEMM, hx.INTERPRET_GEMM)
     assert hx.dgrad2_swiglu_triton(2048, 768) == [hx.INTERPRET_DGRAD2_SWIGLU]
     monkeypatch.delenv("TRITON_INTERPRET")
-    assert hx.plan_block_m() == hx.BLOCK_M and hx.min_multiple() == 64
+    assert hx.plan_block_m() == hx.BLOCK_M and hopper_multiple() == 64
     assert hx.forward_configs(None, None) == (None, None)  # the tuner picks

@@ -16,9 +16,8 @@ from torchtitan_megamoe.bench.shapes import SHAPES
 from torchtitan_megamoe.bench.stock import note_for, torchao_version
 from torchtitan_megamoe.bench.tables import (accuracy_table, bwd_table, ep_table, layer_rows,
                                              table, tuner_lines)
-from torchtitan_megamoe.ops.options import PRECISIONS
+from torchtitan_megamoe.ops.recipe import PRECISIONS, recipe_named
 
-FP8_PRECISIONS = ("fp8", "fp8_bwd")
 BASELINE_CHOICES = ("eager", "compiled", "block", "torchao")
 """--baselines: stock eager (always runs: every output is checked against it), compiled (as
 TorchTitan's --compile.enable), block (the whole block under one torch.compile, EP=1), torchao
@@ -192,7 +191,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     args.compile_stock = args.compile_stock and "compiled" in args.baselines
     args.block_compile_stock = "block" in args.baselines
     args.torchao = (args.torchao and "torchao" in args.baselines
-                    and any(q in FP8_PRECISIONS for q in args.precisions))
+                    and any(recipe_named(q).fp8 for q in args.precisions))
     args.baselines = [b for b in args.baselines
                       if {"compiled": args.compile_stock, "torchao": args.torchao}.get(b, True)]
     if args.compile_backend is None:

@@ -13,6 +13,7 @@ from torchtitan_megamoe.bench.stock import (FP8_TOKEN_GROUP_ALIGNMENT, BlockComp
                                             CompiledStock, Unavailable, convert_torchao_fp8,
                                             graphs_compiled, note_for, token_group_alignment)
 from torchtitan_megamoe.bench.tables import ours_name
+from torchtitan_megamoe.ops.recipe import recipe_named
 from torchtitan_megamoe.timing import back_to_back_ms, host_issue_ms, median_ms, peak_extra_mib
 from torchtitan_megamoe.router import route
 
@@ -293,7 +294,8 @@ def bench_shape(key: str, tokens: int, iters: int, warmup: int, backward: bool, 
             from torchtitan_megamoe.ops.hopper.fp8_weights import make_fp8_weights
 
             with torch.no_grad():
-                fp8_copies[p] = make_fp8_weights(ex.w1, ex.w2, ex.w3, forward=p == "fp8")
+                fp8_copies[p] = make_fp8_weights(ex.w1, ex.w2, ex.w3,
+                                                 forward=recipe_named(p).forward_copies)
             res[f"{name}_fp8_weights_mib"] = fp8_copies[p].nbytes() / 2**20
 
         def fwd(p=p):

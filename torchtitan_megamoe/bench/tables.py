@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from torchtitan_megamoe.ops.recipe import recipe_named
+
 # bench/backward_stages.py's stage keys in backward order: (label, Triton side, grouped_mm side
 # or None). The tuner picks a side per stage; "auto" below is what the layer runs.
 BWD_STAGES = [
@@ -67,10 +69,11 @@ def floor_ms(r: dict, tag: str, precision: str) -> float:
     flops = r["flops_fwd"]
     bf16 = r.get("peak_tflops", 765.0) * 1e9  # flops per ms
     fp8 = r.get("peak_fp8_tflops", 1339.0) * 1e9
-    fwd_rate = fp8 if precision == "fp8" else bf16
+    recipe = recipe_named(precision)
+    fwd_rate = fp8 if recipe.fp8_forward else bf16
     if tag == "fwd":
         return flops / fwd_rate
-    bwd_rate = fp8 if precision in ("fp8", "fp8_bwd") else bf16
+    bwd_rate = fp8 if recipe.fp8_dgrad else bf16
     return flops / fwd_rate + 2 * flops / bwd_rate
 
 

@@ -11,13 +11,16 @@ with the fields of ``MegaMoEOptions`` (ops/options.py), in its order, as typed a
                                Tensor?[] fp8_weights, Tensor[] saved, str group_name, <options>)
         -> (dx, dtopk_weights, dw1, dw2, dw3)
     <options> = str backend, str precision, str save_activations, int max_tokens_per_rank,
-                bool fp8_weight_cache
+                bool fp8_weight_cache, bool fp8_keep_transposed   (options.op_schema())
+
+mega_moe() takes the same fields as keyword arguments (its signature and docstring are built
+from them).
 
 ``fp8_weights``: the layer's FP8 weight copies as their owner made them
-(ops/hopper/fp8_weights.Fp8Weights.tensors(): 10 slots, None where a part is not held), or an
+(ops/fp8_weights.Fp8Weights.tensors(): 10 slots, None where a part is not held), or an
 empty list; the hopper backend's FP8 stages read them instead of quantizing the weights. With
-them, precision ``fp8`` reads nothing of w1, w2, w3 but their shapes (moe.MegaExperts then
-passes zero-stride stand-ins that carry the weights' gradients).
+them, a recipe whose ``stand_ins`` hold (``fp8``) reads nothing of w1, w2, w3 but their shapes
+(moe.MegaExperts then passes zero-stride stand-ins that carry the weights' gradients).
 
 ``saved`` is whatever the backend keeps from its forward for its backward (hopper EP=1: GEMM 1's
 pre-activations and the packed plan; reference: nothing, it recomputes). It is an output of the
@@ -38,23 +41,30 @@ Backends are modules with
         (saved None or empty: recompute)
 where ``options`` is a MegaMoEOptions whose backend is the module's own name; the hopper
 module's forward and backward also take ``fp8_weights`` (an Fp8Weights or None), which the
-others are never given.
+others are never given, and it makes the module-owned copies (``make_fp8_weights``,
+``quantize_weight``: moe.MegaExperts asks it through ``backend_module``).
 """
 
 from __future__ import annotations
 
 import contextlib
 import importlib
+import inspect
 
 import torch
 import torch.distributed as dist
 
-from torchtitan_megamoe.ops.device import capability
+from torchtitan_megamoe.ops.device import is_hopper
+from torchtitan_megamoe.ops.fp8_weights import Fp8Weights, dequantized
 from torchtitan_megamoe.ops.options import (
-    FP8_PRECISIONS,
     MegaMoEOptions,
+    ids_range_message,
+    keyword_doc,
+    keyword_parameters,
     op_schema,
 )
+from torchtitan_megamoe.ops.recipe import recipe_named
+from torchtitan_megamoe.ops.shapes import shape_error
 
 _BACKEND_MODULES = {
     "reference": "torchtitan_megamoe.ops.reference",
@@ -71,12 +81,8 @@ def mega_moe(
     w3: torch.Tensor,
     *,
     group: dist.ProcessGroup | None = None,
-    backend: str = "auto",
-    precision: str = "bf16",
-    save_activations: str = "keep",
-    max_tokens_per_rank: int = 0,
-    fp8_weight_cache: bool = True,
-    fp8_weights=None,
+    fp8_weights: Fp8Weights | None = None,
+    **options,
 ) -> torch.Tensor:
     """Fused MoE layer: dispatch, expert SwiGLU MLPs, weighted combine.
 
@@ -94,27 +100,16 @@ def mega_moe(
             ``[r * E_local, (r + 1) * E_local)``. Every rank of the group must call the op.
             ``None``: one rank owns all experts.
 
-    The remaining keyword arguments are the fields of ``MegaMoEOptions`` (ops/options.py),
-    checked on first use of each combination:
-        backend: ``auto`` (the Hopper kernels on SM90 GPUs, else reference), ``hopper`` or
-            ``reference``.
-        precision: ``bf16``, ``fp8`` (blockwise FP8 forward and data gradients, bf16 weight
-            gradients) or ``fp8_bwd`` (BF16 forward, FP8 data gradients).
-        save_activations: ``keep`` (the forward keeps what its backward can reuse) or
-            ``never`` (the backward recomputes).
-        max_tokens_per_rank: EP capacity in tokens per rank; a call bringing more raises.
-            0: the hopper backend sizes its exchange from the first call.
-        fp8_weight_cache: FP8: whether the module owning the weights (moe.MegaExperts) makes
-            their FP8 copies once per optimizer step and passes them as ``fp8_weights``; the op
-            itself reads only ``fp8_weights``.
+        fp8_weights: an ``ops.fp8_weights.Fp8Weights`` made from these very weights (in
+            the dtype the op computes in), or None: the hopper backend's FP8 stages then read
+            these copies instead of quantizing the weights on every call. Its owner vouches
+            that they are current; the op checks their shapes only.
 
-    ``fp8_weights``: an ``ops.hopper.fp8_weights.Fp8Weights`` made from these very weights (in
-    the dtype the op computes in), or None: the hopper backend's FP8 stages then read these
-    copies instead of quantizing the weights on every call. Its owner vouches that they are
-    current; the op checks their shapes only.
+    The other keyword arguments are the fields of ``MegaMoEOptions`` (ops/options.py), checked
+    on first use of each combination (an unknown one raises, naming the options):
     """
-    options = MegaMoEOptions.of(backend, precision, save_activations, max_tokens_per_rank,
-                                fp8_weight_cache)
+    options = MegaMoEOptions.of(**options)
+    recipe = options.recipe
     if torch.is_autocast_enabled(x.device.type):
         # Autocast does not reach a custom op. TorchTitan trains under it on one device and
         # under DDP (FSDP casts the parameters instead), so do what it does for a matmul: x and
@@ -126,7 +121,7 @@ def mega_moe(
         # (moe.py) are never read and keep their dtype, their gradients'.
         amp_dtype = compute_dtype(x)
         x = x.to(amp_dtype) if x.is_floating_point() else x
-        if options.precision != "fp8":
+        if not recipe.stand_ins:
             w1, w2, w3 = (w if is_stand_in(w) else w.to(amp_dtype) for w in (w1, w2, w3))
     check_args(x, topk_ids, topk_weights, w1, w2, w3, group=group, precision=options.precision)
     if options.backend == "auto":
@@ -136,16 +131,14 @@ def mega_moe(
         w1, w2, w3 = (w if is_stand_in(w) or w.dtype == x.dtype else w.to(x.dtype)
                       for w in (w1, w2, w3))
     if fp8_weights is not None:
-        if options.precision not in FP8_PRECISIONS:
+        if not recipe.fp8:
             raise ValueError(f"mega_moe: fp8_weights given with precision={options.precision!r}; "
-                             "they serve the FP8 precisions only")
+                             "they serve the FP8 recipes only: pass fp8_weights=None")
         fp8_weights.check(w1, w2)
         if options.backend != "hopper":
             # the reference emulates the recipe from real weights: stand-ins get the values
             # the FP8 copies hold (their gradients still flow through the stand-ins)
             if fp8_weights.fwd is not None and any(map(is_stand_in, (w1, w2, w3))):
-                from torchtitan_megamoe.ops.hopper.fp8_weights import dequantized
-
                 f = fp8_weights.fwd
                 w1, w2, w3 = ((w + dequantized(q, sc, w.dtype)).to(x.dtype) for w, q, sc in
                               ((w1, f.w1q, f.w1s), (w2, f.w2q, f.w2s), (w3, f.w3q, f.w3s)))
@@ -174,6 +167,12 @@ def mega_moe(
     return out
 
 
+mega_moe.__signature__ = inspect.signature(mega_moe).replace(parameters=[
+    p for p in inspect.signature(mega_moe).parameters.values() if p.kind is not p.VAR_KEYWORD
+] + keyword_parameters())
+mega_moe.__doc__ = mega_moe.__doc__.rstrip(" ") + keyword_doc(" " * 8) + "\n    "
+
+
 def is_stand_in(w: torch.Tensor) -> bool:
     """A zero-stride stand-in for a weight whose values only its FP8 copies carry
     (moe.MegaExperts, precision fp8)."""
@@ -196,9 +195,8 @@ def _plain_eager(tensors) -> bool:
 def resolve_backend(x: torch.Tensor, group: dist.ProcessGroup | None) -> str:
     """What backend ``auto`` means for this call: the Hopper kernels where they run, else
     the reference."""
-    if x.is_cuda and capability(x.device) == (9, 0):
-        if backend_module("hopper").supports(x, group):
-            return "hopper"
+    if is_hopper(x.device) and backend_module("hopper").supports(x, group):
+        return "hopper"
     return "reference"
 
 
@@ -241,6 +239,7 @@ def check_args(
     """Raise early, with the fix in the message, on anything the op cannot compute correctly
     (the id range apart: mega_moe checks it where its backend's kernels do not). The converter
     runs it at conversion on zero-token stand-ins of each MoE block's inputs."""
+    recipe = recipe_named(precision)
     if x.dim() != 2:
         raise ValueError(
             f"mega_moe: x must be [tokens, dim], got shape {tuple(x.shape)}; "
@@ -267,10 +266,10 @@ def check_args(
             raise ValueError(
                 f"mega_moe: {name} must be 3-D [experts, ...], got shape {tuple(w.shape)}"
             )
-        # fp8 reads weights through FP8 copies of their values in x's dtype, and a stand-in
-        # (moe.py) is never read: either may be in its parameter's dtype, the gradient's
+        # a recipe reading weights only through FP8 copies of their values in x's dtype, and a
+        # stand-in (moe.py), never read: either may be in its parameter's dtype, the gradient's
         if w.dtype != x.dtype and not (w.is_floating_point()
-                                       and (precision == "fp8" or is_stand_in(w))):
+                                       and (recipe.stand_ins or is_stand_in(w))):
             raise TypeError(
                 f"mega_moe: {name} dtype {w.dtype} differs from x dtype {x.dtype}; cast them to "
                 "one dtype (TorchTitan's mixed precision, FSDP or autocast, does this for you)"
@@ -288,18 +287,9 @@ def check_args(
     devices = {t.device for t in (x, topk_ids, topk_weights, w1, w2, w3)}
     if len(devices) != 1:
         raise ValueError(f"mega_moe: all tensors must be on one device, got {sorted(map(str, devices))}")
-    if precision in FP8_PRECISIONS and (D % 128 or H % 128):
-        raise ValueError(
-            f"mega_moe: precision={precision!r} uses 128-wide scaling blocks and needs dim and "
-            f"hidden % 128 == 0, got dim={D}, hidden={H}; use precision='bf16'"
-        )
-
-
-def ids_range_message(num_experts: int, ep_size: int) -> str:
-    return (
-        f"mega_moe: topk_ids must lie in [-1, {num_experts}) (-1 drops a slot; "
-        f"{num_experts} = local experts x group size {ep_size})"
-    )
+    problem = shape_error(D, H, recipe)
+    if problem is not None:
+        raise ValueError(f"mega_moe: {problem}; use precision='bf16' or pad the model's sizes")
 
 
 def _check_ids(topk_ids: torch.Tensor, num_experts: int, group) -> None:
@@ -337,13 +327,8 @@ def _autocast_off(device_type: str):
 
 
 def _fp8_from_list(tensors):
-    """The op's ``fp8_weights`` list as an Fp8Weights, or None (empty). The hopper package is
-    imported only once there are copies: importing the op stays free of Triton."""
-    if not tensors:
-        return None
-    from torchtitan_megamoe.ops.hopper.fp8_weights import Fp8Weights
-
-    return Fp8Weights.from_tensors(tensors)
+    """The op's ``fp8_weights`` list as an Fp8Weights, or None (empty)."""
+    return Fp8Weights.from_tensors(tensors) if tensors else None
 
 
 def _fp8_kwargs(fp8_weights) -> dict:

@@ -27,3 +27,14 @@ def _index(device: torch.device) -> int:
 def _properties(index: int) -> tuple[tuple[int, int], int]:
     p = torch.cuda.get_device_properties(index)
     return (p.major, p.minor), p.multi_processor_count
+
+
+def is_hopper(device: torch.device) -> bool:
+    """Whether ``device`` is a GPU the hopper backend's sm_90a kernels run on (compute
+    capability 9.0): the one architecture check of the package."""
+    return device.type == "cuda" and capability(device) == (9, 0)
+
+
+def hopper_present() -> bool:
+    """Whether this process's current CUDA device is one (is_hopper)."""
+    return torch.cuda.is_available() and is_hopper(torch.device("cuda"))

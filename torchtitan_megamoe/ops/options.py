@@ -1,104 +1,83 @@
 """The op's settings: one frozen, validated object that travels from the caller (mega_moe()'s
 keyword arguments; the converter builds one per model) through the registered op, whose schema
-carries each field as a typed argument, to the backend's forward and backward."""
+carries each field as a typed argument, to the backend's forward and backward.
+
+The fields are declared once, below: ``of``, ``op_args``, ``as_kwargs``, ``with_backend``, the
+op's schema (``op_schema``) and mega_moe()'s keyword arguments (``keyword_parameters``,
+``keyword_doc``) all come from ``dataclasses.fields``. ``precision`` is resolved once, at
+construction, into its recipe (``options.recipe``, ops/recipe.py)."""
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
 import typing
-from dataclasses import dataclass
-from typing import Literal
+from dataclasses import dataclass, field
 
 import torch
 
-Backend = Literal["auto", "hopper", "reference"]
-Precision = Literal["bf16", "fp8", "fp8_bwd"]
-SaveActivations = Literal["keep", "never"]
+from torchtitan_megamoe.checked import check_fields, checked
+from torchtitan_megamoe.ops.recipe import Precision, recipe_named
+from torchtitan_megamoe.settings import Backend, SaveActivations
 
 BACKENDS = typing.get_args(Backend)
-PRECISIONS = typing.get_args(Precision)
 SAVE_MODES = typing.get_args(SaveActivations)
-FP8_PRECISIONS = ("fp8", "fp8_bwd")
 
 
-def check_fields(obj, where: str) -> None:
-    """Raise for any field of the ``@checked`` dataclass ``obj`` whose value does not fit its
-    annotation, naming the field, the value and what it must be: a ``Literal`` of strings takes
-    one of them, ``bool`` takes True or False (a string such as "false" is refused, not read as
-    truthy), ``int`` takes a whole number >= 0 (every int setting is a count; bools and floats
-    are refused). TOML values reach the dataclass unchecked, so this runs at construction."""
-    for name, wanted, allowed, expected in obj._field_specs:
-        value = getattr(obj, name)
-        # exact types: bool is an int in Python, so True must not pass as a count
-        if type(value) is not wanted:
-            raise TypeError(
-                f"{where} {name}={value!r} is {_article(type(value).__name__)}, expected "
-                f"{expected}"
-            )
-        if allowed and value not in allowed:
-            raise ValueError(
-                f"{where} {name}={value!r} is not one of {', '.join(map(repr, allowed))}"
-            )
-        if wanted is int and value < 0:
-            raise ValueError(f"{where} {name}={value} must be >= 0")
-
-
-def checked(cls):
-    """Class decorator (outside ``@dataclass``): resolve the annotations into what check_fields
-    compares, once, when the class is made (torch.compile traces the options' construction,
-    and cannot trace ``typing.get_type_hints``)."""
-    hints = typing.get_type_hints(cls)
-    specs = []
-    for f in dataclasses.fields(cls):
-        kind = hints[f.name]
-        if typing.get_origin(kind) is Literal:
-            allowed = typing.get_args(kind)
-            specs.append((f.name, str, allowed,
-                          "a str: one of " + ", ".join(map(repr, allowed))))
-        else:
-            expected = {bool: "a bool (true or false)", int: "an int (a count >= 0)"}[kind]
-            specs.append((f.name, kind, (), expected))
-    cls._field_specs = tuple(specs)
-    return cls
+def _option(default, doc: str):
+    """A field and its documentation, which mega_moe()'s docstring repeats (keyword_doc)."""
+    return field(default=default, metadata={"doc": inspect.cleandoc(doc)})
 
 
 @checked
 @dataclass(frozen=True)
 class MegaMoEOptions:
-    backend: Backend = "auto"
-    """``auto`` (the Hopper kernels on SM90 GPUs, else reference), ``hopper`` or
-    ``reference``. Inside the op it is never ``auto``: mega_moe() resolves it per call."""
+    """The op's settings, one field each; ``recipe`` (not a field): what ``precision`` means,
+    resolved at construction (ops/recipe.py)."""
 
-    precision: Precision = "bf16"
-    """``bf16``, ``fp8`` (blockwise FP8 forward and data gradients, bf16 weight gradients) or
-    ``fp8_bwd`` (BF16 forward, FP8 data gradients)."""
+    backend: Backend = _option("auto", """
+        ``auto`` (the Hopper kernels on SM90 GPUs, else reference), ``hopper`` or
+        ``reference``. Inside the op it is never ``auto``: mega_moe() resolves it per call.""")
 
-    save_activations: SaveActivations = "keep"
-    """``keep``: the forward keeps what its backward can reuse; ``never``: the backward
-    recomputes (less memory, more time)."""
+    precision: Precision = _option("bf16", """
+        The recipe (ops/recipe.py): ``bf16``, ``fp8`` (blockwise FP8 forward and data
+        gradients, bf16 weight gradients) or ``fp8_bwd`` (bf16 forward, FP8 data gradients).""")
 
-    max_tokens_per_rank: int = 0
-    """EP capacity: the most tokens any rank of the group brings to one call (sizes the
-    hopper backend's receive buffers; both backends raise on a call above it). 0: the hopper
-    backend sizes its buffers from the first call, the reference backend sets no bound."""
+    save_activations: SaveActivations = _option("keep", """
+        ``keep``: the forward keeps what its backward can reuse; ``never``: the backward
+        recomputes (less memory, more time).""")
 
-    fp8_weight_cache: bool = True
-    """FP8 precisions on the hopper backend: the module owning the expert weights
-    (moe.MegaExperts) makes their FP8 copies once per optimizer step, keeps them across calls
-    and passes them to the op (``fp8_weights``); off, the op quantizes the weights on every
-    call (less memory: ops/hopper/fp8_weights.py says how much the copies hold). The op itself
-    reads only ``fp8_weights``."""
+    max_tokens_per_rank: int = _option(0, """
+        EP capacity: the most tokens any rank of the group brings to one call (sizes the
+        hopper backend's receive buffers; both backends raise on a call above it). 0: the
+        hopper backend sizes its buffers from the first call, the reference backend sets no
+        bound.""")
+
+    fp8_weight_cache: bool = _option(True, """
+        FP8 recipes on the hopper backend: the module owning the expert weights
+        (moe.MegaExperts) makes their FP8 copies once per optimizer step, keeps them across
+        calls and passes them to the op (``fp8_weights``); off, the op quantizes the weights on
+        every call (less memory: ops/fp8_weights.py says how much the copies hold). The op
+        itself reads only ``fp8_weights``.""")
+
+    fp8_keep_transposed: bool = _option(True, """
+        With ``fp8_weight_cache``, in a recipe with FP8 forward copies (``fp8``): the module
+        keeps the transposed copies too; off, only the forward ones (half the memory) and the
+        backward makes the transposed ones from them by a byte transpose on every call. The op
+        itself does not read it.""")
 
     def __post_init__(self):
         check_fields(self, "mega_moe:")
+        # not a field (equality, hashing and the schema stay the settings'), resolved once
+        object.__setattr__(self, "recipe", recipe_named(self.precision))
 
     @classmethod
-    def of(cls, backend="auto", precision="bf16", save_activations="keep",
-           max_tokens_per_rank=0, fp8_weight_cache=True) -> "MegaMoEOptions":
-        """The options for these values, validated once per distinct set: later calls are a
-        cache lookup (the op runs on the host's path to every layer's first kernel)."""
-        values = (backend, precision, save_activations, max_tokens_per_rank, fp8_weight_cache)
+    def of(cls, *args, **kwargs) -> "MegaMoEOptions":
+        """The options for these values (positional in field order, or by field name),
+        validated once per distinct set: later calls are a cache lookup (the op runs on the
+        host's path to every layer's first kernel)."""
+        values = _bind(args, kwargs)
         if torch.compiler.is_compiling():  # traced once per graph; dynamo skips lru_cache
             return cls(*values)
         try:
@@ -108,18 +87,40 @@ class MegaMoEOptions:
 
     def op_args(self) -> tuple:
         """The fields in declaration order: the trailing arguments of the op's schema."""
-        return (self.backend, self.precision, self.save_activations, self.max_tokens_per_rank,
-                self.fp8_weight_cache)
+        return tuple(getattr(self, name) for name in _NAMES)
 
     def as_kwargs(self) -> dict:
         """The fields as mega_moe()'s keyword arguments (what a module passes on each call)."""
-        return {"backend": self.backend, "precision": self.precision,
-                "save_activations": self.save_activations,
-                "max_tokens_per_rank": self.max_tokens_per_rank,
-                "fp8_weight_cache": self.fp8_weight_cache}
+        return {name: getattr(self, name) for name in _NAMES}
 
     def with_backend(self, backend: str) -> "MegaMoEOptions":
-        return MegaMoEOptions.of(backend, *self.op_args()[1:])
+        """The same options on ``backend`` (what ``auto`` resolved to for a call)."""
+        return MegaMoEOptions.of(**{**self.as_kwargs(), "backend": backend})
+
+
+_FIELDS = dataclasses.fields(MegaMoEOptions)
+_NAMES = tuple(f.name for f in _FIELDS)
+_DEFAULTS = tuple(f.default for f in _FIELDS)
+_INDEX = {name: i for i, name in enumerate(_NAMES)}
+
+
+def _bind(args: tuple, kwargs: dict) -> tuple:
+    """``args`` then ``kwargs`` as one value per field, in declaration order, defaults filled."""
+    if not kwargs and len(args) == len(_NAMES):  # the op's path: every field, in order
+        return args
+    if len(args) > len(_NAMES):
+        raise TypeError(f"mega_moe: {len(args)} option values given; the options are "
+                        f"{', '.join(_NAMES)}")
+    values = list(args) + list(_DEFAULTS[len(args):])
+    for name, value in kwargs.items():
+        i = _INDEX.get(name)
+        if i is None:
+            raise TypeError(f"mega_moe: unknown option {name}={value!r}; the options are "
+                            f"{', '.join(_NAMES)} (ops/options.py)")
+        if i < len(args):
+            raise TypeError(f"mega_moe: option {name} given twice (by position and by name)")
+        values[i] = value
+    return tuple(values)
 
 
 def op_schema() -> str:
@@ -130,13 +131,26 @@ def op_schema() -> str:
                      for name, wanted, _, _ in MegaMoEOptions._field_specs)
 
 
+def keyword_parameters() -> list[inspect.Parameter]:
+    """The fields as keyword-only parameters with their defaults and types (mega_moe()'s
+    signature)."""
+    hints = typing.get_type_hints(MegaMoEOptions)
+    return [inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=f.default,
+                              annotation=hints[f.name]) for f in _FIELDS]
+
+
+def keyword_doc(indent: str = "    ") -> str:
+    """Each field's name, default and documentation, as docstring lines."""
+    lines = []
+    for f in _FIELDS:
+        lines.append(f"{indent}{f.name} (default {f.default!r}):")
+        lines.extend(f"{indent}    {line}" for line in f.metadata["doc"].splitlines())
+    return "\n".join(lines)
+
+
 @functools.lru_cache(maxsize=256, typed=True)  # typed: True and 1 stay apart
 def _interned(*values) -> MegaMoEOptions:
     return MegaMoEOptions(*values)
-
-
-def _article(noun: str) -> str:
-    return ("an " if noun[0] in "aeiou" else "a ") + noun
 
 
 def capacity_error(tokens: int, capacity: int, who: str = "this rank") -> ValueError:
@@ -147,4 +161,13 @@ def capacity_error(tokens: int, capacity: int, who: str = "this rank") -> ValueE
         f"mega_moe: {who} has {tokens} tokens but the EP exchange takes at most {capacity} per "
         f"rank; set [megamoe] max_tokens_per_rank (mega_moe(max_tokens_per_rank=...)) to at "
         f"least {tokens} before the first step"
+    )
+
+
+def ids_range_message(num_experts: int, ep_size: int) -> str:
+    """The message of a topk_ids entry outside [-1, num_experts), the same from every check
+    (mega_moe's on the host, the hopper backend's device asserts)."""
+    return (
+        f"mega_moe: topk_ids must lie in [-1, {num_experts}) (-1 drops a slot; "
+        f"{num_experts} = local experts x group size {ep_size})"
     )

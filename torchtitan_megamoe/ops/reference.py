@@ -34,10 +34,11 @@ import torch
 import torch.nn.functional as F
 
 from torchtitan_megamoe import settings
+from torchtitan_megamoe.ops.recipe import SCALE_BLOCK
 from torchtitan_megamoe.ops.reference_ep import AllToAllRoute, slot_rows
 
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
-FP8_BLOCK = 128
+FP8_BLOCK = SCALE_BLOCK
 
 
 def supports(x: torch.Tensor, group) -> bool:
@@ -50,7 +51,7 @@ def forward(x, topk_ids, topk_weights, w1, w2, w3, group, options, save=False):
     route = AllToAllRoute(topk_ids, w1.shape[0], group, options.max_tokens_per_rank)
     rows = route.dispatch(slot_rows(x, K, route.slots))
     y = route.combine(_experts_forward(rows, route.local_expert, w1, w2, w3,
-                                      options.precision == "fp8"))
+                                      options.recipe.fp8_forward))
     y_slots = route.to_slots(y, T * K)
     # a dropped slot contributes nothing, whatever its weight holds (even NaN)
     weights = topk_weights.to(y_slots.dtype).masked_fill(topk_ids < 0, 0).unsqueeze(-1)
@@ -66,7 +67,7 @@ def saved_like(x, topk_ids, topk_weights, w1, w2, w3, group, options):
 def backward(grad_out, x, topk_ids, topk_weights, w1, w2, w3, group, options, saved=None):
     if saved:
         raise ValueError("backend 'reference' saves nothing in its forward; pass saved=None")
-    precision = options.precision
+    recipe = options.recipe
     T, K = topk_ids.shape
     route = AllToAllRoute(topk_ids, w1.shape[0], group, options.max_tokens_per_rank)
     rows = route.dispatch(slot_rows(x, K, route.slots))
@@ -74,8 +75,8 @@ def backward(grad_out, x, topk_ids, topk_weights, w1, w2, w3, group, options, sa
     row_weights = route.dispatch(topk_weights.reshape(-1)[route.slots].unsqueeze(1))
     dx_rows, dweight_rows, dw1, dw2, dw3 = _experts_backward(
         rows, grad_rows, row_weights, route.local_expert, w1, w2, w3,
-        fp8_fwd=precision == "fp8", fp8_bwd=precision in ("fp8", "fp8_bwd"),
-        fp8_wgrad=precision in ("fp8", "fp8_bwd") and settings.fp8_wgrad(),
+        fp8_fwd=recipe.fp8_forward, fp8_bwd=recipe.fp8_dgrad,
+        fp8_wgrad=recipe.fp8_wgrad(settings.fp8_wgrad()),
     )
     dx_slots = route.to_slots(route.combine(dx_rows), T * K)
     dx = dx_slots.view(T, K, dx_slots.shape[-1]).sum(dim=1)

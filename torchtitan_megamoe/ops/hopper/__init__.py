@@ -1,32 +1,39 @@
 """Backend ``hopper`` of mega_moe: Hopper (SM90) kernels, BF16 and FP8.
 
-The stages come in pairs, one file per direction, and ``_stages`` below picks the pair by
-precision x EP, for the forward and the backward alike:
+The stages come in pairs, one file per direction, and ``_stages`` below picks the pair by the
+recipe (options.recipe, ops/recipe.py: which GEMMs run in FP8) x EP, for the forward and the
+backward alike:
 
     bf16, EP=1   bf16_forward.py / bf16_backward.py   plan, gemm1_swiglu, gemm2, combine /
                                                       dgrad2_swiglu, wgrad, dgrad1, bwd_combine
     fp8,  EP=1   fp8_forward.py  / fp8_backward.py    the same stages in blockwise FP8
-    fp8_bwd      bf16_forward.py (128-row plan) / fp8_backward.py
+    fp8_bwd      bf16_forward.py (the recipe's plan rows) / fp8_backward.py
     bf16, EP>1   ep_forward.py   / ep_backward.py     dispatch (ep_dispatch.py over
                                                       ep_transport.py) around the EP=1 kernels,
                                                       partial rows returned to their sources
 
 The backward reads what the forward saved (GEMM 1's pre-activations and the packed plan)
 instead of recomputing them. heuristics.py chooses the kernel configs every stage offers its
-tuner (tune.py); stages.py is the benchmark's view of the stages.
+tuner (tune.py); stages.py is the benchmark's view of the stages. The module that owns a
+layer's FP8 weight copies makes them with this backend's ``make_fp8_weights`` and
+``quantize_weight`` (fp8_weights.py).
 """
 
 import torch
 
 from torchtitan_megamoe import settings
-from torchtitan_megamoe.ops.device import capability
+from torchtitan_megamoe.ops.device import capability, is_hopper
 from torchtitan_megamoe.ops.hopper.bf16_backward import backward_bf16, check_backward_dtypes
 from torchtitan_megamoe.ops.hopper.bf16_forward import forward_bf16, saved_like as saved_like_bf16
 from torchtitan_megamoe.ops.hopper.ep_backward import backward_ep
 from torchtitan_megamoe.ops.hopper.ep_forward import forward_ep, saved_like_ep
 from torchtitan_megamoe.ops.hopper.fp8_backward import backward_fp8
 from torchtitan_megamoe.ops.hopper.fp8_forward import forward_fp8
-from torchtitan_megamoe.ops.hopper.heuristics import FP8_BLOCK_M, min_multiple
+from torchtitan_megamoe.ops.hopper.fp8_weights import make_fp8_weights, quantize_weight
+from torchtitan_megamoe.ops.shapes import hopper_multiple, shape_error
+
+__all__ = ["backward", "check_inputs", "forward", "make_fp8_weights", "quantize_weight",
+           "saved_like", "supports"]
 
 _SUPPORTED_DTYPES = (torch.bfloat16,)
 
@@ -41,19 +48,17 @@ def _ep_size(group) -> int:
 
 def supports(x: torch.Tensor, group) -> bool:
     """Whether backend="auto" may pick these kernels for ``x`` (weights are checked in forward)."""
-    if x.dtype not in _SUPPORTED_DTYPES:
+    if x.dtype not in _SUPPORTED_DTYPES or not is_hopper(x.device):
         return False
-    if not x.is_cuda or capability(x.device)[0] != 9:
-        return False
-    return x.dim() == 2 and x.shape[1] % min_multiple() == 0
+    return x.dim() == 2 and x.shape[1] % hopper_multiple() == 0
 
 
-def check_inputs(x, w1, group, precision) -> None:
+def check_inputs(x, w1, group, recipe) -> None:
     """Raise, naming the fix, for inputs these kernels cannot take (the op's own checks,
-    ops/api.check_args, ran first: FP8's multiple-of-128 included)."""
-    if precision != "bf16" and _ep_size(group) > 1:
+    ops/api.check_args, ran first: an FP8 recipe's scale blocks included)."""
+    if recipe.fp8 and _ep_size(group) > 1:
         raise NotImplementedError(
-            f"mega_moe backend='hopper' precision={precision!r} runs on one rank's experts "
+            f"mega_moe backend='hopper' precision={recipe.name!r} runs on one rank's experts "
             "only so far (the expert-parallel exchange moves bf16 rows); use "
             "precision='bf16' with an expert-parallel group, or group=None"
         )
@@ -67,33 +72,33 @@ def check_inputs(x, w1, group, precision) -> None:
             raise ValueError(
                 "mega_moe backend='hopper' needs CUDA tensors; use backend='reference' on CPU"
             )
-        major, minor = capability(x.device)
-        if major != 9:
+        if not is_hopper(x.device):
+            major, minor = capability(x.device)
             raise ValueError(
                 f"mega_moe backend='hopper' targets Hopper (SM90), this GPU is SM{major}{minor}; "
                 "use backend='reference'"
             )
-    m = min_multiple()
     E, H, D = w1.shape
-    if D % m or H % m:
-        raise ValueError(
-            f"mega_moe backend='hopper' needs dim and hidden to be multiples of {m}, got "
-            f"dim={D}, hidden={H}; pad them or use backend='reference'"
-        )
+    problem = shape_error(D, H, recipe, "hopper")
+    if problem is not None:
+        raise ValueError(f"mega_moe backend='hopper': {problem}; pad them or use "
+                         "backend='reference'")
 
 
-# (forward, backward) per (precision, EP > 1); EP > 1 runs bf16 only (check_inputs)
+# (forward, backward) per (GEMMs 1 and 2 in FP8, data gradients in FP8, EP > 1); EP > 1 runs
+# bf16 only (check_inputs)
 _STAGES = {
-    ("bf16", False): ("bf16", "bf16"),
-    ("fp8", False): ("fp8", "fp8"),
-    ("fp8_bwd", False): ("bf16", "fp8"),
-    ("bf16", True): ("ep", "ep"),
+    (False, False, False): ("bf16", "bf16"),
+    (True, True, False): ("fp8", "fp8"),
+    (False, True, False): ("bf16", "fp8"),
+    (False, False, True): ("ep", "ep"),
 }
 
 
 def _stages(options, group) -> tuple[str, str]:
     """Which forward and backward file serve this call: "bf16", "fp8" or "ep"."""
-    return _STAGES[(options.precision, _ep_size(group) > 1)]
+    recipe = options.recipe
+    return _STAGES[(recipe.fp8_forward, recipe.fp8_dgrad, _ep_size(group) > 1)]
 
 
 def forward(x, topk_ids, topk_weights, w1, w2, w3, group, options, save=False, fp8_weights=None):
@@ -101,7 +106,7 @@ def forward(x, topk_ids, topk_weights, w1, w2, w3, group, options, save=False, f
     [a, packed_plan] (bf16_forward.py); EP > 1 the same in the receive layout, or nothing where
     ep_forward.keeps_saved says the backward recomputes. ``fp8_weights``: the layer's
     fp8_weights.Fp8Weights (the FP8 stages' ``weight_cache``), or None: quantize per call."""
-    check_inputs(x, w1, group, options.precision)
+    check_inputs(x, w1, group, options.recipe)
     stage, _ = _stages(options, group)
     if stage == "ep":
         res = forward_ep(x, topk_ids, topk_weights, w1, w2, w3, group,
@@ -110,9 +115,9 @@ def forward(x, topk_ids, topk_weights, w1, w2, w3, group, options, save=False, f
         res = forward_fp8(x, topk_ids, topk_weights, w1, w2, w3, _weight_cache(fp8_weights),
                           save=save)
     else:
-        # fp8_bwd: the bf16 forward on the FP8 backward's 128-row segments
-        block_m = FP8_BLOCK_M if options.precision == "fp8_bwd" else None
-        res = forward_bf16(x, topk_ids, topk_weights, w1, w2, w3, block_m=block_m, save=save)
+        # a bf16 forward before an FP8 backward: on that backward's plan rows
+        res = forward_bf16(x, topk_ids, topk_weights, w1, w2, w3,
+                           block_m=options.recipe.plan_block_m, save=save)
     if not save:
         return res
     out, saved = res
@@ -130,22 +135,22 @@ def saved_like(x, topk_ids, topk_weights, w1, w2, w3, group, options):
     stage, _ = _stages(options, group)
     if stage == "ep":
         return saved_like_ep(x, topk_ids, w1, group, options.max_tokens_per_rank)
-    block_m = FP8_BLOCK_M if options.precision != "bf16" else None
-    return saved_like_bf16(x, topk_ids, w1, block_m=block_m)
+    return saved_like_bf16(x, topk_ids, w1, block_m=options.recipe.plan_block_m)
 
 
 def backward(grad_out, x, topk_ids, topk_weights, w1, w2, w3, group, options, saved=None,
              fp8_weights=None):
     """(dx, dtopk_weights, dw1, dw2, dw3); ``saved``: what forward(..., save=True) returned,
     None or empty to recompute; ``fp8_weights`` as in forward."""
-    if options.precision != "bf16":  # bf16's were checked by the forward
-        check_inputs(x, w1, group, options.precision)
-    check_backward_dtypes(grad_out, x, w1, options.precision)
+    recipe = options.recipe
+    if recipe.fp8:  # bf16's were checked by the forward
+        check_inputs(x, w1, group, recipe)
+    check_backward_dtypes(grad_out, x, w1, recipe.weight_dtypes)
     _, stage = _stages(options, group)
     if stage == "ep":
         return backward_ep(grad_out, x, topk_ids, topk_weights, w1, w2, w3, group,
                            options.max_tokens_per_rank, saved=saved)
     if stage == "fp8":
-        return backward_fp8(grad_out, x, topk_ids, topk_weights, w1, w2, w3, options.precision,
+        return backward_fp8(grad_out, x, topk_ids, topk_weights, w1, w2, w3, recipe,
                             _weight_cache(fp8_weights), saved=saved)
     return backward_bf16(grad_out, x, topk_ids, topk_weights, w1, w2, w3, saved=saved)

@@ -38,11 +38,11 @@ from torchtitan_megamoe.ops.hopper.plan import build_plan, unpack_plan
 from torchtitan_megamoe.ops.hopper.tune import bucket, pick_config
 
 
-def check_backward_dtypes(grad_out, x, w1, precision: str = "bf16") -> None:
-    # fp8 reads the weights only through FP8 copies: fp32 ones get fp32 gradients (api.mega_moe)
-    weights = (torch.bfloat16, torch.float32) if precision == "fp8" else (torch.bfloat16,)
+def check_backward_dtypes(grad_out, x, w1, weight_dtypes=(torch.bfloat16,)) -> None:
+    """``weight_dtypes``: the recipe's (Recipe.weight_dtypes: fp32 too where the weights are
+    read only through FP8 copies, their gradients then fp32, api.mega_moe)."""
     for name, t, ok in (("grad_out", grad_out, (torch.bfloat16,)), ("x", x, (torch.bfloat16,)),
-                        ("w1", w1, weights)):
+                        ("w1", w1, weight_dtypes)):
         if t.dtype not in ok:
             raise TypeError(
                 f"mega_moe backend='hopper' backward needs bfloat16 tensors, {name} is "

@@ -15,6 +15,7 @@ bf16 backward", compares with stock).
 import torch
 
 from torchtitan_megamoe.ops.hopper.heuristics import forward_configs, plan_block_m
+from torchtitan_megamoe.ops.options import ids_range_message
 from torchtitan_megamoe.ops.hopper.kernels.combine import combine
 from torchtitan_megamoe.ops.hopper.kernels.gemm1_swiglu import gemm1_swiglu
 from torchtitan_megamoe.ops.hopper.kernels.gemm2 import gemm2
@@ -62,8 +63,6 @@ def forward_bf16(
 def checked_plan(topk_ids: torch.Tensor, num_experts: int, block_m: int):
     """The EP=1 plan, with the id range checked on the device by the plan's count kernel (one
     async assert, no host sync)."""
-    from torchtitan_megamoe.ops.api import ids_range_message  # api imports this package lazily
-
     plan = build_plan(topk_ids, num_experts, block_m, id_limit=num_experts)
     torch._assert_async(plan.ids_ok, ids_range_message(num_experts, 1))
     return plan

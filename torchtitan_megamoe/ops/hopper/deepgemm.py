@@ -25,7 +25,7 @@ import importlib
 import torch
 
 from torchtitan_megamoe import settings
-from torchtitan_megamoe.ops.device import capability
+from torchtitan_megamoe.ops.device import is_hopper
 from torchtitan_megamoe.ops.hopper.plan import Plan
 
 
@@ -41,9 +41,7 @@ def _module():
 def available(t: torch.Tensor) -> bool:
     """Whether DeepGEMM may run on ``t``'s device: installed, not switched off
     (MEGAMOE_DEEPGEMM=0), a CUDA tensor on a Hopper GPU, not under the CPU interpreter."""
-    if not settings.deepgemm() or settings.triton_interpreting() or not t.is_cuda:
-        return False
-    if capability(t.device)[0] != 9:
+    if not settings.deepgemm() or settings.triton_interpreting() or not is_hopper(t.device):
         return False
     return _module() is not None
 

@@ -35,6 +35,7 @@ import torch
 from torchtitan_megamoe.ops.hopper.ep_transport import get_exchange
 from torchtitan_megamoe.ops.hopper.kernels.ep_layout import ep_route_tensors
 from torchtitan_megamoe.ops.hopper.kernels.sum_partials import sum_partials
+from torchtitan_megamoe.ops.options import ids_range_message
 
 
 def exchange_widths(D: int, K: int, dtype: torch.dtype) -> dict:
@@ -70,8 +71,6 @@ class TokenRoute:
         )
         if check_ids:
             # check_ids: the forward's (mega_moe leaves the id range to this kernel on CUDA)
-            from torchtitan_megamoe.ops.api import ids_range_message  # api imports us lazily
-
             torch._assert_async(ids_ok, ids_range_message(E_local * R, R))
 
     def send_meta(self) -> None:

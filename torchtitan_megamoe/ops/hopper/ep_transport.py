@@ -34,6 +34,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from torchtitan_megamoe.ops.options import capacity_error
+
 _CACHE: dict = {}
 
 
@@ -60,13 +62,8 @@ class Exchange:
         self.device = device
 
     def check_tokens(self, T: int) -> None:
-        if T > self.capacity:
-            raise ValueError(
-                f"mega_moe: this rank has {T} tokens but the EP exchange holds "
-                f"{self.capacity} per rank (fixed when it was created: symmetric buffers cannot "
-                "grow); set [megamoe] max_tokens_per_rank (mega_moe's max_tokens_per_rank) to at "
-                f"least {T} before the first step"
-            )
+        if T > self.capacity:  # fixed when it was created: symmetric buffers cannot grow
+            raise capacity_error(T, self.capacity)
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.recv.values())

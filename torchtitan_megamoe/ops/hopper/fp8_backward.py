@@ -45,10 +45,11 @@ from torchtitan_megamoe.ops.hopper.kernels.wgrad import longest_first
 from torchtitan_megamoe.ops.hopper.plan import build_plan, unpack_plan
 
 
-def backward_fp8(grad_out, x, topk_ids, topk_weights, w1, w2, w3, precision, weight_cache=False,
+def backward_fp8(grad_out, x, topk_ids, topk_weights, w1, w2, w3, recipe, weight_cache=False,
                  saved=None):
-    """(dx, dtopk_weights, dw1, dw2, dw3); ``precision``: the forward's (fp8: GEMM 1 in FP8,
-    fp8_bwd: in bf16), for the recompute when nothing was ``saved``."""
+    """(dx, dtopk_weights, dw1, dw2, dw3); ``recipe``: the call's (ops/recipe.py): whether
+    the forward's GEMM 1 ran in FP8, for the recompute when nothing was ``saved``, and whether
+    the weight gradients run in FP8."""
     T, D = x.shape
     E, H, _ = w1.shape
     if T == 0:
@@ -63,12 +64,12 @@ def backward_fp8(grad_out, x, topk_ids, topk_weights, w1, w2, w3, precision, wei
         plan = unpack_plan(packed, T, topk_ids.shape[1], E, FP8_BLOCK_M)
     else:
         plan = build_plan(topk_ids, E, FP8_BLOCK_M)
-        a_saved = _recompute_a(x, w1, w2, w3, plan, precision, weight_cache)
+        a_saved = _recompute_a(x, w1, w2, w3, plan, recipe.fp8_forward, weight_cache)
     tw = topk_weights.contiguous()
 
     gq, gs = quant_rows(dy)
     w2t = w2_transposed(w2, cache=weight_cache, dtype=x.dtype)
-    if settings.fp8_wgrad():  # fused dgrad2 + SwiGLU backward writing the FP8 wgrad operands
+    if recipe.fp8_wgrad(settings.fp8_wgrad()):  # fused dgrad2 + SwiGLU backward writing the FP8 wgrad operands
         daq, das, daTq, daTs, hTq, hTs, part = fp8_dgrad2_swiglu(gq, gs, w2t.q, w2t.s,
                                                                  a_saved, tw, plan)
         del gq, gs, a_saved, w2t
@@ -124,9 +125,9 @@ def dgrad1_groups(E: int, H: int, D: int, rows: int, weight_cache) -> list[tuple
     return [(lo, min(lo + size, E)) for lo in range(0, E, size)]
 
 
-def _recompute_a(x, w1, w2, w3, plan, precision, weight_cache):
+def _recompute_a(x, w1, w2, w3, plan, fp8_forward, weight_cache):
     """GEMM 1's [a1 | a3] as the forward computed it (same kernel, same arithmetic)."""
-    if precision == "fp8":
+    if fp8_forward:
         xq, xs = quant_rows(x)
         wq = forward_weights(w1, w2, w3, cache=weight_cache, dtype=x.dtype)
         _hq, _hs, a = fp8_gemm1_swiglu(xq, xs, wq.w1q, wq.w1s, wq.w3q, wq.w3s, plan, save_a=True)

@@ -1,13 +1,9 @@
-"""The expert weights in blockwise FP8 (128 x 128 blocks), in the layouts the FP8 GEMMs read.
+"""The hopper backend's side of the FP8 weight copies (ops/fp8_weights.py: their layouts and
+container): making them, and handing each FP8 stage the copy it reads.
 
-    forward   w1, w3 [E, H, D] as stored (GEMM 1 contracts over D)
-              w2     [E, D, H] as stored (GEMM 2 contracts over H)
-    backward  w2^T        [E, H, D]  (fp8_dgrad2_swiglu: dh = dy @ w2[e], contracts over D)
-              [w1 | w3]^T [E, D, 2H] (fp8_dgrad1: dx = [da1 | da3] @ [w1; w3], over 2H)
-A block's scale serves both uses: the transposed copies carry the same scales, transposed. The
-module-made ones (below) come out of the same quantization pass as the forward copy (one read of
-each weight writes both layouts); where only the forward copy is at hand (the FSDP all-gather's,
-or ``fp8_keep_transposed = False``) the transposed ones are a byte transpose of it
+The module-made ones come out of one quantization pass per weight (one read of each weight
+writes the forward and the transposed layout); where only the forward copy is at hand (the FSDP
+all-gather's, or ``fp8_keep_transposed = False``) the transposed ones are a byte transpose of it
 (kernels/fp8_transpose.py: bitwise what quantizing the weight into the transposed layout gives).
 
 Who makes them. The stage code asks ``forward_weights``, ``w2_transposed`` and ``w13_transposed``
@@ -15,115 +11,31 @@ with ``cache``: the layer's ``Fp8Weights`` when the op was given them, else anyt
 
 - Given (``Fp8Weights``, the op's ``fp8_weights`` argument): the module that owns the weights
   (moe.MegaExperts, with ``fp8_weight_cache`` on, the default) made them once per optimizer step
-  (the converter's post-optimizer hook) from the parameters themselves: under a bf16 autocast
-  from the fp32 parameter rounded to bf16 (the bits the op's per-call cast would give); under
-  FSDP (``fp8``) from the rank's local shard before the all-gather, which then moves the e4m3
-  copy (fp8_allgather.py). The module compares each parameter's identity, version counter and
-  storage with what the copies were made from before every call and re-makes them if anything
-  changed outside the optimizer step (a checkpoint load, a copy_), so they are never stale. Held:
-  the forward copies (``fp8``) and the transposed ones; where only the forward copy is there
-  (what the FSDP all-gather brings) the transposed ones are made from it in the backward.
-  In ``fp8`` the op's w1, w2, w3 are then zero-stride stand-ins: read their shapes only.
+  (the converter's post-optimizer hook) with ``make_fp8_weights`` from the parameters themselves:
+  under a bf16 autocast from the fp32 parameter rounded to bf16 (the bits the op's per-call cast
+  would give); under FSDP (``fp8``) from the rank's local shard before the all-gather
+  (``quantize_weight``), which then moves the e4m3 copy (fp8_allgather.py). The module compares
+  each parameter's identity, version counter and storage with what the copies were made from
+  before every call and re-makes them if anything changed outside the optimizer step (a
+  checkpoint load, a copy_), so they are never stale. Where only the forward copy is there (what
+  the FSDP all-gather brings) the transposed ones are made from it in the backward. With a
+  recipe whose ``stand_ins`` hold (``fp8``) the op's w1, w2, w3 are then zero-stride stand-ins:
+  read their shapes only.
 - Not given (``fp8_weight_cache`` off, a functional ``mega_moe`` call without them, FSDP
   without the FP8 all-gather): quantized here on every call (one pass over each weight: read 2
   bytes, write 1 per element and a scale per 16,384), each copy right before the GEMM that
   reads it.
-
-Memory kept across calls by a layer's Fp8Weights (E experts, hidden H, dim D; scales add
-1/4096): ``fp8`` the forward copies 3·E·H·D bytes plus the transposed copies 3·E·H·D bytes, as
-much as the layer's bf16 expert weights (Qwen3-30B-A3B: 1.2 GB per layer); ``fp8_bwd`` the
-transposed copies only, half that. Under the FP8 all-gather a rank keeps its shard's forward
-copies (3·E·H·D / FSDP degree bytes) and nothing else between calls.
 """
 
-from dataclasses import dataclass
 
 import torch
 
+from torchtitan_megamoe.ops.fp8_weights import (
+    BLOCK, ForwardWeights, Fp8Weights, TransposedWeights,
+)
 from torchtitan_megamoe.ops.hopper import deepgemm
-from torchtitan_megamoe.ops.hopper.kernels.fp8_quant import FP8, quant_weight, weight_blocks
+from torchtitan_megamoe.ops.hopper.kernels.fp8_quant import quant_weight, weight_blocks
 from torchtitan_megamoe.ops.hopper.kernels.fp8_transpose import transpose_blocks
-
-BLOCK = 128
-
-
-@dataclass
-class ForwardWeights:
-    w1q: torch.Tensor
-    w1s: torch.Tensor
-    w3q: torch.Tensor
-    w3s: torch.Tensor
-    w2q: torch.Tensor
-    w2s: torch.Tensor
-
-
-@dataclass
-class TransposedWeights:
-    """w2^T [E, H, D] (fp8_dgrad2_swiglu), or [w1 | w3]^T [E, D, 2H] (fp8_dgrad1: w1^T in
-    columns [0, H), w3^T in [H, 2H)), with the blocks' scales transposed alike."""
-
-    q: torch.Tensor
-    s: torch.Tensor
-
-
-@dataclass
-class Fp8Weights:
-    """One layer's FP8 expert weights as their owner made them (module docstring): the forward
-    copies, and the transposed ones where held. Travels through the op as a list of tensors
-    (``tensors`` / ``from_tensors``: None where a part is not held)."""
-
-    fwd: ForwardWeights | None
-    w2t: TransposedWeights | None = None
-    w13t: TransposedWeights | None = None
-
-    SLOTS = 10
-
-    def tensors(self) -> list:
-        fwd = ([self.fwd.w1q, self.fwd.w1s, self.fwd.w3q, self.fwd.w3s, self.fwd.w2q,
-                self.fwd.w2s] if self.fwd is not None else [None] * 6)
-        return (fwd + ([self.w2t.q, self.w2t.s] if self.w2t is not None else [None, None])
-                + ([self.w13t.q, self.w13t.s] if self.w13t is not None else [None, None]))
-
-    @classmethod
-    def from_tensors(cls, ts) -> "Fp8Weights | None":
-        """The inverse of ``tensors``; None for an empty list (no copies given)."""
-        if not ts:
-            return None
-        if len(ts) != cls.SLOTS:
-            raise ValueError(f"mega_moe: fp8_weights must hold {cls.SLOTS} tensors, got {len(ts)}")
-        fwd = ForwardWeights(*ts[:6]) if ts[0] is not None else None
-        w2t = TransposedWeights(*ts[6:8]) if ts[6] is not None else None
-        w13t = TransposedWeights(*ts[8:10]) if ts[8] is not None else None
-        return cls(fwd, w2t, w13t)
-
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.tensors() if t is not None)
-
-    def check(self, w1: torch.Tensor, w2: torch.Tensor) -> None:
-        """Raise, naming the part, if a copy does not fit weights w1 [E, H, D], w2 [E, D, H]."""
-        E, H, D = w1.shape
-        want = {}
-        if self.fwd is not None:
-            f = self.fwd
-            want.update(w1q=(f.w1q, (E, H, D)), w3q=(f.w3q, (E, H, D)), w2q=(f.w2q, (E, D, H)),
-                        w1s=(f.w1s, (E, H // BLOCK, D // BLOCK)),
-                        w3s=(f.w3s, (E, H // BLOCK, D // BLOCK)),
-                        w2s=(f.w2s, (E, D // BLOCK, H // BLOCK)))
-        if self.w2t is not None:
-            want.update(w2t_q=(self.w2t.q, (E, H, D)),
-                        w2t_s=(self.w2t.s, (E, H // BLOCK, D // BLOCK)))
-        if self.w13t is not None:
-            want.update(w13t_q=(self.w13t.q, (E, D, 2 * H)),
-                        w13t_s=(self.w13t.s, (E, D // BLOCK, 2 * H // BLOCK)))
-        if not want:
-            raise ValueError("mega_moe: fp8_weights holds no copy; pass None instead")
-        for name, (t, shape) in want.items():
-            dtype = torch.float32 if name.endswith("s") else FP8
-            if tuple(t.shape) != shape or t.dtype != dtype or t.device != w1.device:
-                raise ValueError(
-                    f"mega_moe: fp8_weights {name} is {tuple(t.shape)} {t.dtype} on {t.device}, "
-                    f"expected {shape} {dtype} on {w1.device} (experts {E}, hidden {H}, dim {D})"
-                )
 
 
 def dense_weights(cache, *ws) -> tuple:
@@ -195,13 +107,6 @@ def transposed_w13(fwd: ForwardWeights, lo: int = 0, hi: int | None = None) -> T
     transpose_blocks(fwd.w1q[lo:hi], fwd.w1s[lo:hi], q, s, t_col0=0)
     transpose_blocks(fwd.w3q[lo:hi], fwd.w3s[lo:hi], q, s, t_col0=H)
     return TransposedWeights(q, s)
-
-
-def dequantized(q: torch.Tensor, s: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """q [E, N, K] e4m3 times its block scales, in ``dtype``: the values FP8 GEMMs multiply
-    (for a backend that takes real weights where only the FP8 copy was gathered)."""
-    scale = s.repeat_interleave(BLOCK, dim=1).repeat_interleave(BLOCK, dim=2)
-    return (q.to(torch.float32) * scale).to(dtype)
 
 
 def forward_weights(w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor,

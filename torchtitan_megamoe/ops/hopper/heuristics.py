@@ -29,27 +29,11 @@ from torchtitan_megamoe.ops.hopper.cuda import gemm_rows as sm90_rows
 from torchtitan_megamoe.ops.hopper.cuda import wgrad as sm90_wgrad
 from torchtitan_megamoe.ops.hopper.cuda.sm90 import fp8_shape_supported, sm90_usable
 
-# ------------------------------------------------------------------------- plan tile heights
-
-BLOCK_M = 128
-"""Plan tile height on the GPU: every GEMM candidate's block_m divides it."""
-FP8_BLOCK_M = 128
-"""Segment padding of the FP8 plans (the FP8 scale block: a weight-gradient scale block must not
-straddle experts); also the fp8_bwd forward's, so its saved plan serves the FP8 backward."""
-INTERPRET_BLOCK_M = 16
-"""Plan tile height under the CPU interpreter, which runs numpy per program: small tiles keep
-tests quick and still cover several tiles per expert."""
-
-
-def plan_block_m() -> int:
-    """The bf16 plan's tile height (forward and backward)."""
-    return INTERPRET_BLOCK_M if settings.triton_interpreting() else BLOCK_M
-
-
-def min_multiple() -> int:
-    """What D and H must be multiples of (the smallest block_n / block_k the kernels use)."""
-    return INTERPRET_GEMM["block_k"] if settings.triton_interpreting() else 64
-
+# the plan tile heights (tiles.py), which every candidate's block_m divides; the stage files
+# still import them from here
+from torchtitan_megamoe.ops.hopper.tiles import (  # noqa: F401
+    BLOCK_M, FP8_BLOCK_M, INTERPRET_BLOCK_M, plan_block_m,
+)
 
 # ------------------------------------------------------------------------------ gemm1_swiglu
 

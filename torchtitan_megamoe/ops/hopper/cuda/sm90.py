@@ -12,16 +12,16 @@ import ctypes
 import torch
 
 from torchtitan_megamoe import settings
-from torchtitan_megamoe.ops.device import capability, sm_count
+from torchtitan_megamoe.ops.device import is_hopper, sm_count
 from torchtitan_megamoe.ops.hopper.cuda.build import load, nvcc_path
 from torchtitan_megamoe.ops.hopper.cuda.params import ENTRY_POINTS
 
 
 def sm90_buildable(x: torch.Tensor) -> bool:
     """True where the kernels can run: an sm_90 GPU and nvcc to build them (not the interpreter)."""
-    if settings.triton_interpreting() or x.device.type != "cuda":
+    if settings.triton_interpreting():
         return False
-    return capability(x.device) == (9, 0) and nvcc_path() is not None
+    return is_hopper(x.device) and nvcc_path() is not None
 
 
 def sm90_usable(x: torch.Tensor) -> bool:
