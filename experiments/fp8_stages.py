@@ -26,13 +26,13 @@ from torchtitan_megamoe.ops.hopper.fp8_weights import (
     forward_weights, make_fp8_weights, w2_transposed, w13_transposed,
 )
 from torchtitan_megamoe.ops.hopper.heuristics import FP8_BLOCK_M, FP8_DEEPGEMM
-from torchtitan_megamoe.ops.hopper.kernels.fp8_gemm import (
+from torchtitan_megamoe.ops.hopper.sides.fp8_gemm import (
     fp8_dgrad2_swiglu, fp8_gemm1_swiglu, fp8_gemm_rows,
 )
 from torchtitan_megamoe.ops.hopper.kernels.fp8_quant import (
     FP8, gather_rows, quant_rows, quant_rows_t, swiglu_quant_rows,
 )
-from torchtitan_megamoe.ops.hopper.kernels.fp8_wgrad import fp8_wgrad
+from torchtitan_megamoe.ops.hopper.sides.fp8_wgrad import fp8_wgrad
 from torchtitan_megamoe.ops.hopper.kernels.swiglu_bwd_rows import swiglu_bwd_rows
 from torchtitan_megamoe.ops.hopper.kernels.wgrad import longest_first
 from torchtitan_megamoe.ops.hopper.plan import build_plan

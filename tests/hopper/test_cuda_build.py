@@ -12,8 +12,8 @@ import torch
 from torchtitan_megamoe.ops.hopper.cuda import build
 from torchtitan_megamoe.ops.hopper.cuda.params import ENTRY_POINTS
 from torchtitan_megamoe.ops.hopper.cuda.sm90 import sm90_usable
-from torchtitan_megamoe.ops.hopper.kernels import gemm1_swiglu as g1
-from torchtitan_megamoe.ops.hopper.kernels import gemm2 as g2
+from torchtitan_megamoe.ops.hopper.sides import gemm1_swiglu as g1
+from torchtitan_megamoe.ops.hopper.sides import gemm2 as g2
 from torchtitan_megamoe.ops.hopper.plan import build_plan
 
 needs_nvcc = pytest.mark.skipif(build.nvcc_path() is None, reason="needs nvcc")

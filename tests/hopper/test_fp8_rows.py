@@ -121,7 +121,7 @@ def test_deepgemm_side_matches_ours(case):
     from torchtitan_megamoe.ops.hopper.fp8_weights import forward_weights, w2_transposed
     from torchtitan_megamoe.ops.hopper import heuristics
     from torchtitan_megamoe.ops.hopper.heuristics import FP8_CONFIGS, FP8_DEEPGEMM
-    from torchtitan_megamoe.ops.hopper.kernels.fp8_gemm import fp8_gemm1_swiglu, fp8_gemm_rows
+    from torchtitan_megamoe.ops.hopper.sides.fp8_gemm import fp8_gemm1_swiglu, fp8_gemm_rows
 
     T, K, E, D, H = 1000, 4, 8, 512, 384
     ids = routing(case, T, K, E, seed=6).cuda()

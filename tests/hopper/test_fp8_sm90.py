@@ -17,8 +17,8 @@ from torchtitan_megamoe.ops.hopper.cuda.gemm1_swiglu import fp8_gemm1_swiglu_sm9
 from torchtitan_megamoe.ops.hopper.cuda.gemm_rows import fp8_gemm_rows_sm90
 from torchtitan_megamoe.ops.hopper.cuda.wgrad import fp8_wgrad_sm90
 from torchtitan_megamoe.ops.hopper.fp8_weights import forward_weights, w2_transposed
-from torchtitan_megamoe.ops.hopper.kernels import fp8_gemm as fg
-from torchtitan_megamoe.ops.hopper.kernels import fp8_wgrad as fw
+from torchtitan_megamoe.ops.hopper.sides import fp8_gemm as fg
+from torchtitan_megamoe.ops.hopper.sides import fp8_wgrad as fw
 from torchtitan_megamoe.ops.hopper.kernels.wgrad import longest_first
 from torchtitan_megamoe.ops.hopper.kernels.fp8_quant import (FP8, quant_rows, quant_rows_t,
                                                           quant_weight, weight_blocks)

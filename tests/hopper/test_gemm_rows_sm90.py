@@ -13,7 +13,7 @@ from moe_testing import (SM90_GPU, forced_backward_matches_reference, make_weigh
                          rel_err, routings, skewed_ids)
 from torchtitan_megamoe.ops.hopper import heuristics
 from torchtitan_megamoe.ops.hopper.cuda.gemm_rows import gemm_rows_nmajor_sm90, gemm_rows_sm90
-from torchtitan_megamoe.ops.hopper.kernels import gemm2 as g2
+from torchtitan_megamoe.ops.hopper.sides import gemm2 as g2
 from torchtitan_megamoe.ops.hopper.plan import build_phased_plan, build_plan
 
 pytestmark = SM90_GPU

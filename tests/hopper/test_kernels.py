@@ -7,8 +7,8 @@ import torch.nn.functional as F
 
 from moe_testing import make_weights, rel_err, routings
 from torchtitan_megamoe.ops.hopper.kernels import combine as combine_mod
-from torchtitan_megamoe.ops.hopper.kernels import gemm1_swiglu as g1
-from torchtitan_megamoe.ops.hopper.kernels import gemm2 as g2
+from torchtitan_megamoe.ops.hopper.sides import gemm1_swiglu as g1
+from torchtitan_megamoe.ops.hopper.sides import gemm2 as g2
 from torchtitan_megamoe.ops.hopper.plan import build_plan
 
 CFG = dict(block_m=16, block_n=16, block_k=16, group_m=2, num_warps=1, num_stages=1)

@@ -16,8 +16,8 @@ import torch
 
 from torchtitan_megamoe.ops.hopper.heuristics import forward_configs, plan_block_m
 from torchtitan_megamoe.ops.hopper.kernels.combine import combine
-from torchtitan_megamoe.ops.hopper.kernels.gemm1_swiglu import gemm1_swiglu
-from torchtitan_megamoe.ops.hopper.kernels.gemm2 import gemm2
+from torchtitan_megamoe.ops.hopper.sides.gemm1_swiglu import gemm1_swiglu
+from torchtitan_megamoe.ops.hopper.sides.gemm2 import gemm2
 from torchtitan_megamoe.ops.hopper.plan import build_plan, max_rows, pack_plan, packed_plan_numel
 
 

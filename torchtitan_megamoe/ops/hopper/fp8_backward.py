@@ -34,12 +34,12 @@ from torchtitan_megamoe.ops.hopper.fp8_weights import (
 )
 from torchtitan_megamoe.ops.hopper.heuristics import FP8_BLOCK_M, forward_configs
 from torchtitan_megamoe.ops.hopper.kernels.bwd_combine import bwd_combine
-from torchtitan_megamoe.ops.hopper.kernels.fp8_gemm import (
+from torchtitan_megamoe.ops.hopper.sides.fp8_gemm import (
     fp8_dgrad2_swiglu, fp8_gemm1_swiglu, fp8_gemm_rows,
 )
 from torchtitan_megamoe.ops.hopper.kernels.fp8_quant import quant_rows, quant_rows_t
-from torchtitan_megamoe.ops.hopper.kernels.fp8_wgrad import fp8_wgrad
-from torchtitan_megamoe.ops.hopper.kernels.gemm1_swiglu import gemm1_swiglu
+from torchtitan_megamoe.ops.hopper.sides.fp8_wgrad import fp8_wgrad
+from torchtitan_megamoe.ops.hopper.sides.gemm1_swiglu import gemm1_swiglu
 from torchtitan_megamoe.ops.hopper.kernels.swiglu_bwd_rows import swiglu_bwd_rows
 from torchtitan_megamoe.ops.hopper.kernels.wgrad import longest_first
 from torchtitan_megamoe.ops.hopper.plan import build_plan, unpack_plan

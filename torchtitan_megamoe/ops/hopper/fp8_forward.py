@@ -17,7 +17,7 @@ from torchtitan_megamoe.ops.hopper.bf16_forward import checked_plan
 from torchtitan_megamoe.ops.hopper.fp8_weights import dense_weights, forward_weights
 from torchtitan_megamoe.ops.hopper.heuristics import FP8_BLOCK_M
 from torchtitan_megamoe.ops.hopper.kernels.combine import combine
-from torchtitan_megamoe.ops.hopper.kernels.fp8_gemm import fp8_gemm1_swiglu, fp8_gemm_rows
+from torchtitan_megamoe.ops.hopper.sides.fp8_gemm import fp8_gemm1_swiglu, fp8_gemm_rows
 from torchtitan_megamoe.ops.hopper.kernels.fp8_quant import quant_rows
 from torchtitan_megamoe.ops.hopper.plan import pack_plan
 
