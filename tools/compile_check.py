@@ -102,7 +102,8 @@ def main():
     args = p.parse_args()
     if settings.triton_interpreting():
         raise SystemExit("unset TRITON_INTERPRET: this compiles for the GPU")
-    pick = (lambda c: c) if args.all else (lambda c: c[:1])
+    # the launchers' keyword form of each typed config
+    pick = (lambda c: [x.kwargs() for x in (c if args.all else c[:1])])
     jobs = []
     for cfg in pick(DGRAD2_SWIGLU_CONFIGS):
         jobs.append((f"dgrad2_swiglu {cfg}", _dgrad2_swiglu(cfg), cfg))
