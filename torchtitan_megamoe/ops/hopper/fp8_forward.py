@@ -5,10 +5,10 @@ in its epilogue) -> GEMM 2 -> the bf16 path's fp32 combine.
                   weight-gradient scales must not straddle experts)
     quant         x [T, D] -> e4m3 + [T, D/128] scales, once per token (not per expert slot);
                   the weights -> 128 x 128 blocks (fp8_weights.forward_weights)
-    fp8_gemm1_swiglu  kernels/fp8_gemm.fp8_gemm1_swiglu: token rows gathered by the plan,
+    fp8_gemm1_swiglu  sides/fp8_gemm.fp8_gemm1_swiglu: token rows gathered by the plan,
                   h [R_max, H] e4m3 with [R_max, H/128] scales, and with ``save`` a = [a1 | a3]
                   bf16 (the same saved layout as the bf16 forward, so the backward is shared)
-    fp8_gemm2     kernels/fp8_gemm.fp8_gemm_rows: y [R_max, D] bf16 in the row space
+    fp8_gemm2     sides/fp8_gemm.fp8_gemm_rows: y [R_max, D] bf16 in the row space
     combine       kernels/combine.combine: out[t] = sum_k w[t,k] y[slot_row], fp32, fixed k order
 Saved for the backward (``save``): (a, packed plan), as bf16_forward.forward_bf16 saves.
 """
