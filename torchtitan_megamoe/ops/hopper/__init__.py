@@ -12,8 +12,8 @@ precision x EP, for the forward and the backward alike:
                                                       partial rows returned to their sources
 
 The backward reads what the forward saved (GEMM 1's pre-activations and the packed plan)
-instead of recomputing them. heuristics.py chooses the kernel configs every stage offers its
-tuner (tune.py); stages.py is the benchmark's view of the stages.
+instead of recomputing them. Each stage has one table of implementations (sides/), which its
+tuner (tune.py) times; stages.py is the benchmark's view of the stages.
 """
 
 import torch

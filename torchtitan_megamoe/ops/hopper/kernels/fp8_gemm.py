@@ -27,7 +27,6 @@ experts). Tiles past the used rows (tile_expert -1) exit at once.
 Waits on: nothing inside the launch (EP=1; stream order). Signals: nothing.
 """
 
-import torch
 import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
