@@ -86,34 +86,41 @@ def _triton(cfg, op: Operands):
     fp8_rows_triton(cfg.kwargs(), *op)
 
 
+def _sm90_rows(cfg: Sm90, op: Operands):
+    rows, rows_s = gather_rows(op.a, op.a_s, op.plan) if op.gather else (op.a, op.a_s)
+    fp8_gemm_rows_sm90(rows, rows_s, op.b, op.b_s, op.plan, op.out, group_m=cfg.group_m,
+                       expert_base=op.expert_base)
+
+
+def _sm90_gemm1_swiglu(cfg: Sm90, op: Operands):
+    fp8_gemm1_swiglu_sm90(op.a, op.a_s, op.b, op.b_s, op.b2, op.b2_s, op.plan, op.out, op.out_s,
+                          op.aux, group_m=cfg.group_m)
+
+
+def _sm90_dgrad2_swiglu(cfg: Sm90, op: Operands):
+    fp8_dgrad2_swiglu_sm90(op.a, op.a_s, op.b, op.b_s, op.aux, op.tw, op.plan, op.out, op.out_s,
+                           op.qt, op.qt_s, op.ht, op.ht_s, op.part, group_m=cfg.group_m)
+
+
+_SM90 = {MODE_GEMM_ROWS: _sm90_rows, MODE_GEMM1_SWIGLU: _sm90_gemm1_swiglu,
+         MODE_DGRAD2_SWIGLU: _sm90_dgrad2_swiglu}
+"""The csrc/ entry point of each mode (the row GEMM reads row-space A: per-token A is gathered
+first)."""
+
+
 def _sm90(cfg: Sm90, op: Operands):
-    op = _contiguous(op)
-    if op.mode == MODE_GEMM_ROWS:
-        rows, rows_s = gather_rows(op.a, op.a_s, op.plan) if op.gather else (op.a, op.a_s)
-        fp8_gemm_rows_sm90(rows, rows_s, op.b, op.b_s, op.plan, op.out, group_m=cfg.group_m,
-                           expert_base=op.expert_base)
-    elif op.mode == MODE_DGRAD2_SWIGLU:
-        fp8_dgrad2_swiglu_sm90(op.a, op.a_s, op.b, op.b_s, op.aux, op.tw, op.plan, op.out,
-                               op.out_s, op.qt, op.qt_s, op.ht, op.ht_s, op.part,
-                               group_m=cfg.group_m)
-    else:
-        fp8_gemm1_swiglu_sm90(op.a, op.a_s, op.b, op.b_s, op.b2, op.b2_s, op.plan, op.out,
-                              op.out_s, op.aux, group_m=cfg.group_m)
+    _SM90[op.mode](cfg, _contiguous(op))
 
 
-def _deepgemm(cfg: DeepGemm, op: Operands):
-    """A gathered into the row space where it is per token, the plain GEMM, and the fused
-    epilogue's work as passes around it (GEMM 1: a = [a1 | a3] from two GEMMs on the same rows,
-    then the SwiGLU quantized per row)."""
-    assert op.mode in (MODE_GEMM_ROWS, MODE_GEMM1_SWIGLU) and op.expert_base is None, op.mode
-    plan, b, b_s, b2, b2_s, aux = op.plan, op.b, op.b_s, op.b2, op.b2_s, op.aux
+def _deepgemm_rows(op: Operands, rows, rows_s, layout):
+    deepgemm.gemm_rows(rows, rows_s, op.b, op.b_s, layout, op.out)
+
+
+def _deepgemm_gemm1_swiglu(op: Operands, rows, rows_s, layout):
+    """a = [a1 | a3] from the GEMMs on the same rows, then the SwiGLU quantized per row."""
+    plan, b, b_s, b2, b2_s = op.plan, op.b, op.b_s, op.b2, op.b2_s
     N = b.shape[1]
-    rows, rows_s = gather_rows(op.a, op.a_s, plan) if op.gather else (op.a, op.a_s)
-    layout = deepgemm.grouped_layout(plan)
-    if op.mode == MODE_GEMM_ROWS:
-        deepgemm.gemm_rows(rows, rows_s, b, b_s, layout, op.out)
-        return
-    acts = aux if aux is not None else torch.empty(
+    acts = op.aux if op.aux is not None else torch.empty(
         (plan.max_rows, 2 * N), dtype=torch.bfloat16, device=op.a.device)
     w13 = deepgemm.joined(b, b_s, b2, b2_s)
     if w13 is not None:  # one launch over [w1; w3] writes [a1 | a3]
@@ -122,6 +129,17 @@ def _deepgemm(cfg: DeepGemm, op: Operands):
         deepgemm.gemm_rows(rows, rows_s, b, b_s, layout, acts[:, :N])
         deepgemm.gemm_rows(rows, rows_s, b2, b2_s, layout, acts[:, N:])
     swiglu_quant_rows(acts, plan, op.out, op.out_s)
+
+
+_DEEPGEMM = {MODE_GEMM_ROWS: _deepgemm_rows, MODE_GEMM1_SWIGLU: _deepgemm_gemm1_swiglu}
+"""The plain GEMM, and the fused epilogue's work as passes around it, per mode."""
+
+
+def _deepgemm(cfg: DeepGemm, op: Operands):
+    """A gathered into the row space where it is per token, then the mode's GEMMs and passes."""
+    assert op.mode in _DEEPGEMM and op.expert_base is None, op.mode
+    rows, rows_s = gather_rows(op.a, op.a_s, op.plan) if op.gather else (op.a, op.a_s)
+    _DEEPGEMM[op.mode](op, rows, rows_s, deepgemm.grouped_layout(op.plan))
 
 
 def _sm90_offer(s: Shape, av) -> list:
