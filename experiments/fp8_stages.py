@@ -20,19 +20,22 @@ import os
 import torch
 
 from torchtitan_megamoe.ops import hopper
-from torchtitan_megamoe.ops.hopper import deepgemm, heuristics, tune
+from torchtitan_megamoe.ops.hopper import deepgemm, tune
 from torchtitan_megamoe.ops.hopper.bf16_backward import tuner_key, weight_grads
 from torchtitan_megamoe.ops.hopper.fp8_weights import (
     forward_weights, make_fp8_weights, w2_transposed, w13_transposed,
 )
-from torchtitan_megamoe.ops.hopper.heuristics import FP8_BLOCK_M, FP8_DEEPGEMM
-from torchtitan_megamoe.ops.hopper.kernels.fp8_gemm import (
+from torchtitan_megamoe.ops.hopper.tiles import FP8_BLOCK_M
+from torchtitan_megamoe.ops.hopper.sides.configs import DeepGemm
+from torchtitan_megamoe.ops.hopper.sides.fp8_gemm import STAGES, Shape
+from torchtitan_megamoe.ops.hopper.sides.table import available
+from torchtitan_megamoe.ops.hopper.sides.fp8_gemm import (
     fp8_dgrad2_swiglu, fp8_gemm1_swiglu, fp8_gemm_rows,
 )
 from torchtitan_megamoe.ops.hopper.kernels.fp8_quant import (
     FP8, gather_rows, quant_rows, quant_rows_t, swiglu_quant_rows,
 )
-from torchtitan_megamoe.ops.hopper.kernels.fp8_wgrad import fp8_wgrad
+from torchtitan_megamoe.ops.hopper.sides.fp8_wgrad import fp8_wgrad
 from torchtitan_megamoe.ops.hopper.kernels.swiglu_bwd_rows import swiglu_bwd_rows
 from torchtitan_megamoe.ops.hopper.kernels.wgrad import longest_first
 from torchtitan_megamoe.ops.hopper.plan import build_plan
@@ -50,8 +53,9 @@ def ms(fn):
 
 def best_of_ours(run, epilogue, a, N, K, out, gather):
     """min over our own candidates (DeepGEMM excluded) of run(config)."""
-    cands = [c for c in heuristics.fp8_gemm_candidates(epilogue, a, N, K, FP8_BLOCK_M, out, gather)
-             if c.get("impl") != "deepgemm"]
+    shape = Shape(epilogue, N, K, FP8_BLOCK_M, out.dtype == torch.bfloat16, gather)
+    cands = [c for c in STAGES["fp8_gemm2"].offer(shape, available(a)).candidates
+             if c.side != "deepgemm"]
     times = []
     for c in cands:
         try:
@@ -147,7 +151,7 @@ def main():
         side = plain = None
         if have_dg:
             side = ms(lambda: fp8_gemm1_swiglu(xq, xs, wq.w1q, wq.w1s, wq.w3q, wq.w3s, plan, True,
-                                               FP8_DEEPGEMM))
+                                               DeepGemm()))
             w13q = torch.cat([wq.w1q, wq.w3q], 1)
             w13s = torch.cat([wq.w1s, wq.w3s], 1)
             plain = ms(lambda: deepgemm.gemm_rows(xr, xrs, w13q, w13s, layout, a2))
@@ -170,7 +174,7 @@ def main():
         side = plain = None
         if have_dg:
             side = ms(lambda: fp8_gemm_rows(gq, gs, w2t.q, w2t.s, plan, torch.bfloat16,
-                                            gather=True, config=FP8_DEEPGEMM, out=dh))
+                                            gather=True, config=DeepGemm(), out=dh))
             plain = ms(lambda: deepgemm.gemm_rows(gr, grs, w2t.q, w2t.s, layout, dh))
         row("fp8_dgrad2", f2, o, side, plain, saved_bytes=2 * R * D)
         sw = ms(lambda: swiglu_bwd_rows(dh, a, tw, plan, quant=True))
@@ -194,7 +198,7 @@ def main():
                                      FP8_BLOCK_M))
         for stage in ("wgrad_dw2", "wgrad_dw13"):
             for c, t, why in tune.TIMINGS.get((stage, key), []):
-                side_name = c.get("impl", "triton")
+                side_name = c.side
                 print(f"  {stage + ' bf16 ' + side_name:24s} {t:7.3f} "
                       f"({(f2 if stage == 'wgrad_dw2' else f1) / t / 1e9:5.0f}) {why[:60]}")
         print(f"  {'wgrad bf16 (picked, all)':24s} {bf:7.3f} ({(f2 + f1) / bf / 1e9:5.0f})")
@@ -259,7 +263,7 @@ def main():
             if kname.startswith("fp8"):
                 best = sorted(timings, key=lambda t: t[1])[:3]
                 print(f"  tuner {kname} {key[:4]}: " + "; ".join(
-                    f"{c.get('impl', 'triton')}{'' if 'block_m' not in c else (c['block_m'], c.get('block_n'))} {t:.3f}"
+                    f"{c.side}{(c.block_m, c.block_n) if c.side == 'triton' else ''} {t:.3f}"
                     for c, t, *_ in best))
         tune.TIMINGS.clear()
 

@@ -14,20 +14,21 @@ import torch
 
 from torchtitan_megamoe.bench.shapes import SHAPES
 from torchtitan_megamoe.ops.hopper import heuristics
-from torchtitan_megamoe.ops.hopper.kernels import gemm1_swiglu as g1
+from torchtitan_megamoe.ops.hopper.sides.configs import Sm90
+from torchtitan_megamoe.ops.hopper.sides import gemm1_swiglu as g1
 from torchtitan_megamoe.ops.hopper.plan import build_plan
 from torchtitan_megamoe.timing import median_ms
 
 from routing import uniform_routing  # experiments/routing.py
 
 
-def _triton(**match) -> dict:
+def _triton(**match):
     """The Triton GEMM 1 candidate with TMA, 3 stages, 128x128 tiles and these fields."""
     base = dict(block_n=128, block_k=64, num_stages=3, use_tma=True)
     for c in heuristics.GEMM1_SWIGLU_CONFIGS:
-        if all(c.get(k, False) == v for k, v in {**base, **match}.items()) and (
-                "persistent" in match or not c.get("persistent")):
-            return dict(c)
+        if all(getattr(c, k) == v for k, v in {**base, **match}.items()) and (
+                "persistent" in match or not c.persistent):
+            return c
     raise KeyError(match)
 
 
@@ -40,16 +41,15 @@ def main(shape_name: str = "235b") -> None:
     w3 = (torch.randn(E, H, D, device="cuda") / D**0.5).bfloat16()
     ids = uniform_routing(E, K, T)
     plan = build_plan(ids, E, 128)
-    sm90 = heuristics.GEMM1_SWIGLU_SM90
     variants = {
         "triton_persistent": _triton(group_m=8, persistent=True),
         "triton_persistent_wave": _triton(group_m="wave", persistent=True),
         "triton_wave": _triton(group_m="wave"),
         # the tuner's sm90 candidate (group_m 8), and other tile orders: group_m M tiles sweep
         # one N tile together ("wave": one group per wave of resident CTAs)
-        **{f"sm90_g{g}": dict(sm90, group_m=g) for g in (8, 4, 16, 32, "wave")},
+        **{f"sm90_g{g}": Sm90(group_m=g) for g in (8, 4, 16, 32, "wave")},
         # every gridDim-th tile instead of the global ticket
-        "sm90_static": dict(sm90, group_m=8, static=True),
+        "sm90_static": Sm90(group_m=8, static=True),
     }
     save_a = os.environ.get("SAVE_A") == "1"  # the training forward's a1/a3 store too
     only = os.environ.get("VARIANTS")

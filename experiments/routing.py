@@ -3,7 +3,7 @@
 import torch
 
 from torchtitan_megamoe.bench.shapes import SHAPES
-from torchtitan_megamoe.ops.hopper.heuristics import BLOCK_M
+from torchtitan_megamoe.ops.hopper.tiles import BLOCK_M
 from torchtitan_megamoe.ops.hopper.plan import build_plan
 
 

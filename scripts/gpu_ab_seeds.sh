@@ -43,8 +43,9 @@
 # the report is always written; runs missing at the deadline are listed in it), AB_MIN_RUN_S
 # (default 90: no run starts with less left before the deadline), AB_EXTRA_ARGS (appended to
 # every run), CONFIG, WHEELS=0 (use the current env, not .whl), PYTHON (default python3),
-# MEGAMOE_TUNE (default 0: every run uses the first, measured-best kernel config, so no
-# run's choice depends on timings taken while other runs share the GPU, and start-up is shorter).
+# MEGAMOE_TUNE (default 1, the tuner on: every run trains what users run with the default
+# settings; 0 opts out: each stage takes its untuned pick, the side measured fastest on the
+# GPU, so no run's choice depends on timings taken while other runs share it).
 # Tokens/s of runs that overlapped are reported as n/c (not comparable); losses and peak memory
 # are per run and unaffected. For speed, use scripts/gpu_train_check.sh (one run at a time).
 #
@@ -68,7 +69,7 @@ source "$(dirname "$0")/_device_env.sh"  # env, $OUT, repo root, PY, install_whe
 install_wheels || exit 2
 offline_hf_env
 dg_setup  # DeepGEMM where carried (.dgsite/ or .dgsdist/): the kernels its users run
-export MEGAMOE_TUNE=${MEGAMOE_TUNE:-0}
+export MEGAMOE_TUNE=${MEGAMOE_TUNE:-1}
 
 CONFIG=${CONFIG:-train_configs/qwen3_30b_a3b_gpu_smoke.toml}
 AB_FLAVOR=${AB_FLAVOR:-30B-A3B-L2}

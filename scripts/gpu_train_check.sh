@@ -29,8 +29,8 @@
 # BUDGET_S (whole script, default 540: later runs get shorter timeouts; LATER_S, default 80, is
 # kept back per setup still to come), EXTRA_ARGS (appended to
 # every run, e.g. a tiny CPU flavor), CONFIG, NPROC, WHEELS=0 (use the current env, not .whl),
-# PYTHON (default python3), MEGAMOE_TUNE (default 0: the first,
-# default kernel config, no per-shape timing or extra compiles; 1 times every candidate),
+# PYTHON (default python3), MEGAMOE_TUNE (default 0: each stage's untuned pick, the side
+# measured fastest, no per-shape timing or extra compiles; 1 times every candidate),
 # PROFILE_STEP (e.g. 8, from 4 to --training.steps: ab's --profile-step, both runs of each
 # setup trace that step with TorchTitan's profiler, and $OUT/profile_<setup>.md sets rank 0's
 # kernel time by category of the two runs side by side, torchtitan_megamoe/ab/trace.py).

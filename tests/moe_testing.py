@@ -371,9 +371,8 @@ SM90_GPU = [pytest.mark.gpu, pytest.mark.sm90]
 
 
 def forced_backward_matches_reference(monkeypatch, forced: dict, seed: int, saved: bool):
-    """backward_bf16 with each tuner stage named in ``forced`` ({stage: attribute of
-    ops/hopper/heuristics.py naming the candidate}) forced to that candidate, which must be
-    offered: every gradient against the reference backend within 1e-2, bitwise-equal reruns.
+    """backward_bf16 with each tuner stage named in ``forced`` ({stage: a config of its table,
+    ops/hopper/sides/}) forced to that config, which must be offered: every gradient against the reference backend within 1e-2, bitwise-equal reruns.
     Inputs: a 4096-token layer (E 32, K 8, D 1024, H 512) with dropped slots and an empty
     expert (3). ``saved``: the backward reads forward_bf16(save=True)'s saved tensors. Returns
     the gradients (dx, dtw, dw1, dw2, dw3)."""
@@ -383,18 +382,17 @@ def forced_backward_matches_reference(monkeypatch, forced: dict, seed: int, save
     from torchtitan_megamoe.ops.hopper.bf16_forward import forward_bf16
 
     bwd = importlib.import_module("torchtitan_megamoe.ops.hopper.bf16_backward")
-    heuristics = importlib.import_module("torchtitan_megamoe.ops.hopper.heuristics")
     picked = []
     real_pick = bwd.pick_config
 
-    def force(name, key, cands, launch, outputs=None):
-        if name in forced:
-            cfg = getattr(heuristics, forced[name])
-            offered = cands() if callable(cands) else cands  # pick_config's lazy list builder
-            assert cfg in offered, f"{forced[name]} must be offered for {name} at this shape"
-            picked.append(name)
+    def force(stage, key, problem, launch, outputs=None):
+        if stage.name in forced:
+            cfg = forced[stage.name]
+            offered = stage.offer(*problem()).candidates
+            assert cfg in offered, f"{cfg} must be offered for {stage.name} at this shape"
+            picked.append(stage.name)
             return cfg
-        return real_pick(name, key, cands, launch, outputs)
+        return real_pick(stage, key, problem, launch, outputs)
 
     monkeypatch.setattr(bwd, "pick_config", force)
     T, K, E, D, H = 4096, 8, 32, 1024, 512

@@ -4,6 +4,9 @@
   level or inside a function (a deferred import hides a cycle, it does not remove it); imports
   under ``if TYPE_CHECKING:`` never run and do not count. A cycle is a strongly connected
   component of more than one module in the import graph.
+- ops/hopper/kernels/ holds Triton kernels and their plain launchers only: none of its modules
+  reaches the CUDA wrappers (ops/hopper/cuda/), DeepGEMM (ops/hopper/deepgemm.py) or the stage
+  tables that choose between them (ops/hopper/sides/), directly or through other modules.
 - Code comments and docstrings under torchtitan_megamoe/ops/ and csrc/ say why, not when: no
   dates, no commit hashes, no pointers to docs/PERF.md (history lives there and in git).
 """
@@ -173,6 +176,31 @@ def test_no_import_cycles_in_the_package():
             f"    {a} imports {', '.join(sorted(graph[a] & set(c)))}\n" for a in c)
         for c in found)
     assert not found, f"import cycles:\n{detail}"
+
+
+HOPPER = f"{PACKAGE}.ops.hopper"
+NOT_FOR_KERNELS = (f"{HOPPER}.cuda", f"{HOPPER}.deepgemm", f"{HOPPER}.sides")
+
+
+def reachable(graph: dict[str, set[str]], start: str) -> set[str]:
+    seen, todo = set(), [start]
+    while todo:
+        for nxt in graph.get(todo.pop(), ()):
+            if nxt not in seen:
+                seen.add(nxt)
+                todo.append(nxt)
+    return seen
+
+
+def test_kernels_import_neither_cuda_nor_deepgemm():
+    graph = import_graph()
+    kernels = [m for m in graph if m.startswith(f"{HOPPER}.kernels.")]
+    assert f"{HOPPER}.kernels.gemm1_swiglu" in kernels
+    bad = {m: sorted(r for r in reachable(graph, m)
+                     if any(r == n or r.startswith(n + ".") for n in NOT_FOR_KERNELS))
+           for m in kernels}
+    bad = {m: r for m, r in bad.items() if r}
+    assert not bad, f"kernels/ modules that reach the CUDA or DeepGEMM sides: {bad}"
 
 
 # --------------------------------------------------------------------------------------------

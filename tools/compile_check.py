@@ -20,8 +20,9 @@ from triton.compiler import ASTSource
 
 from torchtitan_megamoe import settings
 from torchtitan_megamoe.ops.hopper.heuristics import (
-    BLOCK_M, DGRAD1_CONFIGS, DGRAD2_SWIGLU_CONFIGS, WGRAD_CONFIGS,
+    DGRAD1_CONFIGS, DGRAD2_SWIGLU_CONFIGS, WGRAD_CONFIGS,
 )
+from torchtitan_megamoe.ops.hopper.tiles import BLOCK_M
 from torchtitan_megamoe.ops.hopper.kernels import bwd_combine, dgrad1, dgrad2_swiglu, wgrad
 
 BF16 = "*bf16"
@@ -102,7 +103,8 @@ def main():
     args = p.parse_args()
     if settings.triton_interpreting():
         raise SystemExit("unset TRITON_INTERPRET: this compiles for the GPU")
-    pick = (lambda c: c) if args.all else (lambda c: c[:1])
+    # the launchers' keyword form of each typed config
+    pick = (lambda c: [x.kwargs() for x in (c if args.all else c[:1])])
     jobs = []
     for cfg in pick(DGRAD2_SWIGLU_CONFIGS):
         jobs.append((f"dgrad2_swiglu {cfg}", _dgrad2_swiglu(cfg), cfg))

@@ -25,9 +25,9 @@ def main(key: str = "30b", iters: int = 50) -> None:
     from torchtitan_megamoe.bench.shapes import SHAPES, build_stock_moe
     from torchtitan_megamoe.ops.api import ids_range_message
     from torchtitan_megamoe.ops.hopper.kernels.combine import combine
-    from torchtitan_megamoe.ops.hopper.heuristics import BLOCK_M
-    from torchtitan_megamoe.ops.hopper.kernels.gemm1_swiglu import gemm1_swiglu
-    from torchtitan_megamoe.ops.hopper.kernels.gemm2 import gemm2
+    from torchtitan_megamoe.ops.hopper.tiles import BLOCK_M
+    from torchtitan_megamoe.ops.hopper.sides.gemm1_swiglu import gemm1_swiglu
+    from torchtitan_megamoe.ops.hopper.sides.gemm2 import gemm2
     from torchtitan_megamoe.ops.hopper.plan import build_plan
     from torchtitan_megamoe.router import route
     from torchtitan_megamoe.timing import host_issue_ms

@@ -237,13 +237,15 @@ def test_wait_x_comes_before_the_first_read_of_x(use_saved, monkeypatch):
 
     # the module (the package re-exports a function of the same name)
     bwd = importlib.import_module("torchtitan_megamoe.ops.hopper.bf16_backward")
+    a_side = importlib.import_module("torchtitan_megamoe.ops.hopper.sides.dgrad2_swiglu")
+    w_side = importlib.import_module("torchtitan_megamoe.ops.hopper.sides.wgrad")
     ids = routing("uneven", T, K, E, seed=3)
     inp = make_inputs(T, K, E, Ds, Hs, ids, seed=3)
     args = [inp[k] for k in ("x", "topk_ids", "topk_weights", "w1", "w2", "w3")]
     saved = forward_bf16(*args, save=True)[1] if use_saved else None
     events = []
-    real_a, real_wgrad, real_g1 = bwd.dgrad2_swiglu, bwd.wgrad, bwd.gemm1_swiglu
-    monkeypatch.setattr(bwd, "dgrad2_swiglu",
+    real_a, real_wgrad, real_g1 = a_side.dgrad2_swiglu, w_side.wgrad, bwd.gemm1_swiglu
+    monkeypatch.setattr(a_side, "dgrad2_swiglu",
                         lambda *a, **kw: events.append("A") or real_a(*a, **kw))
     monkeypatch.setattr(bwd, "gemm1_swiglu",
                         lambda *a, **kw: events.append("G1") or real_g1(*a, **kw))
@@ -252,7 +254,7 @@ def test_wait_x_comes_before_the_first_read_of_x(use_saved, monkeypatch):
         events.append("dw13" if kw.get("b_gather") else "dw2")
         return real_wgrad(a, b, *rest, **kw)
 
-    monkeypatch.setattr(bwd, "wgrad", wgrad_spy)
+    monkeypatch.setattr(w_side, "wgrad", wgrad_spy)
     grads = bwd.backward_bf16(inp["dy"], *args, saved=saved,
                                wait_x=lambda: events.append("wait_x"))
     assert events.count("wait_x") == 1 and events.index("wait_x") < events.index("dw13"), events

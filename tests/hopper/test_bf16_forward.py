@@ -81,6 +81,7 @@ def test_every_tuner_candidate_is_correct():
     """The tuner may pick any candidate, so each one (TMA or not) must be right on its own."""
     from torchtitan_megamoe.ops.hopper import heuristics
     from torchtitan_megamoe.ops.hopper.bf16_forward import forward_bf16
+    from torchtitan_megamoe.ops.hopper.sides.configs import Sm90
 
     D_, H_, T_, K_, E_ = 2048, 768, 3000, 8, 16
     dev = "cuda"
@@ -92,10 +93,10 @@ def test_every_tuner_candidate_is_correct():
     from torchtitan_megamoe.ops.hopper.cuda.sm90 import sm90_buildable
 
     if sm90_buildable(x):  # the CUDA kernels' candidates (offered unless MEGAMOE_CUDA=0)
-        c1s.append(heuristics.GEMM1_SWIGLU_SM90)
+        c1s.append(Sm90())
     c2s = list(heuristics.GEMM2_CONFIGS)
     if sm90_buildable(x):
-        c2s.append(heuristics.GEMM2_SM90)
+        c2s.append(Sm90())
     for i in range(max(len(c1s), len(c2s))):
         c1, c2 = c1s[i % len(c1s)], c2s[i % len(c2s)]
         out = forward_bf16(x, ids, w, w1, w2, w3, gemm1_config=c1, gemm2_config=c2)
@@ -110,7 +111,7 @@ def test_every_tuner_candidate_is_correct():
 
 def _check_saved_rows(x, ids, w1, w3, a, packed, rows):
     """Rows of the saved a = [a1 | a3] against float64 x @ w^T (padding rows exactly 0)."""
-    from torchtitan_megamoe.ops.hopper.heuristics import plan_block_m
+    from torchtitan_megamoe.ops.hopper.tiles import plan_block_m
     from torchtitan_megamoe.ops.hopper.plan import unpack_plan
 
     T_, K_ = ids.shape
@@ -137,7 +138,7 @@ def test_forward_save(name, ids):
     """forward_bf16(save=True): the same out; saved = (a, packed plan) where the packed plan
     unpacks to build_plan's tensors and a holds [a1 | a3]; shapes as saved_like (fake) says."""
     from torchtitan_megamoe.ops.hopper.bf16_forward import forward_bf16, saved_like
-    from torchtitan_megamoe.ops.hopper.heuristics import plan_block_m
+    from torchtitan_megamoe.ops.hopper.tiles import plan_block_m
     from torchtitan_megamoe.ops.hopper.plan import build_plan, unpack_plan
 
     w1, w2, w3 = make_weights(E, D, H, seed=5)

@@ -12,8 +12,8 @@ import torch
 from torchtitan_megamoe.ops.hopper.cuda import build
 from torchtitan_megamoe.ops.hopper.cuda.params import ENTRY_POINTS
 from torchtitan_megamoe.ops.hopper.cuda.sm90 import sm90_usable
-from torchtitan_megamoe.ops.hopper.kernels import gemm1_swiglu as g1
-from torchtitan_megamoe.ops.hopper.kernels import gemm2 as g2
+from torchtitan_megamoe.ops.hopper.sides import gemm1_swiglu as g1
+from torchtitan_megamoe.ops.hopper.sides import gemm2 as g2
 from torchtitan_megamoe.ops.hopper.plan import build_plan
 
 needs_nvcc = pytest.mark.skipif(build.nvcc_path() is None, reason="needs nvcc")
@@ -78,8 +78,8 @@ def test_cpu_never_offers_the_cuda_candidates(monkeypatch):
     def fake(*a, **kw):
         calls.append(1)
 
-    monkeypatch.setattr(g1, "gemm1_swiglu_sm90", fake)
-    monkeypatch.setattr(g2, "gemm_rows_sm90", fake)
+    monkeypatch.setattr(g1.sm90_gemm1, "gemm1_swiglu_sm90", fake)
+    monkeypatch.setattr(g2.sm90_rows, "gemm_rows_sm90", fake)
     ids = torch.tensor([[0], [1], [0], [1]])
     plan = build_plan(ids, 2, 128)
     w = torch.randn(2, 128, 128).bfloat16()

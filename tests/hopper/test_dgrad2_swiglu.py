@@ -7,7 +7,7 @@ from moe_testing import (
     POISON, SMALL, assert_close, same_bits, make_inputs, per_slot_f64, plan_for, routing,
 )
 from torchtitan_megamoe.ops.hopper.kernels.dgrad2_swiglu import dgrad2_swiglu
-from torchtitan_megamoe.ops.hopper.kernels.gemm1_swiglu import gemm1_swiglu
+from torchtitan_megamoe.ops.hopper.sides.gemm1_swiglu import gemm1_swiglu
 
 BN, BK = 16, 16
 

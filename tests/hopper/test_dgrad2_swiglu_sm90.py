@@ -14,6 +14,7 @@ from torchtitan_megamoe.ops.hopper.cuda.dgrad2_swiglu import dgrad2_swiglu_sm90
 from torchtitan_megamoe.ops.hopper.kernels.grouped_mm import gather_rows
 from torchtitan_megamoe.ops.hopper.kernels.dgrad2_swiglu import dgrad2_swiglu
 from torchtitan_megamoe.ops.hopper.plan import build_plan
+from torchtitan_megamoe.ops.hopper.sides.configs import Sm90Fused
 
 pytestmark = SM90_GPU
 BM = 128
@@ -110,4 +111,4 @@ def test_real_30b_shape_matches_the_triton_kernel_a_and_reruns_bitwise():
 
 def test_saved_backward_with_the_fused_kernel_a_matches_the_reference(monkeypatch):
     forced_backward_matches_reference(
-        monkeypatch, {"dgrad2_swiglu": "DGRAD2_SWIGLU_SM90_FUSED"}, seed=13, saved=True)
+        monkeypatch, {"dgrad2_swiglu": Sm90Fused()}, seed=13, saved=True)

@@ -50,7 +50,7 @@ def _worker(rank, init_file, result_file):
 
 def test_ep2_op_saved_receive_layout_backward_matches_f64():
     from torchtitan_megamoe.ops.hopper.ep_forward import keeps_saved
-    from torchtitan_megamoe.ops.hopper.heuristics import plan_block_m
+    from torchtitan_megamoe.ops.hopper.tiles import plan_block_m
 
     block_m = plan_block_m()
     assert keeps_saved(R, T, K, E // R, D, H, block_m), "pick a shape that keeps the saved tensors"

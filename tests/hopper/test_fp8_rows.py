@@ -119,9 +119,14 @@ def test_deepgemm_side_matches_ours(case):
     A (GEMM 2, dgrad1), on token rows (dgrad2), and GEMM 1 with its SwiGLU pass; not offered
     for one group of experts."""
     from torchtitan_megamoe.ops.hopper.fp8_weights import forward_weights, w2_transposed
-    from torchtitan_megamoe.ops.hopper import heuristics
-    from torchtitan_megamoe.ops.hopper.heuristics import FP8_CONFIGS, FP8_DEEPGEMM
-    from torchtitan_megamoe.ops.hopper.kernels.fp8_gemm import fp8_gemm1_swiglu, fp8_gemm_rows
+    from torchtitan_megamoe.ops.hopper.heuristics import FP8_CONFIGS
+    from torchtitan_megamoe.ops.hopper.sides.configs import DeepGemm
+    from torchtitan_megamoe.ops.hopper.sides.fp8_gemm import (
+        STAGES, Shape, fp8_gemm1_swiglu, fp8_gemm_rows,
+    )
+    from torchtitan_megamoe.ops.hopper.sides.table import available
+
+    FP8_DEEPGEMM = DeepGemm()
 
     T, K, E, D, H = 1000, 4, 8, 512, 384
     ids = routing(case, T, K, E, seed=6).cuda()
@@ -162,8 +167,7 @@ def test_deepgemm_side_matches_ours(case):
     assert rel_err(dh_dg[:used][live].double(), dh_ours[:used][live].double()) < 1e-2
     # one group of experts: DeepGEMM overwrites the skipped experts' rows (with zeros), so it
     # must not be offered there (the backward's dgrad1 by groups shares one output)
-    cands = heuristics.fp8_gemm_candidates("gemm_rows", gq, H, D, 128, dh_ours, False,
-                                           expert_group=True)
-    assert FP8_DEEPGEMM not in cands
-    assert FP8_DEEPGEMM in heuristics.fp8_gemm_candidates("gemm_rows", gq, H, D, 128, dh_ours,
-                                                          False)
+    for group in (True, False):
+        shape = Shape("gemm_rows", H, D, 128, out_bf16=True, gather=False, expert_group=group)
+        offer = STAGES["fp8_dgrad1"].offer(shape, available(gq))
+        assert (FP8_DEEPGEMM in offer.candidates) is not group

@@ -17,12 +17,13 @@ from torchtitan_megamoe.ops.hopper.cuda.gemm1_swiglu import fp8_gemm1_swiglu_sm9
 from torchtitan_megamoe.ops.hopper.cuda.gemm_rows import fp8_gemm_rows_sm90
 from torchtitan_megamoe.ops.hopper.cuda.wgrad import fp8_wgrad_sm90
 from torchtitan_megamoe.ops.hopper.fp8_weights import forward_weights, w2_transposed
-from torchtitan_megamoe.ops.hopper.kernels import fp8_gemm as fg
-from torchtitan_megamoe.ops.hopper.kernels import fp8_wgrad as fw
+from torchtitan_megamoe.ops.hopper.sides import fp8_gemm as fg
+from torchtitan_megamoe.ops.hopper.sides import fp8_wgrad as fw
 from torchtitan_megamoe.ops.hopper.kernels.wgrad import longest_first
 from torchtitan_megamoe.ops.hopper.kernels.fp8_quant import (FP8, quant_rows, quant_rows_t,
                                                           quant_weight, weight_blocks)
 from torchtitan_megamoe.ops.hopper.plan import build_plan
+from torchtitan_megamoe.ops.hopper.sides.configs import Sm90
 
 pytestmark = SM90_GPU
 ROUTINGS = ("random", "uneven", "empty_experts", "one_expert", "t1")
@@ -292,13 +293,13 @@ def test_qwen3_30b_shape_matches_triton():
     hq_t, hs_t, a_t = fg.fp8_gemm1_swiglu(xq, xs, wq.w1q, wq.w1s, wq.w3q, wq.w3s, plan,
                                            save_a=True, config=tri)
     hq_c, hs_c, a_c = fg.fp8_gemm1_swiglu(xq, xs, wq.w1q, wq.w1s, wq.w3q, wq.w3s, plan,
-                                           save_a=True, config=heuristics.FP8_SM90)
+                                           save_a=True, config=Sm90())
     assert rel_err(a_c[:used], a_t[:used]) < 1e-3
     assert rel_err(_deq_rows(hq_c[:used], hs_c[:used]), _deq_rows(hq_t[:used], hs_t[:used])) < 1e-2
     y_t = fg.fp8_gemm_rows(hq_c, hs_c, wq.w2q, wq.w2s, plan, torch.bfloat16,
                            config=heuristics.FP8_GEMM_ROWS_CONFIGS[0])
     y_c = fg.fp8_gemm_rows(hq_c, hs_c, wq.w2q, wq.w2s, plan, torch.bfloat16,
-                           config=heuristics.FP8_SM90)
+                           config=Sm90())
     assert rel_err(y_c[:used], y_t[:used]) < 1e-3, rel_err(y_c[:used], y_t[:used])
     # kernel A on the same plan: every output against the Triton kernel's
     g = torch.Generator(device="cuda").manual_seed(4)
@@ -307,7 +308,7 @@ def test_qwen3_30b_shape_matches_triton():
     w2t = w2_transposed(torch.randn(E, D, H, device="cuda", generator=g).div(H ** 0.5).bfloat16())
     tw = torch.rand(T * K, device="cuda", generator=g)
     outs = [fg.fp8_dgrad2_swiglu(gq, gs, w2t.q, w2t.s, a_c, tw, plan, config=cfg)
-            for cfg in (heuristics.FP8_DGRAD2_SWIGLU_CONFIGS[0], heuristics.FP8_SM90)]
+            for cfg in (heuristics.FP8_DGRAD2_SWIGLU_CONFIGS[0], Sm90())]
     (daq_t, das_t, daTq_t, daTs_t, hTq_t, hTs_t, part_t), (daq_c, das_c, daTq_c, daTs_c, hTq_c,
                                                             hTs_c, part_c) = outs
     assert rel_err(_deq_rows(daq_c[:used], das_c[:used]), _deq_rows(daq_t[:used], das_t[:used])) < 1e-2
@@ -318,7 +319,7 @@ def test_qwen3_30b_shape_matches_triton():
     # the weight gradients dw2 (dy^T against h^T) of the same plan against the Triton kernel's
     dyTq, dyTs = quant_rows_t(dy, plan, gather=True, row_weight=tw)
     dw = [fw.fp8_wgrad(dyTq, dyTs, hTq_c, hTs_c, plan, nan_tensor(E, D, H), config=cfg)
-          for cfg in (heuristics.FP8_WGRAD_CONFIGS[0], heuristics.FP8_SM90)]
+          for cfg in (heuristics.FP8_WGRAD_CONFIGS[0], Sm90())]
     assert rel_err(dw[1], dw[0]) < 1e-3, rel_err(dw[1], dw[0])
 
 

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from moe_testing import SM90_GPU, make_weights, nan_tensor, rel_err, routings, skewed_ids
 from torchtitan_megamoe.ops.hopper import heuristics
 from torchtitan_megamoe.ops.hopper.cuda.gemm1_swiglu import gemm1_swiglu_sm90
-from torchtitan_megamoe.ops.hopper.kernels import gemm1_swiglu as g1
+from torchtitan_megamoe.ops.hopper.sides import gemm1_swiglu as g1
 from torchtitan_megamoe.ops.hopper.plan import build_phased_plan, build_plan
 
 pytestmark = SM90_GPU

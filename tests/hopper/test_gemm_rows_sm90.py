@@ -13,8 +13,9 @@ from moe_testing import (SM90_GPU, forced_backward_matches_reference, make_weigh
                          rel_err, routings, skewed_ids)
 from torchtitan_megamoe.ops.hopper import heuristics
 from torchtitan_megamoe.ops.hopper.cuda.gemm_rows import gemm_rows_nmajor_sm90, gemm_rows_sm90
-from torchtitan_megamoe.ops.hopper.kernels import gemm2 as g2
+from torchtitan_megamoe.ops.hopper.sides import gemm2 as g2
 from torchtitan_megamoe.ops.hopper.plan import build_phased_plan, build_plan
+from torchtitan_megamoe.ops.hopper.sides.configs import Sm90
 
 pytestmark = SM90_GPU
 BM = 128
@@ -156,7 +157,7 @@ def test_nmajor_real_30b_kernel_c_matches_triton():
 def test_backward_with_the_sm90_kernel_c_matches_the_reference(monkeypatch):
     """The whole backward with kernel C forced to the sm90 candidate (row-space dx, combine
     through slot_row): every gradient against the reference backend, and bitwise reruns."""
-    forced_backward_matches_reference(monkeypatch, {"dgrad1": "DGRAD1_SM90"}, seed=7,
+    forced_backward_matches_reference(monkeypatch, {"dgrad1": Sm90()}, seed=7,
                                       saved=False)
 
 
@@ -164,5 +165,5 @@ def test_saved_backward_with_the_sm90_kernel_a_matches_the_reference(monkeypatch
     """Kernel A's saved path with its dh GEMM forced to the sm90 N-major gemm_rows mode (w2 as
     stored, on the gathered dy rows, then the SwiGLU rows kernel): every gradient against the
     reference backend, and bitwise reruns."""
-    forced_backward_matches_reference(monkeypatch, {"dgrad2_swiglu": "DGRAD2_SWIGLU_SM90"},
+    forced_backward_matches_reference(monkeypatch, {"dgrad2_swiglu": Sm90()},
                                       seed=11, saved=True)

@@ -14,7 +14,11 @@ from moe_testing import (
     real_routing, rel_err, routing, routings, same_bits, saved_and_recomputed,
 )
 from torchtitan_megamoe.ops.hopper import backward
-from torchtitan_megamoe.ops.hopper.heuristics import CUBLAS, stage_candidates
+from torchtitan_megamoe.ops.hopper.heuristics import WGRAD_CONFIGS
+from torchtitan_megamoe.ops.hopper.sides.backward import shape
+from torchtitan_megamoe.ops.hopper.sides.configs import Cublas
+from torchtitan_megamoe.ops.hopper.sides.table import Available
+from torchtitan_megamoe.ops.hopper.sides.wgrad import DW2
 from torchtitan_megamoe.ops.hopper.kernels.grouped_mm import (
     dgrad1_grouped_mm, gather_rows, wgrad_dw13_grouped_mm, wgrad_dw2_grouped_mm,
 )
@@ -221,21 +225,27 @@ def test_forced_sides_agree(monkeypatch):
 
 
 def test_stage_candidates_follow_the_env(monkeypatch):
-    tri = [dict(block_n=32)]
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # the GPU's Triton lists
+    gpu = Available(cublas=True)
+
+    def cands(D, H, E=1):
+        return list(DW2.offer(shape(D, H, E, 128, True), gpu).candidates)
+
+    tri = WGRAD_CONFIGS
     monkeypatch.delenv(IMPL_ENV, raising=False)
-    assert stage_candidates(tri, 64, 32) == tri + [CUBLAS]  # auto: Triton first (untuned runs)
-    assert stage_candidates(tri, 60, 32) == tri  # auto skips what _grouped_mm cannot run
+    assert cands(64, 32) == tri + [Cublas()]  # auto: Triton first (the tuner's reference)
+    assert cands(60, 32) == tri  # auto skips what _grouped_mm cannot run
     monkeypatch.setenv(IMPL_ENV, "triton")
-    assert stage_candidates(tri, 64, 32) == tri
+    assert cands(64, 32) == tri
     monkeypatch.setenv(IMPL_ENV, "cublas")
-    assert stage_candidates(tri, 64, 32) == [CUBLAS]
+    assert cands(64, 32) == [Cublas()]
     with pytest.raises(ValueError, match="multiples of 8"):
-        stage_candidates(tri, 64, 36)
+        cands(64, 36)
     with pytest.raises(ValueError, match="1024 groups"):
-        stage_candidates(tri, 64, 32, 1024)
+        cands(64, 32, 1024)
     monkeypatch.setenv(IMPL_ENV, "cutlass")
     with pytest.raises(ValueError, match=IMPL_ENV):
-        stage_candidates(tri, 64, 32)
+        cands(64, 32)
 
 
 # ----------------------------------------------------------------------------- GPU, 30B shape

@@ -1,15 +1,25 @@
-"""What heuristics.py offers the tuner per stage: the lists at the Qwen3 shapes, the fallback
-configs only where the shape needs them, the first pick, fit checks that reject shapes the tiles
-do not divide, and one key schema. On CPU tensors (no sm90 kernel is ever offered)."""
+"""What each stage table offers the tuner (heuristics.py's Triton lists, sides/): the lists at
+the Qwen3 shapes, the fallback configs only where the shape needs them, fit checks that reject
+shapes the tiles do not divide, the sides MEGAMOE_BWD_IMPL allows, and typed configs. Plain
+shapes and availability, no GPU."""
 
 import pytest
 import torch
 
 from torchtitan_megamoe import settings
 from torchtitan_megamoe.ops.hopper import heuristics as hx
+from torchtitan_megamoe.ops.hopper import tiles
+from torchtitan_megamoe.ops.hopper.sides import dgrad1, dgrad2_swiglu, fp8_gemm, fp8_wgrad
+from torchtitan_megamoe.ops.hopper.sides import gemm1_swiglu, gemm2, wgrad
+from torchtitan_megamoe.ops.hopper.sides.backward import Shape as Bwd
+from torchtitan_megamoe.ops.hopper.sides.backward import cublas_offer
+from torchtitan_megamoe.ops.hopper.sides.configs import Cublas, Sm90, TritonGemm
+from torchtitan_megamoe.ops.hopper.sides.table import Available
 from torchtitan_megamoe.ops.shapes import hopper_multiple
 
 QWEN3 = {"30b": (2048, 768), "235b": (4096, 1536)}  # (D, H)
+NONE = Available()  # Triton alone
+GPU = Available(cublas=True)  # grouped_mm, no csrc/ build, no DeepGEMM
 
 
 @pytest.fixture
@@ -19,63 +29,58 @@ def gpu_lists(monkeypatch):
     monkeypatch.delenv(settings.BWD_IMPL, raising=False)
 
 
-def _bf16(*shape):
-    return torch.empty(*shape, dtype=torch.bfloat16)
+def _cands(stage, shape, avail=GPU):
+    return list(stage.offer(shape, avail).candidates)
 
 
-def _all_configs():
+def test_typed_configs():
     lists = [hx.GEMM1_SWIGLU_CONFIGS, hx.GEMM2_CONFIGS, hx.DGRAD2_SWIGLU_CONFIGS,
              hx.WGRAD_CONFIGS, hx.DGRAD1_CONFIGS, hx.FP8_WGRAD_CONFIGS, *hx.FP8_CONFIGS.values()]
-    singles = [hx.GEMM1_SWIGLU_SM90, hx.GEMM2_SM90, hx.DGRAD2_SWIGLU_UNEVEN, hx.DGRAD2_SWIGLU_SM90,
-               hx.DGRAD2_SWIGLU_SM90_FUSED, hx.WGRAD_SM90_PRE_GATHERED, hx.DGRAD1_UNEVEN,
-               hx.DGRAD1_SM90, hx.FP8_SM90, hx.FP8_INTERPRET, hx.INTERPRET_GEMM,
-               hx.INTERPRET_DGRAD2_SWIGLU, hx.INTERPRET_WGRAD, hx.INTERPRET_DGRAD1, hx.CUBLAS]
-    return [c for cands in lists for c in cands] + singles
-
-
-def test_one_key_schema():
-    allowed = {"block_m", "block_n", "block_k", "group_m", "num_warps", "num_stages", "use_tma",
-               "persistent", "tma_store", "pre_gathered", "static", "impl"}
-    for cfg in _all_configs():
-        assert set(cfg) <= allowed, cfg
-    assert {c.get("impl") for c in _all_configs()} == {None, "sm90", "sm90_fused", "cublas"}
+    singles = [hx.DGRAD2_SWIGLU_UNEVEN, hx.DGRAD1_UNEVEN, hx.FP8_INTERPRET, hx.INTERPRET_GEMM,
+               hx.INTERPRET_DGRAD2_SWIGLU, hx.INTERPRET_WGRAD, hx.INTERPRET_DGRAD1]
+    for cfg in [c for cands in lists for c in cands] + singles:
+        assert isinstance(cfg, TritonGemm) and cfg.side == "triton"
+    assert hx.GEMM1_SWIGLU_CONFIGS[1].kwargs() == dict(
+        block_m=128, block_n=128, block_k=64, group_m=8, num_warps=8, num_stages=3)
+    assert Sm90().as_dict() == {"impl": "sm90", "group_m": 8} and Cublas().as_dict() == {
+        "impl": "cublas"}
 
 
 @pytest.mark.parametrize("shape", QWEN3)
 def test_forward_lists_at_the_qwen3_shapes(shape, gpu_lists):
     D, H = QWEN3[shape]
-    x = _bf16(4, D)
-    g1 = hx.gemm1_swiglu_candidates(x, H, D, hx.BLOCK_M)
-    assert g1 == [c for c in hx.GEMM1_SWIGLU_CONFIGS if c["block_n"] == 128]
-    assert len(g1) == 6 and g1[0] == hx.GEMM1_SWIGLU_CONFIGS[0]
-    assert g1[0]["use_tma"] and not g1[0].get("persistent")  # what runs untuned
-    w2, y = _bf16(2, D, H), _bf16(4, D)
-    g2 = hx.gemm2_candidates(_bf16(4, H), w2, y, hx.BLOCK_M)
-    assert g2 == [c for c in hx.GEMM2_CONFIGS if c["block_n"] == 256] and len(g2) == 4
-    assert g2[0]["use_tma"] and not g2[0].get("persistent")
+    g1 = _cands(gemm1_swiglu.STAGE, gemm1_swiglu.Shape(H, D, tiles.BLOCK_M))
+    assert g1 == [c for c in hx.GEMM1_SWIGLU_CONFIGS if c.block_n == 128]
+    assert len(g1) == 6 and g1[0].use_tma and not g1[0].persistent  # the reference
+    g2 = _cands(gemm2.STAGE, gemm2.Shape(D, H, tiles.BLOCK_M))
+    assert g2 == [c for c in hx.GEMM2_CONFIGS if c.block_n == 256] and len(g2) == 4
+    sm90 = Available(sm90=True)
+    assert _cands(gemm1_swiglu.STAGE, gemm1_swiglu.Shape(H, D, tiles.BLOCK_M), sm90) == g1 + [Sm90()]
+    assert _cands(gemm2.STAGE, gemm2.Shape(D, H, tiles.BLOCK_M), sm90) == g2 + [Sm90()]
+    assert _cands(gemm2.STAGE, gemm2.Shape(D, H, tiles.BLOCK_M, bf16=False), sm90) == g2
 
 
 def test_forward_narrow_fallback_only_where_no_wide_tile_fits(gpu_lists):
-    x = _bf16(4, 2048)
     # H a multiple of 64, not of 128: only the 64-wide GEMM 1 tile
-    assert [c["block_n"] for c in hx.gemm1_swiglu_candidates(x, 832, 2048, hx.BLOCK_M)] == [64]
+    assert [c.block_n for c in hx.gemm1_swiglu_triton(832, 2048)] == [64]
     # D a multiple of 64, not of 256: only the 64-wide GEMM 2 tile
-    g2 = hx.gemm2_candidates(_bf16(4, 768), _bf16(2, 2112, 768), _bf16(4, 2112), hx.BLOCK_M)
-    assert [c["block_n"] for c in g2] == [64]
+    assert [c.block_n for c in hx.gemm2_triton(2112, 768)] == [64]
     # nothing divides: no candidate (the op's check_inputs refuses such shapes first)
-    assert hx.gemm1_swiglu_candidates(x, 800, 2048, hx.BLOCK_M) == []
-    assert hx.gemm1_swiglu_candidates(x, 768, 2000, hx.BLOCK_M) == []
+    assert hx.gemm1_swiglu_triton(800, 2048) == []
+    assert hx.gemm1_swiglu_triton(768, 2000) == []
 
 
 @pytest.mark.parametrize("shape", QWEN3)
 def test_backward_lists_at_the_qwen3_shapes(shape, gpu_lists):
     D, H = QWEN3[shape]
-    E = 128
-    x, w1, w2, w3 = _bf16(4, D), _bf16(E, H, D), _bf16(E, D, H), _bf16(E, H, D)
-    assert hx.dgrad2_swiglu_candidates(x, w2, hx.BLOCK_M) == hx.DGRAD2_SWIGLU_CONFIGS + [hx.CUBLAS]
-    assert hx.wgrad_candidates(x, (w1, w2, w3), hx.BLOCK_M) == hx.WGRAD_CONFIGS + [hx.CUBLAS]
-    # dgrad1's grouped_mm side never won: not offered under auto
-    assert hx.dgrad1_candidates(_bf16(4, 2 * H), w1, hx.BLOCK_M) == hx.DGRAD1_CONFIGS
+    s = Bwd(D, H, 128, tiles.BLOCK_M)
+    assert _cands(dgrad2_swiglu.STAGE, s) == hx.DGRAD2_SWIGLU_CONFIGS + [Cublas()]
+    assert _cands(wgrad.DW2, s) == hx.WGRAD_CONFIGS + [Cublas()]
+    assert _cands(wgrad.DW13, s) == hx.WGRAD_CONFIGS + [Cublas()]
+    # dgrad1's grouped_mm side is offered only when forced
+    assert _cands(dgrad1.STAGE, s) == hx.DGRAD1_CONFIGS
+    # no grouped_mm where it cannot run (the interpreter, a CPU)
+    assert _cands(wgrad.DW2, s, NONE) == hx.WGRAD_CONFIGS
 
 
 def test_backward_pointer_configs_only_where_no_tma_config_fits(gpu_lists):
@@ -86,49 +91,64 @@ def test_backward_pointer_configs_only_where_no_tma_config_fits(gpu_lists):
     assert hx.dgrad2_swiglu_triton(2000, 768)[0] == hx.DGRAD2_SWIGLU_CONFIGS[0]
 
 
-def test_sides_follow_megamoe_bwd_impl(monkeypatch, gpu_lists):
-    tri = [dict(block_n=64)]
-    assert hx.stage_candidates(tri, 64, 32) == tri + [hx.CUBLAS]  # auto: Triton first
-    assert hx.stage_candidates(tri, 64, 32, auto_cublas=False) == tri
-    assert hx.stage_candidates(tri, 60, 32) == tri  # auto skips what _grouped_mm cannot run
-    monkeypatch.setenv(settings.BWD_IMPL, "triton")
-    assert hx.stage_candidates(tri, 64, 32) == tri
-    monkeypatch.setenv(settings.BWD_IMPL, "cublas")  # forced: the grouped_mm side all the same
-    assert hx.stage_candidates(tri, 64, 32, auto_cublas=False) == [hx.CUBLAS]
+def test_sides_follow_megamoe_bwd_impl(gpu_lists):
+    offer = cublas_offer()
+    assert offer(Bwd(64, 32, 1, 128), GPU) == [Cublas()]
+    assert cublas_offer(auto=False)(Bwd(64, 32, 1, 128), GPU) == []
+    assert offer(Bwd(60, 32, 1, 128), GPU) == []  # auto skips what _grouped_mm cannot run
+    assert offer(Bwd(64, 32, 1, 128, forced="triton"), GPU) == []
+    # forced: the grouped_mm side alone, even where auto does not offer it
+    forced = Bwd(2048, 768, 128, 128, forced="cublas")
+    all_sides = Available(sm90=True, deepgemm=True, cublas=True)
+    for stage in (dgrad2_swiglu.STAGE, wgrad.DW2, dgrad1.STAGE):
+        assert _cands(stage, forced, all_sides) == [Cublas()]
+    triton_only = Bwd(2048, 768, 128, 128, forced="triton")
+    assert _cands(dgrad2_swiglu.STAGE, triton_only, all_sides) == hx.DGRAD2_SWIGLU_CONFIGS
     with pytest.raises(ValueError, match=settings.BWD_IMPL):
-        hx.stage_candidates(tri, 64, 36)
+        offer(Bwd(64, 36, 1, 128, forced="cublas"), GPU)
 
 
 def test_sm90_fit_checks_reject_what_they_cannot_run(gpu_lists):
-    E, D, H = 4, 2048, 768
-    x, w1, w2, w3 = _bf16(4, D), _bf16(E, H, D), _bf16(E, D, H), _bf16(E, H, D)
-    # CPU tensors: the csrc/ kernels never run here
-    assert not hx.dgrad2_swiglu_sm90_fits(x, w2, hx.BLOCK_M)
-    assert not hx.wgrad_sm90_fits(x, (w1, w2, w3), hx.BLOCK_M)
-    assert not hx.dgrad1_sm90_fits(_bf16(4, 2 * H), w1, hx.BLOCK_M)
-    # another plan tile height, or fp32 operands: not offered whatever the device
-    assert not hx.dgrad2_swiglu_sm90_fits(x, w2, 64)
-    assert not hx.wgrad_sm90_fits(x.float(), (w1, w2, w3), hx.BLOCK_M)
+    sm90 = Available(sm90=True)
+    s = Bwd(2048, 768, 4, tiles.BLOCK_M)
+    for stage in (dgrad2_swiglu.STAGE, wgrad.DW2, dgrad1.STAGE):
+        assert any(c.side == "sm90" for c in _cands(stage, s, sm90))
+        # not built here, another plan tile height, or fp32 operands: not offered
+        for shape, avail in ((s, NONE), (Bwd(2048, 768, 4, 64), sm90),
+                             (Bwd(2048, 768, 4, tiles.BLOCK_M, bf16=False), sm90)):
+            assert not any(c.side == "sm90" for c in _cands(stage, shape, avail))
+    assert not any(c.side == "sm90"
+                   for c in _cands(wgrad.DW2, Bwd(2048, 768, 4, 128, params_ok=False), sm90))
 
 
 def test_fp8_lists(gpu_lists):
-    a, out = torch.empty(4, 2048, dtype=torch.float8_e4m3fn), _bf16(4, 2048)
     for epilogue, cands in hx.FP8_CONFIGS.items():
-        assert hx.fp8_gemm_candidates(epilogue, a, 768, 2048, 128, out, gather=True) == cands
+        shape = fp8_gemm.Shape(epilogue, 768, 2048, 128, out_bf16=True, gather=True)
+        assert _cands(fp8_gemm.STAGES["fp8_gemm2"], shape) == cands
     # the SwiGLU epilogues keep one scale per row (block_n 128); dgrad2_swiglu one per column too
-    assert {c["block_n"] for c in hx.FP8_GEMM1_SWIGLU_CONFIGS} == {128}
-    assert {(c["block_m"], c["block_n"]) for c in hx.FP8_DGRAD2_SWIGLU_CONFIGS} == {(128, 128)}
-    at = torch.empty(768, 256, dtype=torch.float8_e4m3fn)
-    assert hx.fp8_wgrad_candidates(at, 768, 2048, torch.bfloat16) == hx.FP8_WGRAD_CONFIGS
+    assert {c.block_n for c in hx.FP8_GEMM1_SWIGLU_CONFIGS} == {128}
+    assert {(c.block_m, c.block_n) for c in hx.FP8_DGRAD2_SWIGLU_CONFIGS} == {(128, 128)}
+    bf16 = torch.bfloat16
+    assert _cands(fp8_wgrad.STAGE, fp8_wgrad.Shape(768, 2048, bf16)) == hx.FP8_WGRAD_CONFIGS
     # M = 192 is not a multiple of 128: only the 64-row tiles
-    assert {c["block_m"] for c in hx.fp8_wgrad_candidates(at, 192, 2048, torch.bfloat16)} == {64}
+    assert {c.block_m for c in _cands(fp8_wgrad.STAGE, fp8_wgrad.Shape(192, 2048, bf16))} == {64}
+
+
+def test_fp8_deepgemm_not_for_one_group_of_experts(gpu_lists):
+    dg = Available(deepgemm=True)
+    rows = fp8_gemm.STAGES["fp8_dgrad1"]
+    whole = fp8_gemm.Shape("gemm_rows", 2048, 1536, 128, out_bf16=True, gather=False)
+    group = fp8_gemm.Shape("gemm_rows", 2048, 1536, 128, out_bf16=True, gather=False,
+                           expert_group=True)
+    assert _cands(rows, whole, dg)[-1].side == "deepgemm"
+    assert all(c.side == "triton" for c in _cands(rows, group, dg))
 
 
 def test_interpreter_tiles(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    assert hx.plan_block_m() == hx.INTERPRET_BLOCK_M and hopper_multiple() == 16
+    assert tiles.plan_block_m() == tiles.INTERPRET_BLOCK_M and hopper_multiple() == 16
     assert hx.forward_configs(None, None) == (hx.INTERPRET_GEMM, hx.INTERPRET_GEMM)
     assert hx.dgrad2_swiglu_triton(2048, 768) == [hx.INTERPRET_DGRAD2_SWIGLU]
     monkeypatch.delenv("TRITON_INTERPRET")
-    assert hx.plan_block_m() == hx.BLOCK_M and hopper_multiple() == 64
+    assert tiles.plan_block_m() == tiles.BLOCK_M and hopper_multiple() == 64
     assert hx.forward_configs(None, None) == (None, None)  # the tuner picks

@@ -1,21 +1,24 @@
 """Each forward kernel alone, under TRITON_INTERPRET=1 on CPU (or compiled on a GPU), against
 float64 PyTorch math; outputs are poisoned with NaN first so unwritten elements fail."""
 
+from dataclasses import replace
+
 import pytest
 import torch
 import torch.nn.functional as F
 
 from moe_testing import make_weights, rel_err, routings
 from torchtitan_megamoe.ops.hopper.kernels import combine as combine_mod
-from torchtitan_megamoe.ops.hopper.kernels import gemm1_swiglu as g1
-from torchtitan_megamoe.ops.hopper.kernels import gemm2 as g2
+from torchtitan_megamoe.ops.hopper.sides import gemm1_swiglu as g1
+from torchtitan_megamoe.ops.hopper.sides import gemm2 as g2
+from torchtitan_megamoe.ops.hopper.sides.configs import TritonGemm
 from torchtitan_megamoe.ops.hopper.plan import build_plan
 
-CFG = dict(block_m=16, block_n=16, block_k=16, group_m=2, num_warps=1, num_stages=1)
+CFG = TritonGemm(block_m=16, block_n=16, block_k=16, group_m=2, num_warps=1, num_stages=1)
 # the bulk-tensor-copy (TMA descriptor) path, and a block_m smaller than the plan's tile height
-CFG_TMA = dict(CFG, block_m=8, use_tma=True)
+CFG_TMA = replace(CFG, block_m=8, use_tma=True)
 # persistent grid: a few programs loop over the used tiles only
-CFG_PERSIST = dict(CFG_TMA, persistent=True)
+CFG_PERSIST = replace(CFG_TMA, persistent=True)
 T, K, E, D, H, BM = 13, 2, 4, 32, 48, 16
 
 
@@ -85,7 +88,7 @@ def test_gemm1_tuner_picks_one_kernel_for_the_saving_and_plain_forward(monkeypat
     the GPU once the CUDA kernel became a candidate)."""
     keys = []
 
-    def record(name, key, cands, launch, outputs=None):
+    def record(stage, key, problem, launch, outputs=None):
         keys.append(key)
         return CFG  # the interpreter's tiles (no GPU config divides these test sizes)
 
@@ -105,7 +108,7 @@ def test_gemm1_tuner_times_the_candidates_with_the_a_store(monkeypatch):
     tensor) even when the call that asks it stores none."""
     seen = []
 
-    def tune(name, key, cands, launch, outputs=None):
+    def tune(stage, key, problem, launch, outputs=None):
         seen.append(outputs(launch(CFG)))
         return CFG
 
@@ -123,7 +126,7 @@ def test_gemm1_tuner_times_the_candidates_with_the_a_store(monkeypatch):
 
 
 @pytest.mark.parametrize("name,ids", list(routings(T, K, E)), ids=lambda v: v if isinstance(v, str) else "")
-@pytest.mark.parametrize("cfg", [CFG, CFG_TMA, CFG_PERSIST, dict(CFG_PERSIST, tma_store=True)],
+@pytest.mark.parametrize("cfg", [CFG, CFG_TMA, CFG_PERSIST, replace(CFG_PERSIST, tma_store=True)],
                          ids=["ptr", "tma", "persistent", "tma_store"])
 def test_gemm2_rows(name, ids, cfg):
     w1, w2, w3 = make_weights(E, D, H)

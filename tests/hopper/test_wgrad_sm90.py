@@ -16,6 +16,7 @@ from torchtitan_megamoe.ops.hopper.cuda.wgrad import wgrad_dw13_sm90, wgrad_dw2_
 from torchtitan_megamoe.ops.hopper.kernels.grouped_mm import gather_rows, grouped_wgrad
 from torchtitan_megamoe.ops.hopper.kernels.wgrad import longest_first
 from torchtitan_megamoe.ops.hopper.plan import build_plan
+from torchtitan_megamoe.ops.hopper.sides.configs import Sm90
 
 pytestmark = SM90_GPU
 BM = 128
@@ -156,7 +157,7 @@ def test_real_30b_shape_matches_grouped_mm_and_reruns_bitwise():
 
 
 def test_backward_with_the_sm90_weight_gradients_matches_the_reference(monkeypatch):
-    variant = "WGRAD_SM90_PRE_GATHERED"  # the tuner's sm90 candidate (rows gathered first)
+    variant = Sm90()  # the tuner's sm90 candidate (rows gathered first)
     got = forced_backward_matches_reference(
         monkeypatch, {"wgrad_dw2": variant, "wgrad_dw13": variant}, seed=7, saved=False)
     assert torch.all(got[2][3] == 0) and torch.all(got[3][3] == 0)  # the empty expert

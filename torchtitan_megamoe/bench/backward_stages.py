@@ -98,7 +98,7 @@ def bench_shape(name, tokens, iters, shape=None, device="cuda"):
     res["saved_gib"] = sum(t.numel() * t.element_size() for t in inputs.saved) / 2**30
 
     picks = hopper.backward_picks(inputs, "triton")
-    res["configs"] = picks
+    res["configs"] = {stage: cfg.as_dict() for stage, cfg in picks.items()}
     # What the auto run's tuner measured per stage (ms per candidate) and picked.
     auto_key = hopper.backward_key(inputs, "auto")
     timings = hopper.tuner_timings()

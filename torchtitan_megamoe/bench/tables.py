@@ -403,10 +403,8 @@ def ep_table(results: list[dict]) -> str:
 
 
 def _impl(cfg: dict) -> str:
-    """A tuner candidate's short name: sm90 (+ its knobs), cublas, or triton."""
-    impl = cfg.get("impl") or "triton"
-    extra = [k for k in ("pre_gathered",) if cfg.get(k)]
-    return "+".join([impl] + extra)
+    """A tuner candidate's short name: its side (sm90, sm90_fused, cublas, deepgemm, triton)."""
+    return cfg.get("impl") or "triton"
 
 
 def tuner_lines(results: list[dict]) -> str:

@@ -13,8 +13,8 @@ backward alike:
                                                       partial rows returned to their sources
 
 The backward reads what the forward saved (GEMM 1's pre-activations and the packed plan)
-instead of recomputing them. heuristics.py chooses the kernel configs every stage offers its
-tuner (tune.py); stages.py is the benchmark's view of the stages. The module that owns a
+instead of recomputing them. Each stage has one table of implementations (sides/), which its
+tuner (tune.py) times; stages.py is the benchmark's view of the stages. The module that owns a
 layer's FP8 weight copies makes them with this backend's ``make_fp8_weights`` and
 ``quantize_weight`` (fp8_weights.py).
 """

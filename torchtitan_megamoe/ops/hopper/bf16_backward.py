@@ -11,7 +11,7 @@
     wgrad_dw13     dw1[e] = sum_r da1_r^T x_r, dw3[e] = sum_r da3_r^T x_r
     dgrad1         dx rows = da1_r @ w1[e] + da3_r @ w3[e]
     bwd_combine    dx[t] = sum_k dx rows, d(topk_weights) from the partials
-Each stage has sides (Triton, sm90, grouped_mm) that heuristics.py offers and tune.py times.
+Each stage has sides (Triton, sm90, grouped_mm): its table in sides/, timed by tune.py.
 x and dy rows are read by indirection (row -> token); nothing is permuted. Every reduction has
 a fixed order and no atomics, so two runs on the same inputs are bitwise identical. What is
 saved, recomputed and live when: docs/ARCHITECTURE.md, "Memory of the bf16 backward".
@@ -20,21 +20,15 @@ saved, recomputed and live when: docs/ARCHITECTURE.md, "Memory of the bf16 backw
 import torch
 
 from torchtitan_megamoe import settings
-from torchtitan_megamoe.ops.hopper import heuristics
-from torchtitan_megamoe.ops.hopper.cuda import dgrad2_swiglu as sm90_dgrad
-from torchtitan_megamoe.ops.hopper.cuda import gemm_rows as sm90_rows
-from torchtitan_megamoe.ops.hopper.cuda import wgrad as sm90_wgrad
-from torchtitan_megamoe.ops.hopper.heuristics import forward_configs, is_cublas, plan_block_m
+from torchtitan_megamoe.ops.hopper.heuristics import forward_configs
+from torchtitan_megamoe.ops.hopper.tiles import plan_block_m
 from torchtitan_megamoe.ops.hopper.kernels.bwd_combine import bwd_combine
-from torchtitan_megamoe.ops.hopper.kernels.dgrad1 import dgrad1
-from torchtitan_megamoe.ops.hopper.kernels.dgrad2_swiglu import dgrad2_swiglu
-from torchtitan_megamoe.ops.hopper.kernels.gemm1_swiglu import gemm1_swiglu
-from torchtitan_megamoe.ops.hopper.kernels.grouped_mm import (
-    dgrad1_grouped_mm, dgrad2_swiglu_grouped_mm, gather_rows, wgrad_dw2_grouped_mm,
-    wgrad_dw13_grouped_mm,
-)
-from torchtitan_megamoe.ops.hopper.kernels.wgrad import longest_first, wgrad
+from torchtitan_megamoe.ops.hopper.kernels.wgrad import longest_first
 from torchtitan_megamoe.ops.hopper.plan import build_plan, unpack_plan
+from torchtitan_megamoe.ops.hopper.sides import dgrad1, dgrad2_swiglu, wgrad
+from torchtitan_megamoe.ops.hopper.sides.backward import params_ok, shape
+from torchtitan_megamoe.ops.hopper.sides.gemm1_swiglu import gemm1_swiglu
+from torchtitan_megamoe.ops.hopper.sides.table import available
 from torchtitan_megamoe.ops.hopper.tune import bucket, pick_config
 
 
@@ -103,44 +97,25 @@ def backward_bf16(grad_out, x, topk_ids, topk_weights, w1, w2, w3, saved=None, w
 
     # dgrad2_swiglu. Buffers are allocated once so that tuning candidates write the same
     # outputs. The grouped_mm and sm90 sides gather dy rows, which wgrad_dw2 then reuses.
-    a_bufs, shared = {}, {}
+    ops_a = dgrad2_swiglu.Operands(dy, a_saved, topk_weights, w2, plan, x.dtype, {}, {})
+    bf16 = x.dtype == w2.dtype == torch.bfloat16
 
-    def launch_a(cfg):
-        rows_side = is_cublas(cfg) or cfg.get("impl") == "sm90"  # dh GEMM, then the rows kernel
-        n_h = 1 if rows_side else -(-H // cfg["block_n"])
-        if a_bufs.get("n_h") != n_h:
-            a_bufs.update(n_h=n_h, out=(
-                torch.empty(R, 2 * H, dtype=x.dtype, device=x.device),
-                torch.empty(R, H, dtype=x.dtype, device=x.device),
-                torch.empty(n_h, R, dtype=torch.float32, device=x.device),
-            ))
-        if cfg.get("impl") == "sm90_fused":
-            if shared.get("dy_rows") is None:
-                shared["dy_rows"] = torch.empty(R, D, dtype=x.dtype, device=x.device)
-            return sm90_dgrad.dgrad2_swiglu_sm90(dy, a_saved, topk_weights, w2, plan,
-                                                   out=a_bufs["out"], dy_rows=shared["dy_rows"])
-        if rows_side:
-            *res, shared["dy_rows"] = dgrad2_swiglu_grouped_mm(
-                dy, a_saved, topk_weights, w2, plan, out=a_bufs["out"],
-                dy_rows=shared.get("dy_rows"), sm90=not is_cublas(cfg))
-            return tuple(res)
-        return dgrad2_swiglu(dy, a_saved, topk_weights, w2, plan, out=a_bufs["out"], **cfg)
-
-    # Each stage's candidate list is a function, built only until the tuner has picked (host
-    # time: the backward's stages run back to back, nothing hides their issue cost).
+    # Each stage's offer is a function, built only until the tuner has picked (host time: the
+    # backward's stages run back to back, nothing hides their issue cost).
     # checked on the used rows (the sides' buffers past them differ) and on d(topk_weights)'s
     # per-row sum of partials (the sides keep different numbers of partials)
     def a_outputs(res):
         used = int(plan.num_rows_used)
         return res[0][:used], res[1][:used], res[2].sum(0)[:used]
 
-    a_cfg = pick_config("dgrad2_swiglu", key,
-                        lambda: heuristics.dgrad2_swiglu_candidates(x, w2, block_m), launch_a,
-                        outputs=a_outputs)
-    da, hw, part = launch_a(a_cfg)
-    if not (is_cublas(a_cfg) or a_cfg.get("impl") in ("sm90", "sm90_fused")):
+    a_cfg = pick_config(dgrad2_swiglu.STAGE, key,
+                        lambda: (shape(D, H, E, block_m, bf16), available(x)),
+                        lambda cfg: dgrad2_swiglu.STAGE.launch(cfg, ops_a), outputs=a_outputs)
+    da, hw, part = dgrad2_swiglu.STAGE.launch(a_cfg, ops_a)
+    shared = ops_a.shared
+    if a_cfg.side not in dgrad2_swiglu.GATHERS_DY:
         shared.clear()  # no dy rows for dw2 to reuse
-    del a_bufs, a_saved
+    del ops_a, a_saved
 
     # dgrad2_swiglu's gathered dy rows (its sm90 and grouped_mm sides) serve wgrad_dw2 too
     acts = {"hw": hw, "dy_rows": shared.pop("dy_rows", None)}
@@ -151,24 +126,19 @@ def backward_bf16(grad_out, x, topk_ids, topk_weights, w1, w2, w3, saved=None, w
     # dgrad1, then bwd_combine. Each side allocates its dx rows itself (the grouped_mm side
     # only after its second GEMM's output is freed): [T*K, D] by slot, or [R_max, D] in the
     # row space (sm90; the second value says which).
-    def launch_c(cfg):
-        if is_cublas(cfg):
-            return dgrad1_grouped_mm(da, w1, w3, plan), False
-        if cfg.get("impl") == "sm90":
-            dx_rows = torch.empty(R, D, dtype=x.dtype, device=x.device)
-            sm90_rows.gemm_rows_nmajor_sm90(da, (w1, w3), plan, dx_rows)
-            return dx_rows, True
-        return dgrad1(da, w1, w3, plan, out_dtype=x.dtype, **cfg), False
+    ops_c = dgrad1.Operands(da, w1, w3, plan, x.dtype)
 
     # checked on a sample of the live slots' rows, wherever each side keeps them
     def c_outputs(res):
         live = torch.nonzero(plan.slot_row >= 0).squeeze(1)[::61]
         return (res[0][plan.slot_row[live].long()] if res[1] else res[0][live],)
 
-    dx_slot, in_rows = launch_c(pick_config(
-        "dgrad1", key, lambda: heuristics.dgrad1_candidates(da, w1, block_m), launch_c,
-        outputs=c_outputs))
-    del da
+    c_cfg = pick_config(dgrad1.STAGE, key,
+                        lambda: (shape(D, H, E, block_m, da.dtype == w1.dtype == torch.bfloat16),
+                                 available(da)),
+                        lambda cfg: dgrad1.STAGE.launch(cfg, ops_c), outputs=c_outputs)
+    dx_slot, in_rows = dgrad1.STAGE.launch(c_cfg, ops_c)
+    del da, ops_c
     dx, dtw = bwd_combine(dx_slot, part, plan, dx_dtype=x.dtype, dtw_dtype=topk_weights.dtype,
                           rows=in_rows)
     return dx, dtw, dw1, dw2, dw3
@@ -184,42 +154,20 @@ def weight_grads(dy, x, da, acts: dict, plan, params, key, block_m, wait_x=None)
     # dw2 first so hw is freed before dgrad1 allocates its dx rows. (Running dw1/dw3 after the
     # combine, so that under EP the dx rows could travel under them, would keep dx alive
     # through dw1/dw3 for no gain.)
-    order = longest_first(plan)
-    H = da.shape[1] // 2
+    E, H, D = params[0].shape
     key = key + (params[0].dtype,)  # fp32 gradients (fp32 parameters) change the sides' costs
+    ops = wgrad.Operands(dy, x, da, acts, plan, params, longest_first(plan))
 
-    def launch_dw2(cfg):
-        if cfg.get("impl") == "sm90":  # on the gathered dy rows, or gathered here
-            rows = acts.get("dy_rows")
-            return sm90_wgrad.wgrad_dw2_sm90(
-                gather_rows(dy, plan) if rows is None else rows, acts["hw"], plan,
-                torch.empty_like(params[1]), order, pre_gathered=True)
-        if is_cublas(cfg):
-            return wgrad_dw2_grouped_mm(dy, acts["hw"], plan, params[1],
-                                        dy_rows=acts.get("dy_rows"))
-        return wgrad(dy, acts["hw"], torch.empty_like(params[1]), plan, a_gather=True,
-                     b_gather=False, expert_order=order, **cfg)
+    def problem():
+        return shape(D, H, E, block_m, x.dtype == torch.bfloat16, params_ok(params)), available(x)
 
-    def launch_dw13(cfg):
-        if cfg.get("impl") == "sm90":  # on the gathered x rows
-            return sm90_wgrad.wgrad_dw13_sm90(da, gather_rows(x, plan), plan,
-                                              torch.empty_like(params[0]),
-                                              torch.empty_like(params[2]), order,
-                                              pre_gathered=True)
-        if is_cublas(cfg):
-            return wgrad_dw13_grouped_mm(da, x, plan, params[0], params[2])
-        return tuple(wgrad(a, x, torch.empty_like(p), plan, a_gather=False, b_gather=True,
-                           expert_order=order, **cfg)
-                     for a, p in ((da[:, :H], params[0]), (da[:, H:], params[2])))
-
-    def b_stage():
-        return heuristics.wgrad_candidates(x, params, block_m)
-
-    dw2 = launch_dw2(pick_config("wgrad_dw2", key, b_stage, launch_dw2,
-                                 outputs=lambda r: (r,)))
+    dw2 = wgrad.DW2.launch(pick_config(wgrad.DW2, key, problem,
+                                       lambda cfg: wgrad.DW2.launch(cfg, ops),
+                                       outputs=lambda r: (r,)), ops)
     acts.clear()
     if wait_x is not None:
         wait_x()
-    dw1, dw3 = launch_dw13(pick_config("wgrad_dw13", key, b_stage, launch_dw13,
-                                       outputs=lambda r: r))
+    dw1, dw3 = wgrad.DW13.launch(pick_config(wgrad.DW13, key, problem,
+                                             lambda cfg: wgrad.DW13.launch(cfg, ops),
+                                             outputs=lambda r: r), ops)
     return dw1, dw2, dw3

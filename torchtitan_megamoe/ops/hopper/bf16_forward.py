@@ -14,11 +14,12 @@ bf16 backward", compares with stock).
 
 import torch
 
-from torchtitan_megamoe.ops.hopper.heuristics import forward_configs, plan_block_m
+from torchtitan_megamoe.ops.hopper.heuristics import forward_configs
+from torchtitan_megamoe.ops.hopper.tiles import plan_block_m
 from torchtitan_megamoe.ops.options import ids_range_message
 from torchtitan_megamoe.ops.hopper.kernels.combine import combine
-from torchtitan_megamoe.ops.hopper.kernels.gemm1_swiglu import gemm1_swiglu
-from torchtitan_megamoe.ops.hopper.kernels.gemm2 import gemm2
+from torchtitan_megamoe.ops.hopper.sides.gemm1_swiglu import gemm1_swiglu
+from torchtitan_megamoe.ops.hopper.sides.gemm2 import gemm2
 from torchtitan_megamoe.ops.hopper.plan import build_plan, max_rows, pack_plan, packed_plan_numel
 
 

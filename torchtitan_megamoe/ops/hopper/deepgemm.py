@@ -2,7 +2,7 @@
 
 DeepGEMM (the ``deep_gemm`` package, PyPI sdist ``deepinfer-gemm``, this project's
 ``[deepgemm]`` extra: scripts/install_deepgemm.sh) picks its tile shape per problem. Where it is
-importable, heuristics.fp8_gemm_candidates offers it to the tuner next to our kernels, and the
+importable, its side in sides/fp8_gemm.py is offered to the tuner next to our kernels, and the
 tuner keeps whichever is faster (and agrees with ours). Nothing else depends on it.
 
     m_grouped_fp8_gemm_nt_contiguous(A rows [M, K] e4m3 + [M, K/128] fp32 scales,
@@ -10,10 +10,10 @@ tuner keeps whichever is faster (and agrees with ours). Nothing else depends on 
                                      D [M, N] bf16, grouped_layout [M] int32)
 
 The plan's row space is already DeepGEMM's contiguous layout: every expert's segment is padded to
-128 rows (heuristics.FP8_BLOCK_M, its M alignment on SM90), and a row's group is its tile's
+128 rows (tiles.FP8_BLOCK_M, its M alignment on SM90), and a row's group is its tile's
 expert (-1 past the used rows: DeepGEMM skips those blocks and leaves their D rows unwritten).
 DeepGEMM writes zeros into the rows of skipped blocks, so it cannot write one group of experts
-into an output that holds the others' rows (heuristics.fp8_gemm_candidates: not offered there).
+into an output that holds the others' rows (sides/fp8_gemm.py: not offered there).
 A must be row-contiguous: per-token operands are gathered into the row space first
 (kernels/fp8_quant.gather_rows). Scales are passed as fp32 with DeepGEMM's power-of-two (UE8M0)
 rounding turned off, so it computes the recipe our kernels and the reference do.

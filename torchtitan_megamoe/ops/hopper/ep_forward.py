@@ -56,10 +56,11 @@ import torch
 from torchtitan_megamoe.ops.hopper.bf16_forward import saved_like
 from torchtitan_megamoe.ops.hopper.ep_dispatch import TokenRoute
 from torchtitan_megamoe.ops.hopper.ep_transport import capacity_hint
-from torchtitan_megamoe.ops.hopper.heuristics import forward_configs, plan_block_m
+from torchtitan_megamoe.ops.hopper.heuristics import forward_configs
+from torchtitan_megamoe.ops.hopper.tiles import plan_block_m
 from torchtitan_megamoe.ops.hopper.kernels.combine import combine
-from torchtitan_megamoe.ops.hopper.kernels.gemm1_swiglu import gemm1_swiglu
-from torchtitan_megamoe.ops.hopper.kernels.gemm2 import gemm2
+from torchtitan_megamoe.ops.hopper.sides.gemm1_swiglu import gemm1_swiglu
+from torchtitan_megamoe.ops.hopper.sides.gemm2 import gemm2
 from torchtitan_megamoe.ops.hopper.plan import build_phased_plan, max_rows, pack_plan
 
 PHASES = 2

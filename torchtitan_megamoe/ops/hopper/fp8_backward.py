@@ -8,7 +8,7 @@ no transposed quantization of x and dy). MEGAMOE_FP8_WGRAD=1 takes them in FP8 t
     quant      dy [T, D] per token (1x128); the weights' transposed 128 x 128 copies
                (fp8_weights.w2_transposed, fp8_weights.w13_transposed: each made right before
                its GEMM, so the two are never live together)
-    fp8_dgrad2 dh rows = dy_rows @ w2[e] (kernels/fp8_gemm.fp8_gemm_rows on the token rows,
+    fp8_dgrad2 dh rows = dy_rows @ w2[e] (sides/fp8_gemm.fp8_gemm_rows on the token rows,
                gathered by the plan: our kernels or DeepGEMM, whichever the tuner times faster)
     swiglu_bwd kernels/swiglu_bwd_rows: da = [da1 | da3] and hw = w*h in bf16 for the weight
                gradients, da again in e4m3 per row for fp8_dgrad1, the d(topk_weights) partials
@@ -19,9 +19,9 @@ no transposed quantization of x and dy). MEGAMOE_FP8_WGRAD=1 takes them in FP8 t
                transposed copy of one group at a time, so the backward's peak stays under the
                bf16 path's
 
-All-FP8 (MEGAMOE_FP8_WGRAD=1): kernels/fp8_gemm.fp8_dgrad2_swiglu fuses dgrad2 with the SwiGLU
+All-FP8 (MEGAMOE_FP8_WGRAD=1): sides/fp8_gemm.fp8_dgrad2_swiglu fuses dgrad2 with the SwiGLU
 backward and writes da^T and h^T per 128 rows; (w * dy)^T and x^T are quantized per 128 rows
-(kernels/fp8_quant.quant_rows_t) for kernels/fp8_wgrad.fp8_wgrad.
+(kernels/fp8_quant.quant_rows_t) for sides/fp8_wgrad.fp8_wgrad.
 Deterministic: fixed-order reductions, no atomics.
 """
 
@@ -32,14 +32,15 @@ from torchtitan_megamoe.ops.hopper.bf16_backward import tuner_key, weight_grads
 from torchtitan_megamoe.ops.hopper.fp8_weights import (
     dense_weights, forward_weights, w2_transposed, w13_transposed,
 )
-from torchtitan_megamoe.ops.hopper.heuristics import FP8_BLOCK_M, forward_configs
+from torchtitan_megamoe.ops.hopper.heuristics import forward_configs
+from torchtitan_megamoe.ops.hopper.tiles import FP8_BLOCK_M
 from torchtitan_megamoe.ops.hopper.kernels.bwd_combine import bwd_combine
-from torchtitan_megamoe.ops.hopper.kernels.fp8_gemm import (
+from torchtitan_megamoe.ops.hopper.sides.fp8_gemm import (
     fp8_dgrad2_swiglu, fp8_gemm1_swiglu, fp8_gemm_rows,
 )
 from torchtitan_megamoe.ops.hopper.kernels.fp8_quant import quant_rows, quant_rows_t
-from torchtitan_megamoe.ops.hopper.kernels.fp8_wgrad import fp8_wgrad
-from torchtitan_megamoe.ops.hopper.kernels.gemm1_swiglu import gemm1_swiglu
+from torchtitan_megamoe.ops.hopper.sides.fp8_wgrad import fp8_wgrad
+from torchtitan_megamoe.ops.hopper.sides.gemm1_swiglu import gemm1_swiglu
 from torchtitan_megamoe.ops.hopper.kernels.swiglu_bwd_rows import swiglu_bwd_rows
 from torchtitan_megamoe.ops.hopper.kernels.wgrad import longest_first
 from torchtitan_megamoe.ops.hopper.plan import build_plan, unpack_plan

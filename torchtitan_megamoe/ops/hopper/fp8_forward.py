@@ -1,23 +1,23 @@
 """EP=1 forward in blockwise FP8: plan -> x quantized per token -> GEMM 1 + SwiGLU (h quantized
 in its epilogue) -> GEMM 2 -> the bf16 path's fp32 combine.
 
-    plan          build_plan with 128-row segments (heuristics.FP8_BLOCK_M: the backward's
+    plan          build_plan with 128-row segments (tiles.FP8_BLOCK_M: the backward's
                   weight-gradient scales must not straddle experts)
     quant         x [T, D] -> e4m3 + [T, D/128] scales, once per token (not per expert slot);
                   the weights -> 128 x 128 blocks (fp8_weights.forward_weights)
-    fp8_gemm1_swiglu  kernels/fp8_gemm.fp8_gemm1_swiglu: token rows gathered by the plan,
+    fp8_gemm1_swiglu  sides/fp8_gemm.fp8_gemm1_swiglu: token rows gathered by the plan,
                   h [R_max, H] e4m3 with [R_max, H/128] scales, and with ``save`` a = [a1 | a3]
                   bf16 (the same saved layout as the bf16 forward, so the backward is shared)
-    fp8_gemm2     kernels/fp8_gemm.fp8_gemm_rows: y [R_max, D] bf16 in the row space
+    fp8_gemm2     sides/fp8_gemm.fp8_gemm_rows: y [R_max, D] bf16 in the row space
     combine       kernels/combine.combine: out[t] = sum_k w[t,k] y[slot_row], fp32, fixed k order
 Saved for the backward (``save``): (a, packed plan), as bf16_forward.forward_bf16 saves.
 """
 
 from torchtitan_megamoe.ops.hopper.bf16_forward import checked_plan
 from torchtitan_megamoe.ops.hopper.fp8_weights import dense_weights, forward_weights
-from torchtitan_megamoe.ops.hopper.heuristics import FP8_BLOCK_M
+from torchtitan_megamoe.ops.hopper.tiles import FP8_BLOCK_M
 from torchtitan_megamoe.ops.hopper.kernels.combine import combine
-from torchtitan_megamoe.ops.hopper.kernels.fp8_gemm import fp8_gemm1_swiglu, fp8_gemm_rows
+from torchtitan_megamoe.ops.hopper.sides.fp8_gemm import fp8_gemm1_swiglu, fp8_gemm_rows
 from torchtitan_megamoe.ops.hopper.kernels.fp8_quant import quant_rows
 from torchtitan_megamoe.ops.hopper.plan import pack_plan
 

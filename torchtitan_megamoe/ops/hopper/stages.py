@@ -20,19 +20,24 @@ from typing import Callable
 
 import torch
 
-from torchtitan_megamoe.ops.hopper import heuristics, tune
+from torchtitan_megamoe.ops.hopper import heuristics, tiles, tune
 from torchtitan_megamoe.ops.hopper.bf16_backward import backward_bf16, tuner_key
 from torchtitan_megamoe.ops.hopper.bf16_forward import forward_bf16
 from torchtitan_megamoe.ops.hopper.cuda.dgrad2_swiglu import dgrad2_swiglu_sm90
 from torchtitan_megamoe.ops.hopper.cuda.gemm_rows import gemm_rows_nmajor_sm90
 from torchtitan_megamoe.ops.hopper.cuda.wgrad import wgrad_dw2_sm90, wgrad_dw13_sm90
+from torchtitan_megamoe.ops.hopper.sides import dgrad1 as dgrad1_sides
+from torchtitan_megamoe.ops.hopper.sides import dgrad2_swiglu as dgrad2_sides
+from torchtitan_megamoe.ops.hopper.sides import wgrad as wgrad_sides
+from torchtitan_megamoe.ops.hopper.sides.backward import params_ok, shape
+from torchtitan_megamoe.ops.hopper.sides.table import available
 from torchtitan_megamoe.ops.hopper.ep_transport import exchange_nbytes
 from torchtitan_megamoe.ops.hopper.kernels.bwd_combine import bwd_combine
 from torchtitan_megamoe.ops.hopper.kernels.combine import combine
 from torchtitan_megamoe.ops.hopper.kernels.dgrad1 import dgrad1
 from torchtitan_megamoe.ops.hopper.kernels.dgrad2_swiglu import dgrad2_swiglu
-from torchtitan_megamoe.ops.hopper.kernels.gemm1_swiglu import gemm1_swiglu
-from torchtitan_megamoe.ops.hopper.kernels.gemm2 import gemm2
+from torchtitan_megamoe.ops.hopper.sides.gemm1_swiglu import gemm1_swiglu
+from torchtitan_megamoe.ops.hopper.sides.gemm2 import gemm2
 from torchtitan_megamoe.ops.hopper.kernels.grouped_mm import (
     dgrad1_grouped_mm, dgrad2_swiglu_grouped_mm, gather_rows, segment_ends,
     wgrad_dw2_grouped_mm, wgrad_dw13_grouped_mm,
@@ -55,7 +60,7 @@ def forward_stages(x, topk_ids, topk_weights, w1, w2, w3) -> tuple[dict[str, Sta
     rows_used, max_rows and workspace_bytes of the plan)."""
     E, H, D = w1.shape
     T, K = topk_ids.shape
-    block_m = heuristics.plan_block_m()
+    block_m = tiles.plan_block_m()
     plan = build_plan(topk_ids, E, block_m)
     h = gemm1_swiglu(x, w1, w3, plan)
     y = gemm2(h, w2, plan)
@@ -96,7 +101,7 @@ class BackwardInputs:
 def prepare_backward(dy, x, topk_ids, topk_weights, w1, w2, w3) -> BackwardInputs:
     """The forward run with save=True (as the op runs it for training), and its plan."""
     _, saved = forward_bf16(x, topk_ids, topk_weights, w1, w2, w3, save=True)
-    plan = build_plan(topk_ids, w1.shape[0], heuristics.plan_block_m())
+    plan = build_plan(topk_ids, w1.shape[0], tiles.plan_block_m())
     return BackwardInputs(dy, x, topk_ids, topk_weights, w1, w2, w3, saved, plan)
 
 
@@ -111,7 +116,7 @@ def backward_key(inputs: BackwardInputs, side: str) -> tuple:
     return tuner_key(inputs.plan.max_rows, D, H, E, inputs.plan.block_m, side)
 
 
-def backward_picks(inputs: BackwardInputs, side: str = "triton") -> dict[str, dict]:
+def backward_picks(inputs: BackwardInputs, side: str = "triton") -> dict:
     """{stage: config} the tuner chose for a backward run with MEGAMOE_BWD_IMPL=side (run it
     first); the first Triton candidate where it timed nothing (interpreter, one candidate)."""
     E, H, D = inputs.w1.shape
@@ -134,8 +139,8 @@ def backward_stages(inputs: BackwardInputs, picks: dict[str, dict]) -> dict[str,
     T, K = ids.shape
     R = plan.max_rows
     nkdh = T * K * D * H
-    cfg_a, cfg_w2 = picks["dgrad2_swiglu"], picks["wgrad_dw2"]
-    cfg_w13, cfg_c = picks["wgrad_dw13"], picks["dgrad1"]
+    cfg_a, cfg_w2 = picks["dgrad2_swiglu"].kwargs(), picks["wgrad_dw2"].kwargs()
+    cfg_w13, cfg_c = picks["wgrad_dw13"].kwargs(), picks["dgrad1"].kwargs()
     g1_cfg, _ = heuristics.forward_configs(None, None)  # None on the GPU: the tuner's pick
 
     da, hw, part = dgrad2_swiglu(dy, a_saved, tw, w2, plan, **cfg_a)
@@ -192,22 +197,27 @@ def backward_stages(inputs: BackwardInputs, picks: dict[str, dict]) -> dict[str,
         "bwd_combine": Stage(lambda: bwd_combine(dx_slot, part, plan, dx_dtype=x.dtype,
                                                  dtw_dtype=tw.dtype)),
     }
-    block_m = plan.block_m
-    if heuristics.dgrad1_sm90_fits(da, w1, block_m):
+    bf16 = x.dtype == w1.dtype == torch.bfloat16
+
+    def offers_sm90(stage, params=True) -> bool:
+        s = shape(D, H, E, plan.block_m, bf16, params)
+        return any(c.side == "sm90" for c in stage.offer(s, available(x)).candidates)
+
+    if offers_sm90(dgrad1_sides.STAGE):
         dx_rows_sm90 = torch.empty(R, D, dtype=x.dtype, device=x.device)
         stages["dgrad1_sm90"] = Stage(
             lambda: gemm_rows_nmajor_sm90(da, (w1, w3), plan, dx_rows_sm90), 4 * nkdh)
         stages["bwd_combine_rows"] = Stage(
             lambda: bwd_combine(dx_rows_sm90, part, plan, dx_dtype=x.dtype, dtw_dtype=tw.dtype,
                                 rows=True))
-    if heuristics.dgrad2_swiglu_sm90_fits(x, w2, block_m):
+    if offers_sm90(dgrad2_sides.STAGE):
         stages["dgrad2_swiglu_sm90"] = Stage(
-            lambda: dgrad2_swiglu_grouped_mm(dy, a_saved, tw, w2, plan, dy_rows=dy_rows,
-                                             sm90=True), 2 * nkdh)
+            lambda: dgrad2_sides.sm90_rows_side(dy, a_saved, tw, w2, plan, dy_rows=dy_rows),
+            2 * nkdh)
         # with the dy rows stored for wgrad_dw2, as the tuner times it
         stages["dgrad2_swiglu_sm90_fused"] = Stage(
             lambda: dgrad2_swiglu_sm90(dy, a_saved, tw, w2, plan, dy_rows=dy_rows), 2 * nkdh)
-    if heuristics.wgrad_sm90_fits(x, (w1, w2, w3), block_m):
+    if offers_sm90(wgrad_sides.DW2, params_ok((w1, w2, w3))):
         order = longest_first(plan)
         stages["wgrad_dw2_sm90"] = Stage(lambda: wgrad_dw2_sm90(dy, hw, plan, dw2, order),
                                          2 * nkdh)
@@ -224,13 +234,15 @@ def backward_stages(inputs: BackwardInputs, picks: dict[str, dict]) -> dict[str,
 
 
 def tuner_timings() -> dict:
-    """{(stage, key): [(config, ms, why rejected or "")]} of every stage the tuner timed."""
-    return dict(tune.TIMINGS)
+    """{(stage, key): [(config as a dict, ms, why rejected or "")]} of every stage the tuner
+    timed."""
+    return {k: [(c.as_dict(), ms, why) for c, ms, why in v] for k, v in tune.TIMINGS.items()}
 
 
 def tuner_pick(stage: str, key: tuple) -> dict | None:
-    """The config the tuner chose for (stage, key); None where it timed nothing."""
-    return tune.picked(stage, key)
+    """The config (as a dict) the tuner chose for (stage, key); None where it timed nothing."""
+    cfg = tune.picked(stage, key)
+    return None if cfg is None else cfg.as_dict()
 
 
 def exchange_bytes(group, dim: int) -> int:

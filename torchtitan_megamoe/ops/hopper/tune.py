@@ -1,12 +1,13 @@
 """Tiny per-shape config picker for the GEMM kernels.
 
 triton.autotune would re-run every candidate on the first call of each key too; this does the
-same with device events, but also (a) returns the first candidate without timing under the CPU
-interpreter, during CUDA graph capture or with MEGAMOE_TUNE=0, and (b) lets callers pin a
-config (tests). Candidates write the same outputs, so timing them in place is harmless.
+same with device events, but also (a) returns the stage table's untuned pick (sides/table.py:
+the side measured fastest where it fits) without timing under the CPU interpreter, during CUDA
+graph capture or with MEGAMOE_TUNE=0, and (b) lets callers pin a config (tests). Candidates
+write the same outputs, so timing them in place is harmless.
 
 (c) With ``outputs``, every candidate's result is also checked against the first candidate's
-(the trusted Triton kernels come first) before it is timed: a candidate whose output differs by
+(the table's reference side, the trusted Triton kernels) before it is timed: a candidate whose output differs by
 more than CHECK_TOL (relative Frobenius, on a sample of at most ~1M elements per tensor) is
 never picked and its entry in TIMINGS says why. Implementations differ only by bf16 rounding
 (~1e-3); a broken kernel (a new shape, a new GPU) differs by O(1). This is the guard that keeps
@@ -96,27 +97,28 @@ def picked(name: str, key: tuple) -> dict | None:
     return _CHOSEN.get((name, key))
 
 
-def pick_config(name: str, key: tuple, candidates, launch, outputs=None,
-                mismatch=output_mismatch) -> dict:
-    """The fastest candidate for (name, key), timed once and cached. ``candidates``: the list,
-    or a function that builds it, called only while no pick is cached (building it costs host
-    time on every call otherwise). ``outputs(result)``: the tensors a launch wrote, from its
-    return value, to check each candidate against the first (see the module docstring); None:
-    no check. ``mismatch(got, ref)``: the check's measure (output_mismatch, or
-    relative_difference for quantized outputs)."""
-    if callable(candidates):
-        chosen = tuned(name, key)
-        if chosen is not None:
-            return chosen
-        candidates = candidates()
-    if len(candidates) == 1:
-        return candidates[0]
+def pick_config(stage, key: tuple, problem, launch, outputs=None,
+                mismatch=output_mismatch):
+    """The fastest candidate of ``stage`` (a sides.table.Stage) for ``key``, timed once and
+    cached. ``problem()``: (shape, availability) for the table's offer, called only while no
+    pick is cached (building the offer costs host time on every call otherwise).
+    ``outputs(result)``: the tensors a launch wrote, from its return value, to check each
+    candidate against the first (see the module docstring); None: no check.
+    ``mismatch(got, ref)``: the check's measure (output_mismatch, or relative_difference for
+    quantized outputs)."""
+    name = stage.name
     chosen = tuned(name, key)
     if chosen is not None:
         return chosen
+    offer = stage.offer(*problem())
+    candidates = offer.candidates
+    if not candidates:
+        raise ValueError(f"{name}: no config fits {key}")
+    if len(candidates) == 1:
+        return candidates[0]
     k = (name, key)
     if not _tuning_enabled():
-        return candidates[0]
+        return offer.untuned
     results, ref = [], None
     for cfg in candidates:
         try:

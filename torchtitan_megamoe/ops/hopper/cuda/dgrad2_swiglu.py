@@ -16,7 +16,7 @@ gathering dy by the plan gives, for the dw2 weight gradient to read.
 
 ``fp8_dgrad2_swiglu_sm90``: the same from e4m3 dy and w2^T, with da per row, da^T and h^T per 128
 rows quantized to e4m3 with their scales, and the d(topk_weights) partials per 128 columns
-(kernels/fp8_gemm.fp8_dgrad2_swiglu's contract).
+(sides/fp8_gemm.fp8_dgrad2_swiglu's contract).
 """
 
 from __future__ import annotations

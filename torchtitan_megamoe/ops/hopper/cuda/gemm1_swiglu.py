@@ -4,7 +4,7 @@
   [R_max, 2H]; same contract as ops/hopper/kernels/gemm1_swiglu.py, so the two are candidates
   of one tuner entry. Tiles of 128 rows x 128 columns, K steps of 64.
 - ``fp8_gemm1_swiglu_sm90``: h in e4m3 with per-row scales per 128 columns, optionally a in
-  bf16 (kernels/fp8_gemm.fp8_gemm1_swiglu's contract).
+  bf16 (sides/fp8_gemm.fp8_gemm1_swiglu's contract).
 
 Both write only the used rows and skip the tiles whose tile_expert is -1.
 """

@@ -6,7 +6,7 @@ by TMA (gemm2 and dgrad1).
 - ``gemm_rows_nmajor_sm90`` (bf16): out[r] = in[r, :Ks] @ w[e] + in[r, Ks:] @ w'[e], w, w'
   [E, Ks, N] (dgrad1: [da1 | da3] against w1 and w3, as stored, no transpose);
 - ``fp8_gemm_rows_sm90``: out [R_max, N] bf16 = aq[r] @ bq[e]^T, scaled per 1x128 / 128x128
-  block (gemm2; dgrad1 with the transposed [w1 | w3] copy); kernels/fp8_gemm.fp8_gemm_rows's
+  block (gemm2; dgrad1 with the transposed [w1 | w3] copy); sides/fp8_gemm.fp8_gemm_rows's
   contract.
 
 The bf16 tiles are 128 rows x 256 output columns with K steps of 64, the FP8 ones 128 x 128 with

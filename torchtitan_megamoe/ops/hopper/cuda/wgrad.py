@@ -21,7 +21,7 @@ fp32 (the gradients of fp32 parameters, under a bf16 autocast) straight from the
 so no cast pass follows.
 
 FP8: ``fp8_wgrad_sm90``: out [E, M, N] bf16 from operands transposed and quantized per 128 rows
-beforehand (kernels/fp8_wgrad.fp8_wgrad's contract), units handed out by a dynamic ticket.
+beforehand (sides/fp8_wgrad.fp8_wgrad's contract), units handed out by a dynamic ticket.
 """
 
 from __future__ import annotations

@@ -27,23 +27,14 @@ experts). Tiles past the used rows (tile_expert -1) exit at once.
 Waits on: nothing inside the launch (EP=1; stream order). Signals: nothing.
 """
 
-import torch
 import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from torchtitan_megamoe import settings
-from torchtitan_megamoe.ops.hopper import deepgemm
-from torchtitan_megamoe.ops.hopper.cuda.dgrad2_swiglu import fp8_dgrad2_swiglu_sm90
-from torchtitan_megamoe.ops.hopper.cuda.gemm1_swiglu import fp8_gemm1_swiglu_sm90
-from torchtitan_megamoe.ops.hopper.cuda.gemm_rows import fp8_gemm_rows_sm90
-from torchtitan_megamoe.ops.hopper.heuristics import FP8_INTERPRET, fp8_gemm_candidates
-from torchtitan_megamoe.ops.hopper.kernels.fp8_quant import (
-    FP8, gather_rows, quantize_block, swiglu_quant_rows,
-)
+from torchtitan_megamoe.ops.hopper.kernels.fp8_quant import quantize_block
 from torchtitan_megamoe.ops.hopper.kernels.tiling import constexprs, grouped_tile
 from torchtitan_megamoe.ops.hopper.plan import Plan
-from torchtitan_megamoe.ops.hopper.tune import bucket, pick_config, relative_difference
 
 MODE_GEMM_ROWS, MODE_GEMM1_SWIGLU, MODE_DGRAD2_SWIGLU = 0, 1, 2
 
@@ -148,156 +139,37 @@ def _fp8_rows_kernel(
             tl.store(qts_ptr + cols_t * stride_qts + rb, s)
 
 
-_EPILOGUES = {MODE_GEMM_ROWS: "gemm_rows", MODE_GEMM1_SWIGLU: "gemm1_swiglu", MODE_DGRAD2_SWIGLU: "dgrad2_swiglu"}
-"""Each mode's candidate list in heuristics.FP8_CONFIGS."""
-
-
-def _run(stage, mode, a, a_s, b, b_s, plan: Plan, out, out_s, gather, b2=None, b2_s=None,
-         aux=None, tw=None, qt=None, qt_s=None, ht=None, ht_s=None, part=None, config=None,
-         outputs=None, expert_base=None):
+def fp8_rows_triton(cfg: dict, mode, a, a_s, b, b_s, plan: Plan, out, out_s, gather, b2=None,
+                    b2_s=None, aux=None, tw=None, qt=None, qt_s=None, ht=None, ht_s=None,
+                    part=None, expert_base=None) -> None:
+    """One launch of _fp8_rows_kernel in ``mode`` (the module docstring's epilogues); ``cfg``:
+    a TritonGemm's kwargs(). Weights (b, b2) and their scales must be contiguous; with
+    ``expert_base`` e0, b holds experts [e0, e0 + E) only and only their tiles run."""
     E, N, K = b.shape
     e_lo = expert_base or 0
-    assert expert_base is None or mode == MODE_GEMM_ROWS
     R = plan.max_rows
-    assert K % 128 == 0 and N % 128 == 0 and a.shape[1] == K, (a.shape, b.shape)
-
-    def launch(cfg):
-        if cfg.get("impl") == "deepgemm":
-            _deepgemm(mode, a, a_s, b, b_s, plan, out, out_s, gather, b2, b2_s, aux, expert_base)
-            return
-        # ours read each weight contiguous: the halves of a joined [w1; w3] copy are copied
-        # (deepgemm.joined; the tuner times that too)
-        bb, bbs, bb2, bb2s = (t if t is None else t.contiguous() for t in (b, b_s, b2, b2_s))
-        if cfg.get("impl") == "sm90":
-            if mode == MODE_GEMM_ROWS:
-                rows, rows_s = gather_rows(a, a_s, plan) if gather else (a, a_s)
-                fp8_gemm_rows_sm90(rows, rows_s, bb, bbs, plan, out, group_m=cfg["group_m"],
-                                   expert_base=expert_base)
-            elif mode == MODE_DGRAD2_SWIGLU:
-                fp8_dgrad2_swiglu_sm90(a, a_s, bb, bbs, aux, tw, plan, out, out_s, qt, qt_s,
-                                       ht, ht_s, part, group_m=cfg["group_m"])
-            else:
-                fp8_gemm1_swiglu_sm90(a, a_s, bb, bbs, bb2, bb2s, plan, out, out_s, aux,
-                                      group_m=cfg["group_m"])
-            return
-        bm, bn = cfg["block_m"], cfg["block_n"]
-        assert plan.block_m % bm == 0 and N % bn == 0
-        num_m = R // bm
-        desc = TensorDescriptor.from_tensor
-        b_desc = desc(bb.view(E * N, K), [bn, 128])
-        b2_desc = desc(bb2.view(E * N, K), [bn, 128]) if b2 is not None else b_desc
-        a_desc = desc(a, [bm, 128]) if not gather else b_desc
-        out_desc = desc(out, [bm, bn])
-        aux_desc = desc(aux, [bm, bn]) if aux is not None else out_desc
-        qt_desc = desc(qt, [bn, bm]) if qt is not None else out_desc
-        ht_desc = desc(ht, [bn, bm]) if ht is not None else out_desc
-        f32 = a_s  # placeholder for fp32 pointers a mode does not use
-        _fp8_rows_kernel[(num_m * (N // bn),)](
-            a, a_desc, a_s, b_desc, bbs, b2_desc, bb2s if b2_s is not None else bbs,
-            plan.row_slot, plan.tile_expert, tw if tw is not None else f32,
-            out_desc, out_s if out_s is not None else f32, aux_desc,
-            qt_desc, qt_s if qt_s is not None else f32, ht_desc, ht_s if ht_s is not None else f32,
-            part if part is not None else f32,
-            num_m, N, K, R, e_lo, e_lo + E,
-            a.stride(0), a_s.stride(0), bbs.stride(0), bbs.stride(1),
-            out_s.stride(0) if out_s is not None else 0,
-            qt_s.stride(0) if qt_s is not None else 0,
-            TOP_K=plan.top_k, PLAN_BM=plan.block_m, GATHER=gather, MODE=mode,
-            SAVE_A=aux is not None, F32_DOT=settings.triton_interpreting(), **constexprs(cfg),
-        )
-
-    def checked():  # what the tuner compares (the used rows: every position written; syncs)
-        return outputs() if outputs else (out[: int(plan.num_rows_used)],)
-
-    if config is None:
-        if settings.triton_interpreting():
-            config = FP8_INTERPRET
-        else:
-            # DeepGEMM on or off (MEGAMOE_DEEPGEMM) offers other candidates: another pick
-            key = (bucket(R), N, K, E, plan.block_m, gather, aux is not None,
-                   expert_base is not None, deepgemm.available(a))
-            # a function: the list (and its sm90 check) is built only until the tuner has picked
-            config = pick_config(stage, key,
-                                 lambda: fp8_gemm_candidates(_EPILOGUES[mode], a, N, K,
-                                                             plan.block_m, out, gather,
-                                                             expert_base is not None),
-                                 launch, outputs=lambda _: checked(),
-                                 mismatch=relative_difference)
-    launch(config)
-
-
-def _deepgemm(mode, a, a_s, b, b_s, plan, out, out_s, gather, b2, b2_s, aux, expert_base):
-    """The DeepGEMM side (deepgemm.py): A gathered into the row space where it is per token,
-    the plain GEMM, and the fused epilogue's work as passes around it (GEMM 1: a = [a1 | a3]
-    from two GEMMs on the same rows, then the SwiGLU quantized per row)."""
-    assert mode in (MODE_GEMM_ROWS, MODE_GEMM1_SWIGLU) and expert_base is None, mode
-    N = b.shape[1]
-    rows, rows_s = gather_rows(a, a_s, plan) if gather else (a, a_s)
-    layout = deepgemm.grouped_layout(plan)
-    if mode == MODE_GEMM_ROWS:
-        deepgemm.gemm_rows(rows, rows_s, b, b_s, layout, out)
-        return
-    acts = aux if aux is not None else torch.empty(
-        (plan.max_rows, 2 * N), dtype=torch.bfloat16, device=a.device)
-    w13 = deepgemm.joined(b, b_s, b2, b2_s)
-    if w13 is not None:  # one launch over [w1; w3] writes [a1 | a3]
-        deepgemm.gemm_rows(rows, rows_s, *w13, layout, acts)
-    else:
-        deepgemm.gemm_rows(rows, rows_s, b, b_s, layout, acts[:, :N])
-        deepgemm.gemm_rows(rows, rows_s, b2, b2_s, layout, acts[:, N:])
-    swiglu_quant_rows(acts, plan, out, out_s)
-
-
-def fp8_gemm1_swiglu(xq, xs, w1q, w1s, w3q, w3s, plan: Plan, save_a: bool, config=None):
-    """(hq [R_max, H] e4m3, hs [R_max, H/128], a [R_max, 2H] bf16 or None): GEMM 1 + SwiGLU on
-    the token rows of xq (gathered by the plan), h quantized per row for GEMM 2."""
-    E, H, D = w1q.shape
-    R = plan.max_rows
-    hq = torch.empty((R, H), dtype=FP8, device=xq.device)
-    hs = torch.empty((R, H // 128), dtype=torch.float32, device=xq.device)
-    a = torch.empty((R, 2 * H), dtype=torch.bfloat16, device=xq.device) if save_a else None
-    _run("fp8_gemm1_swiglu", MODE_GEMM1_SWIGLU, xq, xs, w1q, w1s, plan, hq, hs, gather=True, b2=w3q, b2_s=w3s, aux=a,
-         config=config, outputs=lambda: tuple(t[: int(plan.num_rows_used)]
-                                              for t in (hq, hs) + ((a,) if save_a else ())))
-    return hq, hs, a
-
-
-def fp8_gemm_rows(aq, a_s, bq, b_s, plan: Plan, out_dtype, gather: bool = False, config=None,
-                  expert_base: int | None = None, out: torch.Tensor | None = None,
-                  stage: str = "fp8_gemm2"):
-    """out [R_max, N] (out_dtype) = rows of aq @ bq[e]^T in the row space; ``stage``: the
-    tuner's name (fp8_gemm2, or fp8_dgrad1 for the backward's use). With
-    ``expert_base`` e0, bq / b_s hold experts [e0, e0 + E) only and only their rows of ``out``
-    (given, or new) are written: one group of a GEMM split by experts."""
-    if out is None:
-        out = torch.empty((plan.max_rows, bq.shape[1]), dtype=out_dtype, device=aq.device)
-    outputs = None
-    if expert_base is not None:  # what the tuner compares: this group's rows (syncs)
-        def outputs():
-            lo, hi = plan.seg_start[[expert_base, expert_base + bq.shape[0]]].tolist()
-            return (out[lo:hi],)
-    _run(stage, MODE_GEMM_ROWS, aq, a_s, bq, b_s, plan, out, None, gather=gather, config=config,
-         outputs=outputs, expert_base=expert_base)
-    return out
-
-
-def fp8_dgrad2_swiglu(gq, gs, w2tq, w2ts, a_saved, topk_weights, plan: Plan, config=None):
-    """fp8_dgrad2_swiglu (see the module docstring). Returns (daq [R, 2H], das
-    [R, 2H/128], daTq [2H, R], daTs [2H, R/128], hTq [H, R], hTs [H, R/128], part [H/128, R])."""
-    E, H, D = w2tq.shape
-    R = plan.max_rows
-    dev = gq.device
-    daq = torch.empty((R, 2 * H), dtype=FP8, device=dev)
-    das = torch.empty((R, 2 * H // 128), dtype=torch.float32, device=dev)
-    daTq = torch.empty((2 * H, R), dtype=FP8, device=dev)
-    daTs = torch.empty((2 * H, R // 128), dtype=torch.float32, device=dev)
-    hTq = torch.empty((H, R), dtype=FP8, device=dev)
-    hTs = torch.empty((H, R // 128), dtype=torch.float32, device=dev)
-    part = torch.empty((H // 128, R), dtype=torch.float32, device=dev)
-    assert hTq.stride(0) == R and daTq.stride(0) == R and hTs.stride(0) == daTs.stride(0)
-    used = lambda t: t[: int(plan.num_rows_used)]  # noqa: E731  (rows past them are unwritten)
-    _run("fp8_dgrad2_swiglu", MODE_DGRAD2_SWIGLU, gq, gs, w2tq, w2ts, plan, daq, das, gather=True, aux=a_saved,
-         tw=topk_weights.reshape(-1).float(), qt=daTq, qt_s=daTs, ht=hTq, ht_s=hTs, part=part,
-         config=config,
-         outputs=lambda: (used(daq), used(das), part.sum(0)[: int(plan.num_rows_used)]))
-    return daq, das, daTq, daTs, hTq, hTs, part
+    bm, bn = cfg["block_m"], cfg["block_n"]
+    assert plan.block_m % bm == 0 and N % bn == 0
+    num_m = R // bm
+    desc = TensorDescriptor.from_tensor
+    b_desc = desc(b.view(E * N, K), [bn, 128])
+    b2_desc = desc(b2.view(E * N, K), [bn, 128]) if b2 is not None else b_desc
+    a_desc = desc(a, [bm, 128]) if not gather else b_desc
+    out_desc = desc(out, [bm, bn])
+    aux_desc = desc(aux, [bm, bn]) if aux is not None else out_desc
+    qt_desc = desc(qt, [bn, bm]) if qt is not None else out_desc
+    ht_desc = desc(ht, [bn, bm]) if ht is not None else out_desc
+    f32 = a_s  # placeholder for fp32 pointers a mode does not use
+    _fp8_rows_kernel[(num_m * (N // bn),)](
+        a, a_desc, a_s, b_desc, b_s, b2_desc, b2_s if b2_s is not None else b_s,
+        plan.row_slot, plan.tile_expert, tw if tw is not None else f32,
+        out_desc, out_s if out_s is not None else f32, aux_desc,
+        qt_desc, qt_s if qt_s is not None else f32, ht_desc, ht_s if ht_s is not None else f32,
+        part if part is not None else f32,
+        num_m, N, K, R, e_lo, e_lo + E,
+        a.stride(0), a_s.stride(0), b_s.stride(0), b_s.stride(1),
+        out_s.stride(0) if out_s is not None else 0,
+        qt_s.stride(0) if qt_s is not None else 0,
+        TOP_K=plan.top_k, PLAN_BM=plan.block_m, GATHER=gather, MODE=mode,
+        SAVE_A=aux is not None, F32_DOT=settings.triton_interpreting(), **constexprs(cfg),
+    )

@@ -22,12 +22,8 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from torchtitan_megamoe import settings
-from torchtitan_megamoe.ops.hopper.cuda.wgrad import fp8_wgrad_sm90
-from torchtitan_megamoe.ops.hopper.heuristics import FP8_INTERPRET, fp8_wgrad_candidates
 from torchtitan_megamoe.ops.hopper.kernels.tiling import constexprs, grouped_tile
-from torchtitan_megamoe.ops.hopper.kernels.wgrad import longest_first
 from torchtitan_megamoe.ops.hopper.plan import Plan
-from torchtitan_megamoe.ops.hopper.tune import bucket, pick_config
 
 
 @triton.jit
@@ -61,34 +57,16 @@ def _fp8_wgrad_kernel(
     out_desc.store([(e * M + m0).to(tl.int32), n0], acc.to(out_desc.dtype))
 
 
-def fp8_wgrad(at, ats, bt, bts, plan: Plan, out: torch.Tensor, order=None, config=None):
-    """out [E, M, N] (written whole) = per expert A^T[:, seg] @ B^T[:, seg]^T."""
+def fp8_wgrad_triton(at, ats, bt, bts, plan: Plan, out: torch.Tensor, order: torch.Tensor,
+                     cfg: dict) -> None:
+    """out [E, M, N] (written whole) = per expert A^T[:, seg] @ B^T[:, seg]^T, experts in
+    ``order``; ``cfg``: a TritonGemm's kwargs()."""
     E, M, N = out.shape
-    assert at.shape[0] == M and bt.shape[0] == N and out.is_contiguous()
-    assert at.stride(1) == 1 and bt.stride(1) == 1
-    order = longest_first(plan) if order is None else order
-
-    def launch(cfg):
-        if cfg.get("impl") == "sm90":
-            fp8_wgrad_sm90(at, ats, bt, bts, plan, out, order, group_m=cfg["group_m"])
-            return (out,)
-        bm, bn = cfg["block_m"], cfg["block_n"]
-        assert M % bm == 0 and N % bn == 0, (M, N, cfg)
-        desc = TensorDescriptor.from_tensor
-        _fp8_wgrad_kernel[(E * (M // bm) * (N // bn),)](
-            desc(at, [bm, 128]), ats, desc(bt, [bn, 128]), bts,
-            desc(out.view(E * M, N), [bm, bn]), plan.seg_start, plan.count, order, M, N,
-            ats.stride(0), bts.stride(0), F32_DOT=settings.triton_interpreting(),
-            **constexprs(cfg))
-        return (out,)
-
-    if config is None:
-        if settings.triton_interpreting():
-            config = FP8_INTERPRET
-        else:
-            # a function: the list is built only until the tuner has picked
-            config = pick_config("fp8_wgrad", (bucket(plan.max_rows), M, N, E),
-                                 lambda: fp8_wgrad_candidates(at, M, N, out.dtype), launch,
-                                 outputs=lambda res: res)
-    launch(config)
-    return out
+    bm, bn = cfg["block_m"], cfg["block_n"]
+    assert M % bm == 0 and N % bn == 0, (M, N, cfg)
+    desc = TensorDescriptor.from_tensor
+    _fp8_wgrad_kernel[(E * (M // bm) * (N // bn),)](
+        desc(at, [bm, 128]), ats, desc(bt, [bn, 128]), bts,
+        desc(out.view(E * M, N), [bm, bn]), plan.seg_start, plan.count, order, M, N,
+        ats.stride(0), bts.stride(0), F32_DOT=settings.triton_interpreting(),
+        **constexprs(cfg))

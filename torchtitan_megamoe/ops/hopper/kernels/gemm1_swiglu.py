@@ -24,13 +24,10 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from torchtitan_megamoe import settings
-from torchtitan_megamoe.ops.hopper.cuda.gemm1_swiglu import gemm1_swiglu_sm90
-from torchtitan_megamoe.ops.hopper.heuristics import gemm1_swiglu_candidates
 from torchtitan_megamoe.ops.hopper.kernels.tiling import (
     cast_out, grouped_tile, launch_config, persistent_programs,
 )
 from torchtitan_megamoe.ops.hopper.plan import Plan
-from torchtitan_megamoe.ops.hopper.tune import bucket, pick_config
 
 
 @triton.jit
@@ -123,73 +120,31 @@ def _gemm1_swiglu_kernel(
             )
 
 
-def gemm1_swiglu(
-    x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, plan: Plan, config: dict | None = None,
-    save_a: bool = False,
-    out: torch.Tensor | tuple[torch.Tensor, torch.Tensor] | None = None,
-) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """h [R_max, H] in x.dtype for the rows of ``plan`` (padding rows are 0); with ``save_a``,
-    (h, a) where a [R_max, 2H] holds [a1 | a3] (see the module docstring). ``out``: the h (or
-    (h, a)) to write; the launches of a phased plan's phases share them. Tiles whose
-    tile_expert is -1 are skipped."""
+def gemm1_swiglu_triton(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, plan: Plan,
+                        h: torch.Tensor, a_out: torch.Tensor | None, cfg: dict) -> None:
+    """h (and [a1 | a3] into ``a_out`` unless None) for the rows of ``plan`` with the Triton
+    kernel; ``cfg``: a TritonGemm's kwargs()."""
     E, H, D = w1.shape
-    assert x.is_contiguous() and w1.is_contiguous() and w3.is_contiguous()
     R = plan.max_rows
-    if out is None:
-        h = torch.empty((R, H), dtype=x.dtype, device=x.device)
-        a = torch.empty((R, 2 * H), dtype=x.dtype, device=x.device) if save_a else h
-    else:
-        h, a = out if save_a else (out, out)
-        assert h.shape == (R, H) and a.shape[0] == R and h.is_contiguous() and a.is_contiguous()
-
-    def launch(cfg, a_out=a if save_a else None):  # a_out: where a1/a3 go, None: not stored
-        store_a = a_out is not None
-        bm, bn, bk = cfg["block_m"], cfg["block_n"], cfg["block_k"]
-        assert plan.block_m % bm == 0 and H % bn == 0 and D % bk == 0, (cfg, H, D)
-        if cfg.get("impl") == "sm90":
-            group_m = 0 if cfg["group_m"] == "wave" else cfg["group_m"]  # 0: the kernel's wave
-            gemm1_swiglu_sm90(x, w1, w3, plan, h, a_out, group_m=group_m,
-                              dynamic=not cfg.get("static", False))
-            return
-        num_m = R // bm
-        kw, grid = launch_config(cfg, num_m * (H // bn), x.device)
-        if kw["GROUP_M"] == "wave":
-            kw["GROUP_M"] = max(1, persistent_programs(x.device) // (H // bn))
-        a_ptr = a_out if store_a else h  # a placeholder when nothing is stored
-        d1, d3, dh, da = w1, w3, h, a_ptr  # placeholders on the pointer path
-        if kw["USE_TMA"]:
-            d1 = TensorDescriptor.from_tensor(w1.view(E * H, D), [bn, bk])
-            d3 = TensorDescriptor.from_tensor(w3.view(E * H, D), [bn, bk])
-            if store_a:
-                dh = TensorDescriptor.from_tensor(h, [bm, bn])
-                da = TensorDescriptor.from_tensor(a_out, [bm, bn])
-        _gemm1_swiglu_kernel[grid](
-            x, w1, w3, d1, d3, h, a_ptr, dh, da, plan.row_slot, plan.tile_expert,
-            plan.num_rows_used, num_m, H, D,
-            x.stride(0), w1.stride(0), w1.stride(1), h.stride(0), a_ptr.stride(0),
-            TOP_K=plan.top_k, PLAN_BM=plan.block_m, F32_DOT=settings.triton_interpreting(),
-            SAVE_A=store_a, **kw,
-        )
-
-    # One pick per shape for both variants: h must be bitwise the same with and without the
-    # store, since activation checkpointing recomputes a forward with save_a whose first run had
-    # none, and the Triton and CUDA kernels round SwiGLU differently. The candidates are timed
-    # with the a1/a3 store whichever variant runs first (a scratch a when the call has none):
-    # the store costs the Triton configs more than the CUDA kernel, so timing without it can
-    # pick the slower one for training.
-    key = (bucket(R), H, D, E, plan.block_m)
-    tune_a = []  # the scratch a, made only if the tuner runs
-
-    def tune_launch(cfg):
-        if save_a:
-            return launch(cfg)
-        if not tune_a:
-            tune_a.append(torch.empty((R, 2 * H), dtype=x.dtype, device=x.device))
-        return launch(cfg, tune_a[0])
-
-    # a function: the list is built only until the tuner has picked
-    cfg = config or pick_config("gemm1_swiglu", key,
-                                lambda: gemm1_swiglu_candidates(x, H, D, plan.block_m), tune_launch,
-                                outputs=lambda _: (h, a if save_a else tune_a[0]))
-    launch(cfg)
-    return (h, a) if save_a else h
+    store_a = a_out is not None
+    bm, bn, bk = cfg["block_m"], cfg["block_n"], cfg["block_k"]
+    assert plan.block_m % bm == 0 and H % bn == 0 and D % bk == 0, (cfg, H, D)
+    num_m = R // bm
+    kw, grid = launch_config(cfg, num_m * (H // bn), x.device)
+    if kw["GROUP_M"] == "wave":
+        kw["GROUP_M"] = max(1, persistent_programs(x.device) // (H // bn))
+    a_ptr = a_out if store_a else h  # a placeholder when nothing is stored
+    d1, d3, dh, da = w1, w3, h, a_ptr  # placeholders on the pointer path
+    if kw["USE_TMA"]:
+        d1 = TensorDescriptor.from_tensor(w1.view(E * H, D), [bn, bk])
+        d3 = TensorDescriptor.from_tensor(w3.view(E * H, D), [bn, bk])
+        if store_a:
+            dh = TensorDescriptor.from_tensor(h, [bm, bn])
+            da = TensorDescriptor.from_tensor(a_out, [bm, bn])
+    _gemm1_swiglu_kernel[grid](
+        x, w1, w3, d1, d3, h, a_ptr, dh, da, plan.row_slot, plan.tile_expert,
+        plan.num_rows_used, num_m, H, D,
+        x.stride(0), w1.stride(0), w1.stride(1), h.stride(0), a_ptr.stride(0),
+        TOP_K=plan.top_k, PLAN_BM=plan.block_m, F32_DOT=settings.triton_interpreting(),
+        SAVE_A=store_a, **kw,
+    )

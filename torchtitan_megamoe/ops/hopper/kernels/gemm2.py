@@ -19,11 +19,8 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from torchtitan_megamoe import settings
-from torchtitan_megamoe.ops.hopper.cuda.gemm_rows import gemm_rows_sm90
-from torchtitan_megamoe.ops.hopper.heuristics import gemm2_candidates
 from torchtitan_megamoe.ops.hopper.kernels.tiling import cast_out, grouped_tile, launch_config
 from torchtitan_megamoe.ops.hopper.plan import Plan
-from torchtitan_megamoe.ops.hopper.tune import bucket, pick_config
 
 
 @triton.jit
@@ -97,52 +94,27 @@ def _gemm2_rows_kernel(
             )
 
 
-def gemm2(
-    h: torch.Tensor,
-    w2: torch.Tensor,
-    plan: Plan,
-    out_dtype: torch.dtype | None = None,
-    config: dict | None = None,
-    out: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """y [R_max, D]: row r holds the expert output of row r (slot plan.row_slot[r]); rows past
-    the used ones are left unwritten and must not be read (the combine reaches rows only
-    through plan.slot_row). ``out``: the y to write (the launches of a phased plan's phases
-    share one)."""
+def gemm2_triton(h: torch.Tensor, w2: torch.Tensor, plan: Plan, y: torch.Tensor,
+                 cfg: dict) -> None:
+    """y [R_max, D] = h @ w2[e]^T per row of ``plan`` with the Triton kernel; ``cfg``: a
+    TritonGemm's kwargs()."""
     E, D, H = w2.shape
-    assert h.is_contiguous() and w2.is_contiguous() and h.shape == (plan.max_rows, H)
     R = plan.max_rows
-    y = out if out is not None else torch.empty((R, D), dtype=out_dtype or h.dtype,
-                                                device=h.device)
-    assert y.shape == (R, D) and y.is_contiguous()
-
-    def launch(cfg):
-        bm, bn, bk = cfg["block_m"], cfg["block_n"], cfg["block_k"]
-        assert plan.block_m % bm == 0 and D % bn == 0 and H % bk == 0, (cfg, D, H)
-        if cfg.get("impl") == "sm90":
-            gemm_rows_sm90(h, w2, plan, y, group_m=cfg["group_m"],
-                           dynamic=not cfg.get("static", False))
-            return
-        num_m = R // bm
-        kw, grid = launch_config(cfg, num_m * (D // bn), h.device,
-                                 ("use_tma", "persistent", "tma_store"))
-        dh, dw, dy = h, w2, y  # placeholders on the pointer paths
-        if kw["USE_TMA"]:
-            dh = TensorDescriptor.from_tensor(h, [bm, bk])
-            dw = TensorDescriptor.from_tensor(w2.view(E * D, H), [bn, bk])
-        if kw["TMA_STORE"]:
-            dy = TensorDescriptor.from_tensor(y, [bm, bn])
-        _gemm2_rows_kernel[grid](
-            h, w2, dh, dw, y, dy, plan.tile_expert, plan.num_rows_used,
-            num_m, D, H,
-            h.stride(0), w2.stride(0), w2.stride(1), y.stride(0),
-            PLAN_BM=plan.block_m, F32_DOT=settings.triton_interpreting(),
-            **kw,
-        )
-
-    key = (bucket(R), H, D, E, plan.block_m)
-    # a function: the list is built only until the tuner has picked
-    cfg = config or pick_config("gemm2", key, lambda: gemm2_candidates(h, w2, y, plan.block_m),
-                                launch, outputs=lambda _: (y,))
-    launch(cfg)
-    return y
+    bm, bn, bk = cfg["block_m"], cfg["block_n"], cfg["block_k"]
+    assert plan.block_m % bm == 0 and D % bn == 0 and H % bk == 0, (cfg, D, H)
+    num_m = R // bm
+    kw, grid = launch_config(cfg, num_m * (D // bn), h.device,
+                             ("use_tma", "persistent", "tma_store"))
+    dh, dw, dy = h, w2, y  # placeholders on the pointer paths
+    if kw["USE_TMA"]:
+        dh = TensorDescriptor.from_tensor(h, [bm, bk])
+        dw = TensorDescriptor.from_tensor(w2.view(E * D, H), [bn, bk])
+    if kw["TMA_STORE"]:
+        dy = TensorDescriptor.from_tensor(y, [bm, bn])
+    _gemm2_rows_kernel[grid](
+        h, w2, dh, dw, y, dy, plan.tile_expert, plan.num_rows_used,
+        num_m, D, H,
+        h.stride(0), w2.stride(0), w2.stride(1), y.stride(0),
+        PLAN_BM=plan.block_m, F32_DOT=settings.triton_interpreting(),
+        **kw,
+    )

@@ -1,5 +1,5 @@
 """The grouped_mm side (``torch._grouped_mm``, cuBLAS) of the backward stages, beside the Triton
-and sm90 kernels; heuristics.stage_candidates offers it (MEGAMOE_BWD_IMPL=cublas forces it).
+and sm90 kernels; sides/backward.py offers it (MEGAMOE_BWD_IMPL=cublas forces it).
 
     dgrad2  dh_rows = dy_rows @ w2[e]                       M-grouped (on the forward's saved a1/a3
                                                             only), then swiglu_bwd_rows.py's
@@ -143,22 +143,14 @@ def wgrad_dw2_grouped_mm(dy: torch.Tensor, hw: torch.Tensor, plan: Plan,
 
 def dgrad2_swiglu_grouped_mm(dy: torch.Tensor, a: torch.Tensor, topk_weights: torch.Tensor,
                            w2: torch.Tensor, plan: Plan, out: tuple | None = None,
-                           dy_rows: torch.Tensor | None = None, sm90: bool = False):
+                           dy_rows: torch.Tensor | None = None):
     """dgrad2_swiglu's grouped_mm side, on the forward's saved a = [a1 | a3]: dh = dy_rows @ w2[e]
     as one M-grouped GEMM (bf16 dh), then the SwiGLU backward rows kernel (swiglu_bwd_rows.py). Returns
-    (da, hw, part [1, R_max], dy_rows); dy_rows (zero padding rows) can feed the dw2 GEMM.
-    ``sm90``: the dh GEMM is the sm90 row GEMM in N-major mode (w2 read as stored, as dgrad1
-    reads w1) instead of torch._grouped_mm."""
+    (da, hw, part [1, R_max], dy_rows); dy_rows (zero padding rows) can feed the dw2 GEMM."""
     from torchtitan_megamoe.ops.hopper.kernels.swiglu_bwd_rows import swiglu_bwd_rows
 
     dy_rows = gather_rows(dy, plan, out=dy_rows)
-    if sm90:
-        from torchtitan_megamoe.ops.hopper.cuda.gemm_rows import gemm_rows_nmajor_sm90
-
-        dh = torch.empty(plan.max_rows, w2.shape[2], dtype=dy.dtype, device=dy.device)
-        gemm_rows_nmajor_sm90(dy_rows, (w2,), plan, dh)
-    else:
-        dh = torch._grouped_mm(dy_rows, w2, offs=segment_ends(plan))
+    dh = torch._grouped_mm(dy_rows, w2, offs=segment_ends(plan))
     return (*swiglu_bwd_rows(dh, a, topk_weights, plan, out=out), dy_rows)
 
 

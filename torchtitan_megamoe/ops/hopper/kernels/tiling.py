@@ -26,7 +26,7 @@ LAUNCH_KNOBS = ("num_warps", "num_stages")
 
 
 def constexprs(cfg: dict) -> dict:
-    """A config in heuristics.py's schema (lowercase keys) as a Triton launch's keyword
+    """A TritonGemm's kwargs() (lowercase keys) as a Triton launch's keyword
     arguments: block_m -> BLOCK_M, use_tma -> USE_TMA, ...; num_warps and num_stages as they
     are."""
     return {k if k in LAUNCH_KNOBS else k.upper(): v for k, v in cfg.items()}

@@ -1,0 +1,97 @@
+"""wgrad_dw2 and wgrad_dw13: the weight gradients, fp32 accumulation, fixed row order.
+
+    triton  kernels/wgrad.py, the token operand read by indirection (the reference)
+    cublas  kernels/grouped_mm.py: rows gathered, K-grouped torch._grouped_mm
+    sm90    csrc/wgrad.cu (cuda/wgrad.py), longest expert first, on the token operand gathered
+            into the row space first (dw2 reuses dgrad2_swiglu's dy rows where it left them)
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from torchtitan_megamoe.ops.hopper import heuristics
+from torchtitan_megamoe.ops.hopper import tiles
+from torchtitan_megamoe.ops.hopper.cuda import wgrad as sm90_wgrad
+from torchtitan_megamoe.ops.hopper.kernels.grouped_mm import (
+    gather_rows, wgrad_dw2_grouped_mm, wgrad_dw13_grouped_mm,
+)
+from torchtitan_megamoe.ops.hopper.kernels.wgrad import wgrad
+from torchtitan_megamoe.ops.hopper.plan import Plan
+from torchtitan_megamoe.ops.hopper.sides.backward import (
+    Shape, cublas_offer, sm90_offered, triton_offer,
+)
+from torchtitan_megamoe.ops.hopper.sides.configs import Sm90
+from torchtitan_megamoe.ops.hopper.sides.table import Side, Stage
+
+
+class Operands(NamedTuple):
+    dy: torch.Tensor
+    x: torch.Tensor
+    da: torch.Tensor  # [da1 | da3]
+    acts: dict  # "hw": w*h rows, "dy_rows": dy gathered into the row space or None
+    plan: Plan
+    params: tuple  # (w1, w2, w3): the gradients take their dtype and layout
+    order: torch.Tensor  # experts, longest first
+
+
+def _dw2_triton(cfg, op: Operands):
+    return wgrad(op.dy, op.acts["hw"], torch.empty_like(op.params[1]), op.plan, a_gather=True,
+                 b_gather=False, expert_order=op.order, **cfg.kwargs())
+
+
+def _dw2_cublas(cfg, op: Operands):
+    return wgrad_dw2_grouped_mm(op.dy, op.acts["hw"], op.plan, op.params[1],
+                                dy_rows=op.acts.get("dy_rows"))
+
+
+def _dw2_sm90(cfg, op: Operands):
+    rows = op.acts.get("dy_rows")
+    return sm90_wgrad.wgrad_dw2_sm90(
+        gather_rows(op.dy, op.plan) if rows is None else rows, op.acts["hw"], op.plan,
+        torch.empty_like(op.params[1]), op.order, pre_gathered=True)
+
+
+def _dw13_triton(cfg, op: Operands):
+    H = op.da.shape[1] // 2
+    return tuple(wgrad(a, op.x, torch.empty_like(p), op.plan, a_gather=False, b_gather=True,
+                       expert_order=op.order, **cfg.kwargs())
+                 for a, p in ((op.da[:, :H], op.params[0]), (op.da[:, H:], op.params[2])))
+
+
+def _dw13_cublas(cfg, op: Operands):
+    return wgrad_dw13_grouped_mm(op.da, op.x, op.plan, op.params[0], op.params[2])
+
+
+def _dw13_sm90(cfg, op: Operands):
+    return sm90_wgrad.wgrad_dw13_sm90(op.da, gather_rows(op.x, op.plan), op.plan,
+                                      torch.empty_like(op.params[0]),
+                                      torch.empty_like(op.params[2]), op.order,
+                                      pre_gathered=True)
+
+
+def _sm90_offer(s: Shape, av) -> list:
+    fits = (sm90_offered(s, av) and s.params_ok
+            and sm90_wgrad.shapes_supported(s.D, s.H, tiles.BLOCK_M))
+    return [Sm90()] if fits else []
+
+
+def _stage(name, triton, cublas, sm90) -> Stage:
+    return Stage(
+        name,
+        sides=(
+            Side("triton", triton_offer(lambda s: heuristics.wgrad_triton()), triton),
+            Side("cublas", cublas_offer(), cublas),
+            Side("sm90", _sm90_offer, sm90),
+        ),
+        reference="triton",
+        # sm90 was the tuner's pick at both Qwen3 shapes (grouped_mm within 4% on dw13 at 235B);
+        # grouped_mm is faster than Triton where no csrc/ kernel runs
+        prefer=("sm90", "cublas", "triton"),
+    )
+
+
+DW2 = _stage("wgrad_dw2", _dw2_triton, _dw2_cublas, _dw2_sm90)
+DW13 = _stage("wgrad_dw13", _dw13_triton, _dw13_cublas, _dw13_sm90)
