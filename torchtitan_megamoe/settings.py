@@ -44,7 +44,8 @@ def cpu_shims() -> bool:
 
 
 def tuning() -> bool:
-    """MEGAMOE_TUNE=0: take each stage's first candidate instead of timing them."""
+    """MEGAMOE_TUNE=0: run each stage's untuned pick (its best-known side, sides/table.py)
+    instead of timing the candidates."""
     return _flag(TUNE, "1")
 
 
