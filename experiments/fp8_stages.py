@@ -26,7 +26,7 @@ from torchtitan_megamoe.ops.hopper.fp8_weights import (
     forward_weights, make_fp8_weights, w2_transposed, w13_transposed,
 )
 from torchtitan_megamoe.ops.hopper.tiles import FP8_BLOCK_M
-from torchtitan_megamoe.ops.hopper.sides.configs import DeepGemm
+from torchtitan_megamoe.ops.hopper.configs import DeepGemm
 from torchtitan_megamoe.ops.hopper.sides.fp8_gemm import STAGES, Shape
 from torchtitan_megamoe.ops.hopper.sides.table import available
 from torchtitan_megamoe.ops.hopper.sides.fp8_gemm import (

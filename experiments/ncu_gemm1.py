@@ -14,7 +14,7 @@ import torch
 
 from torchtitan_megamoe.bench.shapes import SHAPES
 from torchtitan_megamoe.ops.hopper import heuristics
-from torchtitan_megamoe.ops.hopper.sides.configs import Sm90
+from torchtitan_megamoe.ops.hopper.configs import Sm90
 from torchtitan_megamoe.ops.hopper.sides import gemm1_swiglu as g1
 from torchtitan_megamoe.ops.hopper.plan import build_plan
 from torchtitan_megamoe.timing import median_ms

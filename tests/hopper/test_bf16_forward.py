@@ -81,7 +81,7 @@ def test_every_tuner_candidate_is_correct():
     """The tuner may pick any candidate, so each one (TMA or not) must be right on its own."""
     from torchtitan_megamoe.ops.hopper import heuristics
     from torchtitan_megamoe.ops.hopper.bf16_forward import forward_bf16
-    from torchtitan_megamoe.ops.hopper.sides.configs import Sm90
+    from torchtitan_megamoe.ops.hopper.configs import Sm90
 
     D_, H_, T_, K_, E_ = 2048, 768, 3000, 8, 16
     dev = "cuda"

@@ -14,7 +14,7 @@ from torchtitan_megamoe.ops.hopper.cuda.dgrad2_swiglu import dgrad2_swiglu_sm90
 from torchtitan_megamoe.ops.hopper.kernels.grouped_mm import gather_rows
 from torchtitan_megamoe.ops.hopper.kernels.dgrad2_swiglu import dgrad2_swiglu
 from torchtitan_megamoe.ops.hopper.plan import build_plan
-from torchtitan_megamoe.ops.hopper.sides.configs import Sm90Fused
+from torchtitan_megamoe.ops.hopper.configs import Sm90Fused
 
 pytestmark = SM90_GPU
 BM = 128

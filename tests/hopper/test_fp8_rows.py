@@ -120,7 +120,7 @@ def test_deepgemm_side_matches_ours(case):
     for one group of experts."""
     from torchtitan_megamoe.ops.hopper.fp8_weights import forward_weights, w2_transposed
     from torchtitan_megamoe.ops.hopper.heuristics import FP8_CONFIGS
-    from torchtitan_megamoe.ops.hopper.sides.configs import DeepGemm
+    from torchtitan_megamoe.ops.hopper.configs import DeepGemm
     from torchtitan_megamoe.ops.hopper.sides.fp8_gemm import (
         STAGES, Shape, fp8_gemm1_swiglu, fp8_gemm_rows,
     )

@@ -23,7 +23,7 @@ from torchtitan_megamoe.ops.hopper.kernels.wgrad import longest_first
 from torchtitan_megamoe.ops.hopper.kernels.fp8_quant import (FP8, quant_rows, quant_rows_t,
                                                           quant_weight, weight_blocks)
 from torchtitan_megamoe.ops.hopper.plan import build_plan
-from torchtitan_megamoe.ops.hopper.sides.configs import Sm90
+from torchtitan_megamoe.ops.hopper.configs import Sm90
 
 pytestmark = SM90_GPU
 ROUTINGS = ("random", "uneven", "empty_experts", "one_expert", "t1")

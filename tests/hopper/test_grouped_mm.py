@@ -16,7 +16,7 @@ from moe_testing import (
 from torchtitan_megamoe.ops.hopper import backward
 from torchtitan_megamoe.ops.hopper.heuristics import WGRAD_CONFIGS
 from torchtitan_megamoe.ops.hopper.sides.backward import shape
-from torchtitan_megamoe.ops.hopper.sides.configs import Cublas
+from torchtitan_megamoe.ops.hopper.configs import Cublas
 from torchtitan_megamoe.ops.hopper.sides.table import Available
 from torchtitan_megamoe.ops.hopper.sides.wgrad import DW2
 from torchtitan_megamoe.ops.hopper.kernels.grouped_mm import (

@@ -13,7 +13,7 @@ from torchtitan_megamoe.ops.hopper.sides import dgrad1, dgrad2_swiglu, fp8_gemm,
 from torchtitan_megamoe.ops.hopper.sides import gemm1_swiglu, gemm2, wgrad
 from torchtitan_megamoe.ops.hopper.sides.backward import Shape as Bwd
 from torchtitan_megamoe.ops.hopper.sides.backward import cublas_offer
-from torchtitan_megamoe.ops.hopper.sides.configs import Cublas, Sm90, TritonGemm
+from torchtitan_megamoe.ops.hopper.configs import Cublas, Sm90, TritonGemm
 from torchtitan_megamoe.ops.hopper.sides.table import Available
 from torchtitan_megamoe.ops.shapes import hopper_multiple
 

@@ -11,7 +11,7 @@ from moe_testing import make_weights, rel_err, routings
 from torchtitan_megamoe.ops.hopper.kernels import combine as combine_mod
 from torchtitan_megamoe.ops.hopper.sides import gemm1_swiglu as g1
 from torchtitan_megamoe.ops.hopper.sides import gemm2 as g2
-from torchtitan_megamoe.ops.hopper.sides.configs import TritonGemm
+from torchtitan_megamoe.ops.hopper.configs import TritonGemm
 from torchtitan_megamoe.ops.hopper.plan import build_plan
 
 CFG = TritonGemm(block_m=16, block_n=16, block_k=16, group_m=2, num_warps=1, num_stages=1)

@@ -13,7 +13,7 @@ from torchtitan_megamoe.ops.hopper import tiles
 from torchtitan_megamoe.ops.hopper.sides import dgrad1, dgrad2_swiglu, fp8_gemm, fp8_wgrad
 from torchtitan_megamoe.ops.hopper.sides import gemm1_swiglu, gemm2, wgrad
 from torchtitan_megamoe.ops.hopper.sides.backward import Shape as Bwd
-from torchtitan_megamoe.ops.hopper.sides.configs import Cublas, DeepGemm, Sm90, Sm90Fused
+from torchtitan_megamoe.ops.hopper.configs import Cublas, DeepGemm, Sm90, Sm90Fused
 from torchtitan_megamoe.ops.hopper.sides.table import Available, available
 
 QWEN3 = {"30b": (2048, 768), "235b": (4096, 1536)}  # (D, H)

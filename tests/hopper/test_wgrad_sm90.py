@@ -16,7 +16,7 @@ from torchtitan_megamoe.ops.hopper.cuda.wgrad import wgrad_dw13_sm90, wgrad_dw2_
 from torchtitan_megamoe.ops.hopper.kernels.grouped_mm import gather_rows, grouped_wgrad
 from torchtitan_megamoe.ops.hopper.kernels.wgrad import longest_first
 from torchtitan_megamoe.ops.hopper.plan import build_plan
-from torchtitan_megamoe.ops.hopper.sides.configs import Sm90
+from torchtitan_megamoe.ops.hopper.configs import Sm90
 
 pytestmark = SM90_GPU
 BM = 128

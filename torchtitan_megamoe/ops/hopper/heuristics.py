@@ -7,7 +7,7 @@ bench run on the GPU; the first one of a list is the tuner's correctness referen
 from __future__ import annotations
 
 from torchtitan_megamoe import settings
-from torchtitan_megamoe.ops.hopper.sides.configs import TritonGemm as T
+from torchtitan_megamoe.ops.hopper.configs import TritonGemm as T
 
 
 # ------------------------------------------------------------------------------ gemm1_swiglu

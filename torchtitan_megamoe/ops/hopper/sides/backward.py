@@ -10,7 +10,7 @@ import torch
 
 from torchtitan_megamoe import settings
 from torchtitan_megamoe.ops.hopper import tiles
-from torchtitan_megamoe.ops.hopper.sides.configs import Cublas
+from torchtitan_megamoe.ops.hopper.configs import Cublas
 
 
 @dataclass(frozen=True)

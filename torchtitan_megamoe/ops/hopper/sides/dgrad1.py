@@ -25,7 +25,7 @@ from torchtitan_megamoe.ops.hopper.plan import Plan
 from torchtitan_megamoe.ops.hopper.sides.backward import (
     Shape, cublas_offer, sm90_offered, triton_offer,
 )
-from torchtitan_megamoe.ops.hopper.sides.configs import Sm90
+from torchtitan_megamoe.ops.hopper.configs import Sm90
 from torchtitan_megamoe.ops.hopper.sides.table import Side, Stage
 
 

@@ -33,7 +33,7 @@ from torchtitan_megamoe.ops.hopper.kernels.fp8_gemm import (
 )
 from torchtitan_megamoe.ops.hopper.kernels.fp8_quant import FP8, gather_rows, swiglu_quant_rows
 from torchtitan_megamoe.ops.hopper.plan import Plan
-from torchtitan_megamoe.ops.hopper.sides.configs import DeepGemm, Sm90
+from torchtitan_megamoe.ops.hopper.configs import DeepGemm, Sm90
 from torchtitan_megamoe.ops.hopper.sides.table import Side, Stage, available
 from torchtitan_megamoe.ops.hopper.tune import bucket, pick_config, relative_difference
 

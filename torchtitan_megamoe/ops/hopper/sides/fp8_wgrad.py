@@ -19,7 +19,7 @@ from torchtitan_megamoe.ops.hopper.heuristics import FP8_INTERPRET
 from torchtitan_megamoe.ops.hopper.kernels.fp8_wgrad import fp8_wgrad_triton
 from torchtitan_megamoe.ops.hopper.kernels.wgrad import longest_first
 from torchtitan_megamoe.ops.hopper.plan import Plan
-from torchtitan_megamoe.ops.hopper.sides.configs import Sm90
+from torchtitan_megamoe.ops.hopper.configs import Sm90
 from torchtitan_megamoe.ops.hopper.sides.table import Side, Stage, available
 from torchtitan_megamoe.ops.hopper.tune import bucket, pick_config
 

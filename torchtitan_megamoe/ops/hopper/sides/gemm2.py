@@ -16,7 +16,7 @@ from torchtitan_megamoe.ops.hopper import heuristics
 from torchtitan_megamoe.ops.hopper.cuda import gemm_rows as sm90_rows
 from torchtitan_megamoe.ops.hopper.kernels.gemm2 import gemm2_triton
 from torchtitan_megamoe.ops.hopper.plan import Plan
-from torchtitan_megamoe.ops.hopper.sides.configs import Sm90
+from torchtitan_megamoe.ops.hopper.configs import Sm90
 from torchtitan_megamoe.ops.hopper.sides.table import Side, Stage, available
 from torchtitan_megamoe.ops.hopper.tune import bucket, pick_config
 
