@@ -426,8 +426,25 @@ def run_ranks(worker, nprocs: int, *args) -> list:
 
     with tempfile.TemporaryDirectory() as d:
         result = os.path.join(d, "result")
-        mp.spawn(worker, args=(*args, os.path.join(d, "init"), result), nprocs=nprocs, join=True)
+        try:
+            mp.spawn(worker, args=(*args, os.path.join(d, "init"), result), nprocs=nprocs,
+                     join=True)
+        except mp.ProcessExitedException as err:
+            # gloo can abort a process in its own teardown (std::terminate on a joinable
+            # thread) after the rank's work is done: a rank that saved its result finished
+            if not err.signal_name or not all(os.path.exists(f"{result}.{r}")
+                                              for r in range(nprocs)):
+                raise
         return [torch.load(f"{result}.{r}") for r in range(nprocs)]
+
+
+def finish_rank() -> None:
+    """The end of a rank of run_ranks: every rank's collectives done, then the group torn down
+    (a rank tearing gloo down while a peer still talks to it can abort)."""
+    import torch.distributed as dist
+
+    dist.barrier()
+    dist.destroy_process_group()
 
 
 def init_gloo(rank: int, world: int, init_file: str) -> None:

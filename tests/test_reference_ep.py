@@ -7,7 +7,7 @@ single-rank op on the concatenated tokens with all experts (float64: 1e-12 relat
 import torch
 import torch.distributed as dist
 
-from moe_testing import init_gloo, make_inputs, op_args, rel_err, run_ranks
+from moe_testing import finish_rank, init_gloo, make_inputs, op_args, rel_err, run_ranks
 from torchtitan_megamoe import mega_moe
 
 R, T, K, E, D, H = 2, 13, 3, 6, 16, 12
@@ -35,7 +35,7 @@ def _worker(rank, init_file, result_file):
     out = mega_moe(leaves[0], ids[mine], *leaves[1:], group=dist.group.WORLD, backend="reference")
     out.backward(dy[mine])
     torch.save([out.detach()] + [t.grad for t in leaves], f"{result_file}.{rank}")
-    dist.destroy_process_group()
+    finish_rank()
 
 
 def test_ep2_matches_single_rank():
@@ -75,7 +75,7 @@ def _capacity_worker(rank, init_file, result_file):
                    max_tokens_per_rank=T)
     out.backward(dy[mine])
     torch.save([errors, out.detach()], f"{result_file}.{rank}")
-    dist.destroy_process_group()
+    finish_rank()
 
 
 def test_ep2_applies_max_tokens_per_rank_like_hopper():

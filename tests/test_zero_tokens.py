@@ -15,7 +15,8 @@ import torch
 import torch.distributed as dist
 
 from moe_testing import (
-    NAMES, grads_f64, init_gloo, make_inputs, moe_f64, op_args, rel_err, routing, run_ranks,
+    NAMES, finish_rank, grads_f64, init_gloo, make_inputs, moe_f64, op_args, rel_err, routing,
+    run_ranks,
 )
 from torchtitan_megamoe import mega_moe
 
@@ -163,7 +164,7 @@ def _ep_worker(rank, backend, counts, dims, dist_backend, init_file, result_file
         out.backward(inp["dy"][mine])
         outs.append([out.detach().cpu()] + [t.grad.cpu() for t in leaves])
     torch.save(outs, f"{result_file}.{rank}")
-    dist.destroy_process_group()
+    finish_rank()
 
 
 def _check_ep(backend, counts, dims=(D, H), dist_backend="gloo"):

@@ -6,7 +6,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from moe_testing import NAMES, grads_f64, make_inputs, make_weights, rel_err, run_ranks, same_bits
+from moe_testing import (
+    NAMES, finish_rank, grads_f64, make_inputs, make_weights, rel_err, run_ranks, same_bits,
+)
 
 R, T, K, E, D, H = 2, 11, 3, 6, 32, 16  # multiples of 16: the recompute runs GEMM 1
 
@@ -34,7 +36,7 @@ def _worker(rank, init_file, result_file):
     second = backward(*args)
     torch.save([first, all(same_bits(a, b) for a, b in zip(first, second))],
                f"{result_file}.{rank}")
-    dist.destroy_process_group()
+    finish_rank()
 
 
 def test_ep2_backward_matches_single_rank_f64():
@@ -81,7 +83,7 @@ def _gpu_worker(rank, init_file, result_file):
     errs = [rel_err(a, b) for a, b in zip(got, ref)]
     same = all(same_bits(a, b) for a, b in zip(got, backward(*args)))
     torch.save([errs, same], f"{result_file}.{rank}")
-    dist.destroy_process_group()
+    finish_rank()
 
 
 @pytest.mark.gpu

@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from moe_testing import make_inputs, moe_f64, op_args, rel_err, run_ranks
+from moe_testing import finish_rank, make_inputs, moe_f64, op_args, rel_err, run_ranks
 
 R = 2
 
@@ -42,7 +42,7 @@ def _worker(rank, backend, shape, world, init_file, result_file):
     out = tb.forward(*args, dist.group.WORLD, MegaMoEOptions(precision="bf16"))
     again = tb.forward(*args, dist.group.WORLD, MegaMoEOptions(precision="bf16"))
     torch.save([out.cpu(), torch.equal(out, again)], f"{result_file}.{rank}")
-    dist.destroy_process_group()
+    finish_rank()
 
 
 def _run(backend, shape, world=R):

@@ -6,7 +6,7 @@ re-dispatch must reproduce that layout exactly; gradients vs float64 of one rank
 import torch
 import torch.distributed as dist
 
-from moe_testing import NAMES, grads_f64, make_inputs, rel_err, run_ranks
+from moe_testing import NAMES, finish_rank, grads_f64, make_inputs, rel_err, run_ranks
 
 R, T, K, E, D, H = 2, 40, 2, 6, 64, 16
 
@@ -45,7 +45,7 @@ def _worker(rank, init_file, result_file):
         ep_forward.pack_plan = real
     grads = [leaves[0].grad, leaves[1].grad, *(w.grad for w in ws)]
     torch.save([grads, kept], f"{result_file}.{rank}")
-    dist.destroy_process_group()
+    finish_rank()
 
 
 def test_ep2_op_saved_receive_layout_backward_matches_f64():

@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from moe_testing import make_inputs, moe_f64, op_args, rel_err, run_ranks
+from moe_testing import finish_rank, make_inputs, moe_f64, op_args, rel_err, run_ranks
 from torchtitan_megamoe.ops.hopper.kernels.sum_partials import sum_partials
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -78,7 +78,7 @@ def _gloo_worker(rank, init_file, result_file):
     later = [t[start2:start2 + n2] for t in (x2, ids2, w2_)] + args[3:]
     out2 = tb.forward(*later, dist.group.WORLD, MegaMoEOptions(precision="bf16"))
     torch.save([out, transport, error, out2], f"{result_file}.{rank}")
-    dist.destroy_process_group()
+    finish_rank()
 
 
 def _capacity_worker(rank, init_file, result_file):
@@ -97,7 +97,7 @@ def _capacity_worker(rank, init_file, result_file):
     tb.forward(*big, dist.group.WORLD, opts)  # within the capacity the options set
     (ex,) = _CACHE.values()
     torch.save(ex.capacity, f"{result_file}.{rank}")
-    dist.destroy_process_group()
+    finish_rank()
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the gloo/interpreter variant is for CPU")
@@ -145,7 +145,7 @@ def _nccl_worker(rank, init_file, result_file):
     symm = all(type(e) is SymmetricExchange for e in _CACHE.values())
     same = all(torch.equal(outs[0], o) for o in outs[1:])
     torch.save([rel_err(outs[0].cpu(), ref), symm, same], f"{result_file}.{rank}")
-    dist.destroy_process_group()
+    finish_rank()
 
 
 @pytest.mark.gpu
