@@ -108,8 +108,10 @@ class LoopbackGroup:
             except LoopbackError:
                 return
         try:
-            ctx = torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
-            with ctx:
+            with contextlib.ExitStack() as ctx:
+                if stream is not None:  # a new thread starts on device 0's default stream
+                    ctx.enter_context(torch.cuda.device(stream.device))
+                    ctx.enter_context(torch.cuda.stream(stream))
                 results[rank] = fn(self.ranks[rank])
                 if stream is not None:
                     stream.synchronize()  # the rank's work is done when its result is handed back
@@ -173,6 +175,9 @@ def run_ranks(R: int, fn, device=None) -> list:
     device = torch.device(device) if device is not None else torch.device("cpu")
     streams = [torch.cuda.Stream(device=device) if device.type == "cuda" else None
                for _ in range(R)]
+    for s in streams:
+        if s is not None:  # the inputs were made on the caller's stream
+            s.wait_stream(torch.cuda.current_stream(device))
     results = [None] * R
     threads = [threading.Thread(target=group._run, args=(r, fn, streams[r], results),
                                 name=f"loopback-{group.id}-rank{r}", daemon=True)
