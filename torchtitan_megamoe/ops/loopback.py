@@ -113,8 +113,6 @@ class LoopbackGroup:
                     ctx.enter_context(torch.cuda.device(stream.device))
                     ctx.enter_context(torch.cuda.stream(stream))
                 results[rank] = fn(self.ranks[rank])
-                if stream is not None:
-                    stream.synchronize()  # the rank's work is done when its result is handed back
         except BaseException as e:  # noqa: BLE001 (handed back to run_ranks)
             results[rank] = e
             with self._cv:
@@ -169,8 +167,9 @@ def resolve(group_name: str) -> LoopbackRank:
 
 def run_ranks(R: int, fn, device=None) -> list:
     """``[fn(rank_group) for each rank]``, R ranks as threads taking turns (see the module's
-    doc); on a CUDA ``device`` each rank runs on its own stream. Re-raises the first rank's
-    error."""
+    doc); on a CUDA ``device`` each rank runs on its own stream, which follows the caller's
+    current stream, and the caller's stream waits for every rank's at the end. Re-raises the
+    first rank's error."""
     group = LoopbackGroup(R)
     device = torch.device(device) if device is not None else torch.device("cpu")
     streams = [torch.cuda.Stream(device=device) if device.type == "cuda" else None
@@ -191,6 +190,9 @@ def run_ranks(R: int, fn, device=None) -> list:
         for t in threads:
             t.join()
     finally:
+        for s in streams:
+            if s is not None:  # the results are ready on the caller's stream, no host sync
+                torch.cuda.current_stream(device).wait_stream(s)
         for h in group.ranks:
             _REGISTRY.pop(h.group_name, None)
         for close in group._on_close:
