@@ -141,6 +141,13 @@ def test_loopback_errors_are_clear():
         run_ranks(2, fails)
 
 
+@cpu_only
+def test_loopback_keeps_the_fp8_refusal_at_ep_above_1():
+    inp = make_inputs(8, 2, 4, 128, 128, seed=0)
+    with pytest.raises(NotImplementedError, match="precision='bf16' with an expert-parallel"):
+        loopback_moe(shard(2, *op_args(inp)), precision="fp8")
+
+
 # ------------------------------------------------------------------------------ one GPU, R ranks
 
 SHAPES = {"30b": (2048, 768), "235b": (4096, 1536)}
@@ -181,3 +188,4 @@ def test_loopback_one_gpu_vs_reference(R, shape):
         assert rel_err(g, r) <= 1e-2, f"{name}: rel err {rel_err(g, r):.2e}"
     for r, (a, b) in enumerate(zip(ranks, again)):
         assert all(same_bits(x, y) for x, y in zip(a, b)), f"rank {r}: two runs differ"
+
