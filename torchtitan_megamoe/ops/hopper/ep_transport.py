@@ -108,6 +108,7 @@ class _SideStream(Exchange):
 
 
 class SymmetricExchange(_SideStream):
+    """PyTorch symmetric memory over NVLink (see the module's doc)."""
 
     def __init__(self, group, capacity, widths, device):
         super().__init__(group, capacity, widths, device)
