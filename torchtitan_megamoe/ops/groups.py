@@ -10,19 +10,15 @@ from torchtitan_megamoe.ops import loopback
 
 
 def group_size(group) -> int:
-    if group is None:
-        return 1
     if loopback.is_loopback(group):
         return group.size
-    return dist.get_world_size(group)
+    return 1 if group is None else dist.get_world_size(group)
 
 
 def group_rank(group) -> int:
-    if group is None:
-        return 0
     if loopback.is_loopback(group):
         return group.rank
-    return dist.get_rank(group)
+    return 0 if group is None else dist.get_rank(group)
 
 
 def all_reduce_max(group, value: int, device: torch.device) -> int:
