@@ -95,6 +95,22 @@ def test_stock_ep_matches_unsharded_and_bench_ep_cli(capfd):
     assert "stock compiled (EP on): first 2 calls (compilation)" in table
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter variant is for CPU")
+def test_ep_loopback_cli_runs_r_ranks_in_one_process(capsys):
+    """--ep 2 --loopback: two loopback ranks of the hopper kernels (interpreter) in this process,
+    their time against ours at EP=1 on both ranks' tokens."""
+    with tempfile.TemporaryDirectory() as d:
+        out = os.path.join(d, "lb.json")
+        rc = bench.main(["--ep", "2", "--loopback", "--shapes", "tiny", "--tokens", "4",
+                         "--iters", "1", "--warmup", "0", "--no-backward", "--json", out])
+        assert rc == 0
+        r = json.load(open(out))["results"][0]
+    assert r["ep"] == 2 and r["loopback"] and r["tokens"] == 4
+    assert r["loopback_fwd_ms"] > 0 and r["ep1_fwd_ms"] > 0
+    assert r["per_rank_fwd_ms"] == r["loopback_fwd_ms"] / 2
+    assert "| tiny (smoke) | 2 | 4 | fwd |" in capsys.readouterr().out
+
+
 def test_ep_cli_outside_torchrun_names_the_launcher(capsys):
     assert bench.main(["--ep", "2", "--backend", "reference"]) == 2
     assert "torchrun --nproc_per_node 2" in capsys.readouterr().err
@@ -298,7 +314,8 @@ def test_cli_options():
     assert not a.block_compile_stock and a.compile_stock  # block: EP=1 only
     for bad in (["--precisions", "fp4"], ["--ep", "2", "--precisions", "fp8"],
                 ["--ep", "2", "--accuracy"], ["--shapes", "7b"], ["--baselines", "fused"],
-                ["--ep", "2", "--baselines", "eager,block"]):
+                ["--ep", "2", "--baselines", "eager,block"], ["--loopback"],
+                ["--ep", "2", "--loopback", "--backend", "reference"]):
         with pytest.raises(SystemExit):
             parse_args(bad)
 

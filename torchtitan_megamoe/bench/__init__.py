@@ -3,6 +3,8 @@
     python -m torchtitan_megamoe.bench [--shapes 30b,235b] [--tokens 16384] [--json out.json]
         [--precisions bf16,fp8,fp8_bwd] [--accuracy] [--baselines eager,compiled,block,torchao]
     torchrun --nproc_per_node 2 -m torchtitan_megamoe.bench --ep 2 [--json out.json]
+    python -m torchtitan_megamoe.bench --ep 8 --loopback [--shapes 30b] [--tokens 4096]
+        (EP=8 as 8 loopback ranks in one process on one GPU: bench/ep_loopback.py)
 
 For each Qwen3 shape it builds stock ``torchtitan.models.moe.MoE`` with Qwen3's MoEArgs (softmax,
 route_norm, no shared experts, score_before_experts=False) in bf16, then times:

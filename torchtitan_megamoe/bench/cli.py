@@ -12,6 +12,7 @@ import torch
 
 from torchtitan_megamoe.bench.ep import bench_shape_ep
 from torchtitan_megamoe.bench.ep1 import bench_shape
+from torchtitan_megamoe.bench.ep_loopback import bench_shape_loopback, loopback_table
 from torchtitan_megamoe.bench.shapes import SHAPES
 from torchtitan_megamoe.bench.stock import note_for, torchao_version
 from torchtitan_megamoe.bench.tables import (accuracy_table, bwd_table, ep_table, layer_rows,
@@ -90,6 +91,22 @@ def main_ep(args) -> int:
             dist.destroy_process_group()
 
 
+def main_loopback(args) -> int:
+    results = []
+    for key in args.shapes.split(","):
+        t0 = time.time()
+        r = bench_shape_loopback(key, args.ep, args.tokens, args.iters, args.warmup,
+                                 args.backward, args.backend)
+        r["wall_s"] = round(time.time() - t0, 1)
+        results.append(r)
+        print(json.dumps(r), flush=True)
+    print(loopback_table(results))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"meta": _meta(), "results": results}, f, indent=1)
+    return 0
+
+
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
     """Every option's default in its help, except a switch's (its name says what it turns)."""
 
@@ -157,6 +174,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="dense FP8 GEMM rate of the fp8 rows' floor (H200 measured)")
     p.add_argument("--ep", type=int, default=1,
                    help="EP degree (GPUs); > 1 runs under torchrun")
+    p.add_argument("--loopback", action="store_true",
+                   help="with --ep R: R loopback ranks in this one process on one device, each on "
+                        "its own stream (ours only, against ours at EP=1 on R*tokens; no torchrun; "
+                        "on CPU the hopper kernels run under the Triton interpreter)")
     p.add_argument("--no-ep1", dest="ep1", action="store_false",
                    help="with --ep > 1: skip timing our EP=1 layer in the same run")
     p.add_argument("--json", default=None, help="write the results here (JSON)")
@@ -175,6 +196,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     if args.ep != 1 and args.precisions != ["bf16"]:
         p.error("--precisions other than bf16 run at EP=1 only (FP8 over the EP exchange is "
                 "not benchmarked here)")
+    if args.loopback and args.ep < 2:
+        p.error("--loopback needs --ep R with R >= 2")
+    if args.loopback and args.backend != "hopper":
+        p.error("--loopback runs backend hopper (the reference's EP path needs torch.distributed)")
     if args.ep != 1 and args.accuracy:
         p.error("--accuracy runs at EP=1 only")
     if args.baselines is None:
@@ -203,6 +228,8 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.loopback:
+        return main_loopback(args)
     if args.ep != 1:
         return main_ep(args)
     if not torch.cuda.is_available() and args.backend != "reference":

@@ -56,6 +56,7 @@ import torch.distributed as dist
 
 from torchtitan_megamoe.ops.device import is_hopper
 from torchtitan_megamoe.ops.fp8_weights import Fp8Weights, dequantized
+from torchtitan_megamoe.ops.groups import group_from_name, group_size
 from torchtitan_megamoe.ops.options import (
     MegaMoEOptions,
     ids_range_message,
@@ -98,6 +99,7 @@ def mega_moe(
         w1, w3: ``[E_local, H, D]``; w2: ``[E_local, D, H]`` (TorchTitan GroupedExperts layout).
         group: expert-parallel process group; rank ``r`` owns global experts
             ``[r * E_local, (r + 1) * E_local)``. Every rank of the group must call the op.
+            A loopback rank (ops/loopback.py: R ranks in one process) is taken too.
             ``None``: one rank owns all experts.
 
         fp8_weights: an ``ops.fp8_weights.Fp8Weights`` made from these very weights (in
@@ -221,10 +223,6 @@ def backend_module(name: str):
     return importlib.import_module(_BACKEND_MODULES[name])
 
 
-def group_size(group: dist.ProcessGroup | None) -> int:
-    return 1 if group is None else dist.get_world_size(group)
-
-
 def check_args(
     x: torch.Tensor,
     topk_ids: torch.Tensor,
@@ -309,14 +307,6 @@ def _check_ids(topk_ids: torch.Tensor, num_experts: int, group) -> None:
 # --------------------------------------------------------------------------- torch.library
 
 
-def _group_from_name(group_name: str):
-    if not group_name:
-        return None
-    from torch.distributed.distributed_c10d import _resolve_process_group
-
-    return _resolve_process_group(group_name)
-
-
 def _autocast_off(device_type: str):
     """The backends' math keeps its own dtypes: autocast off wherever the op runs inside it
     (eager, a compiled graph, a backward: full AC's recompute restores the forward's autocast
@@ -341,7 +331,7 @@ def _run_forward(x, topk_ids, topk_weights, w1, w2, w3, fp8_weights, save, group
     """(out, saved list): the backend's forward, for the registered op and the eager path;
     ``fp8_weights``: an Fp8Weights or None."""
     impl = backend_module(options.backend)
-    group = _group_from_name(group_name)
+    group = group_from_name(group_name)
     kw = _fp8_kwargs(fp8_weights)
     with _autocast_off(x.device.type):
         if not save:
@@ -358,7 +348,7 @@ def _run_backward(grad_out, x, topk_ids, topk_weights, w1, w2, w3, fp8_weights, 
     with _autocast_off(x.device.type):
         grads = backend_module(options.backend).backward(
             grad_out.contiguous(), x, topk_ids, topk_weights, w1, w2, w3,
-            _group_from_name(group_name), options, saved=list(saved) or None,
+            group_from_name(group_name), options, saved=list(saved) or None,
             **_fp8_kwargs(fp8_weights),
         )
     return tuple(g.contiguous() for g in grads)
@@ -385,7 +375,7 @@ def _mega_moe_fake(x, topk_ids, topk_weights, w1, w2, w3, fp8_weights, save, gro
         return torch.empty_like(x), []
     options = MegaMoEOptions.of(*options)
     saved = backend_module(options.backend).saved_like(
-        x, topk_ids, topk_weights, w1, w2, w3, _group_from_name(group_name), options
+        x, topk_ids, topk_weights, w1, w2, w3, group_from_name(group_name), options
     )
     return torch.empty_like(x), saved
 

@@ -23,6 +23,7 @@ import torch
 
 from torchtitan_megamoe import settings
 from torchtitan_megamoe.ops.device import capability, is_hopper
+from torchtitan_megamoe.ops.groups import group_size
 from torchtitan_megamoe.ops.hopper.bf16_backward import backward_bf16, check_backward_dtypes
 from torchtitan_megamoe.ops.hopper.bf16_forward import forward_bf16, saved_like as saved_like_bf16
 from torchtitan_megamoe.ops.hopper.ep_backward import backward_ep
@@ -38,14 +39,6 @@ __all__ = ["backward", "check_inputs", "forward", "make_fp8_weights", "quantize_
 _SUPPORTED_DTYPES = (torch.bfloat16,)
 
 
-def _ep_size(group) -> int:
-    if group is None:
-        return 1
-    import torch.distributed as dist
-
-    return dist.get_world_size(group)
-
-
 def supports(x: torch.Tensor, group) -> bool:
     """Whether backend="auto" may pick these kernels for ``x`` (weights are checked in forward)."""
     if x.dtype not in _SUPPORTED_DTYPES or not is_hopper(x.device):
@@ -56,7 +49,7 @@ def supports(x: torch.Tensor, group) -> bool:
 def check_inputs(x, w1, group, recipe) -> None:
     """Raise, naming the fix, for inputs these kernels cannot take (the op's own checks,
     ops/api.check_args, ran first: an FP8 recipe's scale blocks included)."""
-    if recipe.fp8 and _ep_size(group) > 1:
+    if recipe.fp8 and group_size(group) > 1:
         raise NotImplementedError(
             f"mega_moe backend='hopper' precision={recipe.name!r} runs on one rank's experts "
             "only so far (the expert-parallel exchange moves bf16 rows); use "
@@ -98,7 +91,7 @@ _STAGES = {
 def _stages(options, group) -> tuple[str, str]:
     """Which forward and backward file serve this call: "bf16", "fp8" or "ep"."""
     recipe = options.recipe
-    return _STAGES[(recipe.fp8_forward, recipe.fp8_dgrad, _ep_size(group) > 1)]
+    return _STAGES[(recipe.fp8_forward, recipe.fp8_dgrad, group_size(group) > 1)]
 
 
 def forward(x, topk_ids, topk_weights, w1, w2, w3, group, options, save=False, fp8_weights=None):

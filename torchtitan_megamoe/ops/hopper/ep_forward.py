@@ -53,6 +53,7 @@ With symmetric memory, the staged return rows: (R - 1) x [C, D] x.dtype until th
 
 import torch
 
+from torchtitan_megamoe.ops.groups import group_size
 from torchtitan_megamoe.ops.hopper.bf16_forward import saved_like
 from torchtitan_megamoe.ops.hopper.ep_dispatch import TokenRoute
 from torchtitan_megamoe.ops.hopper.ep_transport import capacity_hint
@@ -172,10 +173,8 @@ def forward_ep(x, topk_ids, topk_weights, w1, w2, w3, group, max_tokens_per_rank
 
 def saved_like_ep(x, topk_ids, w1, group, max_tokens_per_rank=0):
     """Empty tensors shaped like forward_ep(..., save=True)'s saved list (fake impls)."""
-    import torch.distributed as dist
-
     block_m = plan_block_m()
-    R = dist.get_world_size(group)
+    R = group_size(group)
     T, K = topk_ids.shape
     E_local, H, D = w1.shape
     C = capacity_hint(group, T, max_tokens_per_rank)

@@ -3,7 +3,7 @@
 Every rank owns receive buffers ``recv[name]`` of shape ``[R, C, W]``: region ``[s]`` is written
 only by source rank ``s`` and holds up to C rows (C = capacity, tokens per rank). A sender
 stores rows into ``send_region(d, name)`` (its region in rank d's buffer), then every rank calls
-``exchange(names)``; afterwards ``recv[name]`` holds what each source stored. Two transports
+``exchange(names)``; afterwards ``recv[name]`` holds what each source stored. Three transports
 implement that contract:
 
 - ``SymmetricExchange`` (CUDA tensors, a group whose ranks share NVLink): the buffers are
@@ -15,6 +15,11 @@ implement that contract:
   buffer and ``exchange`` is one ``all_to_all_single`` per name with equal, static splits (so
   no split sizes cross the host either). Whole regions travel; it is the portable fallback
   and the path the CPU tests run.
+- ``LoopbackExchange`` (R loopback ranks in one process, ops/loopback.py: a test and measuring
+  mode): every rank's buffers are ordinary tensors all ranks see, ``send_region`` IS the
+  peer's region, and ``exchange`` is the group barrier: on CUDA each rank records an event on
+  its stream and waits on every rank's (device-side ordering, no host sync), on CPU a plain
+  barrier. It overlaps on CUDA as the symmetric transport does.
 
 One exchange object per (group, device, capacity, row widths, dtype) is cached and shared by
 every layer and by forward and backward: layers run one after another on one stream, and each
@@ -34,6 +39,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from torchtitan_megamoe.ops import loopback
+from torchtitan_megamoe.ops.groups import all_reduce_max, group_rank, group_size
 from torchtitan_megamoe.ops.options import capacity_error
 
 _CACHE: dict = {}
@@ -55,8 +62,8 @@ class Exchange:
 
     def __init__(self, group, capacity: int, widths: dict, device: torch.device):
         self.group = group
-        self.R = dist.get_world_size(group)
-        self.rank = dist.get_rank(group)
+        self.R = group_size(group)
+        self.rank = group_rank(group)
         self.capacity = capacity
         self.widths = widths  # name -> (W, dtype)
         self.device = device
@@ -69,9 +76,39 @@ class Exchange:
         return sum(t.numel() * t.element_size() for t in self.recv.values())
 
 
-class SymmetricExchange(Exchange):
+class _SideStream(Exchange):
+    """Transfers can run on a side stream (``run_async``) under the compute."""
+
     overlaps = True
-    """Transfers can run on a side stream (``copy_async``/``run_async``) under the compute."""
+
+    def _side_stream(self) -> torch.cuda.Stream:
+        if not hasattr(self, "_side"):
+            self._side = torch.cuda.Stream(device=self.device)
+        return self._side
+
+    def run_async(self, fn, barrier: bool = False) -> torch.cuda.Event:
+        """Run ``fn`` (kernels / copies into peers' regions) on a side stream after what the
+        current stream has issued so far; with ``barrier``, follow it with the group barrier on
+        channel 1 (every rank's side work is then complete and visible). Returns the event the
+        current stream must wait on before reading what arrived or reusing fn's inputs.
+
+        The symmetric transport's channel 1 keeps this barrier apart from ``exchange``'s
+        (channel 0, current stream), which may run at the same time. The side stream only ever
+        waits on this rank's own current stream, so the two barriers cannot wait on each other
+        across ranks."""
+        side = self._side_stream()
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):
+            fn()
+            if barrier:
+                self._side_barrier()
+            done = torch.cuda.Event()
+            done.record(side)
+        return done
+
+
+class SymmetricExchange(_SideStream):
+    """PyTorch symmetric memory over NVLink (see the module's doc)."""
 
     def __init__(self, group, capacity, widths, device):
         super().__init__(group, capacity, widths, device)
@@ -102,29 +139,41 @@ class SymmetricExchange(Exchange):
     def exchange(self, names) -> None:
         self._barrier_handle.barrier(channel=0)
 
-    def _side_stream(self) -> torch.cuda.Stream:
-        if not hasattr(self, "_side"):
-            self._side = torch.cuda.Stream(device=self.device)
-        return self._side
+    def _side_barrier(self) -> None:
+        self._barrier_handle.barrier(channel=1)
 
-    def run_async(self, fn, barrier: bool = False) -> torch.cuda.Event:
-        """Run ``fn`` (kernels / copies into peers' regions) on a side stream after what the
-        current stream has issued so far; with ``barrier``, follow it with the group barrier on
-        channel 1 (every rank's side work is then complete and visible). Returns the event the
-        current stream must wait on before reading what arrived or reusing fn's inputs.
 
-        Channel 1 keeps this barrier apart from ``exchange``'s (channel 0, current stream),
-        which may run at the same time. The side stream only ever waits on this rank's own
-        current stream, so the two barriers cannot wait on each other across ranks."""
-        side = self._side_stream()
-        side.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(side):
-            fn()
-            if barrier:
-                self._barrier_handle.barrier(channel=1)
-            done = torch.cuda.Event()
-            done.record(side)
-        return done
+class LoopbackExchange(_SideStream):
+    """The symmetric transport's contract among loopback ranks (ops/loopback.py): each rank
+    allocates its own buffers, the ranks swap them at one rendezvous, and a peer's region is a
+    view of the peer's buffer."""
+
+    def __init__(self, group, capacity, widths, device):
+        super().__init__(group, capacity, widths, device)
+        self.overlaps = device.type == "cuda"  # CPU: one thread runs at a time, steps in order
+        self.recv = {n: torch.empty((self.R, capacity, W), dtype=dt, device=device)
+                     for n, (W, dt) in widths.items()}
+        every = group.gather(self.recv)
+        self._peer = {(d, n): every[d][n][self.rank] for n in widths for d in range(self.R)}
+
+    def send_region(self, d: int, name: str) -> torch.Tensor:
+        return self._peer[(d, name)]
+
+    def _barrier(self, stream) -> None:
+        if stream is None:
+            self.group.barrier()
+            return
+        # what this stream issued so far, then every rank's: ordering on the device only
+        mine = torch.cuda.Event()
+        mine.record(stream)
+        for ev in self.group.gather(mine):
+            stream.wait_event(ev)
+
+    def exchange(self, names) -> None:
+        self._barrier(torch.cuda.current_stream(self.device) if self.overlaps else None)
+
+    def _side_barrier(self) -> None:
+        self._barrier(self._side_stream())
 
 
 class AllToAllExchange(Exchange):
@@ -143,6 +192,12 @@ class AllToAllExchange(Exchange):
         for n in names:
             dist.all_to_all_single(self.recv[n].view(self.R, -1), self._send[n].view(self.R, -1),
                                    group=self.group)
+
+
+def _transport(device, group) -> type:
+    if loopback.is_loopback(group):
+        return LoopbackExchange
+    return SymmetricExchange if symmetric_memory_usable(device, group) else AllToAllExchange
 
 
 def capacity_hint(group, T: int, max_tokens_per_rank: int = 0) -> int:
@@ -167,12 +222,11 @@ def get_exchange(group, T: int, widths: dict, device: torch.device,
         if capacity == 0:
             # One host sync, once per group and shape: the buffers must be the same size on
             # every rank.
-            t = torch.tensor([T], dtype=torch.int64, device=device)
-            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
-            capacity = int(t.item())
+            capacity = all_reduce_max(group, T, device)
         capacity = max(capacity, 1)
-        cls = SymmetricExchange if symmetric_memory_usable(device, group) else AllToAllExchange
-        ex = _CACHE[key] = cls(group, capacity, widths, device)
+        ex = _CACHE[key] = _transport(device, group)(group, capacity, widths, device)
+        if loopback.is_loopback(group):
+            group.on_close(lambda: _CACHE.pop(key, None))  # its buffers go with its ranks
     ex.check_tokens(T)
     return ex
 
