@@ -14,7 +14,7 @@ import os
 import time
 from dataclasses import asdict, dataclass, field
 
-from torchtitan_megamoe.ab import schedule
+from torchtitan_megamoe.ab import failures, schedule
 from torchtitan_megamoe.ab.comparison import DEFAULT_ATOL, DEFAULT_RTOL, Comparison, compare
 from torchtitan_megamoe.ab.configs import (
     CONVERTER,
@@ -167,12 +167,57 @@ def _exit_code(codes: dict, runs: dict, ok: bool) -> int:
     return 2 if failed else (0 if ok else 1)
 
 
-def _run_problem(name: str, rec) -> str:
+def _run_problem(name: str, rec, out: str) -> str:
     if rec is None or rec.code is None:
         why = rec.status if rec is not None else "missing"
         return f"the {name} run did not run: {why}"
     extra = "" if rec.status in (schedule.OK, schedule.FAILED) else f" ({rec.status})"
-    return f"the {name} run exited with status {rec.code}{extra}; see {name}.log"
+    ranks = failures.describe(_read(os.path.join(out, f"{name}.log")), os.path.join(out, name))
+    return (f"the {name} run exited with status {rec.code}{extra}"
+            + (f" ({ranks})" if ranks else "") + f"; see {name}.log and {name}/ranks/")
+
+
+def _read(path: str) -> str:
+    try:
+        with open(path, errors="replace") as f:
+            return f.read()
+    except OSError:
+        return ""
+
+
+def configured_steps(out: str, label: str, extra: list[str]) -> int:
+    """``training.steps`` of side ``label``'s run: its TOML, unless ``extra`` overrides it."""
+    for i, a in enumerate(extra):
+        if a == "--training.steps" and i + 1 < len(extra):
+            return int(extra[i + 1])
+        if a.startswith("--training.steps="):
+            return int(a.split("=", 1)[1])
+    try:
+        import tomllib
+    except ModuleNotFoundError:  # Python 3.10
+        import tomli as tomllib
+    try:
+        with open(os.path.join(out, f"{label}.toml"), "rb") as f:
+            return int(tomllib.load(f).get("training", {}).get("steps", 0))
+    except (OSError, ValueError):
+        return 0
+
+
+def _teardown_aborts(out: str, extra: list[str], runs: dict, codes: dict) -> list[str]:
+    """Labels whose nonzero exit was a gloo teardown abort after every step (CPU runs only);
+    their codes become 0 in ``codes``."""
+    if _cuda_available():
+        return []
+    done = []
+    for lab, code in codes.items():
+        if code in (None, 0):
+            continue
+        steps = max((s.step for s in runs[lab].steps), default=0)
+        if failures.teardown_abort(_read(os.path.join(out, f"{lab}.log")), steps,
+                                   configured_steps(out, lab, extra)):
+            codes[lab] = 0
+            done.append(lab)
+    return done
 
 
 def analyze_dir(
@@ -197,6 +242,7 @@ def analyze_dir(
     base = sides[baseline]
     runs = {s.label: parse_log_file(os.path.join(out, f"{s.label}.log")) for s in sides}
     codes = {s.label: records[s.label].code if s.label in records else None for s in sides}
+    aborted = _teardown_aborts(out, list(extra), runs, codes)
     default = sides == DEFAULT_SIDES and baseline == 0
     overlapped = sorted(lab for lab, r in records.items() if r.overlapped)
     meta = {
@@ -213,6 +259,8 @@ def analyze_dir(
     if overlapped:
         meta["overlapped"] = overlapped
         meta["jobs"] = max(r.jobs for r in records.values())
+    if aborted:
+        meta["teardown_aborts"] = aborted
     results: dict[str, ABResult] = {}
     sections = []
     for other in sides:
@@ -223,7 +271,7 @@ def analyze_dir(
                       ("stock", "converter") if default else names)
         for name in reversed(names):
             if codes[name] != 0:
-                cmp.problems.insert(0, _run_problem(name, records.get(name)))
+                cmp.problems.insert(0, _run_problem(name, records.get(name), out))
                 cmp.ok = False
         pair_codes = {n: codes[n] for n in names}
         res = ABResult(cmp.ok, _exit_code(pair_codes, {n: runs[n] for n in names}, cmp.ok),

@@ -70,6 +70,15 @@ def _overlap_note(meta: dict) -> list[str]:
             "unaffected"]
 
 
+def _teardown_note(meta: dict) -> list[str]:
+    aborted = meta.get("teardown_aborts")
+    if not aborted:
+        return []
+    return [f"- {', '.join(f'`{x}`' for x in aborted)}: a rank died by a signal in process "
+            "teardown after every step was logged (gloo closing sockets); counted as a "
+            "completed run, the rank logs are under `<run>/ranks/`"]
+
+
 def render_report(
     stock: RunLog,
     conv: RunLog,
@@ -98,6 +107,7 @@ def render_report(
         *_side_line(meta),
         *([] if meta.get("section") else [f"- device: {meta.get('device')}"]),
         *_overlap_note(meta),
+        *_teardown_note(meta),
         f"- verdict: **{'PASS' if cmp.ok else 'FAIL'}** (|diff| <= {cmp.atol:g} + "
         f"{cmp.rtol:g} * |loss|)",
         f"- max |loss diff| {_fmt(cmp.max_abs_diff, '.2e')}, max relative diff "

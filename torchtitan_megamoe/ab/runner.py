@@ -8,6 +8,8 @@ import subprocess
 import sys
 import threading
 
+from torchtitan_megamoe.ab.failures import RANK_LOGS
+
 _LIVE: set = set()  # torchrun processes run_one started and still waits on
 _LIVE_LOCK = threading.Lock()
 
@@ -47,6 +49,11 @@ def torchrun_command(config_path: str, nproc: int, dump: str, extra: list[str]) 
         "--standalone",
         f"--nproc_per_node={nproc}",
         "--local-ranks-filter=0",
+        # every rank's output also in <dump>/ranks/: the log keeps rank 0's, a failure needs all
+        "--log-dir",
+        os.path.join(dump, RANK_LOGS),
+        "--tee",
+        "3",
         "-m",
         "torchtitan.train",
         "--job.config_file",
