@@ -13,7 +13,7 @@ CPU_ENV := MEGAMOE_CPU=1 HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 HF_HOME=$(CURDIR
 NPROC ?= 1
 SMOKE_TOML := train_configs/qwen3_moe_tiny_cpu.toml
 
-.PHONY: cuda-cache setup smoke test test-fast ab ab-ep2 ab-fp8 bench gpu-check deepgemm clean
+.PHONY: cuda-cache setup smoke test test-fast ab ab-ep2 ab-ep2-fp8 ab-fp8 bench gpu-check deepgemm clean
 
 # torch is pinned to the CPU build that the machine image carries (a plain `torch` from PyPI
 # would pull a multi-GB CUDA build onto a machine with no GPU). The tests need the A/B tool's
@@ -48,9 +48,17 @@ test-fast: setup
 # summation orders (stock EP=2 vs stock FSDP-only shows the same single-step jumps).
 ab: setup
 	$(PY) -m torchtitan_megamoe.ab --config $(SMOKE_TOML) --nproc 1 --out outputs/ab_1rank
+# EP2_TOML=$(FP8_TOML) runs the FP8 recipe the same way.
+EP2_TOML ?= $(SMOKE_TOML)
 ab-ep2: setup
-	$(PY) -m torchtitan_megamoe.ab --config $(SMOKE_TOML) --nproc 2 --out outputs/ab_ep2 \
+	$(PY) -m torchtitan_megamoe.ab --config $(EP2_TOML) --nproc 2 --out outputs/ab_ep2 \
 		-- --parallelism.expert_parallel_degree 2 --debug.moe_force_load_balance
+# FP8 at EP=2 against FP8 at EP=1 (FSDP over the same 2 ranks), both with the converter: the
+# exchange's e4m3 dy is the only difference.
+ab-ep2-fp8: setup
+	$(PY) -m torchtitan_megamoe.ab --config $(FP8_TOML) --nproc 2 --out outputs/ab_ep2_fp8 \
+		--sides ep2=megamoe,ep1=megamoe --a-args '--parallelism.expert_parallel_degree 2' \
+		--rtol 1e-3 -- --debug.moe_force_load_balance
 # FP8 on CPU: the reference backend's emulation of the FP8 recipe against bf16 precision, both
 # with the converter, on the tiny flavor at the recipe's block size (dim = moe_inter_dim = 128).
 FP8_TOML := train_configs/qwen3_moe_tiny_fp8_cpu.toml

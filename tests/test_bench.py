@@ -108,7 +108,10 @@ def test_ep_loopback_cli_runs_r_ranks_in_one_process(capsys):
     assert r["ep"] == 2 and r["loopback"] and r["tokens"] == 4
     assert r["loopback_fwd_ms"] > 0 and r["ep1_fwd_ms"] > 0
     assert r["per_rank_fwd_ms"] == r["loopback_fwd_ms"] / 2
-    assert "| tiny (smoke) | 2 | 4 | fwd |" in capsys.readouterr().out
+    assert set(r["bytes"]) == {"dispatch", "dispatch meta", "combine"} and r["bytes"]["dispatch"] > 0
+    printed = capsys.readouterr().out
+    assert "| tiny (smoke) | bf16 | 2 | 4 | fwd |" in printed
+    assert "| tiny (smoke) | bf16 | 2 | dispatch |" in printed
 
 
 def test_ep_cli_outside_torchrun_names_the_launcher(capsys):

@@ -137,6 +137,25 @@ def test_fp8_training_on_cpu(tiny_assets, tmp_path, cpu_env):
     assert run.steps[-1].loss < run.steps[0].loss - 0.5
 
 
+@pytest.mark.slow
+def test_fp8_ep2_trains_as_fp8_ep1(tiny_assets, tmp_path, cpu_env):
+    # FP8 at expert_parallel_degree=2 against FP8 over the same 2 ranks at EP=1 (FSDP alone),
+    # both with the converter (make ab-ep2-fp8): the exchange's e4m3 dy is the only difference.
+    sides = (ab.Side("ep2", "megamoe", ("--parallelism.expert_parallel_degree", "2")),
+             ab.Side("ep1", "megamoe"))
+    res = ab.run_ab(FP8_CONFIG, nproc=2, out=str(tmp_path / "ab"), sides=sides, rtol=1e-3,
+                    timeout=300, extra=[
+                        "--model.hf_assets_path", assets.tokenizer_dir(tiny_assets),
+                        "--training.dataset_path", assets.dataset_dir(tiny_assets),
+                        "--debug.moe_force_load_balance"])
+    with open(os.path.join(res.out, "ep2.log"), errors="replace") as f:
+        log = f.read()
+    assert res.exit_code == 0, res.comparison.problems
+    assert "ep=2" in log and re.search(r"precision=fp8\b", log)
+    assert [s.step for s in res.conv.steps] == list(range(1, STEPS + 1))
+    assert res.comparison.max_rel_diff <= 1e-3
+
+
 def test_fp8_config_fits_the_recipe_and_the_assets():
     from torchtitan.models.qwen3 import qwen3_args
 

@@ -120,14 +120,6 @@ def validate_job(job_config: JobConfig, parallel_dims: ParallelDims | None,
                  options: MegaMoEOptions) -> None:
     """Reject parallelism and converter combinations the fused path does not support."""
     d = _degrees(job_config, parallel_dims)
-    if options.recipe.fp8 and d["ep"] > 1 and options.backend != "reference":
-        # Raised here rather than at the first training step, inside the op.
-        raise NotImplementedError(
-            f"megamoe: precision={options.precision!r} runs the Hopper kernels on one rank's "
-            f"experts only so far; with expert_parallel_degree={d['ep']} the token exchange "
-            "moves bf16 rows. Use precision='bf16' with expert parallelism, or "
-            "expert_parallel_degree=1 (FSDP alone) for FP8."
-        )
     if d["tp"] > 1:
         raise NotImplementedError(
             f"megamoe: tensor_parallel_degree={d['tp']} is not supported (the MoE input would "

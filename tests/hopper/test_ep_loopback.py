@@ -11,7 +11,9 @@ from moe_testing import NAMES, make_inputs, make_weights, op_args, rel_err, same
 from torchtitan_megamoe.ops.api import mega_moe
 from torchtitan_megamoe.ops.groups import group_from_name
 from torchtitan_megamoe.ops.loopback import LoopbackError, run_ranks
+from torchtitan_megamoe.ops.hopper.ep_dispatch import TRAFFIC
 from torchtitan_megamoe.ops.loopback_moe import loopback_moe, shard
+from torchtitan_megamoe.ops.recipe import recipe_named
 
 K, D, H = 3, 32, 32  # D, H multiples of 16: the interpreter's tiles
 cpu_only = pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter variant is for CPU")
@@ -75,6 +77,45 @@ def _check(R, tokens, E, seed=0, skew=False, **kw):
     return ranks
 
 
+def _rows(inp, tokens, E):
+    """(sent, received) per rank: token rows a rank stores into its peers (one per token and
+    other rank owning one of its experts) and rows its peers store into it."""
+    R = len(tokens)
+    el = E // R
+    sent, received = [0] * R, [0] * R
+    for r, ids in enumerate(_per_rank(inp["topk_ids"], tokens)):
+        for row in ids.tolist():
+            for d in {i // el for i in row if i >= 0} - {r}:
+                sent[r] += 1
+                received[d] += 1
+    return sent, received
+
+
+def _metered(fn):
+    """fn() with the exchange's meter on: (result, {rank: {transfer: bytes}})."""
+    TRAFFIC.take()
+    TRAFFIC.on = True
+    try:
+        return fn(), TRAFFIC.take()
+    finally:
+        TRAFFIC.on = False
+
+
+def _check_bytes(traffic, inp, tokens, E, x_row, dy_row):
+    """Counted bytes per rank and transfer = the rows selective dispatch must move, times the
+    row's bytes (x_row / dy_row: the dispatched rows' bytes in the recipe's precision)."""
+    sent, received = _rows(inp, tokens, E)
+    R = len(tokens)
+    for r in range(R):
+        want = {"dispatch": sent[r] * x_row, "combine": received[r] * D * 2,
+                "dispatch dy": sent[r] * dy_row, "dispatch x": sent[r] * D * 2,
+                "return dx": received[r] * (D * 2 + 4 * K),
+                "dispatch meta": sent[r] * 8 * K + 4 * (R - 1),
+                "dispatch dy meta": sent[r] * 8 * K + 4 * (R - 1)}
+        got = traffic.get(r, {})
+        assert {t: got.get(t, 0) for t in want} == want, f"rank {r}"
+
+
 def _gathered(ranks, R):
     """[out, dx, dtw] over the ranks' tokens, [dw1, dw2, dw3] over their experts."""
     return [torch.cat([r[i] for r in ranks]) for i in range(6)]
@@ -88,6 +129,16 @@ def _gathered(ranks, R):
 ])
 def test_loopback_matches_reference(R, tokens, E):
     _check(R, tokens, E)
+
+
+@cpu_only
+def test_loopback_moves_only_the_rows_selective_dispatch_needs():
+    """Every transfer's counted bytes per rank: one row per token and other rank owning one of
+    its experts (none for a token whose experts are all home), uneven routing, R = 4."""
+    tokens, E = [9, 0, 13, 5], 8
+    inp = _case(4, tokens, E, seed=3)
+    _, traffic = _metered(lambda: _loopback(4, inp, tokens))
+    _check_bytes(traffic, inp, tokens, E, D * 2, D * 2)
 
 
 @cpu_only
@@ -141,11 +192,70 @@ def test_loopback_errors_are_clear():
         run_ranks(2, fails)
 
 
+def _fp8_reference(inp, precision, R, dtype=torch.bfloat16):
+    """The reference backend at EP=1 on the whole batch with the recipe's EP>1 rounding of dy
+    (ops/reference.py: with FP8 data gradients dy crosses ranks as e4m3 rows): what its EP=R
+    computes on the same routing."""
+    from torchtitan_megamoe.ops.reference import ACT, quantize_dequantize_fp8
+
+    dy = inp["dy"].to(dtype)
+    if R > 1 and recipe_named(precision).fp8_dgrad:
+        dy = quantize_dequantize_fp8(dy.float(), ACT).to(dtype)
+    leaves = [t.detach().to(dtype).requires_grad_() if t.is_floating_point() else t
+              for t in op_args(inp)]
+    p = precision if dtype != torch.float64 else "bf16"
+    out = mega_moe(*leaves, backend="reference", precision=p)
+    out.backward(dy)
+    return [out.detach().double()] + [leaves[i].grad.double() for i in (0, 2, 3, 4, 5)]
+
+
 @cpu_only
-def test_loopback_keeps_the_fp8_refusal_at_ep_above_1():
-    inp = make_inputs(8, 2, 4, 128, 128, seed=0)
-    with pytest.raises(NotImplementedError, match="precision='bf16' with an expert-parallel"):
-        loopback_moe(shard(2, *op_args(inp)), precision="fp8")
+@pytest.mark.parametrize("R, tokens, E, precision", [
+    (2, [5, 7], 4, "fp8"),
+    (4, [3, 0, 5, 2], 8, "fp8_bwd"),  # rank 1 brings no token
+])
+def test_loopback_fp8_matches_reference(R, tokens, E, precision):
+    """FP8 at EP=R: x (fp8) and dy (fp8, fp8_bwd) travel as e4m3 rows; forward and gradients vs
+    the reference's emulation of the same recipe on the same routing, as close to float64 as
+    the EP=1 FP8 kernels on the whole batch, and repeated runs bitwise equal."""
+    T = sum(tokens)
+    g = torch.Generator().manual_seed(R)
+    inp = make_inputs(T, 2, E, 128, 128, generator=g)  # one scale block wide: the fastest
+    inp["topk_ids"][torch.rand(T, 2, generator=g) < 0.2] = -1
+    shards = shard(R, *op_args(inp), tokens=tokens)
+    dys = _per_rank(inp["dy"], tokens)
+    ranks, traffic = _metered(lambda: loopback_moe(shards, dys, precision=precision))
+    again = loopback_moe(shards, dys, precision=precision)
+    got = [t.double() for t in _gathered(ranks, R)]
+    emu = _fp8_reference(inp, precision, R)
+    exact = _fp8_reference(inp, precision, R, torch.float64)
+    ep1 = [t.double() for t in _gathered(loopback_moe(shard(1, *op_args(inp)), [inp["dy"]],
+                                                      precision=precision), 1)]
+    exact1 = _fp8_reference(inp, precision, 1, torch.float64)
+    for name, g_, e, r, o, r1 in zip(("out", *NAMES), got, emu, exact, ep1, exact1):
+        assert torch.isfinite(g_).all(), name
+        tol = 1e-2 if name == "out" else 3e-2
+        assert rel_err(g_, e) < tol, (precision, name, rel_err(g_, e))
+        # as accurate as the emulated recipe or the EP=1 kernels (a lost row would be far off)
+        bound = 1.15 * max(rel_err(e, r), rel_err(o, r1)) + 2e-3
+        assert rel_err(g_, r) < bound, (name, rel_err(g_, r), bound)
+    for r, (a, b) in enumerate(zip(ranks, again)):
+        assert all(same_bits(x, y) for x, y in zip(a, b)), f"rank {r}: two runs differ"
+    # e4m3 rows with one fp32 scale per 128 values where the recipe's GEMMs read FP8
+    recipe = recipe_named(precision)
+    fp8_row, bf16_row = 128 + 4, 128 * 2
+    _check_fp8_bytes(traffic, inp, tokens, E, fp8_row if recipe.fp8_forward else bf16_row,
+                     fp8_row if recipe.fp8_dgrad else bf16_row)
+
+
+def _check_fp8_bytes(traffic, inp, tokens, E, x_row, dy_row):
+    """_check_bytes at the FP8 test's row width (D = 128, K = 2)."""
+    sent, received = _rows(inp, tokens, E)
+    for r in range(len(tokens)):
+        got = traffic.get(r, {})
+        assert got.get("dispatch", 0) == sent[r] * x_row, r
+        assert got.get("dispatch dy", 0) == sent[r] * dy_row, r
+        assert got.get("combine", 0) == received[r] * 128 * 2, r
 
 
 # ------------------------------------------------------------------------------ one GPU, R ranks

@@ -13,6 +13,7 @@ import torch
 from moe_testing import make_inputs, op_args, rel_err, routing
 
 from torchtitan_megamoe import mega_moe
+from torchtitan_megamoe.ops.options import MegaMoEOptions
 from torchtitan_megamoe.ops.recipe import RECIPES
 
 NAMES = ("out", "dx", "dtopk_weights", "dw1", "dw2", "dw3")
@@ -97,8 +98,9 @@ def test_fp8_all_tokens_to_one_expert():
            "fp8", (1e-2, 3e-2))
 
 
-def test_fp8_rejects_shapes_and_ep(monkeypatch):
-    """hidden 96: the op refuses FP8 (128-wide scaling blocks); an EP group: the backend does."""
+def test_fp8_rejects_shapes_accepts_ep(monkeypatch):
+    """hidden 96: the op refuses FP8 (128-wide scaling blocks); an EP group is accepted (the
+    exchange moves e4m3 rows; tests/hopper/test_ep_loopback.py runs it)."""
     from torchtitan_megamoe.ops import hopper
 
     w1 = w3 = torch.zeros(2, 96, 256, dtype=torch.bfloat16)
@@ -114,9 +116,10 @@ def test_fp8_rejects_shapes_and_ep(monkeypatch):
     import torch.distributed as dist
 
     monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
-    with pytest.raises(NotImplementedError, match="one rank's experts"):
+    for name in ("fp8", "fp8_bwd"):
         hopper.check_inputs(x, torch.zeros(2, 128, 256, dtype=torch.bfloat16), Pair(),
-                            RECIPES["fp8"])
+                            RECIPES[name])
+        assert hopper._stages(MegaMoEOptions(precision=name), Pair()) == ("ep", "ep")
 
 
 def test_dgrad1_groups_bound_the_transposed_copy():

@@ -12,7 +12,7 @@ import torch
 
 from torchtitan_megamoe.bench.ep import bench_shape_ep
 from torchtitan_megamoe.bench.ep1 import bench_shape
-from torchtitan_megamoe.bench.ep_loopback import bench_shape_loopback, loopback_table
+from torchtitan_megamoe.bench.ep_loopback import bench_shape_loopback, bytes_table, loopback_table
 from torchtitan_megamoe.bench.shapes import SHAPES
 from torchtitan_megamoe.bench.stock import note_for, torchao_version
 from torchtitan_megamoe.bench.tables import (accuracy_table, bwd_table, ep_table, layer_rows,
@@ -94,13 +94,16 @@ def main_ep(args) -> int:
 def main_loopback(args) -> int:
     results = []
     for key in args.shapes.split(","):
-        t0 = time.time()
-        r = bench_shape_loopback(key, args.ep, args.tokens, args.iters, args.warmup,
-                                 args.backward, args.backend)
-        r["wall_s"] = round(time.time() - t0, 1)
-        results.append(r)
-        print(json.dumps(r), flush=True)
+        for precision in args.precisions:
+            t0 = time.time()
+            r = bench_shape_loopback(key, args.ep, args.tokens, args.iters, args.warmup,
+                                     args.backward, args.backend, precision)
+            r["wall_s"] = round(time.time() - t0, 1)
+            results.append(r)
+            print(json.dumps(r), flush=True)
     print(loopback_table(results))
+    print()
+    print(bytes_table(results))
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"meta": _meta(), "results": results}, f, indent=1)
@@ -193,9 +196,9 @@ def parse_args(argv=None) -> argparse.Namespace:
         if q not in PRECISIONS:
             p.error(f"unknown precision {q!r}; pick from {','.join(PRECISIONS)}")
     args.precisions = list(dict.fromkeys(["bf16", *precisions]))
-    if args.ep != 1 and args.precisions != ["bf16"]:
-        p.error("--precisions other than bf16 run at EP=1 only (FP8 over the EP exchange is "
-                "not benchmarked here)")
+    if args.ep != 1 and not args.loopback and args.precisions != ["bf16"]:
+        p.error("--precisions other than bf16 run at EP=1 or with --loopback (the torchrun EP "
+                "bench times bf16)")
     if args.loopback and args.ep < 2:
         p.error("--loopback needs --ep R with R >= 2")
     if args.loopback and args.backend != "hopper":

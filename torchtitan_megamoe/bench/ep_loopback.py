@@ -5,15 +5,65 @@ A loopback step is every rank's layer, all on one device, so its time is R ranks
 per-rank figure is that time / R, and loopback / EP=1 is the EP machinery's overhead (the
 exchange's copies and barriers, R*C-row buffers, the phased plans). The ranks issue one after
 another on the host (ops/loopback.py's baton), so small shapes show host time too.
+
+Bytes. One more forward + backward runs with the exchange's meter on (ep_dispatch.TRAFFIC): the
+bytes each rank stored into its peers' buffers per transfer, counted from the device-side row
+counts, mean over the ranks, token rows and metadata (local ids, weights, counts) apart; beside
+them the uniform-routing model of the token rows (``model_bytes``: rows per token to the other
+ranks owning one of its experts, times the row's bytes).
 """
 
 from __future__ import annotations
 
+from math import comb
+
 import torch
 
 from torchtitan_megamoe.bench.shapes import SHAPES
+from torchtitan_megamoe.ops.hopper.ep_dispatch import TRAFFIC
 from torchtitan_megamoe.ops.loopback_moe import loopback_moe, shard
+from torchtitan_megamoe.ops.recipe import SCALE_BLOCK, recipe_named
 from torchtitan_megamoe.timing import median_ms
+
+TRANSFERS = ("dispatch", "combine", "dispatch dy", "dispatch x", "return dx")
+"""A layer's transfers per training step: the forward's x and partial rows, the backward's dy, x
+(sent again: the forward keeps no received rows) and dx partial rows (with d(topk_weights))."""
+
+
+def remote_ranks_per_token(R: int, E: int, K: int) -> float:
+    """Expected number of OTHER ranks owning at least one of a token's K distinct experts, drawn
+    uniformly from E experts split evenly over R ranks."""
+    el = E // R
+    return (R - 1) * (1 - comb(E - el, K) / comb(E, K))
+
+
+def model_bytes(R: int, T: int, D: int, E: int, K: int, precision: str) -> dict:
+    """Bytes one rank sends its peers per transfer at uniform routing (the payload rows: the
+    metadata's 16 + 4K bytes per row and the counts come on top)."""
+    recipe = recipe_named(precision)
+    rows = T * remote_ranks_per_token(R, E, K)
+    bf16, fp8 = 2 * D, D + 4 * (D // SCALE_BLOCK)
+    return {"dispatch": rows * (fp8 if recipe.fp8_forward else bf16),
+            "combine": rows * bf16,
+            "dispatch dy": rows * (fp8 if recipe.fp8_dgrad else bf16),
+            "dispatch x": rows * bf16,
+            "return dx": rows * (bf16 + 4 * K)}
+
+
+def counted_bytes(shards, dys, precision: str, backend: str) -> dict:
+    """{transfer: bytes} one rank sends its peers in a forward (+ backward with ``dys``), mean
+    over the ranks, counted by the exchange's meter; transfers that did not run are absent."""
+    TRAFFIC.take()
+    TRAFFIC.on = True
+    try:
+        loopback_moe(shards, dys, backend=backend, precision=precision)
+        per_rank = TRAFFIC.take()
+    finally:
+        TRAFFIC.on = False
+    R = len(shards)
+    ran = {t for r in per_rank.values() for t in r}
+    return {t: sum(r.get(t, 0) for r in per_rank.values()) / R
+            for t in (*TRANSFERS, *(f"{t} meta" for t in TRANSFERS)) if t in ran}
 
 
 def _inputs(shape, R: int, T: int, dev):
@@ -33,9 +83,10 @@ def _inputs(shape, R: int, T: int, dev):
 
 
 def bench_shape_loopback(key: str, R: int, tokens: int, iters: int, warmup: int,
-                         backward: bool, backend: str = "hopper") -> dict:
+                         backward: bool, backend: str = "hopper", precision: str = "bf16") -> dict:
     """Times (ms, median of ``iters`` waited calls) of one loopback EP=R layer and of ours at
-    EP=1 on the same R*tokens, forward and with ``backward`` forward + backward."""
+    EP=1 on the same R*tokens, forward and with ``backward`` forward + backward, in
+    ``precision``; and the bytes per transfer, counted and modelled."""
     shape = SHAPES[key]
     if shape["experts"] % R:
         raise ValueError(f"{shape['experts']} experts do not split over EP={R}")
@@ -44,16 +95,20 @@ def bench_shape_loopback(key: str, R: int, tokens: int, iters: int, warmup: int,
     args, dy = _inputs(shape, R, tokens, dev)
     res = {"shape": shape["name"], "tokens": tokens, "ep": R, "loopback": True,
            "dim": shape["dim"], "hidden": shape["hidden"], "experts": shape["experts"],
-           "top_k": shape["top_k"], "backend": backend}
+           "top_k": shape["top_k"], "backend": backend, "precision": precision}
     for name, ranks in (("loopback", R), ("ep1", 1)):
         shards = shard(ranks, *args)
         dys = list(torch.split(dy, tokens * R // ranks))
         res[f"{name}_fwd_ms"] = median_ms(
-            lambda: loopback_moe(shards, backend=backend, precision="bf16"), iters, warmup)
+            lambda: loopback_moe(shards, backend=backend, precision=precision), iters, warmup)
         if backward:
             res[f"{name}_fwdbwd_ms"] = median_ms(
-                lambda: loopback_moe(shards, dys, backend=backend, precision="bf16"), iters,
+                lambda: loopback_moe(shards, dys, backend=backend, precision=precision), iters,
                 warmup)
+        if name == "loopback":
+            res["bytes"] = counted_bytes(shards, dys if backward else None, precision, backend)
+    res["model_bytes"] = model_bytes(R, tokens, shape["dim"], shape["experts"], shape["top_k"],
+                                     precision)
     for tag in ("fwd", "fwdbwd"):
         if f"loopback_{tag}_ms" in res:
             res[f"per_rank_{tag}_ms"] = res[f"loopback_{tag}_ms"] / R
@@ -62,12 +117,31 @@ def bench_shape_loopback(key: str, R: int, tokens: int, iters: int, warmup: int,
 
 
 def loopback_table(results: list[dict]) -> str:
-    lines = ["| shape | EP (loopback) | tokens/rank | pass | R ranks ms | per rank ms | "
-             "EP=1 on R*T ms | EP=R / EP=1 |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    lines = ["| shape | precision | EP (loopback) | tokens/rank | pass | R ranks ms | per rank ms | "
+             "EP=1 on R*T ms | EP=R / EP=1 |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in results:
         for tag in ("fwd", "fwdbwd"):
             if f"loopback_{tag}_ms" in r:
-                lines.append(f"| {r['shape']} | {r['ep']} | {r['tokens']} | {tag} | "
-                             f"{r[f'loopback_{tag}_ms']:.3f} | {r[f'per_rank_{tag}_ms']:.3f} | "
-                             f"{r[f'ep1_{tag}_ms']:.3f} | {r[f'overhead_{tag}']:.2f}x |")
+                lines.append(f"| {r['shape']} | {r['precision']} | {r['ep']} | {r['tokens']} | "
+                             f"{tag} | {r[f'loopback_{tag}_ms']:.3f} | "
+                             f"{r[f'per_rank_{tag}_ms']:.3f} | {r[f'ep1_{tag}_ms']:.3f} | "
+                             f"{r[f'overhead_{tag}']:.2f}x |")
+    return "\n".join(lines)
+
+
+def bytes_table(results: list[dict]) -> str:
+    """Per rank and transfer: counted MB of token rows and of metadata, the model's MB of token
+    rows, and counted rows / model."""
+    lines = ["| shape | precision | EP | transfer | counted rows MB/rank | + metadata MB | model "
+             "MB/rank | counted / model |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for r in results:
+        for t in TRANSFERS:
+            if t not in r["bytes"]:
+                continue
+            got, want = r["bytes"][t], r["model_bytes"][t]
+            meta = r["bytes"].get(f"{t} meta", 0)
+            lines.append(f"| {r['shape']} | {r['precision']} | {r['ep']} | {t} | "
+                         f"{got / 1e6:.1f} | {meta / 1e6:.1f} | {want / 1e6:.1f} | "
+                         f"{got / want:.3f} |")
     return "\n".join(lines)

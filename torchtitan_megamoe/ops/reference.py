@@ -24,7 +24,9 @@ gradients, 128x128 blocks for weights, amax scaling); ``fp8_bwd`` does so in the
 data-gradient GEMMs only. The weight gradients take unrounded operands (the kernels run them in
 bf16), unless MEGAMOE_FP8_WGRAD=1 (settings.fp8_wgrad: the all-FP8 recipe, operands in 1x128
 blocks along the token axis). In all FP8 recipes the backward reads GEMM 1's pre-activations
-rounded to the input dtype, as the kernels save them. This emulates the arithmetic of the FP8
+rounded to the input dtype, as the kernels save them. With FP8 data gradients and an EP group,
+dy crosses ranks as e4m3 rows (1x128 scales) and is read back in its dtype, so the weight
+gradients see it rounded too; x's forward rounding is the forward GEMM's own. This emulates the arithmetic of the FP8
 kernels so they can be tested against it.
 """
 
@@ -34,6 +36,7 @@ import torch
 import torch.nn.functional as F
 
 from torchtitan_megamoe import settings
+from torchtitan_megamoe.ops.groups import group_size
 from torchtitan_megamoe.ops.recipe import SCALE_BLOCK
 from torchtitan_megamoe.ops.reference_ep import AllToAllRoute, slot_rows
 
@@ -71,6 +74,9 @@ def backward(grad_out, x, topk_ids, topk_weights, w1, w2, w3, group, options, sa
     T, K = topk_ids.shape
     route = AllToAllRoute(topk_ids, w1.shape[0], group, options.max_tokens_per_rank)
     rows = route.dispatch(slot_rows(x, K, route.slots))
+    if recipe.fp8_dgrad and group_size(group) > 1:
+        # dy travels between ranks as e4m3 rows (1x128 scales), read back in its dtype
+        grad_out = quantize_dequantize_fp8(grad_out.float(), ACT).to(grad_out.dtype)
     grad_rows = route.dispatch(slot_rows(grad_out, K, route.slots))
     row_weights = route.dispatch(topk_weights.reshape(-1)[route.slots].unsqueeze(1))
     dx_rows, dweight_rows, dw1, dw2, dw3 = _experts_backward(

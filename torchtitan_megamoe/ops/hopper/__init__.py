@@ -8,9 +8,11 @@ backward alike:
                                                       dgrad2_swiglu, wgrad, dgrad1, bwd_combine
     fp8,  EP=1   fp8_forward.py  / fp8_backward.py    the same stages in blockwise FP8
     fp8_bwd      bf16_forward.py (the recipe's plan rows) / fp8_backward.py
-    bf16, EP>1   ep_forward.py   / ep_backward.py     dispatch (ep_dispatch.py over
-                                                      ep_transport.py) around the EP=1 kernels,
-                                                      partial rows returned to their sources
+    any,  EP>1   ep_forward.py   / ep_backward.py     dispatch (ep_dispatch.py over
+                                                      ep_transport.py: e4m3 rows where the
+                                                      recipe's GEMMs read FP8) around the EP=1
+                                                      stages of the recipe, partial rows
+                                                      returned to their sources
 
 The backward reads what the forward saved (GEMM 1's pre-activations and the packed plan)
 instead of recomputing them. Each stage has one table of implementations (sides/), which its
@@ -49,12 +51,6 @@ def supports(x: torch.Tensor, group) -> bool:
 def check_inputs(x, w1, group, recipe) -> None:
     """Raise, naming the fix, for inputs these kernels cannot take (the op's own checks,
     ops/api.check_args, ran first: an FP8 recipe's scale blocks included)."""
-    if recipe.fp8 and group_size(group) > 1:
-        raise NotImplementedError(
-            f"mega_moe backend='hopper' precision={recipe.name!r} runs on one rank's experts "
-            "only so far (the expert-parallel exchange moves bf16 rows); use "
-            "precision='bf16' with an expert-parallel group, or group=None"
-        )
     if x.dtype not in _SUPPORTED_DTYPES:
         raise TypeError(
             f"mega_moe backend='hopper' needs bfloat16 tensors, got {x.dtype}; cast x and the "
@@ -78,13 +74,15 @@ def check_inputs(x, w1, group, recipe) -> None:
                          "backend='reference'")
 
 
-# (forward, backward) per (GEMMs 1 and 2 in FP8, data gradients in FP8, EP > 1); EP > 1 runs
-# bf16 only (check_inputs)
+# (forward, backward) per (GEMMs 1 and 2 in FP8, data gradients in FP8, EP > 1); the EP files
+# run every recipe's EP=1 stages on what arrived
 _STAGES = {
     (False, False, False): ("bf16", "bf16"),
     (True, True, False): ("fp8", "fp8"),
     (False, True, False): ("bf16", "fp8"),
     (False, False, True): ("ep", "ep"),
+    (True, True, True): ("ep", "ep"),
+    (False, True, True): ("ep", "ep"),
 }
 
 
@@ -102,8 +100,9 @@ def forward(x, topk_ids, topk_weights, w1, w2, w3, group, options, save=False, f
     check_inputs(x, w1, group, options.recipe)
     stage, _ = _stages(options, group)
     if stage == "ep":
-        res = forward_ep(x, topk_ids, topk_weights, w1, w2, w3, group,
-                         options.max_tokens_per_rank, save=save)
+        res = forward_ep(x, topk_ids, topk_weights, w1, w2, w3, group, options.recipe,
+                         options.max_tokens_per_rank, save=save,
+                         weight_cache=_weight_cache(fp8_weights))
     elif stage == "fp8":
         res = forward_fp8(x, topk_ids, topk_weights, w1, w2, w3, _weight_cache(fp8_weights),
                           save=save)
@@ -127,7 +126,7 @@ def saved_like(x, topk_ids, topk_weights, w1, w2, w3, group, options):
     """Empty tensors with the shapes and dtypes forward(..., save=True) saves (fake impl)."""
     stage, _ = _stages(options, group)
     if stage == "ep":
-        return saved_like_ep(x, topk_ids, w1, group, options.max_tokens_per_rank)
+        return saved_like_ep(x, topk_ids, w1, group, options.recipe, options.max_tokens_per_rank)
     return saved_like_bf16(x, topk_ids, w1, block_m=options.recipe.plan_block_m)
 
 
@@ -141,8 +140,9 @@ def backward(grad_out, x, topk_ids, topk_weights, w1, w2, w3, group, options, sa
     check_backward_dtypes(grad_out, x, w1, recipe.weight_dtypes)
     _, stage = _stages(options, group)
     if stage == "ep":
-        return backward_ep(grad_out, x, topk_ids, topk_weights, w1, w2, w3, group,
-                           options.max_tokens_per_rank, saved=saved)
+        return backward_ep(grad_out, x, topk_ids, topk_weights, w1, w2, w3, group, recipe,
+                           options.max_tokens_per_rank, saved=saved,
+                           weight_cache=_weight_cache(fp8_weights))
     if stage == "fp8":
         return backward_fp8(grad_out, x, topk_ids, topk_weights, w1, w2, w3, recipe,
                             _weight_cache(fp8_weights), saved=saved)

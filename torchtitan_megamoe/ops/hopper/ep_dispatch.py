@@ -1,31 +1,39 @@
 """Where each token goes in an EP group, and the moves of the exchange protocol.
 
-A token travels once per destination rank, not once per slot (at top-8 over 2 ranks a token
-has ~4 slots on each rank, so per-slot dispatch would move ~4x the bytes). It lands at its own
-row t of its source's region (the identity layout of kernels/ep_layout.py), so a source sends its
-whole batch to every rank as one contiguous copy (copy engines): the rows of tokens without a
-slot there travel too (~1% of them at EP=2 and top-8 of 128 experts, ~1/3 at EP=8) and are
-marked "no slot" by the metadata. On the receiver a token has K slots whose ids are that rank's
-local expert ids, -1 for slots owned elsewhere; the EP=1 kernels then run on the receive buffer as if it were a batch of
-R*C tokens. The receiver returns ONE partial row per token (its weighted sum over the token's
-experts there) to row t of its region on the source, and the source sums the partials of the
-ranks it sent the token to, in fp32 and fixed rank order.
+Selective dispatch: a token's row travels once to each rank owning at least one of its experts,
+and to no other (not once per slot: at top-8 a token has several slots on a rank). On a peer the
+rows a source sends sit compactly in token order at rows 0..n_d-1 of the source's region; the
+source's own region keeps token t at row t (kernels/ep_layout.py). Row counts are known on the
+device only, so the rows move by SM stores of exactly n_d rows (kernels/ep_copy.py), and every
+source also stores n_d into the peer's "cnt" region: the receiver reads rows < n_d only (rows past
+it hold stale data of earlier calls). On a receiver a token has K slots whose ids are that rank's
+local expert ids, -1 for slots owned elsewhere; the EP=1 kernels then run on the receive buffer as
+if it were a batch of R*C tokens. The receiver returns ONE partial row per received token (its
+weighted sum over the token's experts there), the n_s rows of region s to source s, in the
+order they came; the source sums the partials of the ranks it sent the token to, in fp32 and
+fixed rank order.
+
+Row names and their precision (``exchange_widths``, from the recipe): "x" bf16 token rows, or
+with an FP8 forward "xq" e4m3 rows + "xs" their 1x128 scales (the FP8 GEMM 1 quantizes x per
+token anyway, so the rows it reads are the same); "dy" bf16, or with FP8 data gradients "dyq" +
+"dys"; the returned partial rows "ret" stay bf16; "dtw" fp32 d(topk_weights); "meta" the local
+ids and routing weights; "cnt" the row counts.
 
 The forward (ep_forward.py) and the backward (ep_backward.py) overlap these moves with their GEMMs
 (``ex`` from ops/hopper/ep_transport.py; a transport that cannot overlap runs the same steps in order):
-    dispatch   the batch's rows -> send_region(d, ·) for every d; metadata (local ids,
-               weights) as whole regions, so rows a source did not fill read as "no slot";
-               rows needed later go on the side stream (dispatch_async, barrier on channel 1)
+    dispatch   counts, metadata and rows to every rank the tokens go to; rows needed later go on
+               the side stream (dispatch_async, barrier on channel 1)
     exchange   barrier #1: the receive buffers are complete
     compute    EP=1 kernels on recv
-    return     each source's region of partial rows -> send_region(source, "ret") (the
-               forward's on the side stream under its last GEMM; the backward's after its
-               combine)
+    return     each source's received rows of partial results -> send_region(source, "ret")
     exchange   barrier #2 (current stream, after the last read of recv): partial rows are
                complete; also orders this call's reads of recv before any peer's next
                dispatch (which follows barrier #2 of this call)
     sum        sum_partials over recv["ret"]
 Everything has a static shape; nothing waits on the host.
+
+``TRAFFIC`` counts, when switched on (the bench), the bytes each rank stores into its peers per
+transfer, from the same device-side counts the copies use.
 """
 
 from __future__ import annotations
@@ -33,95 +41,180 @@ from __future__ import annotations
 import torch
 
 from torchtitan_megamoe.ops.hopper.ep_transport import get_exchange
+from torchtitan_megamoe.ops.hopper.kernels.ep_copy import copy_rows
 from torchtitan_megamoe.ops.hopper.kernels.ep_layout import ep_route_tensors
 from torchtitan_megamoe.ops.hopper.kernels.sum_partials import sum_partials
 from torchtitan_megamoe.ops.options import ids_range_message
+from torchtitan_megamoe.ops.recipe import SCALE_BLOCK
+
+FP8_ROWS = torch.uint8  # e4m3 rows travel as bytes (any transport moves them)
 
 
-def exchange_widths(D: int, K: int, dtype: torch.dtype) -> dict:
-    """Receive buffers of the protocol: token rows (x, dy), metadata (K local ids and K fp32
-    weight bit patterns per row, int32), returned partial rows and d(topk_weights)."""
-    return {
-        "x": (D, dtype),
-        "dy": (D, dtype),
+def exchange_widths(D: int, K: int, dtype: torch.dtype, recipe) -> dict:
+    """Receive buffers of the protocol for ``recipe`` (ops/recipe.py): token rows, metadata
+    (K local ids and K fp32 weight bit patterns per row, int32), returned partial rows,
+    d(topk_weights) and the row counts."""
+    widths = {
         "meta": (2 * K, torch.int32),
         "ret": (D, dtype),
         "dtw": (K, torch.float32),
+        "cnt": (1, torch.int32),
+        # the backward's x: its weight gradients read unrounded x
+        "x": (D, dtype),
     }
+    if recipe.fp8_forward:
+        widths.update(xq=(D, FP8_ROWS), xs=(D // SCALE_BLOCK, torch.float32))
+    if recipe.fp8_dgrad:
+        widths.update(dyq=(D, FP8_ROWS), dys=(D // SCALE_BLOCK, torch.float32))
+    else:
+        widths["dy"] = (D, dtype)
+    return widths
+
+
+class Traffic:
+    """Bytes each rank stores into its peers' buffers, per transfer, from the device-side row
+    counts (no host sync while recording; ``take`` syncs). Off unless a bench switches it on."""
+
+    def __init__(self):
+        self.on = False
+        self._rows: list = []
+
+    def add(self, rank: int, transfer: str, rows: torch.Tensor, row_bytes: int) -> None:
+        if self.on:
+            self._rows.append((rank, transfer, rows.to(torch.int64), row_bytes))
+
+    def take(self) -> dict:
+        """{rank: {transfer: bytes}} recorded since the last take; clears."""
+        out: dict = {}
+        for rank, transfer, rows, row_bytes in self._rows:
+            per = out.setdefault(rank, {})
+            per[transfer] = per.get(transfer, 0) + int(rows) * row_bytes
+        self._rows.clear()
+        return out
+
+
+TRAFFIC = Traffic()
+
+
+def _row_bytes(t: torch.Tensor) -> int:
+    return t.shape[-1] * t.element_size()
 
 
 class TokenRoute:
     """The routing of this rank's tokens [T, K] over an EP group of R ranks with E_local experts
     each: ``pos[t, d]`` = row of token t in its region on rank d (-1: t has no expert on d)."""
 
-    def __init__(self, topk_ids, topk_weights, E_local, group, D, dtype, check_ids=False,
+    def __init__(self, topk_ids, topk_weights, E_local, group, D, dtype, recipe, check_ids=False,
                  max_tokens_per_rank=0):
         T, K = topk_ids.shape
         self.T, self.K, self.E_local = T, K, E_local
-        self.ex = get_exchange(group, T, exchange_widths(D, K, dtype), topk_ids.device,
+        self.ex = get_exchange(group, T, exchange_widths(D, K, dtype, recipe), topk_ids.device,
                                max_tokens_per_rank)
-        R, C = self.ex.R, self.ex.capacity
-        self.R, self.C = R, C
-        # One launch (kernels/ep_layout.py) for owner, pos (token t at row t of its region, -1
-        # where it does not go) and the metadata regions: local ids of the slots d owns (-1 elsewhere and in unused rows) and the
-        # routing weights' bit patterns. Whole regions travel (C x 2K int32, ~1 MB at
-        # C = 16384, K = 8), so rows a source did not fill this call never show stale ids.
-        self.owner, self._ret_slot, self.pos, self.meta, ids_ok = ep_route_tensors(
-            topk_ids, topk_weights, E_local, R, C, check_ids=check_ids
-        )
+        R, C, me = self.ex.R, self.ex.capacity, self.ex.rank
+        self.R, self.C, self.me = R, C, me
+        self.peers = [d for d in range(R) if d != me]
+        self.owner, self._ret_slot, self.pos, self.counts, self.src_tok, self.meta, ids_ok = (
+            ep_route_tensors(topk_ids, topk_weights, E_local, R, C, me=me, check_ids=check_ids))
         if check_ids:
             # check_ids: the forward's (mega_moe leaves the id range to this kernel on CUDA)
             torch._assert_async(ids_ok, ids_range_message(E_local * R, R))
+        # rows this rank sends its peers, per row name (the traffic meter's count)
+        self._sent = self.counts.sum() - self.counts[me] if TRAFFIC.on else None
 
-    def send_meta(self) -> None:
-        """Store every destination's metadata region (no barrier)."""
-        for d in range(self.R):
-            self.ex.send_region(d, "meta").copy_(self.meta[d])
+    def _count(self, d: int) -> torch.Tensor:
+        return self.counts[d:d + 1]
 
-    def _send_rows(self, rows: dict) -> None:
-        """Store token rows (name -> [T, W]) in every destination's region (no barrier): the
-        whole batch as one contiguous copy each (copy engines; identity layout), rows of
-        tokens without a slot on d travel too and are never read there."""
+    def recv_count(self, s: int) -> torch.Tensor:
+        """[1] int32 on the device: rows source s sent here this call."""
+        return self.ex.recv["cnt"][s, 0]
+
+    def send_meta(self, transfer: str = "dispatch") -> None:
+        """Store every destination's row count and metadata rows (no barrier)."""
+        ex, me = self.ex, self.me
         for d in range(self.R):
+            ex.send_region(d, "cnt")[0].copy_(self._count(d))
+            if d == me:  # whole own region: its rows past T read as "no token"
+                ex.send_region(d, "meta").copy_(self.meta[d])
+            else:
+                copy_rows(self.meta[d], ex.send_region(d, "meta"), self._count(d))
+        if self._sent is not None:  # the metadata rows, and one count per peer
+            TRAFFIC.add(me, f"{transfer} meta", self._sent, _row_bytes(self.meta[0]))
+            TRAFFIC.add(me, f"{transfer} meta", self._sent.new_tensor(len(self.peers)), 4)
+
+    def send_own(self, rows: dict) -> None:
+        """Store token rows (name -> [T, W]) in the own region (row t; no transfer)."""
+        for name, t in rows.items():
+            self.ex.send_region(self.me, name)[: self.T].copy_(t)
+
+    def send_peers(self, rows: dict, transfer: str = "dispatch") -> None:
+        """Store token rows (name -> [T, W]) in every peer's region, the n_d rows of the tokens
+        going there only (SM stores; no barrier)."""
+        for d in self.peers:
             for name, t in rows.items():
-                self.ex.send_region(d, name)[: self.T].copy_(t)
+                copy_rows(t, self.ex.send_region(d, name), self._count(d), self.src_tok[d])
+        if self._sent is not None:
+            TRAFFIC.add(self.me, transfer, self._sent, sum(_row_bytes(t) for t in rows.values()))
 
-    def dispatch(self, rows: dict) -> None:
+    def dispatch(self, rows: dict, transfer: str = "dispatch") -> None:
         """Send token rows (name -> [T, W]) and the metadata; then barrier #1."""
-        self.send_meta()
-        self._send_rows(rows)
-        self.ex.exchange(["meta", *rows])
+        self.send_meta(transfer)
+        self.send_own(rows)
+        self.send_peers(rows, transfer)
+        self.ex.exchange(["cnt", "meta", *rows])
 
     def received(self):
-        """(ids [R*C, K] local expert ids or -1, weights [R*C, K] fp32) of the received tokens.
-        The weights are a strided view of the metadata (unit column stride: the combines read
-        them so, the backward's kernels flatten them), one copy launch less than a contiguous
-        copy; the plan kernels read the ids flat, so those are copied."""
-        meta = self.ex.recv["meta"].view(self.R * self.C, 2 * self.K)
-        return meta[:, : self.K].contiguous(), meta[:, self.K:].view(torch.float32)
+        """(ids [R*C, K] local expert ids or -1, weights [R*C, K] fp32) of the received tokens:
+        rows past a source's count read as "no slot". The weights are a strided view of the
+        metadata (unit column stride: the combines read them so, the backward's kernels
+        flatten them); rows whose ids are -1 are never read."""
+        R, C, K = self.R, self.C, self.K
+        meta = self.ex.recv["meta"].view(R, C, 2 * K)
+        live = (torch.arange(C, device=meta.device, dtype=torch.int32)[None, :]
+                < self.ex.recv["cnt"].view(R, C)[:, :1])
+        ids = torch.where(live[..., None], meta[..., :K], -1).view(R * C, K)
+        return ids, meta.view(R * C, 2 * K)[:, K:].view(torch.float32)
 
     def recv_rows(self, name) -> torch.Tensor:
         return self.ex.recv[name].view(self.R * self.C, -1)
 
-    def dispatch_async(self, rows: dict):
+    def dispatch_async(self, rows: dict, transfer: str):
         """Send token rows (name -> [T, W]) under the compute: on the exchange's side stream,
         followed by the group barrier on channel 1 (``wait`` before reading them here). A
         transport that does not overlap sends them now, exchange included. The caller's
         earlier dispatch carried the metadata."""
         ex = self.ex
+        self.send_own(rows)
         if ex.overlaps:
-            return ex.run_async(lambda: self._send_rows(rows), barrier=True), rows
-        self._send_rows(rows)
+            return ex.run_async(lambda: self.send_peers(rows, transfer), barrier=True), rows
+        self.send_peers(rows, transfer)
         ex.exchange(list(rows))
         return None
 
-    def give_back(self, rows: dict) -> None:
+    def return_rows(self, s: int, rows: dict) -> None:
+        """Store partial rows (name -> [C, W], region s's received order) into source s's
+        region: its n_s received rows only (no barrier)."""
+        for name, t in rows.items():
+            if s == self.me:
+                self.ex.send_region(s, name)[: self.T].copy_(t[: self.T])
+            else:
+                copy_rows(t, self.ex.send_region(s, name), self.recv_count(s))
+
+    def returned_rows(self) -> torch.Tensor:
+        """[] int64 on the device: rows this rank returns to its peers (the traffic meter's)."""
+        cnt = self.ex.recv["cnt"].view(self.R, -1)[:, 0]
+        return cnt.sum() - cnt[self.me]
+
+    def count_returned(self, rows: dict, transfer: str) -> None:
+        """Record the bytes of returning ``rows`` (name -> [*, W]) to the peers (TRAFFIC)."""
+        if TRAFFIC.on:
+            TRAFFIC.add(self.me, transfer, self.returned_rows(),
+                        sum(_row_bytes(t) for t in rows.values()))
+
+    def give_back(self, rows: dict, transfer: str = "return") -> None:
         """Return per-received-token rows (name -> [R*C, W]) to their sources; barrier #2."""
         for s in range(self.R):
-            for name, t in rows.items():
-                # whole regions (identity layout): rows of tokens that had no slot here are
-                # never read by the source
-                self.ex.send_region(s, name).copy_(t.view(self.R, self.C, -1)[s])
+            self.return_rows(s, {n: t.view(self.R, self.C, -1)[s] for n, t in rows.items()})
+        self.count_returned(rows, transfer)
         self.ex.exchange(list(rows))
 
     def wait(self, pending) -> None:

@@ -47,10 +47,11 @@ from torchtitan_megamoe.ops.hopper.plan import build_plan, unpack_plan
 
 
 def backward_fp8(grad_out, x, topk_ids, topk_weights, w1, w2, w3, recipe, weight_cache=False,
-                 saved=None):
+                 saved=None, grad_fp8=None):
     """(dx, dtopk_weights, dw1, dw2, dw3); ``recipe``: the call's (ops/recipe.py): whether
     the forward's GEMM 1 ran in FP8, for the recompute when nothing was ``saved``, and whether
-    the weight gradients run in FP8."""
+    the weight gradients run in FP8. ``grad_fp8``: grad_out already quantized (e4m3 rows, 1x128
+    scales: what the EP exchange delivers; grad_out is then their dequantized values)."""
     T, D = x.shape
     E, H, _ = w1.shape
     if T == 0:
@@ -68,7 +69,7 @@ def backward_fp8(grad_out, x, topk_ids, topk_weights, w1, w2, w3, recipe, weight
         a_saved = _recompute_a(x, w1, w2, w3, plan, recipe.fp8_forward, weight_cache)
     tw = topk_weights.contiguous()
 
-    gq, gs = quant_rows(dy)
+    gq, gs = quant_rows(dy) if grad_fp8 is None else grad_fp8
     w2t = w2_transposed(w2, cache=weight_cache, dtype=x.dtype)
     if recipe.fp8_wgrad(settings.fp8_wgrad()):  # fused dgrad2 + SwiGLU backward writing the FP8 wgrad operands
         daq, das, daTq, daTs, hTq, hTs, part = fp8_dgrad2_swiglu(gq, gs, w2t.q, w2t.s,

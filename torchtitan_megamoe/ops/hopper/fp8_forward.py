@@ -25,17 +25,24 @@ from torchtitan_megamoe.ops.hopper.plan import pack_plan
 def forward_fp8(x, topk_ids, topk_weights, w1, w2, w3, weight_cache=False, save=False):
     """out, or (out, (a, packed_plan)) with ``save``; ``weight_cache``: keep the quantized
     weights until the next optimizer step (fp8_weights.py)."""
-    E, H, D = w1.shape
-    x = x.contiguous()
+    xq, xs = quant_rows(x.contiguous())
+    return forward_fp8_rows(xq, xs, topk_ids, topk_weights, w1, w2, w3, x.dtype, weight_cache,
+                            save)
+
+
+def forward_fp8_rows(xq, xs, topk_ids, topk_weights, w1, w2, w3, out_dtype, weight_cache=False,
+                     save=False):
+    """forward_fp8 of token rows already quantized (e4m3 rows, 1x128 scales: what the EP
+    exchange delivers); ``out_dtype``: x's."""
+    E = w1.shape[0]
     w1, w2, w3 = dense_weights(weight_cache, w1, w2, w3)
     plan = checked_plan(topk_ids, E, FP8_BLOCK_M)
-    xq, xs = quant_rows(x)
-    wq = forward_weights(w1, w2, w3, cache=weight_cache, dtype=x.dtype)
+    wq = forward_weights(w1, w2, w3, cache=weight_cache, dtype=out_dtype)
     hq, hs, a = fp8_gemm1_swiglu(xq, xs, wq.w1q, wq.w1s, wq.w3q, wq.w3s, plan, save_a=save)
     del xq, xs
-    y = fp8_gemm_rows(hq, hs, wq.w2q, wq.w2s, plan, out_dtype=x.dtype, stage="fp8_gemm2")
+    y = fp8_gemm_rows(hq, hs, wq.w2q, wq.w2s, plan, out_dtype=out_dtype, stage="fp8_gemm2")
     del hq, hs, wq
-    out = combine(y, topk_weights.contiguous(), plan.slot_row, x.dtype)
+    out = combine(y, topk_weights.contiguous(), plan.slot_row, out_dtype)
     if not save:
         return out
     return out, (a, pack_plan(plan))

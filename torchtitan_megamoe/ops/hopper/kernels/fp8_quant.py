@@ -89,6 +89,35 @@ def _quant_rows_kernel(x_ptr, q_ptr, s_ptr, N, K, stride_x, stride_q, stride_s,
     tl.store(s_ptr + r64 * stride_s + tl.program_id(1), scale, mask=ok)
 
 
+@triton.jit
+def _dequant_rows_kernel(q_ptr, s_ptr, y_ptr, N, K, stride_q, stride_s, stride_y,
+                         BLOCK_R: tl.constexpr, EMULATE: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    cols = tl.program_id(1) * 128 + tl.arange(0, 128)
+    ok = rows < N
+    r64 = rows.to(tl.int64)
+    q = tl.load(q_ptr + r64[:, None] * stride_q + cols[None, :], mask=ok[:, None],
+                other=0.0).to(tl.float32)
+    scale = tl.load(s_ptr + r64 * stride_s + tl.program_id(1), mask=ok, other=0.0)
+    v = round_to_bf16(q * scale[:, None], EMULATE)
+    tl.store(y_ptr + r64[:, None] * stride_y + cols[None, :], v.to(y_ptr.dtype.element_ty),
+             mask=ok[:, None])
+
+
+def dequant_rows(q: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+    """[N, K] bf16 = q [N, K] e4m3 times its 1x128 scales s [N, K/128], rounded once (the
+    values quant_rows' GEMMs multiply, for the weight gradients that read unquantized rows)."""
+    N, K = q.shape
+    assert K % SCALE_BLOCK == 0 and s.shape == (N, K // SCALE_BLOCK), (q.shape, s.shape)
+    y = torch.empty((N, K), dtype=torch.bfloat16, device=q.device)
+    if N:
+        block_r = 32
+        _dequant_rows_kernel[(cdiv(N, block_r), K // SCALE_BLOCK)](
+            q, s, y, N, K, q.stride(0), s.stride(0), y.stride(0), BLOCK_R=block_r,
+            EMULATE=settings.triton_interpreting(), num_warps=4)
+    return y
+
+
 def quant_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(q [N, K] e4m3, s [N, K/128] fp32): one scale per row and 128 columns."""
     N, K = x.shape
