@@ -17,6 +17,9 @@
 # SKIP_TESTS=1, SKIP_BENCH=1, WHEELS=0 (use the current env, not .whl), BENCH_NPROC=2 (EP=2
 # bench under torchrun, 2 GPUs),
 # BENCH_NPROCS="1 2" (both benches in one run), BENCH_TIMEOUT_S (per bench, default 360),
+# LOOPBACK_EP=R (EP=R as R loopback ranks on this one GPU: times, EP=1 ratio and counted bytes per
+# transfer, in bf16, fp8 and fp8_bwd), LOOPBACK_SPECS (shape:tokens per rank, default
+# "30b:16384 235b:4096"),
 # PYTEST_TIMEOUT_S (default 300), SKIP_DEEPGEMM=1 (no DeepGEMM set-up, MEGAMOE_DEEPGEMM=0),
 # DEEPGEMM_TIMEOUT_S (its build, default 360), DEEPGEMM_SITE (where it builds, default
 # /tmp/dgsite), DG_JIT_CACHE_DIR (its kernels, default /tmp/dgjit). Logs and bench.json go to
@@ -60,6 +63,21 @@ if [ "${SKIP_BENCH:-0}" != 1 ]; then
     echo "bench ep=$n exit: $brc"
     [ "$brc" != 0 ] && rc=$brc
   done
+fi
+if [ -n "${LOOPBACK_EP:-}" ]; then
+  for spec in ${LOOPBACK_SPECS:-30b:16384 235b:4096}; do
+    shape=${spec%%:*}
+    timeout "${BENCH_TIMEOUT_S:-360}" python3 -m torchtitan_megamoe.bench --ep "$LOOPBACK_EP" \
+      --loopback --shapes "$shape" --tokens "${spec##*:}" --precisions bf16,fp8,fp8_bwd \
+      --iters 5 --warmup 2 --json "$OUT/loopback_ep${LOOPBACK_EP}_$shape.json" \
+      2>&1 | tee "$OUT/loopback_ep${LOOPBACK_EP}_$shape.log" | grep -v '^{'
+    brc=${PIPESTATUS[0]}
+    echo "loopback bench ep=$LOOPBACK_EP $shape exit: $brc"
+    [ "$brc" != 0 ] && rc=$brc
+  done
+  # the modelled 8-GPU node from those runs (bench/ep_model.py)
+  python3 -m torchtitan_megamoe.bench.ep_model --json "$OUT"/loopback_ep"$LOOPBACK_EP"_*.json \
+    2>&1 | tee "$OUT/ep_model.log"
 fi
 # the kernels DeepGEMM's JIT compiled (whatever ran above used), for .dgjit/ next time
 dg_pack_jit

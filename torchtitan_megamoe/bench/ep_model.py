@@ -1,0 +1,106 @@
+"""What EP=R on a real node would cost per GPU, MODELLED from a loopback run (bench/ep_loopback.py):
+its per-rank compute and its counted bytes per transfer, with the NVLink bandwidth measured on a
+2-GPU H200 host (326 GB/s per direction for SM stores into symmetric memory).
+
+    python -m torchtitan_megamoe.bench.ep_model --json loopback.json [--bw-gbs 326]
+
+Per transfer, time = bytes / bandwidth. Without overlap a layer's time is its compute plus every
+transfer. With the overlap as built (ep_forward.py, ep_backward.py) a transfer hides under the
+compute that runs beside it, and only the excess shows:
+    dispatch     under GEMM 1 of the own tokens: 1/R of GEMM 1 at uniform routing
+    combine      under GEMM 2 of the own tokens: 1/R of GEMM 2
+    dispatch dy  exposed (the backward starts on it)
+    dispatch x   under dgrad2_swiglu + wgrad_dw2 with bf16 data gradients; exposed with FP8
+                 data gradients (their backward reads x first)
+    return dx    exposed
+The stages' shares of the forward and backward come from the EP=1 stage tables (docs/PERF.md,
+30B bf16): GEMM 1 0.59 and GEMM 2 0.33 of the forward, dgrad2_swiglu + wgrad_dw2 0.37 of the
+backward. Every number this prints is a model, not a measurement of an 8-GPU node.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from torchtitan_megamoe.ops.recipe import recipe_named
+
+NVLINK_GBS = 326.0
+"""GB/s per direction, SM stores into a peer's symmetric memory, 2x H200 NV18 (measured)."""
+
+SHARES = {"gemm1": 0.59, "gemm2": 0.33, "bwd_before_x": 0.37}
+
+REFERENCE_EP8 = {"30b fwd": 3.9, "235b bwd": 24.6}
+"""The reference system's per-GPU layer times at EP=8, FP8, 16K tokens per GPU (ms)."""
+
+
+def predict(res: dict, bw_gbs: float = NVLINK_GBS, shares: dict = SHARES) -> dict:
+    """The modelled per-GPU times (ms) of one loopback result: compute, each transfer, and the
+    forward / forward + backward without and with the built overlap."""
+    R = res["ep"]
+    fwd = res["per_rank_fwd_ms"]
+    fb = res.get("per_rank_fwdbwd_ms")
+    per = {t: b / (bw_gbs * 1e6) for t, b in res["bytes"].items()}  # bytes -> ms
+
+    def moved(t):  # token rows and their metadata
+        return per.get(t, 0.0) + per.get(f"{t} meta", 0.0)
+
+    hidden = {"dispatch": fwd * shares["gemm1"] / R, "combine": fwd * shares["gemm2"] / R}
+    fwd_exposed = sum(max(0.0, moved(t) - hidden[t]) for t in hidden)
+    out = {"compute_fwd_ms": fwd, "transfer_ms": {t: moved(t) for t in
+                                                   ("dispatch", "combine", "dispatch dy",
+                                                    "dispatch x", "return dx") if t in per},
+           "fwd_no_overlap_ms": fwd + moved("dispatch") + moved("combine"),
+           "fwd_overlap_ms": fwd + fwd_exposed}
+    if fb is not None:
+        bwd = fb - fwd
+        recipe = recipe_named(res.get("precision", "bf16"))
+        x_hidden = 0.0 if recipe.fp8_dgrad else bwd * shares["bwd_before_x"]
+        bwd_exposed = (moved("dispatch dy") + max(0.0, moved("dispatch x") - x_hidden)
+                       + moved("return dx"))
+        out.update(compute_fwdbwd_ms=fb,
+                   fwdbwd_no_overlap_ms=fb + sum(out["transfer_ms"].values()),
+                   fwdbwd_overlap_ms=fb + fwd_exposed + bwd_exposed)
+        out["overlap_vs_compute"] = out["fwdbwd_overlap_ms"] / fb
+    return out
+
+
+def model_table(results: list[dict], bw_gbs: float = NVLINK_GBS) -> str:
+    lines = [f"Modelled per-GPU layer time at EP=R on a node (NVLink {bw_gbs:.0f} GB/s per "
+             "direction; compute and bytes from the loopback run):", "",
+             "| shape | precision | EP | compute fwd / fwd+bwd ms | transfers ms | fwd no overlap "
+             "/ overlap ms | fwd+bwd no overlap / overlap ms | overlap / compute |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for r in results:
+        p = predict(r, bw_gbs)
+        fb = p.get("compute_fwdbwd_ms")
+        lines.append(
+            f"| {r['shape']} | {r.get('precision', 'bf16')} | {r['ep']} | "
+            f"{p['compute_fwd_ms']:.2f} / {fb:.2f} | {sum(p['transfer_ms'].values()):.2f} | "
+            f"{p['fwd_no_overlap_ms']:.2f} / {p['fwd_overlap_ms']:.2f} | "
+            f"{p['fwdbwd_no_overlap_ms']:.2f} / {p['fwdbwd_overlap_ms']:.2f} | "
+            f"{p['overlap_vs_compute']:.2f} |" if fb is not None else
+            f"| {r['shape']} | {r.get('precision', 'bf16')} | {r['ep']} | "
+            f"{p['compute_fwd_ms']:.2f} / - | {sum(p['transfer_ms'].values()):.2f} | "
+            f"{p['fwd_no_overlap_ms']:.2f} / {p['fwd_overlap_ms']:.2f} | - | - |")
+    lines += ["", "Reference system, EP=8, FP8, per GPU: 30B layer forward "
+              f"{REFERENCE_EP8['30b fwd']} ms, 235B layer backward {REFERENCE_EP8['235b bwd']} ms."]
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--json", nargs="+", required=True,
+                   help="JSON of python -m torchtitan_megamoe.bench --ep R --loopback --json")
+    p.add_argument("--bw-gbs", type=float, default=NVLINK_GBS)
+    args = p.parse_args(argv)
+    results = []
+    for path in args.json:
+        with open(path) as f:
+            results += [r for r in json.load(f)["results"] if r.get("loopback")]
+    print(model_table(results, args.bw_gbs))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
