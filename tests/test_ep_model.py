@@ -18,16 +18,21 @@ def _result(precision):
 
 def test_predict_adds_only_what_the_compute_beside_a_transfer_cannot_hide():
     p = ep_model.predict(_result("bf16"))
-    # forward: 1 ms each, hidden 2 * 0.59 / 8 (own GEMM 1) and 2 * 0.33 / 8 (own GEMM 2)
+    # forward (2 ms, 0.25 per region): dispatch 1 ms under the own region (0.25 hidden); the
+    # combine's 7 regions of 1/7 ms each under the next region's 0.25 ms (hidden), the last
+    # one exposed
     assert p["fwd_no_overlap_ms"] == pytest.approx(4.0)
-    assert p["fwd_overlap_ms"] == pytest.approx(2.0 + (1 - 0.1475) + (1 - 0.0825))
-    # backward (4 ms): dy and dx exposed; x under dgrad2 + dw2 (0.37 * 4 > 1 ms)
+    assert p["fwd_overlap_ms"] == pytest.approx(2.0 + 0.75 + 1 / 7)
+    # backward (4 ms, 0.5 per region): dy + x 2 ms under the own region (0.5 hidden); dx's
+    # regions hidden but the last
     assert p["fwdbwd_no_overlap_ms"] == pytest.approx(11.0)
-    assert p["fwdbwd_overlap_ms"] == pytest.approx(p["fwd_overlap_ms"] + 4.0 + 2.0)
-    # FP8 data gradients read x first: its transfer shows too
-    fp8 = ep_model.predict(_result("fp8"))
-    assert fp8["fwdbwd_overlap_ms"] == pytest.approx(p["fwdbwd_overlap_ms"] + 1.0)
-    assert fp8["overlap_vs_compute"] == pytest.approx(fp8["fwdbwd_overlap_ms"] / 6.0)
+    assert p["fwdbwd_overlap_ms"] == pytest.approx(p["fwd_overlap_ms"] + 4.0 + 1.5 + 1 / 7)
+    assert p["overlap_vs_compute"] == pytest.approx(p["fwdbwd_overlap_ms"] / 6.0)
+    # a return slower than the regions beside it shows its excess per region
+    slow = dict(_result("bf16"), per_rank_fwd_ms=0.8)
+    each = 1 / 7
+    assert ep_model.predict(slow)["fwd_overlap_ms"] == pytest.approx(
+        0.8 + (1 - 0.1) + 6 * (each - 0.1) + each)
 
 
 def test_cli_prints_the_model_labelled_as_one(tmp_path, capsys):

@@ -105,12 +105,13 @@ def main(key: str = "30b", iters: int = 30) -> None:
         for owner, name, label in [
             (ep_forward, "TokenRoute", "route kernel (TokenRoute)"),
             (ep_dispatch.TokenRoute, "send_meta", "send_meta"),
+            (ep_dispatch.TokenRoute, "send_peers", "send_peers (row copies)"),
             (ep_dispatch.TokenRoute, "received", "received ids/weights"),
-            (ep_forward, "build_phased_plan", "phased plan"),
-            (ep_forward, "gemm1_swiglu", "GEMM 1 (x2)"),
-            (ep_forward, "gemm2", "GEMM 2 (x2)"),
-            (ep_forward, "combine", "combines"),
-            (ep_forward, "phase_of_row", "phase_of_row"),
+            (ep_forward, "build_plan", "region plans (xR)"),
+            (ep_forward, "gemm1_swiglu", "GEMM 1 (xR)"),
+            (ep_forward, "gemm2", "GEMM 2 (xR)"),
+            (ep_forward, "combine", "combines (xR)"),
+            (ep_dispatch.TokenRoute, "return_rows", "return_rows"),
         ]:
             _wrap(owner, name, label, log)
         for cls in (SymmetricExchange, AllToAllExchange):

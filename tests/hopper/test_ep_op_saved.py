@@ -1,6 +1,6 @@
 """The op end to end at EP=2 on 2 gloo ranks (kernels under the interpreter): mega_moe(...,
 group, backend="hopper") forward + autograd backward, at a shape where the EP forward keeps
-GEMM 1's pre-activations in the receive layout (ep_forward.keeps_saved), so the backward's
+GEMM 1's pre-activations of every region (ep_forward.keeps_saved), so the backward's
 re-dispatch must reproduce that layout exactly; gradients vs float64 of one rank holding all."""
 
 import torch
@@ -32,7 +32,7 @@ def _worker(rank, init_file, result_file):
     kept = []
     real = ep_forward.pack_plan
 
-    def spy(plan):  # the EP forward packs its plan only when it keeps the saved tensors
+    def spy(plan):  # the EP forward packs a region's plan only when it keeps the saved tensors
         kept.append(True)
         return real(plan)
 
@@ -55,7 +55,8 @@ def test_ep2_op_saved_receive_layout_backward_matches_f64():
     block_m = plan_block_m()
     assert keeps_saved(R, T, K, E // R, D, H, block_m), "pick a shape that keeps the saved tensors"
     ranks = run_ranks(_worker, R)
-    assert all(r[1] == [True] for r in ranks), [r[1] for r in ranks]  # saved path taken
+    # saved path taken: one packed plan per region
+    assert all(r[1] == [True] * R for r in ranks), [r[1] for r in ranks]
     ref = grads_f64(_inputs())
     got = [torch.cat([r[0][i] for r in ranks]) for i in range(2)]
     got += [torch.cat([r[0][i] for r in ranks]) for i in range(2, 5)]  # expert slices in order

@@ -3,7 +3,7 @@ on its own stream, against ours at EP=1 on the same R*T tokens (``--ep R --loopb
 
 A loopback step is every rank's layer, all on one device, so its time is R ranks' work: the
 per-rank figure is that time / R, and loopback / EP=1 is the EP machinery's overhead (the
-exchange's copies and barriers, R*C-row buffers, the phased plans). The ranks issue one after
+exchange's copies and barriers, a plan per region). The ranks issue one after
 another on the host (ops/loopback.py's baton), so small shapes show host time too.
 
 Bytes. One more forward + backward runs with the exchange's meter on (ep_dispatch.TRAFFIC): the

@@ -5,17 +5,13 @@ its per-rank compute and its counted bytes per transfer, with the NVLink bandwid
     python -m torchtitan_megamoe.bench.ep_model --json loopback.json [--bw-gbs 326]
 
 Per transfer, time = bytes / bandwidth. Without overlap a layer's time is its compute plus every
-transfer. With the overlap as built (ep_forward.py, ep_backward.py) a transfer hides under the
+transfer. With the overlap as built (ep_forward.py, ep_backward.py: one source region at a time,
+the own first; at uniform routing each region is 1/R of the compute) a transfer hides under the
 compute that runs beside it, and only the excess shows:
-    dispatch     under GEMM 1 of the own tokens: 1/R of GEMM 1 at uniform routing
-    combine      under GEMM 2 of the own tokens: 1/R of GEMM 2
-    dispatch dy  exposed (the backward starts on it)
-    dispatch x   under dgrad2_swiglu + wgrad_dw2 with bf16 data gradients; exposed with FP8
-                 data gradients (their backward reads x first)
-    return dx    exposed
-The stages' shares of the forward and backward come from the EP=1 stage tables (docs/PERF.md,
-30B bf16): GEMM 1 0.59 and GEMM 2 0.33 of the forward, dgrad2_swiglu + wgrad_dw2 0.37 of the
-backward. Every number this prints is a model, not a measurement of an 8-GPU node.
+    dispatch, dispatch dy + x   under the own region's forward / backward (1/R of it)
+    combine, return dx          region i's rows (1/(R-1) of the bytes) under region i+1's
+                                compute; the last region's rows are exposed
+Every number this prints is a model, not a measurement of an 8-GPU node.
 """
 
 from __future__ import annotations
@@ -23,18 +19,21 @@ from __future__ import annotations
 import argparse
 import json
 
-from torchtitan_megamoe.ops.recipe import recipe_named
-
 NVLINK_GBS = 326.0
 """GB/s per direction, SM stores into a peer's symmetric memory, 2x H200 NV18 (measured)."""
-
-SHARES = {"gemm1": 0.59, "gemm2": 0.33, "bwd_before_x": 0.37}
 
 REFERENCE_EP8 = {"30b fwd": 3.9, "235b bwd": 24.6}
 """The reference system's per-GPU layer times at EP=8, FP8, 16K tokens per GPU (ms)."""
 
 
-def predict(res: dict, bw_gbs: float = NVLINK_GBS, shares: dict = SHARES) -> dict:
+def _returns_exposed(moved: float, compute: float, R: int) -> float:
+    """Exposed time of returning R-1 regions' rows (``moved`` ms in all), each under the next
+    region's compute (``compute`` / R), the last one after all compute."""
+    each = moved / (R - 1)
+    return (R - 2) * max(0.0, each - compute / R) + each
+
+
+def predict(res: dict, bw_gbs: float = NVLINK_GBS) -> dict:
     """The modelled per-GPU times (ms) of one loopback result: compute, each transfer, and the
     forward / forward + backward without and with the built overlap."""
     R = res["ep"]
@@ -45,8 +44,8 @@ def predict(res: dict, bw_gbs: float = NVLINK_GBS, shares: dict = SHARES) -> dic
     def moved(t):  # token rows and their metadata
         return per.get(t, 0.0) + per.get(f"{t} meta", 0.0)
 
-    hidden = {"dispatch": fwd * shares["gemm1"] / R, "combine": fwd * shares["gemm2"] / R}
-    fwd_exposed = sum(max(0.0, moved(t) - hidden[t]) for t in hidden)
+    fwd_exposed = (max(0.0, moved("dispatch") - fwd / R)
+                   + _returns_exposed(moved("combine"), fwd, R))
     out = {"compute_fwd_ms": fwd, "transfer_ms": {t: moved(t) for t in
                                                    ("dispatch", "combine", "dispatch dy",
                                                     "dispatch x", "return dx") if t in per},
@@ -54,10 +53,8 @@ def predict(res: dict, bw_gbs: float = NVLINK_GBS, shares: dict = SHARES) -> dic
            "fwd_overlap_ms": fwd + fwd_exposed}
     if fb is not None:
         bwd = fb - fwd
-        recipe = recipe_named(res.get("precision", "bf16"))
-        x_hidden = 0.0 if recipe.fp8_dgrad else bwd * shares["bwd_before_x"]
-        bwd_exposed = (moved("dispatch dy") + max(0.0, moved("dispatch x") - x_hidden)
-                       + moved("return dx"))
+        bwd_exposed = (max(0.0, moved("dispatch dy") + moved("dispatch x") - bwd / R)
+                       + _returns_exposed(moved("return dx"), bwd, R))
         out.update(compute_fwdbwd_ms=fb,
                    fwdbwd_no_overlap_ms=fb + sum(out["transfer_ms"].values()),
                    fwdbwd_overlap_ms=fb + fwd_exposed + bwd_exposed)

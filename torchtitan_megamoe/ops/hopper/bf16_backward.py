@@ -59,7 +59,8 @@ def tuner_key(R: int, D: int, H: int, E: int, block_m: int, side: str) -> tuple:
     return (bucket(R), D, H, E, block_m, side)
 
 
-def backward_bf16(grad_out, x, topk_ids, topk_weights, w1, w2, w3, saved=None, wait_x=None):
+def backward_bf16(grad_out, x, topk_ids, topk_weights, w1, w2, w3, saved=None, wait_x=None,
+                  grad_params=None):
     """(dx, dtopk_weights, dw1, dw2, dw3); every expert of topk_ids is in w1/w2/w3. ``saved`` =
     (a, packed_plan) from forward_bf16(..., save=True) on the same inputs: dgrad2_swiglu loads
     a1/a3 instead of recomputing GEMM 1 and the plan is unpacked instead of rebuilt. None (or
@@ -67,14 +68,16 @@ def backward_bf16(grad_out, x, topk_ids, topk_weights, w1, w2, w3, saved=None, w
 
     Stage order: dgrad2_swiglu, wgrad_dw2, wgrad_dw13, dgrad1, bwd_combine. ``wait_x()`` (the
     EP backward's hook, ep_backward.py) is called right before the first kernel that reads x
-    (wgrad_dw13, or the recompute's GEMM 1), so x can still be in flight under the first two."""
+    (wgrad_dw13, or the recompute's GEMM 1), so x can still be in flight under the first two.
+    ``grad_params``: the tensors whose dtype and layout dw1, dw2, dw3 take (default the weights;
+    the EP backward's fp32 stand-ins, to sum regions in fp32)."""
     block_m = plan_block_m()
     T, D = x.shape
     if T == 0:  # e.g. an EP rank that receives no rows
         return (torch.empty_like(x), torch.empty_like(topk_weights),
                 *(torch.zeros_like(w) for w in (w1, w2, w3)))
     # Gradients take the parameters' own layout; the kernels read contiguous copies.
-    params = (w1, w2, w3)
+    params = grad_params or (w1, w2, w3)
     dy = grad_out.contiguous()
     x = x.contiguous()
     w1, w2, w3 = w1.contiguous(), w2.contiguous(), w3.contiguous()

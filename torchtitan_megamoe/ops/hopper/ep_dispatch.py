@@ -21,11 +21,13 @@ ids and routing weights; "cnt" the row counts.
 
 The forward (ep_forward.py) and the backward (ep_backward.py) overlap these moves with their GEMMs
 (``ex`` from ops/hopper/ep_transport.py; a transport that cannot overlap runs the same steps in order):
-    dispatch   counts, metadata and rows to every rank the tokens go to; rows needed later go on
-               the side stream (dispatch_async, barrier on channel 1)
-    exchange   barrier #1: the receive buffers are complete
-    compute    EP=1 kernels on recv
-    return     each source's received rows of partial results -> send_region(source, "ret")
+    meta       counts and metadata to every rank (send_meta), own rows home (send_own)
+    exchange   barrier #1: metadata everywhere
+    rows       token rows to the peers they go to (send_peers), on the side stream, then the
+               group barrier on channel 1 (``wait`` before reading them)
+    compute    EP=1 kernels, region by region, the own first
+    return     each region's partial rows -> its source's "ret" region (return_rows), on the
+               side stream under the next region
     exchange   barrier #2 (current stream, after the last read of recv): partial rows are
                complete; also orders this call's reads of recv before any peer's next
                dispatch (which follows barrier #2 of this call)
@@ -155,13 +157,6 @@ class TokenRoute:
         if self._sent is not None:
             TRAFFIC.add(self.me, transfer, self._sent, sum(_row_bytes(t) for t in rows.values()))
 
-    def dispatch(self, rows: dict, transfer: str = "dispatch") -> None:
-        """Send token rows (name -> [T, W]) and the metadata; then barrier #1."""
-        self.send_meta(transfer)
-        self.send_own(rows)
-        self.send_peers(rows, transfer)
-        self.ex.exchange(["cnt", "meta", *rows])
-
     def received(self):
         """(ids [R*C, K] local expert ids or -1, weights [R*C, K] fp32) of the received tokens:
         rows past a source's count read as "no slot". The weights are a strided view of the
@@ -177,19 +172,6 @@ class TokenRoute:
     def recv_rows(self, name) -> torch.Tensor:
         return self.ex.recv[name].view(self.R * self.C, -1)
 
-    def dispatch_async(self, rows: dict, transfer: str):
-        """Send token rows (name -> [T, W]) under the compute: on the exchange's side stream,
-        followed by the group barrier on channel 1 (``wait`` before reading them here). A
-        transport that does not overlap sends them now, exchange included. The caller's
-        earlier dispatch carried the metadata."""
-        ex = self.ex
-        self.send_own(rows)
-        if ex.overlaps:
-            return ex.run_async(lambda: self.send_peers(rows, transfer), barrier=True), rows
-        self.send_peers(rows, transfer)
-        ex.exchange(list(rows))
-        return None
-
     def return_rows(self, s: int, rows: dict) -> None:
         """Store partial rows (name -> [C, W], region s's received order) into source s's
         region: its n_s received rows only (no barrier)."""
@@ -204,23 +186,17 @@ class TokenRoute:
         cnt = self.ex.recv["cnt"].view(self.R, -1)[:, 0]
         return cnt.sum() - cnt[self.me]
 
-    def count_returned(self, rows: dict, transfer: str) -> None:
-        """Record the bytes of returning ``rows`` (name -> [*, W]) to the peers (TRAFFIC)."""
+    def count_returned(self, row_bytes: int, transfer: str) -> None:
+        """Record the bytes of returning every received row (``row_bytes`` each) to its peer
+        source (TRAFFIC)."""
         if TRAFFIC.on:
-            TRAFFIC.add(self.me, transfer, self.returned_rows(),
-                        sum(_row_bytes(t) for t in rows.values()))
-
-    def give_back(self, rows: dict, transfer: str = "return") -> None:
-        """Return per-received-token rows (name -> [R*C, W]) to their sources; barrier #2."""
-        for s in range(self.R):
-            self.return_rows(s, {n: t.view(self.R, self.C, -1)[s] for n, t in rows.items()})
-        self.count_returned(rows, transfer)
-        self.ex.exchange(list(rows))
+            TRAFFIC.add(self.me, transfer, self.returned_rows(), row_bytes)
 
     def wait(self, pending) -> None:
-        """The current stream waits for a dispatch_async (a no-op for transports that do not
-        overlap). ``pending`` also holds the rows' tensors alive until here, so the caching
-        allocator cannot hand their memory out while the side stream still reads them."""
+        """The current stream waits for rows sent on the side stream: ``pending`` = (event,
+        the rows' tensors), None for transports that do not overlap. It also holds the rows
+        alive until here, so the caching allocator cannot hand their memory out while the side
+        stream still reads them."""
         if pending is not None:
             torch.cuda.current_stream(self.ex.device).wait_event(pending[0])
 

@@ -47,17 +47,18 @@ from torchtitan_megamoe.ops.hopper.plan import build_plan, unpack_plan
 
 
 def backward_fp8(grad_out, x, topk_ids, topk_weights, w1, w2, w3, recipe, weight_cache=False,
-                 saved=None, grad_fp8=None):
+                 saved=None, grad_fp8=None, grad_params=None):
     """(dx, dtopk_weights, dw1, dw2, dw3); ``recipe``: the call's (ops/recipe.py): whether
     the forward's GEMM 1 ran in FP8, for the recompute when nothing was ``saved``, and whether
     the weight gradients run in FP8. ``grad_fp8``: grad_out already quantized (e4m3 rows, 1x128
-    scales: what the EP exchange delivers; grad_out is then their dequantized values)."""
+    scales: what the EP exchange delivers; grad_out is then their dequantized values).
+    ``grad_params``: as in bf16_backward.backward_bf16."""
     T, D = x.shape
     E, H, _ = w1.shape
     if T == 0:
         return (torch.empty_like(x), torch.empty_like(topk_weights),
                 *(torch.zeros_like(w) for w in (w1, w2, w3)))
-    params = (w1, w2, w3)
+    params = grad_params or (w1, w2, w3)
     dy = grad_out.contiguous()
     x = x.contiguous()
     w1, w2, w3 = dense_weights(weight_cache, w1, w2, w3)
