@@ -5,20 +5,20 @@ ep_forward.py):
     current stream                            side stream (symmetric memory only)
     route kernels; counts and meta -> every
     rank; own dy and x -> own region
-                                              dy rows, then x rows -> the peers they go to;
-                                              barrier (channel 1) -> rows_arrived
+                                              for d = me-1, me-2, ...: dy and x rows -> d,
+                                              signal d
     barrier (channel 0): metadata everywhere
     own region: EP=1 backward (its rows are
     here), dx and d(topk_weights) into its
     own return regions
-    wait rows_arrived
-    for each peer s: EP=1 backward of region s
+    for each peer s = me+1, me+2, ...: wait
+    for s's signal; EP=1 backward of region s
                                               its dx and d(topk_weights) rows -> s's regions
     wait for the side stream; barrier (channel 0): every returned row is home
     dx = sum of the ranks' partial rows (fp32, rank order); d(topk_weights) from the owners
 
-So dy and x travel under the own region's backward, and each region's dx under the next
-region's. dy travels as e4m3 rows with their 1x128 scales when the recipe's data gradients are
+So dy and x travel under the regions computed before theirs (shift order, as in the forward),
+and each region's dx under the next region's. dy travels as e4m3 rows with their 1x128 scales when the recipe's data gradients are
 FP8 (the quantization those GEMMs apply anyway; the weight gradients read the dequantized
 values, as the reference backend does at EP > 1); x travels in bf16 (the weight gradients read
 it unrounded). Each region's weight gradients are computed in fp32 (fp32 stand-ins as the
@@ -52,43 +52,35 @@ def backward_ep(grad_out, x, topk_ids, topk_weights, w1, w2, w3, group, recipe,
         dy_rows = {"dyq": gq.view(FP8_ROWS), "dys": gs}
     else:
         dy_rows = {"dy": grad_out.contiguous()}
-    x_rows = {"x": x.contiguous()}
+    rows = {**{n: ("dispatch dy", t) for n, t in dy_rows.items()},
+            "x": ("dispatch x", x.contiguous())}
     route.send_meta("dispatch dy")
-    route.send_own({**dy_rows, **x_rows})
-
-    def send_peers():
-        route.send_peers(dy_rows, "dispatch dy")
-        route.send_peers(x_rows, "dispatch x")
-
-    if ex.overlaps:
-        arrived = ex.run_async(send_peers, barrier=True), (dy_rows, x_rows)
+    route.send_own({n: t for n, (_, t) in rows.items()})
+    if ex.overlaps:  # each peer is signalled once its dy and x rows are there
+        ex.run_async(lambda: route.send_peers(rows, signal=True))
         ex.exchange(["cnt", "meta"])
     else:
-        send_peers()
-        ex.exchange(["cnt", "meta", *dy_rows, *x_rows])
-        arrived = None
+        route.send_peers(rows)
+        ex.exchange(["cnt", "meta", *rows])
     ids, weights = route.received()
     stand_ins = tuple(torch.zeros((), dtype=torch.float32, device=w.device).expand(w.shape)
                       for w in (w1, w2, w3))
     sums, sends = None, []
     for s in region_order(R, me):
-        rows = slice(s * C, (s + 1) * C)
-        wait = None if s == me else (lambda: route.wait(arrived))
+        if s != me and ex.overlaps:
+            ex.wait_from(s)  # region s's dy and x are here (the others may still travel)
+        region = slice(s * C, (s + 1) * C)
         region_saved = list(saved[2 * s:2 * s + 2]) if saved else None
         if recipe.fp8_dgrad:
-            if wait is not None:
-                wait()  # the FP8 backward reads dy and x from its first stage on
-            q, sc = route.recv_rows("dyq")[rows].view(FP8), route.recv_rows("dys")[rows]
+            q, sc = route.recv_rows("dyq")[region].view(FP8), route.recv_rows("dys")[region]
             dx_s, dtw_s, *dws = backward_fp8(
-                dequant_rows(q, sc), route.recv_rows("x")[rows], ids[rows], weights[rows], w1,
-                w2, w3, recipe, weight_cache, saved=region_saved, grad_fp8=(q, sc),
+                dequant_rows(q, sc), route.recv_rows("x")[region], ids[region], weights[region],
+                w1, w2, w3, recipe, weight_cache, saved=region_saved, grad_fp8=(q, sc),
                 grad_params=stand_ins)
         else:
-            if wait is not None:
-                wait()  # dy is read first (x only from wgrad_dw13 on)
             dx_s, dtw_s, *dws = backward_bf16(
-                route.recv_rows("dy")[rows], route.recv_rows("x")[rows], ids[rows],
-                weights[rows], w1, w2, w3, saved=region_saved, grad_params=stand_ins)
+                route.recv_rows("dy")[region], route.recv_rows("x")[region], ids[region],
+                weights[region], w1, w2, w3, saved=region_saved, grad_params=stand_ins)
         # summed in this rank's fixed region order: the same sums on every call
         sums = dws if sums is None else [acc.add_(g) for acc, g in zip(sums, dws)]
         del dws

@@ -98,6 +98,11 @@ class Traffic:
 TRAFFIC = Traffic()
 
 
+def _rows_of(t) -> torch.Tensor:
+    """The rows of a send_peers entry: a tensor, or (transfer name, tensor)."""
+    return t[1] if isinstance(t, tuple) else t
+
+
 def _row_bytes(t: torch.Tensor) -> int:
     return t.shape[-1] * t.element_size()
 
@@ -114,7 +119,10 @@ class TokenRoute:
                                max_tokens_per_rank)
         R, C, me = self.ex.R, self.ex.capacity, self.ex.rank
         self.R, self.C, self.me = R, C, me
-        self.peers = [d for d in range(R) if d != me]
+        # sends in shift order, me-1, me-2, ...: at step i every rank sends to the rank i below
+        # and receives from the rank i above, which computes its regions in order me+1, me+2
+        # (ep_forward.region_order)
+        self.peers = [(me - i) % R for i in range(1, R)]
         self.owner, self._ret_slot, self.pos, self.counts, self.src_tok, self.meta, ids_ok = (
             ep_route_tensors(topk_ids, topk_weights, E_local, R, C, me=me, check_ids=check_ids))
         if check_ids:
@@ -148,14 +156,21 @@ class TokenRoute:
         for name, t in rows.items():
             self.ex.send_region(self.me, name)[: self.T].copy_(t)
 
-    def send_peers(self, rows: dict, transfer: str = "dispatch") -> None:
+    def send_peers(self, rows: dict, transfer: str = "dispatch", signal: bool = False) -> None:
         """Store token rows (name -> [T, W]) in every peer's region, the n_d rows of the tokens
-        going there only (SM stores; no barrier)."""
+        going there only (SM stores; no barrier); with ``signal``, signal each peer once its
+        rows are stored (it then ``wait_from``s this rank before reading them). ``rows`` may
+        hold several transfers: name -> (transfer, [T, W])."""
         for d in self.peers:
             for name, t in rows.items():
-                copy_rows(t, self.ex.send_region(d, name), self._count(d), self.src_tok[d])
+                copy_rows(_rows_of(t), self.ex.send_region(d, name), self._count(d),
+                          self.src_tok[d])
+            if signal:
+                self.ex.signal(d)
         if self._sent is not None:
-            TRAFFIC.add(self.me, transfer, self._sent, sum(_row_bytes(t) for t in rows.values()))
+            for name, t in rows.items():
+                TRAFFIC.add(self.me, t[0] if isinstance(t, tuple) else transfer, self._sent,
+                            _row_bytes(_rows_of(t)))
 
     def received(self):
         """(ids [R*C, K] local expert ids or -1, weights [R*C, K] fp32) of the received tokens:
@@ -191,14 +206,6 @@ class TokenRoute:
         source (TRAFFIC)."""
         if TRAFFIC.on:
             TRAFFIC.add(self.me, transfer, self.returned_rows(), row_bytes)
-
-    def wait(self, pending) -> None:
-        """The current stream waits for rows sent on the side stream: ``pending`` = (event,
-        the rows' tensors), None for transports that do not overlap. It also holds the rows
-        alive until here, so the caching allocator cannot hand their memory out while the side
-        stream still reads them."""
-        if pending is not None:
-            torch.cuda.current_stream(self.ex.device).wait_event(pending[0])
 
     def sum_returned(self, name, out_dtype) -> torch.Tensor:
         """out[t] = sum over the ranks t went to of their returned row, fp32, rank order."""

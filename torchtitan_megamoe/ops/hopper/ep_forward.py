@@ -11,20 +11,22 @@ next region computes:
     current stream                            side stream (symmetric memory only)
     route kernels; counts and meta -> every
     rank; own x -> own region
-                                              x rows -> the peers they go to (SM stores of the
-                                              n_d rows); barrier (channel 1) -> x_arrived
+                                              for d = me-1, me-2, ...: x rows -> d (SM
+                                              stores of the n_d rows), signal d
     barrier (channel 0): metadata everywhere
     own region: plan, GEMM 1 + SwiGLU, GEMM 2,
     combine into ret[me]
-    wait x_arrived
-    for each peer s: plan, GEMM 1 + SwiGLU,
+    for each peer s = me+1, me+2, ...: wait
+    for s's signal; plan, GEMM 1 + SwiGLU,
     GEMM 2, combine into a buffer
                                               the buffer's rows -> s's "ret" region
     wait for the side stream; barrier (channel 0): every partial row is home
     sum of the ranks' partial rows, fixed rank order, fp32
 
-So the dispatch hides under the own region's compute and each region's return under the next
-region's. The per-call buffers (h, y, the plan) are sized for ONE region, C tokens of K slots,
+The sends run in shift order (at step i every rank sends to the rank i below and receives from
+the rank i above: no rank takes two sources at once), and a region is computed as soon as its
+own rows are here: the dispatch hides under the regions computed before, each region's return
+under the next region. The per-call buffers (h, y, the plan) are sized for ONE region, C tokens of K slots,
 whatever the routing (no region can hold more), and reused region after region: the transient
 memory is about what the rank computes on average (C*K received slots at uniform routing),
 not R times it, and no routing overflows it.
@@ -107,8 +109,8 @@ def forward_ep(x, topk_ids, topk_weights, w1, w2, w3, group, recipe, max_tokens_
         rows = {"x": x}
     route.send_meta()
     route.send_own(rows)
-    if ex.overlaps:
-        x_arrived = ex.run_async(lambda: route.send_peers(rows), barrier=True)
+    if ex.overlaps:  # each peer is signalled once its rows are there
+        ex.run_async(lambda: route.send_peers(rows, signal=True))
         ex.exchange(["cnt", "meta"])
     else:
         route.send_peers(rows)
@@ -120,8 +122,8 @@ def forward_ep(x, topk_ids, topk_weights, w1, w2, w3, group, recipe, max_tokens_
     # 2. the own region, then each peer's; a peer's partial rows go home under the next region
     saved, staged, sends = {}, [], []
     for s in region_order(R, me):
-        if s != me and ex.overlaps and s == (me + 1) % R:
-            torch.cuda.current_stream(x.device).wait_event(x_arrived)
+        if s != me and ex.overlaps:
+            ex.wait_from(s)  # region s's rows are here (the others may still travel)
         if s == me:
             saved[s] = compute.region(s, out=ex.send_region(me, "ret"))
             continue

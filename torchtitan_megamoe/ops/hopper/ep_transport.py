@@ -10,7 +10,9 @@ implement that contract:
   PyTorch symmetric memory (CUDA backend), ``send_region`` IS the peer GPU's buffer, so a
   kernel's stores travel over NVLink straight into it, and ``exchange`` is the device-side
   symmetric-memory barrier (release/acquire across the group, launched on the current stream,
-  no host round trip). Token rows travel as whole contiguous batches (copy engines).
+  no host round trip). Overlapped sends run on a side stream (``run_async``) and tell each
+  peer their rows are there with a point-to-point signal (``signal`` / ``wait_from``: the
+  symmetric memory's signal pads, channel 2).
 - ``AllToAllExchange`` (any backend, e.g. gloo on CPU): ``send_region`` is a local staging
   buffer and ``exchange`` is one ``all_to_all_single`` per name with equal, static splits (so
   no split sizes cross the host either). Whole regions travel; it is the portable fallback
@@ -19,7 +21,8 @@ implement that contract:
   mode): every rank's buffers are ordinary tensors all ranks see, ``send_region`` IS the
   peer's region, and ``exchange`` is the group barrier: on CUDA each rank records an event on
   its stream and waits on every rank's (device-side ordering, no host sync), on CPU a plain
-  barrier. It overlaps on CUDA as the symmetric transport does.
+  barrier. It overlaps on CUDA as the symmetric transport does; a signal is an event the
+  receiver's stream waits on.
 
 One exchange object per (group, device, capacity, row widths, dtype) is cached and shared by
 every layer and by forward and backward: layers run one after another on one stream, and each
@@ -44,6 +47,8 @@ from torchtitan_megamoe.ops.groups import all_reduce_max, group_rank, group_size
 from torchtitan_megamoe.ops.options import capacity_error
 
 _CACHE: dict = {}
+SIGNAL_CHANNEL = 2
+"""Symmetric-memory signal channel of ``signal`` / ``wait_from`` (the barriers use 0)."""
 
 
 def symmetric_memory_usable(device: torch.device, group) -> bool:
@@ -86,25 +91,32 @@ class _SideStream(Exchange):
             self._side = torch.cuda.Stream(device=self.device)
         return self._side
 
-    def run_async(self, fn, barrier: bool = False) -> torch.cuda.Event:
-        """Run ``fn`` (kernels / copies into peers' regions) on a side stream after what the
-        current stream has issued so far; with ``barrier``, follow it with the group barrier on
-        channel 1 (every rank's side work is then complete and visible). Returns the event the
-        current stream must wait on before reading what arrived or reusing fn's inputs.
+    def run_async(self, fn) -> torch.cuda.Event:
+        """Run ``fn`` (kernels / copies into peers' regions, ``signal``s) on a side stream after
+        what the current stream has issued so far. Returns the event the current stream must
+        wait on before reusing fn's inputs.
 
-        The symmetric transport's channel 1 keeps this barrier apart from ``exchange``'s
-        (channel 0, current stream), which may run at the same time. The side stream only ever
-        waits on this rank's own current stream, so the two barriers cannot wait on each other
-        across ranks."""
+        The side stream waits on this rank's own current stream, and its signals (channel 2) on a
+        peer only until that peer consumed this rank's previous signal, which it did before the
+        previous call's last barrier: it cannot deadlock with the barriers the current stream
+        runs (channel 0) at the same time."""
         side = self._side_stream()
         side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(side):
             fn()
-            if barrier:
-                self._side_barrier()
             done = torch.cuda.Event()
             done.record(side)
         return done
+
+    def signal(self, d: int) -> None:
+        """Tell rank d that what this stream stored into its regions so far is there (one
+        signal per peer and call, on channel 2; rank d consumes it with ``wait_from``)."""
+        raise NotImplementedError
+
+    def wait_from(self, s: int) -> None:
+        """The current stream waits for rank s's ``signal`` to this rank (then reads what s
+        stored before it)."""
+        raise NotImplementedError
 
 
 class SymmetricExchange(_SideStream):
@@ -139,8 +151,11 @@ class SymmetricExchange(_SideStream):
     def exchange(self, names) -> None:
         self._barrier_handle.barrier(channel=0)
 
-    def _side_barrier(self) -> None:
-        self._barrier_handle.barrier(channel=1)
+    def signal(self, d: int) -> None:
+        self._barrier_handle.put_signal(d, channel=SIGNAL_CHANNEL)
+
+    def wait_from(self, s: int) -> None:
+        self._barrier_handle.wait_signal(s, channel=SIGNAL_CHANNEL)
 
 
 class LoopbackExchange(_SideStream):
@@ -155,6 +170,9 @@ class LoopbackExchange(_SideStream):
                      for n, (W, dt) in widths.items()}
         every = group.gather(self.recv)
         self._peer = {(d, n): every[d][n][self.rank] for n in widths for d in range(self.R)}
+        # signal(d) posts an event here, at [d]; every rank sees every rank's outbox
+        self._outbox: list = [None] * self.R
+        self._outboxes = group.gather(self._outbox)
 
     def send_region(self, d: int, name: str) -> torch.Tensor:
         return self._peer[(d, name)]
@@ -172,8 +190,18 @@ class LoopbackExchange(_SideStream):
     def exchange(self, names) -> None:
         self._barrier(torch.cuda.current_stream(self.device) if self.overlaps else None)
 
-    def _side_barrier(self) -> None:
-        self._barrier(self._side_stream())
+    def signal(self, d: int) -> None:
+        # a fresh event per signal: the receiver waits on this record, not a later call's
+        ev = torch.cuda.Event()
+        ev.record(torch.cuda.current_stream(self.device))
+        self._outbox[d] = ev
+
+    def wait_from(self, s: int) -> None:
+        ev = self._outboxes[s][self.rank]
+        if ev is None:  # a rank signals before the collective the receiver waits after
+            raise RuntimeError(f"loopback rank {self.rank}: no signal from rank {s} yet")
+        torch.cuda.current_stream(self.device).wait_event(ev)
+        self._outboxes[s][self.rank] = None  # consumed, as symmetric memory's signal is
 
 
 class AllToAllExchange(Exchange):
