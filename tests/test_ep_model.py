@@ -16,23 +16,26 @@ def _result(precision):
                       "dispatch dy": MB326, "dispatch x": MB326, "return dx": MB326}}
 
 
-def test_predict_adds_only_what_the_compute_beside_a_transfer_cannot_hide():
+def test_pipeline_by_hand():
+    # 8 regions of 0.25 ms; 7 sends of 1/7 ms all arrive before their region is due; the
+    # returns queue behind the sends (side stream free at 1 ms), the last ends 1/7 after the
+    # compute
+    assert ep_model.pipeline(2.0, 1.0, 1.0, 8) == pytest.approx(2.0 + 1 / 7)
+    # sends slower than the regions: region k waits for its rows (k * 0.5 ms), the compute
+    # ends at 7 * 0.5 + 0.25
+    assert ep_model.pipeline(2.0, 3.5, 0.0, 8) == pytest.approx(3.75)
+    # EP=2: one peer region after the own one
+    assert ep_model.pipeline(2.0, 0.5, 0.5, 2) == pytest.approx(2.0 + 0.5)
+
+
+def test_predict_runs_forward_and_backward_pipelines():
     p = ep_model.predict(_result("bf16"))
-    # forward (2 ms, 0.25 per region): dispatch 1 ms under the own region (0.25 hidden); the
-    # combine's 7 regions of 1/7 ms each under the next region's 0.25 ms (hidden), the last
-    # one exposed
     assert p["fwd_no_overlap_ms"] == pytest.approx(4.0)
-    assert p["fwd_overlap_ms"] == pytest.approx(2.0 + 0.75 + 1 / 7)
-    # backward (4 ms, 0.5 per region): dy + x 2 ms under the own region (0.5 hidden); dx's
-    # regions hidden but the last
+    assert p["fwd_overlap_ms"] == pytest.approx(ep_model.pipeline(2.0, 1.0, 1.0, 8))
     assert p["fwdbwd_no_overlap_ms"] == pytest.approx(11.0)
-    assert p["fwdbwd_overlap_ms"] == pytest.approx(p["fwd_overlap_ms"] + 4.0 + 1.5 + 1 / 7)
+    assert p["fwdbwd_overlap_ms"] == pytest.approx(p["fwd_overlap_ms"]
+                                                   + ep_model.pipeline(4.0, 2.0, 1.0, 8))
     assert p["overlap_vs_compute"] == pytest.approx(p["fwdbwd_overlap_ms"] / 6.0)
-    # a return slower than the regions beside it shows its excess per region
-    slow = dict(_result("bf16"), per_rank_fwd_ms=0.8)
-    each = 1 / 7
-    assert ep_model.predict(slow)["fwd_overlap_ms"] == pytest.approx(
-        0.8 + (1 - 0.1) + 6 * (each - 0.1) + each)
 
 
 def test_cli_prints_the_model_labelled_as_one(tmp_path, capsys):

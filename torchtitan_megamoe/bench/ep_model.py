@@ -5,13 +5,12 @@ its per-rank compute and its counted bytes per transfer, with the NVLink bandwid
     python -m torchtitan_megamoe.bench.ep_model --json loopback.json [--bw-gbs 326]
 
 Per transfer, time = bytes / bandwidth. Without overlap a layer's time is its compute plus every
-transfer. With the overlap as built (ep_forward.py, ep_backward.py: one source region at a time,
-the own first; at uniform routing each region is 1/R of the compute) a transfer hides under the
-compute that runs beside it, and only the excess shows:
-    dispatch, dispatch dy + x   under the own region's forward / backward (1/R of it)
-    combine, return dx          region i's rows (1/(R-1) of the bytes) under region i+1's
-                                compute; the last region's rows are exposed
-Every number this prints is a model, not a measurement of an 8-GPU node.
+transfer. With the overlap as built (ep_forward.py, ep_backward.py) the forward and the backward
+each run as a pipeline (``pipeline``): the own region computes first (at uniform routing each
+region is 1/R of the compute); the sends go peer after peer on the side stream (1/(R-1) of the
+bytes each) and region k computes once its rows arrived and region k-1 is done; each peer
+region's returned rows queue on the same side stream after the sends. Every number this prints
+is a model, not a measurement of an 8-GPU node.
 """
 
 from __future__ import annotations
@@ -26,11 +25,17 @@ REFERENCE_EP8 = {"30b fwd": 3.9, "235b bwd": 24.6}
 """The reference system's per-GPU layer times at EP=8, FP8, 16K tokens per GPU (ms)."""
 
 
-def _returns_exposed(moved: float, compute: float, R: int) -> float:
-    """Exposed time of returning R-1 regions' rows (``moved`` ms in all), each under the next
-    region's compute (``compute`` / R), the last one after all compute."""
-    each = moved / (R - 1)
-    return (R - 2) * max(0.0, each - compute / R) + each
+def pipeline(compute: float, sent: float, returned: float, R: int) -> float:
+    """End time (ms) of one pass: R regions of compute / R each, the own first; the sends
+    (``sent`` ms in all, peer after peer) and then each peer region's returned rows
+    (``returned`` ms in all) on one side stream."""
+    c, step, back = compute / R, sent / (R - 1), returned / (R - 1)
+    t = c  # the own region: its rows are home
+    side = sent  # the sends were queued first
+    for k in range(1, R):
+        t = max(t, k * step) + c  # region k: its rows arrived, region k-1 done
+        side = max(side, t) + back  # its partial rows go home
+    return max(t, side)
 
 
 def predict(res: dict, bw_gbs: float = NVLINK_GBS) -> dict:
@@ -44,20 +49,19 @@ def predict(res: dict, bw_gbs: float = NVLINK_GBS) -> dict:
     def moved(t):  # token rows and their metadata
         return per.get(t, 0.0) + per.get(f"{t} meta", 0.0)
 
-    fwd_exposed = (max(0.0, moved("dispatch") - fwd / R)
-                   + _returns_exposed(moved("combine"), fwd, R))
+    fwd_overlap = pipeline(fwd, moved("dispatch"), moved("combine"), R)
     out = {"compute_fwd_ms": fwd, "transfer_ms": {t: moved(t) for t in
                                                    ("dispatch", "combine", "dispatch dy",
                                                     "dispatch x", "return dx") if t in per},
            "fwd_no_overlap_ms": fwd + moved("dispatch") + moved("combine"),
-           "fwd_overlap_ms": fwd + fwd_exposed}
+           "fwd_overlap_ms": fwd_overlap}
     if fb is not None:
         bwd = fb - fwd
-        bwd_exposed = (max(0.0, moved("dispatch dy") + moved("dispatch x") - bwd / R)
-                       + _returns_exposed(moved("return dx"), bwd, R))
+        bwd_overlap = pipeline(bwd, moved("dispatch dy") + moved("dispatch x"),
+                               moved("return dx"), R)
         out.update(compute_fwdbwd_ms=fb,
                    fwdbwd_no_overlap_ms=fb + sum(out["transfer_ms"].values()),
-                   fwdbwd_overlap_ms=fb + fwd_exposed + bwd_exposed)
+                   fwdbwd_overlap_ms=fwd_overlap + bwd_overlap)
         out["overlap_vs_compute"] = out["fwdbwd_overlap_ms"] / fb
     return out
 
