@@ -6,6 +6,10 @@ per-rank figure is that time / R, and loopback / EP=1 is the EP machinery's over
 exchange's copies and barriers, a plan per region). The ranks issue one after
 another on the host (ops/loopback.py's baton), so small shapes show host time too.
 
+Memory. The peak above the inputs of one loopback forward + backward, divided by R (every rank's
+exchange buffers and transients live at once in the one process), against ours at EP=1 on one
+rank's T tokens with all experts: ``per_rank_peak_mib`` / ``ep1_peak_mib`` (0 without CUDA).
+
 Bytes. One more forward + backward runs with the exchange's meter on (ep_dispatch.TRAFFIC): the
 bytes each rank stored into its peers' buffers per transfer, counted from the device-side row
 counts, mean over the ranks, token rows and metadata (local ids, weights, counts) apart; beside
@@ -23,7 +27,7 @@ from torchtitan_megamoe.bench.shapes import SHAPES
 from torchtitan_megamoe.ops.hopper.ep_dispatch import TRAFFIC
 from torchtitan_megamoe.ops.loopback_moe import loopback_moe, shard
 from torchtitan_megamoe.ops.recipe import SCALE_BLOCK, recipe_named
-from torchtitan_megamoe.timing import median_ms
+from torchtitan_megamoe.timing import median_ms, peak_extra_mib
 
 TRANSFERS = ("dispatch", "combine", "dispatch dy", "dispatch x", "return dx")
 """A layer's transfers per training step: the forward's x and partial rows, the backward's dy, x
@@ -107,6 +111,13 @@ def bench_shape_loopback(key: str, R: int, tokens: int, iters: int, warmup: int,
                 warmup)
         if name == "loopback":
             res["bytes"] = counted_bytes(shards, dys if backward else None, precision, backend)
+            res["per_rank_peak_mib"] = peak_extra_mib(
+                lambda: loopback_moe(shards, dys if backward else None, backend=backend,
+                                     precision=precision)) / R
+    one = shard(1, *(a[:tokens] if i < 3 else a for i, a in enumerate(args)))
+    res["ep1_peak_mib"] = peak_extra_mib(
+        lambda: loopback_moe(one, [dy[:tokens]] if backward else None, backend=backend,
+                             precision=precision))
     res["model_bytes"] = model_bytes(R, tokens, shape["dim"], shape["experts"], shape["top_k"],
                                      precision)
     for tag in ("fwd", "fwdbwd"):
@@ -118,16 +129,21 @@ def bench_shape_loopback(key: str, R: int, tokens: int, iters: int, warmup: int,
 
 def loopback_table(results: list[dict]) -> str:
     lines = ["| shape | precision | EP (loopback) | tokens/rank | pass | R ranks ms | per rank ms | "
-             "EP=1 on R*T ms | EP=R / EP=1 |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+             "EP=1 on R*T ms | EP=R / EP=1 | peak MiB per rank / EP=1 on T |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in results:
         for tag in ("fwd", "fwdbwd"):
             if f"loopback_{tag}_ms" in r:
                 lines.append(f"| {r['shape']} | {r['precision']} | {r['ep']} | {r['tokens']} | "
                              f"{tag} | {r[f'loopback_{tag}_ms']:.3f} | "
                              f"{r[f'per_rank_{tag}_ms']:.3f} | {r[f'ep1_{tag}_ms']:.3f} | "
-                             f"{r[f'overhead_{tag}']:.2f}x |")
+                             f"{r[f'overhead_{tag}']:.2f}x | {_peaks(r)} |")
     return "\n".join(lines)
+
+
+def _peaks(r: dict) -> str:
+    mine, one = r.get("per_rank_peak_mib", 0.0), r.get("ep1_peak_mib", 0.0)
+    return f"{mine:,.0f} / {one:,.0f}" + (f" ({mine / one:.2f}x)" if one else "")
 
 
 def bytes_table(results: list[dict]) -> str:
