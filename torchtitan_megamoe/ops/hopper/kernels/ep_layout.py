@@ -38,19 +38,29 @@ from torchtitan_megamoe.ops.hopper.kernels.tiling import cdiv, next_power_of_2
 
 
 @triton.jit
-def _ep_goes_kernel(
-    ids_ptr, owner_ptr, ret_slot_ptr, goes_ptr, ok_ptr, T, E_local, stride_ids_t, stride_ids_k,
-    R: tl.constexpr, K: tl.constexpr, K_PAD: tl.constexpr, BLOCK_T: tl.constexpr,
-    CHECK: tl.constexpr,
-):
+def _ids_tile(ids_ptr, tile, T, stride_ids_t, stride_ids_k, K: tl.constexpr, K_PAD: tl.constexpr,
+              BLOCK_T: tl.constexpr):
+    """Token tile ``tile``'s [BLOCK_T, K_PAD] global expert ids (-1 outside the batch) and its
+    index vectors and masks."""
     kk = tl.arange(0, K_PAD)
     in_k = kk < K
-    toks = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    toks = tile * BLOCK_T + tl.arange(0, BLOCK_T)
     in_t = toks < T
     m = in_t[:, None] & in_k[None, :]
     t64 = toks.to(tl.int64)
     g = tl.load(ids_ptr + t64[:, None] * stride_ids_t + kk[None, :] * stride_ids_k,
                 mask=m, other=-1).to(tl.int32)  # global expert ids fit in int32
+    return kk, in_k, toks, in_t, m, t64, g
+
+
+@triton.jit
+def _ep_goes_kernel(
+    ids_ptr, owner_ptr, ret_slot_ptr, goes_ptr, ok_ptr, T, E_local, stride_ids_t, stride_ids_k,
+    R: tl.constexpr, K: tl.constexpr, K_PAD: tl.constexpr, BLOCK_T: tl.constexpr,
+    CHECK: tl.constexpr,
+):
+    kk, in_k, toks, in_t, m, t64, g = _ids_tile(ids_ptr, tl.program_id(0), T, stride_ids_t,
+                                                stride_ids_k, K, K_PAD, BLOCK_T)
     own = tl.where(g >= 0, g // E_local, -1)
     slot = t64[:, None] * K + kk[None, :]
     if CHECK:
@@ -72,14 +82,8 @@ def _ep_meta_kernel(
     R: tl.constexpr, K: tl.constexpr, K_PAD: tl.constexpr, BLOCK_T: tl.constexpr,
 ):
     d = tl.program_id(0)
-    kk = tl.arange(0, K_PAD)
-    in_k = kk < K
-    toks = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)
-    in_t = toks < T
-    m = in_t[:, None] & in_k[None, :]
-    t64 = toks.to(tl.int64)
-    g = tl.load(ids_ptr + t64[:, None] * stride_ids_t + kk[None, :] * stride_ids_k,
-                mask=m, other=-1).to(tl.int32)
+    kk, in_k, toks, in_t, m, t64, g = _ids_tile(ids_ptr, tl.program_id(1), T, stride_ids_t,
+                                                stride_ids_k, K, K_PAD, BLOCK_T)
     mine = (g >= 0) & (g // E_local == d)
     p = tl.load(pos_ptr + t64 * R + d, mask=in_t, other=-1)
     own_region = (toks * 0 + d) == ME  # [BLOCK_T] bool (a scalar compare would not mask)
