@@ -582,8 +582,19 @@ def test_converter_installs_the_fp8_allgather_only_where_it_applies(caplog):
         assert convert(experts=6, shard=4) == [False, False]
     assert "num_experts=6 is not divisible by the FSDP degree 4" in caplog.text
     o = MegaMoEOptions(backend="hopper", precision="fp8")
-    assert fp8_allgather_applies(o, 8, 2, ep_degree=2) == "FSDP does not shard the experts alone"
+    assert "FSDP shards each rank's experts over 2 ranks" in fp8_allgather_applies(o, 8, 4, 2)
+    assert fp8_allgather_applies(o, 8, 1, 1) == "FSDP does not shard the experts"
     assert fp8_allgather_applies(o, 8, 2, 1) is None
+    # EP=8 over 8 ranks: FSDP does not shard the experts, nothing is gathered, nothing said
+    caplog.clear()
+    with caplog.at_level("WARNING"):
+        jc = with_parallelism(job_config(backend="hopper", precision="fp8"),
+                              data_parallel_shard_degree=8, expert_parallel_degree=8)
+        with torch.device("meta"):
+            model = Qwen3Model(tiny_args(dim=128, moe_inter_dim=128, num_experts=8))
+        MegaMoEConverter(jc, None).convert(model)
+    assert not [m for m in model.modules() if isinstance(m, MegaExperts) and installed(m)]
+    assert "gathered in bf16" not in caplog.text
     # the extension keeps everything else plain: the state dict, its values' types
     with torch.device("meta"):
         m = MegaExperts(128, 128, 4, options=o)

@@ -106,8 +106,11 @@ def fp8_allgather_applies(options: MegaMoEOptions, num_experts: int, fsdp_degree
     weight cache, on the Hopper kernels, FSDP alone sharding whole experts evenly."""
     if not options.recipe.stand_ins or not options.fp8_weight_cache:
         return "it serves precision 'fp8' with fp8_weight_cache on"
-    if fsdp_degree <= 1 or ep_degree > 1:
-        return "FSDP does not shard the experts alone"
+    if ep_degree > 1:
+        return (f"at expert_parallel_degree={ep_degree} FSDP shards each rank's experts over "
+                f"{fsdp_degree // ep_degree} ranks; the FP8 gather covers FSDP alone so far")
+    if fsdp_degree <= 1:
+        return "FSDP does not shard the experts"
     if num_experts % fsdp_degree:
         return (f"num_experts={num_experts} is not divisible by the FSDP degree {fsdp_degree} "
                 "(FSDP would pad the shards)")
@@ -301,7 +304,9 @@ class MegaMoEConverter:
         """Under FSDP with precision fp8, have FSDP gather the experts' FP8 copies
         (fp8_allgather.py); where it cannot, say so: those weights are gathered in bf16 and
         quantized on every call."""
-        if not self.options.recipe.fp8 or self.fsdp_degree <= 1:
+        # the experts' own FSDP degree: at EP > 1 FSDP shards over the ranks EP leaves
+        # (TorchTitan's efsdp mesh; 1 on one 8-GPU node at EP=8: nothing is gathered)
+        if not self.options.recipe.fp8 or self.fsdp_degree // max(self.ep_degree, 1) <= 1:
             return
         blocks = [m for m in model.modules() if isinstance(m, MegaMoE)]
         for moe in blocks:
