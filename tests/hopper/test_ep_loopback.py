@@ -151,6 +151,34 @@ def test_loopback_skewed_routing(R):
 
 
 @cpu_only
+def test_loopback_forward_buffers_hold_one_region(monkeypatch):
+    """Bounded memory: the forward's per-call row buffers (h, y, staged partial rows) hold one
+    region's rows, max_rows(C*K), whatever R and the routing (here every slot on rank 0's
+    experts), not the R*C*K of a batch of every region."""
+    from torchtitan_megamoe.ops.hopper import ep_forward
+    from torchtitan_megamoe.ops.hopper.plan import max_rows
+    from torchtitan_megamoe.ops.hopper.tiles import plan_block_m
+
+    R, tokens, E = 4, [6, 6, 6, 6], 8
+    inp = _case(R, tokens, E, seed=1, skew=True)
+    shapes = []
+    real = torch.empty
+
+    def spy(*size, **kw):
+        t = real(*size, **kw)
+        shapes.append(tuple(t.shape))
+        return t
+
+    monkeypatch.setattr(ep_forward.torch, "empty", spy)
+    loopback_moe(shard(R, *op_args(inp), tokens=tokens), precision="bf16")
+    monkeypatch.undo()
+    C = max(tokens)
+    one_region = max_rows(C * K, E // R, plan_block_m())
+    rows = [s[0] for s in shapes if len(s) == 2 and s[1] in (D, H)]
+    assert rows and max(rows) <= one_region < max_rows(R * C * K, E // R, plan_block_m())
+
+
+@cpu_only
 def test_loopback_registered_ops():
     """The registered forward and backward ops (group_name through torch.library), as CUDA runs
     them, equal the eager autograd path bitwise."""
