@@ -50,7 +50,7 @@ At T = C = 16384, K = 8, E = 128: kept at EP=2 (30B 0.82 GiB, stock 1.06 GiB), n
 
 Memory. Exchange buffers, shared by all layers (ep_transport.py): [R, C, D] per row name +
 metadata, C = tokens per rank. Per call: h [M, H] and y [M, D] with M = max_rows(C*K) for one
-region; the staged return rows, [C, D] per peer until their copies end.
+region; a peer region's partial rows, [C, D], until the side stream has sent them.
 """
 
 import torch
@@ -120,7 +120,7 @@ def forward_ep(x, topk_ids, topk_weights, w1, w2, w3, group, recipe, max_tokens_
                        gemm1_config, gemm2_config, x.dtype)
 
     # 2. the own region, then each peer's; a peer's partial rows go home under the next region
-    saved, staged, sends = {}, [], []
+    saved, sends = {}, []
     for s in region_order(R, me):
         if s != me and ex.overlaps:
             ex.wait_from(s)  # region s's rows are here (the others may still travel)
@@ -135,8 +135,8 @@ def forward_ep(x, topk_ids, topk_weights, w1, w2, w3, group, recipe, max_tokens_
                 part.record_stream(torch.cuda.current_stream(x.device))  # used on this stream
             route.return_rows(s, {"ret": part})
 
+        # record_stream keeps part's memory from reuse until the side stream sent it
         sends.append(ex.run_async(send) if ex.overlaps else send())
-        staged.append(part)
     route.count_returned(D * x.element_size(), "combine")
     if ex.overlaps and sends:
         torch.cuda.current_stream(x.device).wait_event(sends[-1])
