@@ -46,3 +46,16 @@ def test_every_setting_is_in_the_readme_table_and_only_those():
     assert not undocumented, f"not in README.md's Settings table: {undocumented}"
     unused = table - set(named)
     assert not unused, f"README.md's Settings table lists names nothing reads: {unused}"
+
+
+def test_loopback_link_gbs(monkeypatch):
+    from torchtitan_megamoe import settings
+
+    monkeypatch.delenv(settings.LOOPBACK_LINK_GBS, raising=False)
+    assert settings.loopback_link_gbs() == 0.0
+    monkeypatch.setenv(settings.LOOPBACK_LINK_GBS, "326")
+    assert settings.loopback_link_gbs() == 326.0
+    for bad in ("fast", "-5"):
+        monkeypatch.setenv(settings.LOOPBACK_LINK_GBS, bad)
+        with pytest.raises(ValueError, match="MEGAMOE_LOOPBACK_LINK_GBS=.*GB/s"):
+            settings.loopback_link_gbs()

@@ -25,6 +25,7 @@ CUDA = "MEGAMOE_CUDA"
 CUDA_CACHE = "MEGAMOE_CUDA_CACHE"
 FP8_WGRAD = "MEGAMOE_FP8_WGRAD"
 DEEPGEMM = "MEGAMOE_DEEPGEMM"
+LOOPBACK_LINK_GBS = "MEGAMOE_LOOPBACK_LINK_GBS"
 
 BWD_IMPLS = ("auto", "triton", "cublas")
 
@@ -77,6 +78,19 @@ def cuda_cache() -> Path:
     """MEGAMOE_CUDA_CACHE: where the compiled CUDA libraries are kept."""
     return Path(os.environ.get(CUDA_CACHE,
                                Path.home() / ".cache" / "torchtitan_megamoe" / "cuda"))
+
+
+def loopback_link_gbs() -> float:
+    """MEGAMOE_LOOPBACK_LINK_GBS=G: loopback EP ranks (a measuring mode) pace each transfer to a
+    G GB/s per-direction link, e.g. 326 for NVLink between two H200s; 0 (default): no pacing."""
+    value = os.environ.get(LOOPBACK_LINK_GBS, "0").strip() or "0"
+    try:
+        gbs = float(value)
+    except ValueError:
+        gbs = -1.0
+    if gbs < 0:
+        raise ValueError(f"{LOOPBACK_LINK_GBS}={value!r}: give a bandwidth in GB/s (0: off)")
+    return gbs
 
 
 def triton_interpreting() -> bool:

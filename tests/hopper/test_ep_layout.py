@@ -243,3 +243,23 @@ def test_route_counts_match_the_traffic_model_at_ep8():
     model = remote_ranks_per_token(R, E, K)
     assert abs(per_token / model - 1) < 0.01 and 4.6 < model < 4.7
     assert abs(model_bytes(R, T, 2048, E, K, "bf16")["dispatch"] / 313.5e6 - 1) < 1e-3
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_pace_spins_for_the_rows_time():
+    """kernels/ep_pace.py: 2000 rows of 1000 ns hold the stream ~2 ms; 0 rows do not."""
+    from torchtitan_megamoe.ops.hopper.kernels.ep_pace import pace
+
+    def timed(rows):
+        count = torch.tensor([rows], dtype=torch.int32, device="cuda")
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        pace(count, 1000.0)  # compiled before the timed call
+        start.record()
+        pace(count, 1000.0)
+        end.record()
+        torch.cuda.synchronize()
+        return start.elapsed_time(end)
+
+    assert 1.9 <= timed(2000) <= 2.5
+    assert timed(0) < 0.1

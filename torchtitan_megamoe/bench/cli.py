@@ -92,6 +92,10 @@ def main_ep(args) -> int:
 
 
 def main_loopback(args) -> int:
+    from torchtitan_megamoe import settings
+
+    if args.link_gbs:
+        os.environ[settings.LOOPBACK_LINK_GBS] = str(args.link_gbs)
     results = []
     for key in args.shapes.split(","):
         for precision in args.precisions:
@@ -99,6 +103,7 @@ def main_loopback(args) -> int:
             r = bench_shape_loopback(key, args.ep, args.tokens, args.iters, args.warmup,
                                      args.backward, args.backend, precision)
             r["wall_s"] = round(time.time() - t0, 1)
+            r["link_gbs"] = args.link_gbs
             results.append(r)
             print(json.dumps(r), flush=True)
     print(loopback_table(results))
@@ -177,6 +182,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="dense FP8 GEMM rate of the fp8 rows' floor (H200 measured)")
     p.add_argument("--ep", type=int, default=1,
                    help="EP degree (GPUs); > 1 runs under torchrun")
+    p.add_argument("--link-gbs", type=float, default=0.0,
+                   help="with --loopback: pace every transfer to a link of this many GB/s per "
+                        "direction (e.g. 326, NVLink between two H200s; scaled by R, as R ranks "
+                        "share the GPU), so the overlap is measured, not assumed; 0: no pacing")
     p.add_argument("--loopback", action="store_true",
                    help="with --ep R: R loopback ranks in this one process on one device, each on "
                         "its own stream (ours only, against ours at EP=1 on R*tokens; no torchrun; "
@@ -201,6 +210,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                 "bench times bf16)")
     if args.loopback and args.ep < 2:
         p.error("--loopback needs --ep R with R >= 2")
+    if args.link_gbs and not args.loopback:
+        p.error("--link-gbs paces loopback ranks: add --loopback")
+    if args.link_gbs < 0:
+        p.error("--link-gbs takes a bandwidth in GB/s (0: no pacing)")
     if args.loopback and args.backend != "hopper":
         p.error("--loopback runs backend hopper (the reference's EP path needs torch.distributed)")
     if args.ep != 1 and args.accuracy:

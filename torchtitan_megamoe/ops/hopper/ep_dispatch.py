@@ -161,10 +161,12 @@ class TokenRoute:
         going there only (SM stores; no barrier); with ``signal``, signal each peer once its
         rows are stored (it then ``wait_from``s this rank before reading them). ``rows`` may
         hold several transfers: name -> (transfer, [T, W])."""
+        row_bytes = sum(_row_bytes(_rows_of(t)) for t in rows.values())
         for d in self.peers:
             for name, t in rows.items():
                 copy_rows(_rows_of(t), self.ex.send_region(d, name), self._count(d),
                           self.src_tok[d])
+            self.ex.pace(self._count(d), row_bytes)
             if signal:
                 self.ex.signal(d)
         if self._sent is not None:
@@ -195,6 +197,8 @@ class TokenRoute:
                 self.ex.send_region(s, name)[: self.T].copy_(t[: self.T])
             else:
                 copy_rows(t, self.ex.send_region(s, name), self.recv_count(s))
+        if s != self.me:
+            self.ex.pace(self.recv_count(s), sum(_row_bytes(t) for t in rows.values()))
 
     def returned_rows(self) -> torch.Tensor:
         """[] int64 on the device: rows this rank returns to its peers (the traffic meter's)."""

@@ -42,8 +42,10 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from torchtitan_megamoe import settings
 from torchtitan_megamoe.ops import loopback
 from torchtitan_megamoe.ops.groups import all_reduce_max, group_rank, group_size
+from torchtitan_megamoe.ops.hopper.kernels.ep_pace import pace
 from torchtitan_megamoe.ops.options import capacity_error
 
 _CACHE: dict = {}
@@ -79,6 +81,10 @@ class Exchange:
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.recv.values())
+
+    def pace(self, rows: torch.Tensor, row_bytes: int) -> None:
+        """After a copy of ``rows`` (device count) rows of ``row_bytes`` into a peer: wait, on
+        this stream, as long as the emulated link would take (loopback only; else nothing)."""
 
 
 class _SideStream(Exchange):
@@ -170,6 +176,10 @@ class LoopbackExchange(_SideStream):
                      for n, (W, dt) in widths.items()}
         every = group.gather(self.recv)
         self._peer = {(d, n): every[d][n][self.rank] for n in widths for d in range(self.R)}
+        # R ranks share the one GPU, so a rank's compute runs ~R times slower than on its own
+        # GPU: its link is paced R times slower too, keeping transfer / compute as on a node
+        gbs = settings.loopback_link_gbs() if self.overlaps else 0.0
+        self._ns_per_byte = self.R / gbs if gbs else 0.0
         # signal(d) posts an event here, at [d]; every rank sees every rank's outbox
         self._outbox: list = [None] * self.R
         self._outboxes = group.gather(self._outbox)
@@ -189,6 +199,10 @@ class LoopbackExchange(_SideStream):
 
     def exchange(self, names) -> None:
         self._barrier(torch.cuda.current_stream(self.device) if self.overlaps else None)
+
+    def pace(self, rows: torch.Tensor, row_bytes: int) -> None:
+        if self._ns_per_byte:
+            pace(rows, row_bytes * self._ns_per_byte)
 
     def signal(self, d: int) -> None:
         # a fresh event per signal: the receiver waits on this record, not a later call's
