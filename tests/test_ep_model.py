@@ -40,9 +40,13 @@ def test_predict_runs_forward_and_backward_pipelines():
 
 def test_cli_prints_the_model_labelled_as_one(tmp_path, capsys):
     path = tmp_path / "lb.json"
-    path.write_text(json.dumps({"results": [_result("bf16"), _result("fp8")]}))
+    paced = dict(_result("fp8"), link_gbs=326.0)
+    path.write_text(json.dumps({"results": [_result("bf16"), _result("fp8"), paced]}))
     assert ep_model.main(["--json", str(path)]) == 0
     out = capsys.readouterr().out
     assert out.startswith("Modelled per-GPU layer time at EP=R")
     assert "| Qwen3-30B-A3B | fp8 | 8 | 2.00 / 6.00 | 5.00 |" in out
     assert "30B layer forward 3.9 ms" in out
+    # a paced run is a measurement: listed, not modelled again
+    assert out.count("| Qwen3-30B-A3B | fp8 | 8 |") == 1
+    assert "measured with the link emulated at 326 GB/s (Qwen3-30B-A3B, fp8, EP=8)" in out
