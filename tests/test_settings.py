@@ -59,3 +59,16 @@ def test_loopback_link_gbs(monkeypatch):
         monkeypatch.setenv(settings.LOOPBACK_LINK_GBS, bad)
         with pytest.raises(ValueError, match="MEGAMOE_LOOPBACK_LINK_GBS=.*GB/s"):
             settings.loopback_link_gbs()
+
+
+def test_exchange_timeout(monkeypatch):
+    from torchtitan_megamoe import settings
+
+    monkeypatch.delenv(settings.EXCHANGE_TIMEOUT_S, raising=False)
+    assert settings.exchange_timeout_ms() == 600_000
+    monkeypatch.setenv(settings.EXCHANGE_TIMEOUT_S, "2.5")
+    assert settings.exchange_timeout_ms() == 2500
+    for bad in ("never", "0"):
+        monkeypatch.setenv(settings.EXCHANGE_TIMEOUT_S, bad)
+        with pytest.raises(ValueError, match="MEGAMOE_EXCHANGE_TIMEOUT_S=.*seconds"):
+            settings.exchange_timeout_ms()

@@ -26,6 +26,7 @@ CUDA_CACHE = "MEGAMOE_CUDA_CACHE"
 FP8_WGRAD = "MEGAMOE_FP8_WGRAD"
 DEEPGEMM = "MEGAMOE_DEEPGEMM"
 LOOPBACK_LINK_GBS = "MEGAMOE_LOOPBACK_LINK_GBS"
+EXCHANGE_TIMEOUT_S = "MEGAMOE_EXCHANGE_TIMEOUT_S"
 
 BWD_IMPLS = ("auto", "triton", "cublas")
 
@@ -91,6 +92,20 @@ def loopback_link_gbs() -> float:
     if gbs < 0:
         raise ValueError(f"{LOOPBACK_LINK_GBS}={value!r}: give a bandwidth in GB/s (0: off)")
     return gbs
+
+
+def exchange_timeout_ms() -> int:
+    """MEGAMOE_EXCHANGE_TIMEOUT_S: how long a device-side EP wait (a barrier, a peer's signal)
+    may last before it fails with a CUDA error instead of hanging the job (default 600 s: a
+    peer's first call may spend minutes compiling and tuning kernels)."""
+    value = os.environ.get(EXCHANGE_TIMEOUT_S, "600").strip() or "600"
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = 0.0
+    if seconds <= 0:
+        raise ValueError(f"{EXCHANGE_TIMEOUT_S}={value!r}: give a positive number of seconds")
+    return int(seconds * 1000)
 
 
 def triton_interpreting() -> bool:

@@ -150,18 +150,21 @@ class SymmetricExchange(_SideStream):
             for d in range(self.R)
         }
         self._barrier_handle = next(iter(self._handles.values()))
+        # every device-side wait is bounded: past it symmetric memory's wait kernel fails (a
+        # CUDA error), so a peer that never arrives cannot hang the job
+        self._timeout_ms = settings.exchange_timeout_ms()
 
     def send_region(self, d: int, name: str) -> torch.Tensor:
         return self._peer[(d, name)]
 
     def exchange(self, names) -> None:
-        self._barrier_handle.barrier(channel=0)
+        self._barrier_handle.barrier(channel=0, timeout_ms=self._timeout_ms)
 
     def signal(self, d: int) -> None:
-        self._barrier_handle.put_signal(d, channel=SIGNAL_CHANNEL)
+        self._barrier_handle.put_signal(d, channel=SIGNAL_CHANNEL, timeout_ms=self._timeout_ms)
 
     def wait_from(self, s: int) -> None:
-        self._barrier_handle.wait_signal(s, channel=SIGNAL_CHANNEL)
+        self._barrier_handle.wait_signal(s, channel=SIGNAL_CHANNEL, timeout_ms=self._timeout_ms)
 
 
 class LoopbackExchange(_SideStream):
