@@ -4,9 +4,6 @@ Tiles: BLOCK_T tokens x BLOCK_D columns per program; K is unrolled. y is GEMM 2'
 output [R_max, D]; slot s's row is slot_row[s]. A slot with slot_row == -1 (dropped, or expert
 not local) contributes exactly 0 and nothing is loaded for it.
 
-With ``returned`` (the EP forward's own region, after the exchange's barrier) it also adds the
-partial rows the other ranks returned, in rank order: sum_partials.py folded into this launch.
-
 Waits on: nothing inside the launch (y is complete when GEMM 2's launch is).
 Signals: nothing.
 """
@@ -16,7 +13,6 @@ import triton
 import triton.language as tl
 
 from torchtitan_megamoe import settings
-from torchtitan_megamoe.ops.hopper.kernels.sum_partials import add_partials
 from torchtitan_megamoe.ops.hopper.kernels.tiling import cast_out, cdiv, next_power_of_2
 
 
@@ -26,18 +22,11 @@ def _combine_kernel(
     w_ptr,
     slot_row_ptr,
     out_ptr,
-    part_ptr,
-    pos_ptr,
     T,
     D,
     stride_y,
     stride_w,
     stride_out,
-    stride_part_r,
-    stride_part_row,
-    stride_pos,
-    ME,
-    R: tl.constexpr,
     TOP_K: tl.constexpr,
     BLOCK_T: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -59,11 +48,6 @@ def _combine_kernel(
             other=0.0,
         ).to(tl.float32)
         acc += w[:, None] * y
-    if R > 1:
-        # EP: add the partial rows the other ranks returned, ranks in fixed order 0..R-1 (this
-        # rank's own partial, acc, at position ME); ranks a token did not go to are skipped
-        acc = add_partials(acc, part_ptr, pos_ptr, toks, cols, in_t, in_d, stride_part_r,
-                           stride_part_row, stride_pos, ME, R)
     out_ptrs = out_ptr + toks[:, None].to(tl.int64) * stride_out + cols[None, :]
     tl.store(out_ptrs, cast_out(acc, out_ptr.dtype.element_ty, EMULATE_RTNE),
              mask=in_t[:, None] & in_d[None, :])
@@ -77,13 +61,10 @@ def combine(
     block_t: int = 4,
     block_d: int = 512,
     out: torch.Tensor | None = None,
-    returned: tuple | None = None,
 ) -> torch.Tensor:
     """out [T, D] in out_dtype from GEMM 2's rows y [R_max, D] and the slots' rows slot_row
-    [T*K]. ``out``: where to store (any [T, D] tensor with unit column stride, e.g. a peer
-    rank's receive region: the stores then travel over NVLink). ``returned`` = (part [R, C, D],
-    pos [T, R], me): the EP source's last step folded in, out[t] = sum over ranks r in order of
-    (this combine's fp32 row if r == me, else part[r, pos[t, r]] where pos[t, r] >= 0)."""
+    [T*K]. ``out``: where to store (any [T, D] tensor with unit column stride, e.g. the EP
+    forward's own return region)."""
     T, K = topk_weights.shape
     D = y.shape[1]
     assert slot_row.shape == (T * K,) and y.stride(1) == 1 and topk_weights.stride(1) == 1
@@ -94,15 +75,8 @@ def combine(
         return out
     block_d = min(block_d, next_power_of_2(D))
     grid = (cdiv(T, block_t), cdiv(D, block_d))
-    part, pos, me = returned if returned is not None else (out, slot_row, 0)
-    R = part.shape[0] if returned is not None else 1
-    if returned is not None:
-        assert part.dim() == 3 and part.stride(2) == 1 and pos.shape == (T, R) and pos.stride(1) == 1
     _combine_kernel[grid](
-        y, topk_weights, slot_row, out, part, pos,
-        T, D, y.stride(0), topk_weights.stride(0), out.stride(0),
-        part.stride(0) if R > 1 else 0, part.stride(1) if R > 1 else 0,
-        pos.stride(0) if R > 1 else 0, me, R=R,
+        y, topk_weights, slot_row, out, T, D, y.stride(0), topk_weights.stride(0), out.stride(0),
         TOP_K=K, BLOCK_T=block_t, BLOCK_D=block_d, EMULATE_RTNE=settings.triton_interpreting(),
         num_warps=4,
     )

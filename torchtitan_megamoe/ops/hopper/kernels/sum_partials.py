@@ -18,24 +18,6 @@ from torchtitan_megamoe.ops.hopper.kernels.tiling import cdiv, next_power_of_2
 
 
 @triton.jit
-def add_partials(acc, part_ptr, pos_ptr, toks, cols, in_t, in_d, stride_part_r,
-                 stride_part_row, stride_pos, ME, R: tl.constexpr):
-    """sum over ranks r = 0..R-1 in order of (acc if r == ME, else part[r, pos[t, r]] where
-    pos[t, r] >= 0), fp32, for a [BLOCK_T, BLOCK_D] tile; ME = -1: acc is not a rank's term."""
-    tot = tl.zeros_like(acc)  # acc is fp32 in both callers
-    for r in tl.static_range(R):
-        row = tl.load(pos_ptr + toks.to(tl.int64) * stride_pos + r, mask=in_t, other=-1)
-        mine = (row * 0 + r) == ME  # [BLOCK_T] bool (a scalar compare would not mask)
-        live = ((row >= 0) & ~mine)[:, None] & in_d[None, :]
-        part = tl.load(
-            part_ptr + r * stride_part_r + row.to(tl.int64)[:, None] * stride_part_row
-            + cols[None, :], mask=live, other=0.0,
-        ).to(tl.float32)
-        tot += tl.where(mine[:, None], acc, part)
-    return tot
-
-
-@triton.jit
 def _sum_partials_kernel(
     part_ptr,
     pos_ptr,
@@ -54,8 +36,12 @@ def _sum_partials_kernel(
     cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     in_t = toks < T
     in_d = cols < D
-    acc = add_partials(tl.zeros((BLOCK_T, BLOCK_D), dtype=tl.float32), part_ptr, pos_ptr, toks,
-                       cols, in_t, in_d, stride_part_r, stride_part_row, stride_pos, -1, R)
+    acc = tl.zeros((BLOCK_T, BLOCK_D), dtype=tl.float32)
+    for r in tl.static_range(R):  # fixed rank order: the same sum on every call
+        row = tl.load(pos_ptr + toks.to(tl.int64) * stride_pos + r, mask=in_t, other=-1)
+        live = (row >= 0)[:, None] & in_d[None, :]
+        acc += tl.load(part_ptr + r * stride_part_r + row.to(tl.int64)[:, None] * stride_part_row
+                       + cols[None, :], mask=live, other=0.0).to(tl.float32)
     out_ptrs = out_ptr + toks.to(tl.int64)[:, None] * stride_out + cols[None, :]
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=in_t[:, None] & in_d[None, :])
 
