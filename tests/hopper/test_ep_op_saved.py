@@ -44,7 +44,16 @@ def _worker(rank, init_file, result_file):
     finally:
         ep_forward.pack_plan = real
     grads = [leaves[0].grad, leaves[1].grad, *(w.grad for w in ws)]
-    torch.save([grads, kept], f"{result_file}.{rank}")
+    # what compile's fake impl allocates (saved_like) matches what the forward saves
+    from torchtitan_megamoe.ops import hopper
+    from torchtitan_megamoe.ops.options import MegaMoEOptions
+
+    args = (inp["x"][mine], inp["topk_ids"][mine], inp["topk_weights"][mine],
+            *(w.detach() for w in ws), dist.group.WORLD, MegaMoEOptions(precision="bf16"))
+    _, saved = hopper.forward(*args, save=True)
+    like = hopper.saved_like(*args)
+    shapes = [[(tuple(t.shape), t.dtype) for t in ts] for ts in (saved, like)]
+    torch.save([grads, kept, shapes], f"{result_file}.{rank}")
     finish_rank()
 
 
@@ -57,6 +66,9 @@ def test_ep2_op_saved_receive_layout_backward_matches_f64():
     ranks = run_ranks(_worker, R)
     # saved path taken: one packed plan per region
     assert all(r[1] == [True] * R for r in ranks), [r[1] for r in ranks]
+    for r in ranks:  # R regions' (a, packed plan), as the fake impl has them
+        got, like = r[2]
+        assert got == like and len(got) == 2 * R, (got, like)
     ref = grads_f64(_inputs())
     got = [torch.cat([r[0][i] for r in ranks]) for i in range(2)]
     got += [torch.cat([r[0][i] for r in ranks]) for i in range(2, 5)]  # expert slices in order
