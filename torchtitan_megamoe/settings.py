@@ -26,6 +26,7 @@ CUDA_CACHE = "MEGAMOE_CUDA_CACHE"
 FP8_WGRAD = "MEGAMOE_FP8_WGRAD"
 DEEPGEMM = "MEGAMOE_DEEPGEMM"
 LOOPBACK_LINK_GBS = "MEGAMOE_LOOPBACK_LINK_GBS"
+LOOPBACK_PACED = "MEGAMOE_LOOPBACK_PACED"
 EXCHANGE_TIMEOUT_S = "MEGAMOE_EXCHANGE_TIMEOUT_S"
 
 BWD_IMPLS = ("auto", "triton", "cublas")
@@ -92,6 +93,13 @@ def loopback_link_gbs() -> float:
     if gbs < 0:
         raise ValueError(f"{LOOPBACK_LINK_GBS}={value!r}: give a bandwidth in GB/s (0: off)")
     return gbs
+
+
+def loopback_paced_transfers() -> frozenset | None:
+    """MEGAMOE_LOOPBACK_PACED="combine,return dx": pace only these transfers (with
+    MEGAMOE_LOOPBACK_LINK_GBS), to measure what each one exposes; unset: every transfer."""
+    value = os.environ.get(LOOPBACK_PACED, "").strip()
+    return frozenset(t.strip() for t in value.split(",") if t.strip()) if value else None
 
 
 def exchange_timeout_ms() -> int:

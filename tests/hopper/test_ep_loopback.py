@@ -179,6 +179,33 @@ def test_loopback_forward_buffers_hold_one_region(monkeypatch):
 
 
 @cpu_only
+def test_loopback_paces_each_transfer_by_its_rows(monkeypatch):
+    """The link emulation's plumbing (the spin itself is CUDA's, test_ep_layout.py): every copy
+    into a peer asks to be paced once, named by its transfer, with its device row count and
+    row bytes; MEGAMOE_LOOPBACK_PACED keeps the named transfers only."""
+    from torchtitan_megamoe import settings
+    from torchtitan_megamoe.ops.hopper.ep_transport import LoopbackExchange
+
+    calls = []
+    monkeypatch.setattr(LoopbackExchange, "pace", lambda self, rows, row_bytes, transfer:
+                        calls.append((self.rank, transfer, int(rows), row_bytes)))
+    tokens, E = [7, 9], 4
+    inp = _case(2, tokens, E, seed=4)
+    _loopback(2, inp, tokens)
+    sent, received = _rows(inp, tokens, E)
+    for r in range(2):
+        got = {}
+        for rank, transfer, rows, row_bytes in calls:
+            if rank == r:
+                got[transfer] = got.get(transfer, 0) + rows * row_bytes
+        assert got == {"dispatch": sent[r] * 2 * D, "combine": received[r] * 2 * D,
+                       "dispatch dy": sent[r] * 2 * D, "dispatch x": sent[r] * 2 * D,
+                       "return dx": received[r] * (2 * D + 4 * K)}, r
+    monkeypatch.setenv(settings.LOOPBACK_PACED, "combine, return dx")
+    assert settings.loopback_paced_transfers() == {"combine", "return dx"}
+
+
+@cpu_only
 def test_loopback_registered_ops():
     """The registered forward and backward ops (group_name through torch.library), as CUDA runs
     them, equal the eager autograd path bitwise."""

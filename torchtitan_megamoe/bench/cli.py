@@ -101,7 +101,7 @@ def main_loopback(args) -> int:
         for precision in args.precisions:
             t0 = time.time()
             r = bench_shape_loopback(key, args.ep, args.tokens, args.iters, args.warmup,
-                                     args.backward, args.backend, precision)
+                                     args.backward, args.backend, precision, args.exposed)
             r["wall_s"] = round(time.time() - t0, 1)
             r["link_gbs"] = args.link_gbs
             results.append(r)
@@ -186,6 +186,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="with --loopback: pace every transfer to a link of this many GB/s per "
                         "direction (e.g. 326, NVLink between two H200s; scaled by R, as R ranks "
                         "share the GPU), so the overlap is measured, not assumed; 0: no pacing")
+    p.add_argument("--exposed", type=float, default=0.0, metavar="GBS",
+                   help="with --loopback: also time forward + backward with only one transfer "
+                        "paced to a link of GBS GB/s, per transfer: what each one exposes")
     p.add_argument("--loopback", action="store_true",
                    help="with --ep R: R loopback ranks in this one process on one device, each on "
                         "its own stream (ours only, against ours at EP=1 on R*tokens; no torchrun; "
@@ -210,8 +213,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                 "bench times bf16)")
     if args.loopback and args.ep < 2:
         p.error("--loopback needs --ep R with R >= 2")
-    if args.link_gbs and not args.loopback:
-        p.error("--link-gbs paces loopback ranks: add --loopback")
+    if (args.link_gbs or args.exposed) and not args.loopback:
+        p.error("--link-gbs and --exposed pace loopback ranks: add --loopback")
     if args.link_gbs < 0:
         p.error("--link-gbs takes a bandwidth in GB/s (0: no pacing)")
     if args.loopback and args.backend != "hopper":

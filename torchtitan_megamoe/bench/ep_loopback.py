@@ -19,10 +19,12 @@ ranks owning one of its experts, times the row's bytes).
 
 from __future__ import annotations
 
+import os
 from math import comb
 
 import torch
 
+from torchtitan_megamoe import settings
 from torchtitan_megamoe.bench.shapes import SHAPES
 from torchtitan_megamoe.ops.hopper.ep_dispatch import TRAFFIC
 from torchtitan_megamoe.ops.loopback_moe import loopback_moe, shard
@@ -86,11 +88,36 @@ def _inputs(shape, R: int, T: int, dev):
     return (x, ids, tw, w1, w2, w3), dy
 
 
+def exposed_ms(shards, dys, precision: str, backend: str, iters: int, warmup: int,
+               link_gbs: float) -> dict:
+    """{transfer: ms} per rank that pacing only that transfer to a ``link_gbs`` link adds to a
+    loopback forward + backward: the part of it the compute beside it does not hide."""
+    saved = {k: os.environ.get(k) for k in (settings.LOOPBACK_LINK_GBS, settings.LOOPBACK_PACED)}
+
+    def timed(paced: str | None) -> float:
+        os.environ[settings.LOOPBACK_LINK_GBS] = str(link_gbs if paced else 0)
+        os.environ[settings.LOOPBACK_PACED] = paced or ""
+        return median_ms(lambda: loopback_moe(shards, dys, backend=backend, precision=precision),
+                         iters, warmup)
+
+    try:
+        base = timed(None)
+        return {t: (timed(t) - base) / len(shards) for t in TRANSFERS}
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
 def bench_shape_loopback(key: str, R: int, tokens: int, iters: int, warmup: int,
-                         backward: bool, backend: str = "hopper", precision: str = "bf16") -> dict:
+                         backward: bool, backend: str = "hopper", precision: str = "bf16",
+                         exposed_gbs: float = 0.0) -> dict:
     """Times (ms, median of ``iters`` waited calls) of one loopback EP=R layer and of ours at
     EP=1 on the same R*tokens, forward and with ``backward`` forward + backward, in
-    ``precision``; and the bytes per transfer, counted and modelled."""
+    ``precision``; and the bytes per transfer, counted and modelled; with ``exposed_gbs``
+    (and ``backward``) also what each transfer exposes on a link of that many GB/s."""
     shape = SHAPES[key]
     if shape["experts"] % R:
         raise ValueError(f"{shape['experts']} experts do not split over EP={R}")
@@ -111,6 +138,9 @@ def bench_shape_loopback(key: str, R: int, tokens: int, iters: int, warmup: int,
                 warmup)
         if name == "loopback":
             res["bytes"] = counted_bytes(shards, dys if backward else None, precision, backend)
+            if exposed_gbs and backward:
+                res["exposed_ms"] = exposed_ms(shards, dys, precision, backend, iters, warmup,
+                                               exposed_gbs)
             res["per_rank_peak_mib"] = peak_extra_mib(
                 lambda: loopback_moe(shards, dys if backward else None, backend=backend,
                                      precision=precision)) / R
@@ -148,16 +178,18 @@ def _peaks(r: dict) -> str:
 
 def bytes_table(results: list[dict]) -> str:
     """Per rank and transfer: counted MB of token rows and of metadata, the model's MB of token
-    rows, and counted rows / model."""
+    rows, counted rows / model, and (``--exposed``) the ms it exposes on the paced link."""
     lines = ["| shape | precision | EP | transfer | counted rows MB/rank | + metadata MB | model "
-             "MB/rank | counted / model |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+             "MB/rank | counted / model | exposed ms/rank |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in results:
         for t in TRANSFERS:
             if t not in r["bytes"]:
                 continue
             got, want = r["bytes"][t], r["model_bytes"][t]
             meta = r["bytes"].get(f"{t} meta", 0)
+            exp = r.get("exposed_ms", {}).get(t)
             lines.append(f"| {r['shape']} | {r['precision']} | {r['ep']} | {t} | "
                          f"{got / 1e6:.1f} | {meta / 1e6:.1f} | {want / 1e6:.1f} | "
-                         f"{got / want:.3f} |")
+                         f"{got / want:.3f} | {'-' if exp is None else f'{exp:.3f}'} |")
     return "\n".join(lines)

@@ -86,12 +86,12 @@ def backward_ep(grad_out, x, topk_ids, topk_weights, w1, w2, w3, group, recipe,
         del dws
         back = {"ret": dx_s, "dtw": dtw_s.to(torch.float32).contiguous()}
         if s == me or not ex.overlaps:
-            route.return_rows(s, back)
+            route.return_rows(s, back, "return dx")
         else:
             def send(s=s, back=back):
                 for t in back.values():
                     t.record_stream(torch.cuda.current_stream(x.device))  # used on this stream
-                route.return_rows(s, back)
+                route.return_rows(s, back, "return dx")
 
             sends.append(ex.run_async(send))
     route.count_returned(x.shape[1] * x.element_size() + 4 * route.K, "return dx")

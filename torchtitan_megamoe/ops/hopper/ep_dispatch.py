@@ -161,18 +161,21 @@ class TokenRoute:
         going there only (SM stores; no barrier); with ``signal``, signal each peer once its
         rows are stored (it then ``wait_from``s this rank before reading them). ``rows`` may
         hold several transfers: name -> (transfer, [T, W])."""
-        row_bytes = sum(_row_bytes(_rows_of(t)) for t in rows.values())
+        per_transfer: dict = {}  # transfer -> bytes of one row
+        for t in rows.values():
+            label = t[0] if isinstance(t, tuple) else transfer
+            per_transfer[label] = per_transfer.get(label, 0) + _row_bytes(_rows_of(t))
         for d in self.peers:
             for name, t in rows.items():
                 copy_rows(_rows_of(t), self.ex.send_region(d, name), self._count(d),
                           self.src_tok[d])
-            self.ex.pace(self._count(d), row_bytes)
+            for label, row_bytes in per_transfer.items():
+                self.ex.pace(self._count(d), row_bytes, label)
             if signal:
                 self.ex.signal(d)
         if self._sent is not None:
-            for name, t in rows.items():
-                TRAFFIC.add(self.me, t[0] if isinstance(t, tuple) else transfer, self._sent,
-                            _row_bytes(_rows_of(t)))
+            for label, row_bytes in per_transfer.items():
+                TRAFFIC.add(self.me, label, self._sent, row_bytes)
 
     def received(self):
         """(ids [R*C, K] local expert ids or -1, weights [R*C, K] fp32) of the received tokens:
@@ -189,16 +192,16 @@ class TokenRoute:
     def recv_rows(self, name) -> torch.Tensor:
         return self.ex.recv[name].view(self.R * self.C, -1)
 
-    def return_rows(self, s: int, rows: dict) -> None:
+    def return_rows(self, s: int, rows: dict, transfer: str) -> None:
         """Store partial rows (name -> [C, W], region s's received order) into source s's
-        region: its n_s received rows only (no barrier)."""
+        region: its n_s received rows only (no barrier); ``transfer`` names the move."""
         for name, t in rows.items():
             if s == self.me:
                 self.ex.send_region(s, name)[: self.T].copy_(t[: self.T])
             else:
                 copy_rows(t, self.ex.send_region(s, name), self.recv_count(s))
         if s != self.me:
-            self.ex.pace(self.recv_count(s), sum(_row_bytes(t) for t in rows.values()))
+            self.ex.pace(self.recv_count(s), sum(_row_bytes(t) for t in rows.values()), transfer)
 
     def returned_rows(self) -> torch.Tensor:
         """[] int64 on the device: rows this rank returns to its peers (the traffic meter's)."""

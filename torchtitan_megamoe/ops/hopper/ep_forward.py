@@ -133,7 +133,7 @@ def forward_ep(x, topk_ids, topk_weights, w1, w2, w3, group, recipe, max_tokens_
         def send(s=s, part=part):
             if ex.overlaps:
                 part.record_stream(torch.cuda.current_stream(x.device))  # used on this stream
-            route.return_rows(s, {"ret": part})
+            route.return_rows(s, {"ret": part}, "combine")
 
         # record_stream keeps part's memory from reuse until the side stream sent it
         sends.append(ex.run_async(send) if ex.overlaps else send())

@@ -82,9 +82,10 @@ class Exchange:
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.recv.values())
 
-    def pace(self, rows: torch.Tensor, row_bytes: int) -> None:
-        """After a copy of ``rows`` (device count) rows of ``row_bytes`` into a peer: wait, on
-        this stream, as long as the emulated link would take (loopback only; else nothing)."""
+    def pace(self, rows: torch.Tensor, row_bytes: int, transfer: str) -> None:
+        """After a copy of ``rows`` (device count) rows of ``row_bytes`` into a peer (part of
+        ``transfer``): wait, on this stream, as long as the emulated link would take (loopback
+        only; else nothing)."""
 
 
 class _SideStream(Exchange):
@@ -183,6 +184,7 @@ class LoopbackExchange(_SideStream):
         # GPU: its link is paced R times slower too, keeping transfer / compute as on a node
         gbs = settings.loopback_link_gbs() if self.overlaps else 0.0
         self._ns_per_byte = self.R / gbs if gbs else 0.0
+        self._paced = settings.loopback_paced_transfers()  # None: every transfer
         # signal(d) posts an event here, at [d]; every rank sees every rank's outbox
         self._outbox: list = [None] * self.R
         self._outboxes = group.gather(self._outbox)
@@ -203,8 +205,8 @@ class LoopbackExchange(_SideStream):
     def exchange(self, names) -> None:
         self._barrier(torch.cuda.current_stream(self.device) if self.overlaps else None)
 
-    def pace(self, rows: torch.Tensor, row_bytes: int) -> None:
-        if self._ns_per_byte:
+    def pace(self, rows: torch.Tensor, row_bytes: int, transfer: str) -> None:
+        if self._ns_per_byte and (self._paced is None or transfer in self._paced):
             pace(rows, row_bytes * self._ns_per_byte)
 
     def signal(self, d: int) -> None:
