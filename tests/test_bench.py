@@ -108,6 +108,7 @@ def test_ep_loopback_cli_runs_r_ranks_in_one_process(capsys):
     assert r["ep"] == 2 and r["loopback"] and r["tokens"] == 4
     assert r["loopback_fwd_ms"] > 0 and r["ep1_fwd_ms"] > 0
     assert r["per_rank_fwd_ms"] == r["loopback_fwd_ms"] / 2
+    assert r["loopback_fwd_host_ms"] > 0 and r["loopback_fwd_busy_ms"] == 0  # no device here
     assert set(r["bytes"]) == {"dispatch", "dispatch meta", "combine"} and r["bytes"]["dispatch"] > 0
     printed = capsys.readouterr().out
     assert "| tiny (smoke) | bf16 | 2 | 4 | fwd |" in printed

@@ -50,3 +50,12 @@ def test_cli_prints_the_model_labelled_as_one(tmp_path, capsys):
     # a paced run is a measurement: listed, not modelled again
     assert out.count("| Qwen3-30B-A3B | fp8 | 8 |") == 1
     assert "measured with the link emulated at 326 GB/s (Qwen3-30B-A3B, fp8, EP=8)" in out
+
+
+def test_predict_takes_the_device_busy_time_where_measured():
+    # the loopback's waited time is host-bound (one process issues R ranks): the GPU busy
+    # time per rank is the compute
+    r = dict(_result("bf16"), per_rank_fwd_busy_ms=1.0, per_rank_fwdbwd_busy_ms=3.0)
+    p = ep_model.predict(r)
+    assert p["compute_fwd_ms"] == 1.0 and p["compute_fwdbwd_ms"] == 3.0
+    assert p["fwd_no_overlap_ms"] == pytest.approx(3.0)

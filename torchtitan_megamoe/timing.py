@@ -87,3 +87,31 @@ def peak_extra_mib(fn) -> float:
     fn()
     torch.cuda.synchronize()
     return (torch.cuda.max_memory_allocated() - base) / 2**20
+
+
+def gpu_busy_ms(fn, calls: int = 2) -> tuple[float, float]:
+    """(ms the device is busy per call, kernels per call) over ``calls`` profiled calls of
+    ``fn``: the union of every kernel's, copy's and memset's interval, so work that overlaps on
+    several streams counts once and host gaps count not at all. Where the host issues slower
+    than the device runs (R loopback ranks issued by one process), this is the device's time,
+    which an event-timed call cannot give. (0, 0) without CUDA."""
+    if not torch.cuda.is_available():
+        fn()
+        return 0.0, 0.0
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    spans = sorted((e.time_range.start, e.time_range.end) for e in prof.events()
+                   if e.device_type == DeviceType.CUDA and e.time_range.end > e.time_range.start)
+    busy, end = 0.0, float("-inf")
+    for s, e in spans:
+        if e > end:
+            busy += e - max(s, end)
+            end = e
+    return busy / 1e3 / calls, len(spans) / calls

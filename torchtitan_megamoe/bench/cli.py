@@ -101,7 +101,8 @@ def main_loopback(args) -> int:
         for precision in args.precisions:
             t0 = time.time()
             r = bench_shape_loopback(key, args.ep, args.tokens, args.iters, args.warmup,
-                                     args.backward, args.backend, precision, args.exposed)
+                                     args.backward, args.backend, precision, args.exposed,
+                                     args.profile)
             r["wall_s"] = round(time.time() - t0, 1)
             r["link_gbs"] = args.link_gbs
             results.append(r)

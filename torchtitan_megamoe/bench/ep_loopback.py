@@ -1,10 +1,13 @@
 """EP=R on ONE device: ours with R loopback ranks in one process (ops/loopback.py), each rank
 on its own stream, against ours at EP=1 on the same R*T tokens (``--ep R --loopback``).
 
-A loopback step is every rank's layer, all on one device, so its time is R ranks' work: the
-per-rank figure is that time / R, and loopback / EP=1 is the EP machinery's overhead (the
-exchange's copies and barriers, a plan per region). The ranks issue one after
-another on the host (ops/loopback.py's baton), so small shapes show host time too.
+A loopback step is every rank's layer, all on one device, so its time is R ranks' work. The
+ranks issue one after another on the host (ops/loopback.py's baton): one process issues what R
+processes would, so a waited call is host-bound where a real rank's would not be. Hence three
+times per pass: waited (CUDA events), the host's issue time, and the device's busy time (the
+union of every kernel's interval, timing.gpu_busy_ms). GPU busy / R is a rank's compute, GPU
+busy EP=R / EP=1 on the same R*T tokens the EP machinery's overhead (the exchange's copies, a plan
+per region, smaller GEMMs), host issue / R a rank's host cost.
 
 Memory. The peak above the inputs of one loopback forward + backward, divided by R (every rank's
 exchange buffers and transients live at once in the one process), against ours at EP=1 on one
@@ -25,11 +28,12 @@ from math import comb
 import torch
 
 from torchtitan_megamoe import settings
+from torchtitan_megamoe.bench.profile import profile_kernels
 from torchtitan_megamoe.bench.shapes import SHAPES
 from torchtitan_megamoe.ops.hopper.ep_dispatch import TRAFFIC
 from torchtitan_megamoe.ops.loopback_moe import loopback_moe, shard
 from torchtitan_megamoe.ops.recipe import SCALE_BLOCK, recipe_named
-from torchtitan_megamoe.timing import median_ms, peak_extra_mib
+from torchtitan_megamoe.timing import gpu_busy_ms, host_issue_ms, median_ms, peak_extra_mib
 
 TRANSFERS = ("dispatch", "combine", "dispatch dy", "dispatch x", "return dx")
 """A layer's transfers per training step: the forward's x and partial rows, the backward's dy, x
@@ -111,13 +115,48 @@ def exposed_ms(shards, dys, precision: str, backend: str, iters: int, warmup: in
                 os.environ[k] = v
 
 
+def host_profile(title: str, call, rows: int = 30) -> None:
+    """Prints where the rank threads' host time goes in one ``call`` (cProfile in every rank
+    thread, summed over the ranks, by own time): what a rank's process would spend issuing."""
+    import cProfile
+    import io
+    import pstats
+
+    from torchtitan_megamoe.ops import loopback_moe as lm
+
+    step, profiles = lm._rank_step, []
+
+    def profiled(*a, **k):
+        prof = cProfile.Profile()
+        profiles.append(prof)
+        prof.enable()
+        try:
+            return step(*a, **k)
+        finally:
+            prof.disable()
+
+    lm._rank_step = profiled
+    try:
+        call()
+    finally:
+        lm._rank_step = step
+    text = io.StringIO()
+    stats = pstats.Stats(profiles[0], stream=text)
+    for prof in profiles[1:]:
+        stats.add(prof)
+    stats.sort_stats("tottime").print_stats(rows)
+    print(f"--- host, rank threads ({title}, {len(profiles)} ranks, by own time):", flush=True)
+    print("\n".join(text.getvalue().splitlines()[-rows - 2:]), flush=True)
+
+
 def bench_shape_loopback(key: str, R: int, tokens: int, iters: int, warmup: int,
                          backward: bool, backend: str = "hopper", precision: str = "bf16",
-                         exposed_gbs: float = 0.0) -> dict:
+                         exposed_gbs: float = 0.0, profile: bool = False) -> dict:
     """Times (ms, median of ``iters`` waited calls) of one loopback EP=R layer and of ours at
     EP=1 on the same R*tokens, forward and with ``backward`` forward + backward, in
     ``precision``; and the bytes per transfer, counted and modelled; with ``exposed_gbs``
-    (and ``backward``) also what each transfer exposes on a link of that many GB/s."""
+    (and ``backward``) also what each transfer exposes on a link of that many GB/s; with
+    ``profile`` the top GPU kernels of both, last pass."""
     shape = SHAPES[key]
     if shape["experts"] % R:
         raise ValueError(f"{shape['experts']} experts do not split over EP={R}")
@@ -130,12 +169,18 @@ def bench_shape_loopback(key: str, R: int, tokens: int, iters: int, warmup: int,
     for name, ranks in (("loopback", R), ("ep1", 1)):
         shards = shard(ranks, *args)
         dys = list(torch.split(dy, tokens * R // ranks))
-        res[f"{name}_fwd_ms"] = median_ms(
-            lambda: loopback_moe(shards, backend=backend, precision=precision), iters, warmup)
+        calls = {"fwd": lambda: loopback_moe(shards, backend=backend, precision=precision)}
         if backward:
-            res[f"{name}_fwdbwd_ms"] = median_ms(
-                lambda: loopback_moe(shards, dys, backend=backend, precision=precision), iters,
-                warmup)
+            calls["fwdbwd"] = lambda: loopback_moe(shards, dys, backend=backend,
+                                                   precision=precision)
+        for tag, call in calls.items():
+            res[f"{name}_{tag}_ms"] = median_ms(call, iters, warmup)
+            res[f"{name}_{tag}_host_ms"] = host_issue_ms(call, iters)
+            res[f"{name}_{tag}_busy_ms"], res[f"{name}_{tag}_kernels"] = gpu_busy_ms(call)
+        if profile and torch.cuda.is_available():
+            profile_kernels(f"{shape['name']} {precision} EP={ranks} ({name}) {tag}", call, 0,
+                            calls=2, rows=30, host_profile=False)
+            host_profile(f"{shape['name']} {precision} EP={ranks} ({name}) {tag}", call)
         if name == "loopback":
             res["bytes"] = counted_bytes(shards, dys if backward else None, precision, backend)
             if exposed_gbs and backward:
@@ -153,21 +198,37 @@ def bench_shape_loopback(key: str, R: int, tokens: int, iters: int, warmup: int,
     for tag in ("fwd", "fwdbwd"):
         if f"loopback_{tag}_ms" in res:
             res[f"per_rank_{tag}_ms"] = res[f"loopback_{tag}_ms"] / R
+            res[f"per_rank_{tag}_busy_ms"] = res[f"loopback_{tag}_busy_ms"] / R
+            res[f"per_rank_{tag}_host_ms"] = res[f"loopback_{tag}_host_ms"] / R
             res[f"overhead_{tag}"] = res[f"loopback_{tag}_ms"] / res[f"ep1_{tag}_ms"]
+            if res[f"ep1_{tag}_busy_ms"]:
+                res[f"overhead_busy_{tag}"] = (res[f"loopback_{tag}_busy_ms"]
+                                               / res[f"ep1_{tag}_busy_ms"])
     return res
 
 
 def loopback_table(results: list[dict]) -> str:
-    lines = ["| shape | precision | EP (loopback) | tokens/rank | pass | R ranks ms | per rank ms | "
-             "EP=1 on R*T ms | EP=R / EP=1 | peak MiB per rank / EP=1 on T |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    """Per shape, precision and pass: the waited time of all R ranks (events: host-bound where
+    the one process issues slower than the device runs), the host's issue time, the device's
+    busy time (GPU time), each beside ours at EP=1 on the R*T tokens; GPU time EP=R / EP=1 is
+    the EP machinery's overhead."""
+    lines = ["| shape | precision | EP (loopback) | tokens/rank | pass | R ranks ms (waited) | "
+             "host issue ms | GPU busy ms | EP=1 on R*T: waited / busy ms | GPU busy EP=R / "
+             "EP=1 | kernels EP=R / EP=1 | peak MiB per rank / EP=1 on T |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in results:
         for tag in ("fwd", "fwdbwd"):
-            if f"loopback_{tag}_ms" in r:
-                lines.append(f"| {r['shape']} | {r['precision']} | {r['ep']} | {r['tokens']} | "
-                             f"{tag} | {r[f'loopback_{tag}_ms']:.3f} | "
-                             f"{r[f'per_rank_{tag}_ms']:.3f} | {r[f'ep1_{tag}_ms']:.3f} | "
-                             f"{r[f'overhead_{tag}']:.2f}x | {_peaks(r)} |")
+            if f"loopback_{tag}_ms" not in r:
+                continue
+            busy = r.get(f"overhead_busy_{tag}")
+            lines.append(f"| {r['shape']} | {r['precision']} | {r['ep']} | {r['tokens']} | "
+                         f"{tag} | {r[f'loopback_{tag}_ms']:.3f} | "
+                         f"{r[f'loopback_{tag}_host_ms']:.3f} | "
+                         f"{r[f'loopback_{tag}_busy_ms']:.3f} | {r[f'ep1_{tag}_ms']:.3f} / "
+                         f"{r[f'ep1_{tag}_busy_ms']:.3f} | "
+                         f"{'-' if busy is None else f'{busy:.2f}x'} | "
+                         f"{r[f'loopback_{tag}_kernels']:.0f} / {r[f'ep1_{tag}_kernels']:.0f} | "
+                         f"{_peaks(r)} |")
     return "\n".join(lines)
 
 

@@ -42,8 +42,9 @@ def predict(res: dict, bw_gbs: float = NVLINK_GBS) -> dict:
     """The modelled per-GPU times (ms) of one loopback result: compute, each transfer, and the
     forward / forward + backward without and with the built overlap."""
     R = res["ep"]
-    fwd = res["per_rank_fwd_ms"]
-    fb = res.get("per_rank_fwdbwd_ms")
+    # the device's busy time per rank where it was measured: the waited time is host-bound
+    fwd = res.get("per_rank_fwd_busy_ms") or res["per_rank_fwd_ms"]
+    fb = res.get("per_rank_fwdbwd_busy_ms") or res.get("per_rank_fwdbwd_ms")
     per = {t: b / (bw_gbs * 1e6) for t, b in res["bytes"].items()}  # bytes -> ms
 
     def moved(t):  # token rows and their metadata

@@ -8,11 +8,12 @@ import torch
 
 
 def profile_kernels(title: str, fn, rank: int, calls: int = 3, rows: int = 40,
-                    host_fn=None) -> None:
+                    host_fn=None, host_profile: bool = True) -> None:
     """Rank 0 prints the GPU kernels of ``calls`` calls of fn (per-call time = total / calls):
     where a layer's time goes when no per-stage timer covers it (the EP exchange).
     ``host_fn``: what cProfile times instead of fn, e.g. the backend's Python forward called
-    directly (under the custom op's C++ dispatch cProfile books the whole op on one frame)."""
+    directly (under the custom op's C++ dispatch cProfile books the whole op on one frame);
+    ``host_profile=False``: no cProfile tables (it sees the calling thread only)."""
     from torch.profiler import ProfilerActivity, profile
 
     fn()
@@ -47,7 +48,7 @@ def profile_kernels(title: str, fn, rank: int, calls: int = 3, rows: int = 40,
               f"GPU kernels {gpu_ms:.3f} ms per call", flush=True)
         print(prof.key_averages().table(sort_by="self_device_time_total", row_limit=rows,
                                         max_name_column_width=60), flush=True)
-        for order in ("tottime", "cumulative"):
+        for order in ("tottime", "cumulative") if host_profile else ():
             text = io.StringIO()
             pstats.Stats(host, stream=text).sort_stats(order).print_stats(rows)
             print(f"--- host (cProfile, {calls} calls, sorted by {order}):", flush=True)
