@@ -1,0 +1,39 @@
+"""timing.py's device busy time: the union of kernel intervals, host gaps left out."""
+
+import time
+
+import pytest
+import torch
+
+from torchtitan_megamoe.timing import gpu_busy_ms
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU case")
+def test_gpu_busy_without_a_device_is_zero():
+    calls = []
+    assert gpu_busy_ms(lambda: calls.append(1)) == (0.0, 0.0) and calls == [1]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_busy_leaves_out_host_gaps_and_counts_overlap_once():
+    a = torch.randn(4096, 4096, device="cuda")
+
+    def work():
+        a @ a
+        time.sleep(0.05)  # the device idles: not busy
+        a @ a
+
+    busy, kernels = gpu_busy_ms(work)
+    assert kernels == 2 and 0 < busy < 20
+    side = torch.cuda.Stream()
+
+    def two_streams():  # the same two GEMMs, concurrent on two streams
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            a @ a
+        a @ a
+        torch.cuda.current_stream().wait_stream(side)
+
+    both, _ = gpu_busy_ms(two_streams)
+    assert both <= busy * 1.05
