@@ -151,6 +151,36 @@ def test_loopback_skewed_routing(R):
 
 
 @cpu_only
+@pytest.mark.parametrize("skew", [False, True])
+def test_loopback_saved_store_keeps_what_fits_and_recomputes_the_rest(monkeypatch, skew):
+    """The forward's store of GEMM 1's pre-activations (kernels/row_store.py): at an even
+    routing every region fits and the backward recomputes no tile; with every slot on rank 0's
+    experts rank 0's regions overflow it, and the backward recomputes those, with the same
+    results (against the reference and EP=1) and bitwise repeatable."""
+    from torchtitan_megamoe.ops.hopper import ep_backward, ep_forward
+
+    monkeypatch.setattr(ep_forward, "keeps_saved", lambda *a: True)  # tiny shapes would not
+    tiles = []
+    real = ep_backward.recompute_a
+
+    def spy(x, w1, w2, w3, plan, *a, **k):
+        tiles.append(int((plan.tile_expert >= 0).sum()))  # tiles GEMM 1 computes again
+        return real(x, w1, w2, w3, plan, *a, **k)
+
+    monkeypatch.setattr(ep_backward, "recompute_a", spy)
+    if skew:  # a store of two segments: rank 0's first region fits, not all the others
+        monkeypatch.setattr(ep_forward, "saved_rows", lambda R, C, K, E_local, bm: 2 * bm)
+    R = 4
+    _check(R, [6] * R, 2 * R, seed=1, skew=skew)
+    assert len(tiles) == 2 * R * R  # two EP=4 runs: every rank's every region was restored
+    if skew:
+        # the other ranks receive nothing (kept, empty); rank 0 keeps its first region
+        assert any(tiles) and tiles.count(0) == 2 * R * (R - 1) + 2
+    else:
+        assert not any(tiles)
+
+
+@cpu_only
 def test_loopback_forward_buffers_hold_one_region(monkeypatch):
     """Bounded memory: the forward's per-call row buffers (h, y, staged partial rows) hold one
     region's rows, max_rows(C*K), whatever R and the routing (here every slot on rank 0's
@@ -365,3 +395,24 @@ def test_loopback_one_gpu_vs_reference(R, shape, precision):
     for r in range(R):
         assert traffic[r]["dispatch"] == sent[r] * (fp8_row if recipe.fp8_forward else 2 * D)
         assert traffic[r]["dispatch dy"] == sent[r] * (fp8_row if recipe.fp8_dgrad else 2 * D)
+
+
+@cpu_only
+def test_loopback_fp8_saved_store_with_a_region_recomputed(monkeypatch):
+    """The FP8 forward's pre-activations through the store (kernels/row_store.py) with room for
+    one region's two segments: the other region's GEMM 1 runs again in the backward, and every
+    check of the FP8 test holds."""
+    from torchtitan_megamoe.ops.hopper import ep_backward, ep_forward
+
+    monkeypatch.setattr(ep_forward, "keeps_saved", lambda *a: True)
+    monkeypatch.setattr(ep_forward, "saved_rows", lambda R, C, K, E_local, bm: 2 * bm)
+    tiles = []
+    real = ep_backward.recompute_a
+
+    def spy(x, w1, w2, w3, plan, *a, **k):
+        tiles.append(int((plan.tile_expert >= 0).sum()))
+        return real(x, w1, w2, w3, plan, *a, **k)
+
+    monkeypatch.setattr(ep_backward, "recompute_a", spy)
+    test_loopback_fp8_matches_reference(2, [5, 7], 4, "fp8")
+    assert any(tiles) and not all(tiles)

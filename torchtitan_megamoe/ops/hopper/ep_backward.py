@@ -25,6 +25,9 @@ it unrounded). Each region's weight gradients are computed in fp32 (fp32 stand-i
 gradients' "parameters") and summed in region order 0..R-1, then rounded once: the same
 precision as one GEMM over all rows, deterministic. No host sync.
 
+Saved from the forward: GEMM 1's pre-activations of the regions its store kept, restored into
+one region's buffer (``_Restore``); GEMM 1 runs again only for the regions it did not keep.
+
 Memory per call: the EP=1 backward's transients for ONE region of C tokens (reused region
 after region), the fp32 weight-gradient sums and one region's fp32 weight gradients (2 x the
 local experts' weights in fp32), and the staged dx rows, [C, D] per peer until sent.
@@ -32,11 +35,15 @@ local experts' weights in fp32), and the staged dx rows, [C, D] per peer until s
 
 import torch
 
+from torchtitan_megamoe.ops.fp8_weights import Fp8Weights
 from torchtitan_megamoe.ops.hopper.bf16_backward import backward_bf16
 from torchtitan_megamoe.ops.hopper.ep_dispatch import FP8_ROWS, TokenRoute
-from torchtitan_megamoe.ops.hopper.ep_forward import region_order
-from torchtitan_megamoe.ops.hopper.fp8_backward import backward_fp8
+from torchtitan_megamoe.ops.hopper.ep_forward import forward_block_m, region_order
+from torchtitan_megamoe.ops.hopper.fp8_backward import backward_fp8, recompute_a
+from torchtitan_megamoe.ops.hopper.fp8_weights import make_fp8_weights
 from torchtitan_megamoe.ops.hopper.kernels.fp8_quant import FP8, dequant_rows, quant_rows
+from torchtitan_megamoe.ops.hopper.kernels.row_store import kept, unstash_rows
+from torchtitan_megamoe.ops.hopper.plan import max_rows, unpack_plan
 
 
 def backward_ep(grad_out, x, topk_ids, topk_weights, w1, w2, w3, group, recipe,
@@ -47,6 +54,10 @@ def backward_ep(grad_out, x, topk_ids, topk_weights, w1, w2, w3, group, recipe,
     route = TokenRoute(topk_ids, topk_weights, w1.shape[0], group, x.shape[1], x.dtype, recipe,
                        max_tokens_per_rank=max_tokens_per_rank)
     ex, R, C, me = route.ex, route.R, route.C, route.me
+    if recipe.fp8_dgrad and not isinstance(weight_cache, Fp8Weights):
+        # quantized once per call, not once per region (the transposed copies whole: a rank's
+        # local experts)
+        weight_cache = make_fp8_weights(w1, w2, w3, forward=recipe.fp8_forward, dtype=x.dtype)
     if recipe.fp8_dgrad:
         gq, gs = quant_rows(grad_out.contiguous())
         dy_rows = {"dyq": gq.view(FP8_ROWS), "dys": gs}
@@ -65,12 +76,13 @@ def backward_ep(grad_out, x, topk_ids, topk_weights, w1, w2, w3, group, recipe,
     ids, weights = route.received()
     stand_ins = tuple(torch.zeros((), dtype=torch.float32, device=w.device).expand(w.shape)
                       for w in (w1, w2, w3))
+    restore = _Restore(saved, route, w1, w2, w3, recipe, weight_cache) if saved else None
     sums, sends = None, []
-    for s in region_order(R, me):
+    for i, s in enumerate(region_order(R, me)):
         if s != me and ex.overlaps:
             ex.wait_from(s)  # region s's dy and x are here (the others may still travel)
         region = slice(s * C, (s + 1) * C)
-        region_saved = list(saved[2 * s:2 * s + 2]) if saved else None
+        region_saved = restore(i, s, route.recv_rows("x")[region]) if restore else None
         if recipe.fp8_dgrad:
             q, sc = route.recv_rows("dyq")[region].view(FP8), route.recv_rows("dys")[region]
             dx_s, dtw_s, *dws = backward_fp8(
@@ -101,3 +113,32 @@ def backward_ep(grad_out, x, topk_ids, topk_weights, w1, w2, w3, group, recipe,
     dx = route.sum_returned("ret", x.dtype)
     dws = [acc.to(w.dtype) for acc, w in zip(sums, (w1, w2, w3))]
     return dx, route.pick_returned_dtw(topk_weights.dtype), *dws
+
+
+class _Restore:
+    """Region s's saved (a, packed plan) for its EP=1 backward: a from the forward's store
+    (kernels/row_store.py) where the region was kept, else GEMM 1 recomputed (the forward's
+    kernel and pick: the same bits). One a buffer of one region's rows, reused."""
+
+    def __init__(self, saved, route, w1, w2, w3, recipe, weight_cache):
+        self.store, self.offs, self.packed = saved[0], saved[1], saved[2:]
+        self.C, self.K, self.E_local = route.C, route.K, w1.shape[0]
+        self.w = (w1.contiguous(), w2.contiguous(), w3.contiguous())
+        self.recipe, self.weight_cache = recipe, weight_cache
+        self.block_m = forward_block_m(recipe)
+        rows = max_rows(self.C * self.K, self.E_local, self.block_m)
+        self.a = torch.empty((rows, self.store.shape[1]), dtype=self.store.dtype,
+                             device=self.store.device)
+
+    def __call__(self, i: int, s: int, x_rows: torch.Tensor) -> list:
+        packed = self.packed[s]
+        plan = unpack_plan(packed, self.C, self.K, self.E_local, self.block_m)
+        # GEMM 1 only on the tiles of a region the store did not keep: a kept region's
+        # tiles are all skipped (-1)
+        fresh = plan.with_tiles(torch.where(kept(self.offs, i, plan.num_rows_used), -1,
+                                            plan.tile_expert))
+        recompute_a(x_rows.contiguous(), *self.w, fresh, self.recipe.fp8_forward,
+                    self.weight_cache, out=self.a)
+        # after GEMM 1: DeepGEMM's FP8 GEMM writes zeros into the skipped tiles' rows
+        unstash_rows(self.store, self.a, self.offs, i, plan.num_rows_used)
+        return [self.a, packed]

@@ -33,7 +33,8 @@ not R times it, and no routing overflows it.
 
 FP8 forward (recipe.fp8_forward): x is quantized once at its source (e4m3 rows, 1x128 scales:
 the rows FP8 GEMM 1 reads anyway) and travels so, at about half the bytes; each region runs the
-EP=1 FP8 stages (fp8_forward.forward_fp8_rows). No host sync and no data-dependent shape
+EP=1 FP8 stages (fp8_forward.forward_fp8_rows), on weight copies made once per call where the
+layer gives none (not once per region). No host sync and no data-dependent shape
 anywhere, so the call is capturable. Without symmetric memory (gloo, CPU) the same steps run in
 order on one stream with all_to_all moves (that is what the CPU tests cover).
 
@@ -41,12 +42,16 @@ Buffer reuse across calls: a peer's next x / meta copies into this rank's region
 wait on this call's last barrier, which this rank reaches after its GEMMs read them; its next
 "ret" stores follow its metadata barrier, which this rank reaches after summing.
 
-Saved for backward. Per region, the pre-activations a = [a1 | a3] and the packed plan, which
-the backward's exchange reproduces exactly (the layout depends only on topk_ids and C). Their
-size is static: R regions of max_rows(C*K) rows, about R times what the rank computes. They are
-kept only while that is at most what stock TorchTitan saves per MoE layer (T*K*(D + 3H) bf16
-values: permuted input, a1, a3, h); otherwise the backward recomputes GEMM 1 region by region.
-At T = C = 16384, K = 8, E = 128: kept at EP=2 (30B 0.82 GiB, stock 1.06 GiB), not at EP=8.
+Saved for backward: GEMM 1's pre-activations a = [a1 | a3] of every region, in ONE store of
+``saved_rows`` rows (kernels/row_store.py): what a rank receives at uniform routing (C*K slots)
+times SAVE_MARGIN, plus every region's segment padding. Region after region, its used rows go
+in after the previous one's where they fit; a region that does not fit (a skewed routing) is
+not kept, and the backward recomputes its GEMM 1 (the same kernel and pick: the same bits).
+Besides the store: its offsets and each region's packed plan, which the backward's exchange
+reproduces exactly (the layout depends only on topk_ids and C). The store is about what stock
+TorchTitan saves per MoE layer at most (T*K*(D + 3H) bf16 values: permuted input, a1, a3, h):
+at T = C = 16384, K = 8, E = 128, EP=8: 30B 0.65 GB (stock 1.14 GB), 235B 1.3 GB (stock 2.3).
+Where it would exceed stock's, nothing is saved and the backward recomputes every region.
 
 Memory. Exchange buffers, shared by all layers (ep_transport.py): [R, C, D] per row name +
 metadata, C = tokens per rank. Per call: h [M, H] and y [M, D] with M = max_rows(C*K) for one
@@ -55,25 +60,39 @@ region; a peer region's partial rows, [C, D], until the side stream has sent the
 
 import torch
 
+from torchtitan_megamoe.ops.fp8_weights import Fp8Weights
 from torchtitan_megamoe.ops.groups import group_size
-from torchtitan_megamoe.ops.hopper.bf16_forward import saved_like
 from torchtitan_megamoe.ops.hopper.ep_dispatch import FP8_ROWS, TokenRoute
 from torchtitan_megamoe.ops.hopper.ep_transport import capacity_hint
 from torchtitan_megamoe.ops.hopper.fp8_forward import forward_fp8_rows
+from torchtitan_megamoe.ops.hopper.fp8_weights import make_fp8_weights
 from torchtitan_megamoe.ops.hopper.heuristics import forward_configs
 from torchtitan_megamoe.ops.hopper.kernels.combine import combine
 from torchtitan_megamoe.ops.hopper.kernels.fp8_quant import FP8, quant_rows
+from torchtitan_megamoe.ops.hopper.kernels.row_store import stash_rows
 from torchtitan_megamoe.ops.hopper.sides.gemm1_swiglu import gemm1_swiglu
 from torchtitan_megamoe.ops.hopper.sides.gemm2 import gemm2
-from torchtitan_megamoe.ops.hopper.plan import build_plan, max_rows, pack_plan
+from torchtitan_megamoe.ops.hopper.plan import (
+    build_plan, max_rows, pack_plan, packed_plan_numel, unpack_plan,
+)
 from torchtitan_megamoe.ops.hopper.tiles import FP8_BLOCK_M, plan_block_m
 
+SAVE_MARGIN = 1.5
+"""The saved store holds this many times the slots a rank receives at uniform routing: room for
+a skewed routing before regions fall back to recomputing GEMM 1."""
+
+
+def saved_rows(R, C, K, E_local, block_m) -> int:
+    """Rows of the store of GEMM 1's pre-activations (see the module's doc): the margin over
+    C*K received slots, plus each region's padding of every expert's segment."""
+    rows = int(SAVE_MARGIN * C * K) + R * E_local * (block_m - 1)
+    return -(-rows // block_m) * block_m
+
+
 def keeps_saved(R, C, K, E_local, D, H, block_m) -> bool:
-    """Whether the EP forward keeps GEMM 1's pre-activations: only while their static size is
-    at most stock TorchTitan's saved routed activations per layer."""
-    ours = R * max_rows(C * K, E_local, block_m) * 2 * H
-    stock = C * K * (D + 3 * H)
-    return ours <= stock
+    """Whether the EP forward keeps GEMM 1's pre-activations: while the store is at most stock
+    TorchTitan's saved routed activations per layer."""
+    return saved_rows(R, C, K, E_local, block_m) * 2 * H <= C * K * (D + 3 * H)
 
 
 def forward_block_m(recipe) -> int:
@@ -95,6 +114,9 @@ def forward_ep(x, topk_ids, topk_weights, w1, w2, w3, group, recipe, max_tokens_
     (0: this call's largest batch); ``weight_cache``: the FP8 copies (fp8_forward.py)."""
     x = x.contiguous()
     E_local, H, D = w1.shape
+    if recipe.fp8_forward and not isinstance(weight_cache, Fp8Weights):
+        # quantized once per call, not once per region
+        weight_cache = make_fp8_weights(w1, w2, w3, transposed=False, dtype=x.dtype)
     route = TokenRoute(topk_ids, topk_weights, E_local, group, D, x.dtype, recipe,
                        check_ids=True, max_tokens_per_rank=max_tokens_per_rank)
     ex, R, C, K, me = route.ex, route.R, route.C, route.K, route.me
@@ -120,15 +142,15 @@ def forward_ep(x, topk_ids, topk_weights, w1, w2, w3, group, recipe, max_tokens_
                        gemm1_config, gemm2_config, x.dtype)
 
     # 2. the own region, then each peer's; a peer's partial rows go home under the next region
-    saved, sends = {}, []
-    for s in region_order(R, me):
+    plans, sends = {}, []
+    for i, s in enumerate(region_order(R, me)):
         if s != me and ex.overlaps:
             ex.wait_from(s)  # region s's rows are here (the others may still travel)
         if s == me:
-            saved[s] = compute.region(s, out=ex.send_region(me, "ret"))
+            plans[s] = compute.region(i, s, out=ex.send_region(me, "ret"))
             continue
         part = torch.empty((C, D), dtype=x.dtype, device=x.device)
-        saved[s] = compute.region(s, out=part)
+        plans[s] = compute.region(i, s, out=part)
 
         def send(s=s, part=part):
             if ex.overlaps:
@@ -145,13 +167,14 @@ def forward_ep(x, topk_ids, topk_weights, w1, w2, w3, group, recipe, max_tokens_
     out = route.sum_returned("ret", x.dtype)
     if not save:
         return out
-    return out, ([t for s in range(R) for t in saved[s]] if keep else [])
+    return out, ([compute.store, compute.offs, *(plans[s] for s in range(R))] if keep else [])
 
 
 class _Regions:
     """One region's forward: C received tokens with their own plan; bf16 (GEMM 1 + SwiGLU,
-    GEMM 2, combine) or FP8 (fp8_forward.forward_fp8_rows). The bf16 h and y are allocated
-    once and reused region after region (stream order keeps the regions apart)."""
+    GEMM 2, combine) or FP8 (fp8_forward.forward_fp8_rows). The bf16 h and y (and a, when
+    kept) are allocated once and reused region after region (stream order keeps the regions
+    apart); a kept region's a goes into the saved store (kernels/row_store.py)."""
 
     def __init__(self, route, ids, weights, w1, w2, w3, recipe, block_m, keep, weight_cache,
                  gemm1_config, gemm2_config, dtype):
@@ -162,35 +185,44 @@ class _Regions:
         self.dtype = dtype
         self.g1, self.g2 = forward_configs(gemm1_config, gemm2_config)
         E_local, H, D = w1.shape
+        dev = ids.device
+        M = max_rows(self.C * self.K, E_local, block_m)
+        if keep:
+            self.store = torch.empty((saved_rows(route.R, self.C, self.K, E_local, block_m),
+                                      2 * H), dtype=dtype, device=dev)
+            self.offs = torch.zeros(route.R + 1, dtype=torch.int32, device=dev)
         if not recipe.fp8_forward:
-            M = max_rows(self.C * self.K, E_local, block_m)
-            self.h = torch.empty((M, H), dtype=dtype, device=ids.device)
-            self.y = torch.empty((M, D), dtype=dtype, device=ids.device)
+            self.h = torch.empty((M, H), dtype=dtype, device=dev)
+            self.y = torch.empty((M, D), dtype=dtype, device=dev)
+            self.a = torch.empty((M, 2 * H), dtype=dtype, device=dev) if keep else None
 
-    def region(self, s: int, out: torch.Tensor) -> tuple:
-        """Region s's partial rows into ``out`` [C, D]; returns what it saves for the backward
-        ((a, packed plan), or () when not kept)."""
+    def region(self, i: int, s: int, out: torch.Tensor):
+        """Region s (the i-th computed) into ``out`` [C, D]; returns its packed plan when the
+        pre-activations are kept (stashed as block i of the store), else None."""
         C, E_local = self.C, self.w1.shape[0]
         ids, weights = self.ids[s * C:(s + 1) * C], self.weights[s * C:(s + 1) * C]
         if self.recipe.fp8_forward:
             res = forward_fp8_rows(self.route.recv_rows("xq")[s * C:(s + 1) * C].view(FP8),
                                    self.route.recv_rows("xs")[s * C:(s + 1) * C], ids, weights,
                                    self.w1, self.w2, self.w3, self.dtype, self.weight_cache,
-                                   save=self.keep)
-            part, saved = res if self.keep else (res, ())
-            out.copy_(part)
-            return tuple(saved)
+                                   save=self.keep, out=out)
+            saved = res[1] if self.keep else None
+            if saved is None:
+                return None
+            a, packed = saved
+            plan_rows = unpack_plan(packed, C, self.K, E_local, self.block_m).num_rows_used
+            stash_rows(a, self.store, self.offs, i, plan_rows)
+            return packed
         plan = build_plan(ids, E_local, self.block_m)
         xr = self.route.recv_rows("x")[s * C:(s + 1) * C]
-        a = None
-        if self.keep:
-            a = torch.empty((plan.max_rows, 2 * self.w1.shape[1]), dtype=self.dtype,
-                            device=ids.device)
         gemm1_swiglu(xr, self.w1, self.w3, plan, config=self.g1, save_a=self.keep,
-                     out=(self.h, a) if self.keep else self.h)
+                     out=(self.h, self.a) if self.keep else self.h)
         gemm2(self.h, self.w2, plan, config=self.g2, out=self.y)
         combine(self.y, weights, plan.slot_row, self.dtype, out=out)
-        return (a, pack_plan(plan)) if self.keep else ()
+        if not self.keep:
+            return None
+        stash_rows(self.a, self.store, self.offs, i, plan.num_rows_used)
+        return pack_plan(plan)
 
 
 def saved_like_ep(x, topk_ids, w1, group, recipe, max_tokens_per_rank=0):
@@ -202,5 +234,7 @@ def saved_like_ep(x, topk_ids, w1, group, recipe, max_tokens_per_rank=0):
     C = capacity_hint(group, T, max_tokens_per_rank)
     if not keeps_saved(R, C, K, E_local, D, H, block_m):
         return []
-    one = saved_like(x.new_empty((C, D)), topk_ids.new_empty((C, K)), w1, 1, block_m)
-    return [t.new_empty(t.shape) for _ in range(R) for t in one]
+    packed = (packed_plan_numel(C, K, E_local, block_m),)
+    return [x.new_empty((saved_rows(R, C, K, E_local, block_m), 2 * H)),
+            topk_ids.new_empty((R + 1,), dtype=torch.int32),
+            *(topk_ids.new_empty(packed, dtype=torch.int32) for _ in range(R))]

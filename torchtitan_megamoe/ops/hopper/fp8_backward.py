@@ -67,7 +67,7 @@ def backward_fp8(grad_out, x, topk_ids, topk_weights, w1, w2, w3, recipe, weight
         plan = unpack_plan(packed, T, topk_ids.shape[1], E, FP8_BLOCK_M)
     else:
         plan = build_plan(topk_ids, E, FP8_BLOCK_M)
-        a_saved = _recompute_a(x, w1, w2, w3, plan, recipe.fp8_forward, weight_cache)
+        a_saved = recompute_a(x, w1, w2, w3, plan, recipe.fp8_forward, weight_cache)
     tw = topk_weights.contiguous()
 
     gq, gs = quant_rows(dy) if grad_fp8 is None else grad_fp8
@@ -128,13 +128,18 @@ def dgrad1_groups(E: int, H: int, D: int, rows: int, weight_cache) -> list[tuple
     return [(lo, min(lo + size, E)) for lo in range(0, E, size)]
 
 
-def _recompute_a(x, w1, w2, w3, plan, fp8_forward, weight_cache):
-    """GEMM 1's [a1 | a3] as the forward computed it (same kernel, same arithmetic)."""
+def recompute_a(x, w1, w2, w3, plan, fp8_forward, weight_cache, out=None):
+    """GEMM 1's [a1 | a3] as the forward computed it (same kernel, same arithmetic); ``out``:
+    the a to write (the rows of tiles whose tile_expert is -1 are then left as they are by our
+    kernels, zeroed by DeepGEMM's)."""
     if fp8_forward:
         xq, xs = quant_rows(x)
         wq = forward_weights(w1, w2, w3, cache=weight_cache, dtype=x.dtype)
-        _hq, _hs, a = fp8_gemm1_swiglu(xq, xs, wq.w1q, wq.w1s, wq.w3q, wq.w3s, plan, save_a=True)
+        _hq, _hs, a = fp8_gemm1_swiglu(xq, xs, wq.w1q, wq.w1s, wq.w3q, wq.w3s, plan, save_a=True,
+                                       a_out=out)
         return a
     g1_config, _ = forward_configs(None, None)
-    _h, a = gemm1_swiglu(x, w1, w3, plan, config=g1_config, save_a=True)
+    if out is not None:
+        out = (torch.empty((plan.max_rows, w1.shape[1]), dtype=x.dtype, device=x.device), out)
+    _h, a = gemm1_swiglu(x, w1, w3, plan, config=g1_config, save_a=True, out=out)
     return a

@@ -197,14 +197,19 @@ def _run(stage: str, op: Operands, config=None, outputs=None):
     launch(config)
 
 
-def fp8_gemm1_swiglu(xq, xs, w1q, w1s, w3q, w3s, plan: Plan, save_a: bool, config=None):
+def fp8_gemm1_swiglu(xq, xs, w1q, w1s, w3q, w3s, plan: Plan, save_a: bool, config=None,
+                     a_out: torch.Tensor | None = None):
     """(hq [R_max, H] e4m3, hs [R_max, H/128], a [R_max, 2H] bf16 or None): GEMM 1 + SwiGLU on
-    the token rows of xq (gathered by the plan), h quantized per row for GEMM 2."""
+    the token rows of xq (gathered by the plan), h quantized per row for GEMM 2. ``a_out``: the
+    a to write (with ``save_a``)."""
     E, H, D = w1q.shape
     R = plan.max_rows
     hq = torch.empty((R, H), dtype=FP8, device=xq.device)
     hs = torch.empty((R, H // 128), dtype=torch.float32, device=xq.device)
-    a = torch.empty((R, 2 * H), dtype=torch.bfloat16, device=xq.device) if save_a else None
+    a = None
+    if save_a:
+        a = a_out if a_out is not None else torch.empty((R, 2 * H), dtype=torch.bfloat16,
+                                                        device=xq.device)
     op = Operands(MODE_GEMM1_SWIGLU, xq, xs, w1q, w1s, plan, hq, hs, gather=True, b2=w3q,
                   b2_s=w3s, aux=a)
     _run("fp8_gemm1_swiglu", op, config=config,
