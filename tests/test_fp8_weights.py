@@ -384,10 +384,11 @@ def test_training_cache_on_is_bitwise_cache_off(precision):
 # ----------------------------------------------------------- FSDP (2 gloo ranks, EP = 1)
 
 
-def _fsdp_worker(rank, world, precision, init_file, result_file):
+def _fsdp_worker(rank, world, precision, ep, init_file, result_file):
     """TorchTitan's parallelize_qwen3 with FSDP over both ranks (bf16 params in the
     all-gather), the tiny FP8 flavor's shape, cache on (FP8 all-gather) against off; then a
-    checkpoint save, a change, and a load: the shard's FP8 copy follows each."""
+    checkpoint save, a change, and a load: the shard's FP8 copy follows each. ``ep``: expert
+    parallelism over the ranks too (FSDP then shards the experts over the ranks EP leaves)."""
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import (
@@ -406,7 +407,7 @@ def _fsdp_worker(rank, world, precision, init_file, result_file):
     init_gloo(rank, world, init_file)
     out = {}
     try:
-        pd = ParallelDims(dp_replicate=1, dp_shard=-1, cp=1, tp=1, pp=1, ep=1, etp=1,
+        pd = ParallelDims(dp_replicate=1, dp_shard=-1, cp=1, tp=1, pp=1, ep=ep, etp=1,
                           world_size=world)
         pd.build_mesh()
         args = tiny_args(dim=128, moe_inter_dim=128)
@@ -414,6 +415,7 @@ def _fsdp_worker(rank, world, precision, init_file, result_file):
 
         def build(cache):
             jc = job_config(backend="hopper", precision=precision, fp8_weight_cache=cache)
+            jc.parallelism = dataclasses.replace(jc.parallelism, expert_parallel_degree=ep)
             jc.training = dataclasses.replace(jc.training, seq_len=16,
                                               mixed_precision_param="bfloat16",
                                               mixed_precision_reduce="float32")
@@ -447,7 +449,8 @@ def _fsdp_worker(rank, world, precision, init_file, result_file):
                 isinstance(e.w1._local_tensor, ExpertWeight) for e in experts)
             gathered = []
             hook = experts[0].register_forward_pre_hook(
-                lambda mod, a: gathered.append(type(mod.w1) is Fp8Gathered))
+                lambda mod, a: gathered.append(type(getattr(mod.w1, "_local_tensor", mod.w1))
+                                               is Fp8Gathered))
             opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
             gen = torch.Generator().manual_seed(200 + rank)
             losses, made = [], []
@@ -503,7 +506,7 @@ def _fsdp_worker(rank, world, precision, init_file, result_file):
 
 @NO_GPU
 def test_fsdp_fp8_allgather_trains_bitwise_like_bf16_allgather():
-    for out in run_ranks(_fsdp_worker, 2, 2, "fp8"):
+    for out in run_ranks(_fsdp_worker, 2, 2, "fp8", 1):
         assert out[(True, "installed")] and not out[(False, "installed")]
         on, off = out[(True, "losses")], out[(False, "losses")]
         assert all(torch.equal(a, b) for a, b in zip(on, off)), (on, off)
@@ -524,6 +527,21 @@ def test_fsdp_fp8_allgather_trains_bitwise_like_bf16_allgather():
         assert gathers >= 6 and out[(False, "fp8_gathers")] == 0
         assert out[(False, "gather_bytes")] - out[(True, "gather_bytes")] == gathers * saved
         # a change outside the step is seen (the output moves), the load restores it exactly
+        assert out[(True, "ckpt")] == out[(False, "ckpt")] == (True, True)
+
+
+@NO_GPU
+def test_fsdp_fp8_allgather_under_expert_parallelism():
+    """EP=2 over both ranks: FSDP wraps each rank's experts over the one rank EP leaves (as
+    EP=8 on one 8-GPU node), where FSDP2 moves a single input: the shard's FP8 copy travels as
+    one byte buffer. Losses bitwise those of the bf16 gather, copies made once per step."""
+    for out in run_ranks(_fsdp_worker, 2, 2, "fp8", 2):
+        assert out[(True, "installed")] and not out[(False, "installed")]
+        on, off = out[(True, "losses")], out[(False, "losses")]
+        assert all(torch.equal(a, b) for a, b in zip(on, off)), (on, off)
+        assert out[(True, "gathered")] == [True] * 3 and out[(False, "gathered")] == [False] * 3
+        assert out[(True, "made")] == [(6, 6), (0, 6), (0, 6)], out[(True, "made")]
+        assert out[(True, "fp8_gathers")] >= 6 and out[(False, "fp8_gathers")] == 0
         assert out[(True, "ckpt")] == out[(False, "ckpt")] == (True, True)
 
 
@@ -580,12 +598,16 @@ def test_converter_installs_the_fp8_allgather_only_where_it_applies(caplog):
     assert convert(precision="fp8_bwd") == convert(backend="reference") == [False, False]
     with caplog.at_level("WARNING"):
         assert convert(experts=6, shard=4) == [False, False]
-    assert "num_experts=6 is not divisible by the FSDP degree 4" in caplog.text
+    assert "the 6 experts of a rank are not divisible by the experts' FSDP degree 4" in caplog.text
     o = MegaMoEOptions(backend="hopper", precision="fp8")
-    assert "FSDP shards each rank's experts over 2 ranks" in fp8_allgather_applies(o, 8, 4, 2)
+    # at EP > 1 FSDP shards a rank's experts over the ranks EP leaves (efsdp)
+    assert fp8_allgather_applies(o, 8, 4, 2) is None
+    assert "the 2 experts of a rank are not divisible by the experts' FSDP degree 4" in (
+        fp8_allgather_applies(o, 8, 16, 4))
     assert fp8_allgather_applies(o, 8, 1, 1) == "FSDP does not shard the experts"
     assert fp8_allgather_applies(o, 8, 2, 1) is None
-    # EP=8 over 8 ranks: FSDP does not shard the experts, nothing is gathered, nothing said
+    # EP=8 over 8 ranks: FSDP wraps each rank's experts over one rank; the FP8 "gather" hands
+    # it its own copies, made once per step
     caplog.clear()
     with caplog.at_level("WARNING"):
         jc = with_parallelism(job_config(backend="hopper", precision="fp8"),
@@ -593,7 +615,7 @@ def test_converter_installs_the_fp8_allgather_only_where_it_applies(caplog):
         with torch.device("meta"):
             model = Qwen3Model(tiny_args(dim=128, moe_inter_dim=128, num_experts=8))
         MegaMoEConverter(jc, None).convert(model)
-    assert not [m for m in model.modules() if isinstance(m, MegaExperts) and installed(m)]
+    assert all(installed(m) for m in model.modules() if isinstance(m, MegaExperts))
     assert "gathered in bf16" not in caplog.text
     # the extension keeps everything else plain: the state dict, its values' types
     with torch.device("meta"):

@@ -103,17 +103,17 @@ def fp8_allgather_applies(options: MegaMoEOptions, num_experts: int, fsdp_degree
                           ep_degree: int) -> str | None:
     """Why FSDP cannot gather this model's expert weights as FP8 (fp8_allgather.py), or None
     if it can: a recipe that reads the weights only through their FP8 copies (``fp8``) with the
-    weight cache, on the Hopper kernels, FSDP alone sharding whole experts evenly."""
+    weight cache, on the Hopper kernels, FSDP sharding each rank's whole experts evenly (at
+    EP > 1 over the ranks EP leaves, TorchTitan's efsdp mesh: one rank on one node at EP=8,
+    where the "gather" hands the rank its own FP8 copies, made once per optimizer step)."""
     if not options.recipe.stand_ins or not options.fp8_weight_cache:
         return "it serves precision 'fp8' with fp8_weight_cache on"
-    if ep_degree > 1:
-        return (f"at expert_parallel_degree={ep_degree} FSDP shards each rank's experts over "
-                f"{fsdp_degree // ep_degree} ranks; the FP8 gather covers FSDP alone so far")
-    if fsdp_degree <= 1:
+    if ep_degree <= 1 and fsdp_degree <= 1:
         return "FSDP does not shard the experts"
-    if num_experts % fsdp_degree:
-        return (f"num_experts={num_experts} is not divisible by the FSDP degree {fsdp_degree} "
-                "(FSDP would pad the shards)")
+    local, efsdp = num_experts // max(ep_degree, 1), max(fsdp_degree // max(ep_degree, 1), 1)
+    if local % efsdp:
+        return (f"the {local} experts of a rank are not divisible by the experts' FSDP degree "
+                f"{efsdp} (FSDP would pad the shards)")
     if options.backend == "reference" or (options.backend == "auto" and not hopper_present()):
         return "the reference backend emulates FP8 from the bf16 weights"
     return None
@@ -304,9 +304,9 @@ class MegaMoEConverter:
         """Under FSDP with precision fp8, have FSDP gather the experts' FP8 copies
         (fp8_allgather.py); where it cannot, say so: those weights are gathered in bf16 and
         quantized on every call."""
-        # the experts' own FSDP degree: at EP > 1 FSDP shards over the ranks EP leaves
-        # (TorchTitan's efsdp mesh; 1 on one 8-GPU node at EP=8: nothing is gathered)
-        if not self.options.recipe.fp8 or self.fsdp_degree // max(self.ep_degree, 1) <= 1:
+        # at EP > 1 FSDP wraps the experts over the ranks EP leaves (TorchTitan's efsdp mesh),
+        # one rank included: there the "gather" hands each rank its own per-step FP8 copies
+        if not self.options.recipe.fp8 or (self.ep_degree <= 1 and self.fsdp_degree <= 1):
             return
         blocks = [m for m in model.modules() if isinstance(m, MegaMoE)]
         for moe in blocks:

@@ -19,8 +19,10 @@ lets the all-gather move the shard's FP8 copy instead of its bf16 values:
                  (a byte transpose, fp8_weights.w2_transposed / w13_transposed)
 
 The converter installs it (``install``) for precision ``fp8`` with ``fp8_weight_cache`` on when
-FSDP shards the experts evenly (experts divisible by the FSDP degree: FSDP's extension takes no
-padding for inputs shaped unlike the parameter). Elsewhere under FSDP the weights are gathered
+FSDP shards the experts evenly (a rank's experts divisible by their FSDP degree: FSDP's extension
+takes no padding for inputs shaped unlike the parameter). Under expert parallelism FSDP shards
+each rank's local experts over the ranks EP leaves; where that is one rank FSDP2 moves a single
+input, so q and s then travel as one byte buffer. Elsewhere under FSDP the weights are gathered
 in bf16 and quantized on every call (``fp8_bwd``'s bf16 forward needs them).
 """
 
@@ -28,6 +30,7 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_map_only
 
 aten = torch.ops.aten
@@ -106,15 +109,28 @@ class ExpertWeight(torch.Tensor):
     def fsdp_pre_all_gather(self, mesh, outer_size, outer_stride, module, mp_policy):
         dtype = mp_policy.param_dtype or self.dtype
         q, s = module.fp8_shard(self._role, self, dtype)
-        return (q.view(torch.uint8), s), dtype
+        if mesh.size() > 1:
+            return (q.view(torch.uint8), s), (dtype, None)
+        # one rank (EP over all of FSDP's ranks): FSDP2 then moves one input only, so q and s
+        # go as one byte buffer
+        return ((torch.cat([q.view(torch.uint8).reshape(-1), s.view(torch.uint8).reshape(-1)]),),
+                (dtype, (q.shape, s.shape)))
 
     def fsdp_post_all_gather(self, all_gather_outputs, metadata, param_dtype, *, out=None):
-        q, s = all_gather_outputs
+        dtype, packed = metadata
+        if packed is None:
+            q, s = all_gather_outputs
+        else:
+            (buf,), (q_shape, s_shape) = all_gather_outputs, packed
+            n = q_shape.numel()
+            q, s = buf[:n].view(q_shape), buf[n:].view(torch.float32).view(s_shape)
         if out is not None:
-            # the second gather refills the same buffers (FSDP reallocates them in place)
-            assert out._q.untyped_storage() is q.untyped_storage(), "FP8 gather buffers moved"
+            # the second gather refills the same buffers (FSDP reallocates them in place); at
+            # EP > 1 FSDP hands the parameter as the experts' DTensor on the ep mesh
+            got = out.to_local() if isinstance(out, DTensor) else out
+            assert got._q.data_ptr() == q.data_ptr(), "FP8 gather buffers moved"
             return None
-        return Fp8Gathered(q.view(torch.float8_e4m3fn), s, metadata), ()
+        return Fp8Gathered(q.view(torch.float8_e4m3fn), s, dtype), ()
 
 
 def _written(func, args, kwargs):
