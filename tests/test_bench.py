@@ -319,7 +319,7 @@ def test_cli_options():
     for bad in (["--precisions", "fp4"], ["--ep", "2", "--precisions", "fp8"],
                 ["--ep", "2", "--accuracy"], ["--shapes", "7b"], ["--baselines", "fused"],
                 ["--ep", "2", "--baselines", "eager,block"], ["--loopback"],
-                ["--ep", "2", "--loopback", "--backend", "reference"]):
+                ["--ep", "2", "--loopback", "--backend", "reference"], ["--graph"]):
         with pytest.raises(SystemExit):
             parse_args(bad)
 

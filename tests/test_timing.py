@@ -5,7 +5,7 @@ import time
 import pytest
 import torch
 
-from torchtitan_megamoe.timing import gpu_busy_ms
+from torchtitan_megamoe.timing import gpu_busy_ms, graphed_ms
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU case")
@@ -37,3 +37,18 @@ def test_gpu_busy_leaves_out_host_gaps_and_counts_overlap_once():
 
     both, _ = gpu_busy_ms(two_streams)
     assert both <= busy * 1.05
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU case")
+def test_graphed_without_a_device_says_why():
+    assert graphed_ms(lambda: None, 1) == (None, "no CUDA")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_graphed_replays_the_captured_work_and_reports_a_failed_capture():
+    a = torch.randn(2048, 2048, device="cuda")
+    ms, err = graphed_ms(lambda: a @ a, 3)
+    assert err is None and ms > 0
+    ms, err = graphed_ms(lambda: a.sum().item(), 3)  # a host sync cannot be captured
+    assert ms is None and err

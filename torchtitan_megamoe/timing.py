@@ -115,3 +115,31 @@ def gpu_busy_ms(fn, calls: int = 2) -> tuple[float, float]:
             busy += e - max(s, end)
             end = e
     return busy / 1e3 / calls, len(spans) / calls
+
+
+def graphed_ms(fn, iters: int, warmup: int = 1) -> tuple[float | None, str | None]:
+    """(median ms of replaying one call of ``fn`` captured in a CUDA graph, None), or (None, why)
+    where the capture fails: the device's time with no host in the way, concurrent streams
+    kept (capture mode "relaxed": R loopback ranks launch into the captured streams from
+    their own threads). (None, "no CUDA") without a device."""
+    if not torch.cuda.is_available():
+        return None, "no CUDA"
+    for _ in range(warmup):
+        fn()
+    side = torch.cuda.Stream()  # warm-up off the capture stream, as torch.cuda.graph wants
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    try:
+        with torch.cuda.graph(graph, capture_error_mode="relaxed"):
+            fn()
+    except Exception as err:  # noqa: BLE001 - reported, the caller's other numbers stand
+        torch.cuda.synchronize()
+        return None, f"{type(err).__name__}: {str(err).splitlines()[0][:200]}"
+    try:
+        return median_ms(graph.replay, iters, warmup=1), None
+    finally:
+        del graph

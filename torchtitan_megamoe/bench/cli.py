@@ -102,7 +102,7 @@ def main_loopback(args) -> int:
             t0 = time.time()
             r = bench_shape_loopback(key, args.ep, args.tokens, args.iters, args.warmup,
                                      args.backward, args.backend, precision, args.exposed,
-                                     args.profile)
+                                     args.profile, args.graph)
             r["wall_s"] = round(time.time() - t0, 1)
             r["link_gbs"] = args.link_gbs
             results.append(r)
@@ -190,6 +190,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--exposed", type=float, default=0.0, metavar="GBS",
                    help="with --loopback: also time forward + backward with only one transfer "
                         "paced to a link of GBS GB/s, per transfer: what each one exposes")
+    p.add_argument("--graph", action="store_true",
+                   help="with --loopback: also time fwd+bwd of the R ranks and of EP=1 captured in "
+                        "one CUDA graph (the device's time, no host issue in the way)")
     p.add_argument("--loopback", action="store_true",
                    help="with --ep R: R loopback ranks in this one process on one device, each on "
                         "its own stream (ours only, against ours at EP=1 on R*tokens; no torchrun; "
@@ -212,6 +215,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     if args.ep != 1 and not args.loopback and args.precisions != ["bf16"]:
         p.error("--precisions other than bf16 run at EP=1 or with --loopback (the torchrun EP "
                 "bench times bf16)")
+    if args.graph and not args.loopback:
+        p.error("--graph times the loopback ranks: add --loopback")
     if args.loopback and args.ep < 2:
         p.error("--loopback needs --ep R with R >= 2")
     if (args.link_gbs or args.exposed) and not args.loopback:

@@ -33,7 +33,9 @@ from torchtitan_megamoe.bench.shapes import SHAPES
 from torchtitan_megamoe.ops.hopper.ep_dispatch import TRAFFIC
 from torchtitan_megamoe.ops.loopback_moe import loopback_moe, shard
 from torchtitan_megamoe.ops.recipe import SCALE_BLOCK, recipe_named
-from torchtitan_megamoe.timing import gpu_busy_ms, host_issue_ms, median_ms, peak_extra_mib
+from torchtitan_megamoe.timing import (
+    gpu_busy_ms, graphed_ms, host_issue_ms, median_ms, peak_extra_mib,
+)
 
 TRANSFERS = ("dispatch", "combine", "dispatch dy", "dispatch x", "return dx")
 """A layer's transfers per training step: the forward's x and partial rows, the backward's dy, x
@@ -151,12 +153,14 @@ def host_profile(title: str, call, rows: int = 30) -> None:
 
 def bench_shape_loopback(key: str, R: int, tokens: int, iters: int, warmup: int,
                          backward: bool, backend: str = "hopper", precision: str = "bf16",
-                         exposed_gbs: float = 0.0, profile: bool = False) -> dict:
+                         exposed_gbs: float = 0.0, profile: bool = False,
+                         graph: bool = False) -> dict:
     """Times (ms, median of ``iters`` waited calls) of one loopback EP=R layer and of ours at
     EP=1 on the same R*tokens, forward and with ``backward`` forward + backward, in
     ``precision``; and the bytes per transfer, counted and modelled; with ``exposed_gbs``
     (and ``backward``) also what each transfer exposes on a link of that many GB/s; with
-    ``profile`` the top GPU kernels of both, last pass."""
+    ``profile`` the top GPU kernels of both, last pass; with ``graph`` (and ``backward``) both
+    forward + backward captured in one CUDA graph and replayed (timing.graphed_ms)."""
     shape = SHAPES[key]
     if shape["experts"] % R:
         raise ValueError(f"{shape['experts']} experts do not split over EP={R}")
@@ -193,6 +197,15 @@ def bench_shape_loopback(key: str, R: int, tokens: int, iters: int, warmup: int,
     res["ep1_peak_mib"] = peak_extra_mib(
         lambda: loopback_moe(one, [dy[:tokens]] if backward else None, backend=backend,
                              precision=precision))
+    if graph and backward and torch.cuda.is_available():
+        # last: a capture that fails cannot cost the numbers above
+        for name, ranks in (("loopback", R), ("ep1", 1)):
+            shards = shard(ranks, *args)
+            dys = list(torch.split(dy, tokens * R // ranks))
+            res[f"{name}_fwdbwd_graph_ms"], err = graphed_ms(
+                lambda: loopback_moe(shards, dys, backend=backend, precision=precision), iters)
+            if err:
+                res[f"{name}_graph_error"] = err
     res["model_bytes"] = model_bytes(R, tokens, shape["dim"], shape["experts"], shape["top_k"],
                                      precision)
     for tag in ("fwd", "fwdbwd"):
@@ -229,7 +242,19 @@ def loopback_table(results: list[dict]) -> str:
                          f"{'-' if busy is None else f'{busy:.2f}x'} | "
                          f"{r[f'loopback_{tag}_kernels']:.0f} / {r[f'ep1_{tag}_kernels']:.0f} | "
                          f"{_peaks(r)} |")
+    for r in results:  # --graph: both captured in one CUDA graph, no host in the way
+        if "loopback_fwdbwd_graph_ms" not in r:
+            continue
+        mine, one = r["loopback_fwdbwd_graph_ms"], r.get("ep1_fwdbwd_graph_ms")
+        ratio = f" = {mine / one:.2f}x" if mine and one else ""
+        errs = "; ".join(r[k] for k in ("loopback_graph_error", "ep1_graph_error") if k in r)
+        lines.append(f"- {r['shape']} {r['precision']} EP={r['ep']}, fwd+bwd as one CUDA graph: "
+                     f"{_ms(mine)} ms / EP=1 {_ms(one)} ms{ratio}" + (f" ({errs})" if errs else ""))
     return "\n".join(lines)
+
+
+def _ms(v) -> str:
+    return "-" if v is None else f"{v:.3f}"
 
 
 def _peaks(r: dict) -> str:
