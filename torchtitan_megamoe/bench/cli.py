@@ -192,7 +192,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "paced to a link of GBS GB/s, per transfer: what each one exposes")
     p.add_argument("--graph", action="store_true",
                    help="with --loopback: also time fwd+bwd of the R ranks and of EP=1 captured in "
-                        "one CUDA graph (the device's time, no host issue in the way)")
+                        "one CUDA graph (the device's time, no host issue in the way); "
+                        "--exposed then times its variants so too")
     p.add_argument("--loopback", action="store_true",
                    help="with --ep R: R loopback ranks in this one process on one device, each on "
                         "its own stream (ours only, against ours at EP=1 on R*tokens; no torchrun; "
