@@ -59,3 +59,10 @@ def test_predict_takes_the_device_busy_time_where_measured():
     p = ep_model.predict(r)
     assert p["compute_fwd_ms"] == 1.0 and p["compute_fwdbwd_ms"] == 3.0
     assert p["fwd_no_overlap_ms"] == pytest.approx(3.0)
+
+
+def test_predict_with_the_ep1_compute_leaves_the_ep_machinery_out():
+    r = dict(_result("fp8"), ep1_fwd_ms=8.0, ep1_fwdbwd_ms=24.0)  # on R*T tokens: / R
+    p = ep_model.predict(r, compute="ep1")
+    assert p["compute_fwd_ms"] == 1.0 and p["compute_fwdbwd_ms"] == 3.0
+    assert ep_model.rank_compute(_result("fp8"), "fwd", "ep1") is None  # no EP=1 run in it

@@ -3,6 +3,7 @@ its per-rank compute and its counted bytes per transfer, with the NVLink bandwid
 2-GPU H200 host (326 GB/s per direction for SM stores into symmetric memory).
 
     python -m torchtitan_megamoe.bench.ep_model --json loopback.json [--bw-gbs 326]
+        [--compute loopback|ep1]
 
 Per transfer, time = bytes / bandwidth. Without overlap a layer's time is its compute plus every
 transfer. With the overlap as built (ep_forward.py, ep_backward.py) the forward and the backward
@@ -38,13 +39,28 @@ def pipeline(compute: float, sent: float, returned: float, R: int) -> float:
     return max(t, side)
 
 
-def predict(res: dict, bw_gbs: float = NVLINK_GBS) -> dict:
-    """The modelled per-GPU times (ms) of one loopback result: compute, each transfer, and the
-    forward / forward + backward without and with the built overlap."""
+COMPUTE = ("loopback", "ep1")
+"""Where a rank's compute comes from: ``loopback``, the loopback run's device busy time / R
+(its waited time / R where busy was not measured: host-bound, an upper bound); ``ep1``, ours at
+EP=1 on the same R*T tokens / R (the EP machinery's own compute left out: a lower bound)."""
+
+
+def rank_compute(res: dict, tag: str, compute: str = "loopback") -> float | None:
+    """ms of a rank's compute for pass ``tag`` ("fwd" or "fwdbwd"), per ``compute``."""
     R = res["ep"]
-    # the device's busy time per rank where it was measured: the waited time is host-bound
-    fwd = res.get("per_rank_fwd_busy_ms") or res["per_rank_fwd_ms"]
-    fb = res.get("per_rank_fwdbwd_busy_ms") or res.get("per_rank_fwdbwd_ms")
+    if compute == "ep1":
+        ep1 = res.get(f"ep1_{tag}_ms")
+        return None if ep1 is None else ep1 / R
+    return res.get(f"per_rank_{tag}_busy_ms") or res.get(f"per_rank_{tag}_ms")
+
+
+def predict(res: dict, bw_gbs: float = NVLINK_GBS, compute: str = "loopback") -> dict:
+    """The modelled per-GPU times (ms) of one loopback result: compute (``compute``: see
+    COMPUTE), each transfer, and the forward / forward + backward without and with the built
+    overlap."""
+    R = res["ep"]
+    fwd = rank_compute(res, "fwd", compute)
+    fb = rank_compute(res, "fwdbwd", compute)
     per = {t: b / (bw_gbs * 1e6) for t, b in res["bytes"].items()}  # bytes -> ms
 
     def moved(t):  # token rows and their metadata
@@ -67,9 +83,11 @@ def predict(res: dict, bw_gbs: float = NVLINK_GBS) -> dict:
     return out
 
 
-def model_table(results: list[dict], bw_gbs: float = NVLINK_GBS) -> str:
+def model_table(results: list[dict], bw_gbs: float = NVLINK_GBS, compute: str = "loopback") -> str:
+    source = {"loopback": "the loopback run's device busy time per rank",
+              "ep1": "ours at EP=1 on the same tokens, per rank"}[compute]
     lines = [f"Modelled per-GPU layer time at EP=R on a node (NVLink {bw_gbs:.0f} GB/s per "
-             "direction; compute and bytes from the loopback run):", "",
+             f"direction; bytes from the loopback run, compute: {source}):", "",
              "| shape | precision | EP | compute fwd / fwd+bwd ms | transfers ms | fwd no overlap "
              "/ overlap ms | fwd+bwd no overlap / overlap ms | overlap / compute |",
              "| --- | --- | --- | --- | --- | --- | --- | --- |"]
@@ -77,7 +95,7 @@ def model_table(results: list[dict], bw_gbs: float = NVLINK_GBS) -> str:
     for r in results:
         if r.get("link_gbs"):
             continue  # its times include the emulated link already: listed below
-        p = predict(r, bw_gbs)
+        p = predict(r, bw_gbs, compute)
         fb = p.get("compute_fwdbwd_ms")
         lines.append(
             f"| {r['shape']} | {r.get('precision', 'bf16')} | {r['ep']} | "
@@ -104,12 +122,15 @@ def main(argv=None) -> int:
     p.add_argument("--json", nargs="+", required=True,
                    help="JSON of python -m torchtitan_megamoe.bench --ep R --loopback --json")
     p.add_argument("--bw-gbs", type=float, default=NVLINK_GBS)
+    p.add_argument("--compute", choices=COMPUTE, default="loopback",
+                   help="a rank's compute: the loopback's device busy time / R, or ours at EP=1 "
+                        "on the same tokens / R (without the EP machinery's own compute)")
     args = p.parse_args(argv)
     results = []
     for path in args.json:
         with open(path) as f:
             results += [r for r in json.load(f)["results"] if r.get("loopback")]
-    print(model_table(results, args.bw_gbs))
+    print(model_table(results, args.bw_gbs, args.compute))
     return 0
 
 
