@@ -107,12 +107,12 @@ def main_loopback(args) -> int:
             r["link_gbs"] = args.link_gbs
             results.append(r)
             print(json.dumps(r), flush=True)
+            if args.json:  # after every result: a later one that dies cannot take it along
+                with open(args.json, "w") as f:
+                    json.dump({"meta": _meta(), "results": results}, f, indent=1)
     print(loopback_table(results))
     print()
     print(bytes_table(results))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"meta": _meta(), "results": results}, f, indent=1)
     return 0
 
 
