@@ -40,7 +40,9 @@ from torchtitan_megamoe.ops.hopper.bf16_backward import backward_bf16
 from torchtitan_megamoe.ops.hopper.ep_dispatch import FP8_ROWS, TokenRoute
 from torchtitan_megamoe.ops.hopper.ep_forward import forward_block_m, region_order
 from torchtitan_megamoe.ops.hopper.fp8_backward import backward_fp8, recompute_a
-from torchtitan_megamoe.ops.hopper.fp8_weights import make_fp8_weights
+from torchtitan_megamoe.ops.hopper.fp8_weights import (
+    dense_weights, make_fp8_weights, transposed_w2, transposed_w13,
+)
 from torchtitan_megamoe.ops.hopper.kernels.fp8_quant import FP8, dequant_rows, quant_rows
 from torchtitan_megamoe.ops.hopper.kernels.row_store import kept, unstash_rows
 from torchtitan_megamoe.ops.hopper.plan import max_rows, unpack_plan
@@ -58,6 +60,13 @@ def backward_ep(grad_out, x, topk_ids, topk_weights, w1, w2, w3, group, recipe,
         # quantized once per call, not once per region (the transposed copies whole: a rank's
         # local experts)
         weight_cache = make_fp8_weights(w1, w2, w3, forward=recipe.fp8_forward, dtype=x.dtype)
+    elif recipe.fp8_dgrad and weight_cache.fwd is not None and None in (weight_cache.w2t,
+                                                                        weight_cache.w13t):
+        # the forward copies only (the FSDP FP8 all-gather's): transposed once per call, not
+        # once per region
+        fwd = weight_cache.fwd
+        weight_cache = Fp8Weights(fwd, weight_cache.w2t or transposed_w2(fwd),
+                                  weight_cache.w13t or transposed_w13(fwd))
     if recipe.fp8_dgrad:
         gq, gs = quant_rows(grad_out.contiguous())
         dy_rows = {"dyq": gq.view(FP8_ROWS), "dys": gs}
@@ -123,7 +132,7 @@ class _Restore:
     def __init__(self, saved, route, w1, w2, w3, recipe, weight_cache):
         self.store, self.offs, self.packed = saved[0], saved[1], saved[2:]
         self.C, self.K, self.E_local = route.C, route.K, w1.shape[0]
-        self.w = (w1.contiguous(), w2.contiguous(), w3.contiguous())
+        self.w = dense_weights(weight_cache, w1, w2, w3)  # stand-ins stay zero-stride
         self.recipe, self.weight_cache = recipe, weight_cache
         self.block_m = forward_block_m(recipe)
         rows = max_rows(self.C * self.K, self.E_local, self.block_m)

@@ -65,7 +65,7 @@ from torchtitan_megamoe.ops.groups import group_size
 from torchtitan_megamoe.ops.hopper.ep_dispatch import FP8_ROWS, TokenRoute
 from torchtitan_megamoe.ops.hopper.ep_transport import capacity_hint
 from torchtitan_megamoe.ops.hopper.fp8_forward import forward_fp8_rows
-from torchtitan_megamoe.ops.hopper.fp8_weights import make_fp8_weights
+from torchtitan_megamoe.ops.hopper.fp8_weights import dense_weights, make_fp8_weights
 from torchtitan_megamoe.ops.hopper.heuristics import forward_configs
 from torchtitan_megamoe.ops.hopper.kernels.combine import combine
 from torchtitan_megamoe.ops.hopper.kernels.fp8_quant import FP8, quant_rows
@@ -180,7 +180,8 @@ class _Regions:
                  gemm1_config, gemm2_config, dtype):
         self.route, self.C, self.K = route, route.C, route.K
         self.ids, self.weights = ids, weights
-        self.w1, self.w2, self.w3 = w1.contiguous(), w2.contiguous(), w3.contiguous()
+        # zero-stride stand-ins where the layer gave FP8 copies: never made dense
+        self.w1, self.w2, self.w3 = dense_weights(weight_cache, w1, w2, w3)
         self.recipe, self.block_m, self.keep, self.weight_cache = recipe, block_m, keep, weight_cache
         self.dtype = dtype
         self.g1, self.g2 = forward_configs(gemm1_config, gemm2_config)
