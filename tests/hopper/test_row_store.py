@@ -37,3 +37,19 @@ def test_rows_must_be_whole_words_and_offs_int32():
     with pytest.raises(ValueError, match="int32"):
         stash_rows(torch.zeros(2, 4), torch.zeros(4, 4), torch.zeros(2, dtype=torch.int64), 0,
                    torch.tensor(1, dtype=torch.int32))
+
+
+@pytest.mark.parametrize("R", [2, 8])
+@pytest.mark.parametrize("D, H", [(2048, 768), (4096, 1536)])  # Qwen3-30B-A3B, -235B-A22B
+def test_ep_forward_keeps_the_qwen3_pre_activations_below_stock(R, D, H):
+    """At 16384 tokens per rank, top-8 of 128 experts, the EP forward's store of GEMM 1's
+    pre-activations is kept (ep_forward.keeps_saved) for both recipes' plan rows, and holds
+    at least SAVE_MARGIN x the slots a rank receives at uniform routing."""
+    from torchtitan_megamoe.ops.hopper.ep_forward import SAVE_MARGIN, keeps_saved, saved_rows
+
+    C, K, E_local = 16384, 8, 128 // R
+    for block_m in (64, 128):
+        assert keeps_saved(R, C, K, E_local, D, H, block_m)
+        rows = saved_rows(R, C, K, E_local, block_m)
+        assert rows >= SAVE_MARGIN * C * K and rows % block_m == 0
+        assert rows * 2 * H * 2 < C * K * (D + 3 * H) * 2  # bytes: ours < stock's saved
