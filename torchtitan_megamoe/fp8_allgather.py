@@ -112,9 +112,10 @@ class ExpertWeight(torch.Tensor):
         if mesh.size() > 1:
             return (q.view(torch.uint8), s), (dtype, None)
         # one rank (EP over all of FSDP's ranks): FSDP2 then moves one input only, so q and s
-        # go as one byte buffer
-        return ((torch.cat([q.view(torch.uint8).reshape(-1), s.view(torch.uint8).reshape(-1)]),),
-                (dtype, (q.shape, s.shape)))
+        # go as the one byte buffer they were made in
+        from torchtitan_megamoe.ops.hopper.fp8_weights import shard_bytes
+
+        return (shard_bytes(q, s),), (dtype, (q.shape, s.shape))
 
     def fsdp_post_all_gather(self, all_gather_outputs, metadata, param_dtype, *, out=None):
         dtype, packed = metadata

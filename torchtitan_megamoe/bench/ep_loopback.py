@@ -62,17 +62,17 @@ def model_bytes(R: int, T: int, D: int, E: int, K: int, precision: str) -> dict:
             "return dx": rows * (bf16 + 4 * K)}
 
 
-def counted_bytes(shards, dys, precision: str, backend: str) -> dict:
-    """{transfer: bytes} one rank sends its peers in a forward (+ backward with ``dys``), mean
-    over the ranks, counted by the exchange's meter; transfers that did not run are absent."""
+def counted_bytes(call, R: int) -> dict:
+    """{transfer: bytes} one rank sends its peers in ``call`` (every one of the R ranks' layer),
+    mean over the ranks, counted by the exchange's meter; transfers that did not run are
+    absent."""
     TRAFFIC.take()
     TRAFFIC.on = True
     try:
-        loopback_moe(shards, dys, backend=backend, precision=precision)
+        call()
         per_rank = TRAFFIC.take()
     finally:
         TRAFFIC.on = False
-    R = len(shards)
     ran = {t for r in per_rank.values() for t in r}
     return {t: sum(r.get(t, 0) for r in per_rank.values()) / R
             for t in (*TRANSFERS, *(f"{t} meta" for t in TRANSFERS)) if t in ran}
@@ -94,10 +94,11 @@ def _inputs(shape, R: int, T: int, dev):
     return (x, ids, tw, w1, w2, w3), dy
 
 
-def exposed_ms(shards, dys, precision: str, backend: str, iters: int, warmup: int,
-               link_gbs: float, graph: bool = False) -> dict:
-    """{transfer: ms} per rank that pacing only that transfer to a ``link_gbs`` link adds to a
-    loopback forward + backward: the part of it the compute beside it does not hide. With
+def exposed_ms(call, R: int, iters: int, warmup: int, link_gbs: float,
+               graph: bool = False) -> dict:
+    """{transfer: ms} per rank that pacing only that transfer to a ``link_gbs`` link adds to
+    ``call``, a loopback forward + backward of R ranks: the part of it the compute beside it
+    does not hide. The exchange reads the pacing when ``call`` creates it. With
     ``graph`` each variant is timed as one CUDA graph (no host issue in the way; waited calls
     where a capture fails)."""
     saved = {k: os.environ.get(k) for k in (settings.LOOPBACK_LINK_GBS, settings.LOOPBACK_PACED)}
@@ -105,16 +106,12 @@ def exposed_ms(shards, dys, precision: str, backend: str, iters: int, warmup: in
     def timed(paced: str | None) -> float:
         os.environ[settings.LOOPBACK_LINK_GBS] = str(link_gbs if paced else 0)
         os.environ[settings.LOOPBACK_PACED] = paced or ""
-
-        def call():
-            return loopback_moe(shards, dys, backend=backend, precision=precision)
-
         ms = graphed_ms(call, iters, warmup)[0] if graph else None
         return ms if ms is not None else median_ms(call, iters, warmup)
 
     try:
         base = timed(None)
-        return {t: (timed(t) - base) / len(shards) for t in TRANSFERS}
+        return {t: (timed(t) - base) / R for t in TRANSFERS}
     finally:
         for k, v in saved.items():
             if v is None:
@@ -176,13 +173,16 @@ def bench_shape_loopback(key: str, R: int, tokens: int, iters: int, warmup: int,
     res = {"shape": shape["name"], "tokens": tokens, "ep": R, "loopback": True,
            "dim": shape["dim"], "hidden": shape["hidden"], "experts": shape["experts"],
            "top_k": shape["top_k"], "backend": backend, "precision": precision}
+    def layer(shards, dys):  # one call of every rank's layer (forward + backward with dys)
+        return lambda: loopback_moe(shards, dys, backend=backend, precision=precision)
+
+    graphed = {}  # name -> its forward + backward, for the CUDA graph timed last
     for name, ranks in (("loopback", R), ("ep1", 1)):
         shards = shard(ranks, *args)
         dys = list(torch.split(dy, tokens * R // ranks))
-        calls = {"fwd": lambda: loopback_moe(shards, backend=backend, precision=precision)}
+        calls = {"fwd": layer(shards, None)}
         if backward:
-            calls["fwdbwd"] = lambda: loopback_moe(shards, dys, backend=backend,
-                                                   precision=precision)
+            calls["fwdbwd"] = graphed[name] = layer(shards, dys)
         for tag, call in calls.items():
             res[f"{name}_{tag}_ms"] = median_ms(call, iters, warmup)
             res[f"{name}_{tag}_host_ms"] = host_issue_ms(call, iters)
@@ -192,24 +192,17 @@ def bench_shape_loopback(key: str, R: int, tokens: int, iters: int, warmup: int,
                             calls=2, rows=30, host_profile=False)
             host_profile(f"{shape['name']} {precision} EP={ranks} ({name}) {tag}", call)
         if name == "loopback":
-            res["bytes"] = counted_bytes(shards, dys if backward else None, precision, backend)
+            # the last pass's call: forward + backward where it runs
+            res["bytes"] = counted_bytes(call, R)
             if exposed_gbs and backward:
-                res["exposed_ms"] = exposed_ms(shards, dys, precision, backend, iters, warmup,
-                                               exposed_gbs, graph)
-            res["per_rank_peak_mib"] = peak_extra_mib(
-                lambda: loopback_moe(shards, dys if backward else None, backend=backend,
-                                     precision=precision)) / R
+                res["exposed_ms"] = exposed_ms(call, R, iters, warmup, exposed_gbs, graph)
+            res["per_rank_peak_mib"] = peak_extra_mib(call) / R
     one = shard(1, *(a[:tokens] if i < 3 else a for i, a in enumerate(args)))
-    res["ep1_peak_mib"] = peak_extra_mib(
-        lambda: loopback_moe(one, [dy[:tokens]] if backward else None, backend=backend,
-                             precision=precision))
-    if graph and backward and torch.cuda.is_available():
+    res["ep1_peak_mib"] = peak_extra_mib(layer(one, [dy[:tokens]] if backward else None))
+    if graph and torch.cuda.is_available():
         # last: a capture that fails cannot cost the numbers above
-        for name, ranks in (("loopback", R), ("ep1", 1)):
-            shards = shard(ranks, *args)
-            dys = list(torch.split(dy, tokens * R // ranks))
-            res[f"{name}_fwdbwd_graph_ms"], err = graphed_ms(
-                lambda: loopback_moe(shards, dys, backend=backend, precision=precision), iters)
+        for name, call in graphed.items():
+            res[f"{name}_fwdbwd_graph_ms"], err = graphed_ms(call, iters)
             if err:
                 res[f"{name}_graph_error"] = err
     res["model_bytes"] = model_bytes(R, tokens, shape["dim"], shape["experts"], shape["top_k"],

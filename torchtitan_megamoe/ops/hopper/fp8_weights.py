@@ -84,11 +84,23 @@ def _w13_halves(E: int, H: int, D: int, device) -> tuple:
 
 
 def quantize_weight(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(q, s): one weight [E, N, K] in its forward layout (an FSDP shard's copy, moe.py)."""
+    """(q, s): one weight [E, N, K] in its forward layout (an FSDP shard's copy, moe.py), s
+    right after q in one byte buffer (``shard_bytes``: what a one-rank FSDP gather moves)."""
     E, N, K = w.shape
-    q, s = weight_blocks(E, N, K, w.device)
+    n, ns = E * N * K, E * (N // BLOCK) * (K // BLOCK)
+    buf = torch.empty(n + 4 * ns, dtype=torch.uint8, device=w.device)
+    q = buf[:n].view(torch.float8_e4m3fn).view(E, N, K)
+    s = buf[n:].view(torch.float32).view(E, N // BLOCK, K // BLOCK)
     quant_weight(w.contiguous(), q=q, s=s)
     return q, s
+
+
+def shard_bytes(q: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+    """The one byte buffer holding quantize_weight's q and s (a view, no copy)."""
+    if s.data_ptr() != q.data_ptr() + q.nbytes:
+        raise ValueError("shard_bytes: q and s are not one buffer (made by quantize_weight?)")
+    return q.view(torch.uint8).reshape(-1).new_empty(0).set_(
+        q.untyped_storage(), q.storage_offset(), (q.nbytes + s.nbytes,))
 
 
 def transposed_w2(fwd: ForwardWeights) -> TransposedWeights:
