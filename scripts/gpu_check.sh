@@ -21,6 +21,7 @@
 # transfer, in bf16, fp8 and fp8_bwd), LOOPBACK_SPECS (shape:tokens per rank, default
 # "30b:16384 235b:4096"), LOOPBACK_LINK_GBS=G (pace the loopback transfers to a G GB/s link, e.g. 326),
 # LOOPBACK_EXPOSED_GBS (each transfer's exposed time on such a link, default 326; 0: skip),
+# LOOPBACK_ARGS (extra args of those runs, e.g. --profile: top kernels, rank threads' host profile),
 # PYTEST_TIMEOUT_S (default 300), SKIP_DEEPGEMM=1 (no DeepGEMM set-up, MEGAMOE_DEEPGEMM=0),
 # DEEPGEMM_TIMEOUT_S (its build, default 360), DEEPGEMM_SITE (where it builds, default
 # /tmp/dgsite), DG_JIT_CACHE_DIR (its kernels, default /tmp/dgjit). Logs and bench.json go to
@@ -68,10 +69,11 @@ fi
 if [ -n "${LOOPBACK_EP:-}" ]; then
   for spec in ${LOOPBACK_SPECS:-30b:16384 235b:4096}; do
     shape=${spec%%:*}
+    # shellcheck disable=SC2086
     timeout "${BENCH_TIMEOUT_S:-360}" python3 -m torchtitan_megamoe.bench --ep "$LOOPBACK_EP" \
       --loopback --shapes "$shape" --tokens "${spec##*:}" --precisions bf16,fp8,fp8_bwd \
       --iters 5 --warmup 2 --link-gbs "${LOOPBACK_LINK_GBS:-0}" --graph \
-      --exposed "${LOOPBACK_EXPOSED_GBS:-326}" \
+      --exposed "${LOOPBACK_EXPOSED_GBS:-326}" ${LOOPBACK_ARGS:-} \
       --json "$OUT/loopback_ep${LOOPBACK_EP}_$shape.json" \
       2>&1 | tee "$OUT/loopback_ep${LOOPBACK_EP}_$shape.log" | grep -v '^{'
     brc=${PIPESTATUS[0]}
