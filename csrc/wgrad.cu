@@ -210,6 +210,7 @@ extern "C" int megamoe_wgrad(const WgradParams* a) {
   if (a->out_f32) {
     p.out_f32[0] = static_cast<float*>(a->out0);
     p.out_f32[1] = static_cast<float*>(M > m_split ? a->out1 : a->out0);
+    p.f32_accumulate = a->out_f32 == 2;
   }
   p.x = static_cast<const __nv_bfloat16*>(a->tokens);
   p.stride_x = a->stride_tokens;

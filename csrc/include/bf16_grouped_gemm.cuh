@@ -158,6 +158,7 @@ struct KernelParams {
   // WGRAD: fp32 outputs (the gradients of fp32 parameters, written from the registers) instead
   // of the bf16 ones in h_map / a_map; nullptr: bf16
   float* out_f32[2];
+  int f32_accumulate;  // 1: out_f32 += the gradient (one fp32 add: the bits of an add pass)
   // DGRAD2_SWIGLU (a, da and hw travel as tensor maps; so do the gathered dy rows, in w3_map,
   // when store_gathered is set)
   const float* topk_w;  // [T * K] routing weights by slot
@@ -771,10 +772,16 @@ __global__ void __launch_bounds__(THREADS, 1)
             for (int half = 0; half < 2; ++half) {
               float* at = out + static_cast<long long>(warp * 16 + lane / 4 + 8 * half) * p.N +
                           8 * j;
-              *reinterpret_cast<float2*>(at) =
-                  make_float2(acc[4 * j + 2 * half], acc[4 * j + 2 * half + 1]);
-              *reinterpret_cast<float2*>(at + BN) =
-                  make_float2(acc[64 + 4 * j + 2 * half], acc[64 + 4 * j + 2 * half + 1]);
+              float2 lo = make_float2(acc[4 * j + 2 * half], acc[4 * j + 2 * half + 1]);
+              float2 hi = make_float2(acc[64 + 4 * j + 2 * half], acc[64 + 4 * j + 2 * half + 1]);
+              if (p.f32_accumulate) {
+                const float2 old_lo = *reinterpret_cast<const float2*>(at);
+                const float2 old_hi = *reinterpret_cast<const float2*>(at + BN);
+                lo = make_float2(old_lo.x + lo.x, old_lo.y + lo.y);
+                hi = make_float2(old_hi.x + hi.x, old_hi.y + hi.y);
+              }
+              *reinterpret_cast<float2*>(at) = lo;
+              *reinterpret_cast<float2*>(at + BN) = hi;
             }
           }
           continue;

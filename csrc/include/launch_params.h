@@ -202,7 +202,8 @@ typedef struct WgradParams {
   int m_split;
   int top_k;
   int gather;
-  int out_f32;  /* 1: out0 / out1 are fp32 (the gradients of fp32 parameters), else bf16 */
+  int out_f32;  /* 1: out0 / out1 are fp32 (the gradients of fp32 parameters), 2: fp32 and
+                   added to (out += gradient), 0: bf16 */
   int num_sms;
   int* ticket;
   void* stream;

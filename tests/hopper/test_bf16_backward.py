@@ -10,6 +10,8 @@ from moe_testing import (
     saved_and_recomputed,
 )
 from torchtitan_megamoe.ops.hopper import backward
+from torchtitan_megamoe.ops.hopper.bf16_backward import backward_bf16
+from torchtitan_megamoe.ops.hopper.sides.wgrad import Into
 
 T, K, E, D, H = 19, 3, 5, 48, 32  # multiples of 16: a recompute runs GEMM 1 (interpreter tiles)
 
@@ -265,3 +267,25 @@ def test_wait_x_comes_before_the_first_read_of_x(use_saved, monkeypatch):
         assert events.index("wait_x") < events.index("G1") < events.index("A"), events
     for a, b in zip(grads, bwd.backward_bf16(inp["dy"], *args, saved=saved)):
         assert same_bits(a, b)
+
+
+def test_weight_gradients_into_sums_over_two_batches_bitwise():
+    """``into`` (the EP backward's fp32 sums over regions): the first batch writes the sums, the
+    second adds to them in the GEMMs' epilogue, the bits of two fresh fp32 gradients added after;
+    dx and d(topk_weights) are unchanged by it."""
+    inp = _inputs(routing("uneven", T, K, E, seed=9), seed=9)
+    halves = (slice(0, T // 2), slice(T // 2, T))
+    w = [inp[n] for n in ("w1", "w2", "w3")]
+
+    def run(part, into=None):
+        return backward_bf16(inp["dy"][part], inp["x"][part], inp["topk_ids"][part],
+                             inp["topk_weights"][part], *w, into=into)
+
+    fresh = [run(p, Into(tuple(torch.empty_like(t, dtype=torch.float32) for t in w)))
+             for p in halves]
+    sums = tuple(torch.full_like(t, float("nan"), dtype=torch.float32) for t in w)
+    got = [run(p, Into(sums, accumulate=i > 0)) for i, p in enumerate(halves)]
+    for i in range(3):
+        assert same_bits(sums[i], fresh[0][2 + i] + fresh[1][2 + i]), NAMES[2 + i]
+    for a, b in zip(fresh, got):
+        assert same_bits(a[0], b[0]) and same_bits(a[1], b[1])

@@ -115,3 +115,22 @@ def test_wgrad_expert_order_does_not_change_results():
                   b_gather=True, expert_order=o, **BLK)
             for o in (order, torch.arange(E, dtype=torch.int32))]
     assert same_bits(*outs)
+
+
+@pytest.mark.parametrize("gather", [(True, False), (False, True)], ids=["dw2", "dw13"])
+def test_wgrad_accumulate_adds_to_fp32_out_bitwise(gather):
+    """accumulate: out + the gradient, the bits of a fresh launch followed by an add pass (the
+    EP backward's sums over regions); experts without rows leave out as it was."""
+    T, K, E = SMALL["T"], SMALL["K"], SMALL["E"]
+    ids = routing("uneven", T, K, E, seed=7)
+    plan = plan_for(ids, E)
+    a, b = _operands(plan, T, 24, 40, *gather, seed=7)
+    before = torch.randn(E, 24, 40, generator=torch.Generator().manual_seed(8))
+    fresh = wgrad(a, b, torch.empty(E, 24, 40), plan, a_gather=gather[0], b_gather=gather[1],
+                  **BLK)
+    got = wgrad(a, b, before.clone(), plan, a_gather=gather[0], b_gather=gather[1],
+                accumulate=True, **BLK)
+    assert same_bits(got, before + fresh)
+    with pytest.raises(ValueError, match="fp32"):
+        wgrad(a, b, torch.empty(E, 24, 40, dtype=torch.bfloat16), plan, a_gather=gather[0],
+              b_gather=gather[1], accumulate=True, **BLK)

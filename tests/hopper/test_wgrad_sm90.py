@@ -112,6 +112,30 @@ def test_fp32_gradients_are_the_unrounded_accumulators(T, K, E, D, H):
             assert torch.equal(got.bfloat16(), bf), (name, what, "not the bf16 outputs' values")
 
 
+@pytest.mark.parametrize("T,K,E,D,H", SHAPES[:1])
+def test_accumulate_adds_to_fp32_gradients_bitwise(T, K, E, D, H):
+    """accumulate (the EP backward's sums over regions): out + the gradient from the epilogue,
+    the bits of a fresh launch followed by an add pass; bf16 outputs refuse it."""
+    for name, plan, dy, x, hw, da, _ref2, _ref13 in _cases(T, K, E, D, H, seed=2):
+        order = longest_first(plan)
+        dy_rows, x_rows = gather_rows(dy, plan), gather_rows(x, plan)
+        f32 = dict(dtype=torch.float32, device=dy.device)
+        before = [torch.randn(E, D, H, **f32), torch.randn(E, H, D, **f32),
+                  torch.randn(E, H, D, **f32)]
+        fresh2 = wgrad_dw2_sm90(dy_rows, hw, plan, torch.empty(E, D, H, **f32), order, True)
+        fresh1, fresh3 = wgrad_dw13_sm90(da, x_rows, plan, torch.empty(E, H, D, **f32),
+                                         torch.empty(E, H, D, **f32), order, pre_gathered=True)
+        got2 = wgrad_dw2_sm90(dy_rows, hw, plan, before[0].clone(), order, True,
+                              accumulate=True)
+        got1, got3 = wgrad_dw13_sm90(da, x_rows, plan, before[1].clone(), before[2].clone(),
+                                     order, pre_gathered=True, accumulate=True)
+        for got, b, f, what in ((got2, before[0], fresh2, "dw2"), (got1, before[1], fresh1, "dw1"),
+                                (got3, before[2], fresh3, "dw3")):
+            assert torch.equal(got, b + f), (name, what)
+        with pytest.raises(ValueError, match="fp32"):
+            wgrad_dw2_sm90(dy_rows, hw, plan, nan_tensor(E, D, H), order, True, accumulate=True)
+
+
 def test_bad_shapes_name_the_requirement():
     ids = torch.randint(0, 4, (64, 2), device="cuda")
     plan = build_plan(ids, 4, BM)

@@ -29,6 +29,7 @@ from torchtitan_megamoe.ops.hopper.sides import dgrad1, dgrad2_swiglu, wgrad
 from torchtitan_megamoe.ops.hopper.sides.backward import params_ok, shape
 from torchtitan_megamoe.ops.hopper.sides.gemm1_swiglu import gemm1_swiglu
 from torchtitan_megamoe.ops.hopper.sides.table import available
+from torchtitan_megamoe.ops.hopper.sides.wgrad import Into
 from torchtitan_megamoe.ops.hopper.tune import bucket, pick_config
 
 
@@ -60,7 +61,7 @@ def tuner_key(R: int, D: int, H: int, E: int, block_m: int, side: str) -> tuple:
 
 
 def backward_bf16(grad_out, x, topk_ids, topk_weights, w1, w2, w3, saved=None, wait_x=None,
-                  grad_params=None):
+                  into=None):
     """(dx, dtopk_weights, dw1, dw2, dw3); every expert of topk_ids is in w1/w2/w3. ``saved`` =
     (a, packed_plan) from forward_bf16(..., save=True) on the same inputs: dgrad2_swiglu loads
     a1/a3 instead of recomputing GEMM 1 and the plan is unpacked instead of rebuilt. None (or
@@ -69,15 +70,15 @@ def backward_bf16(grad_out, x, topk_ids, topk_weights, w1, w2, w3, saved=None, w
     Stage order: dgrad2_swiglu, wgrad_dw2, wgrad_dw13, dgrad1, bwd_combine. ``wait_x()`` (the
     EP backward's hook, ep_backward.py) is called right before the first kernel that reads x
     (wgrad_dw13, or the recompute's GEMM 1), so x can still be in flight under the first two.
-    ``grad_params``: the tensors whose dtype and layout dw1, dw2, dw3 take (default the weights;
-    the EP backward's fp32 stand-ins, to sum regions in fp32)."""
+    ``into``: a sides.wgrad.Into, where dw1, dw2, dw3 go (default: fresh tensors like the
+    weights; the EP backward's fp32 sums over regions, added to)."""
     block_m = plan_block_m()
     T, D = x.shape
     if T == 0:  # e.g. an EP rank that receives no rows
         return (torch.empty_like(x), torch.empty_like(topk_weights),
-                *(torch.zeros_like(w) for w in (w1, w2, w3)))
+                *Into.zeros(into, (w1, w2, w3)))
     # Gradients take the parameters' own layout; the kernels read contiguous copies.
-    params = grad_params or (w1, w2, w3)
+    params = into.outs if into else (w1, w2, w3)
     dy = grad_out.contiguous()
     x = x.contiguous()
     w1, w2, w3 = w1.contiguous(), w2.contiguous(), w3.contiguous()
@@ -124,7 +125,7 @@ def backward_bf16(grad_out, x, topk_ids, topk_weights, w1, w2, w3, saved=None, w
     acts = {"hw": hw, "dy_rows": shared.pop("dy_rows", None)}
     del hw
     shared.clear()
-    dw1, dw2, dw3 = weight_grads(dy, x, da, acts, plan, params, key, block_m, wait_x)
+    dw1, dw2, dw3 = weight_grads(dy, x, da, acts, plan, params, key, block_m, wait_x, into)
 
     # dgrad1, then bwd_combine. Each side allocates its dx rows itself (the grouped_mm side
     # only after its second GEMM's output is freed): [T*K, D] by slot, or [R_max, D] in the
@@ -147,30 +148,32 @@ def backward_bf16(grad_out, x, topk_ids, topk_weights, w1, w2, w3, saved=None, w
     return dx, dtw, dw1, dw2, dw3
 
 
-def weight_grads(dy, x, da, acts: dict, plan, params, key, block_m, wait_x=None):
+def weight_grads(dy, x, da, acts: dict, plan, params, key, block_m, wait_x=None, into=None):
     """(dw1, dw2, dw3) in the parameters' dtype (bf16, or fp32 for the stand-ins of fp32
     parameters, moe.py) from da = [da1 | da3] and acts = {"hw": w*h rows, "dy_rows":
     dy gathered into the row space or None}; the tuner picks each GEMM's side (wgrad_dw2,
     wgrad_dw13). Shared by the FP8 backward (its weight gradients are bf16 GEMMs too). acts is
     emptied as its tensors are used, so hw is freed before dw1/dw3 run (the caller keeps no
-    reference). ``wait_x()`` runs before the first read of x."""
+    reference). ``wait_x()`` runs before the first read of x. ``into``: a sides.wgrad.Into
+    (None: fresh gradients); the tuner's candidates write fresh ones, never into it."""
     # dw2 first so hw is freed before dgrad1 allocates its dx rows. (Running dw1/dw3 after the
     # combine, so that under EP the dx rows could travel under them, would keep dx alive
     # through dw1/dw3 for no gain.)
     E, H, D = params[0].shape
     key = key + (params[0].dtype,)  # fp32 gradients (fp32 parameters) change the sides' costs
-    ops = wgrad.Operands(dy, x, da, acts, plan, params, longest_first(plan))
+    trial = wgrad.Operands(dy, x, da, acts, plan, params, longest_first(plan))
+    ops = trial._replace(into=into)
 
     def problem():
         return shape(D, H, E, block_m, x.dtype == torch.bfloat16, params_ok(params)), available(x)
 
     dw2 = wgrad.DW2.launch(pick_config(wgrad.DW2, key, problem,
-                                       lambda cfg: wgrad.DW2.launch(cfg, ops),
+                                       lambda cfg: wgrad.DW2.launch(cfg, trial),
                                        outputs=lambda r: (r,)), ops)
     acts.clear()
     if wait_x is not None:
         wait_x()
     dw1, dw3 = wgrad.DW13.launch(pick_config(wgrad.DW13, key, problem,
-                                             lambda cfg: wgrad.DW13.launch(cfg, ops),
+                                             lambda cfg: wgrad.DW13.launch(cfg, trial),
                                              outputs=lambda r: r), ops)
     return dw1, dw2, dw3

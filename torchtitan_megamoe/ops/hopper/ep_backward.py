@@ -21,16 +21,17 @@ So dy and x travel under the regions computed before theirs (shift order, as in 
 and each region's dx under the next region's. dy travels as e4m3 rows with their 1x128 scales when the recipe's data gradients are
 FP8 (the quantization those GEMMs apply anyway; the weight gradients read the dequantized
 values, as the reference backend does at EP > 1); x travels in bf16 (the weight gradients read
-it unrounded). Each region's weight gradients are computed in fp32 (fp32 stand-ins as the
-gradients' "parameters") and summed in region order 0..R-1, then rounded once: the same
-precision as one GEMM over all rows, deterministic. No host sync.
+it unrounded). The weight gradients are fp32 sums over the regions in order 0..R-1: the first
+region's GEMMs write them, each later one's add to them in their epilogue (sides/wgrad.Into: no
+add pass, no per-region gradient), then they are rounded once: the same precision as one GEMM
+over all rows, deterministic. No host sync.
 
 Saved from the forward: GEMM 1's pre-activations of the regions its store kept, restored into
 one region's buffer (``_Restore``); GEMM 1 runs again only for the regions it did not keep.
 
 Memory per call: the EP=1 backward's transients for ONE region of C tokens (reused region
-after region), the fp32 weight-gradient sums and one region's fp32 weight gradients (2 x the
-local experts' weights in fp32), and the staged dx rows, [C, D] per peer until sent.
+after region), the fp32 weight-gradient sums (the local experts' weights in fp32), and the
+staged dx rows, [C, D] per peer until sent.
 """
 
 import torch
@@ -46,6 +47,7 @@ from torchtitan_megamoe.ops.hopper.fp8_weights import (
 from torchtitan_megamoe.ops.hopper.kernels.fp8_quant import FP8, dequant_rows, quant_rows
 from torchtitan_megamoe.ops.hopper.kernels.row_store import kept, unstash_rows
 from torchtitan_megamoe.ops.hopper.plan import max_rows, unpack_plan
+from torchtitan_megamoe.ops.hopper.sides.wgrad import Into
 
 
 def backward_ep(grad_out, x, topk_ids, topk_weights, w1, w2, w3, group, recipe,
@@ -83,28 +85,27 @@ def backward_ep(grad_out, x, topk_ids, topk_weights, w1, w2, w3, group, recipe,
         route.send_peers(rows)
         ex.exchange(["cnt", "meta", *rows])
     ids, weights = route.received()
-    stand_ins = tuple(torch.zeros((), dtype=torch.float32, device=w.device).expand(w.shape)
-                      for w in (w1, w2, w3))
+    # the weight gradients' fp32 sums over regions: each region's GEMMs add to them
+    sums = tuple(torch.empty(w.shape, dtype=torch.float32, device=w.device) for w in (w1, w2, w3))
     restore = _Restore(saved, route, w1, w2, w3, recipe, weight_cache) if saved else None
-    sums, sends = None, []
+    sends = []
     for i, s in enumerate(region_order(R, me)):
         if s != me and ex.overlaps:
             ex.wait_from(s)  # region s's dy and x are here (the others may still travel)
         region = slice(s * C, (s + 1) * C)
         region_saved = restore(i, s, route.recv_rows("x")[region]) if restore else None
+        # summed in this rank's fixed region order: the same sums on every call
+        into = Into(sums, accumulate=i > 0)
         if recipe.fp8_dgrad:
             q, sc = route.recv_rows("dyq")[region].view(FP8), route.recv_rows("dys")[region]
-            dx_s, dtw_s, *dws = backward_fp8(
+            dx_s, dtw_s, *_ = backward_fp8(
                 dequant_rows(q, sc), route.recv_rows("x")[region], ids[region], weights[region],
                 w1, w2, w3, recipe, weight_cache, saved=region_saved, grad_fp8=(q, sc),
-                grad_params=stand_ins)
+                into=into)
         else:
-            dx_s, dtw_s, *dws = backward_bf16(
+            dx_s, dtw_s, *_ = backward_bf16(
                 route.recv_rows("dy")[region], route.recv_rows("x")[region], ids[region],
-                weights[region], w1, w2, w3, saved=region_saved, grad_params=stand_ins)
-        # summed in this rank's fixed region order: the same sums on every call
-        sums = dws if sums is None else [acc.add_(g) for acc, g in zip(sums, dws)]
-        del dws
+                weights[region], w1, w2, w3, saved=region_saved, into=into)
         back = {"ret": dx_s, "dtw": dtw_s.to(torch.float32).contiguous()}
         if s == me or not ex.overlaps:
             route.return_rows(s, back, "return dx")

@@ -40,6 +40,7 @@ from torchtitan_megamoe.ops.hopper.sides.fp8_gemm import (
 )
 from torchtitan_megamoe.ops.hopper.kernels.fp8_quant import quant_rows, quant_rows_t
 from torchtitan_megamoe.ops.hopper.sides.fp8_wgrad import fp8_wgrad
+from torchtitan_megamoe.ops.hopper.sides.wgrad import Into
 from torchtitan_megamoe.ops.hopper.sides.gemm1_swiglu import gemm1_swiglu
 from torchtitan_megamoe.ops.hopper.kernels.swiglu_bwd_rows import swiglu_bwd_rows
 from torchtitan_megamoe.ops.hopper.kernels.wgrad import longest_first
@@ -47,18 +48,18 @@ from torchtitan_megamoe.ops.hopper.plan import build_plan, unpack_plan
 
 
 def backward_fp8(grad_out, x, topk_ids, topk_weights, w1, w2, w3, recipe, weight_cache=False,
-                 saved=None, grad_fp8=None, grad_params=None):
+                 saved=None, grad_fp8=None, into=None):
     """(dx, dtopk_weights, dw1, dw2, dw3); ``recipe``: the call's (ops/recipe.py): whether
     the forward's GEMM 1 ran in FP8, for the recompute when nothing was ``saved``, and whether
     the weight gradients run in FP8. ``grad_fp8``: grad_out already quantized (e4m3 rows, 1x128
     scales: what the EP exchange delivers; grad_out is then their dequantized values).
-    ``grad_params``: as in bf16_backward.backward_bf16."""
+    ``into``: as in bf16_backward.backward_bf16."""
     T, D = x.shape
     E, H, _ = w1.shape
     if T == 0:
         return (torch.empty_like(x), torch.empty_like(topk_weights),
-                *(torch.zeros_like(w) for w in (w1, w2, w3)))
-    params = grad_params or (w1, w2, w3)
+                *Into.zeros(into, (w1, w2, w3)))
+    params = into.outs if into else (w1, w2, w3)
     dy = grad_out.contiguous()
     x = x.contiguous()
     w1, w2, w3 = dense_weights(weight_cache, w1, w2, w3)
@@ -76,7 +77,7 @@ def backward_fp8(grad_out, x, topk_ids, topk_weights, w1, w2, w3, recipe, weight
         daq, das, daTq, daTs, hTq, hTs, part = fp8_dgrad2_swiglu(gq, gs, w2t.q, w2t.s,
                                                                  a_saved, tw, plan)
         del gq, gs, a_saved, w2t
-        dw1, dw2, dw3 = _fp8_weight_grads(daTq, daTs, hTq, hTs, dy, x, tw, params, plan)
+        dw1, dw2, dw3 = _fp8_weight_grads(daTq, daTs, hTq, hTs, dy, x, tw, params, plan, into)
         del daTq, daTs, hTq, hTs
     else:
         dh = fp8_gemm_rows(gq, gs, w2t.q, w2t.s, plan, out_dtype=x.dtype, gather=True,
@@ -87,7 +88,8 @@ def backward_fp8(grad_out, x, topk_ids, topk_weights, w1, w2, w3, recipe, weight
         acts = {"hw": hw, "dy_rows": None}
         del hw
         key = tuner_key(plan.max_rows, D, H, E, FP8_BLOCK_M, settings.bwd_impl())
-        dw1, dw2, dw3 = weight_grads(dy, x, da, acts, plan, params, key, FP8_BLOCK_M)
+        dw1, dw2, dw3 = weight_grads(dy, x, da, acts, plan, params, key, FP8_BLOCK_M,
+                                     into=into)
         del da
     dx_rows = torch.empty((plan.max_rows, D), dtype=x.dtype, device=x.device)
     groups = dgrad1_groups(E, H, D, plan.max_rows, weight_cache)
@@ -102,8 +104,9 @@ def backward_fp8(grad_out, x, topk_ids, topk_weights, w1, w2, w3, recipe, weight
     return dx, dtw, dw1, dw2, dw3
 
 
-def _fp8_weight_grads(daTq, daTs, hTq, hTs, dy, x, tw, params, plan):
-    """(dw1, dw2, dw3) of the all-FP8 recipe, from fp8_dgrad2_swiglu's transposed operands."""
+def _fp8_weight_grads(daTq, daTs, hTq, hTs, dy, x, tw, params, plan, into=None):
+    """(dw1, dw2, dw3) of the all-FP8 recipe, from fp8_dgrad2_swiglu's transposed operands
+    (bf16 GEMM outputs, then moved into or added to ``into``'s)."""
     H = params[0].shape[1]
     order = longest_first(plan)
     dyTq, dyTs = quant_rows_t(dy, plan, gather=True, row_weight=tw.reshape(-1))
@@ -112,7 +115,14 @@ def _fp8_weight_grads(daTq, daTs, hTq, hTs, dy, x, tw, params, plan):
     xTq, xTs = quant_rows_t(x, plan, gather=True)
     dw1 = fp8_wgrad(daTq[:H], daTs[:H], xTq, xTs, plan, torch.empty_like(params[0]), order)
     dw3 = fp8_wgrad(daTq[H:], daTs[H:], xTq, xTs, plan, torch.empty_like(params[2]), order)
-    return dw1, dw2, dw3
+    if into is None:
+        return dw1, dw2, dw3
+    for out, g in zip(into.outs, (dw1, dw2, dw3)):
+        if into.accumulate:
+            out.add_(g)
+        else:
+            out.copy_(g)
+    return into.outs
 
 
 def dgrad1_groups(E: int, H: int, D: int, rows: int, weight_cache) -> list[tuple[int, int]]:

@@ -18,7 +18,8 @@ within bf16 rounding of the output.
 
 The gradients are written in the outputs' dtype: bf16 through a staging tile and TMA stores, or
 fp32 (the gradients of fp32 parameters, under a bf16 autocast) straight from the accumulators,
-so no cast pass follows.
+so no cast pass follows; fp32 ones can also be added to (``accumulate``: the EP backward's sums
+over regions, no add pass).
 
 FP8: ``fp8_wgrad_sm90``: out [E, M, N] bf16 from operands transposed and quantized per 128 rows
 beforehand (sides/fp8_wgrad.fp8_wgrad's contract), units handed out by a dynamic ticket.
@@ -48,34 +49,38 @@ def shapes_supported(D: int, H: int, block_m: int) -> bool:
 
 def wgrad_dw2_sm90(dy: torch.Tensor, hw: torch.Tensor, plan: Plan, dw2: torch.Tensor,
                    expert_order: torch.Tensor | None = None,
-                   pre_gathered: bool = False) -> torch.Tensor:
-    """dw2 [E, D, H] (written; returned) from dy [T, D] (rows gathered by token; with
-    ``pre_gathered`` dy rows [R_max, D]) and hw [R_max, H] (row space)."""
+                   pre_gathered: bool = False, accumulate: bool = False) -> torch.Tensor:
+    """dw2 [E, D, H] (written, or added to with ``accumulate``; returned) from dy [T, D] (rows
+    gathered by token; with ``pre_gathered`` dy rows [R_max, D]) and hw [R_max, H] (row
+    space)."""
     E, D, H = dw2.shape
     _launch("wgrad_dw2_sm90", dy, hw, (dw2,), plan, E, D, H, D, 2 if pre_gathered else 1,
-            expert_order)
+            expert_order, accumulate)
     return dw2
 
 
 def wgrad_dw13_sm90(da: torch.Tensor, x: torch.Tensor, plan: Plan, dw1: torch.Tensor,
                     dw3: torch.Tensor, expert_order: torch.Tensor | None = None,
-                    pre_gathered: bool = False):
-    """(dw1, dw3) [E, H, D] (written; returned) from da = [da1 | da3] [R_max, 2H] (row space)
-    and x [T, D] (rows gathered by token; with ``pre_gathered`` x rows [R_max, D])."""
+                    pre_gathered: bool = False, accumulate: bool = False):
+    """(dw1, dw3) [E, H, D] (written, or added to with ``accumulate``; returned) from da =
+    [da1 | da3] [R_max, 2H] (row space) and x [T, D] (rows gathered by token; with
+    ``pre_gathered`` x rows [R_max, D])."""
     E, H, D = dw1.shape
     if dw3.shape != dw1.shape:
         raise ValueError(f"wgrad_dw13_sm90: dw1 {tuple(dw1.shape)} and dw3 "
                          f"{tuple(dw3.shape)} must have one shape")
     if pre_gathered:  # A = da and B = x rows, both row space
-        _launch("wgrad_dw13_sm90", da, x, (dw1, dw3), plan, E, 2 * H, D, H, 2, expert_order)
+        _launch("wgrad_dw13_sm90", da, x, (dw1, dw3), plan, E, 2 * H, D, H, 2, expert_order,
+                accumulate)
     else:
-        _launch("wgrad_dw13_sm90", x, da, (dw1, dw3), plan, E, 2 * H, D, H, 0, expert_order)
+        _launch("wgrad_dw13_sm90", x, da, (dw1, dw3), plan, E, 2 * H, D, H, 0, expert_order,
+                accumulate)
     return dw1, dw3
 
 
-def _launch(who, tokens, rows, outs, plan, E, M, N, m_split, gather, expert_order):
+def _launch(who, tokens, rows, outs, plan, E, M, N, m_split, gather, expert_order, accumulate):
     """gather 1: tokens (A) by token, rows = B; 0: rows = A, tokens (B) by token; 2: tokens =
-    A and rows = B, both row space."""
+    A and rows = B, both row space. ``accumulate``: fp32 outs, added to."""
     if M % BM or m_split % BM or N % BN or plan.block_m % BK:
         raise ValueError(f"{who} needs the gradient's rows per expert % {BM} == 0 and columns "
                          f"% {BN} == 0 (plan block_m % {BK}); got {M} x {N}, block_m "
@@ -107,7 +112,8 @@ def _launch(who, tokens, rows, outs, plan, E, M, N, m_split, gather, expert_orde
         row_slot=plan.row_slot.data_ptr(), seg_start=plan.seg_start.data_ptr(),
         count=plan.count.data_ptr(),
         expert_order=expert_order.data_ptr() if expert_order is not None else None,
-        E=E, M=M, N=N, m_split=m_split, top_k=plan.top_k, gather=gather, out_f32=int(out_f32),
+        E=E, M=M, N=N, m_split=m_split, top_k=plan.top_k, gather=gather,
+        out_f32=2 if accumulate else int(out_f32),
         num_sms=num_sms,
         ticket=ticket.data_ptr(), stream=stream,
     )

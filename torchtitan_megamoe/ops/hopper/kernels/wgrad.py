@@ -15,8 +15,8 @@ Tiles: one program per (expert, BLOCK_M x BLOCK_N tile of out[e]); program ids r
 tiles consecutively so they share its rows in L2, experts largest first (skewed routing would
 otherwise leave a heavy expert's long K-loops running alone at the end of the grid). K-loop over the expert's real rows
 [seg_start[e], seg_start[e] + count[e]) in BLOCK_K steps, in increasing row order, fp32
-accumulator, one store: no atomics and a fixed reduction order, so results are bitwise
-deterministic. An expert without rows stores zeros. Output in the out tensor's dtype (the
+accumulator, one store (with ``accumulate``: added to what out holds): no atomics and a fixed
+reduction order, so results are bitwise deterministic. An expert without rows stores zeros. Output in the out tensor's dtype (the
 parameter's), any strides (the parameter's layout).
 Waits on: dgrad2_swiglu's da / hw (stream order). Signals: nothing.
 """
@@ -64,7 +64,7 @@ def _wgrad_kernel(
     s_oe, s_om, s_on,
     A_GATHER: tl.constexpr, B_GATHER: tl.constexpr, A_TMA: tl.constexpr, B_TMA: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    EVEN: tl.constexpr, UPCAST: tl.constexpr,
+    EVEN: tl.constexpr, UPCAST: tl.constexpr, ACCUMULATE: tl.constexpr,
 ):
     pid = tl.program_id(0)
     num_m = tl.cdiv(M, BLOCK_M)
@@ -98,7 +98,10 @@ def _wgrad_kernel(
 
     out = (out_ptr + e.to(tl.int64) * s_oe
            + rm[:, None].to(tl.int64) * s_om + rn[None, :].to(tl.int64) * s_on)
-    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+    o_ok = m_ok[:, None] & n_ok[None, :]
+    if ACCUMULATE:  # out + acc: one add in the out's dtype, as an add pass after would do
+        acc = tl.load(out, mask=o_ok, other=0.0).to(tl.float32) + acc
+    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=o_ok)
 
 
 def wgrad(
@@ -116,6 +119,7 @@ def wgrad(
     num_stages: int = 3,
     use_tma: bool = False,
     expert_order: torch.Tensor | None = None,
+    accumulate: bool = False,
 ) -> torch.Tensor:
     """Launch wgrad: out[e] = sum over expert e's rows of a_r^T b_r, for every local expert.
 
@@ -126,9 +130,12 @@ def wgrad(
     block_m (so a tile never leaves the expert's padded segment); that path reads the padding
     rows of the segment, which must be finite (dgrad2_swiglu stores zeros there). expert_order
     ([E] int32, a permutation; default ``expert_order(plan)``) is the order in which experts'
-    tiles are launched.
+    tiles are launched. ``accumulate``: out += the gradient (fp32 out only: one fp32 add, the
+    bits of ``out.add_(gradient)``).
     """
     E, M, N = out.shape
+    if accumulate and out.dtype != torch.float32:
+        raise ValueError(f"wgrad accumulates into fp32 gradients only, out is {out.dtype}")
     if E != plan.num_local_experts:
         raise ValueError(f"out has {E} experts, the plan {plan.num_local_experts}")
     for name, t, gather, cols in (("a", a, a_gather, M), ("b", b, b_gather, N)):
@@ -158,6 +165,7 @@ def wgrad(
         A_TMA=a_desc is not None, B_TMA=b_desc is not None,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
         EVEN=M % block_m == 0 and N % block_n == 0, UPCAST=settings.triton_interpreting(),
+        ACCUMULATE=accumulate,
         num_warps=num_warps, num_stages=num_stages,
     )
     return out

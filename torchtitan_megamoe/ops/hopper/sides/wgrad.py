@@ -27,6 +27,27 @@ from torchtitan_megamoe.ops.hopper.configs import Sm90
 from torchtitan_megamoe.ops.hopper.sides.table import Side, Stage
 
 
+class Into(NamedTuple):
+    """Where the weight gradients go: ``outs`` (dw1, dw2, dw3), written whole, or with
+    ``accumulate`` added to (out = out + gradient, one fp32 add per element in the GEMM's
+    epilogue: the bits of an add pass after it, without the pass). The EP backward sums its
+    regions' gradients so."""
+
+    outs: tuple
+    accumulate: bool = False
+
+    @staticmethod
+    def zeros(into: "Into | None", weights: tuple) -> tuple:
+        """The gradients of a call without rows: zeros (``into``'s, untouched when it
+        accumulates)."""
+        if into is None:
+            return tuple(torch.zeros_like(w) for w in weights)
+        if not into.accumulate:
+            for out in into.outs:
+                out.zero_()
+        return into.outs
+
+
 class Operands(NamedTuple):
     dy: torch.Tensor
     x: torch.Tensor
@@ -35,41 +56,63 @@ class Operands(NamedTuple):
     plan: Plan
     params: tuple  # (w1, w2, w3): the gradients take their dtype and layout
     order: torch.Tensor  # experts, longest first
+    into: Into | None = None  # None: fresh gradients
+
+
+def _out(op: Operands, i: int) -> torch.Tensor:
+    """Gradient i's output: the given one, or a fresh tensor shaped like parameter i."""
+    return op.into.outs[i] if op.into else torch.empty_like(op.params[i])
+
+
+def _accumulates(op: Operands) -> bool:
+    return bool(op.into and op.into.accumulate)
+
+
+def _finish(op: Operands, grads: tuple) -> tuple:
+    """A side that computes fresh gradients (cublas): moved into or added to ``op.into``."""
+    if not op.into:
+        return grads
+    idx = (1,) if len(grads) == 1 else (0, 2)
+    for i, g in zip(idx, grads):
+        if op.into.accumulate:
+            op.into.outs[i].add_(g)
+        else:
+            op.into.outs[i].copy_(g)
+    return tuple(op.into.outs[i] for i in idx)
 
 
 def _dw2_triton(cfg, op: Operands):
-    return wgrad(op.dy, op.acts["hw"], torch.empty_like(op.params[1]), op.plan, a_gather=True,
-                 b_gather=False, expert_order=op.order, **cfg.kwargs())
+    return wgrad(op.dy, op.acts["hw"], _out(op, 1), op.plan, a_gather=True, b_gather=False,
+                 expert_order=op.order, accumulate=_accumulates(op), **cfg.kwargs())
 
 
 def _dw2_cublas(cfg, op: Operands):
-    return wgrad_dw2_grouped_mm(op.dy, op.acts["hw"], op.plan, op.params[1],
-                                dy_rows=op.acts.get("dy_rows"))
+    return _finish(op, (wgrad_dw2_grouped_mm(op.dy, op.acts["hw"], op.plan, op.params[1],
+                                             dy_rows=op.acts.get("dy_rows")),))[0]
 
 
 def _dw2_sm90(cfg, op: Operands):
     rows = op.acts.get("dy_rows")
     return sm90_wgrad.wgrad_dw2_sm90(
         gather_rows(op.dy, op.plan) if rows is None else rows, op.acts["hw"], op.plan,
-        torch.empty_like(op.params[1]), op.order, pre_gathered=True)
+        _out(op, 1), op.order, pre_gathered=True, accumulate=_accumulates(op))
 
 
 def _dw13_triton(cfg, op: Operands):
     H = op.da.shape[1] // 2
-    return tuple(wgrad(a, op.x, torch.empty_like(p), op.plan, a_gather=False, b_gather=True,
-                       expert_order=op.order, **cfg.kwargs())
-                 for a, p in ((op.da[:, :H], op.params[0]), (op.da[:, H:], op.params[2])))
+    return tuple(wgrad(a, op.x, _out(op, i), op.plan, a_gather=False, b_gather=True,
+                       expert_order=op.order, accumulate=_accumulates(op), **cfg.kwargs())
+                 for a, i in ((op.da[:, :H], 0), (op.da[:, H:], 2)))
 
 
 def _dw13_cublas(cfg, op: Operands):
-    return wgrad_dw13_grouped_mm(op.da, op.x, op.plan, op.params[0], op.params[2])
+    return _finish(op, wgrad_dw13_grouped_mm(op.da, op.x, op.plan, op.params[0], op.params[2]))
 
 
 def _dw13_sm90(cfg, op: Operands):
     return sm90_wgrad.wgrad_dw13_sm90(op.da, gather_rows(op.x, op.plan), op.plan,
-                                      torch.empty_like(op.params[0]),
-                                      torch.empty_like(op.params[2]), op.order,
-                                      pre_gathered=True)
+                                      _out(op, 0), _out(op, 2), op.order, pre_gathered=True,
+                                      accumulate=_accumulates(op))
 
 
 def _sm90_offer(s: Shape, av) -> list:
