@@ -70,17 +70,16 @@ def checked_plan(topk_ids: torch.Tensor, num_experts: int, block_m: int):
 
 
 def saved_like(x: torch.Tensor, topk_ids: torch.Tensor, w1: torch.Tensor,
-               phases: int = 1, block_m: int | None = None) -> list[torch.Tensor]:
+               block_m: int | None = None) -> list[torch.Tensor]:
     """Empty tensors shaped like forward_bf16(..., save=True)'s saved tuple (fake impls, meta):
-    every size is a static function of (T, K, E_local, H, block_m); ``phases`` for the EP
-    forward's phased plan."""
+    every size is a static function of (T, K, E_local, H, block_m)."""
     block_m = block_m or plan_block_m()
     T, K = topk_ids.shape
     E, H, _ = w1.shape
     if T == 0:  # forward_bf16 returns at once: no pre-activations, no plan
         return [x.new_empty((0, 2 * H)), x.new_empty((0,), dtype=torch.int32)]
-    R = max_rows(T * K, E, block_m, phases)
+    R = max_rows(T * K, E, block_m)
     return [
         x.new_empty((R, 2 * H)),
-        x.new_empty((packed_plan_numel(T, K, E, block_m, phases),), dtype=torch.int32),
+        x.new_empty((packed_plan_numel(T, K, E, block_m),), dtype=torch.int32),
     ]

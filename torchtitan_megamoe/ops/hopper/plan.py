@@ -58,7 +58,7 @@ class Plan:
 
     packed: torch.Tensor | None = None
     """The first five vectors as one flat view in pack_plan's layout, where they were allocated
-    that way (the plan kernels, one phase); None: pack_plan copies them."""
+    that way (the plan kernels); None: pack_plan copies them."""
 
     @property
     def max_rows(self) -> int:
@@ -70,20 +70,19 @@ class Plan:
         return self.tile_expert.numel()
 
     def with_tiles(self, tile_expert: torch.Tensor) -> "Plan":
-        """This plan with another tile map (one phase's tiles of a phased plan): a shallow
-        copy: dataclasses.replace re-runs __init__ and its field handling, host time on the
-        way to the GEMMs."""
+        """This plan with another tile map (a GEMM launched with it skips the tiles at -1): a
+        shallow copy: dataclasses.replace re-runs __init__ and its field handling, host time on
+        the way to the GEMMs."""
         other = object.__new__(Plan)
         other.__dict__.update(self.__dict__)
         other.tile_expert = tile_expert
         return other
 
 
-def max_rows(num_slots: int, num_local_experts: int, block_m: int, phases: int = 1) -> int:
-    """R_max = T*K + E_local*phases*(block_m-1), rounded up to block_m: the most rows any routing
-    of ``num_slots`` slots can need once every expert's segment (every phase's sub-segment, see
-    build_phased_plan) is padded."""
-    r = num_slots + num_local_experts * phases * (block_m - 1)
+def max_rows(num_slots: int, num_local_experts: int, block_m: int) -> int:
+    """R_max = T*K + E_local*(block_m-1), rounded up to block_m: the most rows any routing of
+    ``num_slots`` slots can need once every expert's segment is padded."""
+    r = num_slots + num_local_experts * (block_m - 1)
     return (r + block_m - 1) // block_m * block_m
 
 
@@ -125,7 +124,7 @@ def build_plan(
         # while the host issues them.
         from torchtitan_megamoe.ops.hopper.kernels.plan_kernels import plan_tensors
 
-        row_slot, slot_row, tile_expert, seg_start, count, _, ids_ok, packed = plan_tensors(
+        row_slot, slot_row, tile_expert, seg_start, count, ids_ok, packed = plan_tensors(
             topk_ids.contiguous(), E, block_m, rank, R_max, id_limit=id_limit
         )
         return Plan(
@@ -197,60 +196,6 @@ def build_plan(
     )
 
 
-def build_phased_plan(
-    topk_ids: torch.Tensor, num_local_experts: int, block_m: int, phase: torch.Tensor,
-    phases: int, use_kernels: bool = False,
-) -> tuple[Plan, list[torch.Tensor]]:
-    """A plan whose rows can be computed in ``phases`` separate launches, and each launch's
-    tile -> expert map.
-
-    ``topk_ids`` [T, K] are LOCAL expert ids (-1: not here); ``phase`` [T] (int, < phases) says
-    in which launch each token's rows are computed. Every expert's segment is split into one
-    sub-segment per phase, each padded to block_m, so that every tile belongs to one (expert,
-    phase): the layout is build_plan's with "virtual expert" e*phases + p. The EP forward uses
-    it to start on the tokens that are already here while the others are in transit.
-
-    Returns (plan, phase_tiles). ``plan`` is an ordinary Plan over the real experts, used as is
-    by the backward: an expert's rows are one contiguous segment [seg_start[e], seg_start[e+1])
-    holding its phases' sub-segments, whose padding rows (slot -1) sit between them, so
-    ``count`` here is the segment's length, padding included (padding rows read and write
-    zeros in every kernel). ``phase_tiles[p]`` is plan.tile_expert with -1 for tiles of the
-    other phases: a GEMM launched with it skips them. CUDA inputs (or ``use_kernels``) take the
-    three plan kernels with the phase folded in; CPU inputs the torch ops below (same tensors).
-    """
-    E, P = num_local_experts, phases
-    T, K = topk_ids.shape
-    if topk_ids.is_cuda or use_kernels:
-        # the phase folded into the three plan kernels (the torch ops below cost the host more
-        # than the kernels take on the GPU)
-        from torchtitan_megamoe.ops.hopper.kernels.plan_kernels import plan_tensors
-
-        row_slot, slot_row, tile_expert, seg_start, count, tiles, _, _ = plan_tensors(
-            topk_ids.contiguous(), E, block_m, 0, max_rows(T * K, E, block_m, P), phase, P
-        )
-        plan = Plan(
-            row_slot=row_slot, slot_row=slot_row, tile_expert=tile_expert, seg_start=seg_start,
-            count=count, num_rows_used=seg_start[E], num_tokens=T, top_k=K,
-            num_local_experts=E, block_m=block_m,
-        )
-        return plan, list(tiles.unbind(0))
-    ids = topk_ids.to(torch.int32)
-    virt = torch.where(ids >= 0, ids * P + phase.to(torch.int32)[:, None], -1)
-    pv = build_plan(virt, E * P, block_m)
-    tv = pv.tile_expert
-    tile_expert = torch.where(tv >= 0, tv // P, -1).to(torch.int32)
-    tile_phase = tv % P  # unused tiles (tv = -1) are -1 in tile_expert whatever their phase
-    seg_start = pv.seg_start[::P].contiguous()
-    plan = Plan(
-        row_slot=pv.row_slot, slot_row=pv.slot_row, tile_expert=tile_expert,
-        seg_start=seg_start, count=(seg_start[1:] - seg_start[:-1]).contiguous(),
-        num_rows_used=seg_start[E], num_tokens=pv.num_tokens, top_k=pv.top_k,
-        num_local_experts=E, block_m=block_m,
-    )
-    phase_tiles = [torch.where(tile_phase == p, tile_expert, -1) for p in range(P)]
-    return plan, phase_tiles
-
-
 def pack_plan(plan: Plan) -> torch.Tensor:
     """The plan's int32 tensors as one flat int32 tensor (what the forward saves for the
     backward): [row_slot R_max | slot_row T*K | tile_expert R_max/block_m | seg_start E+1 |
@@ -261,34 +206,27 @@ def pack_plan(plan: Plan) -> torch.Tensor:
     return torch.cat([plan.row_slot, plan.slot_row, plan.tile_expert, plan.seg_start, plan.count])
 
 
-def packed_plan_numel(num_tokens: int, top_k: int, num_local_experts: int, block_m: int,
-                      phases: int = 1) -> int:
-    """Length of pack_plan's tensor (also what a fake impl allocates); ``phases`` for a plan of
-    build_phased_plan."""
-    r = max_rows(num_tokens * top_k, num_local_experts, block_m, phases)
+def packed_plan_numel(num_tokens: int, top_k: int, num_local_experts: int, block_m: int) -> int:
+    """Length of pack_plan's tensor (also what a fake impl allocates)."""
+    r = max_rows(num_tokens * top_k, num_local_experts, block_m)
     return r + num_tokens * top_k + r // block_m + 2 * num_local_experts + 1
-
-
-MAX_PHASES = 8
 
 
 def unpack_plan(
     packed: torch.Tensor, num_tokens: int, top_k: int, num_local_experts: int, block_m: int
 ) -> Plan:
     """Inverse of pack_plan: views into ``packed`` (no copy, no host sync). The static
-    arguments must be those of the build_plan / build_phased_plan call that made it (the
-    packed length tells how many phases it had); a length that fits none raises."""
+    arguments must be those of the build_plan call that made it; a length that does not fit
+    raises."""
     T, K, E = num_tokens, top_k, num_local_experts
-    fits = [p for p in range(1, MAX_PHASES + 1)
-            if packed.numel() == packed_plan_numel(T, K, E, block_m, p)]
-    if packed.dim() != 1 or not fits or packed.dtype != torch.int32:
-        want = packed_plan_numel(T, K, E, block_m)
+    want = packed_plan_numel(T, K, E, block_m)
+    if packed.dim() != 1 or packed.numel() != want or packed.dtype != torch.int32:
         raise ValueError(
             f"packed plan has shape {tuple(packed.shape)} / {packed.dtype}; expected [{want}] "
-            f"int32 for T={T}, K={K}, E_local={E}, block_m={block_m} (or the length of a "
-            "phased plan; was it saved with another block_m?)"
+            f"int32 for T={T}, K={K}, E_local={E}, block_m={block_m} (was it saved with "
+            "another block_m?)"
         )
-    r = max_rows(T * K, E, block_m, fits[0])
+    r = max_rows(T * K, E, block_m)
     row_slot, slot_row, tile_expert, seg_start, count = torch.split(
         packed, [r, T * K, r // block_m, E + 1, E]
     )

@@ -103,7 +103,7 @@ def _gemm1_swiglu_kernel(
         for t in tl.range(tl.program_id(0), num_m * num_n, tl.num_programs(0), flatten=True):
             pid_m, pid_n = grouped_tile(t, num_m, num_n, GROUP_M)
             expert = tl.load(tile_expert_ptr + (pid_m * BLOCK_M) // PLAN_BM)
-            if expert >= 0:  # -1: a tile another launch of a phased plan computes
+            if expert >= 0:  # -1: a tile the caller's tile map skips
                 _gemm1_tile(
                     pid_m, pid_n, expert, x_ptr, w1_ptr, w3_ptr, w1_desc, w3_desc, h_ptr, a_ptr,
                     h_desc, a_desc, row_slot_ptr, H, D, stride_x, stride_we, stride_wh, stride_h,

@@ -6,7 +6,7 @@ rows of y [R_max, D] (pointer stores, or one bulk tensor store with TMA_STORE): 
 slot space, so every tile is one contiguous store instead of a row scatter, and the combine
 finds slot s's row through plan.slot_row. (Memory: y has R_max rows, the static bound, about
 as many as the slot buffer it replaced.) Padding rows store zeros (h is 0 there); tiles past the used rows and tiles
-whose tile_expert is -1 (another phase of a phased plan) store nothing.
+whose tile_expert is -1 (skipped by the caller's tile map) store nothing.
 PERSISTENT: one program per SM loops over the tiles of the used rows (count read on device).
 
 Waits on: nothing inside the launch (h is complete when GEMM 1's launch is).
@@ -77,7 +77,7 @@ def _gemm2_rows_kernel(
         for t in tl.range(tl.program_id(0), num_m * num_n, tl.num_programs(0), flatten=True):
             pid_m, pid_n = grouped_tile(t, num_m, num_n, GROUP_M)
             expert = tl.load(tile_expert_ptr + (pid_m * BLOCK_M) // PLAN_BM)
-            if expert >= 0:  # -1: a tile another launch of a phased plan computes
+            if expert >= 0:  # -1: a tile the caller's tile map skips
                 _gemm2_tile(
                     pid_m, pid_n, expert, h_ptr, w2_ptr, h_desc, w2_desc, y_ptr, y_desc,
                     D, H, stride_h, stride_we, stride_wd, stride_y,

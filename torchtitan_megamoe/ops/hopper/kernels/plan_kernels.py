@@ -4,11 +4,10 @@ The torch-op version of the plan is ~25 tiny launches, whose issue keeps the GPU
 large share of a forward. These two kernels compute the same layout, bit for bit.
 
 Slots are cut into chunks of SUB x BLOCK; each program of a launch owns one chunk and walks its
-SUB sub-blocks in order. Bins ("keys") are the local experts (with phases: local * P + phase),
-plus bin E for slots not computed here; E_PAD > E bins.
+SUB sub-blocks in order. Bins ("keys") are the local experts, plus bin E for slots not computed
+here; E_PAD > E bins.
   count  (grid = chunks): per-chunk histogram of the keys (tl.histogram); fills its share of
-         row_slot, tile_expert (and the phase tiles) with -1, which the unused rows and tiles
-         keep; with an id limit, counts the ids outside [-1, limit).
+         row_slot and tile_expert with -1, which the unused rows and tiles keep; with an id limit, counts the ids outside [-1, limit).
          Waits on: nothing. Signals: nothing (the next launch reads its output).
   place  (grid = chunks): first the scan, redone by every program (_chunk_prefix: the
          exclusive prefix of the chunk histograms per key up to its chunk, the totals, the
@@ -36,17 +35,12 @@ from torchtitan_megamoe.ops.hopper.kernels.tiling import cdiv, next_power_of_2
 
 
 @triton.jit
-def _local_key(ids_ptr, phase_ptr, slots, S, RANK_BASE, TOP_K, E: tl.constexpr,
-               P: tl.constexpr):
-    """Bin of each slot: its local expert, or with P phases the virtual expert
-    local * P + phase[token]; E (= local experts * P) for slots not computed here."""
+def _local_key(ids_ptr, slots, S, RANK_BASE, E: tl.constexpr):
+    """Bin of each slot: its local expert; E for slots not computed here."""
     g = tl.load(ids_ptr + slots, mask=slots < S, other=-1).to(tl.int64)
     local = g - RANK_BASE
-    valid = (g >= 0) & (local >= 0) & (local < E // P)
-    key = local
-    if P > 1:
-        key = local * P + tl.load(phase_ptr + slots // TOP_K, mask=valid, other=0)
-    return tl.where(valid, key, E).to(tl.int32)
+    valid = (g >= 0) & (local >= 0) & (local < E)
+    return tl.where(valid, local, E).to(tl.int32)
 
 
 @triton.jit
@@ -59,10 +53,10 @@ def _fill(ptr, n, first, count, BLOCK: tl.constexpr):
 
 @triton.jit
 def _plan_count_kernel(
-    ids_ptr, phase_ptr, chunk_count_ptr, chunk_bad_ptr, row_slot_ptr, tiles_ptr, S, R_MAX,
-    NUM_TILE_ENTRIES, RANK_BASE, ROWS_PER_PROG, TILES_PER_PROG, TOP_K, ID_LIMIT,
+    ids_ptr, chunk_count_ptr, chunk_bad_ptr, row_slot_ptr, tiles_ptr, S, R_MAX,
+    NUM_TILES, RANK_BASE, ROWS_PER_PROG, TILES_PER_PROG, ID_LIMIT,
     E: tl.constexpr, E_PAD: tl.constexpr, BLOCK: tl.constexpr, SUB: tl.constexpr,
-    P: tl.constexpr, CHECK: tl.constexpr,
+    CHECK: tl.constexpr,
 ):
     c = tl.program_id(0)
     experts = tl.arange(0, E_PAD)
@@ -70,7 +64,7 @@ def _plan_count_kernel(
     bad = tl.zeros((BLOCK,), tl.int32)
     for j in range(SUB):
         slots = (c * SUB + j) * BLOCK + tl.arange(0, BLOCK)
-        key = _local_key(ids_ptr, phase_ptr, slots, S, RANK_BASE, TOP_K, E, P)
+        key = _local_key(ids_ptr, slots, S, RANK_BASE, E)
         hist += tl.histogram(key, E_PAD)
         if CHECK:
             g = tl.load(ids_ptr + slots, mask=slots < S, other=-1).to(tl.int64)
@@ -79,20 +73,17 @@ def _plan_count_kernel(
     if CHECK:
         tl.store(chunk_bad_ptr + c, tl.sum(bad, axis=0))
     _fill(row_slot_ptr, R_MAX, c * ROWS_PER_PROG, ROWS_PER_PROG, BLOCK)
-    # tile_expert, then (with phases) the P phase maps: one flat array
-    _fill(tiles_ptr, NUM_TILE_ENTRIES, c * TILES_PER_PROG, TILES_PER_PROG, BLOCK)
+    _fill(tiles_ptr, NUM_TILES, c * TILES_PER_PROG, TILES_PER_PROG, BLOCK)
 
 
 @triton.jit
-def _chunk_prefix(chunk_count_ptr, chunk_bad_ptr, ids_ok_ptr, count_ptr, seg_start_ptr,
-                  seg_real_ptr, count_real_ptr, c, num_chunks,
-                  E: tl.constexpr, E_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
-                  CB: tl.constexpr, P: tl.constexpr, ER_PAD: tl.constexpr, CHECK: tl.constexpr):
+def _chunk_prefix(chunk_count_ptr, chunk_bad_ptr, ids_ok_ptr, count_ptr, seg_start_ptr, c,
+                  num_chunks, E: tl.constexpr, E_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
+                  CB: tl.constexpr, CHECK: tl.constexpr):
     """First row of each key's slots in chunk c: seg_start[key] + the key's slots in chunks
     before c. Every program sums the chunk histograms itself (num_chunks x E_PAD int32 from L2:
     256 KiB at 30B), so no launch of its own sits between count and place; program 0 also
-    stores the totals (count), the padded segment starts, the id check's verdict and (with
-    phases) the real experts' segments."""
+    stores the totals (count), the padded segment starts and the id check's verdict."""
     experts = tl.arange(0, E_PAD)
     total = tl.zeros((E_PAD,), tl.int32)
     before = tl.zeros((E_PAD,), tl.int32)
@@ -116,37 +107,25 @@ def _chunk_prefix(chunk_count_ptr, chunk_bad_ptr, ids_ok_ptr, count_ptr, seg_sta
         tl.store(count_ptr + experts, total, mask=in_e)
         tl.store(seg_start_ptr + experts + 1, seg_end, mask=in_e)
         tl.store(seg_start_ptr + experts, seg_end - padded, mask=in_e)
-        if P > 1:
-            # real experts' segments: [seg_start[e*P], seg_start[(e+1)*P]) (the virtual starts
-            # were stored above; the barrier makes them visible to every thread of this program)
-            tl.debug_barrier()
-            er = tl.arange(0, ER_PAD)
-            lo = tl.load(seg_start_ptr + er * P, mask=er <= E // P, other=0)
-            hi = tl.load(seg_start_ptr + (er + 1) * P, mask=er < E // P, other=0)
-            tl.store(seg_real_ptr + er, lo, mask=er <= E // P)
-            tl.store(count_real_ptr + er, hi - lo, mask=er < E // P)
     return tl.where(in_e, seg_end - padded + before, 0)
 
 
 @triton.jit
 def _plan_place_kernel(
-    ids_ptr, phase_ptr, chunk_count_ptr, chunk_bad_ptr, ids_ok_ptr, count_ptr, seg_start_ptr,
-    seg_real_ptr, count_real_ptr, num_chunks, base_ptr, slot_row_ptr, row_slot_ptr,
-    tile_expert_ptr, phase_tiles_ptr, S, RANK_BASE, TOP_K, num_tiles,
+    ids_ptr, chunk_count_ptr, chunk_bad_ptr, ids_ok_ptr, count_ptr, seg_start_ptr,
+    num_chunks, base_ptr, slot_row_ptr, row_slot_ptr, tile_expert_ptr, S, RANK_BASE,
     E: tl.constexpr, E_PAD: tl.constexpr, BLOCK: tl.constexpr, SUB: tl.constexpr,
-    P: tl.constexpr, BLOCK_M: tl.constexpr, CB: tl.constexpr, ER_PAD: tl.constexpr,
-    CHECK: tl.constexpr,
+    BLOCK_M: tl.constexpr, CB: tl.constexpr, CHECK: tl.constexpr,
 ):
     c = tl.program_id(0)
     experts = tl.arange(0, E_PAD)
     lanes = tl.arange(0, BLOCK)
     # first row of each key in this chunk, advanced past each sub-block's rows
     first = _chunk_prefix(chunk_count_ptr, chunk_bad_ptr, ids_ok_ptr, count_ptr, seg_start_ptr,
-                          seg_real_ptr, count_real_ptr, c, num_chunks, E, E_PAD, BLOCK_M, CB, P,
-                          ER_PAD, CHECK)
+                          c, num_chunks, E, E_PAD, BLOCK_M, CB, CHECK)
     for j in range(SUB):
         slots0 = (c * SUB + j) * BLOCK
-        key = _local_key(ids_ptr, phase_ptr, slots0 + lanes, S, RANK_BASE, TOP_K, E, P)
+        key = _local_key(ids_ptr, slots0 + lanes, S, RANK_BASE, E)
         hist = tl.histogram(key, E_PAD)
         # the row of sorted position p is base[key] + p, base = first - (slots of smaller keys)
         tl.store(base_ptr + c * E_PAD + experts, first - (tl.cumsum(hist, axis=0) - hist))
@@ -158,12 +137,9 @@ def _plan_place_kernel(
         row = tl.load(base_ptr + c * E_PAD + skey, mask=valid, other=0) + lanes
         tl.store(slot_row_ptr + slot, tl.where(valid, row, -1), mask=slot < S)
         tl.store(row_slot_ptr + row, slot, mask=valid)
-        # a row at a tile boundary starts a tile of its key's expert (and phase)
+        # a row at a tile boundary starts a tile of its key's expert
         starts = valid & (row % BLOCK_M == 0)
-        tl.store(tile_expert_ptr + row // BLOCK_M, skey // P, mask=starts)
-        if P > 1:
-            tl.store(phase_tiles_ptr + (skey % P) * num_tiles + row // BLOCK_M, skey // P,
-                     mask=starts)
+        tl.store(tile_expert_ptr + row // BLOCK_M, skey, mask=starts)
         first += hist
         tl.debug_barrier()  # every thread has read the base row before the next store
 
@@ -181,21 +157,16 @@ def _fit(t: torch.Tensor, n: int) -> torch.Tensor:
 
 
 def plan_tensors(topk_ids: torch.Tensor, E: int, block_m: int, rank: int, R_max: int,
-                 phase: torch.Tensor | None = None, phases: int = 1, id_limit: int = 0):
-    """(row_slot, slot_row, tile_expert, seg_start, count, phase_tiles, ids_ok, packed) as
-    int32 tensors, same layout as the torch path of build_plan (phases = 1; phase_tiles is None) or of
-    build_phased_plan (``phase`` [T] per token; phase_tiles [phases, num_tiles]).
-    ``id_limit`` > 0: the count kernels also check every id against [-1, id_limit) and ids_ok
-    (0-d) is 1 when all are in range, 0 otherwise (no host sync; the caller asserts on the
-    device); ``id_limit`` 0: no check, ids_ok is None. ``packed`` (phases = 1; else None): the
-    first five as one flat view, plan.pack_plan's layout."""
+                 id_limit: int = 0):
+    """(row_slot, slot_row, tile_expert, seg_start, count, ids_ok, packed) as int32 tensors,
+    the layout of the torch path of build_plan. ``id_limit`` > 0: the count kernels also check
+    every id against [-1, id_limit) and ids_ok (0-d) is 1 when all are in range, 0 otherwise
+    (no host sync; the caller asserts on the device); ``id_limit`` 0: no check, ids_ok is None.
+    ``packed``: the first five as one flat view, plan.pack_plan's layout."""
     dev = topk_ids.device
     S = topk_ids.numel()
-    K = topk_ids.shape[1] if topk_ids.dim() == 2 else 1
     ids = topk_ids.reshape(-1)
-    P = phases
-    EV = E * P  # keys: (local expert, phase) pairs, and EV for slots not computed here
-    E_PAD = max(16, next_power_of_2(EV + 1))
+    E_PAD = max(16, next_power_of_2(E + 1))
     BLOCK = 16 if settings.triton_interpreting() else BLOCK_SLOTS
     # a chunk = SUB sub-blocks of BLOCK slots; ~TARGET_CHUNKS chunks keep each program's scan
     # short
@@ -203,50 +174,36 @@ def plan_tensors(topk_ids: torch.Tensor, E: int, block_m: int, rank: int, R_max:
     num_chunks = max(1, cdiv(S, BLOCK * SUB))
     num_tiles = R_max // block_m
     rows_per_prog = cdiv(R_max, num_chunks)
-    tile_entries = num_tiles * (P + 1 if P > 1 else 1)
-    tiles_per_prog = cdiv(tile_entries, num_chunks)
+    tiles_per_prog = cdiv(num_tiles, num_chunks)
 
     # every int32 vector of the plan carved from one allocation: each torch.empty costs host
-    # microseconds (tools/host_issue.py), and the plan needed ten before the first GEMM. The plan's own
-    # vectors come first, back to back in plan.pack_plan's order (P = 1: the packed plan is a
-    # view, no copy); the scratch parts after them start 16-byte aligned.
+    # microseconds (tools/host_issue.py), and the plan needed ten before the first GEMM. The
+    # plan's own vectors come first, back to back in plan.pack_plan's order (the packed plan is
+    # a view, no copy); the scratch parts after them start 16-byte aligned.
     check = id_limit > 0
-    main = [R_max, S, tile_entries, EV + 1, EV]
+    main = [R_max, S, num_tiles, E + 1, E]
     scratch = [num_chunks * E_PAD] * 2 + [num_chunks if check else 0, 1 if check else 0]
-    if P > 1:
-        scratch += [E + 1, E]
     sizes = main + [-(-n // 4) * 4 for n in scratch]
     sizes.insert(len(main), -sum(main) % 4)
     buf = torch.empty(sum(sizes), dtype=torch.int32, device=dev)
     parts = buf.split(sizes)
-    row_slot, slot_row, tiles, seg_virt, count_virt = parts[:5]
-    packed = None if P > 1 else buf[:sum(main)]
+    row_slot, slot_row, tile_expert, seg_start, count = parts[:5]
     chunk_count, base = (_fit(t, num_chunks * E_PAD).view(num_chunks, E_PAD)
                          for t in parts[6:8])
-    # tile_expert and the phase maps in one buffer, filled with -1 by one loop
-    tile_expert = tiles if P == 1 else tiles[:num_tiles]
-    phase_tiles = tiles[num_tiles:].view(P, num_tiles) if P > 1 else tile_expert
     chunk_bad = _fit(parts[8], num_chunks) if check else chunk_count
     ids_ok = parts[9][:1].view(()) if check else chunk_count
-    if P > 1:
-        seg_start, count = _fit(parts[10], E + 1), _fit(parts[11], E)
-        phase = phase.to(torch.int32).contiguous()
-    else:
-        seg_start, count, phase = seg_virt, count_virt, ids
     rank_base = rank * E
     _plan_count_kernel[(num_chunks,)](
-        ids, phase, chunk_count, chunk_bad, row_slot, tiles, S, R_max, tile_entries, rank_base,
-        rows_per_prog, tiles_per_prog, K, id_limit, E=EV, E_PAD=E_PAD, BLOCK=BLOCK, SUB=SUB,
-        P=P, CHECK=check, num_warps=8,
+        ids, chunk_count, chunk_bad, row_slot, tile_expert, S, R_max, num_tiles, rank_base,
+        rows_per_prog, tiles_per_prog, id_limit, E=E, E_PAD=E_PAD, BLOCK=BLOCK, SUB=SUB,
+        CHECK=check, num_warps=8,
     )
     # one launch after the count: its programs also take the scan's place (_chunk_prefix); it
     # runs even without slots, since program 0 writes seg_start, count and ids_ok
     _plan_place_kernel[(num_chunks,)](
-        ids, phase, chunk_count, chunk_bad, ids_ok, count_virt, seg_virt, seg_start, count,
-        num_chunks, base, slot_row, row_slot, tile_expert, phase_tiles, S, rank_base, K,
-        num_tiles, E=EV, E_PAD=E_PAD, BLOCK=BLOCK, SUB=SUB, P=P, BLOCK_M=block_m,
-        CB=max(1, min(64, 8192 // E_PAD)), ER_PAD=next_power_of_2(E + 1), CHECK=check,
-        num_warps=8,
+        ids, chunk_count, chunk_bad, ids_ok, count, seg_start, num_chunks, base, slot_row,
+        row_slot, tile_expert, S, rank_base, E=E, E_PAD=E_PAD, BLOCK=BLOCK, SUB=SUB,
+        BLOCK_M=block_m, CB=max(1, min(64, 8192 // E_PAD)), CHECK=check, num_warps=8,
     )
-    return (row_slot, slot_row, tile_expert, seg_start, count, (phase_tiles if P > 1 else None),
-            ids_ok if check else None, packed)
+    return (row_slot, slot_row, tile_expert, seg_start, count, ids_ok if check else None,
+            buf[:sum(main)])

@@ -64,7 +64,7 @@ def gemm1_swiglu(
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """h [R_max, H] in x.dtype for the rows of ``plan`` (padding rows are 0); with ``save_a``,
     (h, a) where a [R_max, 2H] holds [a1 | a3] (kernels/gemm1_swiglu.py). ``out``: the h (or
-    (h, a)) to write; the launches of a phased plan's phases share them. Tiles whose
+    (h, a)) to write (the EP forward reuses one region after region). Tiles whose
     tile_expert is -1 are skipped. ``config``: a config of STAGE's sides; None: the tuner's."""
     E, H, D = w1.shape
     assert x.is_contiguous() and w1.is_contiguous() and w3.is_contiguous()

@@ -60,8 +60,8 @@ def gemm2(h: torch.Tensor, w2: torch.Tensor, plan: Plan, out_dtype: torch.dtype 
           config=None, out: torch.Tensor | None = None) -> torch.Tensor:
     """y [R_max, D]: row r holds the expert output of row r (slot plan.row_slot[r]); rows past
     the used ones are left unwritten and must not be read (the combine reaches rows only
-    through plan.slot_row). ``out``: the y to write (the launches of a phased plan's phases
-    share one). ``config``: a config of STAGE's sides; None: the tuner's."""
+    through plan.slot_row). ``out``: the y to write (the EP forward reuses one region after
+    region). ``config``: a config of STAGE's sides; None: the tuner's."""
     E, D, H = w2.shape
     assert h.is_contiguous() and w2.is_contiguous() and h.shape == (plan.max_rows, H)
     R = plan.max_rows
