@@ -2,7 +2,7 @@
 and nvcc): GEMM 2 (out[r] = in[r] @ w[e]^T, K-major weights) and the N-major form (the
 backward's kernel C: [da1 | da3] @ [w1; w3][e]) against float64 math on uneven routings with
 the output poisoned (NaN) first, rows past the used ones never written, K not a multiple of the
-pipeline depth, phased plans, and the real Qwen3-30B shape against the Triton
+pipeline depth, tile maps with skipped tiles, and the real Qwen3-30B shape against the Triton
 kernels (bitwise reruns, static vs dynamic tile order); the backward with the sm90 kernel C
 forced against the reference backend."""
 
@@ -14,7 +14,7 @@ from moe_testing import (SM90_GPU, forced_backward_matches_reference, make_weigh
 from torchtitan_megamoe.ops.hopper import heuristics
 from torchtitan_megamoe.ops.hopper.cuda.gemm_rows import gemm_rows_nmajor_sm90, gemm_rows_sm90
 from torchtitan_megamoe.ops.hopper.sides import gemm2 as g2
-from torchtitan_megamoe.ops.hopper.plan import build_phased_plan, build_plan
+from torchtitan_megamoe.ops.hopper.plan import build_plan
 from torchtitan_megamoe.ops.hopper.configs import Sm90
 
 pytestmark = SM90_GPU
@@ -64,21 +64,22 @@ def test_vs_float64_on_uneven_routings(T, K, E, N, KD, group_m):
         _check(out, inp, w, plan)
 
 
-def test_phased_plan_writes_only_its_phase():
+def test_tile_map_launches_write_only_their_tiles():
+    """Two launches with complementary tile maps (-1: skipped) write only their own tiles,
+    together the whole output."""
     T, K, E, N, KD = 600, 4, 6, 256, 256
     w = (torch.randn(E, N, KD, device="cuda") / KD**0.5).bfloat16()
     ids = torch.stack([torch.randperm(E)[:K] for _ in range(T)]).cuda()
-    phase = (torch.arange(T, device="cuda") % 3 == 0).int()
-    plan, phase_tiles = build_phased_plan(ids, E, BM, phase, 2)
+    plan = build_plan(ids, E, BM)
+    first = torch.arange(plan.num_tiles, device="cuda") % 3 == 0
+    maps = [torch.where(m, plan.tile_expert, -1) for m in (first, ~first)]
     inp = _rows_input(plan, KD, seed=3)
     out = nan_tensor(plan.max_rows, N)
     tile_of_row = lambda tiles: tiles.repeat_interleave(BM)[: plan.max_rows]  # noqa: E731
-    p0 = type(plan)(**{**plan.__dict__, "tile_expert": phase_tiles[0]})
-    gemm_rows_sm90(inp, w, p0, out)
+    gemm_rows_sm90(inp, w, plan.with_tiles(maps[0]), out)
     torch.cuda.synchronize()
-    assert torch.isnan(out[tile_of_row(phase_tiles[0]) < 0]).all(), "wrote another phase's tiles"
-    p1 = type(plan)(**{**plan.__dict__, "tile_expert": phase_tiles[1]})
-    gemm_rows_sm90(inp, w, p1, out)
+    assert torch.isnan(out[tile_of_row(maps[0]) < 0]).all(), "wrote a skipped tile"
+    gemm_rows_sm90(inp, w, plan.with_tiles(maps[1]), out)
     _check(out, inp, w, plan)
 
 
