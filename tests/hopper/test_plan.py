@@ -153,3 +153,29 @@ def test_forward_asserts_on_out_of_range_ids():
     w2 = torch.randn(E, D, H)
     with pytest.raises(RuntimeError, match=r"topk_ids must lie in \[-1, 4\)"):
         forward_bf16(x, ids, torch.rand(T, K), w1, w2, w3)
+
+
+@pytest.mark.parametrize("use_kernels", [False, True], ids=["torch", "kernels"])
+def test_build_plans_equals_one_build_plan_per_batch(use_kernels, monkeypatch):
+    """build_plans (the EP forward's regions, one launch pair): each batch's plan is build_plan's
+    of that batch bit for bit, its packed plan a view that unpacks to it; batches with other
+    routings (one empty, one skewed) do not disturb each other. Several chunks per batch."""
+    from torchtitan_megamoe.ops.hopper.kernels import plan_kernels
+    from torchtitan_megamoe.ops.hopper.plan import build_plans, pack_plan, unpack_plan
+
+    monkeypatch.setattr(plan_kernels, "TARGET_CHUNKS", 3)
+    g = torch.Generator().manual_seed(11)
+    B, T, K, E, bm = 3, 70, 4, 5, 16
+    ids = torch.randint(0, E, (B, T, K), generator=g)
+    ids[torch.rand(B, T, K, generator=g) < 0.3] = -1
+    ids[1] = -1  # nothing of batch 1 is here
+    ids[2][ids[2] >= 0] = 3  # batch 2: one expert
+    plans = build_plans(ids, E, bm, use_kernels=use_kernels)
+    assert len(plans) == B
+    for b, plan in enumerate(plans):
+        ref = build_plan(ids[b], E, bm)
+        for f in ("row_slot", "slot_row", "tile_expert", "seg_start", "count"):
+            assert torch.equal(getattr(plan, f).int(), getattr(ref, f).int()), (b, f)
+        assert int(plan.num_rows_used) == int(ref.num_rows_used)
+        back = unpack_plan(pack_plan(plan), T, K, E, bm)
+        assert torch.equal(back.row_slot, plan.row_slot.int())

@@ -72,9 +72,7 @@ from torchtitan_megamoe.ops.hopper.kernels.fp8_quant import FP8, quant_rows
 from torchtitan_megamoe.ops.hopper.kernels.row_store import stash_rows
 from torchtitan_megamoe.ops.hopper.sides.gemm1_swiglu import gemm1_swiglu
 from torchtitan_megamoe.ops.hopper.sides.gemm2 import gemm2
-from torchtitan_megamoe.ops.hopper.plan import (
-    build_plan, max_rows, pack_plan, packed_plan_numel, unpack_plan,
-)
+from torchtitan_megamoe.ops.hopper.plan import build_plans, max_rows, pack_plan, packed_plan_numel
 from torchtitan_megamoe.ops.hopper.tiles import FP8_BLOCK_M, plan_block_m
 
 SAVE_MARGIN = 1.5
@@ -187,6 +185,8 @@ class _Regions:
         self.g1, self.g2 = forward_configs(gemm1_config, gemm2_config)
         E_local, H, D = w1.shape
         dev = ids.device
+        # every region's plan from one launch pair (the ids are all here once the metadata is)
+        self.plans = build_plans(ids.view(route.R, self.C, self.K), E_local, block_m)
         M = max_rows(self.C * self.K, E_local, block_m)
         if keep:
             self.store = torch.empty((saved_rows(route.R, self.C, self.K, E_local, block_m),
@@ -200,21 +200,18 @@ class _Regions:
     def region(self, i: int, s: int, out: torch.Tensor):
         """Region s (the i-th computed) into ``out`` [C, D]; returns its packed plan when the
         pre-activations are kept (stashed as block i of the store), else None."""
-        C, E_local = self.C, self.w1.shape[0]
+        C = self.C
         ids, weights = self.ids[s * C:(s + 1) * C], self.weights[s * C:(s + 1) * C]
+        plan = self.plans[s]
         if self.recipe.fp8_forward:
             res = forward_fp8_rows(self.route.recv_rows("xq")[s * C:(s + 1) * C].view(FP8),
                                    self.route.recv_rows("xs")[s * C:(s + 1) * C], ids, weights,
                                    self.w1, self.w2, self.w3, self.dtype, self.weight_cache,
-                                   save=self.keep, out=out)
-            saved = res[1] if self.keep else None
-            if saved is None:
+                                   save=self.keep, out=out, plan=plan)
+            if not self.keep:
                 return None
-            a, packed = saved
-            plan_rows = unpack_plan(packed, C, self.K, E_local, self.block_m).num_rows_used
-            stash_rows(a, self.store, self.offs, i, plan_rows)
-            return packed
-        plan = build_plan(ids, E_local, self.block_m)
+            stash_rows(res[1][0], self.store, self.offs, i, plan.num_rows_used)
+            return pack_plan(plan)
         xr = self.route.recv_rows("x")[s * C:(s + 1) * C]
         gemm1_swiglu(xr, self.w1, self.w3, plan, config=self.g1, save_a=self.keep,
                      out=(self.h, self.a) if self.keep else self.h)

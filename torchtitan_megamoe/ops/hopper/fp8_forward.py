@@ -31,12 +31,14 @@ def forward_fp8(x, topk_ids, topk_weights, w1, w2, w3, weight_cache=False, save=
 
 
 def forward_fp8_rows(xq, xs, topk_ids, topk_weights, w1, w2, w3, out_dtype, weight_cache=False,
-                     save=False, out=None):
+                     save=False, out=None, plan=None):
     """forward_fp8 of token rows already quantized (e4m3 rows, 1x128 scales: what the EP
-    exchange delivers); ``out_dtype``: x's; ``out``: where the combine stores (as combine's)."""
+    exchange delivers); ``out_dtype``: x's; ``out``: where the combine stores (as combine's);
+    ``plan``: topk_ids' plan at FP8_BLOCK_M, already built (ids checked), or None."""
     E = w1.shape[0]
     w1, w2, w3 = dense_weights(weight_cache, w1, w2, w3)
-    plan = checked_plan(topk_ids, E, FP8_BLOCK_M)
+    if plan is None:
+        plan = checked_plan(topk_ids, E, FP8_BLOCK_M)
     wq = forward_weights(w1, w2, w3, cache=weight_cache, dtype=out_dtype)
     hq, hs, a = fp8_gemm1_swiglu(xq, xs, wq.w1q, wq.w1s, wq.w3q, wq.w3s, plan, save_a=save)
     del xq, xs

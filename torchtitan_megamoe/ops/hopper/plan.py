@@ -196,6 +196,29 @@ def build_plan(
     )
 
 
+def build_plans(topk_ids: torch.Tensor, num_local_experts: int, block_m: int,
+                use_kernels: bool = False) -> list[Plan]:
+    """build_plan of each batch of ``topk_ids`` [B, T, K] (LOCAL expert ids, -1: not here):
+    B independent plans, on CUDA (or ``use_kernels``) from the same two launches (the EP
+    forward's regions: one launch pair per call instead of one per region, host time that
+    the small regions' GEMMs do not cover)."""
+    if topk_ids.dim() != 3:
+        raise ValueError(f"topk_ids must be [B, T, K], got shape {tuple(topk_ids.shape)}")
+    if not (topk_ids.is_cuda or use_kernels):
+        return [build_plan(ids, num_local_experts, block_m) for ids in topk_ids]
+    from torchtitan_megamoe.ops.hopper.kernels.plan_kernels import plan_tensors
+
+    B, T, K = topk_ids.shape
+    E = num_local_experts
+    R_max = max_rows(T * K, E, block_m)
+    row_slot, slot_row, tile_expert, seg_start, count, _, packed = plan_tensors(
+        topk_ids.contiguous(), E, block_m, 0, R_max)
+    return [Plan(row_slot=row_slot[b], slot_row=slot_row[b], tile_expert=tile_expert[b],
+                 seg_start=seg_start[b], count=count[b], num_rows_used=seg_start[b, E],
+                 num_tokens=T, top_k=K, num_local_experts=E, block_m=block_m,
+                 packed=packed[b]) for b in range(B)]
+
+
 def pack_plan(plan: Plan) -> torch.Tensor:
     """The plan's int32 tensors as one flat int32 tensor (what the forward saves for the
     backward): [row_slot R_max | slot_row T*K | tile_expert R_max/block_m | seg_start E+1 |

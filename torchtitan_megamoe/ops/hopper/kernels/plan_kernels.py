@@ -54,11 +54,18 @@ def _fill(ptr, n, first, count, BLOCK: tl.constexpr):
 @triton.jit
 def _plan_count_kernel(
     ids_ptr, chunk_count_ptr, chunk_bad_ptr, row_slot_ptr, tiles_ptr, S, R_MAX,
-    NUM_TILES, RANK_BASE, ROWS_PER_PROG, TILES_PER_PROG, ID_LIMIT,
+    NUM_TILES, RANK_BASE, ROWS_PER_PROG, TILES_PER_PROG, ID_LIMIT, BSTRIDE,
     E: tl.constexpr, E_PAD: tl.constexpr, BLOCK: tl.constexpr, SUB: tl.constexpr,
     CHECK: tl.constexpr,
 ):
     c = tl.program_id(0)
+    # batch b: its ids, and its row of the plans' buffer (every output lies in it)
+    b = tl.program_id(1).to(tl.int64)
+    ids_ptr += b * S
+    chunk_count_ptr += b * BSTRIDE
+    chunk_bad_ptr += b * BSTRIDE
+    row_slot_ptr += b * BSTRIDE
+    tiles_ptr += b * BSTRIDE
     experts = tl.arange(0, E_PAD)
     hist = tl.zeros((E_PAD,), tl.int32)
     bad = tl.zeros((BLOCK,), tl.int32)
@@ -113,11 +120,22 @@ def _chunk_prefix(chunk_count_ptr, chunk_bad_ptr, ids_ok_ptr, count_ptr, seg_sta
 @triton.jit
 def _plan_place_kernel(
     ids_ptr, chunk_count_ptr, chunk_bad_ptr, ids_ok_ptr, count_ptr, seg_start_ptr,
-    num_chunks, base_ptr, slot_row_ptr, row_slot_ptr, tile_expert_ptr, S, RANK_BASE,
+    num_chunks, base_ptr, slot_row_ptr, row_slot_ptr, tile_expert_ptr, S, RANK_BASE, BSTRIDE,
     E: tl.constexpr, E_PAD: tl.constexpr, BLOCK: tl.constexpr, SUB: tl.constexpr,
     BLOCK_M: tl.constexpr, CB: tl.constexpr, CHECK: tl.constexpr,
 ):
     c = tl.program_id(0)
+    b = tl.program_id(1).to(tl.int64)
+    ids_ptr += b * S
+    chunk_count_ptr += b * BSTRIDE
+    chunk_bad_ptr += b * BSTRIDE
+    ids_ok_ptr += b * BSTRIDE
+    count_ptr += b * BSTRIDE
+    seg_start_ptr += b * BSTRIDE
+    base_ptr += b * BSTRIDE
+    slot_row_ptr += b * BSTRIDE
+    row_slot_ptr += b * BSTRIDE
+    tile_expert_ptr += b * BSTRIDE
     experts = tl.arange(0, E_PAD)
     lanes = tl.arange(0, BLOCK)
     # first row of each key in this chunk, advanced past each sub-block's rows
@@ -152,19 +170,19 @@ BLOCK_SLOTS = 512
 chunks at test sizes)."""
 
 
-def _fit(t: torch.Tensor, n: int) -> torch.Tensor:
-    return t if t.numel() == n else t[:n]
-
-
 def plan_tensors(topk_ids: torch.Tensor, E: int, block_m: int, rank: int, R_max: int,
                  id_limit: int = 0):
     """(row_slot, slot_row, tile_expert, seg_start, count, ids_ok, packed) as int32 tensors,
     the layout of the torch path of build_plan. ``id_limit`` > 0: the count kernels also check
     every id against [-1, id_limit) and ids_ok (0-d) is 1 when all are in range, 0 otherwise
     (no host sync; the caller asserts on the device); ``id_limit`` 0: no check, ids_ok is None.
-    ``packed``: the first five as one flat view, plan.pack_plan's layout."""
+    ``packed``: the first five as one flat view, plan.pack_plan's layout.
+
+    ``topk_ids`` [B, T, K]: B independent plans (R_max rows each) from the same two launches,
+    each tensor then with a leading batch dimension (ids_ok [B])."""
     dev = topk_ids.device
-    S = topk_ids.numel()
+    B = topk_ids.shape[0] if topk_ids.dim() == 3 else 1
+    S = topk_ids.numel() // B
     ids = topk_ids.reshape(-1)
     E_PAD = max(16, next_power_of_2(E + 1))
     BLOCK = 16 if settings.triton_interpreting() else BLOCK_SLOTS
@@ -176,34 +194,37 @@ def plan_tensors(topk_ids: torch.Tensor, E: int, block_m: int, rank: int, R_max:
     rows_per_prog = cdiv(R_max, num_chunks)
     tiles_per_prog = cdiv(num_tiles, num_chunks)
 
-    # every int32 vector of the plan carved from one allocation: each torch.empty costs host
-    # microseconds (tools/host_issue.py), and the plan needed ten before the first GEMM. The
-    # plan's own vectors come first, back to back in plan.pack_plan's order (the packed plan is
-    # a view, no copy); the scratch parts after them start 16-byte aligned.
+    # every int32 vector of a plan carved from one allocation (one row of it per batch): each
+    # torch.empty costs host microseconds (tools/host_issue.py), and the plan needed ten before
+    # the first GEMM. The plan's own vectors come first, back to back in plan.pack_plan's order
+    # (the packed plan is a view, no copy); the scratch parts after them start 16-byte aligned.
     check = id_limit > 0
     main = [R_max, S, num_tiles, E + 1, E]
     scratch = [num_chunks * E_PAD] * 2 + [num_chunks if check else 0, 1 if check else 0]
     sizes = main + [-(-n // 4) * 4 for n in scratch]
     sizes.insert(len(main), -sum(main) % 4)
-    buf = torch.empty(sum(sizes), dtype=torch.int32, device=dev)
-    parts = buf.split(sizes)
+    buf = torch.empty((B, sum(sizes)), dtype=torch.int32, device=dev)
+    parts = buf.split(sizes, dim=1)
     row_slot, slot_row, tile_expert, seg_start, count = parts[:5]
-    chunk_count, base = (_fit(t, num_chunks * E_PAD).view(num_chunks, E_PAD)
-                         for t in parts[6:8])
-    chunk_bad = _fit(parts[8], num_chunks) if check else chunk_count
-    ids_ok = parts[9][:1].view(()) if check else chunk_count
+    chunk_count, base = parts[6:8]
+    chunk_bad = parts[8] if check else chunk_count
+    ids_ok = parts[9][:, 0] if check else chunk_count
     rank_base = rank * E
-    _plan_count_kernel[(num_chunks,)](
+    grid = (num_chunks, B)
+    _plan_count_kernel[grid](
         ids, chunk_count, chunk_bad, row_slot, tile_expert, S, R_max, num_tiles, rank_base,
-        rows_per_prog, tiles_per_prog, id_limit, E=E, E_PAD=E_PAD, BLOCK=BLOCK, SUB=SUB,
-        CHECK=check, num_warps=8,
+        rows_per_prog, tiles_per_prog, id_limit, buf.stride(0), E=E, E_PAD=E_PAD, BLOCK=BLOCK,
+        SUB=SUB, CHECK=check, num_warps=8,
     )
     # one launch after the count: its programs also take the scan's place (_chunk_prefix); it
     # runs even without slots, since program 0 writes seg_start, count and ids_ok
-    _plan_place_kernel[(num_chunks,)](
+    _plan_place_kernel[grid](
         ids, chunk_count, chunk_bad, ids_ok, count, seg_start, num_chunks, base, slot_row,
-        row_slot, tile_expert, S, rank_base, E=E, E_PAD=E_PAD, BLOCK=BLOCK, SUB=SUB,
-        BLOCK_M=block_m, CB=max(1, min(64, 8192 // E_PAD)), CHECK=check, num_warps=8,
+        row_slot, tile_expert, S, rank_base, buf.stride(0), E=E, E_PAD=E_PAD, BLOCK=BLOCK,
+        SUB=SUB, BLOCK_M=block_m, CB=max(1, min(64, 8192 // E_PAD)), CHECK=check, num_warps=8,
     )
-    return (row_slot, slot_row, tile_expert, seg_start, count, ids_ok if check else None,
-            buf[:sum(main)])
+    out = (row_slot, slot_row, tile_expert, seg_start, count, ids_ok if check else None,
+           buf[:, :sum(main)])
+    if topk_ids.dim() == 3:
+        return out
+    return tuple(None if t is None else t[0] for t in out)
