@@ -14,11 +14,12 @@ next region computes:
                                               for d = me-1, me-2, ...: x rows -> d (SM
                                               stores of the n_d rows), signal d
     barrier (channel 0): metadata everywhere
-    own region: plan, GEMM 1 + SwiGLU, GEMM 2,
+    every region's plan (plan.build_plans)
+    own region: GEMM 1 + SwiGLU, GEMM 2,
     combine into ret[me]
     for each peer s = me+1, me+2, ...: wait
-    for s's signal; plan, GEMM 1 + SwiGLU,
-    GEMM 2, combine into a buffer
+    for s's signal; GEMM 1 + SwiGLU, GEMM 2,
+    combine into a buffer
                                               the buffer's rows -> s's "ret" region
     wait for the side stream; barrier (channel 0): every partial row is home
     sum of the ranks' partial rows, fixed rank order, fp32
@@ -26,7 +27,7 @@ next region computes:
 The sends run in shift order (at step i every rank sends to the rank i below and receives from
 the rank i above: no rank takes two sources at once), and a region is computed as soon as its
 own rows are here: the dispatch hides under the regions computed before, each region's return
-under the next region. The per-call buffers (h, y, the plan) are sized for ONE region, C tokens of K slots,
+under the next region. The per-call buffers (h, y) are sized for ONE region, C tokens of K slots,
 whatever the routing (no region can hold more), and reused region after region: the transient
 memory is about what the rank computes on average (C*K received slots at uniform routing),
 not R times it, and no routing overflows it.
