@@ -306,3 +306,21 @@ def test_saved_backward_cublas_kernel_a(case, monkeypatch):
         _check(g, r64, name)
         assert rel_err(g, t) <= 1e-2, f"{name}: cublas vs triton side {rel_err(g, t):.2e}"
     assert (got[1][inp["topk_ids"] < 0] == 0).all()
+
+
+def test_gather_rows_dequantizes_fp8_rows_bitwise():
+    """gather_rows with scales (the EP backward's FP8 dy): each row is dequant_rows' bf16 row of
+    its token, padding rows zero, and the rows without scales the plain gather of those values."""
+    from torchtitan_megamoe.ops.hopper.kernels.fp8_quant import dequant_rows, quant_rows
+
+    T, C = 37, 256
+    ids = routing("uneven", T, K, E, seed=3)
+    plan = plan_for(ids, E)
+    x = torch.randn(T, C, generator=torch.Generator().manual_seed(3)).bfloat16() * 3
+    q, s = quant_rows(x)
+    got = gather_rows(q, plan, scales=s)
+    want = gather_rows(dequant_rows(q, s), plan)
+    used = int(plan.num_rows_used)
+    assert got.dtype == torch.bfloat16 and torch.equal(got[:used], want[:used])
+    with pytest.raises(ValueError, match="scales"):
+        gather_rows(q, plan, scales=s[:, :1])

@@ -18,10 +18,10 @@ ep_forward.py):
     dx = sum of the ranks' partial rows (fp32, rank order); d(topk_weights) from the owners
 
 So dy and x travel under the regions computed before theirs (shift order, as in the forward),
-and each region's dx under the next region's. dy travels as e4m3 rows with their 1x128 scales when the recipe's data gradients are
-FP8 (the quantization those GEMMs apply anyway; the weight gradients read the dequantized
-values, as the reference backend does at EP > 1); x travels in bf16 (the weight gradients read
-it unrounded). The weight gradients are fp32 sums over the regions in order 0..R-1: the first
+and each region's dx under the next region's. dy travels as e4m3 rows with their 1x128 scales
+when the recipe's data gradients are FP8 (the quantization those GEMMs apply anyway; the weight
+gradients read the dequantized values, as the reference backend does at EP > 1, dequantized in
+dw2's row gather); x travels in bf16 (the weight gradients read it unrounded). The weight gradients are fp32 sums over the regions in order 0..R-1: the first
 region's GEMMs write them, each later one's add to them in their epilogue (sides/wgrad.Into: no
 add pass, no per-region gradient), then they are rounded once: the same precision as one GEMM
 over all rows, deterministic. No host sync.
@@ -44,7 +44,7 @@ from torchtitan_megamoe.ops.hopper.fp8_backward import backward_fp8, recompute_a
 from torchtitan_megamoe.ops.hopper.fp8_weights import (
     dense_weights, make_fp8_weights, transposed_w2, transposed_w13,
 )
-from torchtitan_megamoe.ops.hopper.kernels.fp8_quant import FP8, dequant_rows, quant_rows
+from torchtitan_megamoe.ops.hopper.kernels.fp8_quant import FP8, quant_rows
 from torchtitan_megamoe.ops.hopper.kernels.row_store import kept, unstash_rows
 from torchtitan_megamoe.ops.hopper.plan import max_rows, unpack_plan
 from torchtitan_megamoe.ops.hopper.sides.wgrad import Into
@@ -99,9 +99,8 @@ def backward_ep(grad_out, x, topk_ids, topk_weights, w1, w2, w3, group, recipe,
         if recipe.fp8_dgrad:
             q, sc = route.recv_rows("dyq")[region].view(FP8), route.recv_rows("dys")[region]
             dx_s, dtw_s, *_ = backward_fp8(
-                dequant_rows(q, sc), route.recv_rows("x")[region], ids[region], weights[region],
-                w1, w2, w3, recipe, weight_cache, saved=region_saved, grad_fp8=(q, sc),
-                into=into)
+                None, route.recv_rows("x")[region], ids[region], weights[region], w1, w2, w3,
+                recipe, weight_cache, saved=region_saved, grad_fp8=(q, sc), into=into)
         else:
             dx_s, dtw_s, *_ = backward_bf16(
                 route.recv_rows("dy")[region], route.recv_rows("x")[region], ids[region],

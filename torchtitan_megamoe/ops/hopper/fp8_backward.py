@@ -38,7 +38,8 @@ from torchtitan_megamoe.ops.hopper.kernels.bwd_combine import bwd_combine
 from torchtitan_megamoe.ops.hopper.sides.fp8_gemm import (
     fp8_dgrad2_swiglu, fp8_gemm1_swiglu, fp8_gemm_rows,
 )
-from torchtitan_megamoe.ops.hopper.kernels.fp8_quant import quant_rows, quant_rows_t
+from torchtitan_megamoe.ops.hopper.kernels.fp8_quant import dequant_rows, quant_rows, quant_rows_t
+from torchtitan_megamoe.ops.hopper.kernels.grouped_mm import gather_rows
 from torchtitan_megamoe.ops.hopper.sides.fp8_wgrad import fp8_wgrad
 from torchtitan_megamoe.ops.hopper.sides.wgrad import Into
 from torchtitan_megamoe.ops.hopper.sides.gemm1_swiglu import gemm1_swiglu
@@ -52,7 +53,8 @@ def backward_fp8(grad_out, x, topk_ids, topk_weights, w1, w2, w3, recipe, weight
     """(dx, dtopk_weights, dw1, dw2, dw3); ``recipe``: the call's (ops/recipe.py): whether
     the forward's GEMM 1 ran in FP8, for the recompute when nothing was ``saved``, and whether
     the weight gradients run in FP8. ``grad_fp8``: grad_out already quantized (e4m3 rows, 1x128
-    scales: what the EP exchange delivers; grad_out is then their dequantized values).
+    scales: what the EP exchange delivers); grad_out is then None (the weight gradients read
+    their dequantized values, gathered into the row space in one pass) or those values.
     ``into``: as in bf16_backward.backward_bf16."""
     T, D = x.shape
     E, H, _ = w1.shape
@@ -60,7 +62,7 @@ def backward_fp8(grad_out, x, topk_ids, topk_weights, w1, w2, w3, recipe, weight
         return (torch.empty_like(x), torch.empty_like(topk_weights),
                 *Into.zeros(into, (w1, w2, w3)))
     params = into.outs if into else (w1, w2, w3)
-    dy = grad_out.contiguous()
+    dy = None if grad_out is None else grad_out.contiguous()
     x = x.contiguous()
     w1, w2, w3 = dense_weights(weight_cache, w1, w2, w3)
     if saved:
@@ -76,16 +78,20 @@ def backward_fp8(grad_out, x, topk_ids, topk_weights, w1, w2, w3, recipe, weight
     if recipe.fp8_wgrad(settings.fp8_wgrad()):  # fused dgrad2 + SwiGLU backward writing the FP8 wgrad operands
         daq, das, daTq, daTs, hTq, hTs, part = fp8_dgrad2_swiglu(gq, gs, w2t.q, w2t.s,
                                                                  a_saved, tw, plan)
+        if dy is None:
+            dy = dequant_rows(gq, gs)
         del gq, gs, a_saved, w2t
         dw1, dw2, dw3 = _fp8_weight_grads(daTq, daTs, hTq, hTs, dy, x, tw, params, plan, into)
         del daTq, daTs, hTq, hTs
     else:
         dh = fp8_gemm_rows(gq, gs, w2t.q, w2t.s, plan, out_dtype=x.dtype, gather=True,
                            stage="fp8_dgrad2")
+        # dw2's dy rows without a dequantized dy: dequantized in the gather
+        dy_rows = None if dy is not None else gather_rows(gq, plan, scales=gs)
         del gq, gs, w2t
         da, hw, part, daq, das = swiglu_bwd_rows(dh, a_saved, tw, plan, quant=True)
         del dh, a_saved
-        acts = {"hw": hw, "dy_rows": None}
+        acts = {"hw": hw, "dy_rows": dy_rows}
         del hw
         key = tuner_key(plan.max_rows, D, H, E, FP8_BLOCK_M, settings.bwd_impl())
         dw1, dw2, dw3 = weight_grads(dy, x, da, acts, plan, params, key, FP8_BLOCK_M,

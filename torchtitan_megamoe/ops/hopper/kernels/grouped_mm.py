@@ -42,6 +42,7 @@ import triton
 import triton.language as tl
 
 from torchtitan_megamoe import settings
+from torchtitan_megamoe.ops.hopper.kernels.fp8_quant import round_to_bf16
 from torchtitan_megamoe.ops.hopper.plan import Plan
 from torchtitan_megamoe.ops.hopper.kernels.tiling import cdiv, next_power_of_2
 
@@ -50,12 +51,14 @@ from torchtitan_megamoe.ops.hopper.kernels.tiling import cdiv, next_power_of_2
 
 @triton.jit
 def _gather_rows_kernel(
-    src_ptr, dst_ptr, row_slot_ptr, used_ptr,
-    R, C, TOPK, s_src, s_dst,
-    BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
+    src_ptr, dst_ptr, row_slot_ptr, used_ptr, scale_ptr,
+    R, C, TOPK, s_src, s_dst, s_scale,
+    BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, SCALED: tl.constexpr,
+    EMULATE: tl.constexpr,
 ):
     """One program per (BLOCK_R rows, BLOCK_C columns) of dst [R, C]: dst[r] = src[token of r],
-    zeros for padding rows; programs wholly past the used rows exit. Waits on: the plan and src
+    zeros for padding rows; programs wholly past the used rows exit. SCALED: src e4m3 rows with
+    1x128 scales, dst their bf16 values (dequant_rows' bits). Waits on: the plan and src
     (stream order). Signals: nothing."""
     pid_r = tl.program_id(0)
     pid_c = tl.program_id(1)
@@ -69,30 +72,44 @@ def _gather_rows_kernel(
     slot = tl.load(row_slot_ptr + r, mask=r_ok, other=-1)
     ok = slot >= 0
     tok = tl.where(ok, slot // TOPK, 0).to(tl.int64)
-    v = tl.load(src_ptr + tok[:, None] * s_src + c[None, :], mask=ok[:, None] & c_ok[None, :],
+    m = ok[:, None] & c_ok[None, :]
+    v = tl.load(src_ptr + tok[:, None] * s_src + c[None, :], mask=m,
                 other=0.0)  # padding rows of a segment: zeros
+    if SCALED:
+        sc = tl.load(scale_ptr + tok[:, None] * s_scale + (c // 128)[None, :], mask=m, other=0.0)
+        v = round_to_bf16(v.to(tl.float32) * sc, EMULATE).to(dst_ptr.dtype.element_ty)
     tl.store(dst_ptr + r[:, None].to(tl.int64) * s_dst + c[None, :], v,
              mask=r_ok[:, None] & c_ok[None, :])
 
 
 def gather_rows(src: torch.Tensor, plan: Plan, block_r: int = 16, block_c: int = 256,
-                num_warps: int = 4, out: torch.Tensor | None = None) -> torch.Tensor:
+                num_warps: int = 4, out: torch.Tensor | None = None,
+                scales: torch.Tensor | None = None) -> torch.Tensor:
     """rows[r] = src[row_slot[r] // K] for the plan's rows, zeros in segment padding rows.
 
     src: [T, C] token rows. Returns [R_max, C] in src's dtype (``out`` if given, contiguous);
-    rows past the used ones are not written (no grouped GEMM group reaches them).
+    rows past the used ones are not written (no grouped GEMM group reaches them). ``scales``
+    [T, C/128]: src is e4m3 rows with these 1x128 scales and the rows are their bf16 values,
+    fp8_quant.dequant_rows' bits (the EP backward's dy travels so: no dequantized copy first).
     """
     T, C = src.shape
     if T != plan.num_tokens or src.stride(-1) != 1:
         raise ValueError(f"src must be [{plan.num_tokens}, C] with contiguous rows, "
                          f"got {tuple(src.shape)}")
+    dtype = torch.bfloat16 if scales is not None else src.dtype
+    if scales is not None and (C % 128 or scales.shape != (T, C // 128)
+                               or scales.stride(-1) != 1):
+        raise ValueError(f"scales must be [{T}, {C // 128}] with contiguous rows (C % 128 == "
+                         f"0), got {tuple(scales.shape)} for src {tuple(src.shape)}")
     R = plan.max_rows
     if out is None:
-        out = torch.empty(R, C, dtype=src.dtype, device=src.device)
-    elif out.shape != (R, C) or not out.is_contiguous() or out.dtype != src.dtype:
-        raise ValueError(f"out must be a contiguous [{R}, {C}] {src.dtype} tensor")
+        out = torch.empty(R, C, dtype=dtype, device=src.device)
+    elif out.shape != (R, C) or not out.is_contiguous() or out.dtype != dtype:
+        raise ValueError(f"out must be a contiguous [{R}, {C}] {dtype} tensor")
     if not (src.is_cuda or settings.triton_interpreting()):
         # CPU without Triton: the same rows by torch indexing.
+        if scales is not None:
+            src = (src.float() * scales.repeat_interleave(128, dim=1)).to(dtype)
         slot = plan.row_slot.long()
         torch.index_select(src, 0, slot.clamp(min=0) // plan.top_k, out=out)
         return out.masked_fill_((slot < 0)[:, None], 0)
@@ -100,9 +117,11 @@ def gather_rows(src: torch.Tensor, plan: Plan, block_r: int = 16, block_c: int =
     block_c = min(block_c, next_power_of_2(C))
     grid = (cdiv(R, block_r), cdiv(C, block_c))
     _gather_rows_kernel[grid](
-        src, dst, plan.row_slot, plan.num_rows_used,
+        src, dst, plan.row_slot, plan.num_rows_used, src if scales is None else scales,
         R, C, plan.top_k, src.stride(0), dst.stride(0),
-        BLOCK_R=block_r, BLOCK_C=block_c, num_warps=num_warps,
+        0 if scales is None else scales.stride(0),
+        BLOCK_R=block_r, BLOCK_C=block_c, SCALED=scales is not None,
+        EMULATE=settings.triton_interpreting(), num_warps=num_warps,
     )
     return dst
 

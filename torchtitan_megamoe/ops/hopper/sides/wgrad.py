@@ -49,7 +49,7 @@ class Into(NamedTuple):
 
 
 class Operands(NamedTuple):
-    dy: torch.Tensor
+    dy: torch.Tensor | None  # None where acts holds the dy rows (the EP backward's FP8 dy)
     x: torch.Tensor
     da: torch.Tensor  # [da1 | da3]
     acts: dict  # "hw": w*h rows, "dy_rows": dy gathered into the row space or None
@@ -82,8 +82,10 @@ def _finish(op: Operands, grads: tuple) -> tuple:
 
 
 def _dw2_triton(cfg, op: Operands):
-    return wgrad(op.dy, op.acts["hw"], _out(op, 1), op.plan, a_gather=True, b_gather=False,
-                 expert_order=op.order, accumulate=_accumulates(op), **cfg.kwargs())
+    rows = op.acts.get("dy_rows")  # the dy rows where gathered already (op.dy may be None)
+    return wgrad(op.dy if rows is None else rows, op.acts["hw"], _out(op, 1), op.plan,
+                 a_gather=rows is None, b_gather=False, expert_order=op.order,
+                 accumulate=_accumulates(op), **cfg.kwargs())
 
 
 def _dw2_cublas(cfg, op: Operands):
