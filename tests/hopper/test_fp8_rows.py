@@ -171,3 +171,16 @@ def test_deepgemm_side_matches_ours(case):
         shape = Shape("gemm_rows", H, D, 128, out_bf16=True, gather=False, expert_group=group)
         offer = STAGES["fp8_dgrad1"].offer(shape, available(gq))
         assert (FP8_DEEPGEMM in offer.candidates) is not group
+
+
+def test_quant_rows_skip_flag_leaves_its_outputs_unwritten(monkeypatch):
+    """quant_rows(skip=) (the EP backward's recompute of a kept region): a true device flag
+    writes nothing, a false one the rows of a call without it."""
+    x = torch.randn(40, 256, generator=torch.Generator().manual_seed(4)).bfloat16()
+    q0, s0 = quant_rows(x)
+    q1, s1 = quant_rows(x, skip=torch.tensor(False))
+    assert torch.equal(q1.view(torch.uint8), q0.view(torch.uint8)) and torch.equal(s1, s0)
+    full = torch.full  # outputs poisoned first: a skipped call must leave them as they were
+    monkeypatch.setattr(torch, "empty", lambda shape, **k: full(shape, 7, dtype=k["dtype"]))
+    q2, s2 = quant_rows(x, skip=torch.tensor(True))
+    assert (s2 == 7).all() and (q2.float() == 7).all()

@@ -144,10 +144,10 @@ class _Restore:
         plan = unpack_plan(packed, self.C, self.K, self.E_local, self.block_m)
         # GEMM 1 only on the tiles of a region the store did not keep: a kept region's
         # tiles are all skipped (-1)
-        fresh = plan.with_tiles(torch.where(kept(self.offs, i, plan.num_rows_used), -1,
-                                            plan.tile_expert))
+        is_kept = kept(self.offs, i, plan.num_rows_used)
+        fresh = plan.with_tiles(torch.where(is_kept, -1, plan.tile_expert))
         recompute_a(x_rows.contiguous(), *self.w, fresh, self.recipe.fp8_forward,
-                    self.weight_cache, out=self.a)
+                    self.weight_cache, out=self.a, skip=is_kept)
         # after GEMM 1: DeepGEMM's FP8 GEMM writes zeros into the skipped tiles' rows
         unstash_rows(self.store, self.a, self.offs, i, plan.num_rows_used)
         return [self.a, packed]

@@ -144,12 +144,13 @@ def dgrad1_groups(E: int, H: int, D: int, rows: int, weight_cache) -> list[tuple
     return [(lo, min(lo + size, E)) for lo in range(0, E, size)]
 
 
-def recompute_a(x, w1, w2, w3, plan, fp8_forward, weight_cache, out=None):
+def recompute_a(x, w1, w2, w3, plan, fp8_forward, weight_cache, out=None, skip=None):
     """GEMM 1's [a1 | a3] as the forward computed it (same kernel, same arithmetic); ``out``:
     the a to write (the rows of tiles whose tile_expert is -1 are then left as they are by our
-    kernels, zeroed by DeepGEMM's)."""
+    kernels, zeroed by DeepGEMM's). ``skip``: a 0-d device bool, true where every tile of the
+    plan is -1 (x is then not quantized)."""
     if fp8_forward:
-        xq, xs = quant_rows(x)
+        xq, xs = quant_rows(x, skip=skip)
         wq = forward_weights(w1, w2, w3, cache=weight_cache, dtype=x.dtype)
         _hq, _hs, a = fp8_gemm1_swiglu(xq, xs, wq.w1q, wq.w1s, wq.w3q, wq.w3s, plan, save_a=True,
                                        a_out=out)

@@ -76,8 +76,11 @@ def quantize_block(v, AXIS: tl.constexpr, EMULATE: tl.constexpr = False):
 
 
 @triton.jit
-def _quant_rows_kernel(x_ptr, q_ptr, s_ptr, N, K, stride_x, stride_q, stride_s,
-                       BLOCK_R: tl.constexpr, EMULATE: tl.constexpr):
+def _quant_rows_kernel(x_ptr, q_ptr, s_ptr, skip_ptr, N, K, stride_x, stride_q, stride_s,
+                       BLOCK_R: tl.constexpr, EMULATE: tl.constexpr, SKIP: tl.constexpr):
+    if SKIP:
+        if tl.load(skip_ptr) != 0:
+            return
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     cols = tl.program_id(1) * 128 + tl.arange(0, 128)
     ok = rows < N
@@ -118,8 +121,11 @@ def dequant_rows(q: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
     return y
 
 
-def quant_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(q [N, K] e4m3, s [N, K/128] fp32): one scale per row and 128 columns."""
+def quant_rows(x: torch.Tensor, skip: torch.Tensor | None = None
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q [N, K] e4m3, s [N, K/128] fp32): one scale per row and 128 columns. ``skip``: a 0-d
+    device bool; when true, q and s are left unwritten (the EP backward's recompute of a region
+    its store kept: decided on the device, no host sync)."""
     N, K = x.shape
     assert K % SCALE_BLOCK == 0, K
     q = torch.empty((N, K), dtype=FP8, device=x.device)
@@ -127,8 +133,9 @@ def quant_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     if N:
         block_r = 32
         _quant_rows_kernel[(cdiv(N, block_r), K // SCALE_BLOCK)](
-            x, q, s, N, K, x.stride(0), q.stride(0), s.stride(0), BLOCK_R=block_r,
-            EMULATE=settings.triton_interpreting(), num_warps=4)
+            x, q, s, x if skip is None else skip, N, K, x.stride(0), q.stride(0), s.stride(0),
+            BLOCK_R=block_r, EMULATE=settings.triton_interpreting(), SKIP=skip is not None,
+            num_warps=4)
     return q, s
 
 
