@@ -161,7 +161,8 @@ def test_build_plans_equals_one_build_plan_per_batch(use_kernels, monkeypatch):
     of that batch bit for bit, its packed plan a view that unpacks to it; batches with other
     routings (one empty, one skewed) do not disturb each other. Several chunks per batch."""
     from torchtitan_megamoe.ops.hopper.kernels import plan_kernels
-    from torchtitan_megamoe.ops.hopper.plan import build_plans, pack_plan, unpack_plan
+    from torchtitan_megamoe.ops.hopper.plan import (build_plans, pack_plan, packed_plan_numel,
+                                                     unpack_plan)
 
     monkeypatch.setattr(plan_kernels, "TARGET_CHUNKS", 3)
     g = torch.Generator().manual_seed(11)
@@ -170,8 +171,8 @@ def test_build_plans_equals_one_build_plan_per_batch(use_kernels, monkeypatch):
     ids[torch.rand(B, T, K, generator=g) < 0.3] = -1
     ids[1] = -1  # nothing of batch 1 is here
     ids[2][ids[2] >= 0] = 3  # batch 2: one expert
-    plans = build_plans(ids, E, bm, use_kernels=use_kernels)
-    assert len(plans) == B
+    plans, packed = build_plans(ids, E, bm, use_kernels=use_kernels)
+    assert len(plans) == B and packed.shape == (B, packed_plan_numel(T, K, E, bm))
     for b, plan in enumerate(plans):
         ref = build_plan(ids[b], E, bm)
         for f in ("row_slot", "slot_row", "tile_expert", "seg_start", "count"):
@@ -179,3 +180,4 @@ def test_build_plans_equals_one_build_plan_per_batch(use_kernels, monkeypatch):
         assert int(plan.num_rows_used) == int(ref.num_rows_used)
         back = unpack_plan(pack_plan(plan), T, K, E, bm)
         assert torch.equal(back.row_slot, plan.row_slot.int())
+        assert torch.equal(packed[b], pack_plan(plan))  # the saved form: batch b's row

@@ -131,7 +131,7 @@ class _Restore:
     kernel and pick: the same bits). One a buffer of one region's rows, reused."""
 
     def __init__(self, saved, route, w1, w2, w3, recipe, weight_cache):
-        self.store, self.offs, self.packed = saved[0], saved[1], saved[2:]
+        self.store, self.offs, self.packed = saved  # packed: [R, N], region-indexed
         self.C, self.K, self.E_local = route.C, route.K, w1.shape[0]
         self.w = dense_weights(weight_cache, w1, w2, w3)  # stand-ins stay zero-stride
         self.recipe, self.weight_cache = recipe, weight_cache

@@ -73,7 +73,7 @@ from torchtitan_megamoe.ops.hopper.kernels.fp8_quant import FP8, quant_rows
 from torchtitan_megamoe.ops.hopper.kernels.row_store import stash_rows
 from torchtitan_megamoe.ops.hopper.sides.gemm1_swiglu import gemm1_swiglu
 from torchtitan_megamoe.ops.hopper.sides.gemm2 import gemm2
-from torchtitan_megamoe.ops.hopper.plan import build_plans, max_rows, pack_plan, packed_plan_numel
+from torchtitan_megamoe.ops.hopper.plan import build_plans, max_rows, packed_plan_numel
 from torchtitan_megamoe.ops.hopper.tiles import FP8_BLOCK_M, plan_block_m
 
 SAVE_MARGIN = 1.5
@@ -141,15 +141,15 @@ def forward_ep(x, topk_ids, topk_weights, w1, w2, w3, group, recipe, max_tokens_
                        gemm1_config, gemm2_config, x.dtype)
 
     # 2. the own region, then each peer's; a peer's partial rows go home under the next region
-    plans, sends = {}, []
+    sends = []
     for i, s in enumerate(region_order(R, me)):
         if s != me and ex.overlaps:
             ex.wait_from(s)  # region s's rows are here (the others may still travel)
         if s == me:
-            plans[s] = compute.region(i, s, out=ex.send_region(me, "ret"))
+            compute.region(i, s, out=ex.send_region(me, "ret"))
             continue
         part = torch.empty((C, D), dtype=x.dtype, device=x.device)
-        plans[s] = compute.region(i, s, out=part)
+        compute.region(i, s, out=part)
 
         def send(s=s, part=part):
             if ex.overlaps:
@@ -166,7 +166,7 @@ def forward_ep(x, topk_ids, topk_weights, w1, w2, w3, group, recipe, max_tokens_
     out = route.sum_returned("ret", x.dtype)
     if not save:
         return out
-    return out, ([compute.store, compute.offs, *(plans[s] for s in range(R))] if keep else [])
+    return out, ([compute.store, compute.offs, compute.packed] if keep else [])
 
 
 class _Regions:
@@ -187,7 +187,8 @@ class _Regions:
         E_local, H, D = w1.shape
         dev = ids.device
         # every region's plan from one launch pair (the ids are all here once the metadata is)
-        self.plans = build_plans(ids.view(route.R, self.C, self.K), E_local, block_m)
+        self.plans, self.packed = build_plans(ids.view(route.R, self.C, self.K), E_local,
+                                              block_m)
         M = max_rows(self.C * self.K, E_local, block_m)
         if keep:
             self.store = torch.empty((saved_rows(route.R, self.C, self.K, E_local, block_m),
@@ -199,8 +200,8 @@ class _Regions:
             self.a = torch.empty((M, 2 * H), dtype=dtype, device=dev) if keep else None
 
     def region(self, i: int, s: int, out: torch.Tensor):
-        """Region s (the i-th computed) into ``out`` [C, D]; returns its packed plan when the
-        pre-activations are kept (stashed as block i of the store), else None."""
+        """Region s (the i-th computed) into ``out`` [C, D]; a kept region's pre-activations
+        are stashed as block i of the store."""
         C = self.C
         ids, weights = self.ids[s * C:(s + 1) * C], self.weights[s * C:(s + 1) * C]
         plan = self.plans[s]
@@ -209,19 +210,16 @@ class _Regions:
                                    self.route.recv_rows("xs")[s * C:(s + 1) * C], ids, weights,
                                    self.w1, self.w2, self.w3, self.dtype, self.weight_cache,
                                    save=self.keep, out=out, plan=plan)
-            if not self.keep:
-                return None
-            stash_rows(res[1][0], self.store, self.offs, i, plan.num_rows_used)
-            return pack_plan(plan)
+            if self.keep:
+                stash_rows(res[1][0], self.store, self.offs, i, plan.num_rows_used)
+            return
         xr = self.route.recv_rows("x")[s * C:(s + 1) * C]
         gemm1_swiglu(xr, self.w1, self.w3, plan, config=self.g1, save_a=self.keep,
                      out=(self.h, self.a) if self.keep else self.h)
         gemm2(self.h, self.w2, plan, config=self.g2, out=self.y)
         combine(self.y, weights, plan.slot_row, self.dtype, out=out)
-        if not self.keep:
-            return None
-        stash_rows(self.a, self.store, self.offs, i, plan.num_rows_used)
-        return pack_plan(plan)
+        if self.keep:
+            stash_rows(self.a, self.store, self.offs, i, plan.num_rows_used)
 
 
 def saved_like_ep(x, topk_ids, w1, group, recipe, max_tokens_per_rank=0):
@@ -233,7 +231,6 @@ def saved_like_ep(x, topk_ids, w1, group, recipe, max_tokens_per_rank=0):
     C = capacity_hint(group, T, max_tokens_per_rank)
     if not keeps_saved(R, C, K, E_local, D, H, block_m):
         return []
-    packed = (packed_plan_numel(C, K, E_local, block_m),)
     return [x.new_empty((saved_rows(R, C, K, E_local, block_m), 2 * H)),
             topk_ids.new_empty((R + 1,), dtype=torch.int32),
-            *(topk_ids.new_empty(packed, dtype=torch.int32) for _ in range(R))]
+            topk_ids.new_empty((R, packed_plan_numel(C, K, E_local, block_m)), dtype=torch.int32)]

@@ -197,15 +197,17 @@ def build_plan(
 
 
 def build_plans(topk_ids: torch.Tensor, num_local_experts: int, block_m: int,
-                use_kernels: bool = False) -> list[Plan]:
+                use_kernels: bool = False) -> tuple[list[Plan], torch.Tensor]:
     """build_plan of each batch of ``topk_ids`` [B, T, K] (LOCAL expert ids, -1: not here):
     B independent plans, on CUDA (or ``use_kernels``) from the same two launches (the EP
     forward's regions: one launch pair per call instead of one per region, host time that
-    the small regions' GEMMs do not cover)."""
+    the small regions' GEMMs do not cover). Also returns their packed plans as ONE [B, N]
+    tensor (what the EP forward saves: a custom op's outputs may not alias each other)."""
     if topk_ids.dim() != 3:
         raise ValueError(f"topk_ids must be [B, T, K], got shape {tuple(topk_ids.shape)}")
     if not (topk_ids.is_cuda or use_kernels):
-        return [build_plan(ids, num_local_experts, block_m) for ids in topk_ids]
+        plans = [build_plan(ids, num_local_experts, block_m) for ids in topk_ids]
+        return plans, torch.stack([pack_plan(p) for p in plans])
     from torchtitan_megamoe.ops.hopper.kernels.plan_kernels import plan_tensors
 
     B, T, K = topk_ids.shape
@@ -216,7 +218,7 @@ def build_plans(topk_ids: torch.Tensor, num_local_experts: int, block_m: int,
     return [Plan(row_slot=row_slot[b], slot_row=slot_row[b], tile_expert=tile_expert[b],
                  seg_start=seg_start[b], count=count[b], num_rows_used=seg_start[b, E],
                  num_tokens=T, top_k=K, num_local_experts=E, block_m=block_m,
-                 packed=packed[b]) for b in range(B)]
+                 packed=packed[b]) for b in range(B)], packed
 
 
 def pack_plan(plan: Plan) -> torch.Tensor:
