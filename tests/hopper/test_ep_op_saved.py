@@ -3,6 +3,8 @@ group, backend="hopper") forward + autograd backward, at a shape where the EP fo
 GEMM 1's pre-activations of every region (ep_forward.keeps_saved), so the backward's
 re-dispatch must reproduce that layout exactly; gradients vs float64 of one rank holding all."""
 
+import functools
+
 import torch
 import torch.distributed as dist
 
@@ -29,20 +31,15 @@ def _worker(rank, init_file, result_file):
     ex = slice(rank * E // R, (rank + 1) * E // R)
     leaves = [inp["x"][mine].clone().requires_grad_(), inp["topk_weights"][mine].clone().requires_grad_()]
     ws = [inp[n][ex].clone().requires_grad_() for n in ("w1", "w2", "w3")]
-    kept = []
-    real = ep_forward.pack_plan
-
-    def spy(plan):  # the EP forward packs a region's plan only when it keeps the saved tensors
-        kept.append(True)
-        return real(plan)
-
-    ep_forward.pack_plan = spy
+    real = ep_forward.build_plans
+    # the plan kernels' batched layout, as on CUDA: the saved packed plans are rows of one tensor
+    ep_forward.build_plans = functools.partial(real, use_kernels=True)
     try:
         out = mega_moe(leaves[0], inp["topk_ids"][mine], leaves[1], *ws,
                        group=dist.group.WORLD, backend="hopper")
         out.backward(inp["dy"][mine])
     finally:
-        ep_forward.pack_plan = real
+        ep_forward.build_plans = real
     grads = [leaves[0].grad, leaves[1].grad, *(w.grad for w in ws)]
     # what compile's fake impl allocates (saved_like) matches what the forward saves
     from torchtitan_megamoe.ops import hopper
@@ -53,7 +50,7 @@ def _worker(rank, init_file, result_file):
     _, saved = hopper.forward(*args, save=True)
     like = hopper.saved_like(*args)
     shapes = [[(tuple(t.shape), t.dtype) for t in ts] for ts in (saved, like)]
-    torch.save([grads, kept, shapes], f"{result_file}.{rank}")
+    torch.save([grads, shapes], f"{result_file}.{rank}")
     finish_rank()
 
 
@@ -64,11 +61,9 @@ def test_ep2_op_saved_receive_layout_backward_matches_f64():
     block_m = plan_block_m()
     assert keeps_saved(R, T, K, E // R, D, H, block_m), "pick a shape that keeps the saved tensors"
     ranks = run_ranks(_worker, R)
-    # saved path taken: one packed plan per region
-    assert all(r[1] == [True] * R for r in ranks), [r[1] for r in ranks]
-    for r in ranks:  # R regions' (a, packed plan), as the fake impl has them
-        got, like = r[2]
-        assert got == like and len(got) == 2 * R, (got, like)
+    for r in ranks:  # the saved path taken: (store, offsets, [R, N] packed plans) as the fake impl
+        got, like = r[1]
+        assert got == like and len(got) == 3 and got[2][0][0] == R, (got, like)
     ref = grads_f64(_inputs())
     got = [torch.cat([r[0][i] for r in ranks]) for i in range(2)]
     got += [torch.cat([r[0][i] for r in ranks]) for i in range(2, 5)]  # expert slices in order
