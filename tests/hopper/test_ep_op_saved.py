@@ -49,6 +49,8 @@ def _worker(rank, init_file, result_file):
             *(w.detach() for w in ws), dist.group.WORLD, MegaMoEOptions(precision="bf16"))
     _, saved = hopper.forward(*args, save=True)
     like = hopper.saved_like(*args)
+    # a custom op's outputs may not alias (torch checks it on CUDA): one storage per tensor
+    assert len({t.untyped_storage().data_ptr() for t in saved}) == len(saved)
     shapes = [[(tuple(t.shape), t.dtype) for t in ts] for ts in (saved, like)]
     torch.save([grads, shapes], f"{result_file}.{rank}")
     finish_rank()
