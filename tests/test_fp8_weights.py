@@ -8,7 +8,8 @@ optimizer step, and are never stale.
 - MegaExperts: one make until a weight changes; each way of changing one outside the optimizer
   step (copy_, load_state_dict, .data =, an in-place op) is seen; the post-optimizer hook makes
   them and the next forward and backward make nothing; under bf16 autocast the copies come from
-  the fp32 parameter and give the per-call cast's bits.
+  the fp32 parameter and give the per-call cast's bits; with fp8_free_after_backward (the
+  default) each layer's copies live from its forward to the end of its backward.
 - The converter's training loop (TorchTitan's Qwen3 at the tiny FP8 flavor's shape, AdamW, the
   post-optimizer hook), cache on against off, bitwise, with quantization counts per step; under
   FSDP on 2 gloo ranks the same, with the FP8 all-gather (and a checkpoint save / load).
@@ -176,10 +177,12 @@ def test_reference_backend_reads_stand_ins_through_the_copies():
 # ------------------------------------------------------------------------------ MegaExperts
 
 
-def _experts(precision="fp8", cache=True, dtype=torch.bfloat16, seed=0, keep_transposed=True):
+def _experts(precision="fp8", cache=True, dtype=torch.bfloat16, seed=0, keep_transposed=True,
+             free=True):
     m = MegaExperts(D, H, E, options=MegaMoEOptions(backend="hopper", precision=precision,
                                                     fp8_weight_cache=cache,
-                                                    fp8_keep_transposed=keep_transposed))
+                                                    fp8_keep_transposed=keep_transposed,
+                                                    fp8_free_after_backward=free))
     _x, _ids, _tw, w1, w2, w3 = _weights(seed)
     with torch.no_grad():
         for p, w in zip((m.w1, m.w2, m.w3), (w1, w2, w3)):
@@ -195,7 +198,7 @@ def _call(m, seed=0, autocast=False):
 
 
 def test_module_makes_its_copies_once_and_sees_every_change():
-    m, ref = _experts(), _experts(cache=False)
+    m, ref = _experts(free=False), _experts(cache=False)
     with counting() as seen:
         first = _call(m)
         _call(m, seed=1)
@@ -235,7 +238,7 @@ def test_fused_optimizer_step_is_seen_through_the_hook():
     """torch's fused AdamW (TorchTitan's default on GPUs) writes the weights without moving
     their version counters: only the post-optimizer hook can see its step, so it re-makes the
     copies every time, and the next call computes with the stepped weights."""
-    m, ref = _experts(), _experts(cache=False)
+    m, ref = _experts(free=False), _experts(cache=False)
     x, ids, tw, *_ = _weights()
     opts = [torch.optim.AdamW(e.parameters(), lr=1e-2, fused=True) for e in (m, ref)]
     for e, opt in zip((m, ref), opts):
@@ -265,6 +268,60 @@ def test_forward_copies_only_transpose_in_the_backward():
     assert all(torch.equal(a, b) for a, b in zip(*grads))
 
 
+class _Probe(torch.autograd.Function):
+    """Identity whose backward records which of ``layers`` hold FP8 copies at that moment."""
+
+    @staticmethod
+    def forward(ctx, seen, layers, t):
+        ctx.seen, ctx.layers = seen, layers
+        return t.view_as(t)
+
+    @staticmethod
+    def backward(ctx, grad):
+        ctx.seen.append([m._fp8 is not None for m in ctx.layers])
+        return None, None, grad
+
+
+def test_copies_live_from_the_forward_to_the_end_of_the_backward():
+    """fp8_free_after_backward (the default): two layers in a chain; each frees its copies
+    right after its own backward (the later layer's are gone while the earlier one's backward
+    runs), the next forward makes them again, once per layer and step as with the hook, and
+    the results are bitwise the per-call quantization's. Without a backward (no_grad) they
+    stay; with x not needing a gradient the weights' path frees them."""
+    x, ids, tw, *_ = _weights()
+    layers, refs = [_experts(seed=s) for s in (0, 1)], [_experts(cache=False, seed=s)
+                                                        for s in (0, 1)]
+    results = []
+    for chain in (layers, refs):
+        seen, grads = [], []
+        for step in range(2):
+            xx = x.detach().clone().requires_grad_()
+            with counting() as made:
+                mid = _Probe.apply(seen, chain, chain[0](xx, ids, tw))
+                out = chain[1](mid, ids, tw)
+                seen.append([m._fp8 is not None for m in chain])  # after the forward
+                out.float().sum().backward()
+            grads.append([xx.grad] + [p.grad for m in chain for p in (m.w1, m.w2, m.w3)])
+            if chain is layers:
+                assert made == {"quant": 6, "transpose": 0}, made
+                assert all(m.fp8_weights_made == step + 1 for m in chain)
+                for m in chain:
+                    m.refresh_fp8_weights()  # the hook finds nothing to re-make
+                assert all(m.fp8_weights_made == step + 1 for m in chain)
+        results.append(grads)
+        if chain is layers:
+            assert seen == [[True, True], [True, False]] * 2, seen
+            assert all(m._fp8 is None for m in chain)
+    assert all(torch.equal(a, b) for ga, gb in zip(*results) for a, b in zip(ga, gb))
+
+    m = layers[0]
+    with torch.no_grad():
+        m(x, ids, tw)
+    assert m._fp8 is not None  # no backward to follow: kept (the hook re-makes them)
+    m(x.detach(), ids, tw).float().sum().backward()  # x without a gradient: w1 carries it
+    assert m._fp8 is None and m.w1.grad is not None
+
+
 def test_off_precision_and_backend_make_nothing():
     for m in (_experts(cache=False), _experts(precision="bf16")):
         _call(m)
@@ -282,7 +339,8 @@ def test_autocast_copies_come_from_the_parameter(precision):
     gradients bitwise those of per-call quantization; fp8 gives the op stand-ins, not a cast."""
     from torchtitan_megamoe.ops import api
 
-    on, off = _experts(precision, dtype=torch.float32), _experts(precision, False, torch.float32)
+    on = _experts(precision, dtype=torch.float32, free=False)
+    off = _experts(precision, False, torch.float32)
     seen = []
     real = api._run_forward
 
@@ -362,21 +420,19 @@ def _train(cache, precision, steps=3, seed=0):
 
 @pytest.mark.parametrize("precision", ["fp8", "fp8_bwd"])
 def test_training_cache_on_is_bitwise_cache_off(precision):
-    # two steps: the first makes the copies in its forward, the second computes with the ones
-    # the hook made after the first optimizer step (each step of the CPU interpreter costs a
-    # minute and more)
+    # two steps, each making the copies in its forward and freeing them in its backward
+    # (each step of the CPU interpreter costs a minute and more)
     with cpu_histc():
         on_losses, on_params, on_counts, layers = _train(True, precision, steps=2)
         off_losses, off_params, off_counts, _ = _train(False, precision, steps=2)
     assert all(torch.equal(a, b) for a, b in zip(on_losses, off_losses)), (on_losses, off_losses)
     assert all(torch.equal(a, b) for a, b in zip(on_params, off_params))
-    # on: the first step's forward makes each layer's copies (one pass per weight writes both
-    # layouts); after that one make per layer per optimizer step, in the hook, none in
-    # forward or backward
+    # on: each step's forward makes each layer's copies (one pass per weight writes both
+    # layouts), its backward frees them (fp8_free_after_backward), so the hook has none to
+    # re-make: one make per layer per optimizer step
     once = {"quant": 3 * layers, "transpose": 0}
     none = {"quant": 0, "transpose": 0}
-    assert on_counts[0] == (once, once)
-    assert all(c == (none, once) for c in on_counts[1:]), on_counts
+    assert all(c == (once, none) for c in on_counts), on_counts
     # off: every call quantizes, the hook makes nothing
     assert all(step["quant"] > 0 and hook == none for step, hook in off_counts), off_counts
 

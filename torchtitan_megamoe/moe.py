@@ -17,7 +17,10 @@ make them from its parameters (ops/hopper/fp8_weights.py), keeps them from one c
 re-makes them once per optimizer step (``refresh_fp8_weights``, the converter's post-optimizer
 hook) and before any call that finds a parameter changed since (identity, version counter,
 storage: a checkpoint load, a copy_), and passes them to the op, so no quantization runs in the
-step's forward or backward. Where the recipe reads the weights only through the copies
+step's backward. With ``fp8_free_after_backward`` (the default) it frees them once the layer's
+backward has read them (``_FreeAfterBackward``) and the next forward makes them again: the end of
+the step's backward, where every weight gradient is alive, holds one layer's copies instead of
+every layer's, at the same one quantization per weight and step. Where the recipe reads the weights only through the copies
 (``Recipe.stand_ins``: ``fp8``) the op then gets zero-stride stand-ins for the weights
 (``_StandIns``): no per-call cast under autocast, and the gradients reach the parameters through
 them.
@@ -71,6 +74,23 @@ class _StandIns(torch.autograd.Function):
         return grads
 
 
+class _FreeAfterBackward(torch.autograd.Function):
+    """Identity on one of the op's inputs that needs a gradient. It sits upstream of the op, so
+    its backward runs after the op's backward, the last read of the layer's FP8 copies in the
+    step; it frees the module's reference (the op's own, saved for its backward, is gone by
+    then). Under activation checkpointing the recompute's copy of this node never runs."""
+
+    @staticmethod
+    def forward(ctx, owner, t):
+        ctx.owner = owner
+        return t.view_as(t)
+
+    @staticmethod
+    def backward(ctx, grad):
+        ctx.owner.drop_fp8_weights()
+        return None, grad
+
+
 class MegaExperts(GroupedExperts):
     """Routed experts computed by the fused op; same ``w1``/``w2``/``w3`` and init as stock.
 
@@ -81,7 +101,8 @@ class MegaExperts(GroupedExperts):
     (the converter builds one per model from ``[megamoe]``); its recipe says which FP8 copies
     the module keeps (module docstring), ``options.fp8_keep_transposed`` whether the transposed
     ones too (False: 3·E·H·D bytes less per layer, the backward makes them from the forward
-    copies by a byte transpose per call, no quantization).
+    copies by a byte transpose per call, no quantization), ``options.fp8_free_after_backward``
+    whether they are freed after each backward (module docstring).
     """
 
     def __init__(
@@ -250,6 +271,11 @@ class MegaExperts(GroupedExperts):
             fp8 = self.fp8_weights((w1, w2, w3), dtype)
             if self.options.recipe.stand_ins:
                 w1, w2, w3 = _StandIns.apply(w1, w2, w3)
+            if self.options.fp8_free_after_backward and torch.is_grad_enabled():
+                if x.requires_grad:
+                    x = _FreeAfterBackward.apply(self, x)
+                elif w1.requires_grad:
+                    w1 = _FreeAfterBackward.apply(self, w1)
         elif self._fp8 is not None:
             self.drop_fp8_weights()  # no longer used (the settings or the parallelism changed)
         return torchtitan_megamoe.mega_moe(

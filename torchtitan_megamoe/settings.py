@@ -164,6 +164,15 @@ class MegaMoEConfig:
     ones from them by a byte transpose on every call (no quantization, one read and write of
     the FP8 weights)."""
 
+    fp8_free_after_backward: bool = True
+    """With ``fp8_weight_cache``: each MoE layer frees its FP8 copies as soon as its backward
+    has read them and makes them again at its next forward. The step's peak, at the end of the
+    backward where every weight gradient is alive, then holds one layer's copies instead of
+    every layer's (30B-A3B ``fp8``: 1.2 GB per layer). The quantization stays once per step
+    with one micro-batch per step; with gradient accumulation it runs once per micro-batch.
+    ``false``: keep them from one optimizer step to the next (made once per step, in the
+    converter's post-optimizer hook)."""
+
     save_activations: Literal["auto", SaveActivations] = "auto"
     """What the fused op keeps from its forward for the backward. ``keep``: the hopper backend
     keeps GEMM 1's pre-activations a1/a3 (bf16) so the backward does not recompute GEMM 1 -

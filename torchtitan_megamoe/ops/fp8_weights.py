@@ -15,7 +15,8 @@ Which copies a layer keeps is its recipe's (Recipe.kept_copies): ``fp8`` the for
 weights (Qwen3-30B-A3B: 1.2 GB per layer; scales add 1/4096); ``fp8_keep_transposed = False``
 the forward ones only; ``fp8_bwd`` the transposed copies only, half that. Under the FP8
 all-gather a rank keeps its shard's forward copies (3·E·H·D / FSDP degree bytes) and nothing
-else between calls.
+else between calls. When: from the layer's forward to the end of its backward
+(``fp8_free_after_backward``, the default), or from one optimizer step to the next.
 """
 
 from dataclasses import dataclass

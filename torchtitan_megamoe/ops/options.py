@@ -67,6 +67,13 @@ class MegaMoEOptions:
         backward makes the transposed ones from them by a byte transpose on every call. The op
         itself does not read it.""")
 
+    fp8_free_after_backward: bool = _option(True, """
+        With ``fp8_weight_cache``: each layer frees its FP8 copies once its backward has read
+        them (their last use in the step) and makes them again at its next forward, so the end
+        of the step's backward holds one layer's copies, not every layer's. Off: they stay from
+        one optimizer step to the next (one quantization per step, however many micro-batches
+        it runs). The op itself does not read it.""")
+
     def __post_init__(self):
         check_fields(self, "mega_moe:")
         # not a field (equality, hashing and the schema stay the settings'), resolved once
