@@ -52,6 +52,10 @@ def main(argv: list[str] | None = None) -> int:
                    help="trace step N (>= 4) of both runs with TorchTitan's profiler; the report "
                         "gains their kernel time by category (GPU runs; with --seeds, the first "
                         "seed's runs)")
+    p.add_argument("--memory-snapshot", action="store_true",
+                   help="with --profile-step N: record the allocator's history and report "
+                        "what is alive at step N's memory peak in each run (GPU runs; the "
+                        "recording slows every step, so the runs' timings are not their speed)")
     g = p.add_argument_group("sides")
     g.add_argument("--sides", default="stock,megamoe", metavar="A,B[,C...]",
                    help="two or more sides, each KIND or LABEL=KIND with KIND stock (no "
@@ -121,6 +125,12 @@ def main(argv: list[str] | None = None) -> int:
                                 ("--analyze", args.analyze)) if v]
     if args.seeds is None and seed_only:
         p.error(f"{', '.join(seed_only)} need --seeds N")
+    if args.memory_snapshot:
+        if args.profile_step is None or args.seeds is not None:
+            p.error("--memory-snapshot needs --profile-step N (the step it dumps) and no --seeds")
+        from torchtitan_megamoe.ab.memory import snapshot_args
+
+        extra = list(extra) + snapshot_args()
     # A SIGTERM (e.g. from `timeout`) becomes SystemExit, so the running torchrun is stopped too.
     import signal
 

@@ -29,6 +29,7 @@ from torchtitan_megamoe.ab.configs import (
 from torchtitan_megamoe.ab.logs import RunLog, parse_log_file, run_stats
 from torchtitan_megamoe.ab.report import plot_runs, render_report, render_runs
 from torchtitan_megamoe.ab.runner import _cuda_available, run_env, run_one, torchrun_command
+from torchtitan_megamoe.ab.memory import ab_memory, snapshot_args
 from torchtitan_megamoe.ab.trace import ab_profile, profile_args
 
 
@@ -303,6 +304,8 @@ def analyze_dir(
                                                     for lab in labels if lab in records}))
         if profile_step:
             section = ab_profile(out, profile_step, tuple(labels))
+            if snapshot_args()[0] in extra:  # --memory-snapshot
+                section += "\n" + ab_memory(out, profile_step, tuple(labels))
             f.write("\n" + section)
             with open(os.path.join(out, "profile.md"), "w") as g:
                 g.write(section)
