@@ -33,7 +33,9 @@
 # measured fastest, no per-shape timing or extra compiles; 1 times every candidate),
 # PROFILE_STEP (e.g. 8, from 4 to --training.steps: ab's --profile-step, both runs of each
 # setup trace that step with TorchTitan's profiler, and $OUT/profile_<setup>.md sets rank 0's
-# kernel time by category of the two runs side by side, torchtitan_megamoe/ab/trace.py).
+# kernel time by category of the two runs side by side, torchtitan_megamoe/ab/trace.py),
+# MEMORY_SNAPSHOT=1 (with PROFILE_STEP: what is alive at that step's memory peak in each run,
+# torchtitan_megamoe/ab/memory.py, in the same profile_<setup>.md; slows every step).
 # Output ($OUT, or ./.out by hand): summary.md, train_check.tar.gz (per setup: report.md,
 # ab.png, summary.json, both logs and TOMLs), env.log.
 # Exit status: 0 every setup agrees, 1 a setup disagrees, 2 a run failed or logged no steps (for
@@ -95,6 +97,7 @@ for s in $SETUPS; do
   fi
   prof_args=""
   [ -n "${PROFILE_STEP:-}" ] && prof_args="--profile-step $PROFILE_STEP"
+  [ -n "${PROFILE_STEP:-}" ] && [ "${MEMORY_SNAPSHOT:-0}" = 1 ] && prof_args="$prof_args --memory-snapshot"
   echo "=== setup $s: $args $EXTRA_ARGS $prof_args (timeout ${t} s per run, $((SECONDS - START)) s elapsed)"
   # shellcheck disable=SC2086
   timeout -k 15 $((2 * t + 60)) $PY -m torchtitan_megamoe.ab --config "$CONFIG" --nproc "$NPROC" \

@@ -1,7 +1,8 @@
 """A/B run: the same TorchTitan config trained stock and with the ``megamoe`` converter.
 
     python -m torchtitan_megamoe.ab [--config X.toml] [--nproc N] [--out DIR] [--rtol R]
-        [--atol A] [--timeout S] [--profile-step N] [--sides A,B[,C...]] [--a-args 'ARGS']
+        [--atol A] [--timeout S] [--profile-step N [--memory-snapshot]] [--sides A,B[,C...]]
+        [--a-args 'ARGS']
         [--b-args 'ARGS'] [--side-args 'LABEL=ARGS' ...] [--baseline LABEL] [--jobs J]
         [--deadline-s S [--min-run-s S]]
         [--seeds N [--seed-base S] [--window W] [--alpha P] [--gap-limit R] [--analyze]]
@@ -64,7 +65,7 @@ One module per job: ``configs`` (the TOMLs, the sides), ``runner`` (torchrun wit
 ``schedule`` (the runs one at a time or J at once, within a deadline), ``logs`` (step-log
 parsing, per-run stats), ``comparison`` (losses within tolerance), ``stats`` (windowed losses
 across seeds, the verdict), ``report`` (markdown and PNG), ``trace`` (a profiled step's kernel
-time by category), ``driver`` (``run_ab``: one directory's runs, compared), ``seeds``
+time by category), ``memory`` (what is alive at a step's memory peak), ``driver`` (``run_ab``: one directory's runs, compared), ``seeds``
 (``run_seeds``, every seed's runs) and ``cli`` (``main``). The names below are the tool's API
 (tests, scripts/*.sh): import them from here.
 """
