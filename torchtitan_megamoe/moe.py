@@ -13,14 +13,15 @@ with the experts' weights from anywhere else trains on stale shards and gives wr
 
 FP8 weights. With an FP8 recipe on the hopper backend and ``fp8_weight_cache`` on (the
 default), ``MegaExperts`` owns its weights' FP8 copies (ops/fp8_weights.py): it has the backend
-make them from its parameters (ops/hopper/fp8_weights.py), keeps them from one call to the next,
-re-makes them once per optimizer step (``refresh_fp8_weights``, the converter's post-optimizer
-hook) and before any call that finds a parameter changed since (identity, version counter,
-storage: a checkpoint load, a copy_), and passes them to the op, so no quantization runs in the
-step's backward. With ``fp8_free_after_backward`` (the default) it frees them once the layer's
-backward has read them (``_FreeAfterBackward``) and the next forward makes them again: the end of
-the step's backward, where every weight gradient is alive, holds one layer's copies instead of
-every layer's, at the same one quantization per weight and step. Where the recipe reads the weights only through the copies
+make them from its parameters (ops/hopper/fp8_weights.py) once per optimizer step and before any
+call that finds a parameter changed since (identity, version counter, storage: a checkpoint
+load, a copy_), and passes them to the op, so no quantization runs in the step's backward. With
+``fp8_free_after_backward`` (the default) it frees them once the layer's backward has read them
+(``_FreeAfterBackward``) and the next forward makes them again: the end of the step's backward,
+where every weight gradient is alive, holds one layer's copies instead of every layer's. With it
+off it keeps them from one call to the next and re-makes them after each optimizer step
+(``refresh_fp8_weights``, the converter's post-optimizer hook). Where the recipe reads the
+weights only through the copies
 (``Recipe.stand_ins``: ``fp8``) the op then gets zero-stride stand-ins for the weights
 (``_StandIns``): no per-call cast under autocast, and the gradients reach the parameters through
 them.

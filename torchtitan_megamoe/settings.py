@@ -148,9 +148,10 @@ class MegaMoEConfig:
 
     fp8_weight_cache: bool = True
     """FP8 precisions on the hopper backend (ignored otherwise): each MoE layer makes its
-    expert weights' FP8 copies (forward and transposed layouts) once per optimizer step, in the
-    converter's post-optimizer hook, and keeps them from one call to the next, so the step's
-    forward and backward quantize no weight (the hook re-makes them every step: a fused
+    expert weights' FP8 copies (forward and transposed layouts) once per optimizer step, at its
+    first forward of the step (``fp8_free_after_backward``, the default: freed after its
+    backward) or in the converter's post-optimizer hook (kept from one call to the next), so
+    the step's backward quantizes no weight (the hook re-makes them every step: a fused
     optimizer moves no version counter). A weight changed outside the optimizer step (a
     checkpoint load, a copy_) is seen by its version counter and quantized again before the
     next call. Memory kept: as much as the layer's bf16 expert weights for ``fp8`` (30B-A3B:

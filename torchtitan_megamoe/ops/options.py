@@ -56,8 +56,8 @@ class MegaMoEOptions:
 
     fp8_weight_cache: bool = _option(True, """
         FP8 recipes on the hopper backend: the module owning the expert weights
-        (moe.MegaExperts) makes their FP8 copies once per optimizer step, keeps them across
-        calls and passes them to the op (``fp8_weights``); off, the op quantizes the weights on
+        (moe.MegaExperts) makes their FP8 copies once per optimizer step, keeps them while
+        needed (``fp8_free_after_backward``) and passes them to the op (``fp8_weights``); off, the op quantizes the weights on
         every call (less memory: ops/fp8_weights.py says how much the copies hold). The op
         itself reads only ``fp8_weights``.""")
 

@@ -11,8 +11,8 @@ with ``cache``: the layer's ``Fp8Weights`` when the op was given them, else anyt
 
 - Given (``Fp8Weights``, the op's ``fp8_weights`` argument): the module that owns the weights
   (moe.MegaExperts, with ``fp8_weight_cache`` on, the default) made them once per optimizer step
-  (the converter's post-optimizer hook) with ``make_fp8_weights`` from the parameters themselves:
-  under a bf16 autocast from the fp32 parameter rounded to bf16 (the bits the op's per-call cast
+  (at the step's first forward, or in the converter's post-optimizer hook) with
+  ``make_fp8_weights`` from the parameters themselves: under a bf16 autocast from the fp32 parameter rounded to bf16 (the bits the op's per-call cast
   would give); under FSDP (``fp8``) from the rank's local shard before the all-gather
   (``quantize_weight``), which then moves the e4m3 copy (fp8_allgather.py). The module compares
   each parameter's identity, version counter and storage with what the copies were made from
