@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import weakref
 
 import pytest
 import torch
@@ -269,25 +270,32 @@ def test_forward_copies_only_transpose_in_the_backward():
 
 
 class _Probe(torch.autograd.Function):
-    """Identity whose backward records which of ``layers`` hold FP8 copies at that moment."""
+    """Identity whose backward records, per layer, whether any of the FP8 copies the layers
+    held after their forward (``alive``: weak references) still exists at that moment."""
 
     @staticmethod
-    def forward(ctx, seen, layers, t):
-        ctx.seen, ctx.layers = seen, layers
+    def forward(ctx, seen, alive, t):
+        ctx.seen, ctx.alive = seen, alive
         return t.view_as(t)
 
     @staticmethod
     def backward(ctx, grad):
-        ctx.seen.append([m._fp8 is not None for m in ctx.layers])
+        ctx.seen.append([any(r() is not None for r in refs) for refs in ctx.alive])
         return None, None, grad
 
 
+def _copies(m) -> list:
+    """Weak references to the FP8 copy tensors ``m`` holds now."""
+    return [weakref.ref(t) for t in m._fp8.tensors() if t is not None] if m._fp8 else []
+
+
 def test_copies_live_from_the_forward_to_the_end_of_the_backward():
-    """fp8_free_after_backward (the default): two layers in a chain; each frees its copies
-    right after its own backward (the later layer's are gone while the earlier one's backward
-    runs), the next forward makes them again, once per layer and step as with the hook, and
-    the results are bitwise the per-call quantization's. Without a backward (no_grad) they
-    stay; with x not needing a gradient the weights' path frees them."""
+    """fp8_free_after_backward (the default): two layers in a chain; each layer's copies are
+    gone (no tensor of them left, while the step's graph is still alive) right after its own
+    backward, before the earlier layer's backward runs; the next forward makes them again, once
+    per layer and step as with the hook, and the results are bitwise the per-call
+    quantization's. Without a backward (no_grad) they stay; with x not needing a gradient the
+    weights' path frees them."""
     x, ids, tw, *_ = _weights()
     layers, refs = [_experts(seed=s) for s in (0, 1)], [_experts(cache=False, seed=s)
                                                         for s in (0, 1)]
@@ -296,11 +304,15 @@ def test_copies_live_from_the_forward_to_the_end_of_the_backward():
         seen, grads = [], []
         for step in range(2):
             xx = x.detach().clone().requires_grad_()
+            alive = [[], []]
             with counting() as made:
-                mid = _Probe.apply(seen, chain, chain[0](xx, ids, tw))
-                out = chain[1](mid, ids, tw)
-                seen.append([m._fp8 is not None for m in chain])  # after the forward
-                out.float().sum().backward()
+                first = chain[0](xx, ids, tw)
+                alive[0] += _copies(chain[0])
+                out = chain[1](_Probe.apply(seen, alive, first), ids, tw)
+                alive[1] += _copies(chain[1])
+                seen.append([any(r() is not None for r in refs) for refs in alive])
+                loss = out.float().sum()
+                loss.backward()  # loss (and the graph) stays alive past the probe
             grads.append([xx.grad] + [p.grad for m in chain for p in (m.w1, m.w2, m.w3)])
             if chain is layers:
                 assert made == {"quant": 6, "transpose": 0}, made
@@ -312,6 +324,8 @@ def test_copies_live_from_the_forward_to_the_end_of_the_backward():
         if chain is layers:
             assert seen == [[True, True], [True, False]] * 2, seen
             assert all(m._fp8 is None for m in chain)
+        else:
+            assert seen == [[False, False]] * 4, seen  # no copies held without the cache
     assert all(torch.equal(a, b) for ga, gb in zip(*results) for a, b in zip(ga, gb))
 
     m = layers[0]

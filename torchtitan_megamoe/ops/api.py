@@ -416,17 +416,30 @@ def _setup_context(ctx, inputs, output):
     # Gradients of the saved outputs are never used: do not let autograd allocate zeros for them
     # (a is as an activation).
     ctx.set_materialize_grads(False)
-    fp8_held = [t for t in fp8_weights if t is not None]
-    ctx.fp8_slots = [t is not None for t in fp8_weights]
-    ctx.save_for_backward(x, topk_ids, topk_weights, w1, w2, w3, *fp8_held, *saved)
+    _save(ctx, (x, topk_ids, topk_weights, w1, w2, w3), fp8_weights, saved)
     ctx.config = tuple(config)  # group_name and the options' fields
 
 
-def _backward(ctx, grad_out, _grad_saved):
+def _save(ctx, inputs, fp8_list, saved) -> None:
+    """Save the op's inputs, the FP8 copies it was given (list slots, None where not held) and
+    the forward's ``saved`` for the backward. Saved, not held on ctx: autograd frees them once
+    this node's backward has run, so a layer's copies can go before the rest of the step's
+    backward (moe.MegaExperts, fp8_free_after_backward)."""
+    ctx.fp8_slots = [t is not None for t in fp8_list]
+    ctx.save_for_backward(*inputs, *(t for t in fp8_list if t is not None), *saved)
+
+
+def _saved(ctx) -> tuple:
+    """(the six inputs, the fp8_weights list, saved): what _save saved."""
     x, topk_ids, topk_weights, w1, w2, w3, *rest = ctx.saved_tensors
-    held = iter(rest[:sum(ctx.fp8_slots)])
-    fp8_weights = [next(held) if slot else None for slot in ctx.fp8_slots]
-    saved = rest[sum(ctx.fp8_slots):]
+    n = sum(ctx.fp8_slots)
+    held = iter(rest[:n])
+    return ((x, topk_ids, topk_weights, w1, w2, w3),
+            [next(held) if slot else None for slot in ctx.fp8_slots], rest[n:])
+
+
+def _backward(ctx, grad_out, _grad_saved):
+    (x, topk_ids, topk_weights, w1, w2, w3), fp8_weights, saved = _saved(ctx)
     if grad_out is None:  # out itself was unused (grads are not materialized)
         grad_out = torch.zeros_like(x)
     dx, dweights, dw1, dw2, dw3 = torch.ops.megamoe.mega_moe_backward(
@@ -460,23 +473,21 @@ class _EagerMegaMoE(torch.autograd.Function):
                 options):
         out, saved = _run_forward(x, topk_ids, topk_weights, w1, w2, w3, fp8_weights, save,
                                   group_name, options)
-        ctx.save_for_backward(x, topk_ids, topk_weights, w1, w2, w3, *saved)
-        # held by reference, as the module holds them: read-only to the op, never a gradient
-        ctx.fp8_weights = fp8_weights
+        _save(ctx, (x, topk_ids, topk_weights, w1, w2, w3),
+              [] if fp8_weights is None else fp8_weights.tensors(), saved)
         ctx.config = (group_name, options)
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        x, topk_ids, topk_weights, w1, w2, w3, *saved = ctx.saved_tensors
+        (x, topk_ids, topk_weights, w1, w2, w3), fp8_list, saved = _saved(ctx)
         group_name, options = ctx.config
-        fp8 = ctx.fp8_weights
         if _plain_eager((grad_out, x)):
-            grads = _run_backward(grad_out, x, topk_ids, topk_weights, w1, w2, w3, fp8, saved,
-                                  group_name, options)
+            grads = _run_backward(grad_out, x, topk_ids, topk_weights, w1, w2, w3,
+                                  _fp8_from_list(fp8_list), saved, group_name, options)
         else:
             grads = torch.ops.megamoe.mega_moe_backward(
-                grad_out, x, topk_ids, topk_weights, w1, w2, w3,
-                [] if fp8 is None else fp8.tensors(), saved, group_name, *options.op_args())
+                grad_out, x, topk_ids, topk_weights, w1, w2, w3, fp8_list, saved, group_name,
+                *options.op_args())
         dx, dweights, dw1, dw2, dw3 = grads
         return dx, None, dweights, dw1, dw2, dw3, None, None, None, None
