@@ -21,7 +21,7 @@ import torch
 
 from torchtitan_megamoe.ops import hopper
 from torchtitan_megamoe.ops.hopper import deepgemm, tune
-from torchtitan_megamoe.ops.hopper.bf16_backward import tuner_key, weight_grads
+from torchtitan_megamoe.ops.hopper.bf16_backward import WeightGrads, tuner_key
 from torchtitan_megamoe.ops.hopper.fp8_weights import (
     forward_weights, make_fp8_weights, w2_transposed, w13_transposed,
 )
@@ -193,9 +193,13 @@ def main():
         # weight gradients: bf16 (each side the tuner offers), FP8 (ours, DeepGEMM K-grouped)
         params = (w1, w2, w3)
         key = tuner_key(R, D, H, E, FP8_BLOCK_M, "auto")
-        weight_grads(g, x, da, {"hw": hw, "dy_rows": None}, plan, params, key, FP8_BLOCK_M)
-        bf = ms(lambda: weight_grads(g, x, da, {"hw": hw, "dy_rows": None}, plan, params, key,
-                                     FP8_BLOCK_M))
+        def weight_grads():
+            grads = WeightGrads(g, x, da, {"hw": hw, "dy_rows": None}, plan, params, key,
+                                FP8_BLOCK_M)
+            return grads.dw2(), grads.dw13()
+
+        weight_grads()
+        bf = ms(weight_grads)
         for stage in ("wgrad_dw2", "wgrad_dw13"):
             for c, t, why in tune.TIMINGS.get((stage, key), []):
                 side_name = c.side

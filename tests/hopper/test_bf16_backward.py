@@ -151,6 +151,67 @@ def test_compiled_op_uses_saved_path():
         assert same_bits(g, r), name
 
 
+class _RegisteredOp(torch.overrides.TorchFunctionMode):
+    """Any torch-function mode sends mega_moe through its registered op (as compile and
+    selective AC do), not the eager autograd Function."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp8"])
+def test_eager_backward_frees_saved_a_and_makes_dw1_dw3_last(precision, monkeypatch):
+    """The op's eager backward (what training runs) frees GEMM 1's saved pre-activations once
+    read, and makes dw1/dw3 after dx (the order that keeps the backward's peak low). A second
+    backward of the same graph (retain_graph) recomputes them, with the same bits; the
+    registered op's backward (compile, selective AC) leaves them alone."""
+    from torchtitan_megamoe import mega_moe
+    from torchtitan_megamoe.ops import hopper
+    from torchtitan_megamoe.ops.hopper import bf16_backward, fp8_backward
+
+    d, h = (Ds, Hs) if precision == "bf16" else (128, 128)
+    ids = routing("uneven", T, K, E, seed=2)
+    inp = make_inputs(T, K, E, d, h, ids, seed=2)
+    events, held = [], []
+    real_backward, real_dw13 = hopper.backward, bf16_backward.WeightGrads.dw13
+
+    def spy_backward(*args, saved=None, **kw):
+        held.append(saved[0])
+        events.append(("backward", saved[0].untyped_storage().nbytes() > 0))
+        return real_backward(*args, saved=saved, **kw)
+
+    def spy_dw13(self, *args, **kw):
+        events.append("dw13")
+        return real_dw13(self, *args, **kw)
+
+    monkeypatch.setattr(hopper, "backward", spy_backward)
+    monkeypatch.setattr(bf16_backward.WeightGrads, "dw13", spy_dw13)
+    for mod in (bf16_backward, fp8_backward):
+        def spy_combine(*args, _real=mod.bwd_combine, **kw):
+            events.append(("combine, a freed", held[-1].untyped_storage().nbytes() == 0))
+            return _real(*args, **kw)
+
+        monkeypatch.setattr(mod, "bwd_combine", spy_combine)
+
+    def grads(retain=False):
+        leaves = [inp[k].clone().requires_grad_() for k in ("x", "topk_weights", "w1", "w2",
+                                                             "w3")]
+        out = mega_moe(leaves[0], inp["topk_ids"], *leaves[1:], backend="hopper",
+                       precision=precision)
+        first = torch.autograd.grad(out, leaves, inp["dy"], retain_graph=retain)
+        return first, (torch.autograd.grad(out, leaves, inp["dy"]) if retain else None)
+
+    first, second = grads(retain=True)
+    assert events == [("backward", True), ("combine, a freed", True), "dw13",
+                      ("backward", False), ("combine, a freed", True), "dw13"], events
+    assert all(same_bits(a, b) for a, b in zip(first, second))
+    events.clear()
+    with _RegisteredOp():
+        registered, _ = grads()
+    assert events == [("backward", True), ("combine, a freed", False), "dw13"], events
+    assert all(same_bits(a, b) for a, b in zip(first, registered))
+
+
 def test_backward_rejects_what_it_cannot_compute():
     inp = _inputs(routing("uneven", 4, K, E))
     args = [inp[k] for k in ("dy", "x", "topk_ids", "topk_weights", "w1", "w2", "w3")]

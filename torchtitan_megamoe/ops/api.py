@@ -41,7 +41,8 @@ Backends are modules with
         (saved None or empty: recompute)
 where ``options`` is a MegaMoEOptions whose backend is the module's own name; the hopper
 module's forward and backward also take ``fp8_weights`` (an Fp8Weights or None), which the
-others are never given, and it makes the module-owned copies (``make_fp8_weights``,
+others are never given, its backward ``release_saved`` (the eager path's: the saved tensors
+may be freed once read), and it makes the module-owned copies (``make_fp8_weights``,
 ``quantize_weight``: moe.MegaExperts asks it through ``backend_module``).
 """
 
@@ -342,14 +343,17 @@ def _run_forward(x, topk_ids, topk_weights, w1, w2, w3, fp8_weights, save, group
 
 
 def _run_backward(grad_out, x, topk_ids, topk_weights, w1, w2, w3, fp8_weights, saved,
-                  group_name, options):
+                  group_name, options, release_saved=False):
     """(dx, dtopk_weights, dw1, dw2, dw3): the backend's backward (recomputing when ``saved``
-    is empty), for the registered op and the eager path."""
+    is empty), for the registered op and the eager path. ``release_saved`` (the eager path,
+    whose saved tensors nothing else reads): the backend may free them once read."""
+    kw = _fp8_kwargs(fp8_weights)
+    if release_saved and saved:  # only the hopper backend saves
+        kw["release_saved"] = True
     with _autocast_off(x.device.type):
         grads = backend_module(options.backend).backward(
             grad_out.contiguous(), x, topk_ids, topk_weights, w1, w2, w3,
-            group_from_name(group_name), options, saved=list(saved) or None,
-            **_fp8_kwargs(fp8_weights),
+            group_from_name(group_name), options, saved=list(saved) or None, **kw,
         )
     return tuple(g.contiguous() for g in grads)
 
@@ -416,11 +420,11 @@ def _setup_context(ctx, inputs, output):
     # Gradients of the saved outputs are never used: do not let autograd allocate zeros for them
     # (a is as an activation).
     ctx.set_materialize_grads(False)
-    _save(ctx, (x, topk_ids, topk_weights, w1, w2, w3), fp8_weights, saved)
+    _save_tensors(ctx, (x, topk_ids, topk_weights, w1, w2, w3), fp8_weights, saved)
     ctx.config = tuple(config)  # group_name and the options' fields
 
 
-def _save(ctx, inputs, fp8_list, saved) -> None:
+def _save_tensors(ctx, inputs, fp8_list, saved) -> None:
     """Save the op's inputs, the FP8 copies it was given (list slots, None where not held) and
     the forward's ``saved`` for the backward. Saved, not held on ctx: autograd frees them once
     this node's backward has run, so a layer's copies can go before the rest of the step's
@@ -429,8 +433,8 @@ def _save(ctx, inputs, fp8_list, saved) -> None:
     ctx.save_for_backward(*inputs, *(t for t in fp8_list if t is not None), *saved)
 
 
-def _saved(ctx) -> tuple:
-    """(the six inputs, the fp8_weights list, saved): what _save saved."""
+def _saved_tensors(ctx) -> tuple:
+    """(the six inputs, the fp8_weights list, saved): what _save_tensors saved."""
     x, topk_ids, topk_weights, w1, w2, w3, *rest = ctx.saved_tensors
     n = sum(ctx.fp8_slots)
     held = iter(rest[:n])
@@ -439,7 +443,7 @@ def _saved(ctx) -> tuple:
 
 
 def _backward(ctx, grad_out, _grad_saved):
-    (x, topk_ids, topk_weights, w1, w2, w3), fp8_weights, saved = _saved(ctx)
+    (x, topk_ids, topk_weights, w1, w2, w3), fp8_weights, saved = _saved_tensors(ctx)
     if grad_out is None:  # out itself was unused (grads are not materialized)
         grad_out = torch.zeros_like(x)
     dx, dweights, dw1, dw2, dw3 = torch.ops.megamoe.mega_moe_backward(
@@ -473,18 +477,20 @@ class _EagerMegaMoE(torch.autograd.Function):
                 options):
         out, saved = _run_forward(x, topk_ids, topk_weights, w1, w2, w3, fp8_weights, save,
                                   group_name, options)
-        _save(ctx, (x, topk_ids, topk_weights, w1, w2, w3),
+        _save_tensors(ctx, (x, topk_ids, topk_weights, w1, w2, w3),
               [] if fp8_weights is None else fp8_weights.tensors(), saved)
         ctx.config = (group_name, options)
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        (x, topk_ids, topk_weights, w1, w2, w3), fp8_list, saved = _saved(ctx)
+        (x, topk_ids, topk_weights, w1, w2, w3), fp8_list, saved = _saved_tensors(ctx)
         group_name, options = ctx.config
         if _plain_eager((grad_out, x)):
+            # its saved tensors are this node's alone (not a compiled graph's buffers)
             grads = _run_backward(grad_out, x, topk_ids, topk_weights, w1, w2, w3,
-                                  _fp8_from_list(fp8_list), saved, group_name, options)
+                                  _fp8_from_list(fp8_list), saved, group_name, options,
+                                  release_saved=True)
         else:
             grads = torch.ops.megamoe.mega_moe_backward(
                 grad_out, x, topk_ids, topk_weights, w1, w2, w3, fp8_list, saved, group_name,

@@ -26,7 +26,9 @@ import torch
 from torchtitan_megamoe import settings
 from torchtitan_megamoe.ops.device import capability, is_hopper
 from torchtitan_megamoe.ops.groups import group_size
-from torchtitan_megamoe.ops.hopper.bf16_backward import backward_bf16, check_backward_dtypes
+from torchtitan_megamoe.ops.hopper.bf16_backward import (
+    backward_bf16, check_backward_dtypes, released,
+)
 from torchtitan_megamoe.ops.hopper.bf16_forward import forward_bf16, saved_like as saved_like_bf16
 from torchtitan_megamoe.ops.hopper.ep_backward import backward_ep
 from torchtitan_megamoe.ops.hopper.ep_forward import forward_ep, saved_like_ep
@@ -132,9 +134,14 @@ def saved_like(x, topk_ids, topk_weights, w1, w2, w3, group, options):
 
 
 def backward(grad_out, x, topk_ids, topk_weights, w1, w2, w3, group, options, saved=None,
-             fp8_weights=None):
+             fp8_weights=None, release_saved=False):
     """(dx, dtopk_weights, dw1, dw2, dw3); ``saved``: what forward(..., save=True) returned,
-    None or empty to recompute; ``fp8_weights`` as in forward."""
+    None or empty to recompute; ``fp8_weights`` as in forward. ``release_saved``: ``saved`` is
+    dead after this call (the op's eager backward): the EP=1 stages free GEMM 1's
+    pre-activations as soon as they have read them. Saved ones an earlier backward of the same
+    graph freed (retain_graph) are recomputed."""
+    if released(saved):
+        saved = None
     recipe = options.recipe
     if recipe.fp8:  # bf16's were checked by the forward
         check_inputs(x, w1, group, recipe)
@@ -146,5 +153,6 @@ def backward(grad_out, x, topk_ids, topk_weights, w1, w2, w3, group, options, sa
                            weight_cache=_weight_cache(fp8_weights))
     if stage == "fp8":
         return backward_fp8(grad_out, x, topk_ids, topk_weights, w1, w2, w3, recipe,
-                            _weight_cache(fp8_weights), saved=saved)
-    return backward_bf16(grad_out, x, topk_ids, topk_weights, w1, w2, w3, saved=saved)
+                            _weight_cache(fp8_weights), saved=saved, release_saved=release_saved)
+    return backward_bf16(grad_out, x, topk_ids, topk_weights, w1, w2, w3, saved=saved,
+                         release_saved=release_saved)

@@ -8,9 +8,9 @@
                    weight -> da = [da1 | da3], hw = w*h and per-H-tile partials of
                    d(topk_weights) = <dh, h>
     wgrad_dw2      dw2[e] = sum_r dy_r^T hw_r
-    wgrad_dw13     dw1[e] = sum_r da1_r^T x_r, dw3[e] = sum_r da3_r^T x_r
     dgrad1         dx rows = da1_r @ w1[e] + da3_r @ w3[e]
     bwd_combine    dx[t] = sum_k dx rows, d(topk_weights) from the partials
+    wgrad_dw13     dw1[e] = sum_r da1_r^T x_r, dw3[e] = sum_r da3_r^T x_r
 Each stage has sides (Triton, sm90, grouped_mm): its table in sides/, timed by tune.py.
 x and dy rows are read by indirection (row -> token); nothing is permuted. Every reduction has
 a fixed order and no atomics, so two runs on the same inputs are bitwise identical. What is
@@ -61,17 +61,20 @@ def tuner_key(R: int, D: int, H: int, E: int, block_m: int, side: str) -> tuple:
 
 
 def backward_bf16(grad_out, x, topk_ids, topk_weights, w1, w2, w3, saved=None, wait_x=None,
-                  into=None):
+                  into=None, release_saved=False):
     """(dx, dtopk_weights, dw1, dw2, dw3); every expert of topk_ids is in w1/w2/w3. ``saved`` =
     (a, packed_plan) from forward_bf16(..., save=True) on the same inputs: dgrad2_swiglu loads
     a1/a3 instead of recomputing GEMM 1 and the plan is unpacked instead of rebuilt. None (or
-    an empty sequence) recomputes both.
+    an empty sequence) recomputes both. ``release_saved``: the caller's saved a is dead after
+    this call (the op's eager backward): its memory is freed right after dgrad2_swiglu.
 
-    Stage order: dgrad2_swiglu, wgrad_dw2, wgrad_dw13, dgrad1, bwd_combine. ``wait_x()`` (the
-    EP backward's hook, ep_backward.py) is called right before the first kernel that reads x
-    (wgrad_dw13, or the recompute's GEMM 1), so x can still be in flight under the first two.
-    ``into``: a sides.wgrad.Into, where dw1, dw2, dw3 go (default: fresh tensors like the
-    weights; the EP backward's fp32 sums over regions, added to)."""
+    Stage order: dgrad2_swiglu, wgrad_dw2, dgrad1, bwd_combine, wgrad_dw13: dw1 and dw3, the
+    largest gradients, are made last, when only da is left (release_saved: the peak is then
+    max(a + da + hw + dy rows, da + dw1 + dw2 + dw3), not a + da + dx rows + all three).
+    ``wait_x()`` (the EP backward's hook, ep_backward.py) is called right before the first
+    kernel that reads x (wgrad_dw13, or the recompute's GEMM 1), so x can still be in flight
+    under the stages before. ``into``: a sides.wgrad.Into, where dw1, dw2, dw3 go (default:
+    fresh tensors like the weights; the EP backward's fp32 sums over regions, added to)."""
     block_m = plan_block_m()
     T, D = x.shape
     if T == 0:  # e.g. an EP rank that receives no rows
@@ -96,6 +99,7 @@ def backward_bf16(grad_out, x, topk_ids, topk_weights, w1, w2, w3, saved=None, w
         g1_config, _ = forward_configs(None, None)
         _h, a_saved = gemm1_swiglu(x, w1, w3, plan, config=g1_config, save_a=True)
         del _h
+        release_saved = False  # ours: freed by del below
     R = plan.max_rows
     key = tuner_key(R, D, H, E, block_m, settings.bwd_impl())
 
@@ -116,6 +120,8 @@ def backward_bf16(grad_out, x, topk_ids, topk_weights, w1, w2, w3, saved=None, w
                         lambda: (shape(D, H, E, block_m, bf16), available(x)),
                         lambda cfg: dgrad2_swiglu.STAGE.launch(cfg, ops_a), outputs=a_outputs)
     da, hw, part = dgrad2_swiglu.STAGE.launch(a_cfg, ops_a)
+    if release_saved:
+        release(a_saved)
     shared = ops_a.shared
     if a_cfg.side not in dgrad2_swiglu.GATHERS_DY:
         shared.clear()  # no dy rows for dw2 to reuse
@@ -125,7 +131,8 @@ def backward_bf16(grad_out, x, topk_ids, topk_weights, w1, w2, w3, saved=None, w
     acts = {"hw": hw, "dy_rows": shared.pop("dy_rows", None)}
     del hw
     shared.clear()
-    dw1, dw2, dw3 = weight_grads(dy, x, da, acts, plan, params, key, block_m, wait_x, into)
+    grads = WeightGrads(dy, x, da, acts, plan, params, key, block_m, into)
+    dw2 = grads.dw2()
 
     # dgrad1, then bwd_combine. Each side allocates its dx rows itself (the grouped_mm side
     # only after its second GEMM's output is freed): [T*K, D] by slot, or [R_max, D] in the
@@ -142,38 +149,57 @@ def backward_bf16(grad_out, x, topk_ids, topk_weights, w1, w2, w3, saved=None, w
                                  available(da)),
                         lambda cfg: dgrad1.STAGE.launch(cfg, ops_c), outputs=c_outputs)
     dx_slot, in_rows = dgrad1.STAGE.launch(c_cfg, ops_c)
-    del da, ops_c
+    del ops_c
     dx, dtw = bwd_combine(dx_slot, part, plan, dx_dtype=x.dtype, dtw_dtype=topk_weights.dtype,
                           rows=in_rows)
+    del dx_slot, part
+    dw1, dw3 = grads.dw13(wait_x)
     return dx, dtw, dw1, dw2, dw3
 
 
-def weight_grads(dy, x, da, acts: dict, plan, params, key, block_m, wait_x=None, into=None):
+def release(t: torch.Tensor) -> None:
+    """Free ``t``'s memory now, though autograd still holds it as a saved tensor: its last
+    reader has been queued on this stream (the allocator reuses the block for work queued
+    after). ``released`` tells a later backward of the same graph (retain_graph) to recompute."""
+    t.untyped_storage().resize_(0)
+
+
+def released(saved) -> bool:
+    """Whether an earlier backward freed ``saved``'s a (release): the backward must recompute."""
+    return bool(saved) and saved[0].numel() > 0 and saved[0].untyped_storage().nbytes() == 0
+
+
+class WeightGrads:
     """(dw1, dw2, dw3) in the parameters' dtype (bf16, or fp32 for the stand-ins of fp32
-    parameters, moe.py) from da = [da1 | da3] and acts = {"hw": w*h rows, "dy_rows":
-    dy gathered into the row space or None}; the tuner picks each GEMM's side (wgrad_dw2,
-    wgrad_dw13). Shared by the FP8 backward (its weight gradients are bf16 GEMMs too). acts is
-    emptied as its tensors are used, so hw is freed before dw1/dw3 run (the caller keeps no
-    reference). ``wait_x()`` runs before the first read of x. ``into``: a sides.wgrad.Into
-    (None: fresh gradients); the tuner's candidates write fresh ones, never into it."""
-    # dw2 first so hw is freed before dgrad1 allocates its dx rows. (Running dw1/dw3 after the
-    # combine, so that under EP the dx rows could travel under them, would keep dx alive
-    # through dw1/dw3 for no gain.)
-    E, H, D = params[0].shape
-    key = key + (params[0].dtype,)  # fp32 gradients (fp32 parameters) change the sides' costs
-    trial = wgrad.Operands(dy, x, da, acts, plan, params, longest_first(plan))
-    ops = trial._replace(into=into)
+    parameters, moe.py) from da = [da1 | da3] and acts = {"hw": w*h rows, "dy_rows": dy
+    gathered into the row space or None}, as two stages the data gradients can run between:
+    ``dw2()`` (wgrad_dw2; empties acts, so hw is freed: the caller keeps no reference), then
+    ``dw13(wait_x)`` (wgrad_dw13; ``wait_x()`` runs before its first read of x). The tuner
+    picks each GEMM's side. Shared by the FP8 backward (its weight gradients are bf16 GEMMs
+    too). ``into``: a sides.wgrad.Into (None: fresh gradients); the tuner's candidates write
+    fresh ones, never into it."""
 
-    def problem():
-        return shape(D, H, E, block_m, x.dtype == torch.bfloat16, params_ok(params)), available(x)
+    def __init__(self, dy, x, da, acts: dict, plan, params, key, block_m, into=None):
+        E, H, D = params[0].shape
+        # fp32 gradients (fp32 parameters) change the sides' costs
+        self.key = key + (params[0].dtype,)
+        self.trial = wgrad.Operands(dy, x, da, acts, plan, params, longest_first(plan))
+        self.ops = self.trial._replace(into=into)
+        self.problem = lambda: (shape(D, H, E, block_m, x.dtype == torch.bfloat16,
+                                      params_ok(params)), available(x))
 
-    dw2 = wgrad.DW2.launch(pick_config(wgrad.DW2, key, problem,
-                                       lambda cfg: wgrad.DW2.launch(cfg, trial),
-                                       outputs=lambda r: (r,)), ops)
-    acts.clear()
-    if wait_x is not None:
-        wait_x()
-    dw1, dw3 = wgrad.DW13.launch(pick_config(wgrad.DW13, key, problem,
-                                             lambda cfg: wgrad.DW13.launch(cfg, trial),
-                                             outputs=lambda r: r), ops)
-    return dw1, dw2, dw3
+    def dw2(self):
+        dw2 = wgrad.DW2.launch(pick_config(wgrad.DW2, self.key, self.problem,
+                                           lambda cfg: wgrad.DW2.launch(cfg, self.trial),
+                                           outputs=lambda r: (r,)), self.ops)
+        self.ops.acts.clear()
+        return dw2
+
+    def dw13(self, wait_x=None):
+        if wait_x is not None:
+            wait_x()
+        dw1, dw3 = wgrad.DW13.launch(pick_config(wgrad.DW13, self.key, self.problem,
+                                                 lambda cfg: wgrad.DW13.launch(cfg, self.trial),
+                                                 outputs=lambda r: r), self.ops)
+        self.trial = self.ops = None  # da goes with them
+        return dw1, dw3

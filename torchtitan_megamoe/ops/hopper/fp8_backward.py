@@ -12,12 +12,13 @@ no transposed quantization of x and dy). MEGAMOE_FP8_WGRAD=1 takes them in FP8 t
                gathered by the plan: our kernels or DeepGEMM, whichever the tuner times faster)
     swiglu_bwd kernels/swiglu_bwd_rows: da = [da1 | da3] and hw = w*h in bf16 for the weight
                gradients, da again in e4m3 per row for fp8_dgrad1, the d(topk_weights) partials
-    wgrad      bf16_backward.weight_grads: the bf16 path's weight-gradient stages and picks
+    wgrad_dw2  bf16_backward.WeightGrads: the bf16 path's weight-gradient stages and picks
     fp8_dgrad1 dx rows [R_max, D] = [da1 | da3] @ [w1; w3] (fp8_gemm_rows), then the bf16
                path's bwd_combine: dx[t] = sum_k in fixed order, d(topk_weights) from the
                partials. Without the weight cache, by groups of experts (dgrad1_groups): the
                transposed copy of one group at a time, so the backward's peak stays under the
                bf16 path's
+    wgrad_dw13 last, as in the bf16 path: only da (bf16) is left besides the gradients
 
 All-FP8 (MEGAMOE_FP8_WGRAD=1): sides/fp8_gemm.fp8_dgrad2_swiglu fuses dgrad2 with the SwiGLU
 backward and writes da^T and h^T per 128 rows; (w * dy)^T and x^T are quantized per 128 rows
@@ -28,7 +29,7 @@ Deterministic: fixed-order reductions, no atomics.
 import torch
 
 from torchtitan_megamoe import settings
-from torchtitan_megamoe.ops.hopper.bf16_backward import tuner_key, weight_grads
+from torchtitan_megamoe.ops.hopper.bf16_backward import WeightGrads, release, tuner_key
 from torchtitan_megamoe.ops.hopper.fp8_weights import (
     dense_weights, forward_weights, w2_transposed, w13_transposed,
 )
@@ -49,13 +50,14 @@ from torchtitan_megamoe.ops.hopper.plan import build_plan, unpack_plan
 
 
 def backward_fp8(grad_out, x, topk_ids, topk_weights, w1, w2, w3, recipe, weight_cache=False,
-                 saved=None, grad_fp8=None, into=None):
+                 saved=None, grad_fp8=None, into=None, release_saved=False):
     """(dx, dtopk_weights, dw1, dw2, dw3); ``recipe``: the call's (ops/recipe.py): whether
     the forward's GEMM 1 ran in FP8, for the recompute when nothing was ``saved``, and whether
     the weight gradients run in FP8. ``grad_fp8``: grad_out already quantized (e4m3 rows, 1x128
     scales: what the EP exchange delivers); grad_out is then None (the weight gradients read
     their dequantized values, gathered into the row space in one pass) or those values.
-    ``into``: as in bf16_backward.backward_bf16."""
+    ``into``, ``release_saved``: as in bf16_backward.backward_bf16, and the same stage order
+    (dw1 and dw3 last)."""
     T, D = x.shape
     E, H, _ = w1.shape
     if T == 0:
@@ -71,6 +73,7 @@ def backward_fp8(grad_out, x, topk_ids, topk_weights, w1, w2, w3, recipe, weight
     else:
         plan = build_plan(topk_ids, E, FP8_BLOCK_M)
         a_saved = recompute_a(x, w1, w2, w3, plan, recipe.fp8_forward, weight_cache)
+        release_saved = False  # ours: freed by del below
     tw = topk_weights.contiguous()
 
     gq, gs = quant_rows(dy) if grad_fp8 is None else grad_fp8
@@ -78,11 +81,14 @@ def backward_fp8(grad_out, x, topk_ids, topk_weights, w1, w2, w3, recipe, weight
     if recipe.fp8_wgrad(settings.fp8_wgrad()):  # fused dgrad2 + SwiGLU backward writing the FP8 wgrad operands
         daq, das, daTq, daTs, hTq, hTs, part = fp8_dgrad2_swiglu(gq, gs, w2t.q, w2t.s,
                                                                  a_saved, tw, plan)
+        if release_saved:
+            release(a_saved)
         if dy is None:
             dy = dequant_rows(gq, gs)
         del gq, gs, a_saved, w2t
         dw1, dw2, dw3 = _fp8_weight_grads(daTq, daTs, hTq, hTs, dy, x, tw, params, plan, into)
         del daTq, daTs, hTq, hTs
+        grads = None
     else:
         dh = fp8_gemm_rows(gq, gs, w2t.q, w2t.s, plan, out_dtype=x.dtype, gather=True,
                            stage="fp8_dgrad2")
@@ -90,13 +96,15 @@ def backward_fp8(grad_out, x, topk_ids, topk_weights, w1, w2, w3, recipe, weight
         dy_rows = None if dy is not None else gather_rows(gq, plan, scales=gs)
         del gq, gs, w2t
         da, hw, part, daq, das = swiglu_bwd_rows(dh, a_saved, tw, plan, quant=True)
+        if release_saved:
+            release(a_saved)
         del dh, a_saved
         acts = {"hw": hw, "dy_rows": dy_rows}
-        del hw
+        del hw, dy_rows
         key = tuner_key(plan.max_rows, D, H, E, FP8_BLOCK_M, settings.bwd_impl())
-        dw1, dw2, dw3 = weight_grads(dy, x, da, acts, plan, params, key, FP8_BLOCK_M,
-                                     into=into)
+        grads = WeightGrads(dy, x, da, acts, plan, params, key, FP8_BLOCK_M, into)
         del da
+        dw2 = grads.dw2()
     dx_rows = torch.empty((plan.max_rows, D), dtype=x.dtype, device=x.device)
     groups = dgrad1_groups(E, H, D, plan.max_rows, weight_cache)
     for lo, hi in groups:
@@ -107,6 +115,9 @@ def backward_fp8(grad_out, x, topk_ids, topk_weights, w1, w2, w3, recipe, weight
     del daq, das
     dx, dtw = bwd_combine(dx_rows, part, plan, dx_dtype=x.dtype, dtw_dtype=topk_weights.dtype,
                           rows=True)
+    if grads is not None:
+        del dx_rows, part
+        dw1, dw3 = grads.dw13()
     return dx, dtw, dw1, dw2, dw3
 
 
