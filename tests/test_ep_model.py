@@ -26,6 +26,12 @@ def test_pipeline_by_hand():
     assert ep_model.pipeline(2.0, 3.5, 0.0, 8) == pytest.approx(3.75)
     # EP=2: one peer region after the own one
     assert ep_model.pipeline(2.0, 0.5, 0.5, 2) == pytest.approx(2.0 + 0.5)
+    # the backward's: each region's dx goes home before its last quarter (wgrad_dw13): the
+    # last return starts at 2.0 - 0.25 * 0.25 and ends 1/7 later
+    assert ep_model.pipeline(2.0, 1.0, 1.0, 8, tail=0.25) == pytest.approx(2.0 - 1 / 16 + 1 / 7)
+    # returns slower than that: the side stream is the bottleneck either way
+    assert ep_model.pipeline(2.0, 1.0, 7.0, 8, tail=0.25) == pytest.approx(
+        ep_model.pipeline(2.0, 1.0, 7.0, 8))
 
 
 def test_predict_runs_forward_and_backward_pipelines():
@@ -34,7 +40,8 @@ def test_predict_runs_forward_and_backward_pipelines():
     assert p["fwd_overlap_ms"] == pytest.approx(ep_model.pipeline(2.0, 1.0, 1.0, 8))
     assert p["fwdbwd_no_overlap_ms"] == pytest.approx(11.0)
     assert p["fwdbwd_overlap_ms"] == pytest.approx(p["fwd_overlap_ms"]
-                                                   + ep_model.pipeline(4.0, 2.0, 1.0, 8))
+                                                   + ep_model.pipeline(4.0, 2.0, 1.0, 8,
+                                                                       tail=0.25))
     assert p["overlap_vs_compute"] == pytest.approx(p["fwdbwd_overlap_ms"] / 6.0)
 
 

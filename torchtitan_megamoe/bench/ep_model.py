@@ -10,8 +10,9 @@ transfer. With the overlap as built (ep_forward.py, ep_backward.py) the forward 
 each run as a pipeline (``pipeline``): the own region computes first (at uniform routing each
 region is 1/R of the compute); the sends go peer after peer on the side stream (1/(R-1) of the
 bytes each) and region k computes once its rows arrived and region k-1 is done; each peer
-region's returned rows queue on the same side stream after the sends. Every number this prints
-is a model, not a measurement of an 8-GPU node.
+region's returned rows queue on the same side stream after the sends, in the forward once the
+region is done, in the backward once its dx is (before its wgrad_dw13, ``BWD_DX_TAIL``). Every
+number this prints is a model, not a measurement of an 8-GPU node.
 """
 
 from __future__ import annotations
@@ -26,16 +27,23 @@ REFERENCE_EP8 = {"30b fwd": 3.9, "235b bwd": 24.6}
 """The reference system's per-GPU layer times at EP=8, FP8, 16K tokens per GPU (ms)."""
 
 
-def pipeline(compute: float, sent: float, returned: float, R: int) -> float:
+BWD_DX_TAIL = 0.25
+"""The part of a region's backward that runs after its dx is ready: wgrad_dw13, 4 of the 16
+R·D·H flop units of a region whose GEMM 1 is recomputed (EP >= 4 keeps no pre-activations;
+4 of 12 where they were kept)."""
+
+
+def pipeline(compute: float, sent: float, returned: float, R: int, tail: float = 0.0) -> float:
     """End time (ms) of one pass: R regions of compute / R each, the own first; the sends
     (``sent`` ms in all, peer after peer) and then each peer region's returned rows
-    (``returned`` ms in all) on one side stream."""
+    (``returned`` ms in all) on one side stream, each once its region's compute is done but
+    its last ``tail`` part."""
     c, step, back = compute / R, sent / (R - 1), returned / (R - 1)
     t = c  # the own region: its rows are home
     side = sent  # the sends were queued first
     for k in range(1, R):
         t = max(t, k * step) + c  # region k: its rows arrived, region k-1 done
-        side = max(side, t) + back  # its partial rows go home
+        side = max(side, t - tail * c) + back  # its partial rows go home
     return max(t, side)
 
 
@@ -75,7 +83,7 @@ def predict(res: dict, bw_gbs: float = NVLINK_GBS, compute: str = "loopback") ->
     if fb is not None:
         bwd = fb - fwd
         bwd_overlap = pipeline(bwd, moved("dispatch dy") + moved("dispatch x"),
-                               moved("return dx"), R)
+                               moved("return dx"), R, tail=BWD_DX_TAIL)
         out.update(compute_fwdbwd_ms=fb,
                    fwdbwd_no_overlap_ms=fb + sum(out["transfer_ms"].values()),
                    fwdbwd_overlap_ms=fwd_overlap + bwd_overlap)

@@ -61,7 +61,7 @@ def tuner_key(R: int, D: int, H: int, E: int, block_m: int, side: str) -> tuple:
 
 
 def backward_bf16(grad_out, x, topk_ids, topk_weights, w1, w2, w3, saved=None, wait_x=None,
-                  into=None, release_saved=False):
+                  into=None, release_saved=False, on_dx=None):
     """(dx, dtopk_weights, dw1, dw2, dw3); every expert of topk_ids is in w1/w2/w3. ``saved`` =
     (a, packed_plan) from forward_bf16(..., save=True) on the same inputs: dgrad2_swiglu loads
     a1/a3 instead of recomputing GEMM 1 and the plan is unpacked instead of rebuilt. None (or
@@ -74,7 +74,9 @@ def backward_bf16(grad_out, x, topk_ids, topk_weights, w1, w2, w3, saved=None, w
     ``wait_x()`` (the EP backward's hook, ep_backward.py) is called right before the first
     kernel that reads x (wgrad_dw13, or the recompute's GEMM 1), so x can still be in flight
     under the stages before. ``into``: a sides.wgrad.Into, where dw1, dw2, dw3 go (default:
-    fresh tensors like the weights; the EP backward's fp32 sums over regions, added to)."""
+    fresh tensors like the weights; the EP backward's fp32 sums over regions, added to).
+    ``on_dx(dx, dtopk_weights)``: called once they are queued, before wgrad_dw13 (the EP
+    backward sends them home under it)."""
     block_m = plan_block_m()
     T, D = x.shape
     if T == 0:  # e.g. an EP rank that receives no rows
@@ -153,6 +155,8 @@ def backward_bf16(grad_out, x, topk_ids, topk_weights, w1, w2, w3, saved=None, w
     dx, dtw = bwd_combine(dx_slot, part, plan, dx_dtype=x.dtype, dtw_dtype=topk_weights.dtype,
                           rows=in_rows)
     del dx_slot, part
+    if on_dx is not None:
+        on_dx(dx, dtw)
     dw1, dw3 = grads.dw13(wait_x)
     return dx, dtw, dw1, dw2, dw3
 

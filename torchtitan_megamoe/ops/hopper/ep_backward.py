@@ -13,13 +13,15 @@ ep_forward.py):
     own return regions
     for each peer s = me+1, me+2, ...: wait
     for s's signal; EP=1 backward of region s
+    (dx and d(topk_weights) before wgrad_dw13)
                                               its dx and d(topk_weights) rows -> s's regions
     wait for the side stream; barrier (channel 0): every returned row is home
     dx = sum of the ranks' partial rows (fp32, rank order); d(topk_weights) from the owners
 
 So dy and x travel under the regions computed before theirs (shift order, as in the forward),
-and each region's dx under the next region's. dy travels as e4m3 rows with their 1x128 scales
-when the recipe's data gradients are FP8 (the quantization those GEMMs apply anyway; the weight
+and each region's dx under its own wgrad_dw13 (dw1 and dw3: a quarter to a third of its GEMM
+work) and the regions after it: the last region's return is hidden too. dy travels as e4m3
+rows with their 1x128 scales when the recipe's data gradients are FP8 (the quantization those GEMMs apply anyway; the weight
 gradients read the dequantized values, as the reference backend does at EP > 1, dequantized in
 dw2's row gather); x travels in bf16 (the weight gradients read it unrounded). The weight
 gradients are fp32 sums over the regions in order 0..R-1: the first region's GEMMs write them,
@@ -97,25 +99,30 @@ def backward_ep(grad_out, x, topk_ids, topk_weights, w1, w2, w3, group, recipe,
         region_saved = restore(i, s, route.recv_rows("x")[region]) if restore else None
         # summed in this rank's fixed region order: the same sums on every call
         into = Into(sums, accumulate=i > 0)
-        if recipe.fp8_dgrad:
-            q, sc = route.recv_rows("dyq")[region].view(FP8), route.recv_rows("dys")[region]
-            dx_s, dtw_s, *_ = backward_fp8(
-                None, route.recv_rows("x")[region], ids[region], weights[region], w1, w2, w3,
-                recipe, weight_cache, saved=region_saved, grad_fp8=(q, sc), into=into)
-        else:
-            dx_s, dtw_s, *_ = backward_bf16(
-                route.recv_rows("dy")[region], route.recv_rows("x")[region], ids[region],
-                weights[region], w1, w2, w3, saved=region_saved, into=into)
-        back = {"ret": dx_s, "dtw": dtw_s.to(torch.float32).contiguous()}
-        if s == me or not ex.overlaps:
-            route.return_rows(s, back, "return dx")
-        else:
-            def send(s=s, back=back):
+
+        def send_home(dx_s, dtw_s, s=s):
+            # region s's dx partial rows go home under this region's wgrad_dw13
+            back = {"ret": dx_s, "dtw": dtw_s.to(torch.float32).contiguous()}
+            if s == me or not ex.overlaps:
+                route.return_rows(s, back, "return dx")
+                return
+
+            def send():
                 for t in back.values():
                     t.record_stream(torch.cuda.current_stream(x.device))  # used on this stream
                 route.return_rows(s, back, "return dx")
 
             sends.append(ex.run_async(send))
+
+        if recipe.fp8_dgrad:
+            q, sc = route.recv_rows("dyq")[region].view(FP8), route.recv_rows("dys")[region]
+            backward_fp8(None, route.recv_rows("x")[region], ids[region], weights[region], w1,
+                         w2, w3, recipe, weight_cache, saved=region_saved, grad_fp8=(q, sc),
+                         into=into, on_dx=send_home)
+        else:
+            backward_bf16(route.recv_rows("dy")[region], route.recv_rows("x")[region],
+                          ids[region], weights[region], w1, w2, w3, saved=region_saved,
+                          into=into, on_dx=send_home)
     route.count_returned(x.shape[1] * x.element_size() + 4 * route.K, "return dx")
     if sends:
         torch.cuda.current_stream(x.device).wait_event(sends[-1])
