@@ -563,3 +563,23 @@ TITAN_LOG_SAMPLE = """\
 """Rank 0 of a real 2-rank FSDP + EP=2 CPU run of train_configs/qwen3_moe_tiny_cpu.toml
 (stock), trimmed, plus one colored line as TorchTitan prints it by default and a validation
 line (the A/B tool's log parser reads it)."""
+
+
+def fake_ab_run(seen: list, files: dict):
+    """A stand-in for ab.driver.run_one (a GPU run's outputs without the GPU): records each
+    command in ``seen``, writes ``files`` (path under the run's dump folder -> bytes) and
+    TITAN_LOG_SAMPLE as the run's log."""
+
+    def run(cmd, log_path, env, timeout):
+        seen.append(cmd)
+        dump = cmd[cmd.index("--job.dump_folder") + 1]
+        for rel, data in files.items():
+            path = os.path.join(dump, rel)
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            with open(path, "wb") as f:
+                f.write(data)
+        with open(log_path, "w") as f:
+            f.write(TITAN_LOG_SAMPLE)
+        return 0
+
+    return run

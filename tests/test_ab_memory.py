@@ -83,23 +83,13 @@ def test_report_and_command_line(tmp_path, capsys):
 def test_run_ab_reports_the_memory_peak(tmp_path, monkeypatch):
     """--profile-step N --memory-snapshot: TorchTitan's snapshot arguments reach both runs and
     report.md gains the peak's comparison next to the kernel-time one."""
-    from moe_testing import TITAN_LOG_SAMPLE as SAMPLE
+    from moe_testing import fake_ab_run
     from torchtitan_megamoe.ab import cli, driver
 
     seen = []
-
-    def fake_run(cmd, log_path, env, timeout):
-        seen.append(cmd)
-        dump = cmd[cmd.index("--job.dump_folder") + 1]
-        sdir = os.path.join(dump, memory.SNAPSHOT_FOLDER, "iteration_5")
-        os.makedirs(sdir)
-        with open(os.path.join(sdir, "rank0_memory_snapshot.pickle"), "wb") as f:
-            pickle.dump(SNAPSHOT, f)
-        with open(log_path, "w") as f:
-            f.write(SAMPLE)
-        return 0
-
-    monkeypatch.setattr(driver, "run_one", fake_run)
+    snapshot = {f"{memory.SNAPSHOT_FOLDER}/iteration_5/rank0_memory_snapshot.pickle":
+                pickle.dumps(SNAPSHOT)}
+    monkeypatch.setattr(driver, "run_one", fake_ab_run(seen, snapshot))
     out = str(tmp_path / "ab")
     cli.main(["--config", "train_configs/qwen3_moe_tiny_cpu.toml", "--out", out,
               "--profile-step", "5", "--memory-snapshot", "--", "--training.steps", "5"])

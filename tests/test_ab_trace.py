@@ -2,7 +2,6 @@
 (ours before the dense-GEMM pattern), the step window, the union of overlapping kernels."""
 
 import json
-import os
 
 import pytest
 
@@ -73,22 +72,11 @@ def test_run_ab_with_a_profiled_step(tmp_path, monkeypatch):
     traces' comparison to report.md and profile.md (runs faked: TorchTitan's profiler needs a
     GPU)."""
     from torchtitan_megamoe.ab import driver
-    from moe_testing import TITAN_LOG_SAMPLE as SAMPLE
+    from moe_testing import fake_ab_run
 
     seen = []
-
-    def fake_run(cmd, log_path, env, timeout):
-        seen.append(cmd)
-        dump = cmd[cmd.index("--job.dump_folder") + 1]
-        tdir = os.path.join(dump, "profile_traces", "iteration_5")
-        os.makedirs(tdir)
-        with open(os.path.join(tdir, "rank0_trace.json"), "w") as f:
-            json.dump(TRACE, f)
-        with open(log_path, "w") as f:
-            f.write(SAMPLE)
-        return 0
-
-    monkeypatch.setattr(driver, "run_one", fake_run)
+    trace = {"profile_traces/iteration_5/rank0_trace.json": json.dumps(TRACE).encode()}
+    monkeypatch.setattr(driver, "run_one", fake_ab_run(seen, trace))
     res = driver.run_ab("train_configs/qwen3_moe_tiny_cpu.toml", 1, str(tmp_path / "ab"),
                         ["--training.steps", "5"], profile_step=5)
     assert res.exit_code == 0

@@ -65,7 +65,8 @@ One module per job: ``configs`` (the TOMLs, the sides), ``runner`` (torchrun wit
 ``schedule`` (the runs one at a time or J at once, within a deadline), ``logs`` (step-log
 parsing, per-run stats), ``comparison`` (losses within tolerance), ``stats`` (windowed losses
 across seeds, the verdict), ``report`` (markdown and PNG), ``trace`` (a profiled step's kernel
-time by category), ``memory`` (what is alive at a step's memory peak), ``driver`` (``run_ab``: one directory's runs, compared), ``seeds``
+time by category), ``memory`` (what is alive at a step's memory peak), ``named_runs`` (their
+NAME=PATH command line), ``driver`` (``run_ab``: one directory's runs, compared), ``seeds``
 (``run_seeds``, every seed's runs) and ``cli`` (``main``). The names below are the tool's API
 (tests, scripts/*.sh): import them from here.
 """

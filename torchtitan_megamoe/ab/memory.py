@@ -22,6 +22,8 @@ import sys
 from collections import defaultdict
 from dataclasses import dataclass, field
 
+from torchtitan_megamoe.ab import named_runs
+
 SNAPSHOT_FOLDER = "memory_snapshot"  # under each run's dump folder
 
 CATEGORIES = (
@@ -178,26 +180,17 @@ def ab_memory(out: str, step: int, runs: tuple = ("stock", "megamoe")) -> str:
     paths = {r: f"{out}/{r}/{SNAPSHOT_FOLDER}/iteration_{step}/rank0_memory_snapshot.pickle"
              for r in runs}
     head = f"## What is alive at step {step}'s memory peak (rank 0, allocator snapshot)\n\n"
-    missing = [p for p in paths.values() if not os.path.exists(p)]
-    if missing:
-        return head + f"No snapshot: {', '.join(missing)} (did the runs reach step {step}?)\n"
-    return head + report(_load(paths)) + "\n"
+    return named_runs.section(head, paths, "snapshot", step, load, report)
 
 
-def _load(paths: dict) -> dict:
-    peaks = {}
-    for name, path in paths.items():
-        with open(path, "rb") as f:
-            peaks[name] = analyze(pickle.load(f))
-    return peaks
+def load(path: str) -> Peak:
+    """The Peak of one snapshot pickle."""
+    with open(path, "rb") as f:
+        return analyze(pickle.load(f))
 
 
 def main(argv: list[str]) -> int:
-    if not argv or any("=" not in a for a in argv):
-        print(__doc__.strip().splitlines()[-1].strip(), file=sys.stderr)
-        return 2
-    print(report(_load(dict(a.split("=", 1) for a in argv))))
-    return 0
+    return named_runs.main(argv, __doc__.strip().splitlines()[-1].strip(), load, report)
 
 
 if __name__ == "__main__":

@@ -13,10 +13,11 @@ config shows how much of the step the MoE layers still take and what the rest is
 from __future__ import annotations
 
 import json
-import os
 import re
 import sys
 from dataclasses import dataclass, field
+
+from torchtitan_megamoe.ab import named_runs
 
 _OURS = ("bwd_combine|combine|dgrad1|dgrad2_swiglu|ep_route|gather_rows|gemm1_swiglu|"
          "gemm2|plan_count|plan_place|sum_partials|swiglu_bwd_rows|topk_gate_bwd|topk_gate|"
@@ -136,27 +137,17 @@ def ab_profile(out: str, step: int, runs: tuple = ("stock", "megamoe")) -> str:
     dump folder is ``<out>/<run>``), or a line saying which trace is missing."""
     traces = {r: f"{out}/{r}/profile_traces/iteration_{step}/rank0_trace.json" for r in runs}
     head = f"## Where step {step}'s GPU time goes (rank 0, TorchTitan's profiler)\n\n"
-    missing = [t for t in traces.values() if not os.path.exists(t)]
-    if missing:
-        return head + f"No trace: {', '.join(missing)} (did the runs reach step {step}?)\n"
-    return head + report(_load(traces)) + "\n"
+    return named_runs.section(head, traces, "trace", step, load, report)
 
 
-def _load(traces: dict) -> dict:
-    """name -> trace path, to name -> StepProfile."""
-    profiles = {}
-    for name, path in traces.items():
-        with open(path) as f:
-            profiles[name] = summarize(json.load(f))
-    return profiles
+def load(path: str) -> StepProfile:
+    """The StepProfile of one Chrome trace file."""
+    with open(path) as f:
+        return summarize(json.load(f))
 
 
 def main(argv: list[str]) -> int:
-    if not argv or any("=" not in a for a in argv):
-        print(__doc__.strip().splitlines()[-1].strip(), file=sys.stderr)
-        return 2
-    print(report(_load(dict(a.split("=", 1) for a in argv))))
-    return 0
+    return named_runs.main(argv, __doc__.strip().splitlines()[-1].strip(), load, report)
 
 
 if __name__ == "__main__":
