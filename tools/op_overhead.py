@@ -26,7 +26,8 @@ def _null_backend() -> None:
         out = torch.empty_like(x)
         return (out, [torch.empty_like(x)]) if save else out
 
-    def backward(grad_out, x, topk_ids, topk_weights, w1, w2, w3, group, options, saved=None):
+    def backward(grad_out, x, topk_ids, topk_weights, w1, w2, w3, group, options, saved=None,
+                 release_saved=False):
         return tuple(torch.empty_like(t) for t in (x, topk_weights, w1, w2, w3))
 
     mod.forward, mod.backward = forward, backward
