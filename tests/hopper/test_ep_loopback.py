@@ -151,6 +151,36 @@ def test_loopback_skewed_routing(R):
 
 
 @cpu_only
+def test_loopback_backward_sends_each_region_dx_before_its_dw13(monkeypatch):
+    """Each region's dx partial rows leave (on the side stream, under symmetric memory) before
+    that region's wgrad_dw13 runs, so the last region's return hides under it too."""
+    import threading
+
+    from torchtitan_megamoe.ops.hopper import bf16_backward, ep_dispatch
+
+    events = []
+    real_return, real_dw13 = ep_dispatch.TokenRoute.return_rows, bf16_backward.WeightGrads.dw13
+
+    def spy_return(self, s, rows, transfer):
+        if transfer == "return dx":
+            events.append((threading.current_thread().name, "return", s))
+        return real_return(self, s, rows, transfer)
+
+    def spy_dw13(self, *args, **kw):
+        events.append((threading.current_thread().name, "dw13"))
+        return real_dw13(self, *args, **kw)
+
+    monkeypatch.setattr(ep_dispatch.TokenRoute, "return_rows", spy_return)
+    monkeypatch.setattr(bf16_backward.WeightGrads, "dw13", spy_dw13)
+    tokens = [7, 5]
+    _loopback(2, _case(2, tokens, 4, seed=2), tokens)
+    for rank in ("rank0", "rank1"):
+        mine = [e[1:] for e in events if e[0].endswith(rank)]
+        me = int(rank[-1])
+        assert mine == [("return", me), ("dw13",), ("return", 1 - me), ("dw13",)], (rank, mine)
+
+
+@cpu_only
 @pytest.mark.parametrize("skew", [False, True])
 def test_loopback_saved_store_keeps_what_fits_and_recomputes_the_rest(monkeypatch, skew):
     """The forward's store of GEMM 1's pre-activations (kernels/row_store.py): at an even
