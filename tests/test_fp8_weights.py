@@ -299,34 +299,36 @@ def test_copies_live_from_the_forward_to_the_end_of_the_backward():
     x, ids, tw, *_ = _weights()
     layers, refs = [_experts(seed=s) for s in (0, 1)], [_experts(cache=False, seed=s)
                                                         for s in (0, 1)]
-    results = []
-    for chain in (layers, refs):
-        seen, grads = [], []
-        for step in range(2):
-            xx = x.detach().clone().requires_grad_()
-            alive = [[], []]
-            with counting() as made:
-                first = chain[0](xx, ids, tw)
-                alive[0] += _copies(chain[0])
-                out = chain[1](_Probe.apply(seen, alive, first), ids, tw)
-                alive[1] += _copies(chain[1])
-                seen.append([any(r() is not None for r in refs) for refs in alive])
-                loss = out.float().sum()
-                loss.backward()  # loss (and the graph) stays alive past the probe
-            grads.append([xx.grad] + [p.grad for m in chain for p in (m.w1, m.w2, m.w3)])
-            if chain is layers:
-                assert made == {"quant": 6, "transpose": 0}, made
-                assert all(m.fp8_weights_made == step + 1 for m in chain)
-                for m in chain:
-                    m.refresh_fp8_weights()  # the hook finds nothing to re-make
-                assert all(m.fp8_weights_made == step + 1 for m in chain)
-        results.append(grads)
-        if chain is layers:
-            assert seen == [[True, True], [True, False]] * 2, seen
-            assert all(m._fp8 is None for m in chain)
-        else:
-            assert seen == [[False, False]] * 4, seen  # no copies held without the cache
-    assert all(torch.equal(a, b) for ga, gb in zip(*results) for a, b in zip(ga, gb))
+
+    def step(chain, seen):
+        """One fwd+bwd through the chain: the gradients, the quantization counts."""
+        xx = x.detach().clone().requires_grad_()
+        for m in chain:
+            m.zero_grad(set_to_none=True)
+        alive = [[], []]
+        with counting() as made:
+            first = chain[0](xx, ids, tw)
+            alive[0] += _copies(chain[0])
+            out = chain[1](_Probe.apply(seen, alive, first), ids, tw)
+            alive[1] += _copies(chain[1])
+            seen.append([any(r() is not None for r in refs) for refs in alive])
+            loss = out.float().sum()
+            loss.backward()  # loss (and the graph) stays alive past the probe
+        return [xx.grad] + [p.grad for m in chain for p in (m.w1, m.w2, m.w3)], made
+
+    seen = []
+    want, _ = step(refs, seen)
+    assert seen == [[False, False]] * 2, seen  # no copies held without the cache
+    seen = []
+    for n in (1, 2):  # the weights do not change: the same gradients each time
+        got, made = step(layers, seen)
+        assert made == {"quant": 6, "transpose": 0}, made
+        assert all(m.fp8_weights_made == n for m in layers)
+        for m in layers:
+            m.refresh_fp8_weights()  # the hook finds nothing to re-make
+        assert all(m.fp8_weights_made == n and m._fp8 is None for m in layers)
+        assert all(torch.equal(a, b) for a, b in zip(got, want))
+    assert seen == [[True, True], [True, False]] * 2, seen
 
     m = layers[0]
     with torch.no_grad():
