@@ -11,7 +11,12 @@ and "bar": dg plain plus the passes our fusion saves, at their bytes over 4 TB/s
 15% of it is the target. The weight gradients: ours in bf16 (each side the tuner offers,
 torch's grouped GEMM included), ours in FP8, DeepGEMM's K-grouped FP8 GEMM.
 
+The compass (``--target 30B=5.5,235B=21``: the fp8 fwd+bwd each shape should take, ms): the
+rate each GEMM stage of the default fp8 path runs at now and the rate it needs, with every
+other part of the op (router, plan, quantization, SwiGLU passes, combines) kept as it is.
+
     python experiments/fp8_stages.py [--tokens 16384] [--shapes 30B,235B] [--no-op]
+        [--target SHAPE=MS,...]
 """
 
 import argparse
@@ -65,7 +70,34 @@ def best_of_ours(run, epilogue, a, N, K, out, gather):
     return min(times, key=lambda t: t[0])
 
 
-def row(label, flop, ours=None, side=None, plain=None, saved_bytes=0.0, note=""):
+GEMM_ROWS = []
+"""(label, flop, ours ms) of the current shape's GEMM stages on the default fp8 path (compass)."""
+
+
+def compass(gemm_rows, op_ms: float, target_ms: float) -> list[str]:
+    """Lines: each GEMM stage's TFLOP/s now and what it needs for the op's fwd+bwd to take
+    ``target_ms`` instead of ``op_ms``, the op's other work unchanged (all GEMM stages sped up
+    alike)."""
+    gemm_ms = sum(t for _, _, t in gemm_rows)
+    other = op_ms - gemm_ms
+    if target_ms <= other:
+        return [f"  compass: the op's non-GEMM work alone ({other:.3f} ms) is over the target "
+                f"{target_ms:.3f} ms"]
+    scale = gemm_ms / (target_ms - other)
+    lines = [f"  compass: fwd+bwd {op_ms:.3f} ms (GEMM stages {gemm_ms:.3f}, other {other:.3f})"
+             f" -> target {target_ms:.3f} ms: the GEMM stages x{scale:.2f}"]
+    lines += [f"    {label:24s} {flop / t / 1e9:5.0f} -> {scale * flop / t / 1e9:5.0f} TFLOP/s"
+              for label, flop, t in gemm_rows]
+    return lines
+
+
+def row(label, flop, ours=None, side=None, plain=None, saved_bytes=0.0, note="",
+        default_path=True):
+    """One stage's line; ``default_path``: a GEMM stage the default fp8 recipe runs (its time
+    is the faster of ours and the DeepGEMM side, as the tuner picks)."""
+    if default_path and ours is not None:
+        GEMM_ROWS.append((label, flop, min(t for t in (ours, side) if t is not None)))
+
     def f(t):
         return "      -       " if t is None else f"{t:7.3f} ({flop / t / 1e9:5.0f})"
     bar = None if plain is None else plain + saved_bytes / HBM * 1e3
@@ -105,7 +137,10 @@ def main():
     p.add_argument("--tokens", type=int, default=16384, help="tokens of the layer")
     p.add_argument("--shapes", default="30B,235B", help="comma list of: 30B, 235B")
     p.add_argument("--no-op", action="store_true", help="skip the whole-op rows")
+    p.add_argument("--target", default="", metavar="SHAPE=MS,...",
+                   help="fp8 fwd+bwd targets per shape for the compass, e.g. 30B=5.5,235B=21")
     args = p.parse_args()
+    targets = {k: float(v) for k, v in (kv.split("=") for kv in args.target.split(",") if kv)}
     dev = "cuda"
     have_dg = deepgemm.available(torch.zeros(1, device=dev))
     print(f"DeepGEMM: {deepgemm.version() if have_dg else 'not installed (its columns stay empty)'}")
@@ -121,6 +156,7 @@ def main():
         w2 = (torch.randn(E, D, H, device=dev) * H ** -0.5).bfloat16()
         g = torch.randn(T, D, device=dev, dtype=torch.bfloat16)
         plan = build_plan(ids, E, FP8_BLOCK_M)
+        GEMM_ROWS.clear()
         R = plan.max_rows
         rows = T * K
         xq, xs = quant_rows(x)
@@ -206,6 +242,7 @@ def main():
                 print(f"  {stage + ' bf16 ' + side_name:24s} {t:7.3f} "
                       f"({(f2 if stage == 'wgrad_dw2' else f1) / t / 1e9:5.0f}) {why[:60]}")
         print(f"  {'wgrad bf16 (picked, all)':24s} {bf:7.3f} ({(f2 + f1) / bf / 1e9:5.0f})")
+        GEMM_ROWS.append(("wgrad bf16 (dw2, dw1, dw3)", f2 + f1, bf))
         order = longest_first(plan)
         dyT = quant_rows_t(g, plan, gather=True, row_weight=tw.reshape(-1))
         xT = quant_rows_t(x, plan, gather=True)
@@ -225,18 +262,24 @@ def main():
                 dg13 = ms(lambda: (run1(), run3()))
             except Exception as err:  # the layout this bench assumes for its operands
                 print(f"  DeepGEMM K-grouped FP8: {err!r}"[:160])
-        row("fp8_wgrad dw2", f2, o2, None, dg2, note=f"+ quant dy^T {q2:.3f}")
-        row("fp8_wgrad dw1 + dw3", f1, o13, None, dg13, note=f"+ quant x^T {qx:.3f}")
+        row("fp8_wgrad dw2", f2, o2, None, dg2, note=f"+ quant dy^T {q2:.3f}",
+            default_path=False)
+        row("fp8_wgrad dw1 + dw3", f1, o13, None, dg13, note=f"+ quant x^T {qx:.3f}",
+            default_path=False)
         print(f"  {'quant weights fwd':24s} {ms(lambda: forward_weights(w1, w2, w3)):7.3f}"
               f"   bwd {ms(lambda: (w2_transposed(w2), w13_transposed(w1, w3))):7.3f}")
         del dyT, xT, daTq, daTs, hTq, hTs, a2, y, dxr
 
         if args.no_op:
+            if name in targets:  # no op time: the GEMM stages' sum stands for it
+                print("\n".join(compass(GEMM_ROWS, sum(t for *_, t in GEMM_ROWS),
+                                         targets[name])))
             continue
         runs = [(p, p, {}) for p in PRECISIONS]
         runs += [(f"{p} cached", p, {}) for p in PRECISIONS if recipe_named(p).fp8]
         runs += [("fp8 cached fp8-wgrad", "fp8", {"MEGAMOE_FP8_WGRAD": "1"}),
                 ("fp8 cached no-DeepGEMM", "fp8", {"MEGAMOE_DEEPGEMM": "0"})]
+        op_ms = None
         for label, prec, env in runs:
             cached = "cached" in label
             old = {k: os.environ.get(k) for k in env}
@@ -260,9 +303,13 @@ def main():
             print(f"  op {label:24s} fwd {f:7.3f} ms   fwd+bwd {fb:7.3f} ms "
                   f"({3 * f1 / fb / 1e9:5.0f} TFLOP/s)   peak {peak:6.2f} GiB "
                   f"(FP8 copies held {held:.2f})")
+            if label == "fp8 cached":  # the default: the module's copies, DeepGEMM where it wins
+                op_ms = fb
             del fw
             for k, v in old.items():
                 os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
+        if name in targets and op_ms is not None:
+            print("\n".join(compass(GEMM_ROWS, op_ms, targets[name])))
         for (kname, key), timings in tune.TIMINGS.items():
             if kname.startswith("fp8"):
                 best = sorted(timings, key=lambda t: t[1])[:3]
