@@ -101,7 +101,6 @@ def backward_bf16(grad_out, x, topk_ids, topk_weights, w1, w2, w3, saved=None, w
         g1_config, _ = forward_configs(None, None)
         _h, a_saved = gemm1_swiglu(x, w1, w3, plan, config=g1_config, save_a=True)
         del _h
-        release_saved = False  # ours: freed by del below
     R = plan.max_rows
     key = tuner_key(R, D, H, E, block_m, settings.bwd_impl())
 

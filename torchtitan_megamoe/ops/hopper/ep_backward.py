@@ -21,13 +21,13 @@ ep_forward.py):
 So dy and x travel under the regions computed before theirs (shift order, as in the forward),
 and each region's dx under its own wgrad_dw13 (dw1 and dw3: a quarter to a third of its GEMM
 work) and the regions after it: the last region's return is hidden too. dy travels as e4m3
-rows with their 1x128 scales when the recipe's data gradients are FP8 (the quantization those GEMMs apply anyway; the weight
-gradients read the dequantized values, as the reference backend does at EP > 1, dequantized in
-dw2's row gather); x travels in bf16 (the weight gradients read it unrounded). The weight
-gradients are fp32 sums over the regions in order 0..R-1: the first region's GEMMs write them,
-each later one's add to them in their epilogue (sides/wgrad.Into: no add pass, no per-region
-gradient), then they are rounded once: the same precision as one GEMM over all rows,
-deterministic. No host sync.
+rows with their 1x128 scales when the recipe's data gradients are FP8 (the quantization those
+GEMMs apply anyway; the weight gradients read the dequantized values, as the reference backend
+does at EP > 1, dequantized in dw2's row gather); x travels in bf16 (the weight gradients read
+it unrounded). The weight gradients are fp32 sums over the regions in order 0..R-1: the first
+region's GEMMs write them, each later one's add to them in their epilogue (sides/wgrad.Into:
+no add pass, no per-region gradient), then they are rounded once: the same precision as one
+GEMM over all rows, deterministic. No host sync.
 
 Saved from the forward: GEMM 1's pre-activations of the regions its store kept, restored into
 one region's buffer (``_Restore``); GEMM 1 runs again only for the regions it did not keep.

@@ -73,7 +73,6 @@ def backward_fp8(grad_out, x, topk_ids, topk_weights, w1, w2, w3, recipe, weight
     else:
         plan = build_plan(topk_ids, E, FP8_BLOCK_M)
         a_saved = recompute_a(x, w1, w2, w3, plan, recipe.fp8_forward, weight_cache)
-        release_saved = False  # ours: freed by del below
     tw = topk_weights.contiguous()
 
     gq, gs = quant_rows(dy) if grad_fp8 is None else grad_fp8
