@@ -91,6 +91,9 @@ def _launch(who, tokens, rows, outs, plan, E, M, N, m_split, gather, expert_orde
            for o in outs):
         raise TypeError(f"{who}: the gradients must all be bfloat16 or all float32 (fp32 "
                         f"parameters), got {[o.dtype for o in outs]}")
+    if accumulate and not out_f32:  # a bf16 sum over regions would round once per region
+        raise ValueError(f"{who} accumulates into fp32 gradients only, the outputs are "
+                         f"{outs[0].dtype}")
     if not (rows.is_contiguous() and all(o.is_contiguous() for o in outs)):
         raise ValueError(f"{who}: the row-space operand and the outputs must be contiguous")
     R = plan.max_rows
