@@ -24,7 +24,7 @@ it, which hold stale data of earlier calls.
                               bit patterns; the own region's rows t >= T: ids -1, weights 0;
                               peers' rows >= n_d unset
 
-Two launches around a cumsum: _ep_goes_kernel (owner, which ranks each token goes to, the id
+Two launches around a cumsum: _ep_goes_kernel (owner, which ranks each token goes to [R, T], the id
 check), torch.cumsum over tokens (the compact rows: a scan in token order, so repeatable), and
 _ep_meta_kernel, grid (R, C / BLOCK_T), program (d, b) writing destination d's rows of the
 tokens [b*BLOCK_T, (b+1)*BLOCK_T): meta, src_tok and the ret_slot entries of the slots d owns.
@@ -72,7 +72,7 @@ def _ep_goes_kernel(
              mask=m & ((own < 0) | (own >= R)))
     for d in tl.static_range(R):
         goes = tl.max((own == d).to(tl.int32), axis=1)  # [BLOCK_T]: 1 if t has a slot on d
-        tl.store(goes_ptr + t64 * R + d, goes, mask=in_t)
+        tl.store(goes_ptr + d * T + t64, goes, mask=in_t)  # [R, T]: the scan runs along T
 
 
 @triton.jit
@@ -119,7 +119,7 @@ def ep_route_tensors(topk_ids: torch.Tensor, topk_weights: torch.Tensor, E_local
     dev = topk_ids.device
     owner = torch.empty((T, K), dtype=torch.int64, device=dev)
     ret_slot = torch.empty((T, K), dtype=torch.int64, device=dev)
-    goes = torch.empty((T, R), dtype=torch.int32, device=dev)
+    goes = torch.empty((R, T), dtype=torch.int32, device=dev)
     meta = torch.empty((R, C, 2 * K), dtype=torch.int32, device=dev)
     src_tok = torch.empty((R, C), dtype=torch.int32, device=dev)
     K_PAD = next_power_of_2(K)
@@ -133,13 +133,14 @@ def ep_route_tensors(topk_ids: torch.Tensor, topk_weights: torch.Tensor, E_local
             topk_ids.stride(0), topk_ids.stride(1),
             R=R, K=K, K_PAD=K_PAD, BLOCK_T=BLOCK_T, CHECK=check_ids, num_warps=8,
         )
-    # the compact rows: earlier tokens going to d (a scan in token order: repeatable)
-    ahead = torch.cumsum(goes, dim=0, dtype=torch.int32)
-    pos = torch.where(goes > 0, ahead - 1, -1).to(torch.int32)
-    counts = (ahead[-1] if T else goes.new_zeros(R)).clone()
+    # the compact rows: earlier tokens going to d (a scan in token order: repeatable). Along
+    # the contiguous dim: torch's scan over dim 0 of a [T, R] tensor runs R threads (ms)
+    ahead = torch.cumsum(goes, dim=1, dtype=torch.int32)
+    pos_rt = torch.where(goes > 0, ahead - 1, -1).to(torch.int32)
+    counts = (ahead[:, -1] if T else goes.new_zeros(R)).clone()
     counts[me] = T
-    pos[:, me] = torch.where(goes[:, me] > 0, torch.arange(T, dtype=torch.int32, device=dev),
-                             -1)
+    pos_rt[me] = torch.where(goes[me] > 0, torch.arange(T, dtype=torch.int32, device=dev), -1)
+    pos = pos_rt.t().contiguous()  # [T, R]: a token's R rows together, as its readers want
     _ep_meta_kernel[(R, cdiv(C, BLOCK_T))](
         topk_ids, topk_weights, pos, ret_slot, meta, src_tok, T, C, E_local, me,
         topk_ids.stride(0), topk_ids.stride(1), topk_weights.stride(0), topk_weights.stride(1),
