@@ -85,7 +85,7 @@ def _ep_meta_kernel(
     kk, in_k, toks, in_t, m, t64, g = _ids_tile(ids_ptr, tl.program_id(1), T, stride_ids_t,
                                                 stride_ids_k, K, K_PAD, BLOCK_T)
     mine = (g >= 0) & (g // E_local == d)
-    p = tl.load(pos_ptr + t64 * R + d, mask=in_t, other=-1)
+    p = tl.load(pos_ptr + d * T + t64, mask=in_t, other=-1)  # pos [R, T]: d's row, coalesced
     own_region = (toks * 0 + d) == ME  # [BLOCK_T] bool (a scalar compare would not mask)
     # the own region: every row < C (rows >= T: no token); a peer's: the tokens going there
     row = tl.where(own_region, toks, p)
@@ -140,10 +140,10 @@ def ep_route_tensors(topk_ids: torch.Tensor, topk_weights: torch.Tensor, E_local
     counts = (ahead[:, -1] if T else goes.new_zeros(R)).clone()
     counts[me] = T
     pos_rt[me] = torch.where(goes[me] > 0, torch.arange(T, dtype=torch.int32, device=dev), -1)
-    pos = pos_rt.t().contiguous()  # [T, R]: a token's R rows together, as its readers want
     _ep_meta_kernel[(R, cdiv(C, BLOCK_T))](
-        topk_ids, topk_weights, pos, ret_slot, meta, src_tok, T, C, E_local, me,
+        topk_ids, topk_weights, pos_rt, ret_slot, meta, src_tok, T, C, E_local, me,
         topk_ids.stride(0), topk_ids.stride(1), topk_weights.stride(0), topk_weights.stride(1),
         R=R, K=K, K_PAD=K_PAD, BLOCK_T=BLOCK_T, num_warps=8,
     )
+    pos = pos_rt.t().contiguous()  # [T, R]: a token's R rows together, as its readers want
     return owner, ret_slot, pos, counts, src_tok, meta, (ok.amin() if check_ids else None)
