@@ -2,6 +2,7 @@
 
 import statistics
 import time
+import traceback
 
 import torch
 
@@ -117,6 +118,17 @@ def gpu_busy_ms(fn, calls: int = 2) -> tuple[float, float]:
     return busy / 1e3 / calls, len(spans) / calls
 
 
+def _where(err: BaseException) -> str:
+    """' at file:line (function)' of the innermost frame of this package that raised ``err``
+    (a capture error names no line of ours otherwise)."""
+    frames = [f for f in traceback.extract_tb(err.__traceback__)
+              if "torchtitan_megamoe" in f.filename]
+    if not frames:
+        return ""
+    f = frames[-1]
+    return f" at {f.filename.split('torchtitan_megamoe')[-1].lstrip('/')}:{f.lineno} ({f.name}: {f.line})"
+
+
 def graphed_ms(fn, iters: int, warmup: int = 1) -> tuple[float | None, str | None]:
     """(median ms of replaying one call of ``fn`` captured in a CUDA graph, None), or (None, why)
     where the capture fails: the device's time with no host in the way, concurrent streams
@@ -138,7 +150,7 @@ def graphed_ms(fn, iters: int, warmup: int = 1) -> tuple[float | None, str | Non
             fn()
     except Exception as err:  # noqa: BLE001 - reported, the caller's other numbers stand
         torch.cuda.synchronize()
-        return None, f"{type(err).__name__}: {str(err).splitlines()[0][:200]}"
+        return None, f"{type(err).__name__}: {str(err).splitlines()[0][:200]}{_where(err)}"
     try:
         return median_ms(graph.replay, iters, warmup=1), None
     finally:
