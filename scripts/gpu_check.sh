@@ -19,7 +19,7 @@
 # BENCH_NPROCS="1 2" (both benches in one run), BENCH_TIMEOUT_S (per bench, default 360),
 # LOOPBACK_EP=R (EP=R as R loopback ranks on this one GPU: waited, host, GPU busy and CUDA-graph times, EP=1 ratio, counted bytes per
 # transfer, in bf16, fp8 and fp8_bwd), LOOPBACK_SPECS (shape:tokens per rank, default
-# "30b:16384 235b:4096"), LOOPBACK_LINK_GBS=G (pace the loopback transfers to a G GB/s link, e.g. 326),
+# "30b:16384 235b:4096"), LOOPBACK_PRECISIONS (default bf16,fp8,fp8_bwd), LOOPBACK_LINK_GBS=G (pace the loopback transfers to a G GB/s link, e.g. 326),
 # LOOPBACK_EXPOSED_GBS (each transfer's exposed time on such a link, default 326; 0: skip),
 # LOOPBACK_ARGS (extra args of those runs, e.g. --profile: top kernels, rank threads' host profile),
 # PYTEST_TIMEOUT_S (default 300), SKIP_DEEPGEMM=1 (no DeepGEMM set-up, MEGAMOE_DEEPGEMM=0),
@@ -71,7 +71,7 @@ if [ -n "${LOOPBACK_EP:-}" ]; then
     shape=${spec%%:*}
     # shellcheck disable=SC2086
     timeout "${BENCH_TIMEOUT_S:-360}" python3 -m torchtitan_megamoe.bench --ep "$LOOPBACK_EP" \
-      --loopback --shapes "$shape" --tokens "${spec##*:}" --precisions bf16,fp8,fp8_bwd \
+      --loopback --shapes "$shape" --tokens "${spec##*:}" --precisions "${LOOPBACK_PRECISIONS:-bf16,fp8,fp8_bwd}" \
       --iters 5 --warmup 2 --link-gbs "${LOOPBACK_LINK_GBS:-0}" --graph \
       --exposed "${LOOPBACK_EXPOSED_GBS:-326}" ${LOOPBACK_ARGS:-} \
       --json "$OUT/loopback_ep${LOOPBACK_EP}_$shape.json" \
