@@ -126,7 +126,8 @@ def _where(err: BaseException) -> str:
     if not frames:
         return ""
     f = frames[-1]
-    return f" at {f.filename.split('torchtitan_megamoe')[-1].lstrip('/')}:{f.lineno} ({f.name}: {f.line})"
+    path = f.filename.split("torchtitan_megamoe")[-1].lstrip("/")
+    return f" at {path}:{f.lineno} ({f.name}: {f.line})"
 
 
 def graphed_ms(fn, iters: int, warmup: int = 1) -> tuple[float | None, str | None]:

@@ -138,7 +138,7 @@ def ep_route_tensors(topk_ids: torch.Tensor, topk_weights: torch.Tensor, E_local
     ahead = torch.cumsum(goes, dim=1, dtype=torch.int32)
     pos_rt = torch.where(goes > 0, ahead - 1, -1).to(torch.int32)
     counts = (ahead[:, -1] if T else goes.new_zeros(R)).clone()
-    counts[me] = T
+    counts[me:me + 1].fill_(T)  # a kernel: `counts[me] = T` is a host copy (breaks graphs)
     pos_rt[me] = torch.where(goes[me] > 0, torch.arange(T, dtype=torch.int32, device=dev), -1)
     _ep_meta_kernel[(R, cdiv(C, BLOCK_T))](
         topk_ids, topk_weights, pos_rt, ret_slot, meta, src_tok, T, C, E_local, me,
