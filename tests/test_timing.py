@@ -52,3 +52,14 @@ def test_graphed_replays_the_captured_work_and_reports_a_failed_capture():
     assert err is None and ms > 0
     ms, err = graphed_ms(lambda: a.sum().item(), 3)  # a host sync cannot be captured
     assert ms is None and err
+
+
+def test_a_failed_capture_names_the_line_of_ours_that_raised():
+    from torchtitan_megamoe.ops.loopback import LoopbackGroup
+    from torchtitan_megamoe.timing import _where
+
+    with pytest.raises(ValueError) as err:
+        LoopbackGroup(0)
+    where = _where(err.value)
+    assert where.startswith(" at ops/loopback.py:") and "__init__" in where, where
+    assert _where(ValueError("raised outside the package")) == ""

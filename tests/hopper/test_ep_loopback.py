@@ -432,6 +432,38 @@ def test_loopback_one_gpu_vs_reference(R, shape, precision):
         assert traffic[r]["dispatch dy"] == sent[r] * (fp8_row if recipe.fp8_dgrad else 2 * D)
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_loopback_forward_backward_captures_in_one_cuda_graph():
+    """EP=2 on one GPU, forward + backward of both ranks captured as one CUDA graph (the EP
+    path has no host sync and no host-to-device copy): a replay gives the eager call's bits."""
+    T, (D, H) = 1024, SHAPES["30b"]
+    inp = _gpu_case(2, T, D, H)
+    shards = shard(2, *op_args(inp), tokens=[T, T])
+    dys = _per_rank(inp["dy"], [T, T])
+
+    def call():
+        return loopback_moe(shards, dys, precision="bf16")
+
+    call()  # the first call at a shape tunes
+    eager = call()
+    side = torch.cuda.Stream()  # warm-up off the capture stream, as torch.cuda.graph wants
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        call()
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, capture_error_mode="relaxed"):  # rank threads launch too
+        captured = call()
+    for t in (t for rank in captured for t in rank):
+        t.fill_(float("nan"))  # the replay must write every output
+    graph.replay()
+    torch.cuda.synchronize()
+    for r, (a, b) in enumerate(zip(eager, captured)):
+        assert all(same_bits(x, y) for x, y in zip(a, b)), f"rank {r}: replay differs"
+
+
 @cpu_only
 def test_loopback_fp8_saved_store_with_a_region_recomputed(monkeypatch):
     """The FP8 forward's pre-activations through the store (kernels/row_store.py) with room for
