@@ -22,6 +22,8 @@
 # "30b:16384 235b:4096"), LOOPBACK_PRECISIONS (default bf16,fp8,fp8_bwd), LOOPBACK_LINK_GBS=G (pace the loopback transfers to a G GB/s link, e.g. 326),
 # LOOPBACK_EXPOSED_GBS (each transfer's exposed time on such a link, default 326; 0: skip),
 # LOOPBACK_ARGS (extra args of those runs, e.g. --profile: top kernels, rank threads' host profile),
+# STEP_AB=N (the one-GPU training step, stock vs ours bf16 and fp8 at 30B-A3B-L6, seq 8192, step N
+# traced; STEP_AB_ARGS e.g. --memory-snapshot; STEP_TIMEOUT_S, default 300),
 # PYTEST_TIMEOUT_S (default 300), SKIP_DEEPGEMM=1 (no DeepGEMM set-up, MEGAMOE_DEEPGEMM=0),
 # DEEPGEMM_TIMEOUT_S (its build, default 360), DEEPGEMM_SITE (where it builds, default
 # /tmp/dgsite), DG_JIT_CACHE_DIR (its kernels, default /tmp/dgjit). Logs and bench.json go to
@@ -83,6 +85,23 @@ if [ -n "${LOOPBACK_EP:-}" ]; then
   # the modelled 8-GPU node from those runs (bench/ep_model.py)
   python3 -m torchtitan_megamoe.bench.ep_model --json "$OUT"/loopback_ep"$LOOPBACK_EP"_*.json \
     2>&1 | tee "$OUT/ep_model.log"
+fi
+if [ -n "${STEP_AB:-}" ]; then
+  # the one-GPU training step, stock against ours bf16 and fp8 (python -m torchtitan_megamoe.ab):
+  # 30B-A3B-L6, seq 8192, full AC, compile; step STEP_AB traced (kernel time by category)
+  offline_hf_env
+  # shellcheck disable=SC2086
+  timeout "${STEP_TIMEOUT_S:-300}" python3 -m torchtitan_megamoe.ab \
+    --config train_configs/qwen3_30b_a3b_gpu_smoke.toml --nproc 1 --out /tmp/megamoe_step_ab \
+    --sides stock,bf16=megamoe,fp8=megamoe --side-args 'bf16=--megamoe.precision bf16' \
+    --side-args 'fp8=--megamoe.precision fp8' --baseline stock --rtol 5e-2 --atol 1e-2 \
+    --profile-step "$STEP_AB" ${STEP_AB_ARGS:-} -- --model.flavor 30B-A3B-L6 \
+    --training.seq_len 8192 --training.steps 20 --parallelism.expert_parallel_degree 1 \
+    --activation_checkpoint.mode full --compile.enable > "$OUT/step_ab.log" 2>&1
+  src=$?
+  echo "step A/B exit: $src"
+  cp /tmp/megamoe_step_ab/report.md "$OUT/step_ab.md" 2>/dev/null && sed -n 1,40p "$OUT/step_ab.md"
+  [ "$src" != 0 ] && rc=$src
 fi
 # the kernels DeepGEMM's JIT compiled (whatever ran above used), for .dgjit/ next time
 dg_pack_jit
