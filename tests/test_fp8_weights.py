@@ -403,7 +403,9 @@ def _train(cache, precision, steps=3, seed=0):
     import torchtitan_megamoe.flavors  # noqa: F401  (registers megamoe_tiny_fp8)
     from torchtitan_megamoe.converter import MegaMoEConverter
 
-    args = copy.deepcopy(qwen3_args["megamoe_tiny_fp8"])
+    # one layer: the copies are made and freed per layer, and each interpreted layer costs ~a
+    # minute per step (fp8_bwd)
+    args = dataclasses.replace(copy.deepcopy(qwen3_args["megamoe_tiny_fp8"]), n_layers=1)
     jc = job_config(backend="hopper", precision=precision, fp8_weight_cache=cache)
     conv = MegaMoEConverter(jc, None)
     with torch.device("meta"):
