@@ -37,6 +37,7 @@ def test_typed_configs():
     lists = [hx.GEMM1_SWIGLU_CONFIGS, hx.GEMM2_CONFIGS, hx.DGRAD2_SWIGLU_CONFIGS,
              hx.WGRAD_CONFIGS, hx.DGRAD1_CONFIGS, hx.FP8_WGRAD_CONFIGS, *hx.FP8_CONFIGS.values()]
     singles = [hx.DGRAD2_SWIGLU_UNEVEN, hx.DGRAD1_UNEVEN, hx.FP8_INTERPRET, hx.INTERPRET_GEMM,
+               hx.INTERPRET_GEMM_WIDE,
                hx.INTERPRET_DGRAD2_SWIGLU, hx.INTERPRET_WGRAD, hx.INTERPRET_DGRAD1]
     for cfg in [c for cands in lists for c in cands] + singles:
         assert isinstance(cfg, TritonGemm) and cfg.side == "triton"
@@ -148,6 +149,11 @@ def test_interpreter_tiles(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     assert tiles.plan_block_m() == tiles.INTERPRET_BLOCK_M and hopper_multiple() == 16
     assert hx.forward_configs(None, None) == (hx.INTERPRET_GEMM, hx.INTERPRET_GEMM)
+    # FP8-shaped problems (128-row segments, 128-multiple D and H) walk 16x fewer tiles
+    wide = (hx.INTERPRET_GEMM_WIDE,) * 2
+    assert hx.forward_configs(None, None, 128, 128, 256) == wide
+    assert hx.forward_configs(None, None, 16, 128, 256) == (hx.INTERPRET_GEMM,) * 2
+    assert hx.forward_configs(None, None, 128, 96, 256) == (hx.INTERPRET_GEMM,) * 2
     assert hx.dgrad2_swiglu_triton(2048, 768) == [hx.INTERPRET_DGRAD2_SWIGLU]
     monkeypatch.delenv("TRITON_INTERPRET")
     assert tiles.plan_block_m() == tiles.BLOCK_M and hopper_multiple() == 64

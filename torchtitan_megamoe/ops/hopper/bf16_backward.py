@@ -98,7 +98,7 @@ def backward_bf16(grad_out, x, topk_ids, topk_weights, w1, w2, w3, saved=None, w
             wait_x = None
         # GEMM 1 again with the forward's kernel and tuned pick (the same key), so a is bitwise
         # the forward's and the gradients equal the saved path's bit for bit; h is not needed.
-        g1_config, _ = forward_configs(None, None)
+        g1_config, _ = forward_configs(None, None, block_m, D, H)
         _h, a_saved = gemm1_swiglu(x, w1, w3, plan, config=g1_config, save_a=True)
         del _h
     R = plan.max_rows

@@ -44,7 +44,8 @@ def forward_bf16(
         out = x.new_zeros(x.shape)
         return (out, tuple(saved_like(x, topk_ids, w1))) if save else out
     block_m = block_m or plan_block_m()
-    gemm1_config, gemm2_config = forward_configs(gemm1_config, gemm2_config)
+    gemm1_config, gemm2_config = forward_configs(gemm1_config, gemm2_config, block_m,
+                                                 w1.shape[2], w1.shape[1])
     x = x.contiguous()
     w1, w2, w3 = w1.contiguous(), w2.contiguous(), w3.contiguous()
     E = w1.shape[0]

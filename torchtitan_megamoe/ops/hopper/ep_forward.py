@@ -183,8 +183,8 @@ class _Regions:
         self.w1, self.w2, self.w3 = dense_weights(weight_cache, w1, w2, w3)
         self.recipe, self.block_m, self.keep, self.weight_cache = recipe, block_m, keep, weight_cache
         self.dtype = dtype
-        self.g1, self.g2 = forward_configs(gemm1_config, gemm2_config)
         E_local, H, D = w1.shape
+        self.g1, self.g2 = forward_configs(gemm1_config, gemm2_config, block_m, D, H)
         dev = ids.device
         # every region's plan from one launch pair (the ids are all here once the metadata is)
         self.plans, self.packed = build_plans(ids.view(route.R, self.C, self.K), E_local,

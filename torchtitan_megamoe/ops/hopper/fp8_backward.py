@@ -167,7 +167,7 @@ def recompute_a(x, w1, w2, w3, plan, fp8_forward, weight_cache, out=None, skip=N
         _hq, _hs, a = fp8_gemm1_swiglu(xq, xs, wq.w1q, wq.w1s, wq.w3q, wq.w3s, plan, save_a=True,
                                        a_out=out)
         return a
-    g1_config, _ = forward_configs(None, None)
+    g1_config, _ = forward_configs(None, None, plan.block_m, w1.shape[2], w1.shape[1])
     if out is not None:
         out = (torch.empty((plan.max_rows, w1.shape[1]), dtype=x.dtype, device=x.device), out)
     _h, a = gemm1_swiglu(x, w1, w3, plan, config=g1_config, save_a=True, out=out)
