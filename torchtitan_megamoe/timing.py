@@ -130,25 +130,33 @@ def _where(err: BaseException) -> str:
     return f" at {path}:{f.lineno} ({f.name}: {f.line})"
 
 
-def graphed_ms(fn, iters: int, warmup: int = 1) -> tuple[float | None, str | None]:
-    """(median ms of replaying one call of ``fn`` captured in a CUDA graph, None), or (None, why)
-    where the capture fails: the device's time with no host in the way, concurrent streams
-    kept (capture mode "relaxed": R loopback ranks launch into the captured streams from
-    their own threads). (None, "no CUDA") without a device."""
-    if not torch.cuda.is_available():
-        return None, "no CUDA"
-    for _ in range(warmup):
-        fn()
-    side = torch.cuda.Stream()  # warm-up off the capture stream, as torch.cuda.graph wants
+def capture(fn) -> tuple:
+    """(graph, what ``fn`` returned while captured): ``fn`` run once off the capture stream (as
+    torch.cuda.graph wants), then captured in one CUDA graph, concurrent streams kept (capture
+    mode "relaxed": R loopback ranks launch into the captured streams from their own
+    threads). A replay rewrites what the captured call returned."""
+    side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
         fn()
     torch.cuda.current_stream().wait_stream(side)
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, capture_error_mode="relaxed"):
+        out = fn()
+    return graph, out
+
+
+def graphed_ms(fn, iters: int, warmup: int = 1) -> tuple[float | None, str | None]:
+    """(median ms of replaying one call of ``fn`` captured in a CUDA graph (``capture``),
+    None), or (None, why) where the capture fails: the device's time with no host in the way.
+    (None, "no CUDA") without a device."""
+    if not torch.cuda.is_available():
+        return None, "no CUDA"
+    for _ in range(warmup):
+        fn()
     try:
-        with torch.cuda.graph(graph, capture_error_mode="relaxed"):
-            fn()
+        graph, _ = capture(fn)
     except Exception as err:  # noqa: BLE001 - reported, the caller's other numbers stand
         torch.cuda.synchronize()
         return None, f"{type(err).__name__}: {str(err).splitlines()[0][:200]}{_where(err)}"

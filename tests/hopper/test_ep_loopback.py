@@ -14,6 +14,7 @@ from torchtitan_megamoe.ops.loopback import LoopbackError, run_ranks
 from torchtitan_megamoe.ops.hopper.ep_dispatch import TRAFFIC
 from torchtitan_megamoe.ops.loopback_moe import loopback_moe, shard
 from torchtitan_megamoe.ops.recipe import recipe_named
+from torchtitan_megamoe.timing import capture
 
 K, D, H = 3, 32, 32  # D, H multiples of 16: the interpreter's tiles
 cpu_only = pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter variant is for CPU")
@@ -447,15 +448,7 @@ def test_loopback_forward_backward_captures_in_one_cuda_graph():
 
     call()  # the first call at a shape tunes
     eager = call()
-    side = torch.cuda.Stream()  # warm-up off the capture stream, as torch.cuda.graph wants
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        call()
-    torch.cuda.current_stream().wait_stream(side)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, capture_error_mode="relaxed"):  # rank threads launch too
-        captured = call()
+    graph, captured = capture(call)
     for t in (t for rank in captured for t in rank):
         t.fill_(float("nan"))  # the replay must write every output
     graph.replay()
