@@ -74,7 +74,7 @@ def forward_configs(gemm1_config, gemm2_config, block_m: int = 0, D: int = 0, H:
     segments of ``block_m`` and GEMMs over D and H: every caller of one problem passes the
     same, so a recomputed GEMM 1 has the forward's bits), else None (the tuner picks)."""
     if settings.triton_interpreting():
-        wide = block_m % 128 == 0 and block_m and D % 128 == 0 and H % 128 == 0 and D and H
+        wide = min(block_m, D, H) >= 128 and not (block_m % 128 or D % 128 or H % 128)
         cfg = INTERPRET_GEMM_WIDE if wide else INTERPRET_GEMM
         return gemm1_config or cfg, gemm2_config or cfg
     return gemm1_config, gemm2_config

@@ -141,7 +141,8 @@ def backward_stages(inputs: BackwardInputs, picks: dict[str, dict]) -> dict[str,
     nkdh = T * K * D * H
     cfg_a, cfg_w2 = picks["dgrad2_swiglu"].kwargs(), picks["wgrad_dw2"].kwargs()
     cfg_w13, cfg_c = picks["wgrad_dw13"].kwargs(), picks["dgrad1"].kwargs()
-    g1_cfg, _ = heuristics.forward_configs(None, None, plan.block_m, D, H)  # None on the GPU: the tuner's pick
+    # None on the GPU: the tuner's pick
+    g1_cfg, _ = heuristics.forward_configs(None, None, plan.block_m, D, H)
 
     da, hw, part = dgrad2_swiglu(dy, a_saved, tw, w2, plan, **cfg_a)
     dw1, dw3, dw2 = torch.empty_like(w1), torch.empty_like(w3), torch.empty_like(w2)
