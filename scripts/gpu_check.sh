@@ -22,6 +22,7 @@
 # "30b:16384 235b:4096"), LOOPBACK_PRECISIONS (default bf16,fp8,fp8_bwd), LOOPBACK_LINK_GBS=G (pace the loopback transfers to a G GB/s link, e.g. 326),
 # LOOPBACK_EXPOSED_GBS (each transfer's exposed time on such a link, default 326; 0: skip),
 # LOOPBACK_ARGS (extra args of those runs, e.g. --profile: top kernels, rank threads' host profile),
+# LOOPBACK_VARIANTS (each spec again per NAME:VAR=VALUE entry, e.g. "regions:MEGAMOE_EP_WGRAD_POOL=0"),
 # STEP_AB=N (the one-GPU training step, stock vs ours bf16 and fp8 at 30B-A3B-L6, seq 8192, step N
 # traced; STEP_AB_ARGS e.g. --memory-snapshot; STEP_TIMEOUT_S, default 300),
 # PYTEST_TIMEOUT_S (default 300), SKIP_DEEPGEMM=1 (no DeepGEMM set-up, MEGAMOE_DEEPGEMM=0),
@@ -69,21 +70,28 @@ if [ "${SKIP_BENCH:-0}" != 1 ]; then
   done
 fi
 if [ -n "${LOOPBACK_EP:-}" ]; then
+  model_json=()
   for spec in ${LOOPBACK_SPECS:-30b:16384 235b:4096}; do
     shape=${spec%%:*}
-    # shellcheck disable=SC2086
-    timeout "${BENCH_TIMEOUT_S:-360}" python3 -m torchtitan_megamoe.bench --ep "$LOOPBACK_EP" \
-      --loopback --shapes "$shape" --tokens "${spec##*:}" --precisions "${LOOPBACK_PRECISIONS:-bf16,fp8,fp8_bwd}" \
-      --iters 5 --warmup 2 --link-gbs "${LOOPBACK_LINK_GBS:-0}" --graph \
-      --exposed "${LOOPBACK_EXPOSED_GBS:-326}" ${LOOPBACK_ARGS:-} \
-      --json "$OUT/loopback_ep${LOOPBACK_EP}_$shape.json" \
-      2>&1 | tee "$OUT/loopback_ep${LOOPBACK_EP}_$shape.log" | grep -v '^{'
-    brc=${PIPESTATUS[0]}
-    echo "loopback bench ep=$LOOPBACK_EP $shape exit: $brc"
-    [ "$brc" != 0 ] && rc=$brc
+    model_json+=("$OUT/loopback_ep${LOOPBACK_EP}_$shape.json")
+    # each spec once as set, then once more per LOOPBACK_VARIANTS entry (NAME:VAR=VALUE, the
+    # run under that variable, e.g. "regions:MEGAMOE_EP_WGRAD_POOL=0"), outputs suffixed _NAME
+    for variant in "" ${LOOPBACK_VARIANTS:-}; do
+      name=${variant:+_${variant%%:*}}
+      # shellcheck disable=SC2086
+      env ${variant#*:} timeout "${BENCH_TIMEOUT_S:-360}" python3 -m torchtitan_megamoe.bench --ep "$LOOPBACK_EP" \
+        --loopback --shapes "$shape" --tokens "${spec##*:}" --precisions "${LOOPBACK_PRECISIONS:-bf16,fp8,fp8_bwd}" \
+        --iters 5 --warmup 2 --link-gbs "${LOOPBACK_LINK_GBS:-0}" --graph \
+        --exposed "${LOOPBACK_EXPOSED_GBS:-326}" ${LOOPBACK_ARGS:-} \
+        --json "$OUT/loopback_ep${LOOPBACK_EP}_$shape$name.json" \
+        2>&1 | tee "$OUT/loopback_ep${LOOPBACK_EP}_$shape$name.log" | grep -v '^{'
+      brc=${PIPESTATUS[0]}
+      echo "loopback bench ep=$LOOPBACK_EP $shape$name exit: $brc"
+      [ "$brc" != 0 ] && rc=$brc
+    done
   done
   # the modelled 8-GPU node from those runs (bench/ep_model.py)
-  python3 -m torchtitan_megamoe.bench.ep_model --json "$OUT"/loopback_ep"$LOOPBACK_EP"_*.json \
+  python3 -m torchtitan_megamoe.bench.ep_model --json "${model_json[@]}" \
     2>&1 | tee "$OUT/ep_model.log"
 fi
 if [ -n "${STEP_AB:-}" ]; then
