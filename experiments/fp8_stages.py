@@ -230,7 +230,7 @@ def main():
         params = (w1, w2, w3)
         key = tuner_key(R, D, H, E, FP8_BLOCK_M, "auto")
         def weight_grads():
-            grads = WeightGrads(g, x, da, {"hw": hw, "dy_rows": None}, plan, True, params, key,
+            grads = WeightGrads(g, x, da, {"hw": hw, "dy_rows": None}, plan, params, key,
                                 FP8_BLOCK_M)
             return grads.dw2(), grads.dw13()
 

@@ -21,7 +21,7 @@
 # transfer, in bf16, fp8 and fp8_bwd), LOOPBACK_SPECS (shape:tokens per rank, default
 # "30b:16384 235b:4096"), LOOPBACK_PRECISIONS (default bf16,fp8,fp8_bwd), LOOPBACK_LINK_GBS=G (pace the loopback transfers to a G GB/s link, e.g. 326),
 # LOOPBACK_EXPOSED_GBS (each transfer's exposed time on such a link, default 326; 0: skip),
-# LOOPBACK_ARGS (extra args of those runs, e.g. --profile: top kernels, rank threads' host profile),
+# LOOPBACK_ARGS (extra args of those runs, e.g. --profile: top kernels, one rank thread's host profile),
 # LOOPBACK_VARIANTS (each spec again per NAME:VAR=VALUE entry, e.g. "regions:MEGAMOE_EP_WGRAD_POOL=0"),
 # STEP_AB=N (the one-GPU training step, stock vs ours bf16 and fp8 at 30B-A3B-L6, seq 8192, step N
 # traced; STEP_AB_ARGS e.g. --memory-snapshot; STEP_TIMEOUT_S, default 300),

@@ -588,3 +588,26 @@ def test_back_to_back_time_is_not_moved_by_one_stall():
     t = back_to_back_ms(fn, 15)
     assert len(calls) == 15
     assert 1.5 < t < 8, t  # ~2 ms; the mean over the calls would be ~15 ms
+
+
+def test_loopback_host_profile_profiles_one_rank_thread(monkeypatch, capsys):
+    """--profile's host table: one rank thread under cProfile while the others run unprofiled
+    (Python 3.12 runs one profiler at a time; a second one raises)."""
+    import threading
+
+    from torchtitan_megamoe.bench.ep_loopback import host_profile
+    from torchtitan_megamoe.ops import loopback_moe as lm
+
+    seen = []
+    monkeypatch.setattr(lm, "_rank_step", lambda r: seen.append(r) or sum(range(10_000)))
+
+    def call():
+        threads = [threading.Thread(target=lm._rank_step, args=(r,)) for r in range(3)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+
+    host_profile("tiny", call)
+    assert sorted(seen) == [0, 1, 2]
+    assert "--- host, one rank thread (tiny, by own time):" in capsys.readouterr().out

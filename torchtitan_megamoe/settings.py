@@ -28,7 +28,6 @@ DEEPGEMM = "MEGAMOE_DEEPGEMM"
 LOOPBACK_LINK_GBS = "MEGAMOE_LOOPBACK_LINK_GBS"
 LOOPBACK_PACED = "MEGAMOE_LOOPBACK_PACED"
 EXCHANGE_TIMEOUT_S = "MEGAMOE_EXCHANGE_TIMEOUT_S"
-EP_WGRAD_POOL = "MEGAMOE_EP_WGRAD_POOL"
 
 BWD_IMPLS = ("auto", "triton", "cublas")
 
@@ -70,12 +69,6 @@ def fp8_wgrad() -> bool:
     """MEGAMOE_FP8_WGRAD=1: FP8 weight gradients too (the all-FP8 recipe). Default: the FP8
     precisions take their weight gradients in bf16, faster at the Qwen3 shapes."""
     return _flag(FP8_WGRAD, "0")
-
-
-def ep_wgrad_pool() -> bool:
-    """MEGAMOE_EP_WGRAD_POOL=0: the EP backward's weight gradients region by region (fp32 sums
-    over regions), not once over the pooled rows of every region (ep_wgrad_pool.py)."""
-    return _flag(EP_WGRAD_POOL, "1")
 
 
 def deepgemm() -> bool:

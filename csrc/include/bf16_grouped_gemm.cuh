@@ -762,9 +762,6 @@ __global__ void __launch_bounds__(THREADS, 1)
       };
       if constexpr (WGRAD) {
         if (p.out_f32[0] != nullptr) {
-          // an expert without rows adds nothing: its gradient is left as it is (a masked plan
-          // skips a whole launch so)
-          if (p.f32_accumulate && k_blocks == 0) continue;
           // fp32 gradient: each quad's 8 consecutive floats of a row are one 32-byte sector, so
           // the stores go straight from the registers (no staging tile, no bf16 pass after)
           float* out = p.out_f32[second ? 1 : 0] + static_cast<long long>(out_row) * p.N +

@@ -152,21 +152,15 @@ def test_loopback_skewed_routing(R):
 
 
 @cpu_only
-@pytest.mark.parametrize("pool", [True, False])
-def test_loopback_backward_sends_dx_home_before_the_weight_gradients(monkeypatch, pool):
+def test_loopback_backward_sends_each_region_dx_before_its_dw13(monkeypatch):
     """Each region's dx partial rows leave (on the side stream, under symmetric memory) before
-    the weight gradients after them: with the pool (ep_wgrad_pool.py) every region's before the
-    pooled wgrad_dw13, which the last region's return hides under; region by region
-    (MEGAMOE_EP_WGRAD_POOL=0) each before its own. A pooled region's own wgrad_dw13 is still
-    launched, on a masked plan (it does nothing)."""
+    that region's wgrad_dw13 runs, so the last region's return hides under it too."""
     import threading
 
-    from torchtitan_megamoe.ops.hopper import bf16_backward, ep_backward, ep_dispatch
+    from torchtitan_megamoe.ops.hopper import bf16_backward, ep_dispatch
 
-    monkeypatch.setenv("MEGAMOE_EP_WGRAD_POOL", "1" if pool else "0")
     events = []
     real_return, real_dw13 = ep_dispatch.TokenRoute.return_rows, bf16_backward.WeightGrads.dw13
-    real_pooled = ep_backward._pooled_weight_grads
 
     def spy_return(self, s, rows, transfer):
         if transfer == "return dx":
@@ -177,51 +171,14 @@ def test_loopback_backward_sends_dx_home_before_the_weight_gradients(monkeypatch
         events.append((threading.current_thread().name, "dw13"))
         return real_dw13(self, *args, **kw)
 
-    def spy_pooled(*args, **kw):
-        events.append((threading.current_thread().name, "pool"))
-        return real_pooled(*args, **kw)
-
     monkeypatch.setattr(ep_dispatch.TokenRoute, "return_rows", spy_return)
     monkeypatch.setattr(bf16_backward.WeightGrads, "dw13", spy_dw13)
-    monkeypatch.setattr(ep_backward, "_pooled_weight_grads", spy_pooled)
     tokens = [7, 5]
     _loopback(2, _case(2, tokens, 4, seed=2), tokens)
     for rank in ("rank0", "rank1"):
         mine = [e[1:] for e in events if e[0].endswith(rank)]
         me = int(rank[-1])
-        want = [("return", me), ("dw13",), ("return", 1 - me), ("dw13",)]
-        assert mine == want + ([("pool",), ("dw13",)] if pool else []), (rank, mine)
-
-
-@cpu_only
-@pytest.mark.parametrize("skew", [False, True])
-def test_loopback_wgrad_pool_holds_what_fits_and_the_rest_runs_alone(monkeypatch, skew):
-    """The backward's weight-gradient pool (ep_wgrad_pool.py), poisoned with NaN before the
-    regions fill it: at an even routing every region goes in; with every slot on rank 0's
-    experts, rank 0's pool holds the first regions of its compute order and the later ones run
-    their weight gradients alone, with the same results (vs the reference and EP=1) and
-    bitwise repeatable."""
-    from torchtitan_megamoe.ops.hopper import ep_wgrad_pool
-
-    alone = {}
-    real_init = ep_wgrad_pool.WgradPool.__init__
-
-    def init(self, ids, R, C, me, *a, **k):
-        real_init(self, ids, R, C, me, *a, **k)
-        self.da.fill_(float("nan"))
-        self.hw.fill_(float("nan"))
-        if R > 1:  # by compute order
-            alone.setdefault(me, []).append(torch.roll(self.live, -me).tolist())
-
-    monkeypatch.setattr(ep_wgrad_pool.WgradPool, "__init__", init)
-    R = 4
-    _check(R, [6] * R, 2 * R, seed=1, skew=skew)
-    assert sorted(alone) == list(range(R)) and all(len(v) == 2 for v in alone.values())
-    for me, (first, again) in alone.items():
-        assert first == again and first == sorted(first), (me, first)  # a prefix stays pooled
-        assert any(first) == (skew and me == 0), (me, first)
-    if skew:
-        assert alone[0][0][0] == 0  # rank 0's own region fits
+        assert mine == [("return", me), ("dw13",), ("return", 1 - me), ("dw13",)], (rank, mine)
 
 
 @cpu_only

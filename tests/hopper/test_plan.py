@@ -181,27 +181,3 @@ def test_build_plans_equals_one_build_plan_per_batch(use_kernels, monkeypatch):
         back = unpack_plan(pack_plan(plan), T, K, E, bm)
         assert torch.equal(back.row_slot, plan.row_slot.int())
         assert torch.equal(packed[b], pack_plan(plan))  # the saved form: batch b's row
-
-
-@pytest.mark.parametrize("use_kernels", [False, True])
-def test_plan_in_a_smaller_row_space(use_kernels):
-    """rows: a row space smaller than the worst case (the EP weight-gradient pool's), for a
-    routing that fits it: the worst-case plan cut to those rows; masked: no rows at all."""
-    g = torch.Generator().manual_seed(5)
-    T, K, E, bm = 40, 3, 5, 16
-    ids = torch.randint(-1, E, (T, K), generator=g)
-    full = build_plan(ids, E, bm, use_kernels=use_kernels)
-    rows = -(-int(full.num_rows_used) // bm) * bm + bm
-    assert rows < full.max_rows
-    small = build_plan(ids, E, bm, use_kernels=use_kernels, rows=rows)
-    assert small.max_rows == rows and small.num_tiles == rows // bm
-    for f in ("slot_row", "seg_start", "count"):
-        assert torch.equal(getattr(small, f), getattr(full, f)), f
-    assert torch.equal(small.row_slot, full.row_slot[:rows])
-    assert torch.equal(small.tile_expert, full.tile_expert[:rows // bm])
-    none = small.masked(torch.zeros((), dtype=torch.int32))
-    assert int(none.num_rows_used) == 0 and not none.count.any() and not none.seg_start.any()
-    same = small.masked(torch.ones((), dtype=torch.int32))
-    assert torch.equal(same.count, small.count) and int(same.num_rows_used) == rows - bm
-    with pytest.raises(ValueError, match="multiple of block_m"):
-        build_plan(ids, E, bm, rows=rows + 1)

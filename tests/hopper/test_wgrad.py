@@ -131,11 +131,6 @@ def test_wgrad_accumulate_adds_to_fp32_out_bitwise(gather):
     got = wgrad(a, b, before.clone(), plan, a_gather=gather[0], b_gather=gather[1],
                 accumulate=True, **BLK)
     assert same_bits(got, before + fresh)
-    # a masked plan (Plan.masked: the EP backward's pooled regions) neither reads nor writes
-    poison = torch.full((E, 24, 40), float("nan"))
-    got = wgrad(a, b, poison.clone(), plan.masked(torch.zeros((), dtype=torch.int32)),
-                a_gather=gather[0], b_gather=gather[1], accumulate=True, **BLK)
-    assert same_bits(got, poison)
     with pytest.raises(ValueError, match="fp32"):
         wgrad(a, b, torch.empty(E, 24, 40, dtype=torch.bfloat16), plan, a_gather=gather[0],
               b_gather=gather[1], accumulate=True, **BLK)

@@ -121,19 +121,21 @@ def exposed_ms(call, R: int, iters: int, warmup: int, link_gbs: float,
 
 
 def host_profile(title: str, call, rows: int = 30) -> None:
-    """Prints where the rank threads' host time goes in one ``call`` (cProfile in every rank
-    thread, summed over the ranks, by own time): what a rank's process would spend issuing."""
+    """Prints where one rank thread's host time goes in one ``call`` (cProfile, by own time):
+    what a rank's process would spend issuing, with the other rank threads contending for the
+    interpreter as they run. One thread only: since Python 3.12 one profiler at a time runs."""
     import cProfile
     import io
     import pstats
+    import threading
 
     from torchtitan_megamoe.ops import loopback_moe as lm
 
-    step, profiles = lm._rank_step, []
+    step, prof, first = lm._rank_step, cProfile.Profile(), threading.Lock()
 
     def profiled(*a, **k):
-        prof = cProfile.Profile()
-        profiles.append(prof)
+        if not first.acquire(blocking=False):  # held for good by the first rank thread
+            return step(*a, **k)
         prof.enable()
         try:
             return step(*a, **k)
@@ -146,11 +148,8 @@ def host_profile(title: str, call, rows: int = 30) -> None:
     finally:
         lm._rank_step = step
     text = io.StringIO()
-    stats = pstats.Stats(profiles[0], stream=text)
-    for prof in profiles[1:]:
-        stats.add(prof)
-    stats.sort_stats("tottime").print_stats(rows)
-    print(f"--- host, rank threads ({title}, {len(profiles)} ranks, by own time):", flush=True)
+    pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(rows)
+    print(f"--- host, one rank thread ({title}, by own time):", flush=True)
     print("\n".join(text.getvalue().splitlines()[-rows - 2:]), flush=True)
 
 

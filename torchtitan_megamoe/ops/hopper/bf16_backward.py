@@ -30,7 +30,7 @@ from torchtitan_megamoe.ops.hopper.sides.backward import params_ok, shape
 from torchtitan_megamoe.ops.hopper.sides.gemm1_swiglu import gemm1_swiglu
 from torchtitan_megamoe.ops.hopper.sides.table import available
 from torchtitan_megamoe.ops.hopper.sides.wgrad import Into
-from torchtitan_megamoe.ops.hopper.tune import bucket, pick_config, tuned
+from torchtitan_megamoe.ops.hopper.tune import bucket, pick_config
 
 
 def check_backward_dtypes(grad_out, x, w1, weight_dtypes=(torch.bfloat16,)) -> None:
@@ -61,7 +61,7 @@ def tuner_key(R: int, D: int, H: int, E: int, block_m: int, side: str) -> tuple:
 
 
 def backward_bf16(grad_out, x, topk_ids, topk_weights, w1, w2, w3, saved=None, wait_x=None,
-                  into=None, release_saved=False, on_dx=None, pooled=None):
+                  into=None, release_saved=False, on_dx=None):
     """(dx, dtopk_weights, dw1, dw2, dw3); every expert of topk_ids is in w1/w2/w3. ``saved`` =
     (a, packed_plan) from forward_bf16(..., save=True) on the same inputs: dgrad2_swiglu loads
     a1/a3 instead of recomputing GEMM 1 and the plan is unpacked instead of rebuilt. None (or
@@ -76,9 +76,7 @@ def backward_bf16(grad_out, x, topk_ids, topk_weights, w1, w2, w3, saved=None, w
     under the stages before. ``into``: a sides.wgrad.Into, where dw1, dw2, dw3 go (default:
     fresh tensors like the weights; the EP backward's fp32 sums over regions, added to).
     ``on_dx(dx, dtopk_weights)``: called once they are queued, before wgrad_dw13 (the EP
-    backward sends them home under it). ``pooled`` = (pool, s): the EP backward's
-    ep_wgrad_pool.WgradPool and this call's region: da and hw go into the pool, and the weight
-    gradients here run only where the pool says the region runs alone."""
+    backward sends them home under it)."""
     block_m = plan_block_m()
     T, D = x.shape
     if T == 0:  # e.g. an EP rank that receives no rows
@@ -131,11 +129,10 @@ def backward_bf16(grad_out, x, topk_ids, topk_weights, w1, w2, w3, saved=None, w
     del ops_a, a_saved
 
     # dgrad2_swiglu's gathered dy rows (its sm90 and grouped_mm sides) serve wgrad_dw2 too
-    wplan, tune = pool_region(pooled, plan, da, hw)
     acts = {"hw": hw, "dy_rows": shared.pop("dy_rows", None)}
     del hw
     shared.clear()
-    grads = WeightGrads(dy, x, da, acts, wplan, tune, params, key, block_m, into)
+    grads = WeightGrads(dy, x, da, acts, plan, params, key, block_m, into)
     dw2 = grads.dw2()
 
     # dgrad1, then bwd_combine. Each side allocates its dx rows itself (the grouped_mm side
@@ -163,17 +160,6 @@ def backward_bf16(grad_out, x, topk_ids, topk_weights, w1, w2, w3, saved=None, w
     return dx, dtw, dw1, dw2, dw3
 
 
-def pool_region(pooled, plan, da, hw) -> tuple:
-    """(plan of this call's weight gradients, whether the tuner times them): with ``pooled``
-    = (pool, s), region s's da and hw go into the pool and the plan is masked unless the
-    region runs alone (timing a masked launch would time nothing: the stage's untuned pick)."""
-    if pooled is None:
-        return plan, True
-    pool, s = pooled
-    pool.take(s, plan, da, hw)
-    return plan.masked(pool.alone(s)), False
-
-
 def release(t: torch.Tensor) -> None:
     """Free ``t``'s memory now, though autograd still holds it as a saved tensor: its last
     reader has been queued on this stream (the allocator reuses the block for work queued
@@ -192,14 +178,12 @@ class WeightGrads:
     gathered into the row space or None}, as two stages the data gradients can run between:
     ``dw2()`` (wgrad_dw2; empties acts, so hw is freed: the caller keeps no reference), then
     ``dw13(wait_x)`` (wgrad_dw13; ``wait_x()`` runs before its first read of x). The tuner
-    picks each GEMM's side (``tune`` False: the stage's untuned pick). Shared by the FP8
-    backward (its weight gradients are bf16 GEMMs too) and the EP backward's pool. ``into``: a
-    sides.wgrad.Into (None: fresh gradients); the tuner's candidates write fresh ones, never
-    into it."""
+    picks each GEMM's side. Shared by the FP8 backward (its weight gradients are bf16 GEMMs
+    too). ``into``: a sides.wgrad.Into (None: fresh gradients); the tuner's candidates write
+    fresh ones, never into it."""
 
-    def __init__(self, dy, x, da, acts: dict, plan, tune, params, key, block_m, into=None):
+    def __init__(self, dy, x, da, acts: dict, plan, params, key, block_m, into=None):
         E, H, D = params[0].shape
-        self.tune = tune
         # fp32 gradients (fp32 parameters) change the sides' costs
         self.key = key + (params[0].dtype,)
         self.trial = wgrad.Operands(dy, x, da, acts, plan, params, longest_first(plan))
@@ -207,20 +191,18 @@ class WeightGrads:
         self.problem = lambda: (shape(D, H, E, block_m, x.dtype == torch.bfloat16,
                                       params_ok(params)), available(x))
 
-    def _pick(self, stage, outputs):
-        if not self.tune:  # what the key's timing picked where it ran, else the untuned pick
-            return tuned(stage.name, self.key) or stage.offer(*self.problem()).untuned
-        return pick_config(stage, self.key, self.problem,
-                           lambda cfg: stage.launch(cfg, self.trial), outputs=outputs)
-
     def dw2(self):
-        dw2 = wgrad.DW2.launch(self._pick(wgrad.DW2, lambda r: (r,)), self.ops)
+        dw2 = wgrad.DW2.launch(pick_config(wgrad.DW2, self.key, self.problem,
+                                           lambda cfg: wgrad.DW2.launch(cfg, self.trial),
+                                           outputs=lambda r: (r,)), self.ops)
         self.ops.acts.clear()
         return dw2
 
     def dw13(self, wait_x=None):
         if wait_x is not None:
             wait_x()
-        dw1, dw3 = wgrad.DW13.launch(self._pick(wgrad.DW13, lambda r: r), self.ops)
+        dw1, dw3 = wgrad.DW13.launch(pick_config(wgrad.DW13, self.key, self.problem,
+                                                 lambda cfg: wgrad.DW13.launch(cfg, self.trial),
+                                                 outputs=lambda r: r), self.ops)
         self.trial = self.ops = None  # da goes with them
         return dw1, dw3

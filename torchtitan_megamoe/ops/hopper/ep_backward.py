@@ -13,51 +13,44 @@ ep_forward.py):
     own return regions
     for each peer s = me+1, me+2, ...: wait
     for s's signal; EP=1 backward of region s
-    (its da and hw rows into the pool)
+    (dx and d(topk_weights) before wgrad_dw13)
                                               its dx and d(topk_weights) rows -> s's regions
-    the weight gradients over the pool
     wait for the side stream; barrier (channel 0): every returned row is home
     dx = sum of the ranks' partial rows (fp32, rank order); d(topk_weights) from the owners
 
 So dy and x travel under the regions computed before theirs (shift order, as in the forward),
-and each region's dx under the regions after it and the pooled weight gradients (a third to
-half of the backward's GEMM work): the last region's return is hidden too. dy travels as e4m3
+and each region's dx under its own wgrad_dw13 (dw1 and dw3: a quarter to a third of its GEMM
+work) and the regions after it: the last region's return is hidden too. dy travels as e4m3
 rows with their 1x128 scales when the recipe's data gradients are FP8 (the quantization those
 GEMMs apply anyway; the weight gradients read the dequantized values, as the reference backend
 does at EP > 1, dequantized in dw2's row gather); x travels in bf16 (the weight gradients read
-it unrounded). The weight gradients run once over every region's rows after the last region
-(ep_wgrad_pool.py: each region's da and hw rows are pooled, expert-major), under the last
-regions' dx returns; a region the pool cannot hold (a skewed routing) runs its own, and all are
-fp32 sums (sides/wgrad.Into: added in the GEMMs' epilogue, no add pass) rounded once: the
-precision of one GEMM over all rows, deterministic. No host sync.
+it unrounded). The weight gradients are fp32 sums over the regions in order 0..R-1: the first
+region's GEMMs write them, each later one's add to them in their epilogue (sides/wgrad.Into:
+no add pass, no per-region gradient), then they are rounded once: the same precision as one
+GEMM over all rows, deterministic. No host sync.
 
 Saved from the forward: GEMM 1's pre-activations of the regions its store kept, restored into
 one region's buffer (``_Restore``); GEMM 1 runs again only for the regions it did not keep.
 
 Memory per call: the EP=1 backward's transients for ONE region of C tokens (reused region
-after region), the weight-gradient pool (da and hw rows of C*K slots times its margin), the
-fp32 weight-gradient sums (the local experts' weights in fp32), and the staged dx rows, [C, D]
-per peer until sent.
+after region), the fp32 weight-gradient sums (the local experts' weights in fp32), and the
+staged dx rows, [C, D] per peer until sent.
 """
 
 import torch
 
-from torchtitan_megamoe import settings
 from torchtitan_megamoe.ops.fp8_weights import Fp8Weights
-from torchtitan_megamoe.ops.hopper.bf16_backward import WeightGrads, backward_bf16, tuner_key
+from torchtitan_megamoe.ops.hopper.bf16_backward import backward_bf16
 from torchtitan_megamoe.ops.hopper.ep_dispatch import FP8_ROWS, TokenRoute
 from torchtitan_megamoe.ops.hopper.ep_forward import forward_block_m, region_order
-from torchtitan_megamoe.ops.hopper.ep_wgrad_pool import WgradPool
 from torchtitan_megamoe.ops.hopper.fp8_backward import backward_fp8, recompute_a
 from torchtitan_megamoe.ops.hopper.fp8_weights import (
     dense_weights, make_fp8_weights, transposed_w2, transposed_w13,
 )
 from torchtitan_megamoe.ops.hopper.kernels.fp8_quant import FP8, quant_rows
-from torchtitan_megamoe.ops.hopper.kernels.grouped_mm import gather_rows
 from torchtitan_megamoe.ops.hopper.kernels.row_store import kept, unstash_rows
 from torchtitan_megamoe.ops.hopper.plan import max_rows, unpack_plan
 from torchtitan_megamoe.ops.hopper.sides.wgrad import Into
-from torchtitan_megamoe.ops.hopper.tiles import FP8_BLOCK_M, plan_block_m
 
 
 def backward_ep(grad_out, x, topk_ids, topk_weights, w1, w2, w3, group, recipe,
@@ -95,13 +88,8 @@ def backward_ep(grad_out, x, topk_ids, topk_weights, w1, w2, w3, group, recipe,
         route.send_peers(rows)
         ex.exchange(["cnt", "meta", *rows])
     ids, weights = route.received()
-    # the weight gradients' fp32 sums: the first region's GEMMs write them (zeros where the
-    # region is pooled), each later one's and the pool's add to them
+    # the weight gradients' fp32 sums over regions: each region's GEMMs add to them
     sums = tuple(torch.empty(w.shape, dtype=torch.float32, device=w.device) for w in (w1, w2, w3))
-    block_m = FP8_BLOCK_M if recipe.fp8_dgrad else plan_block_m()
-    pool = None
-    if settings.ep_wgrad_pool() and not recipe.fp8_wgrad(settings.fp8_wgrad()):
-        pool = WgradPool(ids, R, C, me, w1.shape[0], w1.shape[1], block_m, x.dtype)
     restore = _Restore(saved, route, w1, w2, w3, recipe, weight_cache) if saved else None
     sends = []
     for i, s in enumerate(region_order(R, me)):
@@ -130,13 +118,11 @@ def backward_ep(grad_out, x, topk_ids, topk_weights, w1, w2, w3, group, recipe,
             q, sc = route.recv_rows("dyq")[region].view(FP8), route.recv_rows("dys")[region]
             backward_fp8(None, route.recv_rows("x")[region], ids[region], weights[region], w1,
                          w2, w3, recipe, weight_cache, saved=region_saved, grad_fp8=(q, sc),
-                         into=into, on_dx=send_home, pooled=pool and (pool, s))
+                         into=into, on_dx=send_home)
         else:
             backward_bf16(route.recv_rows("dy")[region], route.recv_rows("x")[region],
                           ids[region], weights[region], w1, w2, w3, saved=region_saved,
-                          into=into, on_dx=send_home, pooled=pool and (pool, s))
-    if pool is not None:  # under the last regions' dx returns
-        _pooled_weight_grads(pool, route, recipe, sums, block_m)
+                          into=into, on_dx=send_home)
     route.count_returned(x.shape[1] * x.element_size() + 4 * route.K, "return dx")
     if sends:
         torch.cuda.current_stream(x.device).wait_event(sends[-1])
@@ -144,25 +130,6 @@ def backward_ep(grad_out, x, topk_ids, topk_weights, w1, w2, w3, group, recipe,
     dx = route.sum_returned("ret", x.dtype)
     dws = [acc.to(w.dtype) for acc, w in zip(sums, (w1, w2, w3))]
     return dx, route.pick_returned_dtw(topk_weights.dtype), *dws
-
-
-def _pooled_weight_grads(pool, route, recipe, sums, block_m) -> None:
-    """dw1, dw2, dw3 over the pool's rows, added to ``sums``: dy and x rows read from the
-    receive buffers (FP8 dy dequantized in dw2's row gather, as the regions' do)."""
-    E, H, D = sums[0].shape
-    if recipe.fp8_dgrad:
-        dy = None
-        dy_rows = gather_rows(route.recv_rows("dyq").view(FP8), pool.plan,
-                              scales=route.recv_rows("dys"))
-    else:
-        dy, dy_rows = route.recv_rows("dy"), None
-    da, hw = pool.release()
-    key = tuner_key(pool.plan.max_rows, D, H, E, block_m, settings.bwd_impl())
-    grads = WeightGrads(dy, route.recv_rows("x"), da, {"hw": hw, "dy_rows": dy_rows}, pool.plan,
-                        True, sums, key, block_m, Into(sums, accumulate=True))
-    del da, hw, dy_rows
-    grads.dw2()
-    grads.dw13()
 
 
 class _Restore:

@@ -29,9 +29,7 @@ Deterministic: fixed-order reductions, no atomics.
 import torch
 
 from torchtitan_megamoe import settings
-from torchtitan_megamoe.ops.hopper.bf16_backward import (
-    WeightGrads, pool_region, release, tuner_key,
-)
+from torchtitan_megamoe.ops.hopper.bf16_backward import WeightGrads, release, tuner_key
 from torchtitan_megamoe.ops.hopper.fp8_weights import (
     dense_weights, forward_weights, w2_transposed, w13_transposed,
 )
@@ -52,16 +50,14 @@ from torchtitan_megamoe.ops.hopper.plan import build_plan, unpack_plan
 
 
 def backward_fp8(grad_out, x, topk_ids, topk_weights, w1, w2, w3, recipe, weight_cache=False,
-                 saved=None, grad_fp8=None, into=None, release_saved=False, on_dx=None,
-                 pooled=None):
+                 saved=None, grad_fp8=None, into=None, release_saved=False, on_dx=None):
     """(dx, dtopk_weights, dw1, dw2, dw3); ``recipe``: the call's (ops/recipe.py): whether
     the forward's GEMM 1 ran in FP8, for the recompute when nothing was ``saved``, and whether
     the weight gradients run in FP8. ``grad_fp8``: grad_out already quantized (e4m3 rows, 1x128
     scales: what the EP exchange delivers); grad_out is then None (the weight gradients read
     their dequantized values, gathered into the row space in one pass) or those values.
-    ``into``, ``release_saved``, ``on_dx``, ``pooled``: as in bf16_backward.backward_bf16
-    (``pooled`` with bf16 weight gradients only), and the same stage order (dw1 and dw3
-    last)."""
+    ``into``, ``release_saved``, ``on_dx``: as in bf16_backward.backward_bf16, and the same
+    stage order (dw1 and dw3 last)."""
     T, D = x.shape
     E, H, _ = w1.shape
     if T == 0:
@@ -95,17 +91,17 @@ def backward_fp8(grad_out, x, topk_ids, topk_weights, w1, w2, w3, recipe, weight
     else:
         dh = fp8_gemm_rows(gq, gs, w2t.q, w2t.s, plan, out_dtype=x.dtype, gather=True,
                            stage="fp8_dgrad2")
-        del w2t
+        # dw2's dy rows without a dequantized dy: dequantized in the gather
+        dy_rows = None if dy is not None else gather_rows(gq, plan, scales=gs)
+        del gq, gs, w2t
         da, hw, part, daq, das = swiglu_bwd_rows(dh, a_saved, tw, plan, quant=True)
         if release_saved:
             release(a_saved)
         del dh, a_saved
-        wplan, tune = pool_region(pooled, plan, da, hw)
-        # dw2's dy rows without a dequantized dy: dequantized in the gather
-        acts = {"hw": hw, "dy_rows": None if dy is not None else gather_rows(gq, wplan, scales=gs)}
-        del hw, gq, gs
+        acts = {"hw": hw, "dy_rows": dy_rows}
+        del hw, dy_rows
         key = tuner_key(plan.max_rows, D, H, E, FP8_BLOCK_M, settings.bwd_impl())
-        grads = WeightGrads(dy, x, da, acts, wplan, tune, params, key, FP8_BLOCK_M, into)
+        grads = WeightGrads(dy, x, da, acts, plan, params, key, FP8_BLOCK_M, into)
         del da
         dw2 = grads.dw2()
     dx_rows = torch.empty((plan.max_rows, D), dtype=x.dtype, device=x.device)

@@ -78,18 +78,6 @@ class Plan:
         other.tile_expert = tile_expert
         return other
 
-    def masked(self, live: torch.Tensor) -> "Plan":
-        """This plan, or (``live`` a 0-d int32 device tensor at 0) one without rows: counts and
-        segments zero, so the weight gradients and row gathers launched with it skip all work
-        (decided on the device, no host sync). Rows, slots and tiles are this plan's."""
-        other = object.__new__(Plan)
-        other.__dict__.update(self.__dict__)
-        other.count = self.count * live
-        other.seg_start = self.seg_start * live
-        other.num_rows_used = other.seg_start[self.num_local_experts]
-        other.packed = None
-        return other
-
 
 def max_rows(num_slots: int, num_local_experts: int, block_m: int) -> int:
     """R_max = T*K + E_local*(block_m-1), rounded up to block_m: the most rows any routing of
@@ -106,7 +94,6 @@ def build_plan(
     ep_size: int = 1,
     use_kernels: bool = False,
     id_limit: int = 0,
-    rows: int = 0,
 ) -> Plan:
     """Lay out the slots of ``topk_ids`` [T, K] (global expert ids, -1 = dropped) that belong to
     this rank's experts [rank*E_local, (rank+1)*E_local), grouped by local expert.
@@ -116,9 +103,6 @@ def build_plan(
     (plan_kernels.py); CPU inputs the torch-op path. Both give identical tensors.
     ``id_limit`` > 0: also check every id against [-1, id_limit) on the device, into
     plan.ids_ok (the count kernels do it in passing: no extra launch, no host sync).
-    ``rows`` > 0: the row space's size (a multiple of block_m) instead of the worst case
-    max_rows(T*K): the caller guarantees the used rows fit (the EP backward's weight-gradient
-    pool masks the slots that would not).
     """
     if topk_ids.dim() != 2:
         raise ValueError(f"topk_ids must be [T, K], got shape {tuple(topk_ids.shape)}")
@@ -134,9 +118,7 @@ def build_plan(
     T, K = topk_ids.shape
     E = num_local_experts
     S = T * K
-    R_max = rows or max_rows(S, E, block_m)
-    if R_max % block_m:
-        raise ValueError(f"rows ({R_max}) must be a multiple of block_m ({block_m})")
+    R_max = max_rows(S, E, block_m)
     if topk_ids.is_cuda or use_kernels:
         # Same layout from three Triton launches: the ~25 torch ops below keep the GPU idle
         # while the host issues them.

@@ -15,8 +15,7 @@ Tiles: one program per (expert, BLOCK_M x BLOCK_N tile of out[e]); program ids r
 tiles consecutively so they share its rows in L2, experts largest first (skewed routing would
 otherwise leave a heavy expert's long K-loops running alone at the end of the grid). K-loop over the expert's real rows
 [seg_start[e], seg_start[e] + count[e]) in BLOCK_K steps, in increasing row order, fp32
-accumulator, one store (with ``accumulate``: added to what out holds, and an expert without
-rows leaves its gradient untouched): no atomics and a fixed
+accumulator, one store (with ``accumulate``: added to what out holds): no atomics and a fixed
 reduction order, so results are bitwise deterministic. An expert without rows stores zeros. Output in the out tensor's dtype (the
 parameter's), any strides (the parameter's layout).
 Waits on: dgrad2_swiglu's da / hw (stream order). Signals: nothing.
@@ -101,8 +100,6 @@ def _wgrad_kernel(
            + rm[:, None].to(tl.int64) * s_om + rn[None, :].to(tl.int64) * s_on)
     o_ok = m_ok[:, None] & n_ok[None, :]
     if ACCUMULATE:  # out + acc: one add in the out's dtype, as an add pass after would do
-        # an expert without rows adds nothing: its tile is not touched (Plan.masked skips so)
-        o_ok = o_ok & ((rm[:, None] * 0 + n_rows) > 0)
         acc = tl.load(out, mask=o_ok, other=0.0).to(tl.float32) + acc
     tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=o_ok)
 
