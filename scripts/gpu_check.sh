@@ -22,7 +22,7 @@
 # "30b:16384 235b:4096"), LOOPBACK_PRECISIONS (default bf16,fp8,fp8_bwd), LOOPBACK_LINK_GBS=G (pace the loopback transfers to a G GB/s link, e.g. 326),
 # LOOPBACK_EXPOSED_GBS (each transfer's exposed time on such a link, default 326; 0: skip),
 # LOOPBACK_ARGS (extra args of those runs, e.g. --profile: top kernels, one rank thread's host profile),
-# LOOPBACK_VARIANTS (each spec again per NAME:VAR=VALUE entry, e.g. "regions:MEGAMOE_EP_WGRAD_POOL=0"),
+# LOOPBACK_VARIANTS (each spec again per NAME:VAR=VALUE entry, e.g. "untuned:MEGAMOE_TUNE=0"),
 # STEP_AB=N (the one-GPU training step, stock vs ours bf16 and fp8 at 30B-A3B-L6, seq 8192, step N
 # traced; STEP_AB_ARGS e.g. --memory-snapshot; STEP_TIMEOUT_S, default 300),
 # PYTEST_TIMEOUT_S (default 300), SKIP_DEEPGEMM=1 (no DeepGEMM set-up, MEGAMOE_DEEPGEMM=0),
@@ -75,7 +75,7 @@ if [ -n "${LOOPBACK_EP:-}" ]; then
     shape=${spec%%:*}
     model_json+=("$OUT/loopback_ep${LOOPBACK_EP}_$shape.json")
     # each spec once as set, then once more per LOOPBACK_VARIANTS entry (NAME:VAR=VALUE, the
-    # run under that variable, e.g. "regions:MEGAMOE_EP_WGRAD_POOL=0"), outputs suffixed _NAME
+    # run under that variable, e.g. "untuned:MEGAMOE_TUNE=0"), outputs suffixed _NAME
     for variant in "" ${LOOPBACK_VARIANTS:-}; do
       name=${variant:+_${variant%%:*}}
       # shellcheck disable=SC2086
