@@ -213,18 +213,46 @@ def test_copy_rows_moves_count_rows_only(dtype, W, indexed):
     dst = torch.full((17, W), 77, dtype=dtype, device=DEV)
     index = torch.randperm(20, generator=g)[:17].int().to(DEV)
     count = torch.tensor([11], dtype=torch.int32, device=DEV)
-    copy_rows(src, dst, count, index if indexed else None)
+    copy_rows([(src, dst)], count, index if indexed else None)
     want = src[index[:11].long()] if indexed else src[:11]
     assert torch.equal(dst[:11], want)
     assert (dst[11:] == 77).all()
-    copy_rows(src, dst, torch.zeros(1, dtype=torch.int32, device=DEV))  # count 0: nothing
+    copy_rows([(src, dst)], torch.zeros(1, dtype=torch.int32, device=DEV))  # count 0: nothing
     assert torch.equal(dst[:11], want)
+
+
+@pytest.mark.parametrize("n", [2, 3, 4])
+def test_copy_rows_moves_several_row_tensors_in_one_launch(monkeypatch, n):
+    """Row tensors of other widths and dtypes (e4m3 rows with fp32 scales, x, metadata) move
+    together, MAX_PAIRS per launch, each exactly as alone; past count, nothing."""
+    from torchtitan_megamoe.ops.hopper.kernels import ep_copy
+
+    launches = []
+    real = ep_copy._copy_rows_kernel
+
+    class Spy:
+        def __getitem__(self, grid):
+            launches.append(grid)
+            return real[grid]
+
+    monkeypatch.setattr(ep_copy, "_copy_rows_kernel", Spy())
+    g = torch.Generator().manual_seed(n)
+    kinds = [(torch.uint8, 64), (torch.float32, 2), (torch.bfloat16, 40), (torch.int32, 6)][:n]
+    srcs = [torch.randint(0, 100, (20, w), generator=g).to(dt).to(DEV) for dt, w in kinds]
+    dsts = [torch.full((17, w), 77, dtype=dt, device=DEV) for dt, w in kinds]
+    index = torch.randperm(20, generator=g)[:17].int().to(DEV)
+    count = torch.tensor([9], dtype=torch.int32, device=DEV)
+    copy_rows(list(zip(srcs, dsts)), count, index)
+    assert len(launches) == -(-n // ep_copy.MAX_PAIRS)
+    for src, dst in zip(srcs, dsts):
+        assert torch.equal(dst[:9], src[index[:9].long()])
+        assert (dst[9:] == 77).all()
 
 
 def test_copy_rows_refuses_rows_of_partial_words():
     with pytest.raises(ValueError, match="whole 32-bit"):
-        copy_rows(torch.zeros(4, 3, dtype=torch.bfloat16), torch.zeros(4, 3, dtype=torch.bfloat16),
-                  torch.ones(1, dtype=torch.int32))
+        copy_rows([(torch.zeros(4, 3, dtype=torch.bfloat16),
+                    torch.zeros(4, 3, dtype=torch.bfloat16))], torch.ones(1, dtype=torch.int32))
 
 
 def test_route_counts_match_the_traffic_model_at_ep8():

@@ -146,7 +146,7 @@ class TokenRoute:
             if d == me:  # whole own region: its rows past T read as "no token"
                 ex.send_region(d, "meta").copy_(self.meta[d])
             else:
-                copy_rows(self.meta[d], ex.send_region(d, "meta"), self._count(d))
+                copy_rows([(self.meta[d], ex.send_region(d, "meta"))], self._count(d))
         if self._sent is not None:  # the metadata rows, and one count per peer
             TRAFFIC.add(me, f"{transfer} meta", self._sent, _row_bytes(self.meta[0]))
             TRAFFIC.add(me, f"{transfer} meta", self._sent.new_tensor(len(self.peers)), 4)
@@ -166,9 +166,8 @@ class TokenRoute:
             label = t[0] if isinstance(t, tuple) else transfer
             per_transfer[label] = per_transfer.get(label, 0) + _row_bytes(_rows_of(t))
         for d in self.peers:
-            for name, t in rows.items():
-                copy_rows(_rows_of(t), self.ex.send_region(d, name), self._count(d),
-                          self.src_tok[d])
+            copy_rows([(_rows_of(t), self.ex.send_region(d, name)) for name, t in rows.items()],
+                      self._count(d), self.src_tok[d])
             for label, row_bytes in per_transfer.items():
                 self.ex.pace(self._count(d), row_bytes, label)
             if signal:
@@ -195,11 +194,12 @@ class TokenRoute:
     def return_rows(self, s: int, rows: dict, transfer: str) -> None:
         """Store partial rows (name -> [C, W], region s's received order) into source s's
         region: its n_s received rows only (no barrier); ``transfer`` names the move."""
-        for name, t in rows.items():
-            if s == self.me:
+        if s == self.me:
+            for name, t in rows.items():
                 self.ex.send_region(s, name)[: self.T].copy_(t[: self.T])
-            else:
-                copy_rows(t, self.ex.send_region(s, name), self.recv_count(s))
+        else:
+            copy_rows([(t, self.ex.send_region(s, name)) for name, t in rows.items()],
+                      self.recv_count(s))
         if s != self.me:
             self.ex.pace(self.recv_count(s), sum(_row_bytes(t) for t in rows.values()), transfer)
 

@@ -6,7 +6,9 @@ needs its length on the host, so the rows move by SM stores (into the peer's buf
 ``dst`` is a peer's region: NVLink stores on the symmetric transport).
 
 Rows are moved as 32-bit words (bf16, e4m3, fp32 and int32 rows alike), a [BLOCK_R, BLOCK_W]
-tile per program; rows at or past ``count`` are neither read nor written.
+tile of each row tensor per program (up to MAX_PAIRS tensors of the same rows per launch: a
+transfer's x, or e4m3 rows with their scales); rows at or past ``count`` are neither read nor
+written.
 Waits on: nothing inside the launch (stream order). Signals: nothing."""
 
 import torch
@@ -16,9 +18,21 @@ import triton.language as tl
 from torchtitan_megamoe.ops.hopper.kernels.tiling import cdiv, next_power_of_2
 
 
+MAX_PAIRS = 3
+"""Row tensors moved by one launch (a transfer's rows: x, or e4m3 rows and their scales, and x)."""
+
+
 @triton.jit
-def _copy_rows_kernel(src_ptr, dst_ptr, index_ptr, count_ptr, W, stride_src, stride_dst,
-                      HAS_INDEX: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_W: tl.constexpr):
+def _move(src_ptr, dst_ptr, W, stride_src, stride_dst, src_rows, rows, in_r, cols):
+    m = in_r[:, None] & (cols < W)[None, :]
+    v = tl.load(src_ptr + src_rows.to(tl.int64)[:, None] * stride_src + cols[None, :], mask=m)
+    tl.store(dst_ptr + rows.to(tl.int64)[:, None] * stride_dst + cols[None, :], v, mask=m)
+
+
+@triton.jit
+def _copy_rows_kernel(src0, dst0, W0, ss0, sd0, src1, dst1, W1, ss1, sd1, src2, dst2, W2, ss2,
+                      sd2, index_ptr, count_ptr, N: tl.constexpr, HAS_INDEX: tl.constexpr,
+                      BLOCK_R: tl.constexpr, BLOCK_W: tl.constexpr):
     n = tl.load(count_ptr)
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     in_r = rows < n
@@ -27,9 +41,11 @@ def _copy_rows_kernel(src_ptr, dst_ptr, index_ptr, count_ptr, W, stride_src, str
     else:
         src_rows = rows
     cols = tl.program_id(1) * BLOCK_W + tl.arange(0, BLOCK_W)
-    m = in_r[:, None] & (cols < W)[None, :]
-    v = tl.load(src_ptr + src_rows.to(tl.int64)[:, None] * stride_src + cols[None, :], mask=m)
-    tl.store(dst_ptr + rows.to(tl.int64)[:, None] * stride_dst + cols[None, :], v, mask=m)
+    _move(src0, dst0, W0, ss0, sd0, src_rows, rows, in_r, cols)
+    if N > 1:
+        _move(src1, dst1, W1, ss1, sd1, src_rows, rows, in_r, cols)
+    if N > 2:
+        _move(src2, dst2, W2, ss2, sd2, src_rows, rows, in_r, cols)
 
 
 def words(t: torch.Tensor) -> torch.Tensor:
@@ -42,19 +58,29 @@ def words(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.uint8 if t.element_size() == 1 else torch.int16).view(torch.int32)
 
 
-def copy_rows(src: torch.Tensor, dst: torch.Tensor, count: torch.Tensor,
-              index: torch.Tensor | None = None) -> None:
+def copy_rows(pairs, count: torch.Tensor, index: torch.Tensor | None = None) -> None:
     """dst[j] = src[index[j] if index is given else j] for j < count (a 1-element int32 device
-    tensor; rows past dst.shape[0] never: count <= dst rows is the caller's invariant)."""
-    s, d = words(src), words(dst)
-    if s.shape[1] != d.shape[1]:
-        raise ValueError(f"copy_rows: row widths differ, {tuple(src.shape)} vs {tuple(dst.shape)}")
-    rows, W = d.shape
-    if rows == 0 or W == 0:
-        return
-    BLOCK_W = min(1024, next_power_of_2(W))
-    BLOCK_R = max(1, 4096 // BLOCK_W)  # ~16 KB of words per program
-    _copy_rows_kernel[(cdiv(rows, BLOCK_R), cdiv(W, BLOCK_W))](
-        s, d, d if index is None else index, count, W, s.stride(0), d.stride(0),
-        HAS_INDEX=index is not None, BLOCK_R=BLOCK_R, BLOCK_W=BLOCK_W, num_warps=4,
-    )
+    tensor; rows past a dst's rows never: count <= dst rows is the caller's invariant), for each
+    (src, dst) of ``pairs``: one launch per MAX_PAIRS of them (a launch costs host time that
+    the small per-region moves of the EP exchange do not cover)."""
+    moves = []
+    for src, dst in pairs:
+        s, d = words(src), words(dst)
+        if s.shape[1] != d.shape[1]:
+            raise ValueError(f"copy_rows: row widths differ, {tuple(src.shape)} vs "
+                             f"{tuple(dst.shape)}")
+        if d.shape[0] and d.shape[1]:
+            moves.append((s, d))
+    for i in range(0, len(moves), MAX_PAIRS):
+        group = moves[i:i + MAX_PAIRS]
+        rows, W = (max(d.shape[i] for _, d in group) for i in (0, 1))
+        BLOCK_W = min(1024, next_power_of_2(W))
+        BLOCK_R = max(1, 4096 // BLOCK_W)  # ~16 KB of words per program and row tensor
+        args = []
+        for s, d in group + group[:1] * (MAX_PAIRS - len(group)):  # unused slots: never read
+            args += [s, d, d.shape[1], s.stride(0), d.stride(0)]
+        first = group[0][1]
+        _copy_rows_kernel[(cdiv(rows, BLOCK_R), cdiv(W, BLOCK_W))](
+            *args, first if index is None else index, count, N=len(group),
+            HAS_INDEX=index is not None, BLOCK_R=BLOCK_R, BLOCK_W=BLOCK_W, num_warps=4,
+        )
