@@ -200,7 +200,6 @@ class TokenRoute:
         else:
             copy_rows([(t, self.ex.send_region(s, name)) for name, t in rows.items()],
                       self.recv_count(s))
-        if s != self.me:
             self.ex.pace(self.recv_count(s), sum(_row_bytes(t) for t in rows.values()), transfer)
 
     def returned_rows(self) -> torch.Tensor:

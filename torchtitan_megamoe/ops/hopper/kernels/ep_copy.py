@@ -71,16 +71,15 @@ def copy_rows(pairs, count: torch.Tensor, index: torch.Tensor | None = None) -> 
                              f"{tuple(dst.shape)}")
         if d.shape[0] and d.shape[1]:
             moves.append((s, d))
-    for i in range(0, len(moves), MAX_PAIRS):
-        group = moves[i:i + MAX_PAIRS]
-        rows, W = (max(d.shape[i] for _, d in group) for i in (0, 1))
+    for first in range(0, len(moves), MAX_PAIRS):
+        group = moves[first:first + MAX_PAIRS]
+        rows, W = max(d.shape[0] for _, d in group), max(d.shape[1] for _, d in group)
         BLOCK_W = min(1024, next_power_of_2(W))
         BLOCK_R = max(1, 4096 // BLOCK_W)  # ~16 KB of words per program and row tensor
         args = []
         for s, d in group + group[:1] * (MAX_PAIRS - len(group)):  # unused slots: never read
             args += [s, d, d.shape[1], s.stride(0), d.stride(0)]
-        first = group[0][1]
         _copy_rows_kernel[(cdiv(rows, BLOCK_R), cdiv(W, BLOCK_W))](
-            *args, first if index is None else index, count, N=len(group),
+            *args, group[0][1] if index is None else index, count, N=len(group),
             HAS_INDEX=index is not None, BLOCK_R=BLOCK_R, BLOCK_W=BLOCK_W, num_warps=4,
         )
