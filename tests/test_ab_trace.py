@@ -85,3 +85,37 @@ def test_run_ab_with_a_profiled_step(tmp_path, monkeypatch):
     report = (tmp_path / "ab" / "report.md").read_text()
     assert "## Where step 5's GPU time goes" in report and "| NCCL (summed kernel ms) |" in report
     assert (tmp_path / "ab" / "profile.md").read_text() in report
+
+
+def test_idle_gaps_are_charged_to_the_host_op_that_issued_the_next_kernel():
+    """Two gaps: one ended by a kernel the megamoe op launched late (its innermost op
+    aten::empty, its outermost the op), one during which a cudaFree held the host."""
+    def kernel(name, ts, dur, corr):
+        return {**_kernel(name, ts, dur), "args": {"correlation": corr}}
+
+    def call(name, ts, dur, corr=None, tid=1):
+        return {"ph": "X", "cat": "cuda_runtime", "name": name, "ts": ts, "dur": dur,
+                "tid": tid, "args": {} if corr is None else {"correlation": corr}}
+
+    def op(name, ts, dur, tid=1):
+        return {"ph": "X", "cat": "cpu_op", "name": name, "ts": ts, "dur": dur, "tid": tid}
+
+    t = {"traceEvents": [
+        {"ph": "X", "cat": "user_annotation", "name": "ProfilerStep#4", "ts": 0, "dur": 1000},
+        kernel("a", 0, 100, 1), kernel("b", 300, 100, 2), kernel("c", 400, 50, 3),
+        kernel("d", 900, 100, 4),
+        call("cudaLaunchKernel", 0, 2, 1), call("cudaLaunchKernel", 290, 5, 2),
+        call("cudaLaunchKernel", 295, 5, 3), call("cudaLaunchKernel", 880, 5, 4),
+        call("cudaFree", 500, 300),
+        op("megamoe::mega_moe", 50, 300), op("aten::empty", 280, 20),
+        op("Optimizer.step", 450, 500), op("aten::_foreach_add_", 870, 30),
+        op("aten::mm", 290, 5, tid=2),  # another thread: not around the launch
+    ]}
+    p = trace.summarize(t)
+    assert abs(p.step_ms - p.busy_ms - 0.65) < 1e-9  # gaps [100, 300) and [450, 900)
+    assert p.idle_inner == [("aten::_foreach_add_", 1, 0.45), ("aten::empty", 1, 0.2)]
+    assert p.idle_outer == [("Optimizer.step", 1, 0.45), ("megamoe::mega_moe", 1, 0.2)]
+    assert p.blocking == [("cudaFree", 1, 0.3)]  # [500, 800) lies in the second gap
+    text = trace.report({"x": p})
+    assert "| GPU idle ms (no kernel running) | 0.7 |" in text
+    assert "| `aten::empty` | 1 | 0.20 |" in text and "| `cudaFree` | 1 | 0.30 |" in text

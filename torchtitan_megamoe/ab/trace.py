@@ -4,7 +4,10 @@
 
 Kernels are put into categories by name (first match of ``CATEGORIES``), summed per category,
 and set against the step's wall time and the time at least one kernel ran (the union of the
-kernel intervals, over all streams). Comparing the stock and the converter trace of the same
+kernel intervals, over all streams). Where no kernel runs, the GPU idles: each gap is charged to
+the host op that issued the kernel ending it (the innermost CPU op around that kernel's launch,
+and the outermost one inside the step), and the blocking runtime calls (cudaFree, synchronize,
+...) that overlap a gap are summed. Comparing the stock and the converter trace of the same
 config shows how much of the step the MoE layers still take and what the rest is:
 
     python -m torchtitan_megamoe.ab.trace stock=<stock trace.json> megamoe=<megamoe trace.json>
@@ -49,6 +52,20 @@ class StepProfile:
     busy_ms: float  # time at least one kernel ran, within the step
     by_category: dict = field(default_factory=dict)  # category -> summed kernel ms
     top: list = field(default_factory=list)  # (kernel name, calls, summed ms), largest first
+    # GPU idle gaps by the host op that issued the kernel ending them: (op, gaps, idle ms),
+    # largest first; by the innermost op, and by the outermost one inside the step
+    idle_inner: list = field(default_factory=list)
+    idle_outer: list = field(default_factory=list)
+    blocking: list = field(default_factory=list)  # (runtime call, calls, ms within gaps)
+
+
+MIN_GAP_US = 5.0
+"""Shorter gaps between kernels are launch latency, not idle time worth charging."""
+
+BLOCKING = re.compile(r"^(cudaFree|cudaMalloc|cu(da)?.*Synchronize|cudaMemcpy$|cudaMemcpy2D$|"
+                      r"cuMem(Map|Unmap|Create|Release|SetAccess|AddressFree)|cudaHostAlloc|"
+                      r"cudaFreeHost)")
+"""Runtime and driver calls that can hold the host while the GPU drains."""
 
 
 def category(name: str) -> str:
@@ -95,12 +112,65 @@ def summarize(trace: dict, top: int = 15) -> StepProfile:
         calls, total = by_name.get(k["name"], (0, 0.0))
         by_name[k["name"]] = (calls + 1, total + ms)
     ranked = sorted(((n, c, t) for n, (c, t) in by_name.items()), key=lambda r: -r[2])
+    inner, outer, blocking = _idle(events, kernels, lo, top)
     return StepProfile(
         step_ms=(hi - lo) / 1e3,
         busy_ms=_union_ms([(k["ts"], k["ts"] + k["dur"]) for k in kernels]),
         by_category=dict(sorted(by_cat.items(), key=lambda kv: -kv[1])),
         top=ranked[:top],
+        idle_inner=inner,
+        idle_outer=outer,
+        blocking=blocking,
     )
+
+
+def _gaps(kernels: list, lo: float) -> list:
+    """(start, end, kernel ending it) of every idle stretch >= MIN_GAP_US from ``lo`` on."""
+    gaps, end = [], lo
+    for k in sorted(kernels, key=lambda k: k["ts"]):
+        if k["ts"] - end >= MIN_GAP_US:
+            gaps.append((end, k["ts"], k))
+        end = max(end, k["ts"] + k["dur"])
+    return gaps
+
+
+def _ranked(acc: dict, top: int) -> list:
+    return sorted(((n, c, t / 1e3) for n, (c, t) in acc.items()), key=lambda r: -r[2])[:top]
+
+
+def _add(acc: dict, name: str, us: float) -> None:
+    calls, total = acc.get(name, (0, 0.0))
+    acc[name] = (calls + 1, total + us)
+
+
+def _idle(events: list, kernels: list, lo: float, top: int):
+    """The step's GPU idle gaps charged to host ops and blocking calls (module docstring)."""
+    runtime = [e for e in events if e.get("ph") == "X"
+               and e.get("cat") in ("cuda_runtime", "cuda_driver")]
+    launch = {e.get("args", {}).get("correlation"): e for e in runtime}
+    host = {}  # tid -> its CPU ops in the step, by start
+    for e in events:
+        if (e.get("ph") == "X" and e.get("cat") in ("cpu_op", "user_annotation",
+                                                    "python_function")
+                and not str(e.get("name", "")).startswith("ProfilerStep#")):
+            host.setdefault(e.get("tid"), []).append(e)
+    inner, outer, blocking = {}, {}, {}
+    gaps = _gaps(kernels, lo)
+    for g0, g1, k in gaps:
+        call = launch.get(k.get("args", {}).get("correlation"))
+        at = call["ts"] if call else None
+        around = [e for e in host.get(call["tid"], []) if e["ts"] <= at <= e["ts"] + e["dur"]] \
+            if call else []
+        around.sort(key=lambda e: (e["ts"], -e["dur"]))
+        _add(inner, around[-1]["name"] if around else "(no host op)", g1 - g0)
+        _add(outer, around[0]["name"] if around else "(no host op)", g1 - g0)
+    for e in runtime:
+        if not BLOCKING.match(str(e.get("name", ""))):
+            continue
+        us = sum(max(0.0, min(g1, e["ts"] + e["dur"]) - max(g0, e["ts"])) for g0, g1, _ in gaps)
+        if us > 0:
+            _add(blocking, e["name"], us)
+    return _ranked(inner, top), _ranked(outer, top), _ranked(blocking, top)
 
 
 def report(profiles: dict) -> str:
@@ -114,6 +184,8 @@ def report(profiles: dict) -> str:
                  + " |")
     lines.append("| GPU busy ms (any kernel running) | "
                  + " | ".join(f"{p.busy_ms:.1f}" for p in profiles.values()) + " |")
+    lines.append("| GPU idle ms (no kernel running) | "
+                 + " | ".join(f"{p.step_ms - p.busy_ms:.1f}" for p in profiles.values()) + " |")
     for c in cats:
         lines.append(f"| {c} (summed kernel ms) | "
                      + " | ".join(f"{p.by_category.get(c, 0.0):.1f}" for p in profiles.values())
@@ -121,6 +193,17 @@ def report(profiles: dict) -> str:
     for name, p in profiles.items():
         lines += ["", f"Top kernels, {name}:", "", "| kernel | calls | ms |", "| --- | ---: | ---: |"]
         lines += [f"| `{n[:90]}` | {c} | {t:.2f} |" for n, c, t in p.top]
+    for name, p in profiles.items():
+        for title, rows in ((f"GPU idle by the host op that issued the next kernel, {name} "
+                             "(innermost op)", p.idle_inner),
+                            (f"... by the outermost op in the step, {name}", p.idle_outer),
+                            (f"Blocking runtime calls during the idle gaps, {name}",
+                             p.blocking)):
+            if rows:
+                head = "| call | calls | ms in gaps |" if title.startswith("Blocking") else \
+                    "| host op | gaps | idle ms |"
+                lines += ["", f"{title}:", "", head, "| --- | ---: | ---: |"]
+                lines += [f"| `{n[:90]}` | {c} | {t:.2f} |" for n, c, t in rows]
     return "\n".join(lines)
 
 
