@@ -109,6 +109,11 @@ if [ -n "${STEP_AB:-}" ]; then
   src=$?
   echo "step A/B exit: $src"
   cp /tmp/megamoe_step_ab/report.md "$OUT/step_ab.md" 2>/dev/null && sed -n 1,40p "$OUT/step_ab.md"
+  # the traced step's raw traces, for ab.trace or a trace viewer (gzip: ~1/10 the size)
+  for side in stock bf16 fp8; do
+    gzip -c "/tmp/megamoe_step_ab/$side/profile_traces/iteration_$STEP_AB/rank0_trace.json" \
+      > "$OUT/step_trace_$side.json.gz" 2>/dev/null || rm -f "$OUT/step_trace_$side.json.gz"
+  done
   [ "$src" != 0 ] && rc=$src
 fi
 # the kernels DeepGEMM's JIT compiled (whatever ran above used), for .dgjit/ next time
