@@ -465,6 +465,22 @@ def test_missing_matplotlib_names_the_extra_before_any_training(tmp_path, monkey
     assert ab.compare(_run([6.0]), _run([6.0]), 1e-5, 1e-5).ok
 
 
+def _timed(times_s):
+    return ab.RunLog(steps=[ab.Step(i + 1, 5.0, 1.0, 0.5, 1.0, 1000.0, 0.0, 0.0, t)
+                            for i, t in enumerate(times_s)])
+
+
+def test_speed_up_also_from_median_step_times_which_ignore_a_few_slow_steps():
+    # step 2 recompiles in both runs; the steady steps are 300 vs 200 ms
+    stock, conv = _timed([1.0, 0.9, 0.3, 0.3, 0.3]), _timed([1.0, 0.5, 0.2, 0.2, 0.2])
+    text = ab.render_report(stock, conv, ab.compare(stock, conv, 1e-5, 1e-5),
+                            {"config": "x.toml", "nproc": 1, "extra_args": [], "device": "CUDA"})
+    assert "| step time ms (median, step 2+) | 300.0 | 200.0 |" in text
+    assert "| step time ms (mean, step 2+) | 450.0 | 275.0 |" in text
+    speed = next(line for line in text.splitlines() if line.startswith("Speed-up"))
+    assert speed.endswith("1.636 (median: 1.500)")
+
+
 def test_cpu_reports_say_their_timings_say_nothing_about_gpus():
     stock, conv = _run([6.0, 5.5, 5.0]), _run([6.0, 5.5, 5.0])
     cmp = ab.compare(stock, conv, rtol=1e-5, atol=1e-5)

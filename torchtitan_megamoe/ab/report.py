@@ -94,9 +94,11 @@ def render_report(
     nc = bool(over & {na, nb})
     for st, n in ((sa, na), (sb, nb)):
         if n in over:
-            st["mean_tps"] = st["mean_step_time_s"] = NOT_COMPARABLE
+            st["mean_tps"] = st["mean_step_time_s"] = st["median_step_time_s"] = NOT_COMPARABLE
     ratio = (None if nc else sa["mean_step_time_s"] / sb["mean_step_time_s"]
              if sb["mean_step_time_s"] else None)
+    median_ratio = (None if nc else sa["median_step_time_s"] / sb["median_step_time_s"]
+                    if sb["median_step_time_s"] else None)
     default = tuple(names) == ("stock", CONVERTER)
     lines = [
         "# megamoe A/B: stock vs converter" if default else f"# megamoe A/B: {na} vs {nb}",
@@ -132,13 +134,15 @@ def render_report(
         f"{_fmt(sb['mean_tps'], ',.0f')} |",
         f"| step time ms (mean, step 2+) | {_ms(sa['mean_step_time_s'])} | "
         f"{_ms(sb['mean_step_time_s'])} |",
+        f"| step time ms (median, step 2+) | {_ms(sa['median_step_time_s'])} | "
+        f"{_ms(sb['median_step_time_s'])} |",
         f"| peak memory GiB (rank 0) | {_fmt(sa['peak_memory_gib'], '.2f')} | "
         f"{_fmt(sb['peak_memory_gib'], '.2f')} |",
         f"| final loss | {_fmt(sa['final_loss'], '.5f')} | {_fmt(sb['final_loss'], '.5f')} |",
         "",
         f"Speed-up ({na} step time / {nb} step time): "
         + (f"{NOT_COMPARABLE} (overlapped runs)" if nc
-           else _fmt(ratio, '.3f') + _cpu_note(meta)),
+           else f"{_fmt(ratio, '.3f')} (median: {_fmt(median_ratio, '.3f')})" + _cpu_note(meta)),
         "",
     ]
     # per step: the step times and tokens/s too, unless a run overlapped another (not comparable)
