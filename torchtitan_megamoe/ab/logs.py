@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import statistics
 from dataclasses import dataclass, field
 from datetime import datetime
 
@@ -116,13 +117,6 @@ def _mean(values: list[float]) -> float:
     return sum(values) / len(values) if values else float("nan")
 
 
-def _median(values: list[float]) -> float:
-    if not values:
-        return float("nan")
-    v, n = sorted(values), len(values)
-    return v[n // 2] if n % 2 else (v[n // 2 - 1] + v[n // 2]) / 2
-
-
 def run_stats(run: RunLog) -> dict[str, float]:
     times = _steady([s.time_s for s in run.steps])
     return {
@@ -130,7 +124,7 @@ def run_stats(run: RunLog) -> dict[str, float]:
         "mean_tps": _mean(_steady([s.tps for s in run.steps])),
         "mean_step_time_s": _mean(times),
         # robust to the few slow steps a mean keeps: step 2's recompiles, a profiled step's dump
-        "median_step_time_s": _median(times),
+        "median_step_time_s": statistics.median(times) if times else float("nan"),
         "peak_memory_gib": max((s.memory_gib for s in run.steps), default=float("nan")),
         "final_loss": run.steps[-1].loss if run.steps else float("nan"),
     }

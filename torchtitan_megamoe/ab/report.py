@@ -95,10 +95,8 @@ def render_report(
     for st, n in ((sa, na), (sb, nb)):
         if n in over:
             st["mean_tps"] = st["mean_step_time_s"] = st["median_step_time_s"] = NOT_COMPARABLE
-    ratio = (None if nc else sa["mean_step_time_s"] / sb["mean_step_time_s"]
-             if sb["mean_step_time_s"] else None)
-    median_ratio = (None if nc else sa["median_step_time_s"] / sb["median_step_time_s"]
-                    if sb["median_step_time_s"] else None)
+    ratio, median_ratio = (None if nc else sa[k] / sb[k] if sb[k] else None
+                           for k in ("mean_step_time_s", "median_step_time_s"))
     default = tuple(names) == ("stock", CONVERTER)
     lines = [
         "# megamoe A/B: stock vs converter" if default else f"# megamoe A/B: {na} vs {nb}",
