@@ -542,20 +542,6 @@ __global__ void __launch_bounds__(THREADS, 1)
       const bool active = t.expert >= 0;
       const int pid_m = t.pid_m, pid_n = t.pid_n, k_blocks = t.k_blocks;
       const bool zero_rows = active && first_slot < 0;
-      if constexpr (WGRAD) {
-        // accumulate: the old sums of this warpgroup's 64 output rows go to L2 now, so the
-        // epilogue's loads hit L2 instead of waiting on DRAM after the K loop
-        if (p.f32_accumulate && p.out_f32[0] != nullptr) {
-          const bool sec = t.pid_m * BM >= p.m_split;
-          const int r = (tid % 128) / 2;  // two threads per row, 512 bytes (4 lines) each
-          const float* line = p.out_f32[sec ? 1 : 0] +
-                              static_cast<long long>(t.expert * p.m_split + t.pid_m * BM -
-                                                     (sec ? p.m_split : 0) + cw * 64 + r) * p.N +
-                              t.pid_n * TILE_N + (tid % 2) * (TILE_N / 2);
-#pragma unroll
-          for (int l = 0; l < TILE_N / 2 / 32; ++l) prefetch_l2(line + 32 * l);
-        }
-      }
       auto release = [&](int s, bool pred) { ring.release(s, cw, pred); };
       auto advance = [&]() {
         if (++stage == STAGES) {
