@@ -185,9 +185,10 @@ def test_loopback_backward_sends_each_region_dx_before_its_dw13(monkeypatch):
 @pytest.mark.parametrize("skew", [False, True])
 def test_loopback_saved_store_keeps_what_fits_and_recomputes_the_rest(monkeypatch, skew):
     """The forward's store of GEMM 1's pre-activations (kernels/row_store.py): at an even
-    routing every region fits and the backward recomputes no tile; with every slot on rank 0's
-    experts rank 0's regions overflow it, and the backward recomputes those, with the same
-    results (against the reference and EP=1) and bitwise repeatable."""
+    routing every region fits its slot and the backward recomputes no tile; with every slot on
+    rank 0's experts and slots of one segment, rank 0's regions spill over theirs, and the
+    backward recomputes those, with the same results (against the reference and EP=1) and
+    bitwise repeatable."""
     from torchtitan_megamoe.ops.hopper import ep_backward, ep_forward
 
     monkeypatch.setattr(ep_forward, "keeps_saved", lambda *a: True)  # tiny shapes would not
@@ -199,14 +200,14 @@ def test_loopback_saved_store_keeps_what_fits_and_recomputes_the_rest(monkeypatc
         return real(x, w1, w2, w3, plan, *a, **k)
 
     monkeypatch.setattr(ep_backward, "recompute_a", spy)
-    if skew:  # a store of two segments: rank 0's first region fits, not all the others
-        monkeypatch.setattr(ep_forward, "saved_rows", lambda R, C, K, E_local, bm: 2 * bm)
+    if skew:  # slots of one segment: a region with rows for both of rank 0's experts spills
+        monkeypatch.setattr(ep_forward, "slot_rows", lambda R, C, K, E_local, bm: bm)
     R = 4
     _check(R, [6] * R, 2 * R, seed=1, skew=skew)
     assert len(tiles) == 2 * R * R  # two EP=4 runs: every rank's every region was restored
     if skew:
-        # the other ranks receive nothing (kept, empty); rank 0 keeps its first region
-        assert any(tiles) and tiles.count(0) == 2 * R * (R - 1) + 2
+        # the other ranks receive nothing (kept, empty); rank 0 recomputes what spilled
+        assert any(tiles) and tiles.count(0) >= 2 * R * (R - 1)
     else:
         assert not any(tiles)
 
@@ -459,13 +460,13 @@ def test_loopback_forward_backward_captures_in_one_cuda_graph():
 
 @cpu_only
 def test_loopback_fp8_saved_store_with_a_region_recomputed(monkeypatch):
-    """The FP8 forward's pre-activations through the store (kernels/row_store.py) with room for
-    one region's two segments: the other region's GEMM 1 runs again in the backward, and every
-    check of the FP8 test holds."""
+    """The FP8 forward's pre-activations through the store (kernels/row_store.py) with slots of
+    one segment: a region with rows for both experts spills over its slot, its GEMM 1 runs
+    again in the backward, and every check of the FP8 test holds."""
     from torchtitan_megamoe.ops.hopper import ep_backward, ep_forward
 
     monkeypatch.setattr(ep_forward, "keeps_saved", lambda *a: True)
-    monkeypatch.setattr(ep_forward, "saved_rows", lambda R, C, K, E_local, bm: 2 * bm)
+    monkeypatch.setattr(ep_forward, "slot_rows", lambda R, C, K, E_local, bm: bm)
     tiles = []
     real = ep_backward.recompute_a
 
@@ -474,5 +475,11 @@ def test_loopback_fp8_saved_store_with_a_region_recomputed(monkeypatch):
         return real(x, w1, w2, w3, plan, *a, **k)
 
     monkeypatch.setattr(ep_backward, "recompute_a", spy)
-    test_loopback_fp8_matches_reference(2, [5, 7], 4, "fp8")
+    test_loopback_fp8_matches_reference(3, [3, 0, 5], 6, "fp8")
+    assert any(tiles) and not all(tiles)
+    # GEMM 1 run again as with DeepGEMM: into one region's buffer, then the recomputed rows
+    # into their slots; the same checks hold
+    monkeypatch.setattr(ep_backward, "recompute_writes_every_row", lambda *a: True)
+    tiles.clear()
+    test_loopback_fp8_matches_reference(3, [3, 0, 5], 6, "fp8")
     assert any(tiles) and not all(tiles)

@@ -96,7 +96,7 @@ def _stages(options, group) -> tuple[str, str]:
 
 def forward(x, topk_ids, topk_weights, w1, w2, w3, group, options, save=False, fp8_weights=None):
     """out; with ``save``, (out, saved: list of tensors for backward(saved=...)). EP=1 saves
-    [a, packed_plan] (bf16_forward.py); EP > 1 [store of every region's a, its offsets, each
+    [a, packed_plan] (bf16_forward.py); EP > 1 [store of every region's a (a slot each), each
     region's packed plan] (ep_forward.py), or nothing where ep_forward.keeps_saved says the
     backward recomputes. ``fp8_weights``: the layer's
     fp8_weights.Fp8Weights (the FP8 stages' ``weight_cache``), or None: quantize per call."""

@@ -29,8 +29,9 @@ region's GEMMs write them, each later one's add to them in their epilogue (sides
 no add pass, no per-region gradient), then they are rounded once: the same precision as one
 GEMM over all rows, deterministic. No host sync.
 
-Saved from the forward: GEMM 1's pre-activations of the regions its store kept, restored into
-one region's buffer (``_Restore``); GEMM 1 runs again only for the regions it did not keep.
+Saved from the forward: GEMM 1's pre-activations of every region in its slot of one store
+(kernels/row_store.py), read there (``_Restore``: no copy); GEMM 1 runs again only for the
+regions the store did not keep, and their rows go back into their slots.
 
 Memory per call: the EP=1 backward's transients for ONE region of C tokens (reused region
 after region), the fp32 weight-gradient sums (the local experts' weights in fp32), and the
@@ -40,6 +41,7 @@ staged dx rows, [C, D] per peer until sent.
 import torch
 
 from torchtitan_megamoe.ops.fp8_weights import Fp8Weights
+from torchtitan_megamoe.ops.hopper import deepgemm
 from torchtitan_megamoe.ops.hopper.bf16_backward import backward_bf16
 from torchtitan_megamoe.ops.hopper.ep_dispatch import FP8_ROWS, TokenRoute
 from torchtitan_megamoe.ops.hopper.ep_forward import forward_block_m, region_order
@@ -48,7 +50,7 @@ from torchtitan_megamoe.ops.hopper.fp8_weights import (
     dense_weights, make_fp8_weights, transposed_w2, transposed_w13,
 )
 from torchtitan_megamoe.ops.hopper.kernels.fp8_quant import FP8, quant_rows
-from torchtitan_megamoe.ops.hopper.kernels.row_store import kept, unstash_rows
+from torchtitan_megamoe.ops.hopper.kernels.row_store import copy_unkept, kept_slots, slot_view
 from torchtitan_megamoe.ops.hopper.plan import max_rows, unpack_plan
 from torchtitan_megamoe.ops.hopper.sides.wgrad import Into
 
@@ -132,30 +134,44 @@ def backward_ep(grad_out, x, topk_ids, topk_weights, w1, w2, w3, group, recipe,
     return dx, route.pick_returned_dtw(topk_weights.dtype), *dws
 
 
+def recompute_writes_every_row(recipe, t: torch.Tensor) -> bool:
+    """Whether GEMM 1 run again may write rows of skipped tiles (DeepGEMM's FP8 GEMM, where it
+    may run): then it cannot run in a slot's view of the store."""
+    return recipe.fp8_forward and deepgemm.available(t)
+
+
 class _Restore:
-    """Region s's saved (a, packed plan) for its EP=1 backward: a from the forward's store
-    (kernels/row_store.py) where the region was kept, else GEMM 1 recomputed (the forward's
-    kernel and pick: the same bits). One a buffer of one region's rows, reused."""
+    """Region s's saved (a, packed plan) for its EP=1 backward: a is its slot's view of the
+    forward's store (kernels/row_store.py); where the region was not kept, GEMM 1 runs again
+    (the forward's kernel and pick: the same bits) into that view. DeepGEMM's FP8 GEMM 1
+    writes every row of its output (zeros where tiles are skipped), so with it the rows go to
+    one region's buffer first and only a recomputed region's into the view."""
 
     def __init__(self, saved, route, w1, w2, w3, recipe, weight_cache):
-        self.store, self.offs, self.packed = saved  # packed: [R, N], region-indexed
+        self.store, self.packed = saved  # packed: [R, N], region-indexed
         self.C, self.K, self.E_local = route.C, route.K, w1.shape[0]
         self.w = dense_weights(weight_cache, w1, w2, w3)  # stand-ins stay zero-stride
         self.recipe, self.weight_cache = recipe, weight_cache
         self.block_m = forward_block_m(recipe)
-        rows = max_rows(self.C * self.K, self.E_local, self.block_m)
-        self.a = torch.empty((rows, self.store.shape[1]), dtype=self.store.dtype,
-                             device=self.store.device)
+        self.M = max_rows(self.C * self.K, self.E_local, self.block_m)
+        # the forward's slot rows, from the store it sized: (R-1) slots and one region's most
+        self.S = (self.store.shape[0] - self.M) // (route.R - 1)
+        self.plans = [unpack_plan(self.packed[s], self.C, self.K, self.E_local, self.block_m)
+                      for s in range(route.R)]
+        order = region_order(route.R, route.me)
+        self.kept = kept_slots(torch.stack([self.plans[s].num_rows_used for s in order]), self.S)
+        self.a = None  # our GEMM 1 kernels leave skipped tiles' rows as they are
+        if recompute_writes_every_row(recipe, self.store):
+            self.a = torch.empty((self.M, self.store.shape[1]), dtype=self.store.dtype,
+                                 device=self.store.device)
 
     def __call__(self, i: int, s: int, x_rows: torch.Tensor) -> list:
-        packed = self.packed[s]
-        plan = unpack_plan(packed, self.C, self.K, self.E_local, self.block_m)
-        # GEMM 1 only on the tiles of a region the store did not keep: a kept region's
-        # tiles are all skipped (-1)
-        is_kept = kept(self.offs, i, plan.num_rows_used)
-        fresh = plan.with_tiles(torch.where(is_kept, -1, plan.tile_expert))
+        plan, kept = self.plans[s], self.kept[i]
+        a = slot_view(self.store, i, self.S, self.M)
+        # GEMM 1 only for a region the store did not keep: a kept one's tiles are all skipped
+        fresh = plan.with_tiles(torch.where(kept, -1, plan.tile_expert))
         recompute_a(x_rows.contiguous(), *self.w, fresh, self.recipe.fp8_forward,
-                    self.weight_cache, out=self.a, skip=is_kept)
-        # after GEMM 1: DeepGEMM's FP8 GEMM writes zeros into the skipped tiles' rows
-        unstash_rows(self.store, self.a, self.offs, i, plan.num_rows_used)
-        return [self.a, packed]
+                    self.weight_cache, out=a if self.a is None else self.a, skip=kept)
+        if self.a is not None:
+            copy_unkept(self.a, a, plan.num_rows_used, kept)
+        return [a, self.packed[s]]

@@ -43,16 +43,17 @@ Buffer reuse across calls: a peer's next x / meta copies into this rank's region
 wait on this call's last barrier, which this rank reaches after its GEMMs read them; its next
 "ret" stores follow its metadata barrier, which this rank reaches after summing.
 
-Saved for backward: GEMM 1's pre-activations a = [a1 | a3] of every region, in ONE store of
-``saved_rows`` rows (kernels/row_store.py): what a rank receives at uniform routing (C*K slots)
-times SAVE_MARGIN, plus every region's segment padding. Region after region, its used rows go
-in after the previous one's where they fit; a region that does not fit (a skewed routing) is
-not kept, and the backward recomputes its GEMM 1 (the same kernel and pick: the same bits).
-Besides the store: its offsets and each region's packed plan, which the backward's exchange
-reproduces exactly (the layout depends only on topk_ids and C). The store is about what stock
-TorchTitan saves per MoE layer at most (T*K*(D + 3H) bf16 values: permuted input, a1, a3, h):
-at T = C = 16384, K = 8, E = 128, EP=8: 30B 0.65 GB (stock 1.14 GB), 235B 1.3 GB (stock 2.3).
-Where it would exceed stock's, nothing is saved and the backward recomputes every region.
+Saved for backward: GEMM 1's pre-activations a = [a1 | a3] of every region, in ONE store
+(kernels/row_store.py) of a static slot per region: S rows, what a region holds at uniform
+routing (C*K/R slots) times SAVE_MARGIN, plus its segments' padding. GEMM 1 writes a region's
+a straight into its slot's view (no copy); a region with more rows (a skewed routing) spills
+into the slots after it, is not kept, and the backward recomputes its GEMM 1 (the same kernel
+and pick: the same bits). Besides the store: each region's packed plan, which the backward's
+exchange reproduces exactly (the layout depends only on topk_ids and C). The store, (R-1)*S
+rows plus one region's most, stays below what stock TorchTitan saves per MoE layer
+(T*K*(D + 3H) bf16 values: permuted input, a1, a3, h): at T = C = 16384, K = 8, E = 128,
+EP=8: 30B 0.89 GB (stock 1.14 GB), 235B 1.79 GB (stock 2.3). Where it would exceed stock's,
+nothing is saved and the backward recomputes every region.
 
 Memory. Exchange buffers, shared by all layers (ep_transport.py): [R, C, D] per row name +
 metadata, C = tokens per rank. Per call: h [M, H] and y [M, D] with M = max_rows(C*K) for one
@@ -70,22 +71,28 @@ from torchtitan_megamoe.ops.hopper.fp8_weights import dense_weights, make_fp8_we
 from torchtitan_megamoe.ops.hopper.heuristics import forward_configs
 from torchtitan_megamoe.ops.hopper.kernels.combine import combine
 from torchtitan_megamoe.ops.hopper.kernels.fp8_quant import FP8, quant_rows
-from torchtitan_megamoe.ops.hopper.kernels.row_store import stash_rows
+from torchtitan_megamoe.ops.hopper.kernels.row_store import slot_view
 from torchtitan_megamoe.ops.hopper.sides.gemm1_swiglu import gemm1_swiglu
 from torchtitan_megamoe.ops.hopper.sides.gemm2 import gemm2
 from torchtitan_megamoe.ops.hopper.plan import build_plans, max_rows, packed_plan_numel
 from torchtitan_megamoe.ops.hopper.tiles import FP8_BLOCK_M, plan_block_m
 
-SAVE_MARGIN = 1.5
-"""The saved store holds this many times the slots a rank receives at uniform routing: room for
-a skewed routing before regions fall back to recomputing GEMM 1."""
+SAVE_MARGIN = 1.25
+"""A region's slot of the saved store holds this many times the slots it receives at uniform
+routing: room for a skewed routing before a region falls back to recomputing GEMM 1."""
+
+
+def slot_rows(R, C, K, E_local, block_m) -> int:
+    """S, the rows of one region's slot in the store of GEMM 1's pre-activations: the margin
+    over the C*K/R slots a region receives at uniform routing, plus its segments' padding."""
+    rows = int(SAVE_MARGIN * C * K / R) + E_local * (block_m - 1)
+    return -(-rows // block_m) * block_m
 
 
 def saved_rows(R, C, K, E_local, block_m) -> int:
-    """Rows of the store of GEMM 1's pre-activations (see the module's doc): the margin over
-    C*K received slots, plus each region's padding of every expert's segment."""
-    rows = int(SAVE_MARGIN * C * K) + R * E_local * (block_m - 1)
-    return -(-rows // block_m) * block_m
+    """Rows of the store (see the module's doc): R - 1 slots, then the last one's view of the
+    most rows a region can use."""
+    return (R - 1) * slot_rows(R, C, K, E_local, block_m) + max_rows(C * K, E_local, block_m)
 
 
 def keeps_saved(R, C, K, E_local, D, H, block_m) -> bool:
@@ -166,7 +173,7 @@ def forward_ep(x, topk_ids, topk_weights, w1, w2, w3, group, recipe, max_tokens_
     out = route.sum_returned("ret", x.dtype)
     if not save:
         return out
-    return out, ([compute.store, compute.offs, compute.packed] if keep else [])
+    return out, ([compute.store, compute.packed] if keep else [])
 
 
 class _Regions:
@@ -190,36 +197,32 @@ class _Regions:
         self.plans, self.packed = build_plans(ids.view(route.R, self.C, self.K), E_local,
                                               block_m)
         M = max_rows(self.C * self.K, E_local, block_m)
+        self.M, self.S = M, slot_rows(route.R, self.C, self.K, E_local, block_m)
         if keep:
             self.store = torch.empty((saved_rows(route.R, self.C, self.K, E_local, block_m),
                                       2 * H), dtype=dtype, device=dev)
-            self.offs = torch.zeros(route.R + 1, dtype=torch.int32, device=dev)
         if not recipe.fp8_forward:
             self.h = torch.empty((M, H), dtype=dtype, device=dev)
             self.y = torch.empty((M, D), dtype=dtype, device=dev)
-            self.a = torch.empty((M, 2 * H), dtype=dtype, device=dev) if keep else None
 
     def region(self, i: int, s: int, out: torch.Tensor):
         """Region s (the i-th computed) into ``out`` [C, D]; a kept region's pre-activations
-        are stashed as block i of the store."""
+        go straight into slot i of the store."""
         C = self.C
         ids, weights = self.ids[s * C:(s + 1) * C], self.weights[s * C:(s + 1) * C]
         plan = self.plans[s]
+        a = slot_view(self.store, i, self.S, self.M) if self.keep else None
         if self.recipe.fp8_forward:
-            res = forward_fp8_rows(self.route.recv_rows("xq")[s * C:(s + 1) * C].view(FP8),
-                                   self.route.recv_rows("xs")[s * C:(s + 1) * C], ids, weights,
-                                   self.w1, self.w2, self.w3, self.dtype, self.weight_cache,
-                                   save=self.keep, out=out, plan=plan)
-            if self.keep:
-                stash_rows(res[1][0], self.store, self.offs, i, plan.num_rows_used)
+            forward_fp8_rows(self.route.recv_rows("xq")[s * C:(s + 1) * C].view(FP8),
+                             self.route.recv_rows("xs")[s * C:(s + 1) * C], ids, weights,
+                             self.w1, self.w2, self.w3, self.dtype, self.weight_cache,
+                             save=self.keep, out=out, plan=plan, a_out=a)
             return
         xr = self.route.recv_rows("x")[s * C:(s + 1) * C]
         gemm1_swiglu(xr, self.w1, self.w3, plan, config=self.g1, save_a=self.keep,
-                     out=(self.h, self.a) if self.keep else self.h)
+                     out=(self.h, a) if self.keep else self.h)
         gemm2(self.h, self.w2, plan, config=self.g2, out=self.y)
         combine(self.y, weights, plan.slot_row, self.dtype, out=out)
-        if self.keep:
-            stash_rows(self.a, self.store, self.offs, i, plan.num_rows_used)
 
 
 def saved_like_ep(x, topk_ids, w1, group, recipe, max_tokens_per_rank=0):
@@ -232,5 +235,4 @@ def saved_like_ep(x, topk_ids, w1, group, recipe, max_tokens_per_rank=0):
     if not keeps_saved(R, C, K, E_local, D, H, block_m):
         return []
     return [x.new_empty((saved_rows(R, C, K, E_local, block_m), 2 * H)),
-            topk_ids.new_empty((R + 1,), dtype=torch.int32),
             topk_ids.new_empty((R, packed_plan_numel(C, K, E_local, block_m)), dtype=torch.int32)]

@@ -31,16 +31,18 @@ def forward_fp8(x, topk_ids, topk_weights, w1, w2, w3, weight_cache=False, save=
 
 
 def forward_fp8_rows(xq, xs, topk_ids, topk_weights, w1, w2, w3, out_dtype, weight_cache=False,
-                     save=False, out=None, plan=None):
+                     save=False, out=None, plan=None, a_out=None):
     """forward_fp8 of token rows already quantized (e4m3 rows, 1x128 scales: what the EP
     exchange delivers); ``out_dtype``: x's; ``out``: where the combine stores (as combine's);
-    ``plan``: topk_ids' plan at FP8_BLOCK_M, already built (ids checked), or None."""
+    ``plan``: topk_ids' plan at FP8_BLOCK_M, already built (ids checked), or None; ``a_out``:
+    where GEMM 1's pre-activations go with ``save`` (None: a new tensor)."""
     E = w1.shape[0]
     w1, w2, w3 = dense_weights(weight_cache, w1, w2, w3)
     if plan is None:
         plan = checked_plan(topk_ids, E, FP8_BLOCK_M)
     wq = forward_weights(w1, w2, w3, cache=weight_cache, dtype=out_dtype)
-    hq, hs, a = fp8_gemm1_swiglu(xq, xs, wq.w1q, wq.w1s, wq.w3q, wq.w3s, plan, save_a=save)
+    hq, hs, a = fp8_gemm1_swiglu(xq, xs, wq.w1q, wq.w1s, wq.w3q, wq.w3s, plan, save_a=save,
+                                 a_out=a_out)
     del xq, xs
     y = fp8_gemm_rows(hq, hs, wq.w2q, wq.w2s, plan, out_dtype=out_dtype, stage="fp8_gemm2")
     del hq, hs, wq
