@@ -98,7 +98,8 @@ def backward_ep(grad_out, x, topk_ids, topk_weights, w1, w2, w3, group, recipe,
         if s != me and ex.overlaps:
             ex.wait_from(s)  # region s's dy and x are here (the others may still travel)
         region = slice(s * C, (s + 1) * C)
-        region_saved = restore(i, s, route.recv_rows("x")[region]) if restore else None
+        x_rows = route.region_rows("x", s)
+        region_saved = restore(i, s, x_rows) if restore else None
         # summed in this rank's fixed region order: the same sums on every call
         into = Into(sums, accumulate=i > 0)
 
@@ -117,12 +118,12 @@ def backward_ep(grad_out, x, topk_ids, topk_weights, w1, w2, w3, group, recipe,
             sends.append(ex.run_async(send))
 
         if recipe.fp8_dgrad:
-            q, sc = route.recv_rows("dyq")[region].view(FP8), route.recv_rows("dys")[region]
-            backward_fp8(None, route.recv_rows("x")[region], ids[region], weights[region], w1,
+            q, sc = route.region_rows("dyq", s).view(FP8), route.region_rows("dys", s)
+            backward_fp8(None, x_rows, ids[region], weights[region], w1,
                          w2, w3, recipe, weight_cache, saved=region_saved, grad_fp8=(q, sc),
                          into=into, on_dx=send_home)
         else:
-            backward_bf16(route.recv_rows("dy")[region], route.recv_rows("x")[region],
+            backward_bf16(route.region_rows("dy", s), x_rows,
                           ids[region], weights[region], w1, w2, w3, saved=region_saved,
                           into=into, on_dx=send_home)
     route.count_returned(x.shape[1] * x.element_size() + 4 * route.K, "return dx")

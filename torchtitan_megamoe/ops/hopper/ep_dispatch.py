@@ -119,6 +119,7 @@ class TokenRoute:
                                max_tokens_per_rank)
         R, C, me = self.ex.R, self.ex.capacity, self.ex.rank
         self.R, self.C, self.me = R, C, me
+        self._own: dict = {}  # name -> the own region's rows where send_own kept them in place
         # sends in shift order, me-1, me-2, ...: at step i every rank sends to the rank i below
         # and receives from the rank i above, which computes its regions in order me+1, me+2
         # (ep_forward.region_order)
@@ -152,9 +153,19 @@ class TokenRoute:
             TRAFFIC.add(me, f"{transfer} meta", self._sent.new_tensor(len(self.peers)), 4)
 
     def send_own(self, rows: dict) -> None:
-        """Store token rows (name -> [T, W]) in the own region (row t; no transfer)."""
+        """The own region's token rows (name -> [T, W], row t; no transfer): read where they
+        are when they fill the region (T = C: no copy), else stored in it."""
         for name, t in rows.items():
-            self.ex.send_region(self.me, name)[: self.T].copy_(t)
+            if self.T == self.C and t.is_contiguous():
+                self._own[name] = t
+            else:
+                self.ex.send_region(self.me, name)[: self.T].copy_(t)
+
+    def region_rows(self, name: str, s: int) -> torch.Tensor:
+        """[C, W] rows ``name`` of region s: the received ones, or the own ones (send_own)."""
+        if s == self.me and name in self._own:
+            return self._own[name]
+        return self.ex.recv[name][s]
 
     def send_peers(self, rows: dict, transfer: str = "dispatch", signal: bool = False) -> None:
         """Store token rows (name -> [T, W]) in every peer's region, the n_d rows of the tokens
@@ -187,9 +198,6 @@ class TokenRoute:
                 < self.ex.recv["cnt"].view(R, C)[:, :1])
         ids = torch.where(live[..., None], meta[..., :K], -1).view(R * C, K)
         return ids, meta.view(R * C, 2 * K)[:, K:].view(torch.float32)
-
-    def recv_rows(self, name) -> torch.Tensor:
-        return self.ex.recv[name].view(self.R * self.C, -1)
 
     def return_rows(self, s: int, rows: dict, transfer: str) -> None:
         """Store partial rows (name -> [C, W], region s's received order) into source s's

@@ -213,12 +213,12 @@ class _Regions:
         plan = self.plans[s]
         a = slot_view(self.store, i, self.S, self.M) if self.keep else None
         if self.recipe.fp8_forward:
-            forward_fp8_rows(self.route.recv_rows("xq")[s * C:(s + 1) * C].view(FP8),
-                             self.route.recv_rows("xs")[s * C:(s + 1) * C], ids, weights,
+            forward_fp8_rows(self.route.region_rows("xq", s).view(FP8),
+                             self.route.region_rows("xs", s), ids, weights,
                              self.w1, self.w2, self.w3, self.dtype, self.weight_cache,
                              save=self.keep, out=out, plan=plan, a_out=a)
             return
-        xr = self.route.recv_rows("x")[s * C:(s + 1) * C]
+        xr = self.route.region_rows("x", s)
         gemm1_swiglu(xr, self.w1, self.w3, plan, config=self.g1, save_a=self.keep,
                      out=(self.h, a) if self.keep else self.h)
         gemm2(self.h, self.w2, plan, config=self.g2, out=self.y)
