@@ -328,6 +328,15 @@ def _fp8_reference(inp, precision, R, dtype=torch.bfloat16, keep_dtype=False):
     return [cast(out)] + [cast(leaves[i].grad) for i in (0, 2, 3, 4, 5)]
 
 
+def _fp8_case(R, tokens, E):
+    """(inputs, per-rank shards, per-rank dy) of the FP8 loopback tests."""
+    T = sum(tokens)
+    g = torch.Generator().manual_seed(R)
+    inp = make_inputs(T, 2, E, 128, 128, generator=g)  # one scale block wide: the fastest
+    inp["topk_ids"][torch.rand(T, 2, generator=g) < 0.2] = -1
+    return inp, shard(R, *op_args(inp), tokens=tokens), _per_rank(inp["dy"], tokens)
+
+
 @cpu_only
 @pytest.mark.parametrize("R, tokens, E, precision", [
     (2, [5, 7], 4, "fp8_bwd"),
@@ -337,12 +346,12 @@ def test_loopback_fp8_matches_reference(R, tokens, E, precision):
     """FP8 at EP=R: x (fp8) and dy (fp8, fp8_bwd) travel as e4m3 rows; forward and gradients vs
     the reference's emulation of the same recipe on the same routing, as close to float64 as
     the EP=1 FP8 kernels on the whole batch, and repeated runs bitwise equal."""
-    T = sum(tokens)
-    g = torch.Generator().manual_seed(R)
-    inp = make_inputs(T, 2, E, 128, 128, generator=g)  # one scale block wide: the fastest
-    inp["topk_ids"][torch.rand(T, 2, generator=g) < 0.2] = -1
-    shards = shard(R, *op_args(inp), tokens=tokens)
-    dys = _per_rank(inp["dy"], tokens)
+    _check_fp8(R, tokens, E, precision)
+
+
+def _check_fp8(R, tokens, E, precision):
+    """The FP8 loopback test's checks; the first run's per-rank results."""
+    inp, shards, dys = _fp8_case(R, tokens, E)
     ranks, traffic = _metered(lambda: loopback_moe(shards, dys, precision=precision))
     again = loopback_moe(shards, dys, precision=precision)
     got = [t.double() for t in _gathered(ranks, R)]
@@ -365,6 +374,7 @@ def test_loopback_fp8_matches_reference(R, tokens, E, precision):
     fp8_row, bf16_row = 128 + 4, 128 * 2
     _check_fp8_bytes(traffic, inp, tokens, E, fp8_row if recipe.fp8_forward else bf16_row,
                      fp8_row if recipe.fp8_dgrad else bf16_row)
+    return ranks
 
 
 def _check_fp8_bytes(traffic, inp, tokens, E, x_row, dy_row):
@@ -475,11 +485,14 @@ def test_loopback_fp8_saved_store_with_a_region_recomputed(monkeypatch):
         return real(x, w1, w2, w3, plan, *a, **k)
 
     monkeypatch.setattr(ep_backward, "recompute_a", spy)
-    test_loopback_fp8_matches_reference(3, [3, 0, 5], 6, "fp8")
+    in_place = _check_fp8(3, [3, 0, 5], 6, "fp8")
     assert any(tiles) and not all(tiles)
     # GEMM 1 run again as with DeepGEMM: into one region's buffer, then the recomputed rows
-    # into their slots; the same checks hold
+    # into their slots: the same bits as in place
+    _, shards, dys = _fp8_case(3, [3, 0, 5], 6)
     monkeypatch.setattr(ep_backward, "recompute_writes_every_row", lambda *a: True)
     tiles.clear()
-    test_loopback_fp8_matches_reference(3, [3, 0, 5], 6, "fp8")
+    buffered = loopback_moe(shards, dys, precision="fp8")
     assert any(tiles) and not all(tiles)
+    for r, (a, b) in enumerate(zip(in_place, buffered)):
+        assert all(same_bits(x, y) for x, y in zip(a, b)), f"rank {r}"
