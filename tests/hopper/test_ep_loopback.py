@@ -346,11 +346,6 @@ def test_loopback_fp8_matches_reference(R, tokens, E, precision):
     """FP8 at EP=R: x (fp8) and dy (fp8, fp8_bwd) travel as e4m3 rows; forward and gradients vs
     the reference's emulation of the same recipe on the same routing, as close to float64 as
     the EP=1 FP8 kernels on the whole batch, and repeated runs bitwise equal."""
-    _check_fp8(R, tokens, E, precision)
-
-
-def _check_fp8(R, tokens, E, precision):
-    """The FP8 loopback test's checks; the first run's per-rank results."""
     inp, shards, dys = _fp8_case(R, tokens, E)
     ranks, traffic = _metered(lambda: loopback_moe(shards, dys, precision=precision))
     again = loopback_moe(shards, dys, precision=precision)
@@ -374,7 +369,6 @@ def _check_fp8(R, tokens, E, precision):
     fp8_row, bf16_row = 128 + 4, 128 * 2
     _check_fp8_bytes(traffic, inp, tokens, E, fp8_row if recipe.fp8_forward else bf16_row,
                      fp8_row if recipe.fp8_dgrad else bf16_row)
-    return ranks
 
 
 def _check_fp8_bytes(traffic, inp, tokens, E, x_row, dy_row):
@@ -471,11 +465,15 @@ def test_loopback_forward_backward_captures_in_one_cuda_graph():
 @cpu_only
 def test_loopback_fp8_saved_store_with_a_region_recomputed(monkeypatch):
     """The FP8 forward's pre-activations through the store (kernels/row_store.py) with slots of
-    one segment: a region with rows for both experts spills over its slot, its GEMM 1 runs
-    again in the backward, and every check of the FP8 test holds."""
+    one segment: a region with rows for both experts spills over its slot and its GEMM 1 runs
+    again in the backward, in place or (as with DeepGEMM) into a buffer whose recomputed rows
+    then go into their slots; both give the bits of the store that kept every region (the FP8
+    test checks those against the reference)."""
     from torchtitan_megamoe.ops.hopper import ep_backward, ep_forward
 
     monkeypatch.setattr(ep_forward, "keeps_saved", lambda *a: True)
+    _, shards, dys = _fp8_case(3, [3, 0, 5], 6)
+    kept = loopback_moe(shards, dys, precision="fp8")
     monkeypatch.setattr(ep_forward, "slot_rows", lambda R, C, K, E_local, bm: bm)
     tiles = []
     real = ep_backward.recompute_a
@@ -485,14 +483,10 @@ def test_loopback_fp8_saved_store_with_a_region_recomputed(monkeypatch):
         return real(x, w1, w2, w3, plan, *a, **k)
 
     monkeypatch.setattr(ep_backward, "recompute_a", spy)
-    in_place = _check_fp8(3, [3, 0, 5], 6, "fp8")
-    assert any(tiles) and not all(tiles)
-    # GEMM 1 run again as with DeepGEMM: into one region's buffer, then the recomputed rows
-    # into their slots: the same bits as in place
-    _, shards, dys = _fp8_case(3, [3, 0, 5], 6)
-    monkeypatch.setattr(ep_backward, "recompute_writes_every_row", lambda *a: True)
-    tiles.clear()
-    buffered = loopback_moe(shards, dys, precision="fp8")
-    assert any(tiles) and not all(tiles)
-    for r, (a, b) in enumerate(zip(in_place, buffered)):
-        assert all(same_bits(x, y) for x, y in zip(a, b)), f"rank {r}"
+    for buffered in (False, True):
+        monkeypatch.setattr(ep_backward, "recompute_writes_every_row", lambda *a: buffered)
+        tiles.clear()
+        got = loopback_moe(shards, dys, precision="fp8")
+        assert any(tiles) and not all(tiles), tiles
+        for r, (a, b) in enumerate(zip(kept, got)):
+            assert all(same_bits(x, y) for x, y in zip(a, b)), f"rank {r}, buffered {buffered}"
