@@ -67,3 +67,20 @@ def test_bwd_combine_reads_row_space_dx_through_slot_row(case):
     assert same_bits(dx, ref_dx) and same_bits(dtw, ref_dtw)
     with pytest.raises(ValueError, match=rf"\[{plan.max_rows}, D\]"):
         bwd_combine(dx_slot, part, plan, rows=True, **kw)
+
+
+def test_bwd_combine_live_rows_only():
+    """live = n (an EP peer region: the rows that go home): the first n tokens' dx and
+    d(topk_weights) bitwise those of the whole call."""
+    T, K, E, D = SMALL["T"], SMALL["K"], SMALL["E"], SMALL["D"]
+    ids = routing("uneven", T, K, E, seed=7)
+    plan = plan_for(ids, E)
+    g = torch.Generator().manual_seed(7)
+    dx_slot = torch.randn(T * K, D, generator=g).bfloat16()
+    part = torch.randn(2, plan.max_rows, generator=g)
+    whole = bwd_combine(dx_slot, part, plan, dx_dtype=torch.bfloat16, dtw_dtype=torch.float32,
+                        block_t=4, block_d=16)
+    n = T // 2 + 1  # not a multiple of block_t
+    some = bwd_combine(dx_slot, part, plan, dx_dtype=torch.bfloat16, dtw_dtype=torch.float32,
+                       block_t=4, block_d=16, live=torch.tensor([n], dtype=torch.int32))
+    assert same_bits(some[0][:n], whole[0][:n]) and same_bits(some[1][:n], whole[1][:n])

@@ -190,6 +190,22 @@ def test_combine(name, ids):
     assert rel_err(out, ref) < 1e-2 if ref.norm() > 0 else torch.all(out == 0)
 
 
+def test_combine_live_rows_only():
+    """live = n (an EP peer region: the rows that go home): rows t < n as the whole call's,
+    the others left as they were."""
+    ids = next(iter(routings(T, 3, E)))[1]
+    Tn, Kn = ids.shape
+    plan = build_plan(ids, E, BM)
+    y = torch.randn(plan.max_rows, 40).to(torch.bfloat16)
+    w = torch.rand(Tn, Kn)
+    whole = combine_mod.combine(y, w, plan.slot_row, torch.bfloat16, block_t=4, block_d=16)
+    n = Tn // 2 + 1  # not a multiple of block_t
+    out = torch.full_like(whole, -3.0)
+    combine_mod.combine(y, w, plan.slot_row, torch.bfloat16, block_t=4, block_d=16, out=out,
+                        live=torch.tensor([n], dtype=torch.int32))
+    assert torch.equal(out[:n], whole[:n]) and (out[n:] == -3).all()
+
+
 def test_host_tile_math_matches_triton():
     # the launchers size grids and blocks with tiling.cdiv / next_power_of_2 (plain ints,
     # cheaper on the host than Triton's constexpr functions): the same numbers as Triton's

@@ -61,7 +61,7 @@ def tuner_key(R: int, D: int, H: int, E: int, block_m: int, side: str) -> tuple:
 
 
 def backward_bf16(grad_out, x, topk_ids, topk_weights, w1, w2, w3, saved=None, wait_x=None,
-                  into=None, release_saved=False, on_dx=None):
+                  into=None, release_saved=False, on_dx=None, live=None):
     """(dx, dtopk_weights, dw1, dw2, dw3); every expert of topk_ids is in w1/w2/w3. ``saved`` =
     (a, packed_plan) from forward_bf16(..., save=True) on the same inputs: dgrad2_swiglu loads
     a1/a3 instead of recomputing GEMM 1 and the plan is unpacked instead of rebuilt. None (or
@@ -76,7 +76,8 @@ def backward_bf16(grad_out, x, topk_ids, topk_weights, w1, w2, w3, saved=None, w
     under the stages before. ``into``: a sides.wgrad.Into, where dw1, dw2, dw3 go (default:
     fresh tensors like the weights; the EP backward's fp32 sums over regions, added to).
     ``on_dx(dx, dtopk_weights)``: called once they are queued, before wgrad_dw13 (the EP
-    backward sends them home under it)."""
+    backward sends them home under it). ``live``: a 1-element int32 device count n: dx and
+    d(topk_weights) are made for tokens t < n only (an EP peer region: the rows that go home)."""
     block_m = plan_block_m()
     T, D = x.shape
     if T == 0:  # e.g. an EP rank that receives no rows
@@ -152,7 +153,7 @@ def backward_bf16(grad_out, x, topk_ids, topk_weights, w1, w2, w3, saved=None, w
     dx_slot, in_rows = dgrad1.STAGE.launch(c_cfg, ops_c)
     del ops_c
     dx, dtw = bwd_combine(dx_slot, part, plan, dx_dtype=x.dtype, dtw_dtype=topk_weights.dtype,
-                          rows=in_rows)
+                          rows=in_rows, live=live)
     del dx_slot, part
     if on_dx is not None:
         on_dx(dx, dtw)

@@ -117,15 +117,17 @@ def backward_ep(grad_out, x, topk_ids, topk_weights, w1, w2, w3, group, recipe,
 
             sends.append(ex.run_async(send))
 
+        # a peer's dx and d(topk_weights): only the rows it sent, the ones that go home
+        live = None if s == me else route.recv_count(s)
         if recipe.fp8_dgrad:
             q, sc = route.region_rows("dyq", s).view(FP8), route.region_rows("dys", s)
             backward_fp8(None, x_rows, ids[region], weights[region], w1,
                          w2, w3, recipe, weight_cache, saved=region_saved, grad_fp8=(q, sc),
-                         into=into, on_dx=send_home)
+                         into=into, on_dx=send_home, live=live)
         else:
             backward_bf16(route.region_rows("dy", s), x_rows,
                           ids[region], weights[region], w1, w2, w3, saved=region_saved,
-                          into=into, on_dx=send_home)
+                          into=into, on_dx=send_home, live=live)
     route.count_returned(x.shape[1] * x.element_size() + 4 * route.K, "return dx")
     if sends:
         torch.cuda.current_stream(x.device).wait_event(sends[-1])

@@ -212,17 +212,19 @@ class _Regions:
         ids, weights = self.ids[s * C:(s + 1) * C], self.weights[s * C:(s + 1) * C]
         plan = self.plans[s]
         a = slot_view(self.store, i, self.S, self.M) if self.keep else None
+        # a peer's partial rows: only the rows it sent, the ones that go home
+        live = None if s == self.route.me else self.route.recv_count(s)
         if self.recipe.fp8_forward:
             forward_fp8_rows(self.route.region_rows("xq", s).view(FP8),
                              self.route.region_rows("xs", s), ids, weights,
                              self.w1, self.w2, self.w3, self.dtype, self.weight_cache,
-                             save=self.keep, out=out, plan=plan, a_out=a)
+                             save=self.keep, out=out, plan=plan, a_out=a, live=live)
             return
         xr = self.route.region_rows("x", s)
         gemm1_swiglu(xr, self.w1, self.w3, plan, config=self.g1, save_a=self.keep,
                      out=(self.h, a) if self.keep else self.h)
         gemm2(self.h, self.w2, plan, config=self.g2, out=self.y)
-        combine(self.y, weights, plan.slot_row, self.dtype, out=out)
+        combine(self.y, weights, plan.slot_row, self.dtype, out=out, live=live)
 
 
 def saved_like_ep(x, topk_ids, w1, group, recipe, max_tokens_per_rank=0):

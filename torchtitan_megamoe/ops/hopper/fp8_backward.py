@@ -50,14 +50,15 @@ from torchtitan_megamoe.ops.hopper.plan import build_plan, unpack_plan
 
 
 def backward_fp8(grad_out, x, topk_ids, topk_weights, w1, w2, w3, recipe, weight_cache=False,
-                 saved=None, grad_fp8=None, into=None, release_saved=False, on_dx=None):
+                 saved=None, grad_fp8=None, into=None, release_saved=False, on_dx=None,
+                 live=None):
     """(dx, dtopk_weights, dw1, dw2, dw3); ``recipe``: the call's (ops/recipe.py): whether
     the forward's GEMM 1 ran in FP8, for the recompute when nothing was ``saved``, and whether
     the weight gradients run in FP8. ``grad_fp8``: grad_out already quantized (e4m3 rows, 1x128
     scales: what the EP exchange delivers); grad_out is then None (the weight gradients read
     their dequantized values, gathered into the row space in one pass) or those values.
-    ``into``, ``release_saved``, ``on_dx``: as in bf16_backward.backward_bf16, and the same
-    stage order (dw1 and dw3 last)."""
+    ``into``, ``release_saved``, ``on_dx``, ``live``: as in bf16_backward.backward_bf16, and
+    the same stage order (dw1 and dw3 last)."""
     T, D = x.shape
     E, H, _ = w1.shape
     if T == 0:
@@ -113,7 +114,7 @@ def backward_fp8(grad_out, x, topk_ids, topk_weights, w1, w2, w3, recipe, weight
         del w13t
     del daq, das
     dx, dtw = bwd_combine(dx_rows, part, plan, dx_dtype=x.dtype, dtw_dtype=topk_weights.dtype,
-                          rows=True)
+                          rows=True, live=live)
     if on_dx is not None:
         on_dx(dx, dtw)
     if grads is not None:

@@ -31,11 +31,12 @@ def forward_fp8(x, topk_ids, topk_weights, w1, w2, w3, weight_cache=False, save=
 
 
 def forward_fp8_rows(xq, xs, topk_ids, topk_weights, w1, w2, w3, out_dtype, weight_cache=False,
-                     save=False, out=None, plan=None, a_out=None):
+                     save=False, out=None, plan=None, a_out=None, live=None):
     """forward_fp8 of token rows already quantized (e4m3 rows, 1x128 scales: what the EP
     exchange delivers); ``out_dtype``: x's; ``out``: where the combine stores (as combine's);
     ``plan``: topk_ids' plan at FP8_BLOCK_M, already built (ids checked), or None; ``a_out``:
-    where GEMM 1's pre-activations go with ``save`` (None: a new tensor)."""
+    where GEMM 1's pre-activations go with ``save`` (None: a new tensor); ``live``: as
+    combine's."""
     E = w1.shape[0]
     w1, w2, w3 = dense_weights(weight_cache, w1, w2, w3)
     if plan is None:
@@ -46,7 +47,7 @@ def forward_fp8_rows(xq, xs, topk_ids, topk_weights, w1, w2, w3, out_dtype, weig
     del xq, xs
     y = fp8_gemm_rows(hq, hs, wq.w2q, wq.w2s, plan, out_dtype=out_dtype, stage="fp8_gemm2")
     del hq, hs, wq
-    out = combine(y, topk_weights.contiguous(), plan.slot_row, out_dtype, out=out)
+    out = combine(y, topk_weights.contiguous(), plan.slot_row, out_dtype, out=out, live=live)
     if not save:
         return out
     return out, (a, pack_plan(plan))

@@ -25,15 +25,18 @@ from torchtitan_megamoe.ops.hopper.kernels.tiling import cdiv
 def _bwd_combine_kernel(
     dx_slot_ptr, part_ptr, slot_row_ptr, dx_ptr, dtw_ptr,
     T, D, R_MAX,
-    s_slot, s_dx,
+    s_slot, s_dx, live_ptr,
     TOPK: tl.constexpr, NUM_PART: tl.constexpr,
-    BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, ROWS: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, ROWS: tl.constexpr, LIVE: tl.constexpr,
 ):
     pid_t = tl.program_id(0)
     pid_d = tl.program_id(1)
     rt = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
     rd = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
-    t_ok = rt < T
+    if LIVE:
+        t_ok = rt < tl.minimum(T, tl.load(live_ptr))
+    else:
+        t_ok = rt < T
     d_ok = rd < D
     rt64 = rt.to(tl.int64)
 
@@ -72,10 +75,12 @@ def bwd_combine(
     block_d: int = 256,
     num_warps: int = 4,
     rows: bool = False,
+    live: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Sum each token's slots. dx_slot: [T*K, D] (or, with ``rows``, [R_max, D] in the plan's
     row space); part: [n_h_tiles, R_max] fp32 from dgrad2_swiglu. Returns dx [T, D] in dx_dtype and
-    dtopk_weights [T, K] in dtw_dtype."""
+    dtopk_weights [T, K] in dtw_dtype. ``live``: a 1-element int32 device count n: the rows of
+    tokens t >= n are left unwritten (an EP peer region's rows past the ones it sent)."""
     T, K = plan.num_tokens, plan.top_k
     D = dx_slot.shape[1]
     n = plan.max_rows if rows else T * K
@@ -91,9 +96,9 @@ def bwd_combine(
     _bwd_combine_kernel[grid](
         dx_slot, part, plan.slot_row, dx, dtw,
         T, D, plan.max_rows,
-        dx_slot.stride(0), dx.stride(0),
+        dx_slot.stride(0), dx.stride(0), plan.slot_row if live is None else live,
         TOPK=K, NUM_PART=part.shape[0],
-        BLOCK_T=block_t, BLOCK_D=block_d, ROWS=rows,
+        BLOCK_T=block_t, BLOCK_D=block_d, ROWS=rows, LIVE=live is not None,
         num_warps=num_warps,
     )
     return dx, dtw

@@ -27,14 +27,19 @@ def _combine_kernel(
     stride_y,
     stride_w,
     stride_out,
+    live_ptr,
     TOP_K: tl.constexpr,
     BLOCK_T: tl.constexpr,
     BLOCK_D: tl.constexpr,
     EMULATE_RTNE: tl.constexpr,
+    LIVE: tl.constexpr,
 ):
     toks = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
-    in_t = toks < T
+    if LIVE:
+        in_t = toks < tl.minimum(T, tl.load(live_ptr))
+    else:
+        in_t = toks < T
     in_d = cols < D
     acc = tl.zeros((BLOCK_T, BLOCK_D), dtype=tl.float32)
     for k in tl.static_range(TOP_K):
@@ -61,10 +66,13 @@ def combine(
     block_t: int = 4,
     block_d: int = 512,
     out: torch.Tensor | None = None,
+    live: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """out [T, D] in out_dtype from GEMM 2's rows y [R_max, D] and the slots' rows slot_row
     [T*K]. ``out``: where to store (any [T, D] tensor with unit column stride, e.g. the EP
-    forward's own return region)."""
+    forward's own return region). ``live``: a 1-element int32 device count n: only tokens
+    t < n are combined, the other rows of out are left as they are (an EP peer region's rows
+    past the ones it sent)."""
     T, K = topk_weights.shape
     D = y.shape[1]
     assert slot_row.shape == (T * K,) and y.stride(1) == 1 and topk_weights.stride(1) == 1
@@ -77,7 +85,8 @@ def combine(
     grid = (cdiv(T, block_t), cdiv(D, block_d))
     _combine_kernel[grid](
         y, topk_weights, slot_row, out, T, D, y.stride(0), topk_weights.stride(0), out.stride(0),
+        slot_row if live is None else live,
         TOP_K=K, BLOCK_T=block_t, BLOCK_D=block_d, EMULATE_RTNE=settings.triton_interpreting(),
-        num_warps=4,
+        LIVE=live is not None, num_warps=4,
     )
     return out
