@@ -611,3 +611,18 @@ def test_loopback_host_profile_profiles_one_rank_thread(monkeypatch, capsys):
     host_profile("tiny", call)
     assert sorted(seen) == [0, 1, 2]
     assert "--- host, one rank thread (tiny, by own time):" in capsys.readouterr().out
+
+
+def test_profile_sums_kernels_by_category_per_call():
+    """--profile's category line: the step trace's categories (ab/trace.py), ms per call,
+    largest first; the EP exchange's row copies count as copies, our Triton kernels apart."""
+    from torchtitan_megamoe.bench.profile import by_category
+
+    kernels = [("void megamoe::bf16::grouped_gemm_kernel<5>(CUtensorMap_st...", 6000.0),
+               ("void megamoe::bf16::grouped_gemm_kernel<0>(CUtensorMap_st...", 2000.0),
+               ("_copy_rows_kernel", 1000.0), ("Memcpy DtoD (Device -> Device)", 200.0),
+               ("_combine_kernel", 700.0), ("_bwd_combine_kernel", 500.0)]
+    got = dict(by_category(kernels, calls=2))
+    assert got == pytest.approx({"megamoe sm90 GEMMs": 4.0, "copies and fills": 0.6,
+                                 "megamoe Triton kernels": 0.6})
+    assert [c for c, _ in by_category(kernels, 2)][0] == "megamoe sm90 GEMMs"

@@ -48,11 +48,26 @@ def profile_kernels(title: str, fn, rank: int, calls: int = 3, rows: int = 40,
               f"GPU kernels {gpu_ms:.3f} ms per call", flush=True)
         print(prof.key_averages().table(sort_by="self_device_time_total", row_limit=rows,
                                         max_name_column_width=60), flush=True)
+        cats = by_category([(e.key, e.self_device_time_total) for e in kernels], calls)
+        print("--- GPU kernels by category, ms per call: " + ", ".join(
+            f"{cat} {ms:.3f}" for cat, ms in cats), flush=True)
         for order in ("tottime", "cumulative") if host_profile else ():
             text = io.StringIO()
             pstats.Stats(host, stream=text).sort_stats(order).print_stats(rows)
             print(f"--- host (cProfile, {calls} calls, sorted by {order}):", flush=True)
             print("\n".join(text.getvalue().splitlines()[-rows - 2:]), flush=True)
+
+
+def by_category(kernels: list, calls: int) -> list:
+    """[(category, ms per call)], largest first, of (kernel name, summed us) pairs over
+    ``calls`` calls; the categories of a training step's trace (ab/trace.py)."""
+    from torchtitan_megamoe.ab.trace import category
+
+    out: dict = {}
+    for name, us in kernels:
+        cat = category(name)
+        out[cat] = out.get(cat, 0.0) + us / 1e3 / calls
+    return sorted(out.items(), key=lambda kv: -kv[1])
 
 
 LAUNCH_APIS = ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernelEx",
