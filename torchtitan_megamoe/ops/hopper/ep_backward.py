@@ -117,8 +117,7 @@ def backward_ep(grad_out, x, topk_ids, topk_weights, w1, w2, w3, group, recipe,
 
             sends.append(ex.run_async(send))
 
-        # a peer's dx and d(topk_weights): only the rows it sent, the ones that go home
-        live = None if s == me else route.recv_count(s)
+        live = route.live_rows(s)
         if recipe.fp8_dgrad:
             q, sc = route.region_rows("dyq", s).view(FP8), route.region_rows("dys", s)
             backward_fp8(None, x_rows, ids[region], weights[region], w1,

@@ -139,6 +139,11 @@ class TokenRoute:
         """[1] int32 on the device: rows source s sent here this call."""
         return self.ex.recv["cnt"][s, 0]
 
+    def live_rows(self, s: int) -> torch.Tensor | None:
+        """What region s's combines must make: a peer's n_s sent rows (the ones that go home;
+        [1] int32 on the device), or None for the own region (token t at row t, all of them)."""
+        return None if s == self.me else self.recv_count(s)
+
     def send_meta(self, transfer: str = "dispatch") -> None:
         """Store every destination's row count and metadata rows (no barrier)."""
         ex, me = self.ex, self.me

@@ -212,8 +212,7 @@ class _Regions:
         ids, weights = self.ids[s * C:(s + 1) * C], self.weights[s * C:(s + 1) * C]
         plan = self.plans[s]
         a = slot_view(self.store, i, self.S, self.M) if self.keep else None
-        # a peer's partial rows: only the rows it sent, the ones that go home
-        live = None if s == self.route.me else self.route.recv_count(s)
+        live = self.route.live_rows(s)
         if self.recipe.fp8_forward:
             forward_fp8_rows(self.route.region_rows("xq", s).view(FP8),
                              self.route.region_rows("xs", s), ids, weights,
