@@ -769,36 +769,18 @@ __global__ void __launch_bounds__(THREADS, 1)
           auto at = [&](int j, int half) {
             return out + static_cast<long long>(warp * 16 + lane / 4 + 8 * half) * p.N + 8 * j;
           };
-          // accumulate: the old sums of ACC_J column groups are loaded at once, then added and
-          // stored, so ~16 loads per thread are in flight instead of one DRAM latency per pair
-          constexpr int ACC_J = 4;
+          // accumulate: reductions in L2 (red), so no warp waits on a load of the old sums
 #pragma unroll
-          for (int j0 = 0; j0 < 16; j0 += ACC_J) {
-            float2 old[ACC_J][2][2];
+          for (int j = 0; j < 16; ++j) {
 #pragma unroll
-            for (int jj = 0; jj < ACC_J; ++jj) {
-#pragma unroll
-              for (int half = 0; half < 2; ++half) {
-                const float* a = at(j0 + jj, half);
-                old[jj][half][0] = p.f32_accumulate ? __ldcs(reinterpret_cast<const float2*>(a))
-                                                    : make_float2(0.f, 0.f);
-                old[jj][half][1] = p.f32_accumulate
-                                       ? __ldcs(reinterpret_cast<const float2*>(a + BN))
-                                       : make_float2(0.f, 0.f);
-              }
-            }
-#pragma unroll
-            for (int jj = 0; jj < ACC_J; ++jj) {
-              const int j = j0 + jj;
-#pragma unroll
-              for (int half = 0; half < 2; ++half) {
-                float2 lo = make_float2(acc[4 * j + 2 * half], acc[4 * j + 2 * half + 1]);
-                float2 hi =
-                    make_float2(acc[64 + 4 * j + 2 * half], acc[64 + 4 * j + 2 * half + 1]);
-                if (p.f32_accumulate) {
-                  lo = make_float2(old[jj][half][0].x + lo.x, old[jj][half][0].y + lo.y);
-                  hi = make_float2(old[jj][half][1].x + hi.x, old[jj][half][1].y + hi.y);
-                }
+            for (int half = 0; half < 2; ++half) {
+              const float2 lo = make_float2(acc[4 * j + 2 * half], acc[4 * j + 2 * half + 1]);
+              const float2 hi =
+                  make_float2(acc[64 + 4 * j + 2 * half], acc[64 + 4 * j + 2 * half + 1]);
+              if (p.f32_accumulate) {
+                red_add_f32x2(at(j, half), lo);
+                red_add_f32x2(at(j, half) + BN, hi);
+              } else {
                 *reinterpret_cast<float2*>(at(j, half)) = lo;
                 *reinterpret_cast<float2*>(at(j, half) + BN) = hi;
               }

@@ -14,6 +14,13 @@ __device__ __forceinline__ uint32_t smem_u32(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
 }
 
+// *addr += (v.x, v.y) in L2, fire and forget (no load latency on the issuing warp); one add per
+// element, round to nearest even (subnormal fp32 sums flush to zero, as every f32 atomic add)
+__device__ __forceinline__ void red_add_f32x2(float* addr, float2 v) {
+  asm volatile("red.global.add.v2.f32 [%0], {%1, %2};" ::"l"(addr), "f"(v.x), "f"(v.y)
+               : "memory");
+}
+
 // ---- mbarrier -------------------------------------------------------------------------------
 
 __device__ __forceinline__ void mbar_init(uint32_t bar, uint32_t count) {
