@@ -494,14 +494,17 @@ def test_loopback_fp8_saved_store_with_a_region_recomputed(monkeypatch):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("over_a", [False, True], ids=["da_store", "da_over_a"])
 @pytest.mark.parametrize("precision", ["bf16", "fp8"])
-def test_loopback_kept_regions_share_one_dw13_launch(monkeypatch, precision):
+def test_loopback_kept_regions_share_one_dw13_launch(monkeypatch, precision, over_a):
     """ep_wgrad.py: dw1|dw3 of the regions the store kept as one launch after the last region,
     the other regions' at once. Half of rank 1's tokens send every slot to rank 0's experts:
     rank 0's region 1 spills over its slot and region 2's, which are recomputed and not kept,
     while regions 0 and 3 are. Against the per-region sums (the one launch off): every output
     but dw1 and dw3 bitwise, those within fp32 summation order; one launch per rank; bitwise
-    repeatable (da goes over the saved a: the loopback runs the eager backward)."""
+    repeatable; da into its own store (the registered op) or over the saved a (the eager
+    backward, ``over_a``)."""
+    from torchtitan_megamoe.ops import hopper
     from torchtitan_megamoe.ops.hopper import ep_backward, ep_wgrad
 
     R, T, E = 4, 1024, 32
@@ -510,6 +513,10 @@ def test_loopback_kept_regions_share_one_dw13_launch(monkeypatch, precision):
     inp["topk_ids"][T:T + T // 2] = torch.arange(E // R, device="cuda")  # rank 0's experts
     shards = shard(R, *op_args(inp), tokens=[T] * R)
     dys = _per_rank(inp["dy"], [T] * R)
+    if over_a:  # the loopback's saved tensors are its own: as the op's eager backward
+        real_ep = hopper.backward_ep
+        monkeypatch.setattr(hopper, "backward_ep",
+                            lambda *a, **k: real_ep(*a, **{**k, "release_saved": True}))
     kept, launches = [], []
     real_kept, real_dw13 = ep_backward.kept_slots, ep_wgrad.KeptRows.dw13
     monkeypatch.setattr(ep_backward, "kept_slots",

@@ -79,9 +79,9 @@ def backward_bf16(grad_out, x, topk_ids, topk_weights, w1, w2, w3, saved=None, w
     backward sends them home under it). ``live``: a 1-element int32 device count n: dx and
     d(topk_weights) are made for tokens t < n only (an EP peer region: the rows that go home).
     ``keep``: an ep_wgrad.KeptRegion (the EP backward's kept regions): da is written into
-    ``keep.da`` (the saved a) and x gathered into ``keep.x_rows``, where one wgrad_dw13 over
-    all kept regions reads them after the last region; this call's wgrad_dw13 adds the rows of
-    a region the store did not keep only."""
+    ``keep.da`` (which may be the saved a) and x gathered into ``keep.x_rows``, where one
+    wgrad_dw13 over all kept regions reads them after the last region; this call's wgrad_dw13
+    adds the rows of a region the store did not keep only."""
     block_m = plan_block_m()
     T, D = x.shape
     if T == 0:  # e.g. an EP rank that receives no rows
@@ -125,7 +125,7 @@ def backward_bf16(grad_out, x, topk_ids, topk_weights, w1, w2, w3, saved=None, w
     a_cfg = pick_config(dgrad2_swiglu.STAGE, key,
                         lambda: (shape(D, H, E, block_m, bf16), available(x)),
                         lambda cfg: dgrad2_swiglu.STAGE.launch(cfg, ops_a), outputs=a_outputs)
-    if keep is not None:  # the candidates above read a; the picked side writes da over it
+    if keep is not None:  # the candidates above read a; the picked side may write da over it
         ops_a = ops_a._replace(bufs={}, da_out=keep.da)
     da, hw, part = dgrad2_swiglu.STAGE.launch(a_cfg, ops_a)
     if release_saved:

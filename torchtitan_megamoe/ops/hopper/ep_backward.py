@@ -27,9 +27,9 @@ does at EP > 1, dequantized in dw2's row gather); x travels in bf16 (the weight 
 it unrounded). The weight gradients are fp32 sums over the regions in order 0..R-1: the first
 region's GEMMs write them, each later one's add to them in their epilogue (sides/wgrad.Into:
 no add pass, no per-region gradient), then they are rounded once: the same precision as one
-GEMM over all rows, deterministic. No host sync. In the op's eager backward (release_saved),
-dw1|dw3 of the regions the store kept are one launch after the last region instead, over their
-da (written over their a) and x rows (kept in a store of one slot per region): ep_wgrad.py.
+GEMM over all rows, deterministic. No host sync. dw1|dw3 of the regions the store kept are one
+launch after the last region instead, over their da (written over their a in the op's eager
+backward) and x rows, kept in stores of the store's rows (ep_wgrad.py).
 
 Saved from the forward: GEMM 1's pre-activations of every region in its slot of one store
 (kernels/row_store.py), read there (``_Restore``: no copy); GEMM 1 runs again only for the
@@ -37,8 +37,9 @@ regions the store did not keep, and their rows go back into their slots.
 
 Memory per call: the EP=1 backward's transients for ONE region of C tokens (reused region
 after region), the fp32 weight-gradient sums (the local experts' weights in fp32), and the
-staged dx rows, [C, D] per peer until sent; with the one dw1|dw3 launch, the x store ([R * S,
-D]) instead of one region's x rows and da.
+staged dx rows, [C, D] per peer until sent; with the one dw1|dw3 launch, the x store ([store
+rows, D]) and, where a may not be overwritten, a da store ([store rows, 2H]) instead of one
+region's x rows and da.
 """
 
 import torch
@@ -65,9 +66,9 @@ def backward_ep(grad_out, x, topk_ids, topk_weights, w1, w2, w3, group, recipe,
     """(dx, dtopk_weights, dw1, dw2, dw3) for an EP group; ``saved``: what
     forward_ep(..., save=True) kept (per region), None or empty to recompute; ``recipe`` and
     ``weight_cache`` as in forward_ep. ``release_saved``: ``saved`` is this call's alone (the
-    op's eager backward): the kept regions' da goes over their a, for one dw1|dw3 launch
-    after the last region (ep_wgrad.py), and the store is freed at the end (a backward of the
-    same graph again, retain_graph, then recomputes)."""
+    op's eager backward): the kept regions' da goes over their a (for the one dw1|dw3 launch
+    after the last region, ep_wgrad.py; else into a store of its own), and the store is freed
+    at the end (a backward of the same graph again, retain_graph, then recomputes)."""
     route = TokenRoute(topk_ids, topk_weights, w1.shape[0], group, x.shape[1], x.dtype, recipe,
                        max_tokens_per_rank=max_tokens_per_rank)
     ex, R, C, me = route.ex, route.R, route.C, route.me
@@ -103,8 +104,8 @@ def backward_ep(grad_out, x, topk_ids, topk_weights, w1, w2, w3, group, recipe,
     restore = _Restore(saved, route, w1, w2, w3, recipe, weight_cache) if saved else None
     # dw1|dw3 of the regions the store kept: one launch after the last region (ep_wgrad.py)
     kept_rows = None
-    if release_saved and restore and restore.defers_dw13(x):
-        kept_rows = restore.kept_rows(x)
+    if restore and restore.defers_dw13(x):
+        kept_rows = restore.kept_rows(x, over_a=release_saved)
     sends = []
     for i, s in enumerate(region_order(R, me)):
         if s != me and ex.overlaps:
@@ -193,9 +194,11 @@ class _Restore:
         return (not (self.recipe.fp8_dgrad and self.recipe.fp8_wgrad(settings.fp8_wgrad()))
                 and sm90_dw13_offered(D, H, E, self.block_m, x))
 
-    def kept_rows(self, x: torch.Tensor) -> KeptRows:
-        return KeptRows(self.store, [self.plans[s] for s in self.order], self.kept, self.S,
-                        self.M, x.shape[1], x.dtype)
+    def kept_rows(self, x: torch.Tensor, over_a: bool) -> KeptRows:
+        """``over_a``: the store may be overwritten (da goes there, not into a store of its
+        own)."""
+        return KeptRows(self.store, over_a, [self.plans[s] for s in self.order], self.kept,
+                        self.S, self.M, x.shape[1], x.dtype)
 
     def __call__(self, i: int, s: int, x_rows: torch.Tensor) -> list:
         plan, kept = self.plans[s], self.kept[i]

@@ -99,7 +99,7 @@ def backward_fp8(grad_out, x, topk_ids, topk_weights, w1, w2, w3, recipe, weight
         dy_rows = None if dy is not None else gather_rows(gq, plan, scales=gs)
         del gq, gs, w2t
         out = None
-        if keep is not None:  # keep.da is a: swiglu_bwd_rows reads each block first
+        if keep is not None:  # keep.da may be a: swiglu_bwd_rows reads each block first
             out = (keep.da, torch.empty_like(dh),
                    torch.empty((1, plan.max_rows), dtype=torch.float32, device=dh.device))
         da, hw, part, daq, das = swiglu_bwd_rows(dh, a_saved, tw, plan, quant=True, out=out)
