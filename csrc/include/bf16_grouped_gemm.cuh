@@ -155,10 +155,6 @@ struct KernelParams {
   // segment padded to 128 rows loses its last 64-row step when at most 64 of its last 128 rows
   // are real.
   const int* count;
-  // WGRAD_TMA: the K walk covers `regions` plans' row spaces (the EP backward's regions in one
-  // launch): seg_start [regions, E + 1] holds each plan's first rows in the operands' row
-  // space, count [regions, E] its real rows (0: the plan adds nothing for the expert)
-  int regions;
   // WGRAD: fp32 outputs (the gradients of fp32 parameters, written from the registers) instead
   // of the bf16 ones in h_map / a_map; nullptr: bf16
   float* out_f32[2];
@@ -274,11 +270,7 @@ __global__ void __launch_bounds__(THREADS, 1)
       t.expert = p.expert_order != nullptr ? p.expert_order[ei] : ei;
       t.row0 = p.seg_start[t.expert];
       t.k_blocks = (p.count[t.expert] + BK - 1) / BK;
-      for (int j = 1; j < p.regions; ++j) {
-        t.k_blocks += (p.count[j * p.num_experts + t.expert] + BK - 1) / BK;
-      }
-      // a gradient added to gains nothing from a unit without rows: skipped, not stored
-      t.any = !(p.f32_accumulate && t.k_blocks == 0);
+      t.any = true;
     } else {
       grouped_tile(u, num_m, num_n, group_m, t.pid_m, t.pid_n);
       t.expert = t.pid_m < num_m ? p.tile_expert[(t.pid_m * BM) / p.plan_bm] : -1;
@@ -339,9 +331,6 @@ __global__ void __launch_bounds__(THREADS, 1)
         }
       };
       load_slots(0);
-      // WGRAD: the region of the next K step (regions > 1), its first row and its K steps
-      int reg = 0, reg_kb = 0, reg_row0 = t.row0;
-      int reg_steps = WGRAD ? (p.count[expert] + BK - 1) / BK : 0;
       // GATHER_ROWS: this thread's 16-byte chunk c of the K step of the tile's rows rg + 16 i
       // (8 threads per 128-byte row), zeros for padding rows
       auto gather_rows = [&](uint32_t a_smem, int kb) {
@@ -365,13 +354,7 @@ __global__ void __launch_bounds__(THREADS, 1)
         const uint32_t b_smem = a_smem + A_BYTES;
         const uint32_t full = ring.full(stage);
         if constexpr (WGRAD) {
-          while (reg_kb == reg_steps) {  // the next region with rows (k_blocks counts them)
-            ++reg;
-            reg_kb = 0;
-            reg_row0 = p.seg_start[reg * (p.num_experts + 1) + expert];
-            reg_steps = (p.count[reg * p.num_experts + expert] + BK - 1) / BK;
-          }
-          const int r0 = reg_row0 + BK * reg_kb++;
+          const int r0 = t.row0 + kb * BK;
           if (tid == 0) {
             mbar_arrive_expect_tx(full, (GATHER_A ? 0 : A_BYTES) + (GATHER_B ? 0 : B_BYTES));
             if (!GATHER_A) {

@@ -70,20 +70,12 @@ class Plan:
         return self.tile_expert.numel()
 
     def with_tiles(self, tile_expert: torch.Tensor) -> "Plan":
-        """This plan with another tile map (a GEMM launched with it skips the tiles at -1)."""
-        return self._with(tile_expert=tile_expert)
-
-    def with_count(self, count: torch.Tensor) -> "Plan":
-        """This plan with other real-row counts (a weight gradient launched with it walks
-        count[e] rows of expert e's segment: 0 skips the expert)."""
-        return self._with(count=count)
-
-    def _with(self, **fields) -> "Plan":
-        # a shallow copy: dataclasses.replace re-runs __init__ and its field handling, host
-        # time on the way to the GEMMs
+        """This plan with another tile map (a GEMM launched with it skips the tiles at -1): a
+        shallow copy: dataclasses.replace re-runs __init__ and its field handling, host time on
+        the way to the GEMMs."""
         other = object.__new__(Plan)
         other.__dict__.update(self.__dict__)
-        other.__dict__.update(fields)
+        other.tile_expert = tile_expert
         return other
 
 
