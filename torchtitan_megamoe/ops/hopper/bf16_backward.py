@@ -79,9 +79,9 @@ def backward_bf16(grad_out, x, topk_ids, topk_weights, w1, w2, w3, saved=None, w
     backward sends them home under it). ``live``: a 1-element int32 device count n: dx and
     d(topk_weights) are made for tokens t < n only (an EP peer region: the rows that go home).
     ``keep``: an ep_wgrad.KeptRegion (the EP backward's kept regions): da is written into
-    ``keep.da`` (the saved a) and x gathered into ``keep.x_rows``, where one wgrad_dw13 over
-    all kept regions reads them after the last region; this call's wgrad_dw13 adds the rows of
-    a region the store did not keep only."""
+    ``keep.da`` (the saved a) and the region's row slots into ``keep.row_slot``, from which one
+    wgrad_dw13 over all kept regions gathers x after the last region; this call's wgrad_dw13
+    adds the rows of a region the store did not keep only."""
     block_m = plan_block_m()
     T, D = x.shape
     if T == 0:  # e.g. an EP rank that receives no rows
