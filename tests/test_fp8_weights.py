@@ -377,10 +377,9 @@ def test_autocast_copies_come_from_the_parameter(precision):
     assert on.fp8_weights_made == 1 and (on._fp8.fwd is not None) == (precision == "fp8")
     assert all(g.dtype == torch.float32 for g in outs[0][1:])
     assert all(torch.equal(a, b) for a, b in zip(*outs))
-    # fp8 writes the fp32 gradients itself (no bf16 rounding, no cast pass); fp8_bwd casts
-    # its bf16 weights' gradients
-    low_bits = any(bool((g.view(torch.int32) & 0xFFFF).any()) for g in outs[0][1:])
-    assert low_bits == (precision == "fp8")
+    # both write the fp32 gradients themselves (no bf16 rounding, no cast pass): fp8 through
+    # the stand-ins, fp8_bwd from the bf16 forward's own cast of the weights
+    assert all(bool((g.view(torch.int32) & 0xFFFF).any()) for g in outs[0][1:])
 
 
 def test_inference_mode_first_call_then_training():

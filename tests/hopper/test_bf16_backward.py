@@ -350,3 +350,51 @@ def test_weight_gradients_into_sums_over_two_batches_bitwise():
         assert same_bits(sums[i], fresh[0][2 + i] + fresh[1][2 + i]), NAMES[2 + i]
     for a, b in zip(fresh, got):
         assert same_bits(a[0], b[0]) and same_bits(a[1], b[1])
+
+
+@pytest.mark.parametrize("precision,path", [("bf16", "eager"), ("bf16", "op"),
+                                            ("bf16", "compile"), ("fp8_bwd", "eager")])
+def test_autocast_fp32_weights_cast_once_and_fp32_gradients(precision, path, monkeypatch):
+    """fp32 parameters under a bf16 autocast (TorchTitan on one device): the hopper bf16
+    forward casts the weights itself once per forward and saves the copies, the backward reads
+    them (no second cast) and writes fp32 gradients from its GEMMs (low bits set: no bf16
+    rounding, no cast pass). out, dx and d(topk_weights) are bitwise those of casting by hand;
+    the weight gradients are those gradients before their bf16 rounding."""
+    from torchtitan_megamoe import mega_moe
+    from torchtitan_megamoe.ops import api
+    from torchtitan_megamoe.ops import hopper as hb
+
+    casts = []
+    real_cast = hb.cast_weights
+    monkeypatch.setattr(hb, "cast_weights", lambda x, ws: casts.append(1) or real_cast(x, ws))
+    if path == "op":
+        monkeypatch.setattr(api, "_plain_eager", lambda tensors: False)
+    Dm, Hm = (128, 128) if precision == "fp8_bwd" else (Ds, Hs)  # FP8: the 128 scale block
+    ids = routing("uneven", T, K, E, seed=6)
+    inp = make_inputs(T, K, E, Dm, Hm, ids, seed=6, dtype=torch.float32)
+    dy = torch.randn((T, Dm), dtype=torch.bfloat16)
+    keys = ("x", "topk_weights", "w1", "w2", "w3")
+
+    def layer(x, tw, w1, w2, w3):
+        return mega_moe(x, inp["topk_ids"], tw, w1, w2, w3, backend="hopper",
+                        precision=precision)
+
+    run = torch.compile(layer, backend="aot_eager", fullgraph=True) if path == "compile" else layer
+    leaves = [inp[k].clone().requires_grad_() for k in keys]
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = run(*leaves)
+    grads = torch.autograd.grad(out, leaves, dy)
+    if path != "compile":  # aot_eager's trace calls the real forward once more
+        assert len(casts) == 1, casts
+    by_hand = [inp[k].clone().requires_grad_() for k in keys]
+    ref = layer(*(t if i == 1 else t.bfloat16() for i, t in enumerate(by_hand)))
+    ref_grads = torch.autograd.grad(ref, by_hand, dy)
+    assert out.dtype == torch.bfloat16 and torch.equal(out, ref)
+    for name, g, r, leaf in zip(NAMES, grads, ref_grads, leaves):
+        assert g.dtype == r.dtype == leaf.dtype, name
+        if name in ("dx", "dtopk_weights"):
+            assert torch.equal(g, r), name
+        else:
+            assert bool((g.view(torch.int32) & 0xFFFF).any()), f"{name}: bf16-rounded"
+            assert rel_err(g, r) < 4e-3, name
+

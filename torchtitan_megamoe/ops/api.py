@@ -121,12 +121,18 @@ def mega_moe(
         # (_autocast_off). Precision fp8 reads the weights only through FP8 copies, quantized
         # from their values rounded to that dtype by the quantization pass itself, and writes
         # their gradients in their own dtype: no cast pass either way. Zero-stride stand-ins
-        # (moe.py) are never read and keep their dtype, their gradients'.
+        # (moe.py) are never read and keep their dtype, their gradients'. The hopper bf16
+        # forward at EP=1 casts fp32 weights itself and its backward writes fp32 gradients
+        # (hopper.cast_weights): no cast pass of the gradients.
         amp_dtype = compute_dtype(x)
         x = x.to(amp_dtype) if x.is_floating_point() else x
-        if not recipe.stand_ins:
+        backend_casts = backend_casts_weights(x, (w1, w2, w3), group, options)
+        if not (recipe.stand_ins or backend_casts):
             w1, w2, w3 = (w if is_stand_in(w) else w.to(amp_dtype) for w in (w1, w2, w3))
-    check_args(x, topk_ids, topk_weights, w1, w2, w3, group=group, precision=options.precision)
+    else:
+        backend_casts = False
+    check_args(x, topk_ids, topk_weights, w1, w2, w3, group=group, precision=options.precision,
+               backend_casts=backend_casts)
     if options.backend == "auto":
         options = options.with_backend(resolve_backend(x, group))
     if options.backend != "hopper":
@@ -174,6 +180,16 @@ mega_moe.__signature__ = inspect.signature(mega_moe).replace(parameters=[
     p for p in inspect.signature(mega_moe).parameters.values() if p.kind is not p.VAR_KEYWORD
 ] + keyword_parameters())
 mega_moe.__doc__ = mega_moe.__doc__.rstrip(" ") + keyword_doc(" " * 8) + "\n    "
+
+
+def backend_casts_weights(x: torch.Tensor, weights: tuple, group, options) -> bool:
+    """Whether this autocast call's backend takes the fp32 weights as they are and casts them
+    itself, writing fp32 gradients (hopper.cast_weights): the hopper kernels at EP=1 with a
+    bf16 forward, real (not stand-in) fp32 weights."""
+    return (x.dtype == torch.bfloat16 and not options.recipe.fp8_forward
+            and all(w.dtype == torch.float32 and not is_stand_in(w) for w in weights)
+            and group_size(group) <= 1
+            and resolved_backend(x, group, options.backend) == "hopper")
 
 
 def is_stand_in(w: torch.Tensor) -> bool:
@@ -234,10 +250,12 @@ def check_args(
     *,
     group: dist.ProcessGroup | None = None,
     precision: str = "bf16",
+    backend_casts: bool = False,
 ) -> None:
     """Raise early, with the fix in the message, on anything the op cannot compute correctly
     (the id range apart: mega_moe checks it where its backend's kernels do not). The converter
-    runs it at conversion on zero-token stand-ins of each MoE block's inputs."""
+    runs it at conversion on zero-token stand-ins of each MoE block's inputs.
+    ``backend_casts``: the weights may be fp32 (backend_casts_weights)."""
     recipe = recipe_named(precision)
     if x.dim() != 2:
         raise ValueError(
@@ -268,7 +286,8 @@ def check_args(
         # a recipe reading weights only through FP8 copies of their values in x's dtype, and a
         # stand-in (moe.py), never read: either may be in its parameter's dtype, the gradient's
         if w.dtype != x.dtype and not (w.is_floating_point()
-                                       and (recipe.stand_ins or is_stand_in(w))):
+                                       and (recipe.stand_ins or is_stand_in(w)
+                                            or backend_casts)):
             raise TypeError(
                 f"mega_moe: {name} dtype {w.dtype} differs from x dtype {x.dtype}; cast them to "
                 "one dtype (TorchTitan's mixed precision, FSDP or autocast, does this for you)"

@@ -102,6 +102,9 @@ def forward(x, topk_ids, topk_weights, w1, w2, w3, group, options, save=False, f
     fp8_weights.Fp8Weights (the FP8 stages' ``weight_cache``), or None: quantize per call."""
     check_inputs(x, w1, group, options.recipe)
     stage, _ = _stages(options, group)
+    copies = cast_weights(x, (w1, w2, w3)) if stage == "bf16" else ()
+    if copies:
+        w1, w2, w3 = copies
     if stage == "ep":
         res = forward_ep(x, topk_ids, topk_weights, w1, w2, w3, group, options.recipe,
                          options.max_tokens_per_rank, save=save,
@@ -116,7 +119,17 @@ def forward(x, topk_ids, topk_weights, w1, w2, w3, group, options, save=False, f
     if not save:
         return res
     out, saved = res
-    return out, list(saved)
+    return out, list(saved) + list(copies)
+
+
+def cast_weights(x, weights) -> tuple:
+    """The bf16 forward's own copies of fp32 weights (api.mega_moe passes an EP=1 call's
+    parameters through under autocast), saved after the forward's for the backward, which
+    reads them and writes the gradients in fp32 straight from its GEMMs: no cast pass of
+    the gradients. () where the weights are x's dtype."""
+    if weights[0].dtype == x.dtype:
+        return ()
+    return tuple(w.to(x.dtype) for w in weights)
 
 
 def _weight_cache(fp8_weights):
@@ -130,7 +143,9 @@ def saved_like(x, topk_ids, topk_weights, w1, w2, w3, group, options):
     stage, _ = _stages(options, group)
     if stage == "ep":
         return saved_like_ep(x, topk_ids, w1, group, options.recipe, options.max_tokens_per_rank)
-    return saved_like_bf16(x, topk_ids, w1, block_m=options.recipe.plan_block_m)
+    copies = ([x.new_empty(w.shape) for w in (w1, w2, w3)]
+              if stage == "bf16" and w1.dtype != x.dtype else [])
+    return saved_like_bf16(x, topk_ids, w1, block_m=options.recipe.plan_block_m) + copies
 
 
 def backward(grad_out, x, topk_ids, topk_weights, w1, w2, w3, group, options, saved=None,
@@ -140,19 +155,26 @@ def backward(grad_out, x, topk_ids, topk_weights, w1, w2, w3, group, options, sa
     dead after this call (the op's eager backward): the EP=1 stages free GEMM 1's
     pre-activations as soon as they have read them. Saved ones an earlier backward of the same
     graph freed (retain_graph) are recomputed."""
+    forward_stage, stage = _stages(options, group)
+    grads_like = None
+    if forward_stage == "bf16" and w1.dtype != x.dtype:  # the forward's cast_weights
+        grads_like = (w1, w2, w3)
+        copies = saved[2:] if saved and not released(saved) else cast_weights(x, grads_like)
+        w1, w2, w3 = copies
+        saved = saved[:2] if saved else saved
     if released(saved):
         saved = None
     recipe = options.recipe
     if recipe.fp8:  # bf16's were checked by the forward
         check_inputs(x, w1, group, recipe)
     check_backward_dtypes(grad_out, x, w1, recipe.weight_dtypes)
-    _, stage = _stages(options, group)
     if stage == "ep":
         return backward_ep(grad_out, x, topk_ids, topk_weights, w1, w2, w3, group, recipe,
                            options.max_tokens_per_rank, saved=saved,
                            weight_cache=_weight_cache(fp8_weights), release_saved=release_saved)
     if stage == "fp8":
         return backward_fp8(grad_out, x, topk_ids, topk_weights, w1, w2, w3, recipe,
-                            _weight_cache(fp8_weights), saved=saved, release_saved=release_saved)
+                            _weight_cache(fp8_weights), saved=saved, release_saved=release_saved,
+                            grads_like=grads_like)
     return backward_bf16(grad_out, x, topk_ids, topk_weights, w1, w2, w3, saved=saved,
-                         release_saved=release_saved)
+                         release_saved=release_saved, grads_like=grads_like)

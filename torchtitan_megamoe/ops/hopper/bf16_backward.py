@@ -61,7 +61,8 @@ def tuner_key(R: int, D: int, H: int, E: int, block_m: int, side: str) -> tuple:
 
 
 def backward_bf16(grad_out, x, topk_ids, topk_weights, w1, w2, w3, saved=None, wait_x=None,
-                  into=None, release_saved=False, on_dx=None, live=None, keep=None):
+                  into=None, release_saved=False, on_dx=None, live=None, keep=None,
+                  grads_like=None):
     """(dx, dtopk_weights, dw1, dw2, dw3); every expert of topk_ids is in w1/w2/w3. ``saved`` =
     (a, packed_plan) from forward_bf16(..., save=True) on the same inputs: dgrad2_swiglu loads
     a1/a3 instead of recomputing GEMM 1 and the plan is unpacked instead of rebuilt. None (or
@@ -81,14 +82,16 @@ def backward_bf16(grad_out, x, topk_ids, topk_weights, w1, w2, w3, saved=None, w
     ``keep``: an ep_wgrad.KeptRegion (the EP backward's kept regions): da is written into
     ``keep.da`` (the saved a) and the region's row slots into ``keep.row_slot``, from which one
     wgrad_dw13 over all kept regions gathers x after the last region; this call's wgrad_dw13
-    adds the rows of a region the store did not keep only."""
+    adds the rows of a region the store did not keep only. ``grads_like``: what fresh
+    gradients are shaped and typed like where w1, w2, w3 are bf16 copies of fp32 parameters
+    (the hopper backend's own cast, ops/hopper/__init__.py): the parameters; None: w1, w2, w3."""
     block_m = plan_block_m()
     T, D = x.shape
     if T == 0:  # e.g. an EP rank that receives no rows
         return (torch.empty_like(x), torch.empty_like(topk_weights),
-                *Into.zeros(into, (w1, w2, w3)))
+                *Into.zeros(into, grads_like or (w1, w2, w3)))
     # Gradients take the parameters' own layout; the kernels read contiguous copies.
-    params = into.outs if into else (w1, w2, w3)
+    params = into.outs if into else (grads_like or (w1, w2, w3))
     dy = grad_out.contiguous()
     x = x.contiguous()
     w1, w2, w3 = w1.contiguous(), w2.contiguous(), w3.contiguous()

@@ -51,21 +51,21 @@ from torchtitan_megamoe.ops.hopper.plan import build_plan, unpack_plan
 
 def backward_fp8(grad_out, x, topk_ids, topk_weights, w1, w2, w3, recipe, weight_cache=False,
                  saved=None, grad_fp8=None, into=None, release_saved=False, on_dx=None,
-                 live=None, keep=None):
+                 live=None, keep=None, grads_like=None):
     """(dx, dtopk_weights, dw1, dw2, dw3); ``recipe``: the call's (ops/recipe.py): whether
     the forward's GEMM 1 ran in FP8, for the recompute when nothing was ``saved``, and whether
     the weight gradients run in FP8. ``grad_fp8``: grad_out already quantized (e4m3 rows, 1x128
     scales: what the EP exchange delivers); grad_out is then None (the weight gradients read
     their dequantized values, gathered into the row space in one pass) or those values.
-    ``into``, ``release_saved``, ``on_dx``, ``live``, ``keep``: as in
+    ``into``, ``release_saved``, ``on_dx``, ``live``, ``keep``, ``grads_like``: as in
     bf16_backward.backward_bf16 (``keep``: bf16 weight gradients only), and the same stage
     order (dw1 and dw3 last)."""
     T, D = x.shape
     E, H, _ = w1.shape
     if T == 0:
         return (torch.empty_like(x), torch.empty_like(topk_weights),
-                *Into.zeros(into, (w1, w2, w3)))
-    params = into.outs if into else (w1, w2, w3)
+                *Into.zeros(into, grads_like or (w1, w2, w3)))
+    params = into.outs if into else (grads_like or (w1, w2, w3))
     dy = None if grad_out is None else grad_out.contiguous()
     x = x.contiguous()
     w1, w2, w3 = dense_weights(weight_cache, w1, w2, w3)
