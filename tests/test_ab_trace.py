@@ -36,6 +36,13 @@ def test_categories_step_window_and_union():
     assert abs(p.busy_ms - (0.65 + 0.26)) < 1e-9
     assert p.top[0] == ("ncclDevKernel_ReduceScatter_Sum_f32", 1, 0.3)
     assert trace.category("_topk_gate_bwd_kernel") == "megamoe Triton kernels"
+    # every kernel of ours by its name, not by the dense-GEMM or copy patterns it may match
+    for name in ("_quant_weight_kernel", "_copy_rows_kernel", "_fp8_wgrad_kernel"):
+        assert trace.category(name) == "megamoe Triton kernels", name
+    assert trace.category("void megamoe::fp8::fp8_gemm_kernel<1>(CUtensorMap_st, ...)") == \
+        "megamoe sm90 GEMMs"
+    assert trace.category("void deep_gemm::sm90_fp8_gemm_1d2d_impl<0u, 128u>(...)") == \
+        "DeepGEMM (FP8 GEMMs)"
     assert trace.category("cutlass_grouped_mm_kernel") == "grouped GEMMs (stock experts)"
     assert trace.category("_ZN7cutlass13device_kernelIN2at4cuda6detail25enable_3x_kernel_for_sm9x"
                           "INS_4gemm6kernel13GemmUniversalINS5_16GroupProblemShapeE") == \
