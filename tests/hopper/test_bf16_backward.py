@@ -352,9 +352,17 @@ def test_weight_gradients_into_sums_over_two_batches_bitwise():
         assert same_bits(a[0], b[0]) and same_bits(a[1], b[1])
 
 
-@pytest.mark.parametrize("precision,path", [("bf16", "eager"), ("bf16", "op"),
-                                            ("bf16", "compile"), ("fp8_bwd", "eager")])
-def test_autocast_fp32_weights_cast_once_and_fp32_gradients(precision, path, monkeypatch):
+_GPU = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
+                                             reason="needs a CUDA GPU")]
+
+
+@pytest.mark.parametrize("precision,path,device", [
+    ("bf16", "eager", "cpu"), ("bf16", "op", "cpu"), ("bf16", "compile", "cpu"),
+    ("fp8_bwd", "eager", "cpu"),
+    pytest.param("bf16", "eager", "cuda", marks=_GPU),
+    pytest.param("fp8_bwd", "op", "cuda", marks=_GPU)])
+def test_autocast_fp32_weights_cast_once_and_fp32_gradients(precision, path, device,
+                                                            monkeypatch):
     """fp32 parameters under a bf16 autocast (TorchTitan on one device): the hopper bf16
     forward casts the weights itself once per forward and saves the copies, the backward reads
     them (no second cast) and writes fp32 gradients from its GEMMs (low bits set: no bf16
@@ -369,10 +377,14 @@ def test_autocast_fp32_weights_cast_once_and_fp32_gradients(precision, path, mon
     monkeypatch.setattr(hb, "cast_weights", lambda x, ws: casts.append(1) or real_cast(x, ws))
     if path == "op":
         monkeypatch.setattr(api, "_plain_eager", lambda tensors: False)
-    Dm, Hm = (128, 128) if precision == "fp8_bwd" else (Ds, Hs)  # FP8: the 128 scale block
-    ids = routing("uneven", T, K, E, seed=6)
-    inp = make_inputs(T, K, E, Dm, Hm, ids, seed=6, dtype=torch.float32)
-    dy = torch.randn((T, Dm), dtype=torch.bfloat16)
+    # FP8: the 128 scale block; the GPU at 16384 tokens (rows no tile multiple) and E = 128
+    Dm, Hm = (128, 128) if precision == "fp8_bwd" else (Ds, Hs)
+    Tm, Em = (T, E) if device == "cpu" else (16384, 128)
+    if device == "cuda":
+        Dm, Hm = 2048, 768
+    ids = routing("uneven", Tm, K, Em, seed=6).to(device)
+    inp = make_inputs(Tm, K, Em, Dm, Hm, ids, seed=6, dtype=torch.float32, device=device)
+    dy = torch.randn((Tm, Dm), dtype=torch.bfloat16, device=device)
     keys = ("x", "topk_weights", "w1", "w2", "w3")
 
     def layer(x, tw, w1, w2, w3):
@@ -381,7 +393,7 @@ def test_autocast_fp32_weights_cast_once_and_fp32_gradients(precision, path, mon
 
     run = torch.compile(layer, backend="aot_eager", fullgraph=True) if path == "compile" else layer
     leaves = [inp[k].clone().requires_grad_() for k in keys]
-    with torch.autocast("cpu", dtype=torch.bfloat16):
+    with torch.autocast(device, dtype=torch.bfloat16):
         out = run(*leaves)
     grads = torch.autograd.grad(out, leaves, dy)
     if path != "compile":  # aot_eager's trace calls the real forward once more
