@@ -37,8 +37,10 @@ def test_categories_step_window_and_union():
     assert p.top[0] == ("ncclDevKernel_ReduceScatter_Sum_f32", 1, 0.3)
     assert trace.category("_topk_gate_bwd_kernel") == "megamoe Triton kernels"
     # every kernel of ours by its name, not by the dense-GEMM or copy patterns it may match
-    for name in ("_quant_weight_kernel", "_copy_rows_kernel", "_fp8_wgrad_kernel"):
+    for name in ("_quant_weight_kernel", "_fp8_wgrad_kernel", "_sum_partials_kernel"):
         assert trace.category(name) == "megamoe Triton kernels", name
+    # the EP exchange's row copies are the link's transfers
+    assert trace.category("_copy_rows_kernel") == "copies and fills"
     assert trace.category("void megamoe::fp8::fp8_gemm_kernel<1>(CUtensorMap_st, ...)") == \
         "megamoe sm90 GEMMs"
     assert trace.category("void deep_gemm::sm90_fp8_gemm_1d2d_impl<0u, 128u>(...)") == \
