@@ -377,11 +377,10 @@ def test_autocast_fp32_weights_cast_once_and_fp32_gradients(precision, path, dev
     monkeypatch.setattr(hb, "cast_weights", lambda x, ws: casts.append(1) or real_cast(x, ws))
     if path == "op":
         monkeypatch.setattr(api, "_plain_eager", lambda tensors: False)
-    # FP8: the 128 scale block; the GPU at 16384 tokens (rows no tile multiple) and E = 128
-    Dm, Hm = (128, 128) if precision == "fp8_bwd" else (Ds, Hs)
-    Tm, Em = (T, E) if device == "cpu" else (16384, 128)
-    if device == "cuda":
-        Dm, Hm = 2048, 768
+    if device == "cpu":  # FP8 needs the 128 scale block
+        Tm, Em, Dm, Hm = (T, E) + ((128, 128) if precision == "fp8_bwd" else (Ds, Hs))
+    else:  # the 30B layer at 16384 tokens: experts' rows are no tile multiples
+        Tm, Em, Dm, Hm = 16384, 128, 2048, 768
     ids = routing("uneven", Tm, K, Em, seed=6).to(device)
     inp = make_inputs(Tm, K, Em, Dm, Hm, ids, seed=6, dtype=torch.float32, device=device)
     dy = torch.randn((Tm, Dm), dtype=torch.bfloat16, device=device)
@@ -409,4 +408,3 @@ def test_autocast_fp32_weights_cast_once_and_fp32_gradients(precision, path, dev
         else:
             assert bool((g.view(torch.int32) & 0xFFFF).any()), f"{name}: bf16-rounded"
             assert rel_err(g, r) < 4e-3, name
-
