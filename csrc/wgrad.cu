@@ -188,6 +188,7 @@ __global__ void __launch_bounds__(THREADS, 1)
 extern "C" int megamoe_wgrad(const WgradParams* a) {
   using namespace megamoe::bf16;
   const int M = a->M, N = a->N, m_split = a->m_split;
+  if (a->regions > 1 && a->gather == 1) return -22;  // several plans: A (the rows) by TMA
   CUtensorMap rows_map, a_rows_map, out0_map, out1_map;
   int rc = make_map(&rows_map, a->rows, a->num_rows, a->gather == 0 ? M : N, BK, 64);
   if (rc == 0) {
@@ -220,6 +221,7 @@ extern "C" int megamoe_wgrad(const WgradParams* a) {
   p.row_slot = a->row_slot;
   p.seg_start = a->seg_start;
   p.count = a->count;
+  p.regions = a->regions > 1 ? a->regions : 1;
   p.expert_order = a->expert_order;
   p.num_experts = a->E;
   p.M = M;

@@ -155,6 +155,11 @@ struct KernelParams {
   // segment padded to 128 rows loses its last 64-row step when at most 64 of its last 128 rows
   // are real.
   const int* count;
+  // WGRAD_TMA and WGRAD_GATHER_B: the K walk covers `regions` plans' row spaces (the EP
+  // backward's regions in one launch): seg_start [regions, E + 1] holds each plan's first rows
+  // in the row-space operand (and row_slot), count [regions, E] its real rows (0: the plan adds
+  // nothing for the expert)
+  int regions;
   // WGRAD: fp32 outputs (the gradients of fp32 parameters, written from the registers) instead
   // of the bf16 ones in h_map / a_map; nullptr: bf16
   float* out_f32[2];
@@ -270,7 +275,11 @@ __global__ void __launch_bounds__(THREADS, 1)
       t.expert = p.expert_order != nullptr ? p.expert_order[ei] : ei;
       t.row0 = p.seg_start[t.expert];
       t.k_blocks = (p.count[t.expert] + BK - 1) / BK;
-      t.any = true;
+      for (int j = 1; j < p.regions; ++j) {
+        t.k_blocks += (p.count[j * p.num_experts + t.expert] + BK - 1) / BK;
+      }
+      // a gradient added to gains nothing from a unit without rows: skipped, not stored
+      t.any = !(p.f32_accumulate && t.k_blocks == 0);
     } else {
       grouped_tile(u, num_m, num_n, group_m, t.pid_m, t.pid_n);
       t.expert = t.pid_m < num_m ? p.tile_expert[(t.pid_m * BM) / p.plan_bm] : -1;
@@ -321,13 +330,30 @@ __global__ void __launch_bounds__(THREADS, 1)
       // WGRAD gathers: the slots of this thread's rows (t / 8 + 16 i) of the next K step, loaded
       // one step ahead so that their latency hides behind the empty-slot wait and the previous
       // step's copies instead of stalling every step (the rows change with every K step)
+      // WGRAD: a walk over the K steps (regions > 1: region after region, each region's first
+      // row and K steps of the expert); next_row gives the first row of the next step
+      struct Walk {
+        int reg, kb, row0, steps;
+      };
+      auto next_row = [&](Walk& w) {
+        while (w.kb == w.steps) {  // the next region with rows (k_blocks counts them all)
+          ++w.reg;
+          w.kb = 0;
+          w.row0 = p.seg_start[w.reg * (p.num_experts + 1) + expert];
+          w.steps = (p.count[w.reg * p.num_experts + expert] + BK - 1) / BK;
+        }
+        return w.row0 + BK * w.kb++;
+      };
+      Walk walk = {0, 0, t.row0, WGRAD ? (p.count[expert] + BK - 1) / BK : 0};
       constexpr int ROW_PASSES = BK / 16;
       int next_slot[ROW_PASSES];
+      int next_r0 = 0;  // gathers: the first row of the step whose slots were loaded last
       auto load_slots = [&](int kb) {
+        if (WGRAD && GATHERS && kb < k_blocks) next_r0 = next_row(walk);
 #pragma unroll
         for (int i = 0; i < ROW_PASSES; ++i) {
           next_slot[i] = WGRAD && GATHERS && kb < k_blocks
-                             ? p.row_slot[t.row0 + kb * BK + tid / 8 + 16 * i] : -1;
+                             ? p.row_slot[next_r0 + tid / 8 + 16 * i] : -1;
         }
       };
       load_slots(0);
@@ -348,13 +374,14 @@ __global__ void __launch_bounds__(THREADS, 1)
         int slot[ROW_PASSES];
 #pragma unroll
         for (int i = 0; i < ROW_PASSES; ++i) slot[i] = next_slot[i];
+        const int step_r0 = next_r0;
         load_slots(kb + 1);
         mbar_wait(ring.empty(stage), phase ^ 1);
         const uint32_t a_smem = smem_base + stage * STAGE_BYTES;
         const uint32_t b_smem = a_smem + A_BYTES;
         const uint32_t full = ring.full(stage);
         if constexpr (WGRAD) {
-          const int r0 = t.row0 + kb * BK;
+          const int r0 = GATHERS ? step_r0 : next_row(walk);
           if (tid == 0) {
             mbar_arrive_expect_tx(full, (GATHER_A ? 0 : A_BYTES) + (GATHER_B ? 0 : B_BYTES));
             if (!GATHER_A) {

@@ -202,6 +202,8 @@ typedef struct WgradParams {
   int m_split;
   int top_k;
   int gather;
+  int regions;  /* > 1 (gather 0 or 2): seg_start [regions, E + 1] and count [regions, E], one
+                   K walk over several plans' rows (of rows, row_slot and, gather 2, tokens) */
   int out_f32;  /* 1: out0 / out1 are fp32 (the gradients of fp32 parameters), 2: fp32 and
                    added to (out += gradient), 0: bf16 */
   int num_sms;

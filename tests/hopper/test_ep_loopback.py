@@ -490,3 +490,44 @@ def test_loopback_fp8_saved_store_with_a_region_recomputed(monkeypatch):
         assert any(tiles) and not all(tiles), tiles
         for r, (a, b) in enumerate(zip(kept, got)):
             assert all(same_bits(x, y) for x, y in zip(a, b)), f"rank {r}, buffered {buffered}"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("precision", ["bf16", "fp8"])
+def test_loopback_kept_regions_share_one_dw13_launch(monkeypatch, precision):
+    """ep_wgrad.py: dw1|dw3 of the regions the store kept as one launch after the last region,
+    the other regions' at once. Half of rank 1's tokens send every slot to rank 0's experts:
+    rank 0's region 1 spills over its slot and region 2's, which are recomputed and not kept,
+    while regions 0 and 3 are. Against the per-region sums (the one launch off): every output
+    but dw1 and dw3 bitwise, those within fp32 summation order; one launch per rank; bitwise
+    repeatable (da goes over the saved a: the loopback runs the eager backward)."""
+    from torchtitan_megamoe.ops.hopper import ep_backward, ep_wgrad
+
+    R, T, E = 4, 1024, 32
+    D, H = SHAPES["30b"]
+    inp = _gpu_case(R, T, D, H, E=E)
+    inp["topk_ids"][T:T + T // 2] = torch.arange(E // R, device="cuda")  # rank 0's experts
+    shards = shard(R, *op_args(inp), tokens=[T] * R)
+    dys = _per_rank(inp["dy"], [T] * R)
+    kept, launches = [], []
+    real_kept, real_dw13 = ep_backward.kept_slots, ep_wgrad.KeptRows.dw13
+    monkeypatch.setattr(ep_backward, "kept_slots",
+                        lambda *a: kept.append(real_kept(*a)) or kept[-1])
+    monkeypatch.setattr(ep_wgrad.KeptRows, "dw13",
+                        lambda self, *a: launches.append(1) or real_dw13(self, *a))
+    one = loopback_moe(shards, dys, precision=precision)
+    again = loopback_moe(shards, dys, precision=precision)
+    patterns = {tuple(k.tolist()) for k in kept}
+    assert (True, False, False, True) in patterns and (True,) * R in patterns, patterns
+    assert len(launches) == 2 * R
+    monkeypatch.setattr(ep_backward._Restore, "defers_dw13", lambda self, x: False)
+    per_region = loopback_moe(shards, dys, precision=precision)
+    for r in range(R):
+        assert all(same_bits(x, y) for x, y in zip(one[r], again[r])), f"rank {r}: reruns"
+        for i, name in enumerate(("out", *NAMES)):
+            a, b = one[r][i], per_region[r][i]
+            if name in ("dw1", "dw3"):
+                assert torch.isfinite(a).all() and rel_err(a, b) <= 1e-3, (r, name, rel_err(a, b))
+            else:
+                assert same_bits(a, b), (r, name)

@@ -12,7 +12,8 @@ import torch
 
 from moe_testing import (SM90_GPU, forced_backward_matches_reference, nan_tensor, rel_err,
                          routings, skewed_ids)
-from torchtitan_megamoe.ops.hopper.cuda.wgrad import wgrad_dw13_sm90, wgrad_dw2_sm90
+from torchtitan_megamoe.ops.hopper.cuda.wgrad import (wgrad_dw13_regions_sm90, wgrad_dw13_sm90,
+                                                      wgrad_dw2_sm90)
 from torchtitan_megamoe.ops.hopper.kernels.grouped_mm import gather_rows, grouped_wgrad
 from torchtitan_megamoe.ops.hopper.kernels.wgrad import longest_first
 from torchtitan_megamoe.ops.hopper.plan import build_plan
@@ -134,6 +135,77 @@ def test_accumulate_adds_to_fp32_gradients_bitwise(T, K, E, D, H):
             assert torch.equal(got, b + f), (name, what)
         with pytest.raises(ValueError, match="fp32"):
             wgrad_dw2_sm90(dy_rows, hw, plan, nan_tensor(E, D, H), order, True, accumulate=True)
+
+
+def test_regions_walk_several_plans_in_one_sum():
+    """wgrad_dw13_regions_sm90 (the EP backward's dw1|dw3 over its kept regions): three plans'
+    rows at offsets in one pair of stores (gaps of NaN rows between them that no step may
+    read), one plan left out (counts 0) for some experts; against float64 sums over the plans'
+    real rows, written whole (NaN-poisoned fp32 outputs) or added to, and the accumulate form
+    leaves an expert without rows untouched (its units are skipped); x as rows of the row
+    space, or as token rows the kernel gathers by a row_slot over the stores' rows (the plans'
+    slots offset to their tokens in one x)."""
+    T, K, E, D, H = 500, 4, 8, 256, 256
+    g = torch.Generator(device="cuda").manual_seed(3)
+    plans, xs = [], []
+    for _name, ids in routings(T, K, E, seed=4):
+        plans.append(build_plan(ids.cuda(), E, BM))
+        xs.append(torch.randn(ids.shape[0], D, device="cuda", generator=g).bfloat16())
+        if len(plans) == 3:
+            break
+    gap = BM  # rows between the plans' views
+    starts, rows = [], 0
+    for p in plans:
+        starts.append(rows)
+        rows += p.max_rows + gap
+    da_store = torch.full((rows, 2 * H), float("nan"), device="cuda").bfloat16()
+    x_store = torch.full((rows, D), float("nan"), device="cuda").bfloat16()
+    ref = torch.zeros(E, 2 * H, D, dtype=torch.float64, device="cuda")
+    use = torch.ones(3, E, dtype=torch.bool, device="cuda")
+    use[1, ::2] = False  # plan 1 adds nothing to the even experts
+    for i, (p, x) in enumerate(zip(plans, xs)):
+        view = slice(starts[i], starts[i] + p.max_rows)
+        da = torch.randn(p.max_rows, 2 * H, device="cuda", generator=g).bfloat16()
+        da[p.row_slot < 0] = 0  # GEMM-written padding rows hold zeros
+        da_store[view] = da
+        x_store[view] = gather_rows(x, p)
+        x_store[view][int(p.num_rows_used):] = float("nan")  # past the used rows: never read
+        ref += _ref(x, da, p, E, False) * use[i][:, None, None]
+    seg = torch.stack([p.seg_start + s for p, s in zip(plans, starts)]).int().contiguous()
+    cnt = (torch.stack([p.count for p in plans]) * use).int().contiguous()
+    cnt[:, 5] = 0  # expert 5: no rows in any plan
+    ref[5] = 0
+    f32 = dict(dtype=torch.float32)
+    dw1, dw3 = wgrad_dw13_regions_sm90(da_store, x_store, plans[0], seg, cnt,
+                                       nan_tensor(E, H, D, **f32), nan_tensor(E, H, D, **f32))
+    for got, want in ((dw1, ref[:, :H]), (dw3, ref[:, H:])):
+        assert not got.isnan().any() and torch.all(got[5] == 0)
+        assert rel_err(got, want) <= 1e-5, rel_err(got, want)
+    before = torch.randn(E, H, D, device="cuda", **f32)
+    acc1, acc3 = wgrad_dw13_regions_sm90(da_store, x_store, plans[0], seg, cnt, before.clone(),
+                                         before.clone(), accumulate=True)
+    assert torch.equal(acc1[5], before[5]) and torch.equal(acc3[5], before[5])
+    assert torch.equal(acc1, before + dw1) and torch.equal(acc3, before + dw3)
+    with pytest.raises(ValueError, match="seg_start"):
+        wgrad_dw13_regions_sm90(da_store, x_store, plans[0], seg[:, :-1].contiguous(), cnt,
+                                dw1, dw3)
+    # x gathered inside: one x of all plans' tokens, each plan's slots offset to its tokens
+    x_all = torch.cat(xs)
+    row_slot = torch.full((rows,), -1, dtype=torch.int32, device="cuda")
+    first_token = 0
+    for p, x, start in zip(plans, xs, starts):
+        rs = p.row_slot
+        row_slot[start:start + p.max_rows] = torch.where(rs >= 0, rs + first_token * K, -1)
+        first_token += x.shape[0]
+    g1, g3 = wgrad_dw13_regions_sm90(da_store, x_all, plans[0], seg, cnt,
+                                     nan_tensor(E, H, D, **f32), nan_tensor(E, H, D, **f32),
+                                     row_slot=row_slot)
+    for got, want in ((g1, ref[:, :H]), (g3, ref[:, H:])):
+        assert not got.isnan().any() and torch.all(got[5] == 0)
+        assert rel_err(got, want) <= 1e-5, rel_err(got, want)
+    with pytest.raises(ValueError, match="row_slot"):
+        wgrad_dw13_regions_sm90(da_store, x_all, plans[0], seg, cnt, g1, g3,
+                                row_slot=row_slot[:-1])
 
 
 def test_bad_shapes_name_the_requirement():

@@ -43,20 +43,23 @@ def _rank_step(group, args, grad_out, autograd, options):
         out = mega_moe(*leaves, group=group, **options)
         out.backward(grad_out)
         return (out.detach(), *(leaves[i].grad for i in (0, 2, 3, 4, 5)))
-    # the registered ops by name, as autograd would call them (on CUDA autograd's device
-    # thread is not a rank thread)
-    opts = MegaMoEOptions.of(**options).op_args()
-    out, saved = torch.ops.megamoe.mega_moe(*args, [], True, group.group_name, *opts)
-    grads = torch.ops.megamoe.mega_moe_backward(grad_out, *args, [], saved, group.group_name,
-                                                *opts)
+    # the forward op by name and the backward as the op's eager autograd backward runs it
+    # (its saved tensors are this call's alone: release_saved), on this rank's thread (on CUDA
+    # autograd's device thread is not a rank thread)
+    from torchtitan_megamoe.ops.api import _run_backward
+
+    opts = MegaMoEOptions.of(**options)
+    out, saved = torch.ops.megamoe.mega_moe(*args, [], True, group.group_name, *opts.op_args())
+    grads = _run_backward(grad_out, *args, None, saved, group.group_name, opts,
+                          release_saved=True)
     return (out, *grads)
 
 
 def loopback_moe(shards, grad_outs=None, *, device=None, autograd=None, **options) -> list[tuple]:
     """Per rank: (out,) or, with ``grad_outs`` (one per rank), (out, dx, dtopk_weights, dw1,
     dw2, dw3). ``autograd``: run the backward with ``out.backward`` (default on CPU) or the
-    registered backward op (default on CUDA, see _rank_step); ``options``: mega_moe's, e.g.
-    backend="hopper", precision="bf16"."""
+    op's eager backward on the rank's thread (default on CUDA, see _rank_step); ``options``:
+    mega_moe's, e.g. backend="hopper", precision="bf16"."""
     R = len(shards)
     device = torch.device(device) if device is not None else shards[0][0].device
     if autograd is None:

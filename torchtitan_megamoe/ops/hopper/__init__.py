@@ -171,7 +171,7 @@ def backward(grad_out, x, topk_ids, topk_weights, w1, w2, w3, group, options, sa
     if stage == "ep":
         return backward_ep(grad_out, x, topk_ids, topk_weights, w1, w2, w3, group, recipe,
                            options.max_tokens_per_rank, saved=saved,
-                           weight_cache=_weight_cache(fp8_weights))
+                           weight_cache=_weight_cache(fp8_weights), release_saved=release_saved)
     if stage == "fp8":
         return backward_fp8(grad_out, x, topk_ids, topk_weights, w1, w2, w3, recipe,
                             _weight_cache(fp8_weights), saved=saved, release_saved=release_saved,

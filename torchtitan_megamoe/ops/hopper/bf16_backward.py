@@ -61,7 +61,8 @@ def tuner_key(R: int, D: int, H: int, E: int, block_m: int, side: str) -> tuple:
 
 
 def backward_bf16(grad_out, x, topk_ids, topk_weights, w1, w2, w3, saved=None, wait_x=None,
-                  into=None, release_saved=False, on_dx=None, live=None, grads_like=None):
+                  into=None, release_saved=False, on_dx=None, live=None, keep=None,
+                  grads_like=None):
     """(dx, dtopk_weights, dw1, dw2, dw3); every expert of topk_ids is in w1/w2/w3. ``saved`` =
     (a, packed_plan) from forward_bf16(..., save=True) on the same inputs: dgrad2_swiglu loads
     a1/a3 instead of recomputing GEMM 1 and the plan is unpacked instead of rebuilt. None (or
@@ -78,9 +79,12 @@ def backward_bf16(grad_out, x, topk_ids, topk_weights, w1, w2, w3, saved=None, w
     ``on_dx(dx, dtopk_weights)``: called once they are queued, before wgrad_dw13 (the EP
     backward sends them home under it). ``live``: a 1-element int32 device count n: dx and
     d(topk_weights) are made for tokens t < n only (an EP peer region: the rows that go home).
-    ``grads_like``: what fresh gradients are shaped and typed like where w1, w2, w3 are bf16
-    copies of fp32 parameters (the hopper backend's own cast, ops/hopper/__init__.py): the
-    parameters; None: w1, w2, w3."""
+    ``keep``: an ep_wgrad.KeptRegion (the EP backward's kept regions): da is written into
+    ``keep.da`` (the saved a) and the region's row slots into ``keep.row_slot``, from which one
+    wgrad_dw13 over all kept regions gathers x after the last region; this call's wgrad_dw13
+    adds the rows of a region the store did not keep only. ``grads_like``: what fresh
+    gradients are shaped and typed like where w1, w2, w3 are bf16 copies of fp32 parameters
+    (the hopper backend's own cast, ops/hopper/__init__.py): the parameters; None: w1, w2, w3."""
     block_m = plan_block_m()
     T, D = x.shape
     if T == 0:  # e.g. an EP rank that receives no rows
@@ -124,6 +128,8 @@ def backward_bf16(grad_out, x, topk_ids, topk_weights, w1, w2, w3, saved=None, w
     a_cfg = pick_config(dgrad2_swiglu.STAGE, key,
                         lambda: (shape(D, H, E, block_m, bf16), available(x)),
                         lambda cfg: dgrad2_swiglu.STAGE.launch(cfg, ops_a), outputs=a_outputs)
+    if keep is not None:  # the candidates above read a; the picked side writes da over it
+        ops_a = ops_a._replace(bufs={}, da_out=keep.da)
     da, hw, part = dgrad2_swiglu.STAGE.launch(a_cfg, ops_a)
     if release_saved:
         release(a_saved)
@@ -136,7 +142,7 @@ def backward_bf16(grad_out, x, topk_ids, topk_weights, w1, w2, w3, saved=None, w
     acts = {"hw": hw, "dy_rows": shared.pop("dy_rows", None)}
     del hw
     shared.clear()
-    grads = WeightGrads(dy, x, da, acts, plan, params, key, block_m, into)
+    grads = WeightGrads(dy, x, da, acts, plan, params, key, block_m, into, keep)
     dw2 = grads.dw2()
 
     # dgrad1, then bwd_combine. Each side allocates its dx rows itself (the grouped_mm side
@@ -184,9 +190,11 @@ class WeightGrads:
     ``dw13(wait_x)`` (wgrad_dw13; ``wait_x()`` runs before its first read of x). The tuner
     picks each GEMM's side. Shared by the FP8 backward (its weight gradients are bf16 GEMMs
     too). ``into``: a sides.wgrad.Into (None: fresh gradients); the tuner's candidates write
-    fresh ones, never into it."""
+    fresh ones, never into it. ``keep``: an ep_wgrad.KeptRegion: dw13 runs the csrc/ kernel on
+    the rows of an unkept region only (ep_wgrad.KeptRegion.dw13)."""
 
-    def __init__(self, dy, x, da, acts: dict, plan, params, key, block_m, into=None):
+    def __init__(self, dy, x, da, acts: dict, plan, params, key, block_m, into=None, keep=None):
+        self.keep = keep
         E, H, D = params[0].shape
         # fp32 gradients (fp32 parameters) change the sides' costs
         self.key = key + (params[0].dtype,)
@@ -205,6 +213,10 @@ class WeightGrads:
     def dw13(self, wait_x=None):
         if wait_x is not None:
             wait_x()
+        if self.keep is not None:
+            dw1, dw3 = self.keep.dw13(self.ops)
+            self.trial = self.ops = None
+            return dw1, dw3
         dw1, dw3 = wgrad.DW13.launch(pick_config(wgrad.DW13, self.key, self.problem,
                                                  lambda cfg: wgrad.DW13.launch(cfg, self.trial),
                                                  outputs=lambda r: r), self.ops)

@@ -51,14 +51,15 @@ from torchtitan_megamoe.ops.hopper.plan import build_plan, unpack_plan
 
 def backward_fp8(grad_out, x, topk_ids, topk_weights, w1, w2, w3, recipe, weight_cache=False,
                  saved=None, grad_fp8=None, into=None, release_saved=False, on_dx=None,
-                 live=None, grads_like=None):
+                 live=None, keep=None, grads_like=None):
     """(dx, dtopk_weights, dw1, dw2, dw3); ``recipe``: the call's (ops/recipe.py): whether
     the forward's GEMM 1 ran in FP8, for the recompute when nothing was ``saved``, and whether
     the weight gradients run in FP8. ``grad_fp8``: grad_out already quantized (e4m3 rows, 1x128
     scales: what the EP exchange delivers); grad_out is then None (the weight gradients read
     their dequantized values, gathered into the row space in one pass) or those values.
-    ``into``, ``release_saved``, ``on_dx``, ``live``, ``grads_like``: as in
-    bf16_backward.backward_bf16, and the same stage order (dw1 and dw3 last)."""
+    ``into``, ``release_saved``, ``on_dx``, ``live``, ``keep``, ``grads_like``: as in
+    bf16_backward.backward_bf16 (``keep``: bf16 weight gradients only), and the same stage
+    order (dw1 and dw3 last)."""
     T, D = x.shape
     E, H, _ = w1.shape
     if T == 0:
@@ -79,6 +80,8 @@ def backward_fp8(grad_out, x, topk_ids, topk_weights, w1, w2, w3, recipe, weight
     gq, gs = quant_rows(dy) if grad_fp8 is None else grad_fp8
     w2t = w2_transposed(w2, cache=weight_cache, dtype=x.dtype)
     if recipe.fp8_wgrad(settings.fp8_wgrad()):  # fused dgrad2 + SwiGLU backward writing the FP8 wgrad operands
+        if keep is not None:
+            raise ValueError("backward_fp8: keep needs the bf16 weight gradients")
         daq, das, daTq, daTs, hTq, hTs, part = fp8_dgrad2_swiglu(gq, gs, w2t.q, w2t.s,
                                                                  a_saved, tw, plan)
         if release_saved:
@@ -95,14 +98,18 @@ def backward_fp8(grad_out, x, topk_ids, topk_weights, w1, w2, w3, recipe, weight
         # dw2's dy rows without a dequantized dy: dequantized in the gather
         dy_rows = None if dy is not None else gather_rows(gq, plan, scales=gs)
         del gq, gs, w2t
-        da, hw, part, daq, das = swiglu_bwd_rows(dh, a_saved, tw, plan, quant=True)
+        out = None
+        if keep is not None:  # keep.da is a: swiglu_bwd_rows reads each block first
+            out = (keep.da, torch.empty_like(dh),
+                   torch.empty((1, plan.max_rows), dtype=torch.float32, device=dh.device))
+        da, hw, part, daq, das = swiglu_bwd_rows(dh, a_saved, tw, plan, quant=True, out=out)
         if release_saved:
             release(a_saved)
         del dh, a_saved
         acts = {"hw": hw, "dy_rows": dy_rows}
         del hw, dy_rows
         key = tuner_key(plan.max_rows, D, H, E, FP8_BLOCK_M, settings.bwd_impl())
-        grads = WeightGrads(dy, x, da, acts, plan, params, key, FP8_BLOCK_M, into)
+        grads = WeightGrads(dy, x, da, acts, plan, params, key, FP8_BLOCK_M, into, keep)
         del da
         dw2 = grads.dw2()
     dx_rows = torch.empty((plan.max_rows, D), dtype=x.dtype, device=x.device)

@@ -70,12 +70,17 @@ class Plan:
         return self.tile_expert.numel()
 
     def with_tiles(self, tile_expert: torch.Tensor) -> "Plan":
-        """This plan with another tile map (a GEMM launched with it skips the tiles at -1): a
-        shallow copy: dataclasses.replace re-runs __init__ and its field handling, host time on
-        the way to the GEMMs."""
+        """This plan with another tile map (a GEMM launched with it skips the tiles at -1)."""
+        return self.replaced(tile_expert=tile_expert)
+
+    def replaced(self, **fields) -> "Plan":
+        """This plan with ``fields`` replaced (e.g. count: a weight gradient walks count[e]
+        rows of expert e's segment, 0 skips it; row_slot[:n]: a gather writes rows < n only).
+        A shallow copy: dataclasses.replace re-runs __init__ and its field handling, host time
+        on the way to the GEMMs."""
         other = object.__new__(Plan)
         other.__dict__.update(self.__dict__)
-        other.tile_expert = tile_expert
+        other.__dict__.update(fields)
         return other
 
 

@@ -82,7 +82,7 @@ class WgradParams(ctypes.Structure):
         ("out0", _P), ("out1", _P), ("row_slot", _P), ("seg_start", _P), ("count", _P),
         ("expert_order", _P),
         ("E", _I), ("M", _I), ("N", _I), ("m_split", _I), ("top_k", _I), ("gather", _I),
-        ("out_f32", _I), ("num_sms", _I), ("ticket", _P), ("stream", _P),
+        ("regions", _I), ("out_f32", _I), ("num_sms", _I), ("ticket", _P), ("stream", _P),
     ]
 
 

@@ -78,9 +78,40 @@ def wgrad_dw13_sm90(da: torch.Tensor, x: torch.Tensor, plan: Plan, dw1: torch.Te
     return dw1, dw3
 
 
-def _launch(who, tokens, rows, outs, plan, E, M, N, m_split, gather, expert_order, accumulate):
+def wgrad_dw13_regions_sm90(da: torch.Tensor, x: torch.Tensor, plan: Plan,
+                            seg_start: torch.Tensor, count: torch.Tensor, dw1: torch.Tensor,
+                            dw3: torch.Tensor, expert_order: torch.Tensor | None = None,
+                            accumulate: bool = False, row_slot: torch.Tensor | None = None):
+    """wgrad_dw13_sm90 over G plans' rows at once: per expert e, one K walk over the segments
+    [seg_start[g, e], + count[g, e]) of g = 0..G-1, rows of da [N_rows, 2H] (one sum in the
+    registers, not G added gradients). x: rows [N_rows, D] in the same row space, or with
+    ``row_slot`` ([N_rows] int32: the slot of each row, -1 on padding) token rows gathered
+    inside the kernel (row r reads x[row_slot[r] // top_k]). seg_start [G, E + 1] and count
+    [G, E]: int32 on the device, each plan's segments already offset to its rows; count[g, e]
+    = 0 leaves plan g out for expert e. ``plan``: any of the G (its block_m and top_k)."""
+    E, H, D = dw1.shape
+    if dw3.shape != dw1.shape:
+        raise ValueError(f"wgrad_dw13_regions_sm90: dw1 {tuple(dw1.shape)} and dw3 "
+                         f"{tuple(dw3.shape)} must have one shape")
+    who = "wgrad_dw13_regions_sm90"
+    if row_slot is None:
+        _launch(who, da, x, (dw1, dw3), plan, E, 2 * H, D, H, 2, expert_order, accumulate,
+                regions=(seg_start, count))
+        return dw1, dw3
+    if row_slot.dtype != torch.int32 or row_slot.shape != (da.shape[0],):
+        raise ValueError(f"{who}: row_slot must be int32 [{da.shape[0]}] (one per row of da), "
+                         f"got {row_slot.dtype} {tuple(row_slot.shape)}")
+    _launch(who, x, da, (dw1, dw3), plan.replaced(row_slot=row_slot), E, 2 * H, D, H, 0,
+            expert_order, accumulate, regions=(seg_start, count))
+    return dw1, dw3
+
+
+def _launch(who, tokens, rows, outs, plan, E, M, N, m_split, gather, expert_order, accumulate,
+            regions=None):
     """gather 1: tokens (A) by token, rows = B; 0: rows = A, tokens (B) by token; 2: tokens =
-    A and rows = B, both row space. ``accumulate``: fp32 outs, added to."""
+    A and rows = B, both row space. ``accumulate``: fp32 outs, added to. ``regions``:
+    (seg_start [G, E + 1], count [G, E]) instead of the plan's (gather 0 or 2; rows and the
+    plan's row_slot: all G plans')."""
     if M % BM or m_split % BM or N % BN or plan.block_m % BK:
         raise ValueError(f"{who} needs the gradient's rows per expert % {BM} == 0 and columns "
                          f"% {BN} == 0 (plan block_m % {BK}); got {M} x {N}, block_m "
@@ -96,14 +127,25 @@ def _launch(who, tokens, rows, outs, plan, E, M, N, m_split, gather, expert_orde
                          f"{outs[0].dtype}")
     if not (rows.is_contiguous() and all(o.is_contiguous() for o in outs)):
         raise ValueError(f"{who}: the row-space operand and the outputs must be contiguous")
-    R = plan.max_rows
+    seg_start, count, G = plan.seg_start, plan.count, 1
+    if regions is not None:
+        seg_start, count = regions
+        G = seg_start.shape[0]
+        if (gather == 1 or seg_start.shape != (G, E + 1) or count.shape != (G, E)
+                or any(t.dtype != torch.int32 or not t.is_contiguous()
+                       or t.device != rows.device for t in regions)):
+            raise ValueError(f"{who}: needs da by rows and contiguous int32 "
+                             f"seg_start [G, {E + 1}] and count [G, {E}] on {rows.device}, got "
+                             f"{tuple(seg_start.shape)} {seg_start.dtype}, "
+                             f"{tuple(count.shape)} {count.dtype}")
+    R = plan.max_rows if regions is None else rows.shape[0]
     a_cols, b_cols = (M, N) if gather else (N, M)  # tokens' and rows' columns
     if (rows.shape != (R, b_cols) or tokens.shape[1] != a_cols
             or (gather == 2 and (tokens.shape[0] != R or not tokens.is_contiguous()))):
         raise ValueError(f"{who}: operand shapes {tuple(tokens.shape)}, {tuple(rows.shape)} "
                          f"do not match the gradient [{E}, {M}, {N}] and R_max {R}")
     check_plan(plan, rows.device, who, ("row_slot", "seg_start", "count"))
-    if plan.seg_start.numel() != E + 1:
+    if regions is None and plan.seg_start.numel() != E + 1:
         raise ValueError(f"{who}: the plan has {plan.seg_start.numel() - 1} experts, the "
                          f"gradient {E}")
     if expert_order is not None:
@@ -112,10 +154,10 @@ def _launch(who, tokens, rows, outs, plan, E, M, N, m_split, gather, expert_orde
     params = WgradParams(
         tokens=tokens.data_ptr(), stride_tokens=tokens.stride(0), rows=rows.data_ptr(),
         num_rows=R, out0=outs[0].data_ptr(), out1=outs[-1].data_ptr(),
-        row_slot=plan.row_slot.data_ptr(), seg_start=plan.seg_start.data_ptr(),
-        count=plan.count.data_ptr(),
+        row_slot=plan.row_slot.data_ptr(), seg_start=seg_start.data_ptr(),
+        count=count.data_ptr(),
         expert_order=expert_order.data_ptr() if expert_order is not None else None,
-        E=E, M=M, N=N, m_split=m_split, top_k=plan.top_k, gather=gather,
+        E=E, M=M, N=N, m_split=m_split, top_k=plan.top_k, gather=gather, regions=G,
         out_f32=2 if accumulate else int(out_f32),
         num_sms=num_sms,
         ticket=ticket.data_ptr(), stream=stream,

@@ -41,6 +41,10 @@ class Operands(NamedTuple):
     dtype: torch.dtype  # of da and hw
     bufs: dict  # (da, hw, part), allocated once per partial count so candidates share them
     shared: dict  # "dy_rows": the gathered dy rows, for wgrad_dw2
+    # where da goes (None: a buffer of its own); may be ``a`` itself: every side reads a row
+    # block's a1 and a3 before it writes their da there, and no other block reads them. Never
+    # ``a`` for the tuner's candidates, which all read it
+    da_out: torch.Tensor | None = None
 
 
 def _out(op: Operands, n_h: int) -> tuple:
@@ -48,7 +52,8 @@ def _out(op: Operands, n_h: int) -> tuple:
     if op.bufs.get("n_h") != n_h:
         R, H, dev = op.plan.max_rows, op.w2.shape[2], op.dy.device
         op.bufs.update(n_h=n_h, out=(
-            torch.empty(R, 2 * H, dtype=op.dtype, device=dev),
+            torch.empty(R, 2 * H, dtype=op.dtype, device=dev) if op.da_out is None
+            else op.da_out,
             torch.empty(R, H, dtype=op.dtype, device=dev),
             torch.empty(n_h, R, dtype=torch.float32, device=dev),
         ))

@@ -21,10 +21,10 @@ from torchtitan_megamoe.ops.hopper.kernels.grouped_mm import (
 from torchtitan_megamoe.ops.hopper.kernels.wgrad import wgrad
 from torchtitan_megamoe.ops.hopper.plan import Plan
 from torchtitan_megamoe.ops.hopper.sides.backward import (
-    Shape, cublas_offer, sm90_offered, triton_offer,
+    Shape, cublas_offer, shape, sm90_offered, triton_offer,
 )
 from torchtitan_megamoe.ops.hopper.configs import Sm90
-from torchtitan_megamoe.ops.hopper.sides.table import Side, Stage
+from torchtitan_megamoe.ops.hopper.sides.table import Side, Stage, available
 
 
 class Into(NamedTuple):
@@ -121,6 +121,12 @@ def _sm90_offer(s: Shape, av) -> list:
     fits = (sm90_offered(s, av) and s.params_ok
             and sm90_wgrad.shapes_supported(s.D, s.H, tiles.BLOCK_M))
     return [Sm90()] if fits else []
+
+
+def sm90_dw13_offered(D: int, H: int, E: int, block_m: int, x: torch.Tensor) -> bool:
+    """Whether the sm90 side of wgrad_dw13 is offered here for fp32 gradients (the EP
+    backward's one launch over its kept regions, ep_wgrad.py, is that kernel)."""
+    return bool(_sm90_offer(shape(D, H, E, block_m, x.dtype == torch.bfloat16), available(x)))
 
 
 def _stage(name, triton, cublas, sm90) -> Stage:
