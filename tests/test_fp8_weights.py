@@ -723,7 +723,8 @@ def test_tiny_fp8_config_trains_the_same_with_and_without_the_cache(tmp_path, mo
                             "--training.dataset_path", assets.dataset_dir(out + "/assets"),
                             "--megamoe.backend", "hopper",
                             "--training.mixed_precision_param", "bfloat16",
-                            "--training.steps", "2", flag])
+                            "--training.steps", "2", "--training.local_batch_size", "1",
+                            "--training.seq_len", "32", flag])
         log = out + f"/{flag.rsplit('.', 1)[1]}.log"
         code = ab.run_one(cmd, log, env, 900)
         with open(log, errors="replace") as f:

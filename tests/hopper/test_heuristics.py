@@ -152,9 +152,13 @@ def test_interpreter_tiles(monkeypatch):
     # FP8-shaped problems (128-row segments, 128-multiple D and H) walk 16x fewer tiles
     wide = (hx.INTERPRET_GEMM_WIDE,) * 2
     assert hx.forward_configs(None, None, 128, 128, 256) == wide
-    assert hx.forward_configs(None, None, 16, 128, 256) == (hx.INTERPRET_GEMM,) * 2
+    # 64-multiple D and H: 64-wide tiles; others keep the 16-wide ones (even paths at any size)
+    assert hx.forward_configs(None, None, 16, 128, 256) == (hx.INTERPRET_GEMM_64,) * 2
     assert hx.forward_configs(None, None, 128, 96, 256) == (hx.INTERPRET_GEMM,) * 2
-    assert hx.dgrad2_swiglu_triton(2048, 768) == [hx.INTERPRET_DGRAD2_SWIGLU]
+    assert hx.dgrad2_swiglu_triton(2048, 768) == [hx.INTERPRET_DGRAD2_SWIGLU_64]
+    assert hx.dgrad2_swiglu_triton(96, 48) == [hx.INTERPRET_DGRAD2_SWIGLU]
+    assert hx.dgrad1_triton(2048, 768) == [hx.INTERPRET_DGRAD1_64]
+    assert hx.dgrad1_triton(2048, 48) == [hx.INTERPRET_DGRAD1]
     monkeypatch.delenv("TRITON_INTERPRET")
     assert tiles.plan_block_m() == tiles.BLOCK_M and hopper_multiple() == 64
     assert hx.forward_configs(None, None) == (None, None)  # the tuner picks

@@ -63,10 +63,18 @@ def gemm2_triton(D: int, H: int) -> list:
 
 INTERPRET_GEMM = T(block_m=16, block_n=16, block_k=16, group_m=2, num_warps=1, num_stages=1)
 """gemm1_swiglu's and gemm2's config under the CPU interpreter."""
+INTERPRET_GEMM_64 = T(block_m=16, block_n=64, block_k=64, group_m=2, num_warps=1, num_stages=1)
+"""The same where D and H are multiples of 64: the interpreter's cost goes by the tiles it
+walks, 16x fewer than INTERPRET_GEMM's."""
 INTERPRET_GEMM_WIDE = T(block_m=32, block_n=64, block_k=64, group_m=2, num_warps=1,
                         num_stages=1)
-"""The same for FP8-shaped problems (128-row segments, D and H multiples of 128): the
-interpreter's cost goes by the tiles it walks, 16x fewer than INTERPRET_GEMM's, still several."""
+"""The same for FP8-shaped problems (128-row segments, D and H multiples of 128)."""
+
+
+def _multiples_of_64(D: int, H: int) -> bool:
+    """Whether the interpreter's 64-wide tiles divide D and H (the tiles they replace keep the
+    even, unmasked paths tested at small sizes)."""
+    return D > 0 and H > 0 and D % 64 == 0 and H % 64 == 0
 
 
 def forward_configs(gemm1_config, gemm2_config, block_m: int = 0, D: int = 0, H: int = 0):
@@ -75,7 +83,8 @@ def forward_configs(gemm1_config, gemm2_config, block_m: int = 0, D: int = 0, H:
     same, so a recomputed GEMM 1 has the forward's bits), else None (the tuner picks)."""
     if settings.triton_interpreting():
         wide = min(block_m, D, H) >= 128 and not (block_m % 128 or D % 128 or H % 128)
-        cfg = INTERPRET_GEMM_WIDE if wide else INTERPRET_GEMM
+        cfg = (INTERPRET_GEMM_WIDE if wide else INTERPRET_GEMM_64 if _multiples_of_64(D, H)
+               else INTERPRET_GEMM)
         return gemm1_config or cfg, gemm2_config or cfg
     return gemm1_config, gemm2_config
 
@@ -91,11 +100,13 @@ DGRAD2_SWIGLU_UNEVEN = T(block_m=128, block_n=64, block_k=32, num_warps=8, num_s
                          use_tma=False)
 INTERPRET_DGRAD2_SWIGLU = T(block_m=16, block_n=16, block_k=32, num_warps=1, num_stages=1,
                             use_tma=True)
+INTERPRET_DGRAD2_SWIGLU_64 = T(block_m=16, block_n=64, block_k=64, num_warps=1, num_stages=1,
+                               use_tma=True)
 
 
 def dgrad2_swiglu_triton(D: int, H: int) -> list:
     if settings.triton_interpreting():
-        return [INTERPRET_DGRAD2_SWIGLU]
+        return [INTERPRET_DGRAD2_SWIGLU_64 if _multiples_of_64(D, H) else INTERPRET_DGRAD2_SWIGLU]
     cands = DGRAD2_SWIGLU_CONFIGS
     if not any(D % c.block_k == 0 and H % c.block_n == 0 for c in cands):
         cands = cands + [DGRAD2_SWIGLU_UNEVEN]
@@ -109,7 +120,8 @@ WGRAD_CONFIGS = [
     T(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=3, use_tma=True),
     T(block_m=128, block_n=256, block_k=64, num_warps=8, num_stages=3, use_tma=True),
 ]
-INTERPRET_WGRAD = T(block_m=32, block_n=32, block_k=16, num_warps=1, num_stages=1, use_tma=True)
+# masked tiles: any D and H
+INTERPRET_WGRAD = T(block_m=128, block_n=128, block_k=32, num_warps=1, num_stages=1, use_tma=True)
 
 
 def wgrad_triton() -> list:
@@ -126,11 +138,12 @@ DGRAD1_CONFIGS = [
 # pointer loads for D, H the TMA tiles do not divide
 DGRAD1_UNEVEN = T(block_n=128, block_k=32, num_warps=8, num_stages=4, use_tma=False)
 INTERPRET_DGRAD1 = T(block_n=32, block_k=16, num_warps=1, num_stages=1, use_tma=True)
+INTERPRET_DGRAD1_64 = T(block_n=64, block_k=64, num_warps=1, num_stages=1, use_tma=True)
 
 
 def dgrad1_triton(D: int, H: int) -> list:
     if settings.triton_interpreting():
-        return [INTERPRET_DGRAD1]
+        return [INTERPRET_DGRAD1_64 if _multiples_of_64(D, H) else INTERPRET_DGRAD1]
     cands = DGRAD1_CONFIGS
     if not any(H % c.block_k == 0 and D % c.block_n == 0 for c in cands):
         cands = cands + [DGRAD1_UNEVEN]

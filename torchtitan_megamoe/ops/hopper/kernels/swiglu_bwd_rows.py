@@ -75,12 +75,17 @@ def _swiglu_bwd_rows_kernel(
 
 
 def swiglu_bwd_rows(dh: torch.Tensor, a: torch.Tensor, topk_weights: torch.Tensor, plan: Plan,
-                    out: tuple | None = None, block_r: int = 8, block_h: int = 256,
-                    quant: bool = False):
+                    out: tuple | None = None, block_r: int | None = None,
+                    block_h: int = 256, quant: bool = False):
     """(da [R_max, 2H], hw [R_max, H], part [1, R_max] fp32) from dh [R_max, H] and the saved
     a [R_max, 2H]; with ``quant`` also (daq [R_max, 2H] e4m3, das [R_max, 2H/128]) appended.
-    Rows past the used ones are left unwritten (never read)."""
+    Rows past the used ones are left unwritten (never read). ``block_r``: rows per program,
+    default 8 (64 under the CPU interpreter, whose cost goes by the programs it walks)."""
     R, H = dh.shape
+    if block_r is None:
+        block_r = 8
+        while settings.triton_interpreting() and block_r < 64 and R % (2 * block_r) == 0:
+            block_r *= 2
     if a.shape != (R, 2 * H) or plan.max_rows != R:
         raise ValueError(f"a must be [{R}, {2 * H}] for dh {tuple(dh.shape)} and the plan's "
                          f"{plan.max_rows} rows, got {tuple(a.shape)}")
