@@ -24,7 +24,9 @@
 # LOOPBACK_ARGS (extra args of those runs, e.g. --profile: top kernels, one rank thread's host profile),
 # LOOPBACK_VARIANTS (each spec again per NAME:VAR=VALUE entry, e.g. "untuned:MEGAMOE_TUNE=0"),
 # STEP_AB=N (the one-GPU training step, stock vs ours bf16 and fp8 at 30B-A3B-L6, seq 8192, step N
-# traced; STEP_AB_ARGS e.g. --memory-snapshot; STEP_TIMEOUT_S, default 300),
+# traced; STEP_AB_SIDES, default stock,bf16=megamoe,fp8=megamoe (a side LABEL=megamoe with LABEL
+# bf16, fp8 or fp8_bwd runs that precision); STEP_AB_ARGS e.g. --memory-snapshot; STEP_TIMEOUT_S,
+# default 300),
 # PYTEST_TIMEOUT_S (default 300), SKIP_DEEPGEMM=1 (no DeepGEMM set-up, MEGAMOE_DEEPGEMM=0),
 # DEEPGEMM_TIMEOUT_S (its build, default 360), DEEPGEMM_SITE (where it builds, default
 # /tmp/dgsite), DG_JIT_CACHE_DIR (its kernels, default /tmp/dgjit). Logs and bench.json go to
@@ -98,11 +100,15 @@ if [ -n "${STEP_AB:-}" ]; then
   # the one-GPU training step, stock against ours bf16 and fp8 (python -m torchtitan_megamoe.ab):
   # 30B-A3B-L6, seq 8192, full AC, compile; step STEP_AB traced (kernel time by category)
   offline_hf_env
+  step_sides=${STEP_AB_SIDES:-stock,bf16=megamoe,fp8=megamoe}
+  step_side_args=()  # each ours-side labelled by its precision runs that precision
+  for p in bf16 fp8 fp8_bwd; do
+    case ",$step_sides," in *",$p=megamoe,"*) step_side_args+=(--side-args "$p=--megamoe.precision $p") ;; esac
+  done
   # shellcheck disable=SC2086
   timeout "${STEP_TIMEOUT_S:-300}" python3 -m torchtitan_megamoe.ab \
     --config train_configs/qwen3_30b_a3b_gpu_smoke.toml --nproc 1 --out /tmp/megamoe_step_ab \
-    --sides stock,bf16=megamoe,fp8=megamoe --side-args 'bf16=--megamoe.precision bf16' \
-    --side-args 'fp8=--megamoe.precision fp8' --baseline stock --rtol 5e-2 --atol 1e-2 \
+    --sides "$step_sides" "${step_side_args[@]}" --baseline stock --rtol 5e-2 --atol 1e-2 \
     --profile-step "$STEP_AB" ${STEP_AB_ARGS:-} -- --model.flavor 30B-A3B-L6 \
     --training.seq_len 8192 --training.steps 20 --parallelism.expert_parallel_degree 1 \
     --activation_checkpoint.mode full --compile.enable > "$OUT/step_ab.log" 2>&1
@@ -110,7 +116,7 @@ if [ -n "${STEP_AB:-}" ]; then
   echo "step A/B exit: $src"
   cp /tmp/megamoe_step_ab/report.md "$OUT/step_ab.md" 2>/dev/null && sed -n 1,40p "$OUT/step_ab.md"
   # the traced step's raw traces, for ab.trace or a trace viewer (gzip: ~1/10 the size)
-  for side in stock bf16 fp8; do
+  for side in $(echo "$step_sides" | tr ',' '\n' | sed 's/=.*//'); do
     gzip -c "/tmp/megamoe_step_ab/$side/profile_traces/iteration_$STEP_AB/rank0_trace.json" \
       > "$OUT/step_trace_$side.json.gz" 2>/dev/null || rm -f "$OUT/step_trace_$side.json.gz"
   done
