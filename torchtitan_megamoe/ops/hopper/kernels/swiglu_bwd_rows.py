@@ -21,6 +21,8 @@ used rows exit; padding rows have dh = 0 (zero dy rows) and store zeros.
 Waits on: dh and the plan (stream order). Signals: nothing.
 """
 
+import math
+
 import torch
 import triton
 import triton.language as tl
@@ -82,10 +84,8 @@ def swiglu_bwd_rows(dh: torch.Tensor, a: torch.Tensor, topk_weights: torch.Tenso
     Rows past the used ones are left unwritten (never read). ``block_r``: rows per program,
     default 8 (64 under the CPU interpreter, whose cost goes by the programs it walks)."""
     R, H = dh.shape
-    if block_r is None:
-        block_r = 8
-        while settings.triton_interpreting() and block_r < 64 and R % (2 * block_r) == 0:
-            block_r *= 2
+    if block_r is None:  # under the interpreter the largest power of two up to 64 dividing R
+        block_r = max(8, math.gcd(R, 64)) if settings.triton_interpreting() else 8
     if a.shape != (R, 2 * H) or plan.max_rows != R:
         raise ValueError(f"a must be [{R}, {2 * H}] for dh {tuple(dh.shape)} and the plan's "
                          f"{plan.max_rows} rows, got {tuple(a.shape)}")
