@@ -10,7 +10,9 @@ topk_gate (the same minus the softmax). Each launch before the MoE layer's first
 ~30-40 us of host time that the GPU waits out in a waited forward, so the softmax router issues
 three (gate, the counts' zero fill, the kernel) rather than five. A traced graph replaces only
 ``torch.topk`` (~115 us at 16384 tokens x 128 experts) by the ``megamoe::router_topk`` custom
-op and leaves the rest to compile.
+op and leaves the rest to compile. TorchTitan's compile wraps ``moe.router`` in torch.compile
+(apply_compile); an eager call unwraps it and takes the fast path too: the compiled region's
+several launches and per-call wrapper cost host time the step's host-bound forward waits for.
 
 Only the plain configuration takes this path: the router is exactly TokenChoiceTopKRouter, no
 node-limited (grouped) routing, no debug load-balance override, a CUDA input (or ``kernel=True``
@@ -43,6 +45,10 @@ def route(router, x: torch.Tensor, expert_bias: torch.Tensor | None = None,
           kernel: bool | None = None):
     """(top_scores [T, K], selected_experts_indices [T, K] int64, num_tokens_per_expert [E]).
     ``kernel``: None picks the Triton top-k on CUDA inputs; True/False forces it on/off."""
+    inner = getattr(router, "_orig_mod", None)
+    if (isinstance(router, torch._dynamo.eval_frame.OptimizedModule)
+            and not torch.compiler.is_compiling() and fast_path_ok(inner, x, kernel)):
+        router = inner  # a compiled router's own module, on the eager fast path
     if not fast_path_ok(router, x, kernel):
         return router(x, expert_bias)
     scores = router.gate(x)

@@ -141,6 +141,33 @@ def test_route_under_torch_compile():
     torch.testing.assert_close(want[0], got[0], rtol=1e-6, atol=1e-7)
 
 
+def test_route_unwraps_a_compiled_router():
+    """TorchTitan's compile wraps moe.router in torch.compile: an eager route runs the module it
+    wraps on the fast path (the compiled region never runs), the same bits and gradients as the
+    plain router's fast path; a configuration off the fast path still calls the wrapper."""
+    compiles = []
+
+    def backend(gm, example_inputs):
+        compiles.append(gm)
+        return gm.forward
+
+    r = _router(16, 4)
+    x = torch.randn(24, 32, device=DEV, requires_grad=True)
+    eb = torch.randn(16, device=DEV) * 0.05
+    want = route(r, x, eb, kernel=True)
+    want[0].sum().backward()
+    gw, gx = r.gate.weight.grad.clone(), x.grad.clone()
+    r.gate.weight.grad, x.grad = None, None
+    got = route(torch.compile(r, backend=backend, fullgraph=True), x, eb, kernel=True)
+    got[0].sum().backward()
+    assert not compiles
+    assert all(torch.equal(a, b) for a, b in zip(want, got))
+    assert torch.equal(r.gate.weight.grad, gw) and torch.equal(x.grad, gx)
+    grouped = _router(16, 4, groups=4)
+    route(torch.compile(grouped, backend=backend, fullgraph=True), x.detach(), None, kernel=True)
+    assert len(compiles) == 1
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_real_shape_matches_torch_topk():
