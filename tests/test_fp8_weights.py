@@ -235,6 +235,20 @@ def test_module_makes_its_copies_once_and_sees_every_change():
     assert seen == {"quant": 0, "transpose": 0} and m.fp8_weights_made == made + 1
 
 
+def test_copies_made_ahead_are_the_ones_the_call_takes():
+    """The converter's model pre-hook (make_fp8_weights_ahead) makes the copies of the dtype
+    the layer computes in: its call then makes none; where copies do not apply, nothing."""
+    m = _experts(dtype=torch.float32)
+    with torch.autocast(DEVICE, dtype=torch.bfloat16):
+        assert m.make_fp8_weights_ahead()
+    assert m.fp8_weights_made == 1
+    with counting() as seen:
+        _call(m, autocast=True)
+    assert seen["quant"] == 0 and m.fp8_weights_made == 1
+    for off in (_experts(precision="bf16"), _experts(cache=False)):
+        assert not off.make_fp8_weights_ahead() and off._fp8 is None
+
+
 def test_fused_optimizer_step_is_seen_through_the_hook():
     """torch's fused AdamW (TorchTitan's default on GPUs) writes the weights without moving
     their version counters: only the post-optimizer hook can see its step, so it re-makes the
@@ -415,6 +429,9 @@ def _train(cache, precision, steps=3, seed=0):
     with torch.no_grad():
         model.init_weights(buffer_device=torch.device(DEVICE))
     experts = [m for m in model.modules() if isinstance(m, MegaExperts)]
+    ready = []  # per layer call: were its copies there before it ran?
+    for m in experts:
+        m.register_forward_pre_hook(lambda mod, _args: ready.append(mod._fp8 is not None))
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     gen = torch.Generator().manual_seed(seed + 1)
     losses, counts = [], []
@@ -432,7 +449,7 @@ def _train(cache, precision, steps=3, seed=0):
             conv.post_optimizer_hook([model])
         losses.append(loss.detach())
         counts.append((dict(in_step), dict(in_hook)))
-    return losses, [p.detach().clone() for p in model.parameters()], counts, len(experts)
+    return losses, [p.detach().clone() for p in model.parameters()], counts, ready
 
 
 @pytest.mark.parametrize("precision", ["fp8", "fp8_bwd"])
@@ -440,13 +457,16 @@ def test_training_cache_on_is_bitwise_cache_off(precision):
     # two steps, each making the copies in its forward and freeing them in its backward
     # (each step of the CPU interpreter costs a minute and more)
     with cpu_histc():
-        on_losses, on_params, on_counts, layers = _train(True, precision, steps=2)
-        off_losses, off_params, off_counts, _ = _train(False, precision, steps=2)
+        on_losses, on_params, on_counts, on_ready = _train(True, precision, steps=2)
+        off_losses, off_params, off_counts, off_ready = _train(False, precision, steps=2)
+    layers = len(on_ready) // 2
     assert all(torch.equal(a, b) for a, b in zip(on_losses, off_losses)), (on_losses, off_losses)
     assert all(torch.equal(a, b) for a, b in zip(on_params, off_params))
     # on: each step's forward makes each layer's copies (one pass per weight writes both
-    # layouts), its backward frees them (fp8_free_after_backward), so the hook has none to
-    # re-make: one make per layer per optimizer step
+    # layouts) before the first layer runs (the converter's model pre-hook), its backward
+    # frees them (fp8_free_after_backward), so the optimizer hook has none to re-make: one
+    # make per layer per optimizer step
+    assert all(on_ready) and not any(off_ready), (on_ready, off_ready)
     once = {"quant": 3 * layers, "transpose": 0}
     none = {"quant": 0, "transpose": 0}
     assert all(c == (once, none) for c in on_counts), on_counts

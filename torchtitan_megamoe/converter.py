@@ -292,6 +292,9 @@ class MegaMoEConverter:
                         f"too for this model: {problem}."
                     )
         self._install_fp8_allgather(model)
+        if (self.options.recipe.fp8 and self.options.fp8_weight_cache
+                and self.options.fp8_free_after_backward):
+            model.register_forward_pre_hook(make_fp8_weights_ahead)
         install_ep_routing()
         add_op_to_sac_save_list()
         logger.info(
@@ -326,6 +329,22 @@ class MegaMoEConverter:
         # new weights: each layer re-makes its FP8 copies (fp8_weight_cache) here, once per
         # optimizer step, so the next step's forward and backward quantize nothing
         refresh_fp8_weights(model)
+
+
+def make_fp8_weights_ahead(model: nn.Module, _args) -> None:
+    """A training forward's pre-hook on the model (fp8_free_after_backward: each layer frees
+    its copies in the backward): every layer makes its FP8 copies before the first layer runs,
+    their launches queued behind the last step's optimizer, not at each layer's call, where
+    the host-bound forward's GPU would wait for them. The step's peak, at the end of the
+    forward, holds every layer's copies either way."""
+    if torch.compiler.is_compiling() or not torch.is_grad_enabled():
+        return
+    experts = model.__dict__.get("_megamoe_experts")
+    if experts is None:  # found once, in this module (a pipeline stage holds some layers)
+        experts = [m for m in model.modules() if isinstance(m, MegaExperts)]
+        model.__dict__["_megamoe_experts"] = experts
+    for m in experts:
+        m.make_fp8_weights_ahead()
 
 
 def refresh_fp8_weights(model: nn.Module | list[nn.Module]) -> int:

@@ -207,6 +207,21 @@ class MegaExperts(GroupedExperts):
             self.fp8_shards_made += 1
         return entry[1], entry[2]
 
+    def make_fp8_weights_ahead(self) -> bool:
+        """Make the copies this layer's next training forward will take, now (the converter's
+        model pre-hook, before the first layer runs: the step's forward is host-bound, and its
+        GPU still works through the queue then); returns whether copies apply. The dtype is
+        the one the layer will compute in (the autocast's, else its weights'), so its call
+        finds them current."""
+        w1, w2, w3, group = self._local_weights_and_group()
+        if isinstance(w1, Fp8Gathered):
+            return False
+        probe = w1.new_empty((0, w1.shape[2]))  # the layer's input as far as dtypes go
+        if not self._fp8_applies(probe, group):
+            return False
+        self.fp8_weights((w1, w2, w3), compute_dtype(probe))
+        return True
+
     def refresh_fp8_weights(self) -> None:
         """After an optimizer step (the converter's post-optimizer hook): re-make the FP8 copies
         now, once, so that the step's calls find them current. Unconditionally: a fused
