@@ -213,6 +213,8 @@ class MegaExperts(GroupedExperts):
         GPU still works through the queue then); returns whether copies apply. The dtype is
         the one the layer will compute in (the autocast's, else its weights'), so its call
         finds them current."""
+        if self._fsdp_managed:  # sharded at rest: FSDP's own hooks gather them at the call
+            return False
         w1, w2, w3, group = self._local_weights_and_group()
         if isinstance(w1, Fp8Gathered):
             return False
