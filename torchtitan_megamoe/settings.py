@@ -148,8 +148,8 @@ class MegaMoEConfig:
 
     fp8_weight_cache: bool = True
     """FP8 precisions on the hopper backend (ignored otherwise): each MoE layer makes its
-    expert weights' FP8 copies (forward and transposed layouts) once per optimizer step, at its
-    first forward of the step (``fp8_free_after_backward``, the default: freed after its
+    expert weights' FP8 copies (forward and transposed layouts) once per optimizer step, at the
+    start of the model's forward (``fp8_free_after_backward``, the default: freed after its
     backward) or in the converter's post-optimizer hook (kept from one call to the next), so
     the step's backward quantizes no weight (the hook re-makes them every step: a fused
     optimizer moves no version counter). A weight changed outside the optimizer step (a
@@ -167,7 +167,7 @@ class MegaMoEConfig:
 
     fp8_free_after_backward: bool = True
     """With ``fp8_weight_cache``: each MoE layer frees its FP8 copies as soon as its backward
-    has read them and makes them again at its next forward. The step's peak, at the end of the
+    has read them and makes them again at the start of the model's next forward. The step's peak, at the end of the
     backward where every weight gradient is alive, then holds one layer's copies instead of
     every layer's (30B-A3B ``fp8``: 1.2 GB per layer). The quantization stays once per step
     with one micro-batch per step; with gradient accumulation it runs once per micro-batch.
