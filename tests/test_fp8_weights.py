@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from moe_testing import cpu_histc, init_gloo, job_config, make_inputs, op_args, routing, run_ranks
 
 from torchtitan_megamoe import mega_moe
-from torchtitan_megamoe.moe import MegaExperts
+from torchtitan_megamoe.moe import MegaExperts, _StandIns
 from torchtitan_megamoe.ops.fp8_weights import Fp8Weights, TransposedWeights, dequantized
 from torchtitan_megamoe.ops.hopper import fp8_weights as fw
 from torchtitan_megamoe.ops.options import MegaMoEOptions
@@ -247,6 +247,30 @@ def test_copies_made_ahead_are_the_ones_the_call_takes():
     assert seen["quant"] == 0 and m.fp8_weights_made == 1
     for off in (_experts(precision="bf16"), _experts(cache=False)):
         assert not off.make_fp8_weights_ahead() and off._fp8 is None
+
+
+def test_stand_ins_cost_no_kernel():
+    """Precision fp8 hands the op zero-stride stand-ins of its weights: expanded from one cached
+    zero, no fill kernel per weight and call."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.names = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.names.append(func.__name__)
+            return func(*args, **(kwargs or {}))
+
+    m = _experts()
+    ws = (m.w1, m.w2, m.w3)
+    _StandIns.apply(*ws)  # the first call per dtype and device makes the zero
+    with Ops() as ops:
+        stand = _StandIns.apply(*ws)
+    assert not [n for n in ops.names if "fill" in n or "zero" in n], ops.names
+    assert all(t.shape == w.shape and not any(t.stride()) and not t.any()
+               for t, w in zip(stand, ws))
 
 
 def test_fused_optimizer_step_is_seen_through_the_hook():

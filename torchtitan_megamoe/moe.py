@@ -67,12 +67,24 @@ class _StandIns(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, *weights):
-        return tuple(torch.zeros((), dtype=w.dtype, device=w.device).expand(w.shape)
-                     for w in weights)
+        return tuple(_zero(w.dtype, w.device).expand(w.shape) for w in weights)
 
     @staticmethod
     def backward(ctx, *grads):
         return grads
+
+
+_ZEROS: dict = {}
+"""(dtype, device) -> a 0-d zero the stand-ins expand: made once, not a fill kernel per weight
+and call (host time before the host-bound forward's next kernel)."""
+
+
+def _zero(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    z = _ZEROS.get((dtype, device))
+    if z is None:
+        with torch.no_grad(), torch.inference_mode(False):
+            z = _ZEROS[(dtype, device)] = torch.zeros((), dtype=dtype, device=device)
+    return z
 
 
 class _FreeAfterBackward(torch.autograd.Function):
