@@ -26,6 +26,7 @@ import tempfile
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
 
 # ------------------------------------------------------------------------------------- sizes
 
@@ -589,3 +590,15 @@ def fake_ab_run(seen: list, files: dict):
         return 0
 
     return run
+
+
+class OpNames(TorchDispatchMode):
+    """Records the name of every aten op dispatched while active (``.names``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.names = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.names.append(func.__name__)
+        return func(*args, **(kwargs or {}))

@@ -29,7 +29,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from moe_testing import cpu_histc, init_gloo, job_config, make_inputs, op_args, routing, run_ranks
+from moe_testing import (OpNames, cpu_histc, init_gloo, job_config, make_inputs, op_args, routing,
+                         run_ranks)
 
 from torchtitan_megamoe import mega_moe
 from torchtitan_megamoe.moe import MegaExperts, _StandIns
@@ -252,21 +253,10 @@ def test_copies_made_ahead_are_the_ones_the_call_takes():
 def test_stand_ins_cost_no_kernel():
     """Precision fp8 hands the op zero-stride stand-ins of its weights: expanded from one cached
     zero, no fill kernel per weight and call."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class Ops(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.names = []
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            self.names.append(func.__name__)
-            return func(*args, **(kwargs or {}))
-
     m = _experts()
     ws = (m.w1, m.w2, m.w3)
     _StandIns.apply(*ws)  # the first call per dtype and device makes the zero
-    with Ops() as ops:
+    with OpNames() as ops:
         stand = _StandIns.apply(*ws)
     assert not [n for n in ops.names if "fill" in n or "zero" in n], ops.names
     assert all(t.shape == w.shape and not any(t.stride()) and not t.any()

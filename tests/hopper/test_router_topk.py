@@ -8,6 +8,7 @@ from torchtitan.models.moe.moe import TokenChoiceTopKRouter
 
 from torchtitan_megamoe.ops.hopper.kernels.topk import (router_topk, topk_gate, topk_indices,
                                                         topk_softmax_gate)
+from moe_testing import OpNames
 from torchtitan_megamoe.router import fast_path_ok, route
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -321,23 +322,12 @@ def test_route_softmax_runs_no_cast_or_softmax_ops():
     """The eager softmax route: the gate's matmul, the counts' zero fill and the fused kernel,
     no cast and no softmax kernels; its backward is the fused backward kernel, no softmax
     backward, gather, scatter or cast of autograd's."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class Ops(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.names = []
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            self.names.append(func.__name__)
-            return func(*args, **(kwargs or {}))
-
     r = _router(16, 4)
     x = torch.randn(20, 32, device=DEV, requires_grad=True)
-    with Ops() as ops:
+    with OpNames() as ops:
         ts, _, _ = route(r, x, torch.zeros(16, device=DEV), kernel=True)
     assert not [n for n in ops.names if "softmax" in n or "_to_copy" in n], ops.names
-    with Ops() as ops:
+    with OpNames() as ops:
         ts.sum().backward()
     assert not [n for n in ops.names
                 if any(op in n for op in ("softmax", "gather", "scatter", "_to_copy"))], ops.names
