@@ -26,7 +26,7 @@
 # STEP_AB=N (the one-GPU training step, stock vs ours bf16 and fp8 at 30B-A3B-L6, seq 8192, step N
 # traced; STEP_AB_SIDES, default stock,bf16=megamoe,fp8=megamoe (a side LABEL=megamoe with LABEL
 # bf16, fp8 or fp8_bwd runs that precision); STEP_AB_ARGS e.g. --memory-snapshot; STEP_TIMEOUT_S,
-# default 300),
+# default 300; STEP_AB_TRACES=0: no raw traces in $OUT, the report's profile tables only),
 # PYTEST_TIMEOUT_S (default 300), SKIP_DEEPGEMM=1 (no DeepGEMM set-up, MEGAMOE_DEEPGEMM=0),
 # DEEPGEMM_TIMEOUT_S (its build, default 360), DEEPGEMM_SITE (where it builds, default
 # /tmp/dgsite), DG_JIT_CACHE_DIR (its kernels, default /tmp/dgjit). Logs and bench.json go to
@@ -115,8 +115,9 @@ if [ -n "${STEP_AB:-}" ]; then
   src=$?
   echo "step A/B exit: $src"
   cp /tmp/megamoe_step_ab/report.md "$OUT/step_ab.md" 2>/dev/null && sed -n 1,40p "$OUT/step_ab.md"
-  # the traced step's raw traces, for ab.trace or a trace viewer (gzip: ~1/10 the size)
-  for side in $(echo "$step_sides" | tr ',' '\n' | sed 's/=.*//'); do
+  # the traced step's raw traces, for ab.trace or a trace viewer (gzip: ~1/10 the size); the
+  # report above holds their tables already: STEP_AB_TRACES=0 leaves them out (fewer files)
+  [ "${STEP_AB_TRACES:-1}" = 1 ] && for side in $(echo "$step_sides" | tr ',' '\n' | sed 's/=.*//'); do
     gzip -c "/tmp/megamoe_step_ab/$side/profile_traces/iteration_$STEP_AB/rank0_trace.json" \
       > "$OUT/step_trace_$side.json.gz" 2>/dev/null || rm -f "$OUT/step_trace_$side.json.gz"
   done
