@@ -125,6 +125,8 @@ def test_idle_gaps_are_charged_to_the_host_op_that_issued_the_next_kernel():
     assert p.idle_inner == [("aten::_foreach_add_", 1, 0.45), ("aten::empty", 1, 0.2)]
     assert p.idle_outer == [("Optimizer.step", 1, 0.45), ("megamoe::mega_moe", 1, 0.2)]
     assert p.blocking == [("cudaFree", 1, 0.3)]  # [500, 800) lies in the second gap
+    assert p.launch_us == 5  # the median of the step's launch calls (2, 5, 5, 5)
     text = trace.report({"x": p})
     assert "| GPU idle ms (no kernel running) | 0.7 |" in text
+    assert "| kernel launch call, median µs (the host's speed) | 5.0 |" in text
     assert "| `aten::empty` | 1 | 0.20 |" in text and "| `cudaFree` | 1 | 0.30 |" in text

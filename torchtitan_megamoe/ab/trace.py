@@ -69,6 +69,10 @@ class StepProfile:
     idle_inner: list = field(default_factory=list)
     idle_outer: list = field(default_factory=list)
     blocking: list = field(default_factory=list)  # (runtime call, calls, ms within gaps)
+    # median µs of the step's kernel launch calls: the host's speed in that run (the same
+    # launches took ~30% longer in one run than another on one machine: idle time compares
+    # across runs only where this does)
+    launch_us: float = 0.0
 
 
 MIN_GAP_US = 5.0
@@ -125,6 +129,9 @@ def summarize(trace: dict, top: int = 15) -> StepProfile:
         by_name[k["name"]] = (calls + 1, total + ms)
     ranked = sorted(((n, c, t) for n, (c, t) in by_name.items()), key=lambda r: -r[2])
     inner, outer, blocking = _idle(events, kernels, lo, top)
+    launches = sorted(e["dur"] for e in events if e.get("ph") == "X"
+                      and e.get("cat") in ("cuda_runtime", "cuda_driver")
+                      and "Launch" in str(e.get("name", "")) and e["ts"] >= lo)
     return StepProfile(
         step_ms=(hi - lo) / 1e3,
         busy_ms=_union_ms([(k["ts"], k["ts"] + k["dur"]) for k in kernels]),
@@ -133,6 +140,7 @@ def summarize(trace: dict, top: int = 15) -> StepProfile:
         idle_inner=inner,
         idle_outer=outer,
         blocking=blocking,
+        launch_us=launches[len(launches) // 2] if launches else 0.0,
     )
 
 
@@ -198,6 +206,8 @@ def report(profiles: dict) -> str:
                  + " | ".join(f"{p.busy_ms:.1f}" for p in profiles.values()) + " |")
     lines.append("| GPU idle ms (no kernel running) | "
                  + " | ".join(f"{p.step_ms - p.busy_ms:.1f}" for p in profiles.values()) + " |")
+    lines.append("| kernel launch call, median µs (the host's speed) | "
+                 + " | ".join(f"{p.launch_us:.1f}" for p in profiles.values()) + " |")
     for c in cats:
         lines.append(f"| {c} (summed kernel ms) | "
                      + " | ".join(f"{p.by_category.get(c, 0.0):.1f}" for p in profiles.values())
