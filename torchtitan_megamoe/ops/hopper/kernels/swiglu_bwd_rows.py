@@ -82,9 +82,10 @@ def swiglu_bwd_rows(dh: torch.Tensor, a: torch.Tensor, topk_weights: torch.Tenso
     """(da [R_max, 2H], hw [R_max, H], part [1, R_max] fp32) from dh [R_max, H] and the saved
     a [R_max, 2H]; with ``quant`` also (daq [R_max, 2H] e4m3, das [R_max, 2H/128]) appended.
     Rows past the used ones are left unwritten (never read). ``block_r``: rows per program,
-    default 8 (64 under the CPU interpreter, whose cost goes by the programs it walks)."""
+    default 8; under the CPU interpreter, whose cost goes by the programs it walks, the largest
+    power of two up to 64 that divides R (at least 8)."""
     R, H = dh.shape
-    if block_r is None:  # under the interpreter the largest power of two up to 64 dividing R
+    if block_r is None:
         block_r = max(8, math.gcd(R, 64)) if settings.triton_interpreting() else 8
     if a.shape != (R, 2 * H) or plan.max_rows != R:
         raise ValueError(f"a must be [{R}, {2 * H}] for dh {tuple(dh.shape)} and the plan's "
