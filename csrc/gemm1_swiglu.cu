@@ -1,7 +1,8 @@
 // gemm1_swiglu: GEMM 1 ([w1 | w3] . x) on the plan's gathered token rows with the SwiGLU in the
 // epilogue, h = silu(a1) a3 (and optionally a = [a1 | a3] saved for the backward).
 //   bf16: bf16_grouped_gemm.cuh's GEMM1_SWIGLU mode (h bf16).
-//   FP8:  fp8_grouped_gemm.cuh's GEMM1_SWIGLU mode (h e4m3 with per-row scales per 128 columns).
+//   FP8:  fp8_grouped_gemm.cuh's GEMM1_SWIGLU mode (h e4m3 with per-row scales per 128 columns),
+//         on the token rows of x (gathered inside) or on rows gathered before (x_rows > 0).
 // Shapes are checked by the Python wrapper (ops/hopper/cuda/gemm1_swiglu.py). Each entry point
 // returns 0, or a negative code / CUDA error number (megamoe_error_string gives the message).
 
@@ -65,6 +66,13 @@ extern "C" int megamoe_fp8_gemm1_swiglu(const Fp8Gemm1SwigluParams* a) {
   p.hq = static_cast<uint8_t*>(a->hq);
   p.hs = a->hs;
   p.a = static_cast<__nv_bfloat16*>(a->a);
-  return launch<GEMM1_SWIGLU>(w1_map, w3_map, w1_map, w1_map, p, a->num_sms,
-                              static_cast<cudaStream_t>(a->stream));
+  const cudaStream_t stream = static_cast<cudaStream_t>(a->stream);
+  if (a->x_rows == 0) {
+    return launch<GEMM1_SWIGLU>(w1_map, w3_map, w1_map, w1_map, p, a->num_sms, stream);
+  }
+  // x holds the plan's rows (gathered before): read by TMA, its scales by row
+  CUtensorMap x_map;
+  rc = megamoe::make_e4m3_map(&x_map, a->x, a->x_rows, a->D, BM, BK);
+  if (rc != 0) return rc;
+  return launch<GEMM1_SWIGLU, true>(w1_map, w3_map, x_map, w1_map, p, a->num_sms, stream);
 }

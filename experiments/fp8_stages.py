@@ -3,7 +3,8 @@ FP8 GEMM where it is installed, and the whole op in bf16 / fp8 / fp8_bwd: CUDA-e
 after warm-up, 16384 tokens, top-8 of 128 experts.
 
 Per FP8 GEMM stage three numbers, in ms with TFLOP/s over the real rows:
-    ours      the fastest of our own candidates (Triton, csrc/), their fusions included
+    ours      the fastest of our own candidates (Triton, csrc/), their fusions included (each
+              candidate's time on the line above the stage's)
     dg side   the DeepGEMM side of the stage as the tuner runs it: DeepGEMM's GEMM plus the
               passes that replace our fusion (row gather, SwiGLU + quantization)
     dg plain  DeepGEMM's GEMM alone on operands prepared beforehand
@@ -67,6 +68,9 @@ def best_of_ours(run, epilogue, a, N, K, out, gather):
             times.append((ms(lambda c=c: run(c)), c))
         except Exception as err:  # a config this shape rejects
             times.append((float("inf"), f"{c}: {err!r}"[:80]))
+    # every candidate's time: what a new variant of a kernel family gains
+    print("    " + ", ".join(f"{t:.3f} {c.as_dict() if hasattr(c, 'as_dict') else c}"
+                             for t, c in sorted(times, key=lambda t: t[0])))
     return min(times, key=lambda t: t[0])
 
 

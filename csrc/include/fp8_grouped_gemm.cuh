@@ -38,6 +38,9 @@
 //       128 threads: 8 cp.async of 16 bytes (the gathered x rows in the swizzle pattern, zeros
 //       for padding rows), then cp.async.mbarrier.arrive.noinc(full[s]); full[s] takes 129
 //       arrivals and the bytes.
+//     GEMM1_SWIGLU with ROWS_A: the x rows gathered into the row space before the launch
+//       (zeros and scale 0 for padding rows); thread 0 alone, as GEMM_ROWS, with the w3 box too
+//       (48 KiB). The cp.async gather's latency is what the ring's 4 stages do not cover.
 //   warpgroups 1, 2 (consumers, 232 registers): rows [0, 64) and [64, 128) of the tile. Per K
 //     step: the step's scales loaded (global; their latency hides behind the wait), wait
 //     full[s] (GEMM1_SWIGLU: a proxy fence for the cp.async rows), 4 wgmma m64n128k32 into the
@@ -295,17 +298,18 @@ __device__ __forceinline__ void dgrad2_swiglu_epilogue(const float (&acc)[64], c
   }
 }
 
-// w1_map: B (GEMM1_SWIGLU: w1; DGRAD2_SWIGLU: w2^T), w3_map: GEMM1_SWIGLU's w3, in_map: GEMM_ROWS's A, out_map:
+// w1_map: B (GEMM1_SWIGLU: w1; DGRAD2_SWIGLU: w2^T), w3_map: GEMM1_SWIGLU's w3, in_map: GEMM_ROWS's A (GEMM1_SWIGLU's with ROWS_A), out_map:
 // GEMM_ROWS's out. DGRAD2_SWIGLU's stores: out_map da [R, 2N] (boxes [64, 128]), in_map da^T [2N, R] and
 // w3_map h^T [N, R] (boxes [128, 64]).
-template <int MODE>
+template <int MODE, bool ROWS_A>
 __global__ void __launch_bounds__(THREADS, 1)
     fp8_gemm_kernel(const __grid_constant__ CUtensorMap w1_map,
                     const __grid_constant__ CUtensorMap w3_map,
                     const __grid_constant__ CUtensorMap in_map,
                     const __grid_constant__ CUtensorMap out_map, const KernelParams p) {
   using L = Layout<MODE>;
-  constexpr bool GATHER = MODE != GEMM_ROWS;  // token rows by cp.async (x or dy)
+  static_assert(!ROWS_A || MODE == GEMM1_SWIGLU, "ROWS_A: GEMM1_SWIGLU's x rows only");
+  constexpr bool GATHER = MODE != GEMM_ROWS && !ROWS_A;  // token rows by cp.async (x or dy)
   constexpr bool SWIGLU = MODE == GEMM1_SWIGLU;
   constexpr int STAGES = L::STAGES;
   extern __shared__ __align__(1024) uint8_t smem_raw[];
@@ -381,9 +385,10 @@ __global__ void __launch_bounds__(THREADS, 1)
           }
           cp_async_arrive_noinc(full);
         } else {
-          mbar_arrive_expect_tx(full, A_BYTES + BOX_BYTES);
+          mbar_arrive_expect_tx(full, L::STAGE_BYTES);
           tma_load_2d(a_smem, &in_map, kb * BK, pid_m * BM, full);
           tma_load_2d(b_smem, &w1_map, kb * BK, w_row, full);
+          if constexpr (SWIGLU) tma_load_2d(b_smem + BOX_BYTES, &w3_map, kb * BK, w_row, full);
         }
         if (++stage == STAGES) {
           stage = 0;
@@ -409,7 +414,8 @@ __global__ void __launch_bounds__(THREADS, 1)
       const int expert = decode(u, pid_m, pid_n);
       if (expert < 0) continue;
       const int row0 = pid_m * BM + r_in;
-      // the rows' scale rows: the row itself (GEMM_ROWS) or its token (GEMM1_SWIGLU; padding rows: none)
+      // the rows' scale rows: the row itself (row-space A) or its token (gathered; padding rows:
+      // none)
       long long srow[2];
       bool live[2];
       [[maybe_unused]] int slot[2];
@@ -453,7 +459,7 @@ __global__ void __launch_bounds__(THREADS, 1)
           const float b1 = __ldg(p.b_scale + sb_off + kb);
           const float b3 = __ldg(p.b3_scale + sb_off + kb);
           mbar_wait(ring.full(stage), phase);
-          fence_proxy_async();  // the cp.async rows, for the wgmma's async proxy
+          if constexpr (GATHER) fence_proxy_async();  // the cp.async rows, for the async proxy
           uint32_t a_smem, b_smem;
           stage_smem(a_smem, b_smem);
           mma_issue(part, a_smem, b_smem);
@@ -532,12 +538,12 @@ __global__ void __launch_bounds__(THREADS, 1)
   }
 }
 
-template <int MODE>
+template <int MODE, bool ROWS_A = false>
 static int launch(const CUtensorMap& w1_map, const CUtensorMap& w3_map, const CUtensorMap& in_map,
                   const CUtensorMap& out_map, const KernelParams& p, int num_sms,
                   cudaStream_t stream) {
-  return launch_persistent<fp8_gemm_kernel<MODE>>(Layout<MODE>::SMEM_BYTES, THREADS, num_sms,
-                                                  stream, w1_map, w3_map, in_map, out_map, p);
+  return launch_persistent<fp8_gemm_kernel<MODE, ROWS_A>>(
+      Layout<MODE>::SMEM_BYTES, THREADS, num_sms, stream, w1_map, w3_map, in_map, out_map, p);
 }
 
 // The KernelParams the gathering modes share: token rows x [T, K] e4m3 (and their scales)

@@ -63,6 +63,8 @@ typedef struct Fp8Gemm1SwigluParams {
   int top_k;
   int plan_bm;
   int group_m;
+  long long x_rows;  /* 0: x is [T, D] token rows, gathered in the kernel; else x [x_rows, D] is
+                        the plan's row space (gathered before), x_scale likewise by row */
   int num_sms;
   void* stream;
 } Fp8Gemm1SwigluParams;

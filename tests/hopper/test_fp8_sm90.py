@@ -1,6 +1,6 @@
 """The FP8 modes of csrc/'s kernel families on an H200 (marked gpu; skipped without an sm_90 GPU
 and nvcc): gemm1_swiglu (h quantized per row and 128 columns in the epilogue, a = [a1 | a3]
-saved), gemm_rows (gemm2, dgrad1), dgrad2_swiglu (dgrad of linear 2 + the SwiGLU backward, five
+saved; token rows gathered inside or first), gemm_rows (gemm2, dgrad1), dgrad2_swiglu (dgrad of linear 2 + the SwiGLU backward, five
 quantized outputs) and the weight gradients against float64 math on the same
 quantized operands, on uneven routings (dropped slots, an empty expert, one expert holding
 every row, one token), token counts that are not tile multiples, outputs poisoned first (rows
@@ -20,8 +20,9 @@ from torchtitan_megamoe.ops.hopper.fp8_weights import forward_weights, w2_transp
 from torchtitan_megamoe.ops.hopper.sides import fp8_gemm as fg
 from torchtitan_megamoe.ops.hopper.sides import fp8_wgrad as fw
 from torchtitan_megamoe.ops.hopper.kernels.wgrad import longest_first
-from torchtitan_megamoe.ops.hopper.kernels.fp8_quant import (FP8, quant_rows, quant_rows_t,
-                                                          quant_weight, weight_blocks)
+from torchtitan_megamoe.ops.hopper.kernels.fp8_quant import (FP8, gather_rows, quant_rows,
+                                                          quant_rows_t, quant_weight,
+                                                          weight_blocks)
 from torchtitan_megamoe.ops.hopper.plan import build_plan
 from torchtitan_megamoe.ops.hopper.configs import Sm90
 
@@ -56,22 +57,26 @@ def _used(plan):
     return used, slot, expert
 
 
-def _gemm1(plan, xq, xs, wq, save_a=True):
+def _gemm1(plan, xq, xs, wq, save_a=True, x_rows=False):
     R, H = plan.max_rows, wq.w1q.shape[1]
     hq = torch.full((R, H), float("nan"), device="cuda").to(FP8)
     hs = nan_tensor(R, H // 128, dtype=torch.float32)
     a = nan_tensor(R, 2 * H) if save_a else None
-    fp8_gemm1_swiglu_sm90(xq, xs, wq.w1q, wq.w1s, wq.w3q, wq.w3s, plan, hq, hs, a)
+    if x_rows:  # the rows gathered first, read by TMA
+        xq, xs = gather_rows(xq, xs, plan)
+    fp8_gemm1_swiglu_sm90(xq, xs, wq.w1q, wq.w1s, wq.w3q, wq.w3s, plan, hq, hs, a,
+                          x_rows=x_rows)
     torch.cuda.synchronize()
     return hq, hs, a
 
 
+@pytest.mark.parametrize("x_rows", [False, True], ids=["gathered_inside", "rows_first"])
 @pytest.mark.parametrize("name", ROUTINGS)
 @pytest.mark.parametrize("T,K,E,D,H", [(700, 4, 8, 256, 384), (333, 2, 5, 640, 128)],
                          ids=["d256_h384", "d640_h128"])
-def test_gemm1_swiglu_vs_float64(T, K, E, D, H, name):
+def test_gemm1_swiglu_vs_float64(T, K, E, D, H, name, x_rows):
     plan, xq, xs, wq = _setup(T, K, E, D, H, name)
-    hq, hs, a = _gemm1(plan, xq, xs, wq)
+    hq, hs, a = _gemm1(plan, xq, xs, wq, x_rows=x_rows)
     used, slot, expert = _used(plan)
     xd = _deq_rows(xq, xs)
     w1d, w3d = _deq_weight(wq.w1q, wq.w1s), _deq_weight(wq.w3q, wq.w3s)
@@ -93,11 +98,13 @@ def test_gemm1_swiglu_vs_float64(T, K, E, D, H, name):
     amax = h.abs().reshape(used, H // 128, 128).amax(-1).clamp_min(1e-12)
     assert rel_err(hs[:used][live], (amax / 448)[live]) < 1e-2
     assert torch.isnan(a[used:].float()).all(), "wrote rows past the used ones"
-    again = _gemm1(plan, xq, xs, wq)
-    assert all(torch.equal(u.view(torch.uint8) if u.dtype == FP8 else u,
-                           v.view(torch.uint8) if v.dtype == FP8 else v)
-               for u, v in zip((hq[:used], hs[:used], a[:used]), (t[:used] for t in again)))
-    hq2, hs2, _ = _gemm1(plan, xq, xs, wq, save_a=False)  # the inference form
+    # again, and the other way of reading the rows: the same bits (same products, same order)
+    for again in (_gemm1(plan, xq, xs, wq, x_rows=x_rows), _gemm1(plan, xq, xs, wq,
+                                                                 x_rows=not x_rows)):
+        assert all(torch.equal(u.view(torch.uint8) if u.dtype == FP8 else u,
+                               v.view(torch.uint8) if v.dtype == FP8 else v)
+                   for u, v in zip((hq[:used], hs[:used], a[:used]), (t[:used] for t in again)))
+    hq2, hs2, _ = _gemm1(plan, xq, xs, wq, save_a=False, x_rows=x_rows)  # the inference form
     assert torch.equal(hq2[:used].view(torch.uint8), hq[:used].view(torch.uint8))
 
 
@@ -294,6 +301,11 @@ def test_qwen3_30b_shape_matches_triton():
                                            save_a=True, config=tri)
     hq_c, hs_c, a_c = fg.fp8_gemm1_swiglu(xq, xs, wq.w1q, wq.w1s, wq.w3q, wq.w3s, plan,
                                            save_a=True, config=Sm90())
+    # the tuner's other sm90 candidate (rows gathered first): the same bits
+    first = fg.fp8_gemm1_swiglu(xq, xs, wq.w1q, wq.w1s, wq.w3q, wq.w3s, plan, save_a=True,
+                                config=Sm90(gather_first=True))
+    assert all(torch.equal(u[:used].view(torch.uint8), v[:used].view(torch.uint8))
+               for u, v in zip((hq_c, hs_c, a_c), first))
     assert rel_err(a_c[:used], a_t[:used]) < 1e-3
     assert rel_err(_deq_rows(hq_c[:used], hs_c[:used]), _deq_rows(hq_t[:used], hs_t[:used])) < 1e-2
     y_t = fg.fp8_gemm_rows(hq_c, hs_c, wq.w2q, wq.w2s, plan, torch.bfloat16,

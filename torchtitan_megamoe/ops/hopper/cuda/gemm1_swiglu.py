@@ -4,7 +4,8 @@
   [R_max, 2H]; same contract as ops/hopper/kernels/gemm1_swiglu.py, so the two are candidates
   of one tuner entry. Tiles of 128 rows x 128 columns, K steps of 64.
 - ``fp8_gemm1_swiglu_sm90``: h in e4m3 with per-row scales per 128 columns, optionally a in
-  bf16 (sides/fp8_gemm.fp8_gemm1_swiglu's contract).
+  bf16 (sides/fp8_gemm.fp8_gemm1_swiglu's contract), on the token rows or on rows gathered
+  before (``x_rows``).
 
 Both write only the used rows and skip the tiles whose tile_expert is -1.
 """
@@ -71,9 +72,12 @@ def gemm1_swiglu_sm90(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, plan:
 
 
 def fp8_gemm1_swiglu_sm90(xq, xs, w1q, w1s, w3q, w3s, plan: Plan, hq, hs, a=None,
-                          group_m: int = 8) -> None:
+                          group_m: int = 8, x_rows: bool = False) -> None:
     """Writes the used rows of hq [R_max, H] e4m3, hs [R_max, H/128] and (unless None) a
-    [R_max, 2H] bf16: GEMM 1 + SwiGLU on the token rows of xq [T, D] (scales xs [T, D/128])."""
+    [R_max, 2H] bf16: GEMM 1 + SwiGLU on the token rows of xq [T, D] (scales xs [T, D/128]),
+    gathered inside by cp.async; with ``x_rows``, xq / xs are those rows gathered before into
+    the plan's row space, [R_max, D] / [R_max, D/128] contiguous (kernels/fp8_quant.gather_rows),
+    read by TMA."""
     who = "fp8_gemm1_swiglu_sm90"
     E, H, D = w1q.shape
     R = plan.max_rows
@@ -82,6 +86,9 @@ def fp8_gemm1_swiglu_sm90(xq, xs, w1q, w1s, w3q, w3s, plan: Plan, hq, hs, a=None
     if w3q.shape != w1q.shape or w1s.stride() != w3s.stride() or w1s.shape != w3s.shape:
         raise ValueError(f"{who}: w1 and w3 (and their scales) must have one shape and layout")
     check_fp8_token_rows(who, "xq", xq, "xs", xs, D)
+    if x_rows and (xq.shape[0] != R or not (xq.is_contiguous() and xs.is_contiguous())):
+        raise ValueError(f"{who}: with x_rows, xq / xs must be the plan's rows, contiguous "
+                         f"[{R}, {D}] / [{R}, {D // FP8_BLOCK}]; got {tuple(xq.shape)}")
     if hq.shape != (R, H) or not hs.is_contiguous() or hs.shape != (R, H // FP8_BLOCK):
         raise ValueError(f"{who}: hq / hs must be [{R}, {H}] / [{R}, {H // FP8_BLOCK}] "
                          "contiguous")
@@ -98,6 +105,6 @@ def fp8_gemm1_swiglu_sm90(xq, xs, w1q, w1s, w3q, w3s, plan: Plan, hq, hs, a=None
         row_slot=plan.row_slot.data_ptr(), tile_expert=plan.tile_expert.data_ptr(),
         num_rows_used=plan.num_rows_used.data_ptr(),
         E=E, H=H, D=D, top_k=plan.top_k, plan_bm=plan.block_m, group_m=group_m,
-        num_sms=num_sms, stream=stream,
+        x_rows=R if x_rows else 0, num_sms=num_sms, stream=stream,
     )
     launch(FAMILY, "megamoe_fp8_gemm1_swiglu", params, who)

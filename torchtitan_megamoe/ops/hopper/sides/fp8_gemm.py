@@ -94,8 +94,9 @@ def _sm90_rows(cfg: Sm90, op: Operands):
 
 
 def _sm90_gemm1_swiglu(cfg: Sm90, op: Operands):
-    fp8_gemm1_swiglu_sm90(op.a, op.a_s, op.b, op.b_s, op.b2, op.b2_s, op.plan, op.out, op.out_s,
-                          op.aux, group_m=cfg.group_m)
+    x, xs = gather_rows(op.a, op.a_s, op.plan) if cfg.gather_first else (op.a, op.a_s)
+    fp8_gemm1_swiglu_sm90(x, xs, op.b, op.b_s, op.b2, op.b2_s, op.plan, op.out, op.out_s,
+                          op.aux, group_m=cfg.group_m, x_rows=cfg.gather_first)
 
 
 def _sm90_dgrad2_swiglu(cfg: Sm90, op: Operands):
@@ -147,7 +148,11 @@ def _sm90_offer(s: Shape, av) -> list:
     swiglu = s.epilogue != "gemm_rows"
     # the sm90 row GEMM reads row-space A: per-token A is gathered first (_sm90)
     mode = (swiglu and s.gather) or (not swiglu and s.out_bf16)
-    return [Sm90(group_m=8)] if mode and av.sm90 and fp8_shape_supported(s.N, s.K, s.block_m) else []
+    if not (mode and av.sm90 and fp8_shape_supported(s.N, s.K, s.block_m)):
+        return []
+    # GEMM 1: the rows gathered inside (cp.async, latency-bound) or by a pass first (TMA)
+    firsts = (False, True) if s.epilogue == "gemm1_swiglu" else (False,)
+    return [Sm90(group_m=8, gather_first=f) for f in firsts]
 
 
 def _deepgemm_offer(s: Shape, av) -> list:
