@@ -1,5 +1,7 @@
 """GEMM 1 variants at one Qwen3 shape, each launched twice, for Nsight Compute to read counters
-from (tensor-pipe utilization, L2 hit rate and throughput, DRAM bytes) next to their times:
+from (tensor-pipe utilization, L2 hit rate and throughput, DRAM bytes) next to their times;
+``fp8_*``: the FP8 GEMM 1 (fp8_gemm1_swiglu, h quantized) by the sm90 kernel, token rows
+gathered inside or first (ncu's kernel regex: fp8_gemm_kernel):
 
     NCU=1 ncu --clock-control none --kernel-name regex:gemm1 --metrics ... \
         python3 experiments/ncu_gemm1.py 235b
@@ -15,6 +17,9 @@ import torch
 from torchtitan_megamoe.bench.shapes import SHAPES
 from torchtitan_megamoe.ops.hopper import heuristics
 from torchtitan_megamoe.ops.hopper.configs import Sm90
+from torchtitan_megamoe.ops.hopper.fp8_weights import forward_weights
+from torchtitan_megamoe.ops.hopper.kernels.fp8_quant import quant_rows
+from torchtitan_megamoe.ops.hopper.sides import fp8_gemm as fg
 from torchtitan_megamoe.ops.hopper.sides import gemm1_swiglu as g1
 from torchtitan_megamoe.ops.hopper.plan import build_plan
 from torchtitan_megamoe.timing import median_ms
@@ -50,13 +55,24 @@ def main(shape_name: str = "235b") -> None:
         **{f"sm90_g{g}": Sm90(group_m=g) for g in (8, 4, 16, 32, "wave")},
         # every gridDim-th tile instead of the global ticket
         "sm90_static": Sm90(group_m=8, static=True),
+        "fp8_sm90": Sm90(group_m=8),
+        "fp8_sm90_rows_first": Sm90(group_m=8, gather_first=True),
     }
     save_a = os.environ.get("SAVE_A") == "1"  # the training forward's a1/a3 store too
     only = os.environ.get("VARIANTS")
     if only:
         variants = {k: v for k, v in variants.items() if k in only.split(",")}
+    fp8 = None
     for name, cfg in variants.items():
-        run = lambda: g1.gemm1_swiglu(x, w1, w3, plan, config=cfg, save_a=save_a)  # noqa: E731
+        if name.startswith("fp8_"):
+            if fp8 is None:
+                xq, xs = quant_rows(x)
+                fp8 = (xq, xs, forward_weights(w1, w1.transpose(1, 2).contiguous(), w3))
+            xq, xs, wq = fp8
+            run = lambda: fg.fp8_gemm1_swiglu(  # noqa: E731
+                xq, xs, wq.w1q, wq.w1s, wq.w3q, wq.w3s, plan, save_a, config=cfg)
+        else:
+            run = lambda: g1.gemm1_swiglu(x, w1, w3, plan, config=cfg, save_a=save_a)  # noqa: E731
         if os.environ.get("NCU") == "1":  # under ncu: a warm-up and one profiled launch each
             run()
             run()

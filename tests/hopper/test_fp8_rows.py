@@ -21,9 +21,10 @@ def _dequant(q, s):
     return q.double() * s.double().repeat_interleave(128, dim=1)
 
 
-@pytest.mark.parametrize("case", ["uneven", "one_expert", "all_dropped"])
-def test_gather_rows_puts_token_rows_in_the_row_space(case):
-    T, K, E, D = 37, 3, 5, 256
+@pytest.mark.parametrize("case,D", [("uneven", 256), ("one_expert", 256), ("all_dropped", 256),
+                                    ("uneven", 640)])  # 640: no multiple of 512 or 256
+def test_gather_rows_puts_token_rows_in_the_row_space(case, D):
+    T, K, E = 37, 3, 5
     ids = routing(case, T, K, E, seed=3).to(DEV)
     plan = plan_for(ids, E, 128)
     x = torch.randn(T, D, device=DEV).bfloat16()

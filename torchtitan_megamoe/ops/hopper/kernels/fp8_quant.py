@@ -284,8 +284,8 @@ def gather_rows(q: torch.Tensor, s: torch.Tensor, plan: Plan) -> tuple[torch.Ten
     assert K % SCALE_BLOCK == 0 and R % block_r == 0, (K, R)
     out_q = torch.empty((R, K), dtype=q.dtype, device=q.device)
     out_s = torch.empty((R, K // SCALE_BLOCK), dtype=torch.float32, device=q.device)
-    block_k = min(K, 512)
-    assert K % block_k == 0
+    # the widest of 512, 256, 128 bytes that divides K (a multiple of 128)
+    block_k = next(b for b in (512, 256, 128) if K % b == 0)
     # bytes move as uint8: the copy needs no FP8 arithmetic
     _gather_rows_kernel[(R // block_r,)](
         q.view(torch.uint8), s, plan.row_slot, plan.num_rows_used, out_q.view(torch.uint8),
