@@ -229,7 +229,7 @@ def test_module_makes_its_copies_once_and_sees_every_change():
     m(x, ids, tw).float().sum().backward()
     opt.step()
     made = m.fp8_weights_made
-    m.refresh_fp8_weights()
+    m.refresh_weight_copies()
     assert m.fp8_weights_made == made + 1
     with counting() as seen:
         m(x, ids, tw).float().sum().backward()
@@ -237,17 +237,17 @@ def test_module_makes_its_copies_once_and_sees_every_change():
 
 
 def test_copies_made_ahead_are_the_ones_the_call_takes():
-    """The converter's model pre-hook (make_fp8_weights_ahead) makes the copies of the dtype
+    """The converter's model pre-hook (make_weight_copies_ahead) makes the copies of the dtype
     the layer computes in: its call then makes none; where copies do not apply, nothing."""
     m = _experts(dtype=torch.float32)
     with torch.autocast(DEVICE, dtype=torch.bfloat16):
-        assert m.make_fp8_weights_ahead()
+        assert m.make_weight_copies_ahead()
     assert m.fp8_weights_made == 1
     with counting() as seen:
         _call(m, autocast=True)
     assert seen["quant"] == 0 and m.fp8_weights_made == 1
     for off in (_experts(precision="bf16"), _experts(cache=False)):
-        assert not off.make_fp8_weights_ahead() and off._fp8 is None
+        assert not off.make_weight_copies_ahead() and off._fp8 is None
 
 
 def test_stand_ins_cost_no_kernel():
@@ -276,7 +276,7 @@ def test_fused_optimizer_step_is_seen_through_the_hook():
         opt.step()
         assert [p._version for p in e.parameters()] == versions  # the step is invisible
     made = m.fp8_weights_made
-    m.refresh_fp8_weights()
+    m.refresh_weight_copies()
     assert m.fp8_weights_made == made + 1
     assert torch.equal(_call(m), _call(ref))  # the stepped weights, not the old copies
 
@@ -353,7 +353,7 @@ def test_copies_live_from_the_forward_to_the_end_of_the_backward():
         assert made == {"quant": 6, "transpose": 0}, made
         assert all(m.fp8_weights_made == n for m in layers)
         for m in layers:
-            m.refresh_fp8_weights()  # the hook finds nothing to re-make
+            m.refresh_weight_copies()  # the hook finds nothing to re-make
         assert all(m.fp8_weights_made == n and m._fp8 is None for m in layers)
         assert all(torch.equal(a, b) for a, b in zip(got, want))
     assert seen == [[True, True], [True, False]] * 2, seen

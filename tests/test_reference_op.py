@@ -146,7 +146,7 @@ def test_op_contract_saved_outputs():
     """megamoe::mega_moe returns (out, saved); the reference backend saves nothing, the public
     mega_moe() returns out alone, and mega_moe_backward takes the saved list."""
     x, ids, w, w1, w2, w3 = make_inputs(8, 2, 3, 8, 8, "dropped", dtype=torch.float32)
-    out, saved = torch.ops.megamoe.mega_moe(x, ids, w, w1, w2, w3, [], True, "", *REFERENCE)
+    out, saved = torch.ops.megamoe.mega_moe(x, ids, w, w1, w2, w3, [], [], True, "", *REFERENCE)
     assert saved == []
     public = mega_moe(x, ids, w, w1, w2, w3, backend="reference")
     assert isinstance(public, torch.Tensor) and torch.equal(public, out)
@@ -158,11 +158,11 @@ def test_op_contract_saved_outputs():
 
 def test_opcheck():
     x, ids, w, w1, w2, w3 = make_inputs(8, 2, 3, 8, 8, "dropped", dtype=torch.float64)
-    args = (x.requires_grad_(), ids, w.requires_grad_(), w1, w2, w3, [], True, "", *REFERENCE)
+    args = (x.requires_grad_(), ids, w.requires_grad_(), w1, w2, w3, [], [], True, "", *REFERENCE)
     torch.library.opcheck(torch.ops.megamoe.mega_moe.default, args)
     fp8 = MegaMoEOptions("reference", "fp8", "never", 4096, True).op_args()
     x, ids, w, w1, w2, w3 = make_inputs(8, 2, 3, 128, 128, "dropped", dtype=torch.float64)
-    args = (x.requires_grad_(), ids, w.requires_grad_(), w1, w2, w3, [], False, "", *fp8)
+    args = (x.requires_grad_(), ids, w.requires_grad_(), w1, w2, w3, [], [], False, "", *fp8)
     torch.library.opcheck(torch.ops.megamoe.mega_moe.default, args)
 
 
@@ -236,7 +236,8 @@ def _save_flags():
     real = api._run_forward
 
     def spy(*args):
-        seen.append(args[7])  # (x, topk_ids, topk_weights, w1, w2, w3, fp8_weights, save, ...)
+        seen.append(args[8])  # (x, topk_ids, topk_weights, w1, w2, w3, fp8_weights, weight_casts,
+        #                       save, ...)
         return real(*args)
 
     api._run_forward = spy

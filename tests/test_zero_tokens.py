@@ -69,7 +69,7 @@ def test_reference_backend_opcheck():
     """Fake and real impls agree at T = 0 (the shapes a compiled graph is traced with)."""
     inp = _empty_layer(torch.float64)
     x, ids, tw, w1, w2, w3 = op_args(inp)
-    args = (x.requires_grad_(), ids, tw.requires_grad_(), w1, w2, w3, [], True, "",
+    args = (x.requires_grad_(), ids, tw.requires_grad_(), w1, w2, w3, [], [], True, "",
             *MegaMoEOptions(backend="reference").op_args())
     torch.library.opcheck(torch.ops.megamoe.mega_moe.default, args)
 
@@ -104,12 +104,12 @@ def test_hopper_backend_op_saved_outputs_match_the_fake():
 
     x, ids, tw, w1, w2, w3 = op_args(_empty_layer(torch.bfloat16))
     hopper_args = MegaMoEOptions(backend="hopper").op_args()
-    out, saved = torch.ops.megamoe.mega_moe(x, ids, tw, w1, w2, w3, [], True, "", *hopper_args)
+    out, saved = torch.ops.megamoe.mega_moe(x, ids, tw, w1, w2, w3, [], [], True, "", *hopper_args)
     assert out.shape == (0, D)
     fake = hopper.saved_like(x, ids, tw, w1, w2, w3, None, MegaMoEOptions(precision="bf16"))
     assert [(s.shape, s.dtype) for s in saved] == [(f.shape, f.dtype) for f in fake]
-    args = (x.requires_grad_(), ids, tw.requires_grad_(), w1.requires_grad_(), w2, w3, [], True,
-            "", *hopper_args)
+    args = (x.requires_grad_(), ids, tw.requires_grad_(), w1.requires_grad_(), w2, w3, [], [],
+            True, "", *hopper_args)
     torch.library.opcheck(torch.ops.megamoe.mega_moe.default, args,
                           test_utils=("test_schema", "test_faketensor",
                                       "test_autograd_registration", "test_aot_dispatch_dynamic"))

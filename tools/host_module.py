@@ -45,7 +45,7 @@ def main(tokens: int = 8192, iters: int = 40) -> None:
 
     def call(m, remake):
         if remake:
-            m.drop_fp8_weights()
+            m.release_after_backward()
         with torch.autocast("cuda", dtype=torch.bfloat16):
             return m(x, ids, w)
 

@@ -292,9 +292,8 @@ class MegaMoEConverter:
                         f"too for this model: {problem}."
                     )
         self._install_fp8_allgather(model)
-        if (self.options.recipe.fp8 and self.options.fp8_weight_cache
-                and self.options.fp8_free_after_backward):
-            model.register_forward_pre_hook(make_fp8_weights_ahead)
+        if copies_made_ahead(self.options):
+            model.register_forward_pre_hook(make_weight_copies_ahead)
         install_ep_routing()
         add_op_to_sac_save_list()
         logger.info(
@@ -327,16 +326,25 @@ class MegaMoEConverter:
 
     def post_optimizer_hook(self, model: nn.Module | list[nn.Module]) -> None:
         # new weights: each layer re-makes its FP8 copies (fp8_weight_cache) here, once per
-        # optimizer step, so the next step's forward and backward quantize nothing
-        refresh_fp8_weights(model)
+        # optimizer step, so the next step's forward and backward quantize nothing, and frees
+        # its bf16 casts (bf16_weight_cache), which the next forward makes
+        refresh_weight_copies(model)
 
 
-def make_fp8_weights_ahead(model: nn.Module, _args) -> None:
-    """A training forward's pre-hook on the model (fp8_free_after_backward: each layer frees
-    its copies in the backward): every layer makes its FP8 copies before the first layer runs,
-    their launches queued behind the last step's optimizer, not at each layer's call, where
-    the host-bound forward's GPU would wait for them. The step's peak, at the end of the
-    forward, holds every layer's copies either way."""
+def copies_made_ahead(options) -> bool:
+    """Whether the layers make weight copies at the start of each training forward (the
+    model pre-hook): FP8 copies freed after each backward, or bf16 casts (a bf16 forward:
+    where they apply at all is each layer's call, MegaExperts._casts_apply)."""
+    fp8 = options.recipe.fp8 and options.fp8_weight_cache and options.fp8_free_after_backward
+    return fp8 or (options.bf16_weight_cache and not options.recipe.fp8_forward)
+
+
+def make_weight_copies_ahead(model: nn.Module, _args) -> None:
+    """A training forward's pre-hook on the model (copies freed after each layer's backward):
+    every layer makes its weight copies (FP8, bf16 casts) before the first layer runs, their
+    launches queued behind the last step's optimizer, not at each layer's call, where the
+    host-bound forward's GPU would wait for them. The step's peak, at the end of the forward,
+    holds every layer's copies either way."""
     if torch.compiler.is_compiling() or not torch.is_grad_enabled():
         return
     experts = model.__dict__.get("_megamoe_experts")
@@ -344,18 +352,19 @@ def make_fp8_weights_ahead(model: nn.Module, _args) -> None:
         experts = [m for m in model.modules() if isinstance(m, MegaExperts)]
         model.__dict__["_megamoe_experts"] = experts
     for m in experts:
-        m.make_fp8_weights_ahead()
+        m.make_weight_copies_ahead()
 
 
-def refresh_fp8_weights(model: nn.Module | list[nn.Module]) -> int:
+def refresh_weight_copies(model: nn.Module | list[nn.Module]) -> int:
     """Have every MegaExperts of ``model`` (or of each model part) re-make the FP8 copies it
-    holds whose weights changed; returns how many modules were asked."""
+    holds and free its bf16 casts (MegaExperts.refresh_weight_copies); returns how many
+    modules were asked."""
     parts = model if isinstance(model, (list, tuple)) else [model]
     asked = 0
     for part in parts:
         for m in part.modules():
             if isinstance(m, MegaExperts):
-                m.refresh_fp8_weights()
+                m.refresh_weight_copies()
                 asked += 1
     return asked
 

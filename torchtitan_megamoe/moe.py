@@ -20,11 +20,16 @@ load, a copy_), and passes them to the op, so no quantization runs in the step's
 (``_FreeAfterBackward``) and the next forward makes them again: the end of the step's backward,
 where every weight gradient is alive, holds one layer's copies instead of every layer's. With it
 off it keeps them from one call to the next and re-makes them after each optimizer step
-(``refresh_fp8_weights``, the converter's post-optimizer hook). Where the recipe reads the
-weights only through the copies
-(``Recipe.stand_ins``: ``fp8``) the op then gets zero-stride stand-ins for the weights
-(``_StandIns``): no per-call cast under autocast, and the gradients reach the parameters through
-them.
+(``refresh_weight_copies``, the converter's post-optimizer hook). Where the recipe reads the
+weights only through the copies (``Recipe.stand_ins``: ``fp8``) the op then gets zero-stride
+stand-ins for the weights (``_StandIns``): no per-call cast under autocast, and the gradients
+reach the parameters through them.
+
+bf16 casts. Where the op's bf16 forward would cast fp32 weights itself (a bf16 autocast over
+fp32 parameters: TorchTitan on one GPU without FSDP) and ``bf16_weight_cache`` is on (the
+default), ``MegaExperts`` casts them once per step instead (``weight_casts``: at the start of the
+model's forward, the converter's pre-hook), passes the casts to the op and frees them once its
+backward has read them: one cast per weight and step, not one per forward and recompute.
 """
 
 from __future__ import annotations
@@ -37,7 +42,9 @@ from torchtitan.models.moe.moe import GroupedExperts, MoE, MoEArgs
 
 import torchtitan_megamoe
 from torchtitan_megamoe.fp8_allgather import ExpertWeight, Fp8Gathered, plain_state_dict
-from torchtitan_megamoe.ops.api import backend_module, compute_dtype, resolved_backend
+from torchtitan_megamoe.ops.api import (
+    backend_casts_weights, backend_module, compute_dtype, resolved_backend,
+)
 from torchtitan_megamoe.ops.fp8_weights import ForwardWeights, Fp8Weights
 from torchtitan_megamoe.ops.options import MegaMoEOptions
 from torchtitan_megamoe.router import route
@@ -89,9 +96,10 @@ def _zero(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
 
 class _FreeAfterBackward(torch.autograd.Function):
     """Identity on one of the op's inputs that needs a gradient. It sits upstream of the op, so
-    its backward runs after the op's backward, the last read of the layer's FP8 copies in the
-    step; it frees the module's reference (the op's own, saved for its backward, is gone by
-    then). Under activation checkpointing the recompute's copy of this node never runs."""
+    its backward runs after the op's backward, the last read of the layer's weight copies in
+    the step; it frees the module's references (release_after_backward; the op's own, saved
+    for its backward, are gone by then). Under activation checkpointing the recompute's copy
+    of this node never runs."""
 
     @staticmethod
     def forward(ctx, owner, t):
@@ -100,7 +108,7 @@ class _FreeAfterBackward(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        ctx.owner.drop_fp8_weights()
+        ctx.owner.release_after_backward()
         return None, grad
 
 
@@ -160,6 +168,9 @@ class MegaExperts(GroupedExperts):
         # gathered tensor in forward and backward); the gathered ones are refilled in place with
         # their version counter kept, so copies made from them could go stale unseen
         self._fsdp_managed = False
+        self._casts = None  # the bf16 casts of the weights (bf16_weight_cache), or None
+        self._casts_from = None  # what they were cast from (_source_of)
+        self.weight_casts_made = 0
 
     def __setattr__(self, name, value):
         if name in ("w1", "w2", "w3") and isinstance(value, DTensor):
@@ -180,6 +191,27 @@ class MegaExperts(GroupedExperts):
         o = self.options
         return (o.recipe.fp8 and o.fp8_weight_cache and group is None
                 and not self._fsdp_managed and resolved_backend(x, group, o.backend) == "hopper")
+
+    def _casts_apply(self, x: torch.Tensor, group, weights) -> bool:
+        """Whether this call takes module-owned bf16 casts: the op's hopper bf16 forward would
+        cast these fp32 weights itself (api.backend_casts_weights), and the cache is on."""
+        if not (self.options.bf16_weight_cache and group is None and not self._fsdp_managed
+                and torch.is_autocast_enabled(x.device.type)):
+            return False
+        probe = x.new_empty((0, x.shape[-1]), dtype=compute_dtype(x))  # x as the op casts it
+        return backend_casts_weights(probe, weights, group, self.options)
+
+    def weight_casts(self, weights, dtype) -> tuple:
+        """This layer's bf16 casts of ``weights`` (the fp32 parameters), made again first if
+        anything they depend on changed (_source_of)."""
+        source = self._source_of(weights, dtype)
+        if self._casts is None or source != self._casts_from:
+            self._casts = None  # the old casts go before the new ones are made
+            with torch.no_grad(), torch.inference_mode(False):
+                self._casts = tuple(w.detach().to(dtype) for w in weights)
+            self._casts_from = source
+            self.weight_casts_made += 1
+        return self._casts
 
     def _make_fp8(self, weights, dtype, source) -> None:
         self._fp8 = None  # the old copies go before the new ones are made
@@ -219,28 +251,41 @@ class MegaExperts(GroupedExperts):
             self.fp8_shards_made += 1
         return entry[1], entry[2]
 
-    def make_fp8_weights_ahead(self) -> bool:
-        """Make the copies this layer's next training forward will take, now (the converter's
-        model pre-hook, before the first layer runs: the step's forward is host-bound, and its
-        GPU still works through the queue then); returns whether copies apply. The dtype is
-        the one the layer will compute in (the autocast's, else its weights'), so its call
-        finds them current."""
+    def make_weight_copies_ahead(self) -> bool:
+        """Make the copies (FP8, or bf16 casts) this layer's next training forward will take,
+        now (the converter's model pre-hook, before the first layer runs: the step's forward is
+        host-bound, and its GPU still works through the queue then); returns whether any
+        apply. The dtype is the one the layer will compute in (the autocast's, else its
+        weights'), so its call finds them current."""
         if self._fsdp_managed:  # sharded at rest: FSDP's own hooks gather them at the call
             return False
         w1, w2, w3, group = self._local_weights_and_group()
         if isinstance(w1, Fp8Gathered):
             return False
         probe = w1.new_empty((0, w1.shape[2]))  # the layer's input as far as dtypes go
-        if not self._fp8_applies(probe, group):
-            return False
-        self.fp8_weights((w1, w2, w3), compute_dtype(probe))
-        return True
+        made = False
+        if self._fp8_applies(probe, group):
+            self.fp8_weights((w1, w2, w3), compute_dtype(probe))
+            made = True
+        if self._casts_apply(probe, group, (w1, w2, w3)):
+            self.weight_casts((w1, w2, w3), compute_dtype(probe))
+            made = True
+        return made
 
-    def refresh_fp8_weights(self) -> None:
+    def release_after_backward(self) -> None:
+        """The layer's backward has read its copies (_FreeAfterBackward): free the bf16 casts,
+        and the FP8 copies with ``fp8_free_after_backward``."""
+        self._casts = self._casts_from = None
+        if self.options.fp8_free_after_backward:
+            self.drop_fp8_weights()
+
+    def refresh_weight_copies(self) -> None:
         """After an optimizer step (the converter's post-optimizer hook): re-make the FP8 copies
-        now, once, so that the step's calls find them current. Unconditionally: a fused
-        optimizer (torch's fused AdamW, TorchTitan's default on GPUs) writes the weights
-        without moving their version counters, so _source_of cannot see its step."""
+        now, once, so that the step's calls find them current, and free the bf16 casts (the
+        next forward makes them). Unconditionally: a fused optimizer (torch's fused AdamW,
+        TorchTitan's default on GPUs) writes the weights without moving their version
+        counters, so _source_of cannot see its step."""
+        self._casts = self._casts_from = None
         for role, (source, _q, _s) in list(self._fp8_shards.items()):
             w = getattr(self, role)
             local = w._local_tensor if isinstance(w, DTensor) else None
@@ -297,17 +342,23 @@ class MegaExperts(GroupedExperts):
             fp8 = Fp8Weights(ForwardWeights(w1._q, w1._s, w3._q, w3._s, w2._q, w2._s))
             w1, w2, w3 = _StandIns.apply(w1, w2, w3)
         elif self._fp8_applies(x, group):
-            dtype = compute_dtype(x)
-            fp8 = self.fp8_weights((w1, w2, w3), dtype)
+            fp8 = self.fp8_weights((w1, w2, w3), compute_dtype(x))
             if self.options.recipe.stand_ins:
                 w1, w2, w3 = _StandIns.apply(w1, w2, w3)
-            if self.options.fp8_free_after_backward and torch.is_grad_enabled():
-                if x.requires_grad:
-                    x = _FreeAfterBackward.apply(self, x)
-                elif w1.requires_grad:
-                    w1 = _FreeAfterBackward.apply(self, w1)
         elif self._fp8 is not None:
             self.drop_fp8_weights()  # no longer used (the settings or the parallelism changed)
+        casts = None
+        if self._casts_apply(x, group, (w1, w2, w3)):
+            casts = self.weight_casts((w1, w2, w3), compute_dtype(x))
+        elif self._casts is not None:
+            self._casts = self._casts_from = None  # no longer used
+        frees = casts is not None or (
+            fp8 is not None and fp8 is self._fp8 and self.options.fp8_free_after_backward)
+        if frees and torch.is_grad_enabled():
+            if x.requires_grad:
+                x = _FreeAfterBackward.apply(self, x)
+            elif w1.requires_grad:
+                w1 = _FreeAfterBackward.apply(self, w1)
         return torchtitan_megamoe.mega_moe(
             x,
             topk_ids,
@@ -317,6 +368,7 @@ class MegaExperts(GroupedExperts):
             w3,
             group=group,
             fp8_weights=fp8,
+            weight_casts=casts,
             **self.options.as_kwargs(),
         )
 

@@ -117,7 +117,7 @@ def test_op_carries_saved_tensors_with_fake_shapes():
     inp = make_inputs(T, K, E, Ds, Hs, ids, seed=2)
     args = (inp["x"], inp["topk_ids"], inp["topk_weights"], inp["w1"], inp["w2"], inp["w3"])
     options = MegaMoEOptions(backend="hopper").op_args()
-    out, saved = torch.ops.megamoe.mega_moe(*args, [], True, "", *options)
+    out, saved = torch.ops.megamoe.mega_moe(*args, [], [], True, "", *options)
     fake = tb.saved_like(*args, None, MegaMoEOptions(precision="bf16"))
     assert len(saved) == len(fake) == 2
     for s, f in zip(saved, fake):
@@ -126,7 +126,7 @@ def test_op_carries_saved_tensors_with_fake_shapes():
     # Not test_aot_dispatch_*: it compares two runs' outputs elementwise, and the rows of the
     # saved a past the used rows are left unwritten by design (never read; writing them would
     # cost a memset of the whole buffer). The compile test below covers AOT tracing.
-    torch.library.opcheck(torch.ops.megamoe.mega_moe.default, (*leaves, [], True, "", *options),
+    torch.library.opcheck(torch.ops.megamoe.mega_moe.default, (*leaves, [], [], True, "", *options),
                           test_utils=("test_schema", "test_faketensor",
                                       "test_autograd_registration"))
 

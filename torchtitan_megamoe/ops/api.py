@@ -5,13 +5,14 @@ The op is registered as ``torch.ops.megamoe.mega_moe`` (forward) and
 checkpointing see one opaque op each, not a graph of collectives and GEMMs. Both schemas end
 with the fields of ``MegaMoEOptions`` (ops/options.py), in its order, as typed arguments:
 
-    megamoe::mega_moe(x, topk_ids, topk_weights, w1, w2, w3, Tensor?[] fp8_weights, bool save,
-                      str group_name, <options>) -> (Tensor out, Tensor[] saved)
+    megamoe::mega_moe(x, topk_ids, topk_weights, w1, w2, w3, Tensor?[] fp8_weights,
+                      Tensor[] weight_casts, bool save, str group_name, <options>)
+        -> (Tensor out, Tensor[] saved)
     megamoe::mega_moe_backward(grad_out, x, topk_ids, topk_weights, w1, w2, w3,
                                Tensor?[] fp8_weights, Tensor[] saved, str group_name, <options>)
         -> (dx, dtopk_weights, dw1, dw2, dw3)
     <options> = str backend, str precision, str save_activations, int max_tokens_per_rank,
-                bool fp8_weight_cache, bool fp8_keep_transposed   (options.op_schema())
+                bool fp8_weight_cache, ...   (every field: options.op_schema())
 
 mega_moe() takes the same fields as keyword arguments (its signature and docstring are built
 from them).
@@ -21,6 +22,9 @@ from them).
 empty list; the hopper backend's FP8 stages read them instead of quantizing the weights. With
 them, a recipe whose ``stand_ins`` hold (``fp8``) reads nothing of w1, w2, w3 but their shapes
 (moe.MegaExperts then passes zero-stride stand-ins that carry the weights' gradients).
+``weight_casts``: the bf16 casts of fp32 weights as their owner made them, or an empty list;
+the hopper bf16 forward takes them instead of casting (and saves them: the backward op gets
+them in ``saved``).
 
 ``saved`` is whatever the backend keeps from its forward for its backward (hopper EP=1: GEMM 1's
 pre-activations and the packed plan; reference: nothing, it recomputes). It is an output of the
@@ -84,6 +88,7 @@ def mega_moe(
     *,
     group: dist.ProcessGroup | None = None,
     fp8_weights: Fp8Weights | None = None,
+    weight_casts: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
     **options,
 ) -> torch.Tensor:
     """Fused MoE layer: dispatch, expert SwiGLU MLPs, weighted combine.
@@ -107,6 +112,11 @@ def mega_moe(
             the dtype the op computes in), or None: the hopper backend's FP8 stages then read
             these copies instead of quantizing the weights on every call. Its owner vouches
             that they are current; the op checks their shapes only.
+        weight_casts: (w1, w2, w3) cast to the autocast dtype by their owner, or None: under a
+            bf16 autocast over fp32 weights, where the hopper bf16 forward would cast them itself
+            (backend_casts_weights), it takes these instead (and saves them for the backward);
+            the gradients still go to the fp32 weights, in fp32. Ignored where the op casts
+            nothing. Their owner vouches that they are current; the op checks their shapes.
 
     The other keyword arguments are the fields of ``MegaMoEOptions`` (ops/options.py), checked
     on first use of each combination (an unknown one raises, naming the options):
@@ -131,6 +141,10 @@ def mega_moe(
             w1, w2, w3 = (w if is_stand_in(w) else w.to(amp_dtype) for w in (w1, w2, w3))
     else:
         backend_casts = False
+    if not backend_casts:
+        weight_casts = None  # the op casts nothing here
+    elif weight_casts is not None:
+        _check_casts(weight_casts, (w1, w2, w3), x.dtype)
     check_args(x, topk_ids, topk_weights, w1, w2, w3, group=group, precision=options.precision,
                backend_casts=backend_casts)
     if options.backend == "auto":
@@ -168,11 +182,12 @@ def mega_moe(
         # no gradient can flow (inference, no_grad, full AC's first forward): not even an
         # autograd Function, whose apply costs host time before the layer's first kernel
         if needs_grad:
-            return _EagerMegaMoE.apply(*tensors, fp8_weights, save, group_name, options)
-        return _forward_only(*tensors, fp8_weights, save, group_name, options)
+            return _EagerMegaMoE.apply(*tensors, fp8_weights, weight_casts, save, group_name,
+                                       options)
+        return _forward_only(*tensors, fp8_weights, weight_casts, save, group_name, options)
     fp8_list = [] if fp8_weights is None else fp8_weights.tensors()
-    out, _saved = torch.ops.megamoe.mega_moe(*tensors, fp8_list, save, group_name,
-                                             *options.op_args())
+    out, _saved = torch.ops.megamoe.mega_moe(*tensors, fp8_list, list(weight_casts or ()), save,
+                                             group_name, *options.op_args())
     return out
 
 
@@ -190,6 +205,17 @@ def backend_casts_weights(x: torch.Tensor, weights: tuple, group, options) -> bo
             and all(w.dtype == torch.float32 and not is_stand_in(w) for w in weights)
             and group_size(group) <= 1
             and resolved_backend(x, group, options.backend) == "hopper")
+
+
+def _check_casts(casts, weights, dtype) -> None:
+    """Raise, naming the weight, if a cast does not fit its weight (shape, device) or dtype."""
+    if len(casts) != 3:
+        raise ValueError(f"mega_moe: weight_casts must hold (w1, w2, w3), got {len(casts)}")
+    for name, c, w in zip(("w1", "w2", "w3"), casts, weights):
+        if c.shape != w.shape or c.dtype != dtype or c.device != w.device:
+            raise ValueError(
+                f"mega_moe: weight_casts {name} is {tuple(c.shape)} {c.dtype} on {c.device}, "
+                f"expected {tuple(w.shape)} {dtype} on {w.device}")
 
 
 def is_stand_in(w: torch.Tensor) -> bool:
@@ -346,13 +372,15 @@ def _fp8_kwargs(fp8_weights) -> dict:
     return {} if fp8_weights is None else {"fp8_weights": fp8_weights}
 
 
-def _run_forward(x, topk_ids, topk_weights, w1, w2, w3, fp8_weights, save, group_name,
-                 options):
+def _run_forward(x, topk_ids, topk_weights, w1, w2, w3, fp8_weights, weight_casts, save,
+                 group_name, options):
     """(out, saved list): the backend's forward, for the registered op and the eager path;
-    ``fp8_weights``: an Fp8Weights or None."""
+    ``fp8_weights``: an Fp8Weights or None; ``weight_casts``: (w1, w2, w3) cast, or None."""
     impl = backend_module(options.backend)
     group = group_from_name(group_name)
     kw = _fp8_kwargs(fp8_weights)
+    if weight_casts:  # only the hopper backend casts (mega_moe drops them for the others)
+        kw["weight_casts"] = tuple(weight_casts)
     with _autocast_off(x.device.type):
         if not save:
             return impl.forward(x, topk_ids, topk_weights, w1, w2, w3, group, options, **kw), []
@@ -382,18 +410,18 @@ def _run_backward(grad_out, x, topk_ids, topk_weights, w1, w2, w3, fp8_weights, 
 @torch.library.custom_op(
     "megamoe::mega_moe", mutates_args=(),
     schema="(Tensor x, Tensor topk_ids, Tensor topk_weights, Tensor w1, Tensor w2, Tensor w3, "
-           "Tensor?[] fp8_weights, "
+           "Tensor?[] fp8_weights, Tensor[] weight_casts, "
            f"bool save, str group_name, {op_schema()}) -> (Tensor, Tensor[])",
 )
-def _mega_moe_op(x, topk_ids, topk_weights, w1, w2, w3, fp8_weights, save, group_name,
-                 *options):
+def _mega_moe_op(x, topk_ids, topk_weights, w1, w2, w3, fp8_weights, weight_casts, save,
+                 group_name, *options):
     return _run_forward(x, topk_ids, topk_weights, w1, w2, w3, _fp8_from_list(fp8_weights),
-                        save, group_name, MegaMoEOptions.of(*options))
+                        weight_casts or None, save, group_name, MegaMoEOptions.of(*options))
 
 
 @_mega_moe_op.register_fake
-def _mega_moe_fake(x, topk_ids, topk_weights, w1, w2, w3, fp8_weights, save, group_name,
-                   *options):
+def _mega_moe_fake(x, topk_ids, topk_weights, w1, w2, w3, fp8_weights, weight_casts, save,
+                   group_name, *options):
     if not save:
         return torch.empty_like(x), []
     options = MegaMoEOptions.of(*options)
@@ -433,7 +461,9 @@ _NO_GRADS = (None,) * (2 + len(MegaMoEOptions().op_args()))
 
 
 def _setup_context(ctx, inputs, output):
-    x, topk_ids, topk_weights, w1, w2, w3, fp8_weights, _save, *config = inputs
+    # the casts reach the backward in saved (the hopper forward saves what it computed from)
+    x, topk_ids, topk_weights, w1, w2, w3, fp8_weights, weight_casts, _save, *config = inputs
+    ctx.casts = len(weight_casts)
     _out, saved = output
     ctx.mark_non_differentiable(*saved)
     # Gradients of the saved outputs are never used: do not let autograd allocate zeros for them
@@ -471,7 +501,7 @@ def _backward(ctx, grad_out, _grad_saved):
     # torch.library passes a tensor list holding a None as one opaque argument (its gradient:
     # None) and a list of tensors element by element (a None each)
     fp8_grad = None if not all(ctx.fp8_slots) else [None] * len(ctx.fp8_slots)
-    return (dx, None, dweights, dw1, dw2, dw3, fp8_grad) + _NO_GRADS
+    return (dx, None, dweights, dw1, dw2, dw3, fp8_grad, [None] * ctx.casts) + _NO_GRADS
 
 
 _mega_moe_op.register_autograd(_backward, setup_context=_setup_context)
@@ -492,10 +522,10 @@ class _EagerMegaMoE(torch.autograd.Function):
     which they need to see."""
 
     @staticmethod
-    def forward(ctx, x, topk_ids, topk_weights, w1, w2, w3, fp8_weights, save, group_name,
-                options):
-        out, saved = _run_forward(x, topk_ids, topk_weights, w1, w2, w3, fp8_weights, save,
-                                  group_name, options)
+    def forward(ctx, x, topk_ids, topk_weights, w1, w2, w3, fp8_weights, weight_casts, save,
+                group_name, options):
+        out, saved = _run_forward(x, topk_ids, topk_weights, w1, w2, w3, fp8_weights,
+                                  weight_casts, save, group_name, options)
         _save_tensors(ctx, (x, topk_ids, topk_weights, w1, w2, w3),
               [] if fp8_weights is None else fp8_weights.tensors(), saved)
         ctx.config = (group_name, options)
@@ -515,4 +545,4 @@ class _EagerMegaMoE(torch.autograd.Function):
                 grad_out, x, topk_ids, topk_weights, w1, w2, w3, fp8_list, saved, group_name,
                 *options.op_args())
         dx, dweights, dw1, dw2, dw3 = grads
-        return dx, None, dweights, dw1, dw2, dw3, None, None, None, None
+        return dx, None, dweights, dw1, dw2, dw3, None, None, None, None, None

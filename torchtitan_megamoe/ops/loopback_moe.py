@@ -34,7 +34,7 @@ def _rank_step(group, args, grad_out, autograd, options):
     x, ids, w, w1, w2, w3 = args
     if grad_out is None:
         with torch.no_grad():
-            return (torch.ops.megamoe.mega_moe(*args, [], False, group.group_name,
+            return (torch.ops.megamoe.mega_moe(*args, [], [], False, group.group_name,
                                                *MegaMoEOptions.of(**options).op_args())[0],)
     if autograd:
         from torchtitan_megamoe.ops.api import mega_moe
@@ -49,7 +49,7 @@ def _rank_step(group, args, grad_out, autograd, options):
     from torchtitan_megamoe.ops.api import _run_backward
 
     opts = MegaMoEOptions.of(**options)
-    out, saved = torch.ops.megamoe.mega_moe(*args, [], True, group.group_name, *opts.op_args())
+    out, saved = torch.ops.megamoe.mega_moe(*args, [], [], True, group.group_name, *opts.op_args())
     grads = _run_backward(grad_out, *args, None, saved, group.group_name, opts,
                           release_saved=True)
     return (out, *grads)

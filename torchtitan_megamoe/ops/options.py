@@ -74,6 +74,14 @@ class MegaMoEOptions:
         one optimizer step to the next (one quantization per step, however many micro-batches
         it runs). The op itself does not read it.""")
 
+    bf16_weight_cache: bool = _option(True, """
+        A bf16 forward (``bf16``, ``fp8_bwd``) on the hopper backend at EP=1 under a bf16
+        autocast over fp32 weights (TorchTitan on one GPU, no FSDP): the module owning the
+        weights casts them to bf16 once per step, at the start of the model's forward, passes
+        the casts to the op (``weight_casts``) and frees them once its backward has read them;
+        off, the op casts them in every forward and recompute. The op itself reads only
+        ``weight_casts``.""")
+
     def __post_init__(self):
         check_fields(self, "mega_moe:")
         # not a field (equality, hashing and the schema stay the settings'), resolved once

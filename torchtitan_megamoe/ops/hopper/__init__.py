@@ -94,15 +94,20 @@ def _stages(options, group) -> tuple[str, str]:
     return _STAGES[(recipe.fp8_forward, recipe.fp8_dgrad, group_size(group) > 1)]
 
 
-def forward(x, topk_ids, topk_weights, w1, w2, w3, group, options, save=False, fp8_weights=None):
+def forward(x, topk_ids, topk_weights, w1, w2, w3, group, options, save=False, fp8_weights=None,
+            weight_casts=None):
     """out; with ``save``, (out, saved: list of tensors for backward(saved=...)). EP=1 saves
     [a, packed_plan] (bf16_forward.py); EP > 1 [store of every region's a (a slot each), each
     region's packed plan] (ep_forward.py), or nothing where ep_forward.keeps_saved says the
     backward recomputes. ``fp8_weights``: the layer's
-    fp8_weights.Fp8Weights (the FP8 stages' ``weight_cache``), or None: quantize per call."""
+    fp8_weights.Fp8Weights (the FP8 stages' ``weight_cache``), or None: quantize per call.
+    ``weight_casts``: the bf16 forward's casts of fp32 weights as their owner made them, or
+    None: cast here (cast_weights)."""
     check_inputs(x, w1, group, options.recipe)
     stage, _ = _stages(options, group)
-    copies = cast_weights(x, (w1, w2, w3)) if stage == "bf16" else ()
+    copies = ()
+    if stage == "bf16":
+        copies = tuple(weight_casts) if weight_casts else cast_weights(x, (w1, w2, w3))
     if copies:
         w1, w2, w3 = copies
     if stage == "ep":
@@ -124,9 +129,10 @@ def forward(x, topk_ids, topk_weights, w1, w2, w3, group, options, save=False, f
 
 def cast_weights(x, weights) -> tuple:
     """The bf16 forward's own copies of fp32 weights (api.mega_moe passes an EP=1 call's
-    parameters through under autocast), saved after the forward's for the backward, which
-    reads them and writes the gradients in fp32 straight from its GEMMs: no cast pass of
-    the gradients. () where the weights are x's dtype."""
+    parameters through under autocast; their owner may pass them made: ``weight_casts``),
+    saved after the forward's for the backward, which reads them and writes the gradients in
+    fp32 straight from its GEMMs: no cast pass of the gradients. () where the weights are x's
+    dtype."""
     if weights[0].dtype == x.dtype:
         return ()
     return tuple(w.to(x.dtype) for w in weights)
