@@ -506,10 +506,10 @@ def with_parallelism(jc, **degrees):
     return jc
 
 
-def init_model(model: torch.nn.Module, seed: int) -> torch.nn.Module:
+def init_model(model: torch.nn.Module, seed: int, device="cpu") -> torch.nn.Module:
     torch.manual_seed(seed)
     with torch.no_grad():
-        model.init_weights(buffer_device=torch.device("cpu"))
+        model.init_weights(buffer_device=torch.device(device))
     return model
 
 
@@ -522,7 +522,7 @@ def build_stock(args, seed: int = 0):
     return init_model(model, seed)
 
 
-def build_converted(args, seed: int = 0, jc=None):
+def build_converted(args, seed: int = 0, jc=None, device="cpu"):
     """What TorchTitan's trainer does: build on meta, convert, materialize, init."""
     from torchtitan.models.qwen3 import Qwen3Model
 
@@ -531,8 +531,30 @@ def build_converted(args, seed: int = 0, jc=None):
     with torch.device("meta"):
         model = Qwen3Model(copy.deepcopy(args))
     MegaMoEConverter(jc or job_config(), None).convert(model)
-    model.to_empty(device="cpu")
-    return init_model(model, seed)
+    model.to_empty(device=device)
+    return init_model(model, seed, device)
+
+
+def autocast_backward(model, tokens, labels, device="cpu", checkpointed=False) -> torch.Tensor:
+    """One training step's forward under a bf16 autocast (TorchTitan on one device), the
+    cross-entropy loss in fp32 and its backward; returns the loss. ``checkpointed``: the
+    forward under full activation checkpointing (non-reentrant, as TorchTitan's)."""
+    from torch.utils.checkpoint import checkpoint
+
+    with torch.autocast(device, dtype=torch.bfloat16):
+        logits = (checkpoint(model, tokens, use_reentrant=False) if checkpointed
+                  else model(tokens))
+    loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
+    loss.backward()
+    return loss.detach()
+
+
+def token_batches(vocab_size: int, steps: int, seed: int, device="cpu", shape=(2, 16)):
+    """``steps`` (tokens, labels) pairs of random token ids, from one generator."""
+    gen = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        yield (torch.randint(0, vocab_size, shape, generator=gen).to(device),
+               torch.randint(0, vocab_size, shape, generator=gen).to(device))
 
 
 @contextlib.contextmanager

@@ -29,8 +29,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from moe_testing import (OpNames, cpu_histc, init_gloo, job_config, make_inputs, op_args, routing,
-                         run_ranks)
+from moe_testing import (OpNames, autocast_backward, build_converted, cpu_histc, init_gloo,
+                         job_config, make_inputs, op_args, routing, run_ranks, token_batches)
 
 from torchtitan_megamoe import mega_moe
 from torchtitan_megamoe.moe import MegaExperts, _StandIns
@@ -425,7 +425,7 @@ def test_inference_mode_first_call_then_training():
 def _train(cache, precision, steps=3, seed=0):
     """TorchTitan's way on one device: meta build, convert, materialize, init; bf16 autocast
     over fp32 parameters; AdamW; the converter's post-optimizer hook after each step."""
-    from torchtitan.models.qwen3 import Qwen3Model, qwen3_args
+    from torchtitan.models.qwen3 import qwen3_args
 
     import torchtitan_megamoe.flavors  # noqa: F401  (registers megamoe_tiny_fp8)
     from torchtitan_megamoe.converter import MegaMoEConverter
@@ -435,29 +435,17 @@ def _train(cache, precision, steps=3, seed=0):
     args = dataclasses.replace(copy.deepcopy(qwen3_args["megamoe_tiny_fp8"]), n_layers=1)
     jc = job_config(backend="hopper", precision=precision, fp8_weight_cache=cache)
     conv = MegaMoEConverter(jc, None)
-    with torch.device("meta"):
-        model = Qwen3Model(args)
-    conv.convert(model)
-    model.to_empty(device=DEVICE)
-    torch.manual_seed(seed)
-    with torch.no_grad():
-        model.init_weights(buffer_device=torch.device(DEVICE))
+    model = build_converted(args, seed, jc, DEVICE)
     experts = [m for m in model.modules() if isinstance(m, MegaExperts)]
     ready = []  # per layer call: were its copies there before it ran?
     for m in experts:
         m.register_forward_pre_hook(lambda mod, _args: ready.append(mod._fp8 is not None))
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
-    gen = torch.Generator().manual_seed(seed + 1)
     losses, counts = [], []
-    for _ in range(steps):
-        tokens = torch.randint(0, args.vocab_size, (2, 16), generator=gen).to(DEVICE)
-        labels = torch.randint(0, args.vocab_size, (2, 16), generator=gen).to(DEVICE)
+    for tokens, labels in token_batches(args.vocab_size, steps, seed + 1, DEVICE):
         opt.zero_grad()
         with counting() as in_step:
-            with torch.autocast(DEVICE, dtype=torch.bfloat16):
-                logits = model(tokens)
-            loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
-            loss.backward()
+            loss = autocast_backward(model, tokens, labels, DEVICE)
         opt.step()
         with counting() as in_hook:
             conv.post_optimizer_hook([model])

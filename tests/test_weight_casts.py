@@ -21,10 +21,10 @@ import dataclasses
 
 import pytest
 import torch
-import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from moe_testing import cpu_histc, job_config, make_inputs, op_args, routing
+from moe_testing import (autocast_backward, build_converted, cpu_histc, job_config, make_inputs,
+                         op_args, routing, token_batches)
 from torchtitan_megamoe import mega_moe
 from torchtitan_megamoe.moe import MegaExperts
 from torchtitan_megamoe.ops import hopper as hb
@@ -151,35 +151,22 @@ def _train(cache: bool, steps: int = 2, seed: int = 0):
     """TorchTitan's way on one device (meta build, convert, materialize, init), one layer,
     bf16 autocast over fp32 parameters, full activation checkpointing of the layer, AdamW and
     the converter's post-optimizer hook."""
-    from torchtitan.models.qwen3 import Qwen3Model, qwen3_args
+    from torchtitan.models.qwen3 import qwen3_args
 
     import torchtitan_megamoe.flavors  # noqa: F401  (registers megamoe_tiny_fp8)
     from torchtitan_megamoe.converter import MegaMoEConverter
 
     args = dataclasses.replace(copy.deepcopy(qwen3_args["megamoe_tiny_fp8"]), n_layers=1)
-    conv = MegaMoEConverter(job_config(backend="hopper", bf16_weight_cache=cache), None)
-    with torch.device("meta"):
-        model = Qwen3Model(args)
-    conv.convert(model)
-    model.to_empty(device=DEVICE)
-    torch.manual_seed(seed)
-    with torch.no_grad():
-        model.init_weights(buffer_device=torch.device(DEVICE))
+    jc = job_config(backend="hopper", bf16_weight_cache=cache)
+    model = build_converted(args, seed, jc, DEVICE)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
-    gen = torch.Generator().manual_seed(seed + 1)
     losses, casts = [], []
-    for _ in range(steps):
-        tokens = torch.randint(0, args.vocab_size, (2, 16), generator=gen).to(DEVICE)
-        labels = torch.randint(0, args.vocab_size, (2, 16), generator=gen).to(DEVICE)
+    for tokens, labels in token_batches(args.vocab_size, steps, seed + 1, DEVICE):
         opt.zero_grad()
         with op_casts() as cast:
-            with torch.autocast(DEVICE, dtype=torch.bfloat16):
-                logits = checkpoint(model, tokens, use_reentrant=False)
-            loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
-            loss.backward()
+            losses.append(autocast_backward(model, tokens, labels, DEVICE, checkpointed=True))
         opt.step()
-        conv.post_optimizer_hook([model])
-        losses.append(loss.detach())
+        MegaMoEConverter(jc, None).post_optimizer_hook([model])
         casts.append(len(cast))
     experts = [m for m in model.modules() if isinstance(m, MegaExperts)]
     return losses, [p.detach().clone() for p in model.parameters()], casts, experts
