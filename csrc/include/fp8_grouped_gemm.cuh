@@ -301,7 +301,7 @@ __device__ __forceinline__ void dgrad2_swiglu_epilogue(const float (&acc)[64], c
 // w1_map: B (GEMM1_SWIGLU: w1; DGRAD2_SWIGLU: w2^T), w3_map: GEMM1_SWIGLU's w3, in_map: GEMM_ROWS's A (GEMM1_SWIGLU's with ROWS_A), out_map:
 // GEMM_ROWS's out. DGRAD2_SWIGLU's stores: out_map da [R, 2N] (boxes [64, 128]), in_map da^T [2N, R] and
 // w3_map h^T [N, R] (boxes [128, 64]).
-template <int MODE, bool ROWS_A>
+template <int MODE, bool ROWS_A, int CLUSTER>
 __global__ void __launch_bounds__(THREADS, 1)
     fp8_gemm_kernel(const __grid_constant__ CUtensorMap w1_map,
                     const __grid_constant__ CUtensorMap w3_map,
@@ -309,6 +309,8 @@ __global__ void __launch_bounds__(THREADS, 1)
                     const __grid_constant__ CUtensorMap out_map, const KernelParams p) {
   using L = Layout<MODE>;
   static_assert(!ROWS_A || MODE == GEMM1_SWIGLU, "ROWS_A: GEMM1_SWIGLU's x rows only");
+  static_assert(CLUSTER == 1 || (CLUSTER == 2 && MODE == GEMM1_SWIGLU),
+                "clusters of 2: GEMM1_SWIGLU only");
   constexpr bool GATHER = MODE != GEMM_ROWS && !ROWS_A;  // token rows by cp.async (x or dy)
   constexpr bool SWIGLU = MODE == GEMM1_SWIGLU;
   constexpr int STAGES = L::STAGES;
@@ -319,29 +321,45 @@ __global__ void __launch_bounds__(THREADS, 1)
 
   const int tid = threadIdx.x;
   const int wg = tid / 128;
+  const uint32_t rank = CLUSTER > 1 ? cluster_ctarank() : 0;  // this CTA's M tile of the pair
   if (tid == 0) {
-    smem.ring().init(GATHER ? 128 + 1 : 1);
+    smem.ring().init(GATHER ? 128 + 1 : 1, CLUSTER);
     mbar_init_fence();
     tma_prefetch_desc(&w1_map);
     if (SWIGLU) tma_prefetch_desc(&w3_map);
     if (!GATHER) tma_prefetch_desc(&in_map);
   }
   __syncthreads();
+  if constexpr (CLUSTER > 1) cluster_sync();  // the peer's barriers are initialised
 
   const bool group = p.seg_start != nullptr;
   const int m_lo = group ? p.seg_start[p.expert_base] / BM : 0;
   const int num_m =
       (group ? p.seg_start[p.expert_base + p.num_experts] : *p.num_rows_used) / BM - m_lo;
   const int num_n = p.N / BN;
-  const int num_units = num_m * num_n;
+  // A unit is CLUSTER consecutive M tiles (one per CTA of the cluster) of one N tile; the
+  // cluster walks the units of every gridDim-th cluster.
+  const int num_mc = (num_m + CLUSTER - 1) / CLUSTER;
+  const int num_units = num_mc * num_n;
+  const int first_unit = blockIdx.x / CLUSTER;
+  const int unit_stride = gridDim.x / CLUSTER;
   const int k_blocks = p.K / BK;
-  // the unit's tile and its expert's index into B (-1: another phase's tile, skipped by both
-  // roles)
-  auto decode = [&](int u, int& pid_m, int& pid_n) {
-    grouped_tile(u, num_m, num_n, p.group_m, pid_m, pid_n);
-    pid_m += m_lo;
-    const int e = p.tile_expert[(pid_m * BM) / p.plan_bm];
+  // the expert (index into B) of M tile m of the unit's N tile; -1: past the used rows or
+  // another phase's tile (no work)
+  auto expert_of = [&](int m) {
+    if (m >= num_m) return -1;
+    const int e = p.tile_expert[((m + m_lo) * BM) / p.plan_bm];
     return e < 0 ? -1 : e - p.expert_base;
+  };
+  // the unit's tile of this CTA and its expert; with a cluster the peer's expert too (both
+  // CTAs go through the unit's K steps in step if either has work)
+  auto decode = [&](int u, int& pid_m, int& pid_n, int& peer_expert) {
+    int mc;
+    grouped_tile(u, num_mc, num_n, p.group_m, mc, pid_n);
+    const int m = mc * CLUSTER + static_cast<int>(rank);
+    pid_m = m + m_lo;
+    peer_expert = CLUSTER > 1 ? expert_of(mc * CLUSTER + static_cast<int>(rank ^ 1)) : -1;
+    return expert_of(m);
   };
 
   if (wg == 0) {
@@ -352,28 +370,46 @@ __global__ void __launch_bounds__(THREADS, 1)
     const Ring<STAGES> ring = smem.ring();
     int stage = 0;
     uint32_t phase = 0;
-    if (!GATHER && tid != 0) return;  // GEMM_ROWS: thread 0 issues every load
-    for (int u = blockIdx.x; u < num_units; u += gridDim.x) {
-      int pid_m, pid_n;
-      const int expert = decode(u, pid_m, pid_n);
-      if (expert < 0) continue;
+    // without gathers thread 0 issues every load (the others wait at the end with a cluster)
+    const bool loads = GATHER || tid == 0;
+    for (int u = first_unit; loads && u < num_units; u += unit_stride) {
+      int pid_m, pid_n, peer;
+      const int expert = decode(u, pid_m, pid_n, peer);
+      if (expert < 0 && peer < 0) continue;
+      // a cluster pair on one expert: each CTA loads one of the w1 / w3 boxes for both
+      const bool shared = CLUSTER > 1 && expert >= 0 && expert == peer;
       const int w_row = expert * p.N + pid_n * BN;
       int tok[PASSES];
 #pragma unroll
       for (int i = 0; i < PASSES; ++i) {
-        const int slot = GATHER ? p.row_slot[pid_m * BM + i * ROWS_PER_PASS + rg] : -1;
+        const int slot =
+            GATHER && expert >= 0 ? p.row_slot[pid_m * BM + i * ROWS_PER_PASS + rg] : -1;
         tok[i] = slot >= 0 ? slot / p.top_k : -1;
       }
+      // the B boxes of K step kb: both loaded here, or (shared) this CTA's one for both CTAs
+      auto load_b = [&](uint32_t b_smem, int kb, uint32_t full) {
+        if (shared) {
+          tma_load_2d_multicast(b_smem + rank * BOX_BYTES, rank == 0 ? &w1_map : &w3_map,
+                                kb * BK, w_row, full, 0x3);
+        } else {
+          tma_load_2d(b_smem, &w1_map, kb * BK, w_row, full);
+          if constexpr (SWIGLU) tma_load_2d(b_smem + BOX_BYTES, &w3_map, kb * BK, w_row, full);
+        }
+      };
       for (int kb = 0; kb < k_blocks; ++kb) {
         mbar_wait(ring.empty(stage), phase ^ 1);
         const uint32_t a_smem = smem_base + stage * L::STAGE_BYTES;
         const uint32_t b_smem = a_smem + A_BYTES;
         const uint32_t full = ring.full(stage);
-        if constexpr (GATHER) {
+        if (CLUSTER > 1 && expert < 0) {
+          // idle in this unit (the peer is not): the stage completes without data, its
+          // consumers free it for the peer's producer
+          mbar_arrive_if(full, GATHER || tid == 0);
+          if (GATHER && tid == 0) mbar_arrive(full);
+        } else if constexpr (GATHER) {
           if (tid == 0) {
             mbar_arrive_expect_tx(full, L::B_BYTES);
-            tma_load_2d(b_smem, &w1_map, kb * BK, w_row, full);
-            if constexpr (SWIGLU) tma_load_2d(b_smem + BOX_BYTES, &w3_map, kb * BK, w_row, full);
+            load_b(b_smem, kb, full);
           }
 #pragma unroll
           for (int i = 0; i < PASSES; ++i) {
@@ -387,8 +423,7 @@ __global__ void __launch_bounds__(THREADS, 1)
         } else {
           mbar_arrive_expect_tx(full, L::STAGE_BYTES);
           tma_load_2d(a_smem, &in_map, kb * BK, pid_m * BM, full);
-          tma_load_2d(b_smem, &w1_map, kb * BK, w_row, full);
-          if constexpr (SWIGLU) tma_load_2d(b_smem + BOX_BYTES, &w3_map, kb * BK, w_row, full);
+          load_b(b_smem, kb, full);
         }
         if (++stage == STAGES) {
           stage = 0;
@@ -409,10 +444,34 @@ __global__ void __launch_bounds__(THREADS, 1)
     float part[64];
     float acc[64];
     [[maybe_unused]] float acc3[SWIGLU ? 64 : 1];
-    for (int u = blockIdx.x; u < num_units; u += gridDim.x) {
-      int pid_m, pid_n;
-      const int expert = decode(u, pid_m, pid_n);
-      if (expert < 0) continue;
+    auto advance = [&]() {
+      if (++stage == STAGES) {
+        stage = 0;
+        phase ^= 1;
+      }
+    };
+    // the warpgroup's wgmmas have all read stage s (with a cluster: free for the peer's
+    // producer's multicast too)
+    auto release = [&](int s) {
+      if constexpr (CLUSTER > 1) {
+        ring.release_pair(s, cw, rank ^ 1);
+      } else {
+        ring.release(s, cw);
+      }
+    };
+    for (int u = first_unit; u < num_units; u += unit_stride) {
+      int pid_m, pid_n, peer;
+      const int expert = decode(u, pid_m, pid_n, peer);
+      if (expert < 0) {
+        if (peer >= 0) {  // idle in this unit (the peer is not): free each stage it completes
+          for (int kb = 0; kb < k_blocks; ++kb) {
+            mbar_wait(ring.full(stage), phase);
+            release(stage);
+            advance();
+          }
+        }
+        continue;
+      }
       const int row0 = pid_m * BM + r_in;
       // the rows' scale rows: the row itself (row-space A) or its token (gathered; padding rows:
       // none)
@@ -439,14 +498,6 @@ __global__ void __launch_bounds__(THREADS, 1)
 #pragma unroll
         for (int i = 0; i < 64; ++i) acc3[i] = 0.f;
       }
-      auto advance = [&]() {
-        if (++stage == STAGES) {
-          stage = 0;
-          phase ^= 1;
-        }
-      };
-      // the warpgroup's wgmmas have all read stage s
-      auto release = [&](int s) { ring.release(s, cw); };
       auto stage_smem = [&](uint32_t& a_smem, uint32_t& b_smem) {
         a_smem = smem_base + stage * L::STAGE_BYTES + cw * 64 * BK;
         b_smem = smem_base + stage * L::STAGE_BYTES + A_BYTES;
@@ -536,13 +587,14 @@ __global__ void __launch_bounds__(THREADS, 1)
     }
     if (!SWIGLU && tid % 128 == 0) bulk_wait<0>();  // the bulk stores done before exit
   }
+  if constexpr (CLUSTER > 1) cluster_sync();  // no peer arrives on or writes into it any more
 }
 
-template <int MODE, bool ROWS_A = false>
+template <int MODE, bool ROWS_A = false, int CLUSTER = 1>
 static int launch(const CUtensorMap& w1_map, const CUtensorMap& w3_map, const CUtensorMap& in_map,
                   const CUtensorMap& out_map, const KernelParams& p, int num_sms,
                   cudaStream_t stream) {
-  return launch_persistent<fp8_gemm_kernel<MODE, ROWS_A>>(
+  return launch_persistent<fp8_gemm_kernel<MODE, ROWS_A, CLUSTER>, CLUSTER>(
       Layout<MODE>::SMEM_BYTES, THREADS, num_sms, stream, w1_map, w3_map, in_map, out_map, p);
 }
 

@@ -57,7 +57,7 @@ def _used(plan):
     return used, slot, expert
 
 
-def _gemm1(plan, xq, xs, wq, save_a=True, x_rows=False):
+def _gemm1(plan, xq, xs, wq, save_a=True, x_rows=False, cluster=1):
     R, H = plan.max_rows, wq.w1q.shape[1]
     hq = torch.full((R, H), float("nan"), device="cuda").to(FP8)
     hs = nan_tensor(R, H // 128, dtype=torch.float32)
@@ -65,18 +65,22 @@ def _gemm1(plan, xq, xs, wq, save_a=True, x_rows=False):
     if x_rows:  # the rows gathered first, read by TMA
         xq, xs = gather_rows(xq, xs, plan)
     fp8_gemm1_swiglu_sm90(xq, xs, wq.w1q, wq.w1s, wq.w3q, wq.w3s, plan, hq, hs, a,
-                          x_rows=x_rows)
+                          x_rows=x_rows, cluster=cluster)
     torch.cuda.synchronize()
     return hq, hs, a
 
 
-@pytest.mark.parametrize("x_rows", [False, True], ids=["gathered_inside", "rows_first"])
+@pytest.mark.parametrize("x_rows,cluster", [(False, 1), (True, 1), (False, 2), (True, 2)],
+                         ids=["gathered_inside", "rows_first", "pairs", "pairs_rows_first"])
 @pytest.mark.parametrize("name", ROUTINGS)
 @pytest.mark.parametrize("T,K,E,D,H", [(700, 4, 8, 256, 384), (333, 2, 5, 640, 128)],
                          ids=["d256_h384", "d640_h128"])
-def test_gemm1_swiglu_vs_float64(T, K, E, D, H, name, x_rows):
+def test_gemm1_swiglu_vs_float64(T, K, E, D, H, name, x_rows, cluster):
+    """Each way of reading the rows (gathered inside or first; CTA pairs sharing the weight
+    boxes by multicast, experts' tiles paired and unpaired, odd tile counts) against float64,
+    and bitwise the first way's."""
     plan, xq, xs, wq = _setup(T, K, E, D, H, name)
-    hq, hs, a = _gemm1(plan, xq, xs, wq, x_rows=x_rows)
+    hq, hs, a = _gemm1(plan, xq, xs, wq, x_rows=x_rows, cluster=cluster)
     used, slot, expert = _used(plan)
     xd = _deq_rows(xq, xs)
     w1d, w3d = _deq_weight(wq.w1q, wq.w1s), _deq_weight(wq.w3q, wq.w3s)
@@ -98,13 +102,14 @@ def test_gemm1_swiglu_vs_float64(T, K, E, D, H, name, x_rows):
     amax = h.abs().reshape(used, H // 128, 128).amax(-1).clamp_min(1e-12)
     assert rel_err(hs[:used][live], (amax / 448)[live]) < 1e-2
     assert torch.isnan(a[used:].float()).all(), "wrote rows past the used ones"
-    # again, and the other way of reading the rows: the same bits (same products, same order)
-    for again in (_gemm1(plan, xq, xs, wq, x_rows=x_rows), _gemm1(plan, xq, xs, wq,
-                                                                 x_rows=not x_rows)):
+    # again, and the first way: the same bits (same products, same order)
+    for again in (_gemm1(plan, xq, xs, wq, x_rows=x_rows, cluster=cluster),
+                  _gemm1(plan, xq, xs, wq)):
         assert all(torch.equal(u.view(torch.uint8) if u.dtype == FP8 else u,
                                v.view(torch.uint8) if v.dtype == FP8 else v)
                    for u, v in zip((hq[:used], hs[:used], a[:used]), (t[:used] for t in again)))
-    hq2, hs2, _ = _gemm1(plan, xq, xs, wq, save_a=False, x_rows=x_rows)  # the inference form
+    hq2, hs2, _ = _gemm1(plan, xq, xs, wq, save_a=False, x_rows=x_rows,  # the inference form
+                         cluster=cluster)
     assert torch.equal(hq2[:used].view(torch.uint8), hq[:used].view(torch.uint8))
 
 
@@ -301,11 +306,12 @@ def test_qwen3_30b_shape_matches_triton():
                                            save_a=True, config=tri)
     hq_c, hs_c, a_c = fg.fp8_gemm1_swiglu(xq, xs, wq.w1q, wq.w1s, wq.w3q, wq.w3s, plan,
                                            save_a=True, config=Sm90())
-    # the tuner's other sm90 candidate (rows gathered first): the same bits
-    first = fg.fp8_gemm1_swiglu(xq, xs, wq.w1q, wq.w1s, wq.w3q, wq.w3s, plan, save_a=True,
-                                config=Sm90(gather_first=True))
-    assert all(torch.equal(u[:used].view(torch.uint8), v[:used].view(torch.uint8))
-               for u, v in zip((hq_c, hs_c, a_c), first))
+    # the tuner's other sm90 candidate (rows gathered first), and CTA pairs: the same bits
+    for cfg in (Sm90(gather_first=True), Sm90(cluster=2), Sm90(gather_first=True, cluster=2)):
+        other = fg.fp8_gemm1_swiglu(xq, xs, wq.w1q, wq.w1s, wq.w3q, wq.w3s, plan, save_a=True,
+                                    config=cfg)
+        assert all(torch.equal(u[:used].view(torch.uint8), v[:used].view(torch.uint8))
+                   for u, v in zip((hq_c, hs_c, a_c), other)), cfg
     assert rel_err(a_c[:used], a_t[:used]) < 1e-3
     assert rel_err(_deq_rows(hq_c[:used], hs_c[:used]), _deq_rows(hq_t[:used], hs_t[:used])) < 1e-2
     y_t = fg.fp8_gemm_rows(hq_c, hs_c, wq.w2q, wq.w2s, plan, torch.bfloat16,

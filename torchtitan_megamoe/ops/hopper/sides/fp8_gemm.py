@@ -96,7 +96,8 @@ def _sm90_rows(cfg: Sm90, op: Operands):
 def _sm90_gemm1_swiglu(cfg: Sm90, op: Operands):
     x, xs = gather_rows(op.a, op.a_s, op.plan) if cfg.gather_first else (op.a, op.a_s)
     fp8_gemm1_swiglu_sm90(x, xs, op.b, op.b_s, op.b2, op.b2_s, op.plan, op.out, op.out_s,
-                          op.aux, group_m=cfg.group_m, x_rows=cfg.gather_first)
+                          op.aux, group_m=cfg.group_m, x_rows=cfg.gather_first,
+                          cluster=cfg.cluster or 1)
 
 
 def _sm90_dgrad2_swiglu(cfg: Sm90, op: Operands):
