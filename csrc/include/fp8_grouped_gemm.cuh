@@ -27,9 +27,9 @@
 // The tensor cores are not idle meanwhile: the two consumer warpgroups run unsynchronized (each
 // waits only on its own ring stages), so one promotes while the other's wgmmas run.
 //
-// Roles (384 threads, one CTA per SM, persistent; unit u = blockIdx.x + i * gridDim.x in the
-// GROUP_M order of grouped_tile; units past the used rows or of tiles with tile_expert -1 are
-// skipped by both roles alike):
+// Roles (384 threads, one CTA per SM, persistent; unit u = blockIdx.x / CLUSTER + i * gridDim.x
+// / CLUSTER in the GROUP_M order of grouped_tile; units past the used rows or of tiles with
+// tile_expert -1 are skipped by both roles alike):
 //   warpgroup 0 (producer, 40 registers): per K step it waits `empty[s]`, then
 //     GEMM_ROWS: thread 0 alone: arrive.expect_tx(full[s], 32 KiB), TMA loads of the A box [128
 //       rows, 128] and the B box [128 rows, 128]; full[s] completes on that one arrival and the
@@ -40,7 +40,15 @@
 //       arrivals and the bytes.
 //     GEMM1_SWIGLU with ROWS_A: the x rows gathered into the row space before the launch
 //       (zeros and scale 0 for padding rows); thread 0 alone, as GEMM_ROWS, with the w3 box too
-//       (48 KiB). The cp.async gather's latency is what the ring's 4 stages do not cover.
+//       (48 KiB). Faster where the gathered rows miss L2 (235B); both forms are L2-bound.
+//     GEMM1_SWIGLU with CLUSTER 2: a unit is two adjacent M tiles of one N tile, one per CTA of
+//       the pair. Where both belong to one expert, rank r loads box r (w1, w3) into both CTAs
+//       by TMA multicast (L2 serves 32 KiB per K step, not 48); otherwise each loads its own,
+//       and a CTA without a tile completes its stages without data (an arrival each). Both
+//       CTAs walk every unit either has work in, in step: each consumer warpgroup frees a
+//       stage on both CTAs' empty[s] (4 arrivals), so a producer overwrites the peer's stage
+//       only once the peer is done with it; a cluster barrier at start (barriers initialised)
+//       and at exit (no arrival or write still on its way to an exited CTA).
 //   warpgroups 1, 2 (consumers, 232 registers): rows [0, 64) and [64, 128) of the tile. Per K
 //     step: the step's scales loaded (global; their latency hides behind the wait), wait
 //     full[s] (GEMM1_SWIGLU: a proxy fence for the cp.async rows), 4 wgmma m64n128k32 into the
