@@ -195,11 +195,13 @@ class MegaExperts(GroupedExperts):
     def _casts_apply(self, x: torch.Tensor, group, weights) -> bool:
         """Whether this call takes module-owned bf16 casts: the op's hopper bf16 forward would
         cast these fp32 weights itself (api.backend_casts_weights), and the cache is on."""
-        if not (self.options.bf16_weight_cache and group is None and not self._fsdp_managed
-                and torch.is_autocast_enabled(x.device.type)):
+        o = self.options
+        # the cheap tests first: an FP8 forward (its host time is the step's bound) stops here
+        if not (o.bf16_weight_cache and not o.recipe.fp8_forward and group is None
+                and not self._fsdp_managed and torch.is_autocast_enabled(x.device.type)):
             return False
         probe = x.new_empty((0, x.shape[-1]), dtype=compute_dtype(x))  # x as the op casts it
-        return backend_casts_weights(probe, weights, group, self.options)
+        return backend_casts_weights(probe, weights, group, o)
 
     def weight_casts(self, weights, dtype) -> tuple:
         """This layer's bf16 casts of ``weights`` (the fp32 parameters), made again first if
@@ -275,7 +277,7 @@ class MegaExperts(GroupedExperts):
     def release_after_backward(self) -> None:
         """The layer's backward has read its copies (_FreeAfterBackward): free the bf16 casts,
         and the FP8 copies with ``fp8_free_after_backward``."""
-        self._casts = self._casts_from = None
+        self.drop_weight_casts()
         if self.options.fp8_free_after_backward:
             self.drop_fp8_weights()
 
@@ -285,7 +287,7 @@ class MegaExperts(GroupedExperts):
         next forward makes them). Unconditionally: a fused optimizer (torch's fused AdamW,
         TorchTitan's default on GPUs) writes the weights without moving their version
         counters, so _source_of cannot see its step."""
-        self._casts = self._casts_from = None
+        self.drop_weight_casts()
         for role, (source, _q, _s) in list(self._fp8_shards.items()):
             w = getattr(self, role)
             local = w._local_tensor if isinstance(w, DTensor) else None
@@ -301,6 +303,10 @@ class MegaExperts(GroupedExperts):
     def drop_fp8_weights(self) -> None:
         """Free the FP8 copies (they are made again on the next call that needs them)."""
         self._fp8 = self._fp8_from = None
+
+    def drop_weight_casts(self) -> None:
+        """Free the bf16 casts (they are made again on the next call that needs them)."""
+        self._casts = self._casts_from = None
 
     def _local_weights_and_group(self):
         w1, w2, w3 = self.w1, self.w2, self.w3
@@ -351,7 +357,7 @@ class MegaExperts(GroupedExperts):
         if self._casts_apply(x, group, (w1, w2, w3)):
             casts = self.weight_casts((w1, w2, w3), compute_dtype(x))
         elif self._casts is not None:
-            self._casts = self._casts_from = None  # no longer used
+            self.drop_weight_casts()  # no longer used
         frees = casts is not None or (
             fp8 is not None and fp8 is self._fp8 and self.options.fp8_free_after_backward)
         if frees and torch.is_grad_enabled():

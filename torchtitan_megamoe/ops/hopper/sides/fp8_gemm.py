@@ -151,7 +151,8 @@ def _sm90_offer(s: Shape, av) -> list:
     mode = (swiglu and s.gather) or (not swiglu and s.out_bf16)
     if not (mode and av.sm90 and fp8_shape_supported(s.N, s.K, s.block_m)):
         return []
-    # GEMM 1: the rows gathered inside (cp.async, latency-bound) or by a pass first (TMA)
+    # GEMM 1: the rows gathered inside (cp.async) or by a pass first (TMA): which is faster
+    # depends on the shape (docs/PERF.md, Kept table)
     firsts = (False, True) if s.epilogue == "gemm1_swiglu" else (False,)
     return [Sm90(group_m=8, gather_first=f) for f in firsts]
 
