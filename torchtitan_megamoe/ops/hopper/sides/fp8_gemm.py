@@ -152,7 +152,7 @@ def _sm90_offer(s: Shape, av) -> list:
     if not (mode and av.sm90 and fp8_shape_supported(s.N, s.K, s.block_m)):
         return []
     # GEMM 1: the rows gathered inside (cp.async) or by a pass first (TMA): which is faster
-    # depends on the shape (docs/PERF.md, Kept table)
+    # depends on the shape, so the tuner times both
     firsts = (False, True) if s.epilogue == "gemm1_swiglu" else (False,)
     return [Sm90(group_m=8, gather_first=f) for f in firsts]
 
