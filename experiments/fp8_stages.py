@@ -16,11 +16,12 @@ The compass (``--target 30B=5.5,235B=21``: the fp8 fwd+bwd each shape should tak
 rate each GEMM stage of the default fp8 path runs at now and the rate it needs, with every
 other part of the op (router, plan, quantization, SwiGLU passes, combines) kept as it is.
 
-    python experiments/fp8_stages.py [--tokens 16384] [--shapes 30B,235B] [--no-op]
+    python experiments/fp8_stages.py [--tokens 16384] [--shapes 30B,235B] [--no-op] [--pairs]
         [--target SHAPE=MS,...]
 """
 
 import argparse
+import dataclasses
 import os
 
 import torch
@@ -62,6 +63,10 @@ def best_of_ours(run, epilogue, a, N, K, out, gather):
     shape = Shape(epilogue, N, K, FP8_BLOCK_M, out.dtype == torch.bfloat16, gather)
     cands = [c for c in STAGES["fp8_gemm2"].offer(shape, available(a)).candidates
              if c.side != "deepgemm"]
+    if PAIRS:  # the CTA-pair form of each sm90 candidate (the tuner does not offer it yet)
+        rows_pairs = epilogue == "gemm_rows" and (N // 128) % 2 == 0
+        cands += [dataclasses.replace(c, cluster=2) for c in cands if c.side == "sm90"
+                  and (epilogue == "gemm1_swiglu" or rows_pairs)]
     times = []
     for c in cands:
         try:
@@ -73,6 +78,9 @@ def best_of_ours(run, epilogue, a, N, K, out, gather):
                              for t, c in sorted(times, key=lambda t: t[0])))
     return min(times, key=lambda t: t[0])
 
+
+PAIRS = False
+"""--pairs: time the sm90 candidates in CTA pairs too."""
 
 GEMM_ROWS = []
 """(label, flop, ours ms) of the current shape's GEMM stages on the default fp8 path (compass)."""
@@ -141,9 +149,13 @@ def main():
     p.add_argument("--tokens", type=int, default=16384, help="tokens of the layer")
     p.add_argument("--shapes", default="30B,235B", help="comma list of: 30B, 235B")
     p.add_argument("--no-op", action="store_true", help="skip the whole-op rows")
+    p.add_argument("--pairs", action="store_true",
+                   help="also time each sm90 candidate in CTA pairs (Sm90(cluster=2))")
     p.add_argument("--target", default="", metavar="SHAPE=MS,...",
                    help="fp8 fwd+bwd targets per shape for the compass, e.g. 30B=5.5,235B=21")
     args = p.parse_args()
+    global PAIRS
+    PAIRS = args.pairs
     targets = {k: float(v) for k, v in (kv.split("=") for kv in args.target.split(",") if kv)}
     dev = "cuda"
     have_dg = deepgemm.available(torch.zeros(1, device=dev))

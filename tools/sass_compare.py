@@ -5,8 +5,10 @@
 Needs nvcc (no GPU): every csrc/*.cu of the working tree and of ``--base`` (read with ``git
 show``, built in a scratch directory) is compiled to an sm_90a cubin with the JIT build's flags
 (ops/hopper/cuda/build.py) and disassembled with cuobjdump (from the CUDA toolkit, else the copy
-Triton ships). Kernels are matched by name and template arguments, ignoring namespaces and
-parameter type names (they are renamed freely); each pair's instructions are compared after
+Triton ships). Kernels are matched by name and template arguments (every integer and bool one),
+ignoring namespaces and parameter type names (they are renamed freely); ``--added-arg
+KERNEL=V``: a template parameter appended to KERNEL since ``--base``, whose value V the base's
+instances had (e.g. fp8_gemm_kernel=1); each pair's instructions are compared after
 dropping addresses and encodings (branch targets are function-relative, so equal code has equal
 targets). Prints, per kernel: "identical", "registers renumbered" (the same
 instruction sequence with other register numbers), or the number of differing instructions;
@@ -64,8 +66,8 @@ def cuobjdump() -> str:
 
 
 def kernel_key(mangled: str) -> tuple[str, str]:
-    """(the kernel's identifier, its integer template argument or ''): the last name of the
-    mangled nested name, without its namespaces."""
+    """(the kernel's identifier, its integer and bool template arguments joined by commas, or
+    ''): the last name of the mangled nested name, without its namespaces."""
     if not mangled.startswith("_ZN"):
         return (mangled, "")
     i, last = 3, mangled
@@ -75,8 +77,15 @@ def kernel_key(mangled: str) -> tuple[str, str]:
             j += 1
         n = int(mangled[i:j])
         last, i = mangled[j:j + n], j + n
-    m = re.match(r"ILi(\d+)EE", mangled[i:])
-    return (last, m.group(1) if m else "")
+    m = re.match(r"I((?:L[a-z]+\d+E)+)E", mangled[i:])
+    return (last, ",".join(re.findall(r"L[a-z]+(\d+)E", m.group(1))) if m else "")
+
+
+def label(key: tuple[str, str]) -> str:
+    """The family / mode name of NAMES (by the first template argument), the others after it."""
+    first, _, rest = key[1].partition(",")
+    name = NAMES.get((key[0], first), f"{key[0]}<{first}>")
+    return f"{name} <{rest}>" if rest else name
 
 
 def compile_tree(csrc: Path, out: Path, jobs: int) -> dict:
@@ -163,6 +172,8 @@ def main() -> int:
     ap.add_argument("--base", required=True, help="the commit to compare against (git rev)")
     ap.add_argument("--jobs", type=int, default=os.cpu_count() or 1,
                     help="parallel nvcc runs (default: the CPU count)")
+    ap.add_argument("--added-arg", metavar="KERNEL=V",
+                    help="a template parameter appended to KERNEL since --base: V in the base")
     ap.add_argument("--show-diff", type=int, default=0, metavar="N",
                     help="print the first N lines of each differing kernel's diff (default 0)")
     args = ap.parse_args()
@@ -172,10 +183,13 @@ def main() -> int:
         (tmp / "new").mkdir()
         old = compile_tree(base_csrc(args.base, tmp / "src"), tmp / "base", args.jobs)
         new = compile_tree(REPO / "csrc", tmp / "new", args.jobs)
+    if args.added_arg:  # the base's instances under the working tree's keys
+        kernel, _, value = args.added_arg.partition("=")
+        old = {(k, f"{a},{value}" if k == kernel else a): v for (k, a), v in old.items()}
     differ = 0
     print(f"{'kernel':36} {'SASS':22} {args.base + ' (base)':28} working tree")
-    for key in sorted(set(old) | set(new), key=lambda k: NAMES.get(k, str(k))):
-        name = NAMES.get(key, f"{key[0]}<{key[1]}>")
+    for key in sorted(set(old) | set(new), key=label):
+        name = label(key)
         if key not in old or key not in new:
             differ += 1
             side = "base" if key in old else "working tree"

@@ -49,6 +49,11 @@
 //       stage on both CTAs' empty[s] (4 arrivals), so a producer overwrites the peer's stage
 //       only once the peer is done with it; a cluster barrier at start (barriers initialised)
 //       and at exit (no arrival or write still on its way to an exited CTA).
+//     GEMM_ROWS with CLUSTER 2: a unit is two adjacent N tiles of one M tile, one per CTA; rank
+//       r loads rows [64 r, 64 r + 64) of the A box into both CTAs by multicast (in_map's box
+//       is 64 rows) and its own B box (L2 serves 24 KiB per K step, not 32). Both CTAs always
+//       share the M tile, so neither is ever idle in a unit; the host asks for an even number
+//       of N tiles. Stages are freed on both CTAs, with the cluster barriers, as above.
 //   warpgroups 1, 2 (consumers, 232 registers): rows [0, 64) and [64, 128) of the tile. Per K
 //     step: the step's scales loaded (global; their latency hides behind the wait), wait
 //     full[s] (GEMM1_SWIGLU: a proxy fence for the cp.async rows), 4 wgmma m64n128k32 into the
@@ -317,10 +322,14 @@ __global__ void __launch_bounds__(THREADS, 1)
                     const __grid_constant__ CUtensorMap out_map, const KernelParams p) {
   using L = Layout<MODE>;
   static_assert(!ROWS_A || MODE == GEMM1_SWIGLU, "ROWS_A: GEMM1_SWIGLU's x rows only");
-  static_assert(CLUSTER == 1 || (CLUSTER == 2 && MODE == GEMM1_SWIGLU),
-                "clusters of 2: GEMM1_SWIGLU only");
+  static_assert(CLUSTER == 1 || (CLUSTER == 2 && MODE != DGRAD2_SWIGLU),
+                "clusters of 2: GEMM1_SWIGLU and GEMM_ROWS only");
   constexpr bool GATHER = MODE != GEMM_ROWS && !ROWS_A;  // token rows by cp.async (x or dy)
   constexpr bool SWIGLU = MODE == GEMM1_SWIGLU;
+  // CTA pairs: GEMM1_SWIGLU's on two M tiles share the weight boxes (48 KiB a step, 32 of B);
+  // GEMM_ROWS's on two N tiles of one M tile share the A box (its B is per N tile)
+  constexpr bool PAIR_M = CLUSTER > 1 && SWIGLU;
+  constexpr bool PAIR_N = CLUSTER > 1 && MODE == GEMM_ROWS;
   constexpr int STAGES = L::STAGES;
   extern __shared__ __align__(1024) uint8_t smem_raw[];
   const SmemLayout<STAGES, L::STAGE_BYTES, L::EPI_BYTES> smem(smem_raw);
@@ -329,7 +338,7 @@ __global__ void __launch_bounds__(THREADS, 1)
 
   const int tid = threadIdx.x;
   const int wg = tid / 128;
-  const uint32_t rank = CLUSTER > 1 ? cluster_ctarank() : 0;  // this CTA's M tile of the pair
+  const uint32_t rank = CLUSTER > 1 ? cluster_ctarank() : 0;  // this CTA's tile of the pair
   if (tid == 0) {
     smem.ring().init(GATHER ? 128 + 1 : 1, CLUSTER);
     mbar_init_fence();
@@ -345,28 +354,31 @@ __global__ void __launch_bounds__(THREADS, 1)
   const int num_m =
       (group ? p.seg_start[p.expert_base + p.num_experts] : *p.num_rows_used) / BM - m_lo;
   const int num_n = p.N / BN;
-  // A unit is CLUSTER consecutive M tiles (one per CTA of the cluster) of one N tile; the
+  // A unit is one tile per CTA of the cluster: consecutive M tiles of one N tile (PAIR_M) or
+  // consecutive N tiles of one M tile (PAIR_N: the host checks that num_n is even); the
   // cluster walks the units of every gridDim-th cluster.
-  const int num_mc = (num_m + CLUSTER - 1) / CLUSTER;
-  const int num_units = num_mc * num_n;
-  const int first_unit = blockIdx.x / CLUSTER;
-  const int unit_stride = gridDim.x / CLUSTER;
+  const int num_mc = PAIR_M ? (num_m + 1) / 2 : num_m;
+  const int num_nc = PAIR_N ? num_n / 2 : num_n;
+  const int num_units = num_mc * num_nc;
   const int k_blocks = p.K / BK;
   // the expert (index into B) of M tile m of the unit's N tile; -1: past the used rows or
   // another phase's tile (no work)
   auto expert_of = [&](int m) {
-    if (m >= num_m) return -1;
+    if (PAIR_M && m >= num_m) return -1;  // the second tile of an odd count's last pair
     const int e = p.tile_expert[((m + m_lo) * BM) / p.plan_bm];
     return e < 0 ? -1 : e - p.expert_base;
   };
   // the unit's tile of this CTA and its expert; with a cluster the peer's expert too (both
   // CTAs go through the unit's K steps in step if either has work)
   auto decode = [&](int u, int& pid_m, int& pid_n, int& peer_expert) {
-    int mc;
-    grouped_tile(u, num_mc, num_n, p.group_m, mc, pid_n);
-    const int m = mc * CLUSTER + static_cast<int>(rank);
+    int mc, nc;
+    grouped_tile(u, num_mc, num_nc, p.group_m, mc, nc);
+    const int m = PAIR_M ? mc * 2 + static_cast<int>(rank) : mc;
+    pid_n = PAIR_N ? nc * 2 + static_cast<int>(rank) : nc;
     pid_m = m + m_lo;
-    peer_expert = CLUSTER > 1 ? expert_of(mc * CLUSTER + static_cast<int>(rank ^ 1)) : -1;
+    peer_expert = PAIR_M ? expert_of(mc * 2 + static_cast<int>(rank ^ 1))
+                  : PAIR_N ? expert_of(m)
+                           : -1;
     return expert_of(m);
   };
 
@@ -378,25 +390,29 @@ __global__ void __launch_bounds__(THREADS, 1)
     const Ring<STAGES> ring = smem.ring();
     int stage = 0;
     uint32_t phase = 0;
-    // without gathers thread 0 issues every load (the others wait at the end with a cluster)
+    // without gathers thread 0 issues every load (with a cluster the others wait at the end)
+    if constexpr (CLUSTER == 1) {
+      if (!GATHER && tid != 0) return;
+    }
     const bool loads = GATHER || tid == 0;
-    for (int u = first_unit; loads && u < num_units; u += unit_stride) {
+    for (int u = blockIdx.x / CLUSTER; (CLUSTER == 1 || loads) && u < num_units;
+         u += gridDim.x / CLUSTER) {
       int pid_m, pid_n, peer;
       const int expert = decode(u, pid_m, pid_n, peer);
       if (expert < 0 && peer < 0) continue;
-      // a cluster pair on one expert: each CTA loads one of the w1 / w3 boxes for both
-      const bool shared = CLUSTER > 1 && expert >= 0 && expert == peer;
+      // a PAIR_M pair on one expert: each CTA loads one of the w1 / w3 boxes for both
+      const bool shared_b = PAIR_M && expert >= 0 && expert == peer;
       const int w_row = expert * p.N + pid_n * BN;
       int tok[PASSES];
 #pragma unroll
       for (int i = 0; i < PASSES; ++i) {
-        const int slot =
-            GATHER && expert >= 0 ? p.row_slot[pid_m * BM + i * ROWS_PER_PASS + rg] : -1;
+        const bool rows = GATHER && (CLUSTER == 1 || expert >= 0);  // an idle CTA reads none
+        const int slot = rows ? p.row_slot[pid_m * BM + i * ROWS_PER_PASS + rg] : -1;
         tok[i] = slot >= 0 ? slot / p.top_k : -1;
       }
-      // the B boxes of K step kb: both loaded here, or (shared) this CTA's one for both CTAs
+      // the B boxes of K step kb: both loaded here, or (shared_b) this CTA's one for both CTAs
       auto load_b = [&](uint32_t b_smem, int kb, uint32_t full) {
-        if (shared) {
+        if (shared_b) {
           tma_load_2d_multicast(b_smem + rank * BOX_BYTES, rank == 0 ? &w1_map : &w3_map,
                                 kb * BK, w_row, full, 0x3);
         } else {
@@ -430,7 +446,14 @@ __global__ void __launch_bounds__(THREADS, 1)
           cp_async_arrive_noinc(full);
         } else {
           mbar_arrive_expect_tx(full, L::STAGE_BYTES);
-          tma_load_2d(a_smem, &in_map, kb * BK, pid_m * BM, full);
+          if constexpr (PAIR_N) {
+            // rows [64 rank, 64 rank + 64) of the pair's A box into both CTAs (in_map's box is
+            // 64 rows; the two halves stack into the 128-row box's swizzled layout)
+            tma_load_2d_multicast(a_smem + rank * (A_BYTES / 2), &in_map, kb * BK,
+                                  pid_m * BM + static_cast<int>(rank) * (BM / 2), full, 0x3);
+          } else {
+            tma_load_2d(a_smem, &in_map, kb * BK, pid_m * BM, full);
+          }
           load_b(b_smem, kb, full);
         }
         if (++stage == STAGES) {
@@ -467,7 +490,7 @@ __global__ void __launch_bounds__(THREADS, 1)
         ring.release(s, cw);
       }
     };
-    for (int u = first_unit; u < num_units; u += unit_stride) {
+    for (int u = blockIdx.x / CLUSTER; u < num_units; u += gridDim.x / CLUSTER) {
       int pid_m, pid_n, peer;
       const int expert = decode(u, pid_m, pid_n, peer);
       if (expert < 0) {

@@ -117,6 +117,8 @@ typedef struct Fp8GemmRowsParams {
   int plan_bm;
   int group_m;
   long long rows;
+  int cluster; /* 1, or 2: CTA pairs on two N tiles of one M tile share the A box by TMA
+                  multicast (N / 128 even) */
   int num_sms;
   void* stream;
 } Fp8GemmRowsParams;

@@ -1,7 +1,8 @@
 """The FP8 modes of csrc/'s kernel families on an H200 (marked gpu; skipped without an sm_90 GPU
 and nvcc): gemm1_swiglu (h quantized per row and 128 columns in the epilogue, a = [a1 | a3]
-saved; token rows gathered inside or first), gemm_rows (gemm2, dgrad1), dgrad2_swiglu (dgrad of linear 2 + the SwiGLU backward, five
-quantized outputs) and the weight gradients against float64 math on the same
+saved; token rows gathered inside or first; CTA pairs sharing boxes by multicast, bitwise
+the single CTAs), gemm_rows (gemm2, dgrad1; also in CTA pairs), dgrad2_swiglu (dgrad of
+linear 2 + the SwiGLU backward, five quantized outputs) and the weight gradients against float64 math on the same
 quantized operands, on uneven routings (dropped slots, an empty expert, one expert holding
 every row, one token), token counts that are not tile multiples, outputs poisoned first (rows
 past the used ones must stay untouched), and against the Triton FP8 kernels of the same
@@ -146,10 +147,19 @@ def test_rows_vs_float64(T, K, E, N, KD, name):
     assert rel_err(out[:used], ref) < 1e-2, rel_err(out[:used], ref)
     assert torch.all(out[:used][slot < 0] == 0), "padding rows must be exactly 0"
     assert torch.isnan(out[used:]).all(), "wrote rows past the used ones"
+    if (N // 128) % 2 == 0:  # CTA pairs sharing the A box: the same bits
+        pairs = nan_tensor(plan.max_rows, N)
+        fp8_gemm_rows_sm90(aq, a_s, bq, b_s, plan, pairs, cluster=2)
+        assert torch.equal(pairs[:used], out[:used]), "CTA pairs differ from single CTAs"
+        assert torch.isnan(pairs[used:]).all(), "CTA pairs wrote rows past the used ones"
+    else:
+        with pytest.raises(ValueError, match="even number"):
+            fp8_gemm_rows_sm90(aq, a_s, bq, b_s, plan, out, cluster=2)
 
 
+@pytest.mark.parametrize("cluster", (1, 2), ids=["ctas", "pairs"])
 @pytest.mark.parametrize("name", ("random", "uneven", "one_expert"))
-def test_rows_by_expert_groups(name):
+def test_rows_by_expert_groups(name, cluster):
     """The backward's dgrad of linear 1 split by experts (B holding one group's experts): each
     launch writes its group's rows only, and the groups together equal the one launch."""
     T, K, E, N, KD = 700, 4, 8, 256, 384
@@ -160,7 +170,8 @@ def test_rows_by_expert_groups(name):
     fp8_gemm_rows_sm90(aq, a_s, bq, b_s, plan, whole)
     split = nan_tensor(plan.max_rows, N)
     for lo, hi in ((0, 3), (3, 4), (4, 8)):
-        fp8_gemm_rows_sm90(aq, a_s, bq[lo:hi], b_s[lo:hi], plan, split, expert_base=lo)
+        fp8_gemm_rows_sm90(aq, a_s, bq[lo:hi], b_s[lo:hi], plan, split, expert_base=lo,
+                           cluster=cluster)
         torch.cuda.synchronize()
         done = expert < hi
         assert torch.equal(split[:used][done], whole[:used][done]), (lo, hi)
@@ -319,6 +330,9 @@ def test_qwen3_30b_shape_matches_triton():
     y_c = fg.fp8_gemm_rows(hq_c, hs_c, wq.w2q, wq.w2s, plan, torch.bfloat16,
                            config=Sm90())
     assert rel_err(y_c[:used], y_t[:used]) < 1e-3, rel_err(y_c[:used], y_t[:used])
+    y_p = fg.fp8_gemm_rows(hq_c, hs_c, wq.w2q, wq.w2s, plan, torch.bfloat16,
+                           config=Sm90(cluster=2))
+    assert torch.equal(y_p[:used], y_c[:used]), "row GEMM CTA pairs differ"
     # kernel A on the same plan: every output against the Triton kernel's
     g = torch.Generator(device="cuda").manual_seed(4)
     dy = torch.randn(T, D, device="cuda", generator=g).bfloat16()

@@ -90,7 +90,7 @@ def _triton(cfg, op: Operands):
 def _sm90_rows(cfg: Sm90, op: Operands):
     rows, rows_s = gather_rows(op.a, op.a_s, op.plan) if op.gather else (op.a, op.a_s)
     fp8_gemm_rows_sm90(rows, rows_s, op.b, op.b_s, op.plan, op.out, group_m=cfg.group_m,
-                       expert_base=op.expert_base)
+                       expert_base=op.expert_base, cluster=cfg.cluster or 1)
 
 
 def _sm90_gemm1_swiglu(cfg: Sm90, op: Operands):
