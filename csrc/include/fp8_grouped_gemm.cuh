@@ -55,7 +55,7 @@
 //       share the M tile, so neither is ever idle in a unit; the host asks for an even number
 //       of N tiles. Stages are freed on both CTAs, with the cluster barriers, as above.
 //   warpgroups 1, 2 (consumers, 232 registers): rows [0, 64) and [64, 128) of the tile. Per K
-//     step: the step's scales loaded (global; their latency hides behind the wait), wait
+//     step: the next step's scales loaded (global, one step ahead: a busy L2's latency), wait
 //     full[s] (GEMM1_SWIGLU: a proxy fence for the cp.async rows), 4 wgmma m64n128k32 into the
 //     partial, wait, promote; GEMM1_SWIGLU does this twice (w1's box, then w3's). Then a warpgroup
 //     barrier and ONE arrival per warpgroup on empty[s] (2 complete it).
@@ -533,13 +533,23 @@ __global__ void __launch_bounds__(THREADS, 1)
         a_smem = smem_base + stage * L::STAGE_BYTES + cw * 64 * BK;
         b_smem = smem_base + stage * L::STAGE_BYTES + A_BYTES;
       };
+      // Each K step's scales are loaded during the step before (the last step reloads its
+      // own): under a busy L2 their latency outlasts one wgmma batch, which would stall the
+      // promotion that needs them.
+      // s[0], s[1]: the rows' scales; s[2]: B's (w1's); s[3]: w3's (SWIGLU)
+      auto load_scales = [&](int kb, float (&s)[SWIGLU ? 4 : 3]) {
+        s[0] = live[0] ? __ldg(sa0 + kb) : 0.f;
+        s[1] = live[1] ? __ldg(sa1 + kb) : 0.f;
+        s[2] = __ldg(p.b_scale + sb_off + kb);
+        if constexpr (SWIGLU) s[3] = __ldg(p.b3_scale + sb_off + kb);
+      };
+      float next[SWIGLU ? 4 : 3];
+      load_scales(0, next);
       if constexpr (SWIGLU) {
         // w1's wgmmas, their promotion, w3's (one partial: a1, a3 and it take 192 registers)
         for (int kb = 0; kb < k_blocks; ++kb) {
-          const float a0 = live[0] ? __ldg(sa0 + kb) : 0.f;
-          const float a1 = live[1] ? __ldg(sa1 + kb) : 0.f;
-          const float b1 = __ldg(p.b_scale + sb_off + kb);
-          const float b3 = __ldg(p.b3_scale + sb_off + kb);
+          const float a0 = next[0], a1 = next[1], b1 = next[2], b3 = next[3];
+          load_scales(min(kb + 1, k_blocks - 1), next);
           mbar_wait(ring.full(stage), phase);
           if constexpr (GATHER) fence_proxy_async();  // the cp.async rows, for the async proxy
           uint32_t a_smem, b_smem;
@@ -558,9 +568,8 @@ __global__ void __launch_bounds__(THREADS, 1)
         // wgmmas run meanwhile. (A second partial, promoting step kb - 1 under step kb's
         // wgmmas, spills.)
         for (int kb = 0; kb < k_blocks; ++kb) {
-          const float b1 = __ldg(p.b_scale + sb_off + kb);
-          const float s0 = (live[0] ? __ldg(sa0 + kb) : 0.f) * b1;
-          const float s1 = (live[1] ? __ldg(sa1 + kb) : 0.f) * b1;
+          const float s0 = next[0] * next[2], s1 = next[1] * next[2];
+          load_scales(min(kb + 1, k_blocks - 1), next);
           mbar_wait(ring.full(stage), phase);
           if constexpr (GATHER) fence_proxy_async();  // DGRAD2_SWIGLU's cp.async rows
           uint32_t a_smem, b_smem;
