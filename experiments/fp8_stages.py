@@ -21,11 +21,11 @@ other part of the op (router, plan, quantization, SwiGLU passes, combines) kept 
 """
 
 import argparse
-import dataclasses
 import os
 
 import torch
 
+from torchtitan_megamoe import settings
 from torchtitan_megamoe.ops import hopper
 from torchtitan_megamoe.ops.hopper import deepgemm, tune
 from torchtitan_megamoe.ops.hopper.bf16_backward import WeightGrads, tuner_key
@@ -63,10 +63,6 @@ def best_of_ours(run, epilogue, a, N, K, out, gather):
     shape = Shape(epilogue, N, K, FP8_BLOCK_M, out.dtype == torch.bfloat16, gather)
     cands = [c for c in STAGES["fp8_gemm2"].offer(shape, available(a)).candidates
              if c.side != "deepgemm"]
-    if PAIRS:  # the CTA-pair form of each sm90 candidate (the tuner does not offer it yet)
-        rows_pairs = epilogue == "gemm_rows" and (N // 128) % 2 == 0
-        cands += [dataclasses.replace(c, cluster=2) for c in cands if c.side == "sm90"
-                  and (epilogue == "gemm1_swiglu" or rows_pairs)]
     times = []
     for c in cands:
         try:
@@ -78,9 +74,6 @@ def best_of_ours(run, epilogue, a, N, K, out, gather):
                              for t, c in sorted(times, key=lambda t: t[0])))
     return min(times, key=lambda t: t[0])
 
-
-PAIRS = False
-"""--pairs: time the sm90 candidates in CTA pairs too."""
 
 GEMM_ROWS = []
 """(label, flop, ours ms) of the current shape's GEMM stages on the default fp8 path (compass)."""
@@ -150,12 +143,12 @@ def main():
     p.add_argument("--shapes", default="30B,235B", help="comma list of: 30B, 235B")
     p.add_argument("--no-op", action="store_true", help="skip the whole-op rows")
     p.add_argument("--pairs", action="store_true",
-                   help="also time each sm90 candidate in CTA pairs (Sm90(cluster=2))")
+                   help="also time the sm90 candidates in CTA pairs (MEGAMOE_SM90_PAIRS=1)")
     p.add_argument("--target", default="", metavar="SHAPE=MS,...",
                    help="fp8 fwd+bwd targets per shape for the compass, e.g. 30B=5.5,235B=21")
     args = p.parse_args()
-    global PAIRS
-    PAIRS = args.pairs
+    if args.pairs:  # the tuner's offers then hold the CTA-pair candidates too
+        os.environ[settings.SM90_PAIRS] = "1"
     targets = {k: float(v) for k, v in (kv.split("=") for kv in args.target.split(",") if kv)}
     dev = "cuda"
     have_dg = deepgemm.available(torch.zeros(1, device=dev))

@@ -154,7 +154,15 @@ def _sm90_offer(s: Shape, av) -> list:
     # GEMM 1: the rows gathered inside (cp.async) or by a pass first (TMA): which is faster
     # depends on the shape, so the tuner times both
     firsts = (False, True) if s.epilogue == "gemm1_swiglu" else (False,)
-    return [Sm90(group_m=8, gather_first=f) for f in firsts]
+    clusters = (1, 2) if settings.sm90_pairs() and pairs_fit(s) else (1,)
+    return [Sm90(group_m=8, gather_first=f, cluster=None if c == 1 else c)
+            for c in clusters for f in firsts]
+
+
+def pairs_fit(s: Shape) -> bool:
+    """The kernel has a CTA-pair form for the stage: GEMM 1, and the row GEMM over an even
+    number of 128-column tiles (a pair shares one M tile over two N tiles)."""
+    return s.epilogue == "gemm1_swiglu" or (s.epilogue == "gemm_rows" and s.N // 128 % 2 == 0)
 
 
 def _deepgemm_offer(s: Shape, av) -> list:
