@@ -58,7 +58,8 @@
 //     step: the next step's scales loaded (global, one step ahead: a busy L2's latency), wait
 //     full[s] (GEMM1_SWIGLU: a proxy fence for the cp.async rows), 4 wgmma m64n128k32 into the
 //     partial, wait, promote; GEMM1_SWIGLU does this twice (w1's box, then w3's). Then a warpgroup
-//     barrier and ONE arrival per warpgroup on empty[s] (2 complete it).
+//     barrier and ONE arrival per warpgroup on empty[s] (2 complete it; 4 with a cluster of 2,
+//     each warpgroup arriving on the peer's empty[s] too).
 //   Epilogue, GEMM_ROWS: the warpgroup's [64, 128] bf16 tile staged in shared memory (two [64, 64]
 //     boxes, 128-byte swizzle) and written by bulk tensor stores; the staging buffer is reused
 //     once the store engine has read it. GEMM1_SWIGLU: h and its scales (quad shuffles give the row
@@ -421,7 +422,11 @@ __global__ void __launch_bounds__(THREADS, 1)
         }
       };
       for (int kb = 0; kb < k_blocks; ++kb) {
-        mbar_wait(ring.empty(stage), phase ^ 1);
+        if constexpr (CLUSTER > 1) {
+          mbar_wait_cluster(ring.empty(stage), phase ^ 1);  // the peer's consumers free it too
+        } else {
+          mbar_wait(ring.empty(stage), phase ^ 1);
+        }
         const uint32_t a_smem = smem_base + stage * L::STAGE_BYTES;
         const uint32_t b_smem = a_smem + A_BYTES;
         const uint32_t full = ring.full(stage);
@@ -627,7 +632,10 @@ __global__ void __launch_bounds__(THREADS, 1)
     }
     if (!SWIGLU && tid % 128 == 0) bulk_wait<0>();  // the bulk stores done before exit
   }
-  if constexpr (CLUSTER > 1) cluster_sync();  // no peer arrives on or writes into it any more
+  if constexpr (CLUSTER > 1) {
+    __syncwarp();   // warp 0's lanes meet after lane 0's loads
+    cluster_sync();  // no peer arrives on or writes into it any more
+  }
 }
 
 template <int MODE, bool ROWS_A = false, int CLUSTER = 1>

@@ -56,6 +56,18 @@ __device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
       : "memory");
 }
 
+// mbar_wait with acquire at cluster scope: for a barrier that a peer CTA's threads arrive on
+// (release.cluster) before this CTA overwrites what they read.
+__device__ __forceinline__ void mbar_wait_cluster(uint32_t bar, uint32_t parity) {
+  asm volatile(
+      "{\n.reg .pred p;\n"
+      "WAIT:\n"
+      "mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 p, [%0], %1;\n"
+      "@!p bra WAIT;\n}\n" ::"r"(bar),
+      "r"(parity)
+      : "memory");
+}
+
 // mbar_arrive by the threads whose `pred` is set, as one predicated instruction (no branch, for
 // the same reason as above).
 __device__ __forceinline__ void mbar_arrive_if(uint32_t bar, bool pred) {
