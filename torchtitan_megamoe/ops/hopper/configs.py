@@ -46,7 +46,7 @@ class Sm90(Config):
     gathered into the row space by a pass first and read by TMA, not by cp.async inside;
     cluster (FP8 GEMM 1 and row GEMM; None: 1): 2, CTA pairs that load each shared box once
     by TMA multicast: GEMM 1's on adjacent M tiles of one expert share the weight boxes, the
-    row GEMM's on adjacent N tiles share the A box (no tuner offers it yet)."""
+    row GEMM's on adjacent N tiles share the A box (offered under MEGAMOE_SM90_PAIRS=1)."""
 
     side: ClassVar[str] = "sm90"
     group_m: int | str = 8

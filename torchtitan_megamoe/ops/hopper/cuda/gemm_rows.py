@@ -23,7 +23,8 @@ import torch
 
 from torchtitan_megamoe.ops.hopper.cuda.params import Fp8GemmRowsParams, GemmRowsParams
 from torchtitan_megamoe.ops.hopper.cuda.sm90 import (FP8_BLOCK, check_bf16_rows, check_fp8_operands,
-                                                     check_plan, launch, launch_context)
+                                                     check_plan, fp8_row_pairs_supported, launch,
+                                                     launch_context)
 
 if TYPE_CHECKING:
     from torchtitan_megamoe.ops.hopper.plan import Plan
@@ -90,7 +91,7 @@ def fp8_gemm_rows_sm90(aq, a_s, bq, b_s, plan: Plan, out: torch.Tensor, group_m:
     on two N tiles of one M tile load each A box once for both (TMA multicast); N / 128 even."""
     who = "fp8_gemm_rows_sm90"
     E, N, K = bq.shape
-    if cluster not in (1, 2) or (cluster == 2 and (N // FP8_BLOCK) % 2):
+    if cluster not in (1, 2) or (cluster == 2 and not fp8_row_pairs_supported(N)):
         raise ValueError(f"{who}: cluster must be 1, or 2 with an even number of "
                          f"{FP8_BLOCK}-column tiles; got cluster={cluster}, N={N}")
     if expert_base is not None and not 0 <= expert_base <= plan.num_local_experts - E:

@@ -25,7 +25,7 @@ from torchtitan_megamoe.ops.hopper import deepgemm, heuristics
 from torchtitan_megamoe.ops.hopper.cuda.dgrad2_swiglu import fp8_dgrad2_swiglu_sm90
 from torchtitan_megamoe.ops.hopper.cuda.gemm1_swiglu import fp8_gemm1_swiglu_sm90
 from torchtitan_megamoe.ops.hopper.cuda.gemm_rows import fp8_gemm_rows_sm90
-from torchtitan_megamoe.ops.hopper.cuda.sm90 import fp8_shape_supported
+from torchtitan_megamoe.ops.hopper.cuda.sm90 import fp8_row_pairs_supported, fp8_shape_supported
 from torchtitan_megamoe.ops.hopper.heuristics import FP8_INTERPRET
 from torchtitan_megamoe.ops.hopper.tiles import FP8_BLOCK_M
 from torchtitan_megamoe.ops.hopper.kernels.fp8_gemm import (
@@ -162,7 +162,8 @@ def _sm90_offer(s: Shape, av) -> list:
 def pairs_fit(s: Shape) -> bool:
     """The kernel has a CTA-pair form for the stage: GEMM 1, and the row GEMM over an even
     number of 128-column tiles (a pair shares one M tile over two N tiles)."""
-    return s.epilogue == "gemm1_swiglu" or (s.epilogue == "gemm_rows" and s.N // 128 % 2 == 0)
+    return s.epilogue == "gemm1_swiglu" or (s.epilogue == "gemm_rows"
+                                            and fp8_row_pairs_supported(s.N))
 
 
 def _deepgemm_offer(s: Shape, av) -> list:
