@@ -151,8 +151,9 @@ class MegaMoEConfig:
     activation scales, 128x128 weight scales, fp32 promotion every 128 of K; the weight
     gradients in bf16 (faster at the Qwen3 shapes; MEGAMOE_FP8_WGRAD=1: FP8 too).
     ``fp8_bwd``: the BF16 forward, the FP8 data gradients, bf16 weight gradients. Both run in the
-    Hopper kernels with expert_parallel_degree = 1 (FSDP is fine) and need dim and
-    moe_inter_dim % 128 == 0; the reference backend emulates the same recipe on any device."""
+    Hopper kernels at any expert_parallel_degree (tokens travel as e4m3 rows where the recipe
+    quantizes them anyway), with or without FSDP, and need dim and moe_inter_dim % 128 == 0;
+    the reference backend emulates the same recipe on any device."""
 
     fp8_weight_cache: bool = True
     """FP8 precisions on the hopper backend (ignored otherwise): each MoE layer makes its
