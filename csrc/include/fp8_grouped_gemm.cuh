@@ -422,11 +422,7 @@ __global__ void __launch_bounds__(THREADS, 1)
         }
       };
       for (int kb = 0; kb < k_blocks; ++kb) {
-        if constexpr (CLUSTER > 1) {
-          mbar_wait_cluster(ring.empty(stage), phase ^ 1);  // the peer's consumers free it too
-        } else {
-          mbar_wait(ring.empty(stage), phase ^ 1);
-        }
+        mbar_wait<(CLUSTER > 1)>(ring.empty(stage), phase ^ 1);  // a peer's consumers too
         const uint32_t a_smem = smem_base + stage * L::STAGE_BYTES;
         const uint32_t b_smem = a_smem + A_BYTES;
         const uint32_t full = ring.full(stage);
