@@ -87,14 +87,19 @@ def _triton(cfg, op: Operands):
     fp8_rows_triton(cfg.kwargs(), *op)
 
 
+def _row_space(op: Operands, gather: bool) -> tuple:
+    """A and its scales in the plan's row space: per-token A gathered by a pass, or as given."""
+    return gather_rows(op.a, op.a_s, op.plan) if gather else (op.a, op.a_s)
+
+
 def _sm90_rows(cfg: Sm90, op: Operands):
-    rows, rows_s = gather_rows(op.a, op.a_s, op.plan) if op.gather else (op.a, op.a_s)
+    rows, rows_s = _row_space(op, op.gather)
     fp8_gemm_rows_sm90(rows, rows_s, op.b, op.b_s, op.plan, op.out, group_m=cfg.group_m,
                        expert_base=op.expert_base, cluster=cfg.cluster or 1)
 
 
 def _sm90_gemm1_swiglu(cfg: Sm90, op: Operands):
-    x, xs = gather_rows(op.a, op.a_s, op.plan) if cfg.gather_first else (op.a, op.a_s)
+    x, xs = _row_space(op, cfg.gather_first)
     fp8_gemm1_swiglu_sm90(x, xs, op.b, op.b_s, op.b2, op.b2_s, op.plan, op.out, op.out_s,
                           op.aux, group_m=cfg.group_m, x_rows=cfg.gather_first,
                           cluster=cfg.cluster or 1)
@@ -141,7 +146,7 @@ _DEEPGEMM = {MODE_GEMM_ROWS: _deepgemm_rows, MODE_GEMM1_SWIGLU: _deepgemm_gemm1_
 def _deepgemm(cfg: DeepGemm, op: Operands):
     """A gathered into the row space where it is per token, then the mode's GEMMs and passes."""
     assert op.mode in _DEEPGEMM and op.expert_base is None, op.mode
-    rows, rows_s = gather_rows(op.a, op.a_s, op.plan) if op.gather else (op.a, op.a_s)
+    rows, rows_s = _row_space(op, op.gather)
     _DEEPGEMM[op.mode](op, rows, rows_s, deepgemm.grouped_layout(op.plan))
 
 
