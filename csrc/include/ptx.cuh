@@ -48,18 +48,18 @@ __device__ __forceinline__ void mbar_arrive_expect_tx(uint32_t bar, uint32_t byt
 // across it gets serialized (ptxas C7518, "WG.DP in divergent path").
 // CLUSTER_SCOPE: acquire at cluster scope (the default is the CTA's), for a barrier that a peer
 // CTA's threads arrive on (release.cluster) before this CTA overwrites what they read.
-#define MEGAMOE_MBAR_WAIT(SEM)                                                   \
+#define MBAR_WAIT_PTX(SEM)                                                   \
   "{\n.reg .pred p;\nWAIT:\nmbarrier.try_wait.parity" SEM ".shared::cta.b64 p, [%0], %1;\n" \
   "@!p bra WAIT;\n}\n"
 template <bool CLUSTER_SCOPE = false>
 __device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
   if constexpr (CLUSTER_SCOPE) {
-    asm volatile(MEGAMOE_MBAR_WAIT(".acquire.cluster")::"r"(bar), "r"(parity) : "memory");
+    asm volatile(MBAR_WAIT_PTX(".acquire.cluster")::"r"(bar), "r"(parity) : "memory");
   } else {
-    asm volatile(MEGAMOE_MBAR_WAIT("")::"r"(bar), "r"(parity) : "memory");
+    asm volatile(MBAR_WAIT_PTX("")::"r"(bar), "r"(parity) : "memory");
   }
 }
-#undef MEGAMOE_MBAR_WAIT
+#undef MBAR_WAIT_PTX
 
 // mbar_arrive by the threads whose `pred` is set, as one predicated instruction (no branch, for
 // the same reason as above).
