@@ -240,17 +240,8 @@ extern "C" int megamoe_wgrad(const WgradParams* a) {
     return launch<WGRAD_GATHER_A>(rows_map, rows_map, out0_map, out1_map, rows_map, p,
                                   a->num_sms, s);
   }
-  // gather_tma: the token rows' map (one [1, 64] box per row) is B's, in w1_map
-  CUtensorMap tokens_map = rows_map;
-  if (a->gather_tma) {
-    rc = megamoe::make_bf16_map(&tokens_map, a->tokens, a->num_tokens, N, 1, 64,
-                                a->stride_tokens);
-    if (rc != 0) return rc;
-    p.gather_tma = 1;
-    p.num_tokens = static_cast<int>(a->num_tokens);
-  }
-  return launch<WGRAD_GATHER_B>(tokens_map, rows_map, out0_map, out1_map, rows_map, p,
-                                a->num_sms, s);
+  return launch<WGRAD_GATHER_B>(rows_map, rows_map, out0_map, out1_map, rows_map, p, a->num_sms,
+                                s);
 }
 
 extern "C" int megamoe_fp8_wgrad(const Fp8WgradParams* a) {

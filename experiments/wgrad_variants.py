@@ -1,6 +1,5 @@
 """The sm90 weight-gradient kernels (csrc/grouped_gemm_sm90.cu, WGRAD mode) at one Qwen3 shape,
-with the token rows gathered inside the kernel ("default": cp.async; "tma_gather": dw1|dw3's rows
-by TMA, one box per row) or gathered first ("pre_gathered",
+with the token rows gathered inside the kernel ("default") or gathered first ("pre_gathered",
 the tuner's candidate), next to the _grouped_mm side (gathers included), CUDA-event medians of
 10; NCU=1 launches each once after a warm-up instead, for Nsight Compute:
 
@@ -19,7 +18,6 @@ import sys
 
 import torch
 
-from torchtitan_megamoe import settings
 from torchtitan_megamoe.ops.hopper.cuda.wgrad import wgrad_dw2_sm90, wgrad_dw13_sm90
 from torchtitan_megamoe.ops.hopper.kernels.grouped_mm import gather_rows, wgrad_dw13_grouped_mm, wgrad_dw2_grouped_mm
 from torchtitan_megamoe.ops.hopper.kernels.wgrad import longest_first
@@ -43,22 +41,6 @@ def main(shape_name: str = "30b") -> None:
                        lambda: wgrad_dw13_grouped_mm(da, x, plan, w1, w3))}
     runs["default"] = (lambda: wgrad_dw2_sm90(dy, hw, plan, w2, order),
                        lambda: wgrad_dw13_sm90(da, x, plan, w1, w3, order))
-
-    def tma_gather(fn):  # dw1|dw3 with its token rows loaded by TMA (MEGAMOE_WGRAD_GATHER_TMA)
-        def run():
-            os.environ[settings.WGRAD_GATHER_TMA] = "1"
-            try:
-                return fn()
-            finally:
-                del os.environ[settings.WGRAD_GATHER_TMA]
-        return run
-
-    runs["tma_gather"] = (runs["default"][0], tma_gather(runs["default"][1]))
-    # the two gathers must agree bit for bit (the same rows, the same sums in the same order)
-    ref = [t.clone() for t in runs["default"][1]()]
-    got = runs["tma_gather"][1]()
-    same = all(torch.equal(a, b) for a, b in zip(ref, got))
-    print(f"{shape_name} tma_gather dw1|dw3 bitwise equal to cp.async: {same}", flush=True)
     dy_rows, x_rows = gather_rows(dy, plan), gather_rows(x, plan)
     runs["pre_gathered"] = (  # the rows gathered first (included in the time), then TMA only
         lambda: wgrad_dw2_sm90(gather_rows(dy, plan, out=dy_rows), hw, plan, w2, order,

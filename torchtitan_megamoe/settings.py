@@ -25,7 +25,6 @@ CUDA = "MEGAMOE_CUDA"
 CUDA_CACHE = "MEGAMOE_CUDA_CACHE"
 FP8_WGRAD = "MEGAMOE_FP8_WGRAD"
 SM90_PAIRS = "MEGAMOE_SM90_PAIRS"
-WGRAD_GATHER_TMA = "MEGAMOE_WGRAD_GATHER_TMA"
 DEEPGEMM = "MEGAMOE_DEEPGEMM"
 LOOPBACK_LINK_GBS = "MEGAMOE_LOOPBACK_LINK_GBS"
 LOOPBACK_PACED = "MEGAMOE_LOOPBACK_PACED"
@@ -78,13 +77,6 @@ def sm90_pairs() -> bool:
     (Sm90(cluster=2): GEMM 1's sharing the weight boxes, the row GEMM's the A box). Off until
     they are measured faster."""
     return _flag(SM90_PAIRS, "0")
-
-
-def wgrad_gather_tma() -> bool:
-    """MEGAMOE_WGRAD_GATHER_TMA=1: the sm90 dw1|dw3 kernel that gathers the token rows itself
-    (the EP backward's one launch over its kept regions) loads each row by TMA instead of
-    cp.async. Off until measured faster."""
-    return _flag(WGRAD_GATHER_TMA, "0")
 
 
 def deepgemm() -> bool:

@@ -137,10 +137,6 @@ static_assert(SMEM_BYTES <= 227 * 1024, "shared memory: fewer stages");
 
 struct KernelParams {
   const __nv_bfloat16* x;  // GEMM1_SWIGLU: the token rows; GEMM_ROWS: unused (the A map reads `in`)
-  // WGRAD_GATHER_B: B's token rows by TMA from w1_map (one [1, 64] box per row and 64 columns)
-  // instead of cp.async; a padding row reads row num_tokens, out of bounds: zeros
-  int gather_tma;
-  int num_tokens;
   __nv_bfloat16* h;        // GEMM1_SWIGLU: h [R, H]; GEMM_ROWS: out [R, N]
   __nv_bfloat16* a;  // GEMM1_SWIGLU: nullptr (no pre-activation store) or a [R, 2H]; GEMM_ROWS: nullptr
   const int* row_slot;
@@ -408,40 +404,21 @@ __global__ void __launch_bounds__(THREADS, 1)
             // request reads whole 128-byte lines instead of a 16-byte piece of 32 rows.
             constexpr int BOXES = (GATHER_A ? BM : TILE_N) / 64;
             const int c = tid % 8, rsub = tid / 8;
-            if (GATHER_B && p.gather_tma) {
-              // thread t: box t % 8 (< BOXES) of rows t / 8 + 16 i, each row one TMA load of 128
-              // bytes to the row's place in the box (the 128-byte swizzle follows the shared
-              // address, so the row lands as the whole box's load would put it); each thread
-              // expects its own bytes before its loads, so the count never runs ahead
-              if (c < BOXES) {
-                mbar_arrive_expect_tx(full, ROW_PASSES * 128);
+            const __nv_bfloat16* src =
+                p.x + (GATHER_A ? pid_m * BM : pid_n * TILE_N) + c * 8;
+            const uint32_t dst = GATHER_A ? a_smem : b_smem;
 #pragma unroll
-                for (int i = 0; i < ROW_PASSES; ++i) {
-                  tma_load_2d(b_smem + c * NMAJOR_BOX_BYTES + (rsub + 16 * i) * 128, &w1_map,
-                              pid_n * TILE_N + 64 * c,
-                              slot[i] >= 0 ? slot[i] / p.top_k : p.num_tokens, full);
-                }
-              } else {
-                mbar_arrive(full);
+            for (int i = 0; i < ROW_PASSES; ++i) {
+              const int row = rsub + 16 * i;
+              const __nv_bfloat16* row_src =
+                  src + (slot[i] >= 0 ? static_cast<long long>(slot[i] / p.top_k) * p.stride_x : 0);
+#pragma unroll
+              for (int bx = 0; bx < BOXES; ++bx) {
+                cp_async_16(dst + bx * NMAJOR_BOX_BYTES + swizzled_offset<128>(row, c),
+                            row_src + bx * 64, slot[i] >= 0 ? 16 : 0);
               }
-            } else {
-              const __nv_bfloat16* src =
-                  p.x + (GATHER_A ? pid_m * BM : pid_n * TILE_N) + c * 8;
-              const uint32_t dst = GATHER_A ? a_smem : b_smem;
-#pragma unroll
-              for (int i = 0; i < ROW_PASSES; ++i) {
-                const int row = rsub + 16 * i;
-                const __nv_bfloat16* row_src =
-                    src +
-                    (slot[i] >= 0 ? static_cast<long long>(slot[i] / p.top_k) * p.stride_x : 0);
-#pragma unroll
-                for (int bx = 0; bx < BOXES; ++bx) {
-                  cp_async_16(dst + bx * NMAJOR_BOX_BYTES + swizzled_offset<128>(row, c),
-                              row_src + bx * 64, slot[i] >= 0 ? 16 : 0);
-                }
-              }
-              gathers_issued(full);
             }
+            gathers_issued(full);
           }
         } else if constexpr (MODE == DGRAD2_SWIGLU) {
           if (tid == 0) {

@@ -194,7 +194,6 @@ typedef struct Fp8Dgrad2SwigluParams {
 typedef struct WgradParams {
   const void* tokens;
   long long stride_tokens;
-  long long num_tokens;  /* tokens' rows (gather_tma: padding rows read row num_tokens, zeros) */
   const void* rows;
   long long num_rows;
   void* out0;
@@ -209,8 +208,6 @@ typedef struct WgradParams {
   int m_split;
   int top_k;
   int gather;
-  int gather_tma;  /* gather 0: B (the token rows) by one TMA box per row and 64 columns
-                      instead of cp.async (tokens 16-byte aligned, stride % 8 == 0) */
   int regions;  /* > 1 (gather 0 or 2): seg_start [regions, E + 1] and count [regions, E], one
                    K walk over several plans' rows (of rows, row_slot and, gather 2, tokens) */
   int out_f32;  /* 1: out0 / out1 are fp32 (the gradients of fp32 parameters), 2: fp32 and

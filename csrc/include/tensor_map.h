@@ -12,13 +12,13 @@ typedef CUresult (*EncodeTiled)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, v
                                 const cuuint32_t*, CUtensorMapInterleave, CUtensorMapSwizzle,
                                 CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
 
-// Tensor map of a row-major [rows, cols] matrix (rows row_stride elements apart; 0: cols) of
-// elem_bytes-wide elements read or written in [box_rows, box_cols] boxes; the swizzle is the box row's span (128 or 64 bytes), as the wgmma
+// Tensor map of a row-major [rows, cols] matrix of elem_bytes-wide elements read or written in
+// [box_rows, box_cols] boxes; the swizzle is the box row's span (128 or 64 bytes), as the wgmma
 // descriptors and the epilogues' staging expect. 0, or an error code for
 // tensor_map_error_string (the driver entry point is found through the runtime: no -lcuda).
 static inline int encode_tiled_2d(CUtensorMap* map, CUtensorMapDataType dtype, int elem_bytes,
                                   const void* ptr, long long rows, long long cols, int box_rows,
-                                  int box_cols, long long row_stride = 0) {
+                                  int box_cols) {
   static EncodeTiled encode = nullptr;
   if (encode == nullptr) {
     cudaDriverEntryPointQueryResult q;
@@ -29,7 +29,7 @@ static inline int encode_tiled_2d(CUtensorMap* map, CUtensorMapDataType dtype, i
     encode = reinterpret_cast<EncodeTiled>(fn);
   }
   cuuint64_t dims[2] = {static_cast<cuuint64_t>(cols), static_cast<cuuint64_t>(rows)};
-  cuuint64_t strides[1] = {static_cast<cuuint64_t>(row_stride ? row_stride : cols) * elem_bytes};
+  cuuint64_t strides[1] = {static_cast<cuuint64_t>(cols) * elem_bytes};
   cuuint32_t box[2] = {static_cast<cuuint32_t>(box_cols), static_cast<cuuint32_t>(box_rows)};
   cuuint32_t estr[2] = {1, 1};
   CUresult r = encode(map, dtype, 2, const_cast<void*>(ptr), dims, strides, box, estr,
@@ -42,10 +42,9 @@ static inline int encode_tiled_2d(CUtensorMap* map, CUtensorMapDataType dtype, i
 
 // bf16 [rows, cols] in [box_rows, box_cols] boxes
 static inline int make_bf16_map(CUtensorMap* map, const void* ptr, long long rows,
-                                long long cols, int box_rows, int box_cols,
-                                long long row_stride = 0) {
+                                long long cols, int box_rows, int box_cols) {
   return encode_tiled_2d(map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, ptr, rows, cols, box_rows,
-                         box_cols, row_stride);
+                         box_cols);
 }
 
 // e4m3 (as bytes) [rows, cols] in [box_rows, box_cols] boxes

@@ -78,11 +78,11 @@ class Fp8Dgrad2SwigluParams(ctypes.Structure):
 
 class WgradParams(ctypes.Structure):
     _fields_ = [
-        ("tokens", _P), ("stride_tokens", _LL), ("num_tokens", _LL), ("rows", _P),
-        ("num_rows", _LL), ("out0", _P), ("out1", _P), ("row_slot", _P), ("seg_start", _P),
-        ("count", _P), ("expert_order", _P),
+        ("tokens", _P), ("stride_tokens", _LL), ("rows", _P), ("num_rows", _LL),
+        ("out0", _P), ("out1", _P), ("row_slot", _P), ("seg_start", _P), ("count", _P),
+        ("expert_order", _P),
         ("E", _I), ("M", _I), ("N", _I), ("m_split", _I), ("top_k", _I), ("gather", _I),
-        ("gather_tma", _I), ("regions", _I), ("out_f32", _I), ("num_sms", _I), ("ticket", _P), ("stream", _P),
+        ("regions", _I), ("out_f32", _I), ("num_sms", _I), ("ticket", _P), ("stream", _P),
     ]
 
 

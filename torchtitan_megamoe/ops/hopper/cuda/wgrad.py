@@ -31,7 +31,6 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from torchtitan_megamoe import settings
 from torchtitan_megamoe.ops.hopper.cuda.params import Fp8WgradParams, WgradParams
 from torchtitan_megamoe.ops.hopper.cuda.sm90 import (FP8, FP8_BLOCK, check_bf16_rows, check_plan,
                                                      launch, launch_context)
@@ -151,15 +150,9 @@ def _launch(who, tokens, rows, outs, plan, E, M, N, m_split, gather, expert_orde
                          f"gradient {E}")
     if expert_order is not None:
         expert_order = expert_order.to(torch.int32).contiguous()
-    # the token rows by TMA: 16-byte aligned rows (the map's rule), and not where a padding
-    # row's out-of-bounds row index would not fit the coordinate's int32
-    gather_tma = (gather == 0 and settings.wgrad_gather_tma() and tokens.stride(1) == 1
-                  and tokens.data_ptr() % 16 == 0 and tokens.stride(0) % 8 == 0
-                  and tokens.shape[0] < 2**31 - 1)
     num_sms, stream, ticket = launch_context(rows.device)
     params = WgradParams(
-        tokens=tokens.data_ptr(), stride_tokens=tokens.stride(0), num_tokens=tokens.shape[0],
-        gather_tma=int(gather_tma), rows=rows.data_ptr(),
+        tokens=tokens.data_ptr(), stride_tokens=tokens.stride(0), rows=rows.data_ptr(),
         num_rows=R, out0=outs[0].data_ptr(), out1=outs[-1].data_ptr(),
         row_slot=plan.row_slot.data_ptr(), seg_start=seg_start.data_ptr(),
         count=count.data_ptr(),
