@@ -67,6 +67,7 @@ def combine(
     block_d: int = 512,
     out: torch.Tensor | None = None,
     live: torch.Tensor | None = None,
+    num_warps: int = 4,
 ) -> torch.Tensor:
     """out [T, D] in out_dtype from GEMM 2's rows y [R_max, D] and the slots' rows slot_row
     [T*K]. ``out``: where to store (any [T, D] tensor with unit column stride, e.g. the EP
@@ -87,6 +88,6 @@ def combine(
         y, topk_weights, slot_row, out, T, D, y.stride(0), topk_weights.stride(0), out.stride(0),
         slot_row if live is None else live,
         TOP_K=K, BLOCK_T=block_t, BLOCK_D=block_d, EMULATE_RTNE=settings.triton_interpreting(),
-        LIVE=live is not None, num_warps=4,
+        LIVE=live is not None, num_warps=num_warps,
     )
     return out
