@@ -1,6 +1,7 @@
 """Compare the SASS of the CUDA kernels in csrc/ against those of another commit.
 
     python -m tools.sass_compare --base <rev> [--jobs 2] [--show-diff N]
+        [--added-arg KERNEL=V | --removed-arg KERNEL=V]
 
 Needs nvcc (no GPU): every csrc/*.cu of the working tree and of ``--base`` (read with ``git
 show``, built in a scratch directory) is compiled to an sm_90a cubin with the JIT build's flags
@@ -8,7 +9,10 @@ show``, built in a scratch directory) is compiled to an sm_90a cubin with the JI
 Triton ships). Kernels are matched by name and template arguments (every integer and bool one),
 ignoring namespaces and parameter type names (they are renamed freely); ``--added-arg
 KERNEL=V``: a template parameter appended to KERNEL since ``--base``, whose value V the base's
-instances had (e.g. fp8_gemm_kernel=1); each pair's instructions are compared after
+instances had (e.g. fp8_gemm_kernel=1); ``--removed-arg KERNEL=V``: the reverse, the last
+template parameter of KERNEL in ``--base`` is gone from the working tree: the base's instances
+with V there are compared with the working tree's without it, and those with another value are
+listed as removed (not counted as differences); each pair's instructions are compared after
 dropping addresses and encodings (branch targets are function-relative, so equal code has equal
 targets). Prints, per kernel: "identical", "registers renumbered" (the same
 instruction sequence with other register numbers), or the number of differing instructions;
@@ -86,6 +90,29 @@ def label(key: tuple[str, str]) -> str:
     first, _, rest = key[1].partition(",")
     name = NAMES.get((key[0], first), f"{key[0]}<{first}>")
     return f"{name} <{rest}>" if rest else name
+
+
+def rekey(old: dict, added: str | None = None, removed: str | None = None) -> tuple[dict, list]:
+    """The base's kernels under the working tree's keys, and the base's keys that have none:
+    ``added`` KERNEL=V appends V to KERNEL's arguments; ``removed`` KERNEL=V drops KERNEL's last
+    argument where it is V (the instances where it is not V have no counterpart)."""
+    gone = []
+    if added:
+        kernel, _, value = added.partition("=")
+        old = {(k, f"{a},{value}" if k == kernel else a): v for (k, a), v in old.items()}
+    if removed:
+        kernel, _, value = removed.partition("=")
+        kept = {}
+        for (k, a), v in old.items():
+            head, _, last = a.rpartition(",")
+            if k != kernel:
+                kept[(k, a)] = v
+            elif last == value:
+                kept[(k, head)] = v
+            else:
+                gone.append((k, a))
+        old = kept
+    return old, gone
 
 
 def compile_tree(csrc: Path, out: Path, jobs: int) -> dict:
@@ -174,6 +201,9 @@ def main() -> int:
                     help="parallel nvcc runs (default: the CPU count)")
     ap.add_argument("--added-arg", metavar="KERNEL=V",
                     help="a template parameter appended to KERNEL since --base: V in the base")
+    ap.add_argument("--removed-arg", metavar="KERNEL=V",
+                    help="KERNEL's last template parameter in --base, gone since: the base's "
+                         "instances with V compared, the others listed as removed")
     ap.add_argument("--show-diff", type=int, default=0, metavar="N",
                     help="print the first N lines of each differing kernel's diff (default 0)")
     args = ap.parse_args()
@@ -183,11 +213,12 @@ def main() -> int:
         (tmp / "new").mkdir()
         old = compile_tree(base_csrc(args.base, tmp / "src"), tmp / "base", args.jobs)
         new = compile_tree(REPO / "csrc", tmp / "new", args.jobs)
-    if args.added_arg:  # the base's instances under the working tree's keys
-        kernel, _, value = args.added_arg.partition("=")
-        old = {(k, f"{a},{value}" if k == kernel else a): v for (k, a), v in old.items()}
+    # the base's instances under the working tree's keys
+    old, gone = rekey(old, args.added_arg, args.removed_arg)
     differ = 0
     print(f"{'kernel':36} {'SASS':22} {args.base + ' (base)':28} working tree")
+    for key in sorted(gone, key=label):
+        print(f"{label(key):36} removed with its last template argument (--removed-arg)")
     for key in sorted(set(old) | set(new), key=label):
         name = label(key)
         if key not in old or key not in new:
