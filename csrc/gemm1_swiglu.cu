@@ -67,18 +67,12 @@ extern "C" int megamoe_fp8_gemm1_swiglu(const Fp8Gemm1SwigluParams* a) {
   p.hs = a->hs;
   p.a = static_cast<__nv_bfloat16*>(a->a);
   const cudaStream_t stream = static_cast<cudaStream_t>(a->stream);
-  if (a->cluster != 1 && a->cluster != 2) return -3;
-  const bool pair = a->cluster == 2;  // CTA pairs share the weight boxes by multicast
   if (a->x_rows == 0) {
-    return pair ? launch<GEMM1_SWIGLU, false, 2>(w1_map, w3_map, w1_map, w1_map, p, a->num_sms,
-                                                stream)
-                : launch<GEMM1_SWIGLU>(w1_map, w3_map, w1_map, w1_map, p, a->num_sms, stream);
+    return launch<GEMM1_SWIGLU>(w1_map, w3_map, w1_map, w1_map, p, a->num_sms, stream);
   }
   // x holds the plan's rows (gathered before): read by TMA, its scales by row
   CUtensorMap x_map;
   rc = megamoe::make_e4m3_map(&x_map, a->x, a->x_rows, a->D, BM, BK);
   if (rc != 0) return rc;
-  return pair ? launch<GEMM1_SWIGLU, true, 2>(w1_map, w3_map, x_map, w1_map, p, a->num_sms,
-                                              stream)
-              : launch<GEMM1_SWIGLU, true>(w1_map, w3_map, x_map, w1_map, p, a->num_sms, stream);
+  return launch<GEMM1_SWIGLU, true>(w1_map, w3_map, x_map, w1_map, p, a->num_sms, stream);
 }

@@ -54,9 +54,7 @@ extern "C" int megamoe_fp8_gemm_rows(const Fp8GemmRowsParams* a) {
   CUtensorMap b_map, in_map, out_map;
   int rc = megamoe::make_e4m3_map(&b_map, a->b, static_cast<long long>(a->E) * a->N, a->K, BN,
                                   BK);
-  // CTA pairs on two N tiles of one M tile: each loads half the A box for both (multicast)
-  if (a->cluster != 1 && !(a->cluster == 2 && (a->N / BN) % 2 == 0)) return -3;
-  if (rc == 0) rc = megamoe::make_e4m3_map(&in_map, a->a, a->rows, a->K, BM / a->cluster, BK);
+  if (rc == 0) rc = megamoe::make_e4m3_map(&in_map, a->a, a->rows, a->K, BM, BK);
   if (rc == 0) rc = megamoe::make_bf16_map(&out_map, a->out, a->rows, a->N, 64, 64);
   if (rc != 0) return rc;
   KernelParams p = {};
@@ -74,8 +72,6 @@ extern "C" int megamoe_fp8_gemm_rows(const Fp8GemmRowsParams* a) {
   p.stride_as = a->stride_as;
   p.stride_bse = a->stride_bse;
   p.stride_bsn = a->stride_bsn;
-  const cudaStream_t stream = static_cast<cudaStream_t>(a->stream);
-  return a->cluster == 2
-             ? launch<GEMM_ROWS, false, 2>(b_map, b_map, in_map, out_map, p, a->num_sms, stream)
-             : launch<GEMM_ROWS>(b_map, b_map, in_map, out_map, p, a->num_sms, stream);
+  return launch<GEMM_ROWS>(b_map, b_map, in_map, out_map, p, a->num_sms,
+                           static_cast<cudaStream_t>(a->stream));
 }

@@ -16,7 +16,7 @@ The compass (``--target 30B=5.5,235B=21``: the fp8 fwd+bwd each shape should tak
 rate each GEMM stage of the default fp8 path runs at now and the rate it needs, with every
 other part of the op (router, plan, quantization, SwiGLU passes, combines) kept as it is.
 
-    python experiments/fp8_stages.py [--tokens 16384] [--shapes 30B,235B] [--no-op] [--pairs]
+    python experiments/fp8_stages.py [--tokens 16384] [--shapes 30B,235B] [--no-op]
         [--target SHAPE=MS,...]
 """
 
@@ -25,7 +25,6 @@ import os
 
 import torch
 
-from torchtitan_megamoe import settings
 from torchtitan_megamoe.ops import hopper
 from torchtitan_megamoe.ops.hopper import deepgemm, tune
 from torchtitan_megamoe.ops.hopper.bf16_backward import WeightGrads, tuner_key
@@ -142,13 +141,9 @@ def main():
     p.add_argument("--tokens", type=int, default=16384, help="tokens of the layer")
     p.add_argument("--shapes", default="30B,235B", help="comma list of: 30B, 235B")
     p.add_argument("--no-op", action="store_true", help="skip the whole-op rows")
-    p.add_argument("--pairs", action="store_true",
-                   help="also time the sm90 candidates in CTA pairs (MEGAMOE_SM90_PAIRS=1)")
     p.add_argument("--target", default="", metavar="SHAPE=MS,...",
                    help="fp8 fwd+bwd targets per shape for the compass, e.g. 30B=5.5,235B=21")
     args = p.parse_args()
-    if args.pairs:  # the tuner's offers then hold the CTA-pair candidates too
-        os.environ[settings.SM90_PAIRS] = "1"
     targets = {k: float(v) for k, v in (kv.split("=") for kv in args.target.split(",") if kv)}
     dev = "cuda"
     have_dg = deepgemm.available(torch.zeros(1, device=dev))

@@ -1,8 +1,7 @@
 """GEMM 1 variants at one Qwen3 shape, each launched twice, for Nsight Compute to read counters
 from (tensor-pipe utilization, L2 hit rate and throughput, DRAM bytes) next to their times;
 ``fp8_*``: the FP8 GEMM 1 (fp8_gemm1_swiglu, h quantized) by the sm90 kernel, token rows
-gathered inside or first, CTAs alone or in pairs sharing the weight boxes (ncu's kernel regex:
-fp8_gemm_kernel):
+gathered inside or first (ncu's kernel regex: fp8_gemm_kernel):
 
     NCU=1 ncu --clock-control none --kernel-name regex:gemm1 --metrics ... \
         python3 experiments/ncu_gemm1.py 235b
@@ -58,9 +57,6 @@ def main(shape_name: str = "235b") -> None:
         "sm90_static": Sm90(group_m=8, static=True),
         "fp8_sm90": Sm90(group_m=8),
         "fp8_sm90_rows_first": Sm90(group_m=8, gather_first=True),
-        # CTA pairs sharing each weight box by TMA multicast (half the weight bytes from L2)
-        "fp8_sm90_pairs": Sm90(group_m=8, cluster=2),
-        "fp8_sm90_rows_first_pairs": Sm90(group_m=8, gather_first=True, cluster=2),
     }
     save_a = os.environ.get("SAVE_A") == "1"  # the training forward's a1/a3 store too
     only = os.environ.get("VARIANTS")

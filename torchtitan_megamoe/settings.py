@@ -24,7 +24,6 @@ BWD_IMPL = "MEGAMOE_BWD_IMPL"
 CUDA = "MEGAMOE_CUDA"
 CUDA_CACHE = "MEGAMOE_CUDA_CACHE"
 FP8_WGRAD = "MEGAMOE_FP8_WGRAD"
-SM90_PAIRS = "MEGAMOE_SM90_PAIRS"
 DEEPGEMM = "MEGAMOE_DEEPGEMM"
 LOOPBACK_LINK_GBS = "MEGAMOE_LOOPBACK_LINK_GBS"
 LOOPBACK_PACED = "MEGAMOE_LOOPBACK_PACED"
@@ -70,13 +69,6 @@ def fp8_wgrad() -> bool:
     """MEGAMOE_FP8_WGRAD=1: FP8 weight gradients too (the all-FP8 recipe). Default: the FP8
     precisions take their weight gradients in bf16, faster at the Qwen3 shapes."""
     return _flag(FP8_WGRAD, "0")
-
-
-def sm90_pairs() -> bool:
-    """MEGAMOE_SM90_PAIRS=1: the tuner also times the FP8 sm90 kernels in CTA pairs
-    (Sm90(cluster=2): GEMM 1's sharing the weight boxes, the row GEMM's the A box). Off until
-    they are measured faster."""
-    return _flag(SM90_PAIRS, "0")
 
 
 def deepgemm() -> bool:

@@ -27,9 +27,9 @@
 // The tensor cores are not idle meanwhile: the two consumer warpgroups run unsynchronized (each
 // waits only on its own ring stages), so one promotes while the other's wgmmas run.
 //
-// Roles (384 threads, one CTA per SM, persistent; unit u = blockIdx.x / CLUSTER + i * gridDim.x
-// / CLUSTER in the GROUP_M order of grouped_tile; units past the used rows or of tiles with
-// tile_expert -1 are skipped by both roles alike):
+// Roles (384 threads, one CTA per SM, persistent; unit u = blockIdx.x + i * gridDim.x in the
+// GROUP_M order of grouped_tile; units past the used rows or of tiles with tile_expert -1 are
+// skipped by both roles alike):
 //   warpgroup 0 (producer, 40 registers): per K step it waits `empty[s]`, then
 //     GEMM_ROWS: thread 0 alone: arrive.expect_tx(full[s], 32 KiB), TMA loads of the A box [128
 //       rows, 128] and the B box [128 rows, 128]; full[s] completes on that one arrival and the
@@ -41,25 +41,11 @@
 //     GEMM1_SWIGLU with ROWS_A: the x rows gathered into the row space before the launch
 //       (zeros and scale 0 for padding rows); thread 0 alone, as GEMM_ROWS, with the w3 box too
 //       (48 KiB). Faster where the gathered rows miss L2 (235B); both forms are L2-bound.
-//     GEMM1_SWIGLU with CLUSTER 2: a unit is two adjacent M tiles of one N tile, one per CTA of
-//       the pair. Where both belong to one expert, rank r loads box r (w1, w3) into both CTAs
-//       by TMA multicast (L2 serves 32 KiB per K step, not 48); otherwise each loads its own,
-//       and a CTA without a tile completes its stages without data (an arrival each). Both
-//       CTAs walk every unit either has work in, in step: each consumer warpgroup frees a
-//       stage on both CTAs' empty[s] (4 arrivals), so a producer overwrites the peer's stage
-//       only once the peer is done with it; a cluster barrier at start (barriers initialised)
-//       and at exit (no arrival or write still on its way to an exited CTA).
-//     GEMM_ROWS with CLUSTER 2: a unit is two adjacent N tiles of one M tile, one per CTA; rank
-//       r loads rows [64 r, 64 r + 64) of the A box into both CTAs by multicast (in_map's box
-//       is 64 rows) and its own B box (L2 serves 24 KiB per K step, not 32). Both CTAs always
-//       share the M tile, so neither is ever idle in a unit; the host asks for an even number
-//       of N tiles. Stages are freed on both CTAs, with the cluster barriers, as above.
 //   warpgroups 1, 2 (consumers, 232 registers): rows [0, 64) and [64, 128) of the tile. Per K
 //     step: the next step's scales loaded (global, one step ahead: a busy L2's latency), wait
 //     full[s] (GEMM1_SWIGLU: a proxy fence for the cp.async rows), 4 wgmma m64n128k32 into the
 //     partial, wait, promote; GEMM1_SWIGLU does this twice (w1's box, then w3's). Then a warpgroup
-//     barrier and ONE arrival per warpgroup on empty[s] (2 complete it; 4 with a cluster of 2,
-//     each warpgroup arriving on the peer's empty[s] too).
+//     barrier and ONE arrival per warpgroup on empty[s] (2 complete it).
 //   Epilogue, GEMM_ROWS: the warpgroup's [64, 128] bf16 tile staged in shared memory (two [64, 64]
 //     boxes, 128-byte swizzle) and written by bulk tensor stores; the staging buffer is reused
 //     once the store engine has read it. GEMM1_SWIGLU: h and its scales (quad shuffles give the row
@@ -315,7 +301,7 @@ __device__ __forceinline__ void dgrad2_swiglu_epilogue(const float (&acc)[64], c
 // w1_map: B (GEMM1_SWIGLU: w1; DGRAD2_SWIGLU: w2^T), w3_map: GEMM1_SWIGLU's w3, in_map: GEMM_ROWS's A (GEMM1_SWIGLU's with ROWS_A), out_map:
 // GEMM_ROWS's out. DGRAD2_SWIGLU's stores: out_map da [R, 2N] (boxes [64, 128]), in_map da^T [2N, R] and
 // w3_map h^T [N, R] (boxes [128, 64]).
-template <int MODE, bool ROWS_A, int CLUSTER>
+template <int MODE, bool ROWS_A>
 __global__ void __launch_bounds__(THREADS, 1)
     fp8_gemm_kernel(const __grid_constant__ CUtensorMap w1_map,
                     const __grid_constant__ CUtensorMap w3_map,
@@ -323,14 +309,8 @@ __global__ void __launch_bounds__(THREADS, 1)
                     const __grid_constant__ CUtensorMap out_map, const KernelParams p) {
   using L = Layout<MODE>;
   static_assert(!ROWS_A || MODE == GEMM1_SWIGLU, "ROWS_A: GEMM1_SWIGLU's x rows only");
-  static_assert(CLUSTER == 1 || (CLUSTER == 2 && MODE != DGRAD2_SWIGLU),
-                "clusters of 2: GEMM1_SWIGLU and GEMM_ROWS only");
   constexpr bool GATHER = MODE != GEMM_ROWS && !ROWS_A;  // token rows by cp.async (x or dy)
   constexpr bool SWIGLU = MODE == GEMM1_SWIGLU;
-  // CTA pairs: GEMM1_SWIGLU's on two M tiles share the weight boxes (48 KiB a step, 32 of B);
-  // GEMM_ROWS's on two N tiles of one M tile share the A box (its B is per N tile)
-  constexpr bool PAIR_M = CLUSTER > 1 && SWIGLU;
-  constexpr bool PAIR_N = CLUSTER > 1 && MODE == GEMM_ROWS;
   constexpr int STAGES = L::STAGES;
   extern __shared__ __align__(1024) uint8_t smem_raw[];
   const SmemLayout<STAGES, L::STAGE_BYTES, L::EPI_BYTES> smem(smem_raw);
@@ -339,48 +319,31 @@ __global__ void __launch_bounds__(THREADS, 1)
 
   const int tid = threadIdx.x;
   const int wg = tid / 128;
-  const uint32_t rank = CLUSTER > 1 ? cluster_ctarank() : 0;  // this CTA's tile of the pair
+  // full[s]'s arrivals: thread 0's expect_tx (+ the 128 threads' cp.async rows)
+  const uint32_t full_arrivals = GATHER ? 128 + 1 : 1;
   if (tid == 0) {
-    smem.ring().init(GATHER ? 128 + 1 : 1, CLUSTER);
+    smem.ring().init(full_arrivals);
     mbar_init_fence();
     tma_prefetch_desc(&w1_map);
     if (SWIGLU) tma_prefetch_desc(&w3_map);
     if (!GATHER) tma_prefetch_desc(&in_map);
   }
   __syncthreads();
-  if constexpr (CLUSTER > 1) cluster_sync();  // the peer's barriers are initialised
 
   const bool group = p.seg_start != nullptr;
   const int m_lo = group ? p.seg_start[p.expert_base] / BM : 0;
-  const int num_m =
-      (group ? p.seg_start[p.expert_base + p.num_experts] : *p.num_rows_used) / BM - m_lo;
+  const int rows_end = group ? p.seg_start[p.expert_base + p.num_experts] : *p.num_rows_used;
+  const int num_m = rows_end / BM - m_lo;
   const int num_n = p.N / BN;
-  // A unit is one tile per CTA of the cluster: consecutive M tiles of one N tile (PAIR_M) or
-  // consecutive N tiles of one M tile (PAIR_N: the host checks that num_n is even); the
-  // cluster walks the units of every gridDim-th cluster.
-  const int num_mc = PAIR_M ? (num_m + 1) / 2 : num_m;
-  const int num_nc = PAIR_N ? num_n / 2 : num_n;
-  const int num_units = num_mc * num_nc;
+  const int num_units = num_m * num_n;
   const int k_blocks = p.K / BK;
-  // the expert (index into B) of M tile m of the unit's N tile; -1: past the used rows or
-  // another phase's tile (no work)
-  auto expert_of = [&](int m) {
-    if (PAIR_M && m >= num_m) return -1;  // the second tile of an odd count's last pair
-    const int e = p.tile_expert[((m + m_lo) * BM) / p.plan_bm];
+  // the unit's tile and its expert's index into B (-1: another phase's tile, skipped by both
+  // roles)
+  auto decode = [&](int u, int& pid_m, int& pid_n) {
+    grouped_tile(u, num_m, num_n, p.group_m, pid_m, pid_n);
+    pid_m += m_lo;
+    const int e = p.tile_expert[(pid_m * BM) / p.plan_bm];
     return e < 0 ? -1 : e - p.expert_base;
-  };
-  // the unit's tile of this CTA and its expert; with a cluster the peer's expert too (both
-  // CTAs go through the unit's K steps in step if either has work)
-  auto decode = [&](int u, int& pid_m, int& pid_n, int& peer_expert) {
-    int mc, nc;
-    grouped_tile(u, num_mc, num_nc, p.group_m, mc, nc);
-    const int m = PAIR_M ? mc * 2 + static_cast<int>(rank) : mc;
-    pid_n = PAIR_N ? nc * 2 + static_cast<int>(rank) : nc;
-    pid_m = m + m_lo;
-    peer_expert = PAIR_M ? expert_of(mc * 2 + static_cast<int>(rank ^ 1))
-                  : PAIR_N ? expert_of(m)
-                           : -1;
-    return expert_of(m);
   };
 
   if (wg == 0) {
@@ -391,50 +354,28 @@ __global__ void __launch_bounds__(THREADS, 1)
     const Ring<STAGES> ring = smem.ring();
     int stage = 0;
     uint32_t phase = 0;
-    // without gathers thread 0 issues every load (with a cluster the others wait at the end)
-    if constexpr (CLUSTER == 1) {
-      if (!GATHER && tid != 0) return;
-    }
-    const bool loads = GATHER || tid == 0;
-    for (int u = blockIdx.x / CLUSTER; (CLUSTER == 1 || loads) && u < num_units;
-         u += gridDim.x / CLUSTER) {
-      int pid_m, pid_n, peer;
-      const int expert = decode(u, pid_m, pid_n, peer);
-      if (expert < 0 && peer < 0) continue;
-      // a PAIR_M pair on one expert: each CTA loads one of the w1 / w3 boxes for both
-      const bool shared_b = PAIR_M && expert >= 0 && expert == peer;
+    if (!GATHER && tid != 0) return;  // without gathers thread 0 issues every load
+    for (int u = blockIdx.x; u < num_units; u += gridDim.x) {
+      int pid_m, pid_n;
+      const int expert = decode(u, pid_m, pid_n);
+      if (expert < 0) continue;
       const int w_row = expert * p.N + pid_n * BN;
       int tok[PASSES];
 #pragma unroll
       for (int i = 0; i < PASSES; ++i) {
-        const bool rows = GATHER && (CLUSTER == 1 || expert >= 0);  // an idle CTA reads none
-        const int slot = rows ? p.row_slot[pid_m * BM + i * ROWS_PER_PASS + rg] : -1;
+        const int slot = GATHER ? p.row_slot[pid_m * BM + i * ROWS_PER_PASS + rg] : -1;
         tok[i] = slot >= 0 ? slot / p.top_k : -1;
       }
-      // the B boxes of K step kb: both loaded here, or (shared_b) this CTA's one for both CTAs
-      auto load_b = [&](uint32_t b_smem, int kb, uint32_t full) {
-        if (shared_b) {
-          tma_load_2d_multicast(b_smem + rank * BOX_BYTES, rank == 0 ? &w1_map : &w3_map,
-                                kb * BK, w_row, full, 0x3);
-        } else {
-          tma_load_2d(b_smem, &w1_map, kb * BK, w_row, full);
-          if constexpr (SWIGLU) tma_load_2d(b_smem + BOX_BYTES, &w3_map, kb * BK, w_row, full);
-        }
-      };
       for (int kb = 0; kb < k_blocks; ++kb) {
-        mbar_wait<(CLUSTER > 1)>(ring.empty(stage), phase ^ 1);  // a peer's consumers too
+        mbar_wait(ring.empty(stage), phase ^ 1);
         const uint32_t a_smem = smem_base + stage * L::STAGE_BYTES;
         const uint32_t b_smem = a_smem + A_BYTES;
         const uint32_t full = ring.full(stage);
-        if (CLUSTER > 1 && expert < 0) {
-          // idle in this unit (the peer is not): the stage completes without data, its
-          // consumers free it for the peer's producer
-          mbar_arrive_if(full, GATHER || tid == 0);
-          if (GATHER && tid == 0) mbar_arrive(full);
-        } else if constexpr (GATHER) {
+        if constexpr (GATHER) {
           if (tid == 0) {
             mbar_arrive_expect_tx(full, L::B_BYTES);
-            load_b(b_smem, kb, full);
+            tma_load_2d(b_smem, &w1_map, kb * BK, w_row, full);
+            if constexpr (SWIGLU) tma_load_2d(b_smem + BOX_BYTES, &w3_map, kb * BK, w_row, full);
           }
 #pragma unroll
           for (int i = 0; i < PASSES; ++i) {
@@ -447,15 +388,9 @@ __global__ void __launch_bounds__(THREADS, 1)
           cp_async_arrive_noinc(full);
         } else {
           mbar_arrive_expect_tx(full, L::STAGE_BYTES);
-          if constexpr (PAIR_N) {
-            // rows [64 rank, 64 rank + 64) of the pair's A box into both CTAs (in_map's box is
-            // 64 rows; the two halves stack into the 128-row box's swizzled layout)
-            tma_load_2d_multicast(a_smem + rank * (A_BYTES / 2), &in_map, kb * BK,
-                                  pid_m * BM + static_cast<int>(rank) * (BM / 2), full, 0x3);
-          } else {
-            tma_load_2d(a_smem, &in_map, kb * BK, pid_m * BM, full);
-          }
-          load_b(b_smem, kb, full);
+          tma_load_2d(a_smem, &in_map, kb * BK, pid_m * BM, full);
+          tma_load_2d(b_smem, &w1_map, kb * BK, w_row, full);
+          if constexpr (SWIGLU) tma_load_2d(b_smem + BOX_BYTES, &w3_map, kb * BK, w_row, full);
         }
         if (++stage == STAGES) {
           stage = 0;
@@ -476,34 +411,10 @@ __global__ void __launch_bounds__(THREADS, 1)
     float part[64];
     float acc[64];
     [[maybe_unused]] float acc3[SWIGLU ? 64 : 1];
-    auto advance = [&]() {
-      if (++stage == STAGES) {
-        stage = 0;
-        phase ^= 1;
-      }
-    };
-    // the warpgroup's wgmmas have all read stage s (with a cluster: free for the peer's
-    // producer's multicast too)
-    auto release = [&](int s) {
-      if constexpr (CLUSTER > 1) {
-        ring.release_pair(s, cw, rank ^ 1);
-      } else {
-        ring.release(s, cw);
-      }
-    };
-    for (int u = blockIdx.x / CLUSTER; u < num_units; u += gridDim.x / CLUSTER) {
-      int pid_m, pid_n, peer;
-      const int expert = decode(u, pid_m, pid_n, peer);
-      if (expert < 0) {
-        if (peer >= 0) {  // idle in this unit (the peer is not): free each stage it completes
-          for (int kb = 0; kb < k_blocks; ++kb) {
-            mbar_wait(ring.full(stage), phase);
-            release(stage);
-            advance();
-          }
-        }
-        continue;
-      }
+    for (int u = blockIdx.x; u < num_units; u += gridDim.x) {
+      int pid_m, pid_n;
+      const int expert = decode(u, pid_m, pid_n);
+      if (expert < 0) continue;
       const int row0 = pid_m * BM + r_in;
       // the rows' scale rows: the row itself (row-space A) or its token (gathered; padding rows:
       // none)
@@ -530,6 +441,14 @@ __global__ void __launch_bounds__(THREADS, 1)
 #pragma unroll
         for (int i = 0; i < 64; ++i) acc3[i] = 0.f;
       }
+      auto advance = [&]() {
+        if (++stage == STAGES) {
+          stage = 0;
+          phase ^= 1;
+        }
+      };
+      // the warpgroup's wgmmas have all read stage s
+      auto release = [&](int s) { ring.release(s, cw); };
       auto stage_smem = [&](uint32_t& a_smem, uint32_t& b_smem) {
         a_smem = smem_base + stage * L::STAGE_BYTES + cw * 64 * BK;
         b_smem = smem_base + stage * L::STAGE_BYTES + A_BYTES;
@@ -628,17 +547,13 @@ __global__ void __launch_bounds__(THREADS, 1)
     }
     if (!SWIGLU && tid % 128 == 0) bulk_wait<0>();  // the bulk stores done before exit
   }
-  if constexpr (CLUSTER > 1) {
-    __syncwarp();   // warp 0's lanes meet after lane 0's loads
-    cluster_sync();  // no peer arrives on or writes into it any more
-  }
 }
 
-template <int MODE, bool ROWS_A = false, int CLUSTER = 1>
+template <int MODE, bool ROWS_A = false>
 static int launch(const CUtensorMap& w1_map, const CUtensorMap& w3_map, const CUtensorMap& in_map,
                   const CUtensorMap& out_map, const KernelParams& p, int num_sms,
                   cudaStream_t stream) {
-  return launch_persistent<fp8_gemm_kernel<MODE, ROWS_A, CLUSTER>, CLUSTER>(
+  return launch_persistent<fp8_gemm_kernel<MODE, ROWS_A>>(
       Layout<MODE>::SMEM_BYTES, THREADS, num_sms, stream, w1_map, w3_map, in_map, out_map, p);
 }
 

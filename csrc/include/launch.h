@@ -9,10 +9,10 @@
 namespace megamoe {
 
 // Launches KERNEL persistently: exactly the CTAs that fit at once (one per SM for these
-// kernels), so none starts after the others finish; in clusters of CLUSTER CTAs. The first launch of each KERNEL raises its
+// kernels), so none starts after the others finish. The first launch of each KERNEL raises its
 // shared-memory limit and asks the occupancy API how many fit; later launches reuse the answer.
 // Returns 0 or a cudaError_t.
-template <auto KERNEL, int CLUSTER = 1, typename... Args>
+template <auto KERNEL, typename... Args>
 static int launch_persistent(int smem_bytes, int threads, int num_sms, cudaStream_t stream,
                              const Args&... args) {
   static int max_ctas = 0;
@@ -22,7 +22,7 @@ static int launch_persistent(int smem_bytes, int threads, int num_sms, cudaStrea
   cfg.dynamicSmemBytes = smem_bytes;
   cfg.stream = stream;
   attr[0].id = cudaLaunchAttributeClusterDimension;
-  attr[0].val.clusterDim.x = CLUSTER;
+  attr[0].val.clusterDim.x = 1;
   attr[0].val.clusterDim.y = 1;
   attr[0].val.clusterDim.z = 1;
   cfg.attrs = attr;
@@ -31,12 +31,11 @@ static int launch_persistent(int smem_bytes, int threads, int num_sms, cudaStrea
     cudaError_t err =
         cudaFuncSetAttribute(KERNEL, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes);
     if (err != cudaSuccess) return static_cast<int>(err);
-    const int whole = num_sms / CLUSTER * CLUSTER;  // CTAs in whole clusters
-    cfg.gridDim = dim3(whole);
-    int n = 0;  // clusters that fit at once (a GPC's odd SM stays idle with CLUSTER 2)
+    cfg.gridDim = dim3(num_sms);
+    int n = 0;
     err = cudaOccupancyMaxActiveClusters(&n, KERNEL, &cfg);
     if (err != cudaSuccess) return static_cast<int>(err);
-    max_ctas = n > 0 ? min(n * CLUSTER, whole) : whole;
+    max_ctas = n > 0 ? min(n, num_sms) : num_sms;
   }
   cfg.gridDim = dim3(max_ctas);
   cudaError_t err = cudaLaunchKernelEx(&cfg, KERNEL, args...);

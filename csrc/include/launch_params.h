@@ -65,8 +65,6 @@ typedef struct Fp8Gemm1SwigluParams {
   int group_m;
   long long x_rows;  /* 0: x is [T, D] token rows, gathered in the kernel; else x [x_rows, D] is
                         the plan's row space (gathered before), x_scale likewise by row */
-  int cluster;       /* 1, or 2: CTA pairs on adjacent M tiles of one expert share each weight
-                        box by TMA multicast */
   int num_sms;
   void* stream;
 } Fp8Gemm1SwigluParams;
@@ -117,8 +115,6 @@ typedef struct Fp8GemmRowsParams {
   int plan_bm;
   int group_m;
   long long rows;
-  int cluster; /* 1, or 2: CTA pairs on two N tiles of one M tile share the A box by TMA
-                  multicast (N / 128 even) */
   int num_sms;
   void* stream;
 } Fp8GemmRowsParams;

@@ -46,20 +46,15 @@ __device__ __forceinline__ void mbar_arrive_expect_tx(uint32_t bar, uint32_t byt
 // completed, which lets producers start on empty slots). The loop lives inside the PTX: a C++
 // loop around try_wait is a branch ptxas cannot prove uniform, and a wgmma batch left in flight
 // across it gets serialized (ptxas C7518, "WG.DP in divergent path").
-// CLUSTER_SCOPE: acquire at cluster scope (the default is the CTA's), for a barrier that a peer
-// CTA's threads arrive on (release.cluster) before this CTA overwrites what they read.
-#define MBAR_WAIT_PTX(SEM)                                                   \
-  "{\n.reg .pred p;\nWAIT:\nmbarrier.try_wait.parity" SEM ".shared::cta.b64 p, [%0], %1;\n" \
-  "@!p bra WAIT;\n}\n"
-template <bool CLUSTER_SCOPE = false>
 __device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
-  if constexpr (CLUSTER_SCOPE) {
-    asm volatile(MBAR_WAIT_PTX(".acquire.cluster")::"r"(bar), "r"(parity) : "memory");
-  } else {
-    asm volatile(MBAR_WAIT_PTX("")::"r"(bar), "r"(parity) : "memory");
-  }
+  asm volatile(
+      "{\n.reg .pred p;\n"
+      "WAIT:\n"
+      "mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n"
+      "@!p bra WAIT;\n}\n" ::"r"(bar),
+      "r"(parity)
+      : "memory");
 }
-#undef MBAR_WAIT_PTX
 
 // mbar_arrive by the threads whose `pred` is set, as one predicated instruction (no branch, for
 // the same reason as above).
@@ -68,31 +63,6 @@ __device__ __forceinline__ void mbar_arrive_if(uint32_t bar, bool pred) {
       "{\n.reg .pred p;\nsetp.ne.b32 p, %1, 0;\n"
       "@p mbarrier.arrive.shared::cta.b64 _, [%0];\n}\n" ::"r"(bar),
       "r"(static_cast<uint32_t>(pred))
-      : "memory");
-}
-
-// ---- clusters ---------------------------------------------------------------------------------
-
-__device__ __forceinline__ uint32_t cluster_ctarank() {
-  uint32_t r;
-  asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
-  return r;
-}
-
-// Every thread of every CTA of the cluster: its barriers initialised before any peer touches
-// them (at the start), no peer still arriving on or writing into its shared memory (at exit).
-__device__ __forceinline__ void cluster_sync() {
-  asm volatile("barrier.cluster.arrive.release;\nbarrier.cluster.wait.acquire;" ::: "memory");
-}
-
-// mbar_arrive_if on the barrier at `bar`'s offset in the shared memory of cluster rank `cta`,
-// releasing this thread's earlier reads at cluster scope (the peer's producer then overwrites).
-__device__ __forceinline__ void mbar_arrive_cluster_if(uint32_t bar, uint32_t cta, bool pred) {
-  asm volatile(
-      "{\n.reg .pred p;\n.reg .b32 remote;\nsetp.ne.b32 p, %2, 0;\n"
-      "mapa.shared::cluster.u32 remote, %0, %1;\n"
-      "@p mbarrier.arrive.release.cluster.shared::cluster.b64 _, [remote];\n}\n" ::"r"(bar),
-      "r"(cta), "r"(static_cast<uint32_t>(pred))
       : "memory");
 }
 
@@ -146,17 +116,6 @@ __device__ __forceinline__ void tma_load_2d(uint32_t dst, const CUtensorMap* map
       "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes"
       " [%0], [%1, {%2, %3}], [%4];" ::"r"(dst),
       "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(bar)
-      : "memory");
-}
-
-// tma_load_2d into the same shared-memory offset of every CTA of the cluster in `mask` (bit r:
-// rank r), each completing the tx bytes of its own barrier at `bar`'s offset.
-__device__ __forceinline__ void tma_load_2d_multicast(uint32_t dst, const CUtensorMap* map, int c0,
-                                                      int c1, uint32_t bar, uint16_t mask) {
-  asm volatile(
-      "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes"
-      ".multicast::cluster [%0], [%1, {%2, %3}], [%4], %5;" ::"r"(dst),
-      "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(bar), "h"(mask)
       : "memory");
 }
 

@@ -30,12 +30,11 @@ struct Ring {
       : full_bar(full), empty_bar(empty) {}
 
   // By thread 0, before mbar_init_fence. full_arrivals: 1 when the producer's thread 0 alone
-  // loads a stage (TMA), 129 when its 128 threads also gather rows by cp.async. cluster: CTAs
-  // whose consumers all free each stage (a peer's producer may multicast into it).
-  __device__ __forceinline__ void init(uint32_t full_arrivals, uint32_t cluster = 1) const {
+  // loads a stage (TMA), 129 when its 128 threads also gather rows by cp.async.
+  __device__ __forceinline__ void init(uint32_t full_arrivals) const {
     for (int s = 0; s < STAGES; ++s) {
       mbar_init(full_bar + 8 * s, full_arrivals);
-      mbar_init(empty_bar + 8 * s, 2 * cluster);  // one per consumer warpgroup of each CTA
+      mbar_init(empty_bar + 8 * s, 2);  // one per consumer warpgroup
     }
   }
 
@@ -48,13 +47,6 @@ struct Ring {
   __device__ __forceinline__ void release(int s, int cw, bool pred = true) const {
     named_barrier(1 + cw, 128);
     mbar_arrive_if(empty(s), pred && threadIdx.x % 128 == 0);
-  }
-
-  // release in a cluster of 2: on this CTA's empty(s) and on the peer's (rank `peer`).
-  __device__ __forceinline__ void release_pair(int s, int cw, uint32_t peer) const {
-    named_barrier(1 + cw, 128);
-    mbar_arrive_if(empty(s), threadIdx.x % 128 == 0);
-    mbar_arrive_cluster_if(empty(s), peer, threadIdx.x % 128 == 0);
   }
 };
 

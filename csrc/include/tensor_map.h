@@ -58,7 +58,6 @@ static inline int make_e4m3_map(CUtensorMap* map, const void* ptr, long long row
 static inline const char* tensor_map_error_string(int code) {
   if (code == -1) return "cuTensorMapEncodeTiled not found through the CUDA runtime";
   if (code == -2) return "cuTensorMapEncodeTiled rejected a tensor map";
-  if (code == -3) return "cluster size must be 1 or 2 (2 in a row GEMM: an even number of N tiles)";
   return cudaGetErrorString(static_cast<cudaError_t>(code));
 }
 

@@ -1,8 +1,7 @@
 """The FP8 modes of csrc/'s kernel families on an H200 (marked gpu; skipped without an sm_90 GPU
 and nvcc): gemm1_swiglu (h quantized per row and 128 columns in the epilogue, a = [a1 | a3]
-saved; token rows gathered inside or first; CTA pairs sharing boxes by multicast, bitwise
-the single CTAs), gemm_rows (gemm2, dgrad1; also in CTA pairs), dgrad2_swiglu (dgrad of
-linear 2 + the SwiGLU backward, five quantized outputs) and the weight gradients against float64 math on the same
+saved; token rows gathered inside or first), gemm_rows (gemm2, dgrad1), dgrad2_swiglu (dgrad of linear 2 + the SwiGLU backward, five
+quantized outputs) and the weight gradients against float64 math on the same
 quantized operands, on uneven routings (dropped slots, an empty expert, one expert holding
 every row, one token), token counts that are not tile multiples, outputs poisoned first (rows
 past the used ones must stay untouched), and against the Triton FP8 kernels of the same
@@ -58,7 +57,7 @@ def _used(plan):
     return used, slot, expert
 
 
-def _gemm1(plan, xq, xs, wq, save_a=True, x_rows=False, cluster=1):
+def _gemm1(plan, xq, xs, wq, save_a=True, x_rows=False):
     R, H = plan.max_rows, wq.w1q.shape[1]
     hq = torch.full((R, H), float("nan"), device="cuda").to(FP8)
     hs = nan_tensor(R, H // 128, dtype=torch.float32)
@@ -66,22 +65,18 @@ def _gemm1(plan, xq, xs, wq, save_a=True, x_rows=False, cluster=1):
     if x_rows:  # the rows gathered first, read by TMA
         xq, xs = gather_rows(xq, xs, plan)
     fp8_gemm1_swiglu_sm90(xq, xs, wq.w1q, wq.w1s, wq.w3q, wq.w3s, plan, hq, hs, a,
-                          x_rows=x_rows, cluster=cluster)
+                          x_rows=x_rows)
     torch.cuda.synchronize()
     return hq, hs, a
 
 
-@pytest.mark.parametrize("x_rows,cluster", [(False, 1), (True, 1), (False, 2), (True, 2)],
-                         ids=["gathered_inside", "rows_first", "pairs", "pairs_rows_first"])
+@pytest.mark.parametrize("x_rows", [False, True], ids=["gathered_inside", "rows_first"])
 @pytest.mark.parametrize("name", ROUTINGS)
 @pytest.mark.parametrize("T,K,E,D,H", [(700, 4, 8, 256, 384), (333, 2, 5, 640, 128)],
                          ids=["d256_h384", "d640_h128"])
-def test_gemm1_swiglu_vs_float64(T, K, E, D, H, name, x_rows, cluster):
-    """Each way of reading the rows (gathered inside or first; CTA pairs sharing the weight
-    boxes by multicast, experts' tiles paired and unpaired, odd tile counts) against float64,
-    and bitwise the first way's."""
+def test_gemm1_swiglu_vs_float64(T, K, E, D, H, name, x_rows):
     plan, xq, xs, wq = _setup(T, K, E, D, H, name)
-    hq, hs, a = _gemm1(plan, xq, xs, wq, x_rows=x_rows, cluster=cluster)
+    hq, hs, a = _gemm1(plan, xq, xs, wq, x_rows=x_rows)
     used, slot, expert = _used(plan)
     xd = _deq_rows(xq, xs)
     w1d, w3d = _deq_weight(wq.w1q, wq.w1s), _deq_weight(wq.w3q, wq.w3s)
@@ -103,14 +98,13 @@ def test_gemm1_swiglu_vs_float64(T, K, E, D, H, name, x_rows, cluster):
     amax = h.abs().reshape(used, H // 128, 128).amax(-1).clamp_min(1e-12)
     assert rel_err(hs[:used][live], (amax / 448)[live]) < 1e-2
     assert torch.isnan(a[used:].float()).all(), "wrote rows past the used ones"
-    # again, and the first way: the same bits (same products, same order)
-    for again in (_gemm1(plan, xq, xs, wq, x_rows=x_rows, cluster=cluster),
-                  _gemm1(plan, xq, xs, wq)):
+    # again, and the other way of reading the rows: the same bits (same products, same order)
+    for again in (_gemm1(plan, xq, xs, wq, x_rows=x_rows), _gemm1(plan, xq, xs, wq,
+                                                                 x_rows=not x_rows)):
         assert all(torch.equal(u.view(torch.uint8) if u.dtype == FP8 else u,
                                v.view(torch.uint8) if v.dtype == FP8 else v)
                    for u, v in zip((hq[:used], hs[:used], a[:used]), (t[:used] for t in again)))
-    hq2, hs2, _ = _gemm1(plan, xq, xs, wq, save_a=False, x_rows=x_rows,  # the inference form
-                         cluster=cluster)
+    hq2, hs2, _ = _gemm1(plan, xq, xs, wq, save_a=False, x_rows=x_rows)  # the inference form
     assert torch.equal(hq2[:used].view(torch.uint8), hq[:used].view(torch.uint8))
 
 
@@ -147,19 +141,10 @@ def test_rows_vs_float64(T, K, E, N, KD, name):
     assert rel_err(out[:used], ref) < 1e-2, rel_err(out[:used], ref)
     assert torch.all(out[:used][slot < 0] == 0), "padding rows must be exactly 0"
     assert torch.isnan(out[used:]).all(), "wrote rows past the used ones"
-    if (N // 128) % 2 == 0:  # CTA pairs sharing the A box: the same bits
-        pairs = nan_tensor(plan.max_rows, N)
-        fp8_gemm_rows_sm90(aq, a_s, bq, b_s, plan, pairs, cluster=2)
-        assert torch.equal(pairs[:used], out[:used]), "CTA pairs differ from single CTAs"
-        assert torch.isnan(pairs[used:]).all(), "CTA pairs wrote rows past the used ones"
-    else:
-        with pytest.raises(ValueError, match="even number"):
-            fp8_gemm_rows_sm90(aq, a_s, bq, b_s, plan, out, cluster=2)
 
 
-@pytest.mark.parametrize("cluster", (1, 2), ids=["ctas", "pairs"])
 @pytest.mark.parametrize("name", ("random", "uneven", "one_expert"))
-def test_rows_by_expert_groups(name, cluster):
+def test_rows_by_expert_groups(name):
     """The backward's dgrad of linear 1 split by experts (B holding one group's experts): each
     launch writes its group's rows only, and the groups together equal the one launch."""
     T, K, E, N, KD = 700, 4, 8, 256, 384
@@ -170,8 +155,7 @@ def test_rows_by_expert_groups(name, cluster):
     fp8_gemm_rows_sm90(aq, a_s, bq, b_s, plan, whole)
     split = nan_tensor(plan.max_rows, N)
     for lo, hi in ((0, 3), (3, 4), (4, 8)):
-        fp8_gemm_rows_sm90(aq, a_s, bq[lo:hi], b_s[lo:hi], plan, split, expert_base=lo,
-                           cluster=cluster)
+        fp8_gemm_rows_sm90(aq, a_s, bq[lo:hi], b_s[lo:hi], plan, split, expert_base=lo)
         torch.cuda.synchronize()
         done = expert < hi
         assert torch.equal(split[:used][done], whole[:used][done]), (lo, hi)
@@ -317,12 +301,11 @@ def test_qwen3_30b_shape_matches_triton():
                                            save_a=True, config=tri)
     hq_c, hs_c, a_c = fg.fp8_gemm1_swiglu(xq, xs, wq.w1q, wq.w1s, wq.w3q, wq.w3s, plan,
                                            save_a=True, config=Sm90())
-    # the tuner's other sm90 candidate (rows gathered first), and CTA pairs: the same bits
-    for cfg in (Sm90(gather_first=True), Sm90(cluster=2), Sm90(gather_first=True, cluster=2)):
-        other = fg.fp8_gemm1_swiglu(xq, xs, wq.w1q, wq.w1s, wq.w3q, wq.w3s, plan, save_a=True,
-                                    config=cfg)
-        assert all(torch.equal(u[:used].view(torch.uint8), v[:used].view(torch.uint8))
-                   for u, v in zip((hq_c, hs_c, a_c), other)), cfg
+    # the tuner's other sm90 candidate (rows gathered first): the same bits
+    first = fg.fp8_gemm1_swiglu(xq, xs, wq.w1q, wq.w1s, wq.w3q, wq.w3s, plan, save_a=True,
+                                config=Sm90(gather_first=True))
+    assert all(torch.equal(u[:used].view(torch.uint8), v[:used].view(torch.uint8))
+               for u, v in zip((hq_c, hs_c, a_c), first))
     assert rel_err(a_c[:used], a_t[:used]) < 1e-3
     assert rel_err(_deq_rows(hq_c[:used], hs_c[:used]), _deq_rows(hq_t[:used], hs_t[:used])) < 1e-2
     y_t = fg.fp8_gemm_rows(hq_c, hs_c, wq.w2q, wq.w2s, plan, torch.bfloat16,
@@ -330,9 +313,6 @@ def test_qwen3_30b_shape_matches_triton():
     y_c = fg.fp8_gemm_rows(hq_c, hs_c, wq.w2q, wq.w2s, plan, torch.bfloat16,
                            config=Sm90())
     assert rel_err(y_c[:used], y_t[:used]) < 1e-3, rel_err(y_c[:used], y_t[:used])
-    y_p = fg.fp8_gemm_rows(hq_c, hs_c, wq.w2q, wq.w2s, plan, torch.bfloat16,
-                           config=Sm90(cluster=2))
-    assert torch.equal(y_p[:used], y_c[:used]), "row GEMM CTA pairs differ"
     # kernel A on the same plan: every output against the Triton kernel's
     g = torch.Generator(device="cuda").manual_seed(4)
     dy = torch.randn(T, D, device="cuda", generator=g).bfloat16()

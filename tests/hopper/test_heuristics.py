@@ -135,28 +135,6 @@ def test_fp8_lists(gpu_lists):
     assert {c.block_m for c in _cands(fp8_wgrad.STAGE, fp8_wgrad.Shape(192, 2048, bf16))} == {64}
 
 
-def test_fp8_cta_pairs_offered_only_where_asked_and_the_kernel_has_them(gpu_lists, monkeypatch):
-    """MEGAMOE_SM90_PAIRS=1 adds Sm90(cluster=2) beside each sm90 candidate of GEMM 1 and of the
-    row GEMM over an even number of 128-column tiles; never for kernel A, never unasked."""
-    sm90 = Available(sm90=True)
-    stage = fp8_gemm.STAGES["fp8_gemm2"]
-
-    def sm90_cands(epilogue, N, gather):
-        shape = fp8_gemm.Shape(epilogue, N, 2048, 128, out_bf16=True, gather=gather)
-        return [c for c in _cands(stage, shape, sm90) if c.side == "sm90"]
-
-    monkeypatch.delenv(settings.SM90_PAIRS, raising=False)
-    firsts = [Sm90(), Sm90(gather_first=True)]
-    assert sm90_cands("gemm1_swiglu", 768, True) == firsts
-    assert sm90_cands("gemm_rows", 2048, False) == [Sm90()]
-    monkeypatch.setenv(settings.SM90_PAIRS, "1")
-    assert sm90_cands("gemm1_swiglu", 768, True) == firsts + [
-        Sm90(cluster=2), Sm90(gather_first=True, cluster=2)]
-    assert sm90_cands("gemm_rows", 2048, False) == [Sm90(), Sm90(cluster=2)]
-    assert sm90_cands("gemm_rows", 640, False) == [Sm90()]  # 5 column tiles: no pair
-    assert all(c.cluster is None for c in sm90_cands("dgrad2_swiglu", 768, True))
-
-
 def test_fp8_deepgemm_not_for_one_group_of_experts(gpu_lists):
     dg = Available(deepgemm=True)
     rows = fp8_gemm.STAGES["fp8_dgrad1"]

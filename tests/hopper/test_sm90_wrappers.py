@@ -1,13 +1,11 @@
-"""The Python sides of csrc/'s kernel families (the bf16 modes, the FP8 row GEMM's CTA pairs)
-refuse bad input before anything is built or launched, with an error that names the problem
-(CPU: the checks run before the library loads)."""
+"""The Python sides of the bf16 modes of csrc/'s kernel families refuse bad input before anything is built or
+launched, with an error that names the problem (CPU: the checks run before the library loads)."""
 
 import pytest
 import torch
 
 from torchtitan_megamoe.ops.hopper.cuda.dgrad2_swiglu import dgrad2_swiglu_sm90
-from torchtitan_megamoe.ops.hopper.cuda.gemm_rows import (fp8_gemm_rows_sm90,
-                                                          gemm_rows_nmajor_sm90, gemm_rows_sm90)
+from torchtitan_megamoe.ops.hopper.cuda.gemm_rows import gemm_rows_nmajor_sm90, gemm_rows_sm90
 from torchtitan_megamoe.ops.hopper.cuda.wgrad import wgrad_dw13_sm90, wgrad_dw2_sm90
 from torchtitan_megamoe.ops.hopper.plan import build_plan
 
@@ -72,15 +70,3 @@ def test_dgrad_swiglu_needs_256_wide_hidden_and_matching_buffers(plan):
                        % R):
         dgrad2_swiglu_sm90(_bf16(T, 256), _bf16(R, 512), tw, _bf16(E, 256, 256), plan,
                              dy_rows=_bf16(T, 256))
-
-
-def test_fp8_row_gemm_pairs_need_an_even_number_of_column_tiles(plan):
-    """CTA pairs share one M tile over two N tiles: N / 128 odd (or a cluster of 3) is refused
-    before any launch."""
-    R = plan.max_rows
-    fp8 = torch.float8_e4m3fn
-    aq, a_s = torch.zeros(R, 128, dtype=fp8), torch.ones(R, 1)
-    for N, cluster in ((384, 2), (256, 3)):
-        bq, b_s = torch.zeros(E, N, 128, dtype=fp8), torch.ones(E, N // 128, 1)
-        with pytest.raises(ValueError, match="even number of 128-column tiles"):
-            fp8_gemm_rows_sm90(aq, a_s, bq, b_s, plan, _bf16(R, N), cluster=cluster)

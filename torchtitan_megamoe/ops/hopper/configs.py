@@ -43,16 +43,12 @@ class TritonGemm(Config):
 class Sm90(Config):
     """A csrc/ kernel for sm_90a; group_m as TritonGemm's ("wave": the kernel's own), static:
     a fixed tile order instead of the dynamic ticket; gather_first (FP8 GEMM 1): the token rows
-    gathered into the row space by a pass first and read by TMA, not by cp.async inside;
-    cluster (FP8 GEMM 1 and row GEMM; None: 1): 2, CTA pairs that load each shared box once
-    by TMA multicast: GEMM 1's on adjacent M tiles of one expert share the weight boxes, the
-    row GEMM's on adjacent N tiles share the A box (offered under MEGAMOE_SM90_PAIRS=1)."""
+    gathered into the row space by a pass first and read by TMA, not by cp.async inside."""
 
     side: ClassVar[str] = "sm90"
     group_m: int | str = 8
     static: bool = False
     gather_first: bool = False
-    cluster: int | None = None
 
 
 @dataclass(frozen=True)

@@ -72,13 +72,12 @@ def gemm1_swiglu_sm90(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, plan:
 
 
 def fp8_gemm1_swiglu_sm90(xq, xs, w1q, w1s, w3q, w3s, plan: Plan, hq, hs, a=None,
-                          group_m: int = 8, x_rows: bool = False, cluster: int = 1) -> None:
+                          group_m: int = 8, x_rows: bool = False) -> None:
     """Writes the used rows of hq [R_max, H] e4m3, hs [R_max, H/128] and (unless None) a
     [R_max, 2H] bf16: GEMM 1 + SwiGLU on the token rows of xq [T, D] (scales xs [T, D/128]),
     gathered inside by cp.async; with ``x_rows``, xq / xs are those rows gathered before into
     the plan's row space, [R_max, D] / [R_max, D/128] contiguous (kernels/fp8_quant.gather_rows),
-    read by TMA. ``cluster`` 2: CTA pairs on adjacent M tiles of one expert load each weight
-    box once for both (TMA multicast)."""
+    read by TMA."""
     who = "fp8_gemm1_swiglu_sm90"
     E, H, D = w1q.shape
     R = plan.max_rows
@@ -87,8 +86,6 @@ def fp8_gemm1_swiglu_sm90(xq, xs, w1q, w1s, w3q, w3s, plan: Plan, hq, hs, a=None
     if w3q.shape != w1q.shape or w1s.stride() != w3s.stride() or w1s.shape != w3s.shape:
         raise ValueError(f"{who}: w1 and w3 (and their scales) must have one shape and layout")
     check_fp8_token_rows(who, "xq", xq, "xs", xs, D)
-    if cluster not in (1, 2):
-        raise ValueError(f"{who}: cluster must be 1 or 2, got {cluster}")
     if x_rows and (xq.shape[0] != R or not (xq.is_contiguous() and xs.is_contiguous())):
         raise ValueError(f"{who}: with x_rows, xq / xs must be the plan's rows, contiguous "
                          f"[{R}, {D}] / [{R}, {D // FP8_BLOCK}]; got {tuple(xq.shape)}")
@@ -108,6 +105,6 @@ def fp8_gemm1_swiglu_sm90(xq, xs, w1q, w1s, w3q, w3s, plan: Plan, hq, hs, a=None
         row_slot=plan.row_slot.data_ptr(), tile_expert=plan.tile_expert.data_ptr(),
         num_rows_used=plan.num_rows_used.data_ptr(),
         E=E, H=H, D=D, top_k=plan.top_k, plan_bm=plan.block_m, group_m=group_m,
-        x_rows=R if x_rows else 0, cluster=cluster, num_sms=num_sms, stream=stream,
+        x_rows=R if x_rows else 0, num_sms=num_sms, stream=stream,
     )
     launch(FAMILY, "megamoe_fp8_gemm1_swiglu", params, who)

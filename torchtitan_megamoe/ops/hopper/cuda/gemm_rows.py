@@ -23,8 +23,7 @@ import torch
 
 from torchtitan_megamoe.ops.hopper.cuda.params import Fp8GemmRowsParams, GemmRowsParams
 from torchtitan_megamoe.ops.hopper.cuda.sm90 import (FP8_BLOCK, check_bf16_rows, check_fp8_operands,
-                                                     check_plan, fp8_row_pairs_supported, launch,
-                                                     launch_context)
+                                                     check_plan, launch, launch_context)
 
 if TYPE_CHECKING:
     from torchtitan_megamoe.ops.hopper.plan import Plan
@@ -84,16 +83,12 @@ def _launch(who, inp, ws, plan, out, E, N, K, k_split, n_major, group_m, dynamic
 
 
 def fp8_gemm_rows_sm90(aq, a_s, bq, b_s, plan: Plan, out: torch.Tensor, group_m: int = 8,
-                       expert_base: int | None = None, cluster: int = 1) -> None:
+                       expert_base: int | None = None) -> None:
     """Writes the used rows of out [R_max, N] (bf16) = (aq [R_max, K] @ bq[e]^T [E, N, K]),
     scaled by a_s [R_max, K/128] and b_s [E, N/128, K/128]. With ``expert_base`` e0: bq, b_s
-    hold experts [e0, e0 + E) only, and only their rows are written. ``cluster`` 2: CTA pairs
-    on two N tiles of one M tile load each A box once for both (TMA multicast); N / 128 even."""
+    hold experts [e0, e0 + E) only, and only their rows are written."""
     who = "fp8_gemm_rows_sm90"
     E, N, K = bq.shape
-    if cluster not in (1, 2) or (cluster == 2 and not fp8_row_pairs_supported(N)):
-        raise ValueError(f"{who}: cluster must be 1, or 2 with an even number of "
-                         f"{FP8_BLOCK}-column tiles; got cluster={cluster}, N={N}")
     if expert_base is not None and not 0 <= expert_base <= plan.num_local_experts - E:
         raise ValueError(f"{who}: experts [{expert_base}, {expert_base + E}) are not within "
                          f"the plan's {plan.num_local_experts}")
@@ -114,6 +109,6 @@ def fp8_gemm_rows_sm90(aq, a_s, bq, b_s, plan: Plan, out: torch.Tensor, group_m:
         num_rows_used=plan.num_rows_used.data_ptr(),
         seg_start=plan.seg_start.data_ptr() if expert_base is not None else None,
         expert_base=expert_base or 0, E=E, N=N, K=K, plan_bm=plan.block_m, group_m=group_m,
-        rows=R, cluster=cluster, num_sms=num_sms, stream=stream,
+        rows=R, num_sms=num_sms, stream=stream,
     )
     launch(FAMILY, "megamoe_fp8_gemm_rows", params, who)

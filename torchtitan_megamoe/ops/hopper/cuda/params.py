@@ -31,7 +31,7 @@ class Fp8Gemm1SwigluParams(ctypes.Structure):
         ("hq", _P), ("hs", _P), ("a", _P),
         ("row_slot", _P), ("tile_expert", _P), ("num_rows_used", _P),
         ("E", _I), ("H", _I), ("D", _I), ("top_k", _I), ("plan_bm", _I), ("group_m", _I),
-        ("x_rows", _LL), ("cluster", _I), ("num_sms", _I), ("stream", _P),
+        ("x_rows", _LL), ("num_sms", _I), ("stream", _P),
     ]
 
 
@@ -50,7 +50,7 @@ class Fp8GemmRowsParams(ctypes.Structure):
         ("b", _P), ("b_scale", _P), ("stride_bse", _LL), ("stride_bsn", _LL),
         ("out", _P), ("tile_expert", _P), ("num_rows_used", _P), ("seg_start", _P),
         ("expert_base", _I), ("E", _I), ("N", _I), ("K", _I), ("plan_bm", _I), ("group_m", _I),
-        ("rows", _LL), ("cluster", _I), ("num_sms", _I), ("stream", _P),
+        ("rows", _LL), ("num_sms", _I), ("stream", _P),
     ]
 
 

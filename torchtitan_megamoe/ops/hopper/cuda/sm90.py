@@ -109,11 +109,6 @@ def fp8_shape_supported(N: int, K: int, block_m: int) -> bool:
     return N % FP8_BLOCK == 0 and K % FP8_BLOCK == 0 and block_m % FP8_BLOCK == 0
 
 
-def fp8_row_pairs_supported(N: int) -> bool:
-    """The FP8 row GEMM's CTA pairs share one M tile over two N tiles: N / 128 even."""
-    return (N // FP8_BLOCK) % 2 == 0
-
-
 def check_fp8_operands(who, plan, N, K, weights, scales) -> None:
     if not fp8_shape_supported(N, K, plan.block_m):
         raise ValueError(f"{who} needs N % {FP8_BLOCK} == 0, K % {FP8_BLOCK} == 0 and a plan "

@@ -25,7 +25,7 @@ from torchtitan_megamoe.ops.hopper import deepgemm, heuristics
 from torchtitan_megamoe.ops.hopper.cuda.dgrad2_swiglu import fp8_dgrad2_swiglu_sm90
 from torchtitan_megamoe.ops.hopper.cuda.gemm1_swiglu import fp8_gemm1_swiglu_sm90
 from torchtitan_megamoe.ops.hopper.cuda.gemm_rows import fp8_gemm_rows_sm90
-from torchtitan_megamoe.ops.hopper.cuda.sm90 import fp8_row_pairs_supported, fp8_shape_supported
+from torchtitan_megamoe.ops.hopper.cuda.sm90 import fp8_shape_supported
 from torchtitan_megamoe.ops.hopper.heuristics import FP8_INTERPRET
 from torchtitan_megamoe.ops.hopper.tiles import FP8_BLOCK_M
 from torchtitan_megamoe.ops.hopper.kernels.fp8_gemm import (
@@ -95,14 +95,13 @@ def _row_space(op: Operands, gather: bool) -> tuple:
 def _sm90_rows(cfg: Sm90, op: Operands):
     rows, rows_s = _row_space(op, op.gather)
     fp8_gemm_rows_sm90(rows, rows_s, op.b, op.b_s, op.plan, op.out, group_m=cfg.group_m,
-                       expert_base=op.expert_base, cluster=cfg.cluster or 1)
+                       expert_base=op.expert_base)
 
 
 def _sm90_gemm1_swiglu(cfg: Sm90, op: Operands):
     x, xs = _row_space(op, cfg.gather_first)
     fp8_gemm1_swiglu_sm90(x, xs, op.b, op.b_s, op.b2, op.b2_s, op.plan, op.out, op.out_s,
-                          op.aux, group_m=cfg.group_m, x_rows=cfg.gather_first,
-                          cluster=cfg.cluster or 1)
+                          op.aux, group_m=cfg.group_m, x_rows=cfg.gather_first)
 
 
 def _sm90_dgrad2_swiglu(cfg: Sm90, op: Operands):
@@ -159,16 +158,7 @@ def _sm90_offer(s: Shape, av) -> list:
     # GEMM 1: the rows gathered inside (cp.async) or by a pass first (TMA): which is faster
     # depends on the shape, so the tuner times both
     firsts = (False, True) if s.epilogue == "gemm1_swiglu" else (False,)
-    clusters = (1, 2) if settings.sm90_pairs() and pairs_fit(s) else (1,)
-    return [Sm90(group_m=8, gather_first=f, cluster=None if c == 1 else c)
-            for c in clusters for f in firsts]
-
-
-def pairs_fit(s: Shape) -> bool:
-    """The kernel has a CTA-pair form for the stage: GEMM 1, and the row GEMM over an even
-    number of 128-column tiles (a pair shares one M tile over two N tiles)."""
-    return s.epilogue == "gemm1_swiglu" or (s.epilogue == "gemm_rows"
-                                            and fp8_row_pairs_supported(s.N))
+    return [Sm90(group_m=8, gather_first=f) for f in firsts]
 
 
 def _deepgemm_offer(s: Shape, av) -> list:
