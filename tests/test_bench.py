@@ -109,10 +109,27 @@ def test_ep_loopback_cli_runs_r_ranks_in_one_process(capsys):
     assert r["loopback_fwd_ms"] > 0 and r["ep1_fwd_ms"] > 0
     assert r["per_rank_fwd_ms"] == r["loopback_fwd_ms"] / 2
     assert r["loopback_fwd_host_ms"] > 0 and r["loopback_fwd_busy_ms"] == 0  # no device here
+    assert r["ep1_rank_fwd_busy_ms"] == 0 and "overhead_rank_busy_fwd" not in r
     assert set(r["bytes"]) == {"dispatch", "dispatch meta", "combine"} and r["bytes"]["dispatch"] > 0
     printed = capsys.readouterr().out
     assert "| tiny (smoke) | bf16 | 2 | 4 | fwd |" in printed
     assert "| tiny (smoke) | bf16 | 2 | dispatch |" in printed
+
+
+def test_loopback_table_sets_ep_r_against_r_ranks_of_ep1_at_their_own_tokens():
+    """The loopback table's second reference: R x ours at EP=1 on one rank's T tokens (the
+    per-rank GEMM sizes every EP=R pays), beside EP=1 on R*T, in the row and the graph line."""
+    from torchtitan_megamoe.bench.ep_loopback import loopback_table
+
+    r = {"shape": "S", "precision": "bf16", "ep": 8, "tokens": 16, "loopback_fwdbwd_ms": 9.0,
+         "loopback_fwdbwd_host_ms": 1.0, "loopback_fwdbwd_busy_ms": 80.0, "ep1_fwdbwd_ms": 5.0,
+         "ep1_fwdbwd_busy_ms": 50.0, "overhead_busy_fwdbwd": 1.6, "ep1_rank_fwdbwd_busy_ms": 64.0,
+         "overhead_rank_busy_fwdbwd": 1.25, "loopback_fwdbwd_kernels": 9, "ep1_fwdbwd_kernels": 3,
+         "loopback_fwdbwd_graph_ms": 78.0, "ep1_fwdbwd_graph_ms": 52.0,
+         "ep1_rank_fwdbwd_graph_ms": 60.0}
+    table = loopback_table([r])
+    assert "| 1.60x | 64.000 (1.25x) | 9 / 3 |" in table
+    assert "78.000 ms / EP=1 52.000 ms = 1.50x; / 8 x EP=1 on 16 tokens 60.000 ms = 1.30x" in table
 
 
 def test_ep_cli_outside_torchrun_names_the_launcher(capsys):

@@ -7,7 +7,9 @@ processes would, so a waited call is host-bound where a real rank's would not be
 times per pass: waited (CUDA events), the host's issue time, and the device's busy time (the
 union of every kernel's interval, timing.gpu_busy_ms). GPU busy / R is a rank's compute, GPU
 busy EP=R / EP=1 on the same R*T tokens the EP machinery's overhead (the exchange's copies, a plan
-per region, smaller GEMMs), host issue / R a rank's host cost.
+per region, smaller GEMMs), host issue / R a rank's host cost. Beside it, GPU busy EP=R / (R x
+ours at EP=1 on one rank's T tokens): the same without the part any EP=R pays, a rank's GEMMs
+at 1/R of EP=1's rows per expert.
 
 Memory. The peak above the inputs of one loopback forward + backward, divided by R (every rank's
 exchange buffers and transients live at once in the one process), against ours at EP=1 on one
@@ -197,13 +199,23 @@ def bench_shape_loopback(key: str, R: int, tokens: int, iters: int, warmup: int,
                 res["exposed_ms"] = exposed_ms(call, R, iters, warmup, exposed_gbs, graph)
             res["per_rank_peak_mib"] = peak_extra_mib(call) / R
     one = shard(1, *(a[:tokens] if i < 3 else a for i, a in enumerate(args)))
-    res["ep1_peak_mib"] = peak_extra_mib(layer(one, [dy[:tokens]] if backward else None))
+    rank_call = layer(one, [dy[:tokens]] if backward else None)
+    res["ep1_peak_mib"] = peak_extra_mib(rank_call)
+    # R times ours at EP=1 on one rank's T tokens: R ranks' GEMMs at a rank's rows per expert
+    # with no exchange, which an EP=R node pays at any machinery (EP=1 on R*T runs R times the
+    # rows per expert: fuller waves, longer weight-gradient sums)
+    last = "fwdbwd" if backward else "fwd"
+    res[f"ep1_rank_{last}_busy_ms"] = R * gpu_busy_ms(rank_call)[0]
+    if backward:
+        graphed["ep1_rank"] = rank_call
     if graph and torch.cuda.is_available():
         # last: a capture that fails cannot cost the numbers above
         for name, call in graphed.items():
             res[f"{name}_fwdbwd_graph_ms"], err = graphed_ms(call, iters)
             if err:
                 res[f"{name}_graph_error"] = err
+        if res.get("ep1_rank_fwdbwd_graph_ms") is not None:
+            res["ep1_rank_fwdbwd_graph_ms"] *= R
     res["model_bytes"] = model_bytes(R, tokens, shape["dim"], shape["experts"], shape["top_k"],
                                      precision)
     for tag in ("fwd", "fwdbwd"):
@@ -215,6 +227,9 @@ def bench_shape_loopback(key: str, R: int, tokens: int, iters: int, warmup: int,
             if res[f"ep1_{tag}_busy_ms"]:
                 res[f"overhead_busy_{tag}"] = (res[f"loopback_{tag}_busy_ms"]
                                                / res[f"ep1_{tag}_busy_ms"])
+            if res.get(f"ep1_rank_{tag}_busy_ms"):
+                res[f"overhead_rank_busy_{tag}"] = (res[f"loopback_{tag}_busy_ms"]
+                                                    / res[f"ep1_rank_{tag}_busy_ms"])
     return res
 
 
@@ -225,8 +240,9 @@ def loopback_table(results: list[dict]) -> str:
     the EP machinery's overhead."""
     lines = ["| shape | precision | EP (loopback) | tokens/rank | pass | R ranks ms (waited) | "
              "host issue ms | GPU busy ms | EP=1 on R*T: waited / busy ms | GPU busy EP=R / "
-             "EP=1 | kernels EP=R / EP=1 | peak MiB per rank / EP=1 on T |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+             "EP=1 | R x EP=1 on T: busy ms (EP=R / it) | kernels EP=R / EP=1 | peak MiB per "
+             "rank / EP=1 on T |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in results:
         for tag in ("fwd", "fwdbwd"):
             if f"loopback_{tag}_ms" not in r:
@@ -237,18 +253,28 @@ def loopback_table(results: list[dict]) -> str:
                          f"{r[f'loopback_{tag}_host_ms']:.3f} | "
                          f"{r[f'loopback_{tag}_busy_ms']:.3f} | {r[f'ep1_{tag}_ms']:.3f} / "
                          f"{r[f'ep1_{tag}_busy_ms']:.3f} | "
-                         f"{'-' if busy is None else f'{busy:.2f}x'} | "
+                         f"{'-' if busy is None else f'{busy:.2f}x'} | {_per_rank(r, tag)} | "
                          f"{r[f'loopback_{tag}_kernels']:.0f} / {r[f'ep1_{tag}_kernels']:.0f} | "
                          f"{_peaks(r)} |")
     for r in results:  # --graph: both captured in one CUDA graph, no host in the way
         if "loopback_fwdbwd_graph_ms" not in r:
             continue
         mine, one = r["loopback_fwdbwd_graph_ms"], r.get("ep1_fwdbwd_graph_ms")
+        ranks = r.get("ep1_rank_fwdbwd_graph_ms")
         ratio = f" = {mine / one:.2f}x" if mine and one else ""
-        errs = "; ".join(r[k] for k in ("loopback_graph_error", "ep1_graph_error") if k in r)
+        rratio = f" = {mine / ranks:.2f}x" if mine and ranks else ""
+        errs = "; ".join(r[k] for k in ("loopback_graph_error", "ep1_graph_error",
+                                        "ep1_rank_graph_error") if k in r)
         lines.append(f"- {r['shape']} {r['precision']} EP={r['ep']}, fwd+bwd as one CUDA graph: "
-                     f"{_ms(mine)} ms / EP=1 {_ms(one)} ms{ratio}" + (f" ({errs})" if errs else ""))
+                     f"{_ms(mine)} ms / EP=1 {_ms(one)} ms{ratio}; / {r['ep']} x EP=1 on "
+                     f"{r['tokens']} tokens {_ms(ranks)} ms{rratio}"
+                     + (f" ({errs})" if errs else ""))
     return "\n".join(lines)
+
+
+def _per_rank(r: dict, tag: str) -> str:
+    ms, ratio = r.get(f"ep1_rank_{tag}_busy_ms"), r.get(f"overhead_rank_busy_{tag}")
+    return "-" if not ms else f"{ms:.3f} ({ratio:.2f}x)"
 
 
 def _ms(v) -> str:
