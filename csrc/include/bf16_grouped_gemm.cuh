@@ -327,10 +327,9 @@ __global__ void __launch_bounds__(THREADS, 1)
                                               : -1;
         tok[i] = slot >= 0 ? slot / p.top_k : -1;
       }
-      // WGRAD gathers: the slots of this thread's rows (t / 8 + 16 i) of the K step after next,
-      // loaded two steps ahead so that their latency hides behind two steps' empty-slot waits and
-      // copies instead of stalling every step (the rows change with every K step; one step
-      // ahead left the producer waiting on each load: the ring never filled)
+      // WGRAD gathers: the slots of this thread's rows (t / 8 + 16 i) of the next K step, loaded
+      // one step ahead so that their latency hides behind the empty-slot wait and the previous
+      // step's copies instead of stalling every step (the rows change with every K step)
       // WGRAD: a walk over the K steps (regions > 1: region after region, each region's first
       // row and K steps of the expert); next_row gives the first row of the next step
       struct Walk {
@@ -347,18 +346,17 @@ __global__ void __launch_bounds__(THREADS, 1)
       };
       Walk walk = {0, 0, t.row0, WGRAD ? (p.count[expert] + BK - 1) / BK : 0};
       constexpr int ROW_PASSES = BK / 16;
-      // [0]: the next step's slots and first row, [1]: the step after's
-      int next_slot[2][ROW_PASSES];
-      int next_r0[2] = {0, 0};
-      auto load_slots = [&](int kb, int* dst, int& r0) {
-        if (WGRAD && GATHERS && kb < k_blocks) r0 = next_row(walk);
+      int next_slot[ROW_PASSES];
+      int next_r0 = 0;  // gathers: the first row of the step whose slots were loaded last
+      auto load_slots = [&](int kb) {
+        if (WGRAD && GATHERS && kb < k_blocks) next_r0 = next_row(walk);
 #pragma unroll
         for (int i = 0; i < ROW_PASSES; ++i) {
-          dst[i] = WGRAD && GATHERS && kb < k_blocks ? p.row_slot[r0 + tid / 8 + 16 * i] : -1;
+          next_slot[i] = WGRAD && GATHERS && kb < k_blocks
+                             ? p.row_slot[next_r0 + tid / 8 + 16 * i] : -1;
         }
       };
-      load_slots(0, next_slot[0], next_r0[0]);
-      load_slots(1, next_slot[1], next_r0[1]);
+      load_slots(0);
       // GATHER_ROWS: this thread's 16-byte chunk c of the K step of the tile's rows rg + 16 i
       // (8 threads per 128-byte row), zeros for padding rows
       auto gather_rows = [&](uint32_t a_smem, int kb) {
@@ -375,13 +373,9 @@ __global__ void __launch_bounds__(THREADS, 1)
       for (int kb = 0; kb < k_blocks; ++kb) {
         int slot[ROW_PASSES];
 #pragma unroll
-        for (int i = 0; i < ROW_PASSES; ++i) {
-          slot[i] = next_slot[0][i];
-          next_slot[0][i] = next_slot[1][i];
-        }
-        const int step_r0 = next_r0[0];
-        next_r0[0] = next_r0[1];
-        load_slots(kb + 2, next_slot[1], next_r0[1]);
+        for (int i = 0; i < ROW_PASSES; ++i) slot[i] = next_slot[i];
+        const int step_r0 = next_r0;
+        load_slots(kb + 1);
         mbar_wait(ring.empty(stage), phase ^ 1);
         const uint32_t a_smem = smem_base + stage * STAGE_BYTES;
         const uint32_t b_smem = a_smem + A_BYTES;
