@@ -63,9 +63,8 @@ def fp8_picks(D, H, avail, expert_group=False):
 @pytest.mark.parametrize("shape", QWEN3)
 def test_bf16_untuned_is_the_sm90_kernel_of_every_stage(shape):
     D, H = QWEN3[shape]
-    # dw1|dw3: the rows gathered first (its other form gathers them inside the kernel)
-    assert bf16_picks(D, H, H200) == (Sm90(), Sm90(), Sm90Fused(block_n=256), Sm90(),
-                                      Sm90(gather_first=True), Sm90())
+    assert bf16_picks(D, H, H200) == (Sm90(), Sm90(), Sm90Fused(block_n=256), Sm90(), Sm90(),
+                                      Sm90())
     # without nvcc: grouped_mm where it is offered, else the Triton reference
     assert bf16_picks(D, H, NO_NVCC) == (
         hx.GEMM1_SWIGLU_CONFIGS[0], hx.GEMM2_CONFIGS[0], Cublas(), Cublas(), Cublas(),
@@ -78,11 +77,11 @@ def test_bf16_untuned_is_the_sm90_kernel_of_every_stage(shape):
 @pytest.mark.parametrize("shape", QWEN3)
 def test_fp8_untuned_is_deepgemm_where_installed_else_sm90(shape):
     D, H = QWEN3[shape]
-    dg, sm, first = DeepGemm(), Sm90(), Sm90(gather_first=True)  # dw1|dw3: rows gathered first
-    assert fp8_picks(D, H, H200) == (dg, dg, dg, dg, sm, first, sm, sm, sm)
+    dg, sm = DeepGemm(), Sm90()
+    assert fp8_picks(D, H, H200) == (dg, dg, dg, dg, sm, sm, sm, sm, sm)
     # by groups of experts DeepGEMM would zero the other groups' rows: ours
-    assert fp8_picks(D, H, H200, expert_group=True) == (dg, dg, dg, sm, sm, first, sm, sm, sm)
-    assert fp8_picks(D, H, NO_DEEPGEMM) == (sm,) * 5 + (first,) + (sm,) * 3
+    assert fp8_picks(D, H, H200, expert_group=True) == (dg, dg, dg, sm, sm, sm, sm, sm, sm)
+    assert fp8_picks(D, H, NO_DEEPGEMM) == (sm,) * 9
     assert fp8_picks(D, H, NO_NVCC) == (
         dg, dg, dg, dg, Cublas(), Cublas(), hx.FP8_DGRAD2_SWIGLU_CONFIGS[0],
         hx.FP8_WGRAD_CONFIGS[0], hx.FP8_WGRAD_CONFIGS[0])

@@ -3,8 +3,7 @@
     triton  kernels/wgrad.py, the token operand read by indirection (the reference)
     cublas  kernels/grouped_mm.py: rows gathered, K-grouped torch._grouped_mm
     sm90    csrc/wgrad.cu (cuda/wgrad.py), longest expert first, on the token operand gathered
-            into the row space first (dw2 reuses dgrad2_swiglu's dy rows where it left them),
-            or, for dw1|dw3, gathered inside the kernel (no rows buffer)
+            into the row space first (dw2 reuses dgrad2_swiglu's dy rows where it left them)
 """
 
 from __future__ import annotations
@@ -113,42 +112,30 @@ def _dw13_cublas(cfg, op: Operands):
 
 
 def _dw13_sm90(cfg, op: Operands):
-    # gather_first: x's rows into the row space by a pass, then both operands by TMA; else
-    # the kernel gathers them itself (no [R_max, D] rows buffer)
-    x = gather_rows(op.x, op.plan) if cfg.gather_first else op.x
-    return sm90_wgrad.wgrad_dw13_sm90(op.da, x, op.plan, _out(op, 0), _out(op, 2), op.order,
-                                      pre_gathered=cfg.gather_first,
+    return sm90_wgrad.wgrad_dw13_sm90(op.da, gather_rows(op.x, op.plan), op.plan,
+                                      _out(op, 0), _out(op, 2), op.order, pre_gathered=True,
                                       accumulate=_accumulates(op))
 
 
-def _sm90_fits(s: Shape, av) -> bool:
-    return (sm90_offered(s, av) and s.params_ok
+def _sm90_offer(s: Shape, av) -> list:
+    fits = (sm90_offered(s, av) and s.params_ok
             and sm90_wgrad.shapes_supported(s.D, s.H, tiles.BLOCK_M))
-
-
-def _dw2_sm90_offer(s: Shape, av) -> list:
-    # dgrad2_swiglu's sm90 sides leave the dy rows gathered: no gathering form to time
-    return [Sm90()] if _sm90_fits(s, av) else []
-
-
-def _dw13_sm90_offer(s: Shape, av) -> list:
-    # the rows gathered first (the untuned pick), then gathered inside
-    return [Sm90(gather_first=True), Sm90()] if _sm90_fits(s, av) else []
+    return [Sm90()] if fits else []
 
 
 def sm90_dw13_offered(D: int, H: int, E: int, block_m: int, x: torch.Tensor) -> bool:
     """Whether the sm90 side of wgrad_dw13 is offered here for fp32 gradients (the EP
     backward's one launch over its kept regions, ep_wgrad.py, is that kernel)."""
-    return _sm90_fits(shape(D, H, E, block_m, x.dtype == torch.bfloat16), available(x))
+    return bool(_sm90_offer(shape(D, H, E, block_m, x.dtype == torch.bfloat16), available(x)))
 
 
-def _stage(name, triton, cublas, sm90, sm90_offer) -> Stage:
+def _stage(name, triton, cublas, sm90) -> Stage:
     return Stage(
         name,
         sides=(
             Side("triton", triton_offer(lambda s: heuristics.wgrad_triton()), triton),
             Side("cublas", cublas_offer(), cublas),
-            Side("sm90", sm90_offer, sm90),
+            Side("sm90", _sm90_offer, sm90),
         ),
         reference="triton",
         # sm90 was the tuner's pick at both Qwen3 shapes (grouped_mm within 4% on dw13 at 235B);
@@ -157,5 +144,5 @@ def _stage(name, triton, cublas, sm90, sm90_offer) -> Stage:
     )
 
 
-DW2 = _stage("wgrad_dw2", _dw2_triton, _dw2_cublas, _dw2_sm90, _dw2_sm90_offer)
-DW13 = _stage("wgrad_dw13", _dw13_triton, _dw13_cublas, _dw13_sm90, _dw13_sm90_offer)
+DW2 = _stage("wgrad_dw2", _dw2_triton, _dw2_cublas, _dw2_sm90)
+DW13 = _stage("wgrad_dw13", _dw13_triton, _dw13_cublas, _dw13_sm90)
