@@ -42,9 +42,8 @@ class TritonGemm(Config):
 @dataclass(frozen=True)
 class Sm90(Config):
     """A csrc/ kernel for sm_90a; group_m as TritonGemm's ("wave": the kernel's own), static:
-    a fixed tile order instead of the dynamic ticket; gather_first (FP8 GEMM 1, wgrad_dw13): the
-    token rows gathered into the row space by a pass first and read by TMA, not by cp.async
-    inside."""
+    a fixed tile order instead of the dynamic ticket; gather_first (FP8 GEMM 1): the token rows
+    gathered into the row space by a pass first and read by TMA, not by cp.async inside."""
 
     side: ClassVar[str] = "sm90"
     group_m: int | str = 8
