@@ -28,6 +28,7 @@ import torch
 from torchtitan_megamoe.ops import hopper
 from torchtitan_megamoe.ops.hopper import deepgemm, tune
 from torchtitan_megamoe.ops.hopper.bf16_backward import WeightGrads, tuner_key
+from torchtitan_megamoe.ops.hopper.cuda.dgrad2_swiglu import fp8_dgrad2_swiglu_rows_sm90
 from torchtitan_megamoe.ops.hopper.fp8_weights import (
     forward_weights, make_fp8_weights, w2_transposed, w13_transposed,
 )
@@ -219,6 +220,13 @@ def main():
         row("fp8_dgrad2", f2, o, side, plain, saved_bytes=2 * R * D)
         sw = ms(lambda: swiglu_bwd_rows(dh, a, tw, plan, quant=True))
         print(f"  {'swiglu_bwd (+ da e4m3)':24s} {sw:7.3f}")
+        # MEGAMOE_FP8_FUSED_DGRAD2's one launch: dgrad2 + SwiGLU backward, the rows' outputs
+        if available(gq).sm90:
+            tw32 = tw.reshape(-1).to(torch.float32)
+            rows_fused = ms(lambda: fp8_dgrad2_swiglu_rows_sm90(gq, gs, w2t.q, w2t.s, a, tw32,
+                                                                plan))
+            print(f"  {'dgrad2 + swiglu_bwd, 1 launch':24s} {rows_fused:7.3f}   (against "
+                  f"fp8_dgrad2 + swiglu_bwd above; MEGAMOE_FP8_FUSED_DGRAD2=1)")
         # the all-FP8 recipe's fused kernel A, for comparison: dgrad2 + SwiGLU backward + da, da^T, h^T
         fused = ms(lambda: fp8_dgrad2_swiglu(gq, gs, w2t.q, w2t.s, a, tw, plan))
         print(f"  {'fp8_dgrad2_swiglu (fused)':24s} {fused:7.3f}   (all-FP8 recipe's kernel A; "

@@ -49,6 +49,7 @@ NAMES = {
     ("fp8_gemm_kernel", "0"): "fp8 gemm_rows",
     ("fp8_gemm_kernel", "1"): "fp8 gemm1_swiglu",
     ("fp8_gemm_kernel", "2"): "fp8 dgrad2_swiglu",
+    ("fp8_gemm_kernel", "3"): "fp8 dgrad2_swiglu rows",
     ("fp8_wgrad_kernel", ""): "fp8 wgrad",
 }
 

@@ -24,6 +24,7 @@ BWD_IMPL = "MEGAMOE_BWD_IMPL"
 CUDA = "MEGAMOE_CUDA"
 CUDA_CACHE = "MEGAMOE_CUDA_CACHE"
 FP8_WGRAD = "MEGAMOE_FP8_WGRAD"
+FP8_FUSED_DGRAD2 = "MEGAMOE_FP8_FUSED_DGRAD2"
 DEEPGEMM = "MEGAMOE_DEEPGEMM"
 LOOPBACK_LINK_GBS = "MEGAMOE_LOOPBACK_LINK_GBS"
 LOOPBACK_PACED = "MEGAMOE_LOOPBACK_PACED"
@@ -69,6 +70,12 @@ def fp8_wgrad() -> bool:
     """MEGAMOE_FP8_WGRAD=1: FP8 weight gradients too (the all-FP8 recipe). Default: the FP8
     precisions take their weight gradients in bf16, faster at the Qwen3 shapes."""
     return _flag(FP8_WGRAD, "0")
+
+
+def fp8_fused_dgrad2() -> bool:
+    """MEGAMOE_FP8_FUSED_DGRAD2=1: the FP8 backward's dgrad of linear 2 and its SwiGLU backward
+    in one sm90 launch (dh never stored), where the CUDA kernels run; off until measured."""
+    return _flag(FP8_FUSED_DGRAD2, "0")
 
 
 def deepgemm() -> bool:

@@ -18,6 +18,11 @@
 //     and h^T [H, R] per 128 rows of a column (the weight gradients contract over rows; one
 //     scale per column of the 128-row tile: the plan's 128-row segments keep one expert per
 //     block), and part [H/128, R] = sum over the tile's columns of dhg h (d topk_weights).
+//   dgrad2_swiglu rows (DGRAD2_SWIGLU_ROWS): the same main loop and SwiGLU backward, with the
+//     outputs of kernels/swiglu_bwd_rows.py's quant form, for the bf16 weight gradients: da =
+//     [da1 | da3] bf16 [R, 2H] (it may be the saved a itself: each element is read, then written,
+//     by its own thread only), hw = w h bf16 [R, H], da in e4m3 per row and 128 columns (daq, das:
+//     dgrad1's A operand) and part [H/128, R]. No dh round trip through memory.
 //
 // Tile: 128 rows x 128 output columns (GEMM1_SWIGLU: 128 columns of h, i.e. of a1 and of a3); K steps
 // of 128 (one scale block; a row of 128 e4m3 is 128 bytes, the 128-byte swizzle's span).
@@ -82,7 +87,7 @@
 namespace megamoe {
 namespace fp8 {
 
-enum Mode : int { GEMM_ROWS = 0, GEMM1_SWIGLU = 1, DGRAD2_SWIGLU = 2 };
+enum Mode : int { GEMM_ROWS = 0, GEMM1_SWIGLU = 1, DGRAD2_SWIGLU = 2, DGRAD2_SWIGLU_ROWS = 3 };
 
 // DGRAD2_SWIGLU's epilogue memory: per consumer warpgroup 5 staging boxes of [64 rows, 128] (or
 // [128, 64]) e4m3, then the per-warp column maxima [8 warps][3 tensors][128] and the
@@ -96,7 +101,8 @@ template <int MODE>
 struct Layout {
   static constexpr int B_BYTES = (MODE == GEMM1_SWIGLU ? 2 : 1) * BOX_BYTES;
   static constexpr int STAGE_BYTES = A_BYTES + B_BYTES;
-  static constexpr int STAGES = MODE == GEMM_ROWS ? 6 : 4;  // 6 x 32 KiB; 4 x 48 or 32 KiB
+  // 6 x 32 KiB where the epilogue needs no shared memory; 4 x 48 or 32 KiB
+  static constexpr int STAGES = MODE == GEMM_ROWS || MODE == DGRAD2_SWIGLU_ROWS ? 6 : 4;
   static constexpr int EPI_BYTES =
       MODE == GEMM_ROWS ? 2 * 2 * EPI_BOX_BYTES
       : MODE == DGRAD2_SWIGLU ? 2 * DS_WG_BYTES + DS_COLMAX_BYTES + DS_INV_BYTES : 0;
@@ -113,13 +119,13 @@ struct KernelParams {
   uint8_t* hq;            // GEMM1_SWIGLU: h [R, N] e4m3 (row stride N)
   float* hs;              // GEMM1_SWIGLU: h's scales [R, N/128] (row stride N/128)
   __nv_bfloat16* a;       // GEMM1_SWIGLU: nullptr or a = [a1 | a3] [R, 2N]
-  const __nv_bfloat16* a_saved;  // DGRAD2_SWIGLU: the forward's a = [a1 | a3] [R, 2N]
-  const float* tw;        // DGRAD2_SWIGLU: routing weights, by slot [T * top_k]
-  float* das;             // DGRAD2_SWIGLU: da's row scales [R, 2N/128]
+  const __nv_bfloat16* a_saved;  // DGRAD2_SWIGLU(_ROWS): the forward's a = [a1 | a3] [R, 2N]
+  const float* tw;        // DGRAD2_SWIGLU(_ROWS): routing weights, by slot [T * top_k]
+  float* das;             // DGRAD2_SWIGLU(_ROWS): da's row scales [R, 2N/128]
   float* hts;             // DGRAD2_SWIGLU: h^T's scales [N, R/128]
   float* dats;            // DGRAD2_SWIGLU: da^T's scales [2N, R/128]
-  float* part;            // DGRAD2_SWIGLU: [N/128, R]
-  long long rows;         // DGRAD2_SWIGLU: R (the transposed outputs' row length)
+  float* part;            // DGRAD2_SWIGLU(_ROWS): [N/128, R]
+  long long rows;         // DGRAD2_SWIGLU(_ROWS): R (part's row length, the transposed outputs')
   const int* row_slot;
   const int* tile_expert;
   const int* num_rows_used;
@@ -138,7 +144,39 @@ struct KernelParams {
   long long stride_as;
   long long stride_bse;
   long long stride_bsn;
+  // last: the other modes' parameter offsets stay as they were
+  __nv_bfloat16* da;      // DGRAD2_SWIGLU_ROWS: [R, 2N] (may be a_saved)
+  __nv_bfloat16* hw;      // DGRAD2_SWIGLU_ROWS: [R, N]
+  uint8_t* daq;           // DGRAD2_SWIGLU_ROWS: da in e4m3 [R, 2N]
 };
+
+// Both DGRAD2_SWIGLU epilogues: the thread's 2 rows' part sums and da1 / da3 amaxes summed and
+// maxed over the quad (a row's 128 columns), part and da's row scales stored by lane 0 of the
+// quad, the reciprocals of the scales returned.
+__device__ __forceinline__ void row_scales_and_part(const KernelParams& p, long long row_g,
+                                                    int pid_n, int q4, float (&psum)[2],
+                                                    float (&ra1)[2], float (&ra3)[2],
+                                                    float (&rinv1)[2], float (&rinv3)[2]) {
+  const int N = p.N;
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+#pragma unroll
+    for (int m = 1; m <= 2; m *= 2) {
+      psum[h] += __shfl_xor_sync(0xffffffffu, psum[h], m);
+      ra1[h] = fmaxf(ra1[h], __shfl_xor_sync(0xffffffffu, ra1[h], m));
+      ra3[h] = fmaxf(ra3[h], __shfl_xor_sync(0xffffffffu, ra3[h], m));
+    }
+    const float s1 = e4m3_scale(ra1[h]), s3 = e4m3_scale(ra3[h]);
+    rinv1[h] = 1.0f / s1;
+    rinv3[h] = 1.0f / s3;
+    if (q4 == 0) {
+      const long long r = row_g + 8 * h;
+      p.part[pid_n * p.rows + r] = psum[h];
+      p.das[r * (2 * N / BN) + pid_n] = s1;
+      p.das[r * (2 * N / BN) + N / BN + pid_n] = s3;
+    }
+  }
+}
 
 // DGRAD2_SWIGLU's epilogue for the warpgroup's 64 rows (see the file comment). acc[4 j + 2 h + e]:
 // row warp 16 + lane / 4 + 8 h of the warpgroup, column 8 j + 2 (lane % 4) + e of the tile.
@@ -208,24 +246,7 @@ __device__ __forceinline__ void dgrad2_swiglu_epilogue(const float (&acc)[64], c
     }
   }
   float rinv1[2], rinv3[2];
-#pragma unroll
-  for (int h = 0; h < 2; ++h) {
-#pragma unroll
-    for (int m = 1; m <= 2; m *= 2) {
-      psum[h] += __shfl_xor_sync(0xffffffffu, psum[h], m);
-      ra1[h] = fmaxf(ra1[h], __shfl_xor_sync(0xffffffffu, ra1[h], m));
-      ra3[h] = fmaxf(ra3[h], __shfl_xor_sync(0xffffffffu, ra3[h], m));
-    }
-    const float s1 = e4m3_scale(ra1[h]), s3 = e4m3_scale(ra3[h]);
-    rinv1[h] = 1.0f / s1;
-    rinv3[h] = 1.0f / s3;
-    if (q4 == 0) {
-      const long long r = row_g + 8 * h;
-      p.part[pid_n * p.rows + r] = psum[h];
-      p.das[r * (2 * N / BN) + pid_n] = s1;
-      p.das[r * (2 * N / BN) + N / BN + pid_n] = s3;
-    }
-  }
+  row_scales_and_part(p, row_g, pid_n, q4, psum, ra1, ra3, rinv1, rinv3);
   const int t_wg = threadIdx.x % 128;
   if (t_wg == 0) bulk_wait_read<0>();  // the previous tile's staging has been read
   named_barrier(3, 256);               // both warpgroups' column maxima are in shared memory
@@ -296,6 +317,75 @@ __device__ __forceinline__ void dgrad2_swiglu_epilogue(const float (&acc)[64], c
     tma_store_2d(dat_map, row, N + col, box_da3t);
     bulk_commit();
   }
+}
+
+// DGRAD2_SWIGLU_ROWS's epilogue for the thread's 2 rows x 32 columns (acc as in
+// dgrad2_swiglu_epilogue). Two passes over the registers, the values recomputed in the second:
+// pass 1 the rows' amaxes of da1 and da3 over the tile's 128 columns (a quad holds a row) and the
+// part sums; pass 2 the stores. Plain loads of a (not the read-only path: da may be a).
+__device__ __forceinline__ void dgrad2_swiglu_rows_epilogue(const float (&acc)[64],
+                                                            const KernelParams& p, int pid_m,
+                                                            int pid_n, int cw, int warp, int lane,
+                                                            const bool (&live)[2],
+                                                            const int (&slot)[2]) {
+  const int N = p.N;
+  const int q4 = lane % 4;
+  const long long row_g = pid_m * BM + cw * 64 + warp * 16 + lane / 4;  // + 8 h
+  const long long col = pid_n * BN + 2 * q4;                              // + 8 j (+ e)
+  float w[2];
+#pragma unroll
+  for (int h = 0; h < 2; ++h) w[h] = live[h] ? __ldg(p.tw + slot[h]) : 0.f;
+  // this lane's bf16 pairs of a1 at a_row(h) + 4 j, of a3 at + N / 2 (32-bit words)
+  auto a_row = [&](int h) {
+    return reinterpret_cast<const uint32_t*>(p.a_saved + (row_g + 8 * h) * (2LL * N) + col);
+  };
+  auto values = [&](int j, int h, float (&hv)[2], float (&d1)[2], float (&d3)[2]) {
+    const uint32_t* ar = a_row(h);
+    const float2 a1 = bf16x2_to_float2(ar[4 * j]);
+    const float2 a3 = bf16x2_to_float2(ar[N / 2 + 4 * j]);
+    swiglu_backward(acc[4 * j + 2 * h], a1.x, a3.x, w[h], live[h], hv[0], d1[0], d3[0]);
+    swiglu_backward(acc[4 * j + 2 * h + 1], a1.y, a3.y, w[h], live[h], hv[1], d1[1], d3[1]);
+  };
+
+  // fn(j, h, hv, d1, d3) for each of the thread's 16 column pairs j of its rows h, in order
+  auto each = [&](auto&& fn) {
+#pragma unroll
+    for (int j = 0; j < 16; ++j) {
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        float hv[2], d1[2], d3[2];
+        values(j, h, hv, d1, d3);
+        fn(j, h, hv, d1, d3);
+      }
+    }
+  };
+
+  // pass 1: the part sums and the rows' amaxes
+  float psum[2] = {0.f, 0.f}, ra1[2] = {0.f, 0.f}, ra3[2] = {0.f, 0.f};
+  each([&](int j, int h, const float (&hv)[2], const float (&d1)[2], const float (&d3)[2]) {
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      psum[h] += acc[4 * j + 2 * h + e] * hv[e];
+      ra1[h] = fmaxf(ra1[h], fabsf(d1[e]));
+      ra3[h] = fmaxf(ra3[h], fabsf(d3[e]));
+    }
+  });
+  float rinv1[2], rinv3[2];
+  row_scales_and_part(p, row_g, pid_n, q4, psum, ra1, ra3, rinv1, rinv3);
+
+  // pass 2: da1, da3 and hw in bf16, da1 and da3 in e4m3 (every load of a row's element of a
+  // comes before the store of its da in this thread's program order)
+  each([&](int j, int h, const float (&hv)[2], const float (&d1)[2], const float (&d3)[2]) {
+    const long long r = row_g + 8 * h;
+    const long long c = col + 8 * j;
+    uint32_t* da_row = reinterpret_cast<uint32_t*>(p.da + r * (2LL * N) + c);
+    da_row[0] = bf16x2_bits(d1[0], d1[1]);
+    da_row[N / 2] = bf16x2_bits(d3[0], d3[1]);
+    *reinterpret_cast<uint32_t*>(p.hw + r * N + c) = bf16x2_bits(w[h] * hv[0], w[h] * hv[1]);
+    uint16_t* q_row = reinterpret_cast<uint16_t*>(p.daq + r * (2LL * N) + c);
+    q_row[0] = static_cast<uint16_t>(e4m3x2(d1[0] * rinv1[h], d1[1] * rinv1[h]));
+    q_row[N / 2] = static_cast<uint16_t>(e4m3x2(d3[0] * rinv3[h], d3[1] * rinv3[h]));
+  });
 }
 
 // w1_map: B (GEMM1_SWIGLU: w1; DGRAD2_SWIGLU: w2^T), w3_map: GEMM1_SWIGLU's w3, in_map: GEMM_ROWS's A (GEMM1_SWIGLU's with ROWS_A), out_map:
@@ -505,6 +595,8 @@ __global__ void __launch_bounds__(THREADS, 1)
       if constexpr (MODE == DGRAD2_SWIGLU) {
         dgrad2_swiglu_epilogue(acc, p, &out_map, &in_map, &w3_map, epi_smem, pid_m, pid_n, cw, warp,
                          lane, live, slot);
+      } else if constexpr (MODE == DGRAD2_SWIGLU_ROWS) {
+        dgrad2_swiglu_rows_epilogue(acc, p, pid_m, pid_n, cw, warp, lane, live, slot);
       } else if constexpr (SWIGLU) {
         // h = silu(a1) a3, its row amax over the quad's 4 lanes (128 columns), e4m3 + scale
         float amax[2] = {0.f, 0.f};

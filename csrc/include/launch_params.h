@@ -147,8 +147,10 @@ typedef struct Dgrad2SwigluParams {
 } Dgrad2SwigluParams;
 
 /* dgrad2_swiglu, FP8: from dy e4m3 [T, D] (scales [T, D/128]), w2t = w2^T e4m3 [E, H, D], the
- * saved a [rows, 2H] bf16 and the routing weights tw: daq [rows, 2H] + das, daTq [2H, rows] +
- * daTs [2H, rows/128], hTq [H, rows] + hTs, part [H/128, rows]. */
+ * saved a [rows, 2H] bf16 and the routing weights tw: daq [rows, 2H] + das and part [H/128,
+ * rows], then either (megamoe_fp8_dgrad2_swiglu) daTq [2H, rows] + daTs [2H, rows/128], hTq
+ * [H, rows] + hTs, or (megamoe_fp8_dgrad2_swiglu_rows) da [rows, 2H] (may be a_saved) and hw
+ * [rows, H] bf16; the other form's pointers are unused. */
 typedef struct Fp8Dgrad2SwigluParams {
   const void* dy;
   long long stride_dy;
@@ -166,6 +168,8 @@ typedef struct Fp8Dgrad2SwigluParams {
   float* daTs;
   void* hTq;
   float* hTs;
+  void* da;
+  void* hw;
   float* part;
   const int* row_slot;
   const int* tile_expert;

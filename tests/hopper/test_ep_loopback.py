@@ -492,6 +492,16 @@ def test_loopback_fp8_saved_store_with_a_region_recomputed(monkeypatch):
             assert all(same_bits(x, y) for x, y in zip(a, b)), f"rank {r}, buffered {buffered}"
 
 
+def _kept_and_spilled_case(R, T=1024, E=32):
+    """(shards, dys) at the 30B shape where half of rank 1's tokens send every slot to rank 0's
+    experts: rank 0's region 1 spills over its slot and region 2's (recomputed, not kept),
+    regions 0 and 3 are kept."""
+    D, H = SHAPES["30b"]
+    inp = _gpu_case(R, T, D, H, E=E)
+    inp["topk_ids"][T:T + T // 2] = torch.arange(E // R, device="cuda")  # rank 0's experts
+    return shard(R, *op_args(inp), tokens=[T] * R), _per_rank(inp["dy"], [T] * R)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("precision", ["bf16", "fp8"])
@@ -504,12 +514,8 @@ def test_loopback_kept_regions_share_one_dw13_launch(monkeypatch, precision):
     repeatable (da goes over the saved a: the loopback runs the eager backward)."""
     from torchtitan_megamoe.ops.hopper import ep_backward, ep_wgrad
 
-    R, T, E = 4, 1024, 32
-    D, H = SHAPES["30b"]
-    inp = _gpu_case(R, T, D, H, E=E)
-    inp["topk_ids"][T:T + T // 2] = torch.arange(E // R, device="cuda")  # rank 0's experts
-    shards = shard(R, *op_args(inp), tokens=[T] * R)
-    dys = _per_rank(inp["dy"], [T] * R)
+    R = 4
+    shards, dys = _kept_and_spilled_case(R)
     kept, launches = [], []
     real_kept, real_dw13 = ep_backward.kept_slots, ep_wgrad.KeptRows.dw13
     monkeypatch.setattr(ep_backward, "kept_slots",
@@ -531,3 +537,36 @@ def test_loopback_kept_regions_share_one_dw13_launch(monkeypatch, precision):
                 assert torch.isfinite(a).all() and rel_err(a, b) <= 1e-3, (r, name, rel_err(a, b))
             else:
                 assert same_bits(a, b), (r, name)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_loopback_fp8_fused_dgrad2_swiglu(monkeypatch):
+    """MEGAMOE_FP8_FUSED_DGRAD2=1 at EP=4 with kept and recomputed regions (the skewed case
+    above): a kept region's da goes over its saved a inside the fused launch. Every output as
+    with the two launches (dh then in fp32, not rounded to bf16), bitwise repeatable."""
+    from torchtitan_megamoe.ops.hopper import fp8_backward
+    from torchtitan_megamoe.ops.hopper.cuda.sm90 import sm90_usable
+
+    if not sm90_usable(torch.empty(1, device="cuda")):
+        pytest.skip("needs the sm90 CUDA kernels (Hopper, nvcc)")
+    R = 4
+    shards, dys = _kept_and_spilled_case(R)
+    two = loopback_moe(shards, dys, precision="fp8")
+    monkeypatch.setenv("MEGAMOE_FP8_FUSED_DGRAD2", "1")
+    calls = []
+    fused = fp8_backward.fp8_dgrad2_swiglu_rows_sm90
+
+    def spy(*a, **k):  # whether da goes over the saved a (a[4])
+        calls.append(k.get("out") is not None and k["out"][0].data_ptr() == a[4].data_ptr())
+        return fused(*a, **k)
+
+    monkeypatch.setattr(fp8_backward, "fp8_dgrad2_swiglu_rows_sm90", spy)
+    one = loopback_moe(shards, dys, precision="fp8")
+    assert any(calls), calls
+    again = loopback_moe(shards, dys, precision="fp8")
+    for r in range(R):
+        assert all(same_bits(x, y) for x, y in zip(one[r], again[r])), f"rank {r}: reruns"
+        for i, name in enumerate(("out", *NAMES)):
+            a, b = one[r][i], two[r][i]
+            assert torch.isfinite(a).all() and rel_err(a, b) <= 1e-2, (r, name, rel_err(a, b))

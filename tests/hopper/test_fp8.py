@@ -93,6 +93,28 @@ def test_fp8_gpu_qwen3_30b_shape(wgrad, monkeypatch):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("routing_name", ["uneven", "one_expert"])
+@pytest.mark.parametrize("precision", ["fp8", "fp8_bwd"])
+def test_fp8_fused_dgrad2_swiglu(precision, routing_name, monkeypatch):
+    """MEGAMOE_FP8_FUSED_DGRAD2=1: the backward's dgrad2 + SwiGLU backward in one sm90 launch,
+    held to the emulation as the two-launch path is."""
+    from torchtitan_megamoe.ops.hopper import fp8_backward
+    from torchtitan_megamoe.ops.hopper.cuda.sm90 import sm90_usable
+
+    if not sm90_usable(torch.empty(1, device="cuda")):
+        pytest.skip("needs the sm90 CUDA kernels (Hopper, nvcc)")
+    monkeypatch.setenv("MEGAMOE_FP8_FUSED_DGRAD2", "1")
+    calls = []
+    fused = fp8_backward.fp8_dgrad2_swiglu_rows_sm90
+    monkeypatch.setattr(fp8_backward, "fp8_dgrad2_swiglu_rows_sm90",
+                        lambda *a, **k: calls.append(1) or fused(*a, **k))
+    inputs = _inputs(T=999, K=4, E=8, D=512, H=384, routing_name=routing_name, device="cuda")
+    _check(inputs, precision, (1e-2, 3e-2))
+    assert calls, "the fused launch never ran"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
 def test_fp8_all_tokens_to_one_expert():
     _check(_inputs(T=300, K=2, E=4, D=256, H=256, routing_name="one_expert", device="cuda"),
            "fp8", (1e-2, 3e-2))

@@ -1,7 +1,8 @@
 """The FP8 modes of csrc/'s kernel families on an H200 (marked gpu; skipped without an sm_90 GPU
 and nvcc): gemm1_swiglu (h quantized per row and 128 columns in the epilogue, a = [a1 | a3]
-saved; token rows gathered inside or first), gemm_rows (gemm2, dgrad1), dgrad2_swiglu (dgrad of linear 2 + the SwiGLU backward, five
-quantized outputs) and the weight gradients against float64 math on the same
+saved; token rows gathered inside or first), gemm_rows (gemm2, dgrad1), dgrad2_swiglu (dgrad of
+linear 2 + the SwiGLU backward: five quantized outputs, or the rows form's da, hw and da in
+e4m3) and the weight gradients against float64 math on the same
 quantized operands, on uneven routings (dropped slots, an empty expert, one expert holding
 every row, one token), token counts that are not tile multiples, outputs poisoned first (rows
 past the used ones must stay untouched), and against the Triton FP8 kernels of the same
@@ -12,7 +13,8 @@ import torch
 
 from moe_testing import SM90_GPU, nan_tensor, rel_err, routing
 from torchtitan_megamoe.ops.hopper import heuristics
-from torchtitan_megamoe.ops.hopper.cuda.dgrad2_swiglu import fp8_dgrad2_swiglu_sm90
+from torchtitan_megamoe.ops.hopper.cuda.dgrad2_swiglu import (fp8_dgrad2_swiglu_rows_sm90,
+                                                              fp8_dgrad2_swiglu_sm90)
 from torchtitan_megamoe.ops.hopper.cuda.gemm1_swiglu import fp8_gemm1_swiglu_sm90
 from torchtitan_megamoe.ops.hopper.cuda.gemm_rows import fp8_gemm_rows_sm90
 from torchtitan_megamoe.ops.hopper.cuda.wgrad import fp8_wgrad_sm90
@@ -213,23 +215,41 @@ def _deq_cols(q, s, used):
     return (q.double() * s.double().repeat_interleave(128, dim=1))[:, :used]
 
 
-@pytest.mark.parametrize("name", ROUTINGS)
-@pytest.mark.parametrize("T,K,E,D,H", [(700, 4, 8, 384, 256), (333, 2, 5, 1152, 128)],
-                         ids=["d384_h256", "d1152_h128"])
-def test_dgrad2_swiglu_vs_float64(T, K, E, D, H, name):
+def _kernel_a_case(T, K, E, D, H, name, kernel):
+    """(o, operands, used, live, dhg, h, da): ``kernel``'s outputs on a routing and the float64
+    values of the same rows."""
     plan, gq, gs, w2t, a, tw = _dgrad2_swiglu_setup(T, K, E, D, H, name)
-    o = _kernel_a(plan, gq, gs, w2t, a, tw)
+    o = kernel(plan, gq, gs, w2t, a, tw)
     used, slot, _ = _used(plan)
-    live = slot >= 0
     dhg, h, da1, da3 = _dgrad2_swiglu_f64(plan, gq, gs, w2t, a, tw)
-    da = torch.cat([da1, da3], 1)
+    return o, (plan, gq, gs, w2t, a, tw), used, slot >= 0, dhg, h, torch.cat([da1, da3], 1)
+
+
+def _check_daq_and_part(o, used, live, dhg, h, da):
+    """Both kernel A forms: da in e4m3 per row (values, scales, zero padding rows, nothing past
+    the used rows) and the d(topk_weights) partials."""
     got_da = _deq_rows(o["daq"][:used], o["das"][:used])
     assert torch.isfinite(got_da).all(), "used rows left unwritten"
     # e4m3 holds 3 mantissa bits: ~2-3% from exact; a wrong scale, row or column is far off
     assert rel_err(got_da, da) < 4e-2, rel_err(got_da, da)
     assert torch.all(o["daq"][:used][~live].float() == 0), "padding rows must be exactly 0"
-    amax = da.abs().reshape(used, 2 * H // 128, 128).amax(-1).clamp_min(1e-12)
+    amax = da.abs().reshape(used, da.shape[1] // 128, 128).amax(-1).clamp_min(1e-12)
     assert rel_err(o["das"][:used][live], (amax / 448)[live]) < 1e-2
+    part = o["part"][:, :used].sum(0)
+    assert rel_err(part, (dhg * h).sum(1)) < 1e-2, rel_err(part, (dhg * h).sum(1))
+
+
+KERNEL_A_CASES = pytest.mark.parametrize(
+    "T,K,E,D,H", [(700, 4, 8, 384, 256), (333, 2, 5, 1152, 128)], ids=["d384_h256", "d1152_h128"])
+
+
+@pytest.mark.parametrize("name", ROUTINGS)
+@KERNEL_A_CASES
+def test_dgrad2_swiglu_vs_float64(T, K, E, D, H, name):
+    o, ops, used, live, dhg, h, da = _kernel_a_case(T, K, E, D, H, name, _kernel_a)
+    plan, gq, gs, w2t, a, tw = ops
+    _check_daq_and_part(o, used, live, dhg, h, da)
+    assert torch.isnan(o["daq"][used:].float()).all(), "wrote rows past the used ones"
     for key, ref in (("daTq", da.T), ("hTq", h.T)):
         q, sc = o[key], o[key[:-1] + "s"]
         got = _deq_cols(q, sc, used)
@@ -238,9 +258,6 @@ def test_dgrad2_swiglu_vs_float64(T, K, E, D, H, name):
         col_amax = ref.abs().reshape(ref.shape[0], used // 128, 128).amax(-1).clamp_min(1e-12)
         assert rel_err(sc[:, : used // 128], col_amax / 448) < 1e-2, key
         assert torch.isnan(q[:, used:].float()).all(), f"{key}: wrote columns past the used ones"
-    part = o["part"][:, :used].sum(0)
-    assert rel_err(part, (dhg * h).sum(1)) < 1e-2, rel_err(part, (dhg * h).sum(1))
-    assert torch.isnan(o["daq"][used:].float()).all(), "wrote rows past the used ones"
     again = _kernel_a(plan, gq, gs, w2t, a, tw)
     written = dict(daq=(slice(0, used),), das=(slice(0, used),), part=(slice(None), slice(0, used)),
                    daTq=(slice(None), slice(0, used)), hTq=(slice(None), slice(0, used)),
@@ -251,6 +268,43 @@ def test_dgrad2_swiglu_vs_float64(T, K, E, D, H, name):
         if u.dtype == FP8:
             u, v = u.view(torch.uint8), v.view(torch.uint8)
         assert torch.equal(u, v), f"{key}: two identical calls differ"
+
+
+def _kernel_a_rows(plan, gq, gs, w2t, a, tw, in_place=False):
+    """The rows form on outputs poisoned with NaN; ``in_place``: da written over a copy of a."""
+    R, H = plan.max_rows, w2t.q.shape[1]
+    a_saved = a.clone()
+    da = a_saved if in_place else nan_tensor(R, 2 * H)
+    out = (da, nan_tensor(R, H), nan_tensor(H // 128, R, dtype=torch.float32))
+    da, hw, part, daq, das = fp8_dgrad2_swiglu_rows_sm90(gq, gs, w2t.q, w2t.s, a_saved, tw,
+                                                         plan, out=out)
+    torch.cuda.synchronize()
+    return dict(da=da, hw=hw, part=part, daq=daq, das=das)
+
+
+@pytest.mark.parametrize("name", ROUTINGS)
+@KERNEL_A_CASES
+def test_dgrad2_swiglu_rows_vs_float64(T, K, E, D, H, name):
+    o, ops, used, live, dhg, h, da = _kernel_a_case(T, K, E, D, H, name, _kernel_a_rows)
+    plan, gq, gs, w2t, a, tw = ops
+    slot = plan.row_slot[:used].long()
+    w = (tw.double()[slot.clamp_min(0)] * live)[:, None]
+    for key, ref in (("da", da), ("hw", w * h)):
+        got = o[key][:used].double()
+        assert torch.isfinite(got).all(), f"{key}: used rows left unwritten"
+        # bf16 rounding of fp32 math: ~4e-3; a wrong row, column or weight is far off
+        assert rel_err(got, ref) < 1e-2, (key, rel_err(got, ref))
+        assert torch.all(got[~live] == 0), f"{key}: padding rows must be exactly 0"
+        assert torch.isnan(o[key][used:].float()).all(), f"{key}: wrote rows past the used ones"
+    _check_daq_and_part(o, used, live, dhg, h, da)
+    assert torch.isnan(o["part"][:, used:]).all(), "part: wrote rows past the used ones"
+    again = _kernel_a_rows(plan, gq, gs, w2t, a, tw, in_place=True)
+    for key, u in o.items():
+        v = again[key]
+        u, v = (u[:, :used], v[:, :used]) if key == "part" else (u[:used], v[:used])
+        if u.dtype == FP8:
+            u, v = u.view(torch.uint8), v.view(torch.uint8)
+        assert torch.equal(u, v), f"{key}: da over a, or a second call, differs"
 
 
 def _wgrad_operands(plan, M, N, seed=5):

@@ -9,7 +9,9 @@ no transposed quantization of x and dy). MEGAMOE_FP8_WGRAD=1 takes them in FP8 t
                (fp8_weights.w2_transposed, fp8_weights.w13_transposed: each made right before
                its GEMM, so the two are never live together)
     fp8_dgrad2 dh rows = dy_rows @ w2[e] (sides/fp8_gemm.fp8_gemm_rows on the token rows,
-               gathered by the plan: our kernels or DeepGEMM, whichever the tuner times faster)
+               gathered by the plan: our kernels or DeepGEMM, whichever the tuner times faster);
+               MEGAMOE_FP8_FUSED_DGRAD2=1: with swiglu_bwd in one sm90 launch, dh never stored
+               (cuda/dgrad2_swiglu.fp8_dgrad2_swiglu_rows_sm90)
     swiglu_bwd kernels/swiglu_bwd_rows: da = [da1 | da3] and hw = w*h in bf16 for the weight
                gradients, da again in e4m3 per row for fp8_dgrad1, the d(topk_weights) partials
     wgrad_dw2  bf16_backward.WeightGrads: the bf16 path's weight-gradient stages and picks
@@ -30,6 +32,8 @@ import torch
 
 from torchtitan_megamoe import settings
 from torchtitan_megamoe.ops.hopper.bf16_backward import WeightGrads, release, tuner_key
+from torchtitan_megamoe.ops.hopper.cuda.dgrad2_swiglu import fp8_dgrad2_swiglu_rows_sm90
+from torchtitan_megamoe.ops.hopper.cuda.sm90 import fp8_shape_supported
 from torchtitan_megamoe.ops.hopper.fp8_weights import (
     dense_weights, forward_weights, w2_transposed, w13_transposed,
 )
@@ -42,6 +46,7 @@ from torchtitan_megamoe.ops.hopper.sides.fp8_gemm import (
 from torchtitan_megamoe.ops.hopper.kernels.fp8_quant import dequant_rows, quant_rows, quant_rows_t
 from torchtitan_megamoe.ops.hopper.kernels.grouped_mm import gather_rows
 from torchtitan_megamoe.ops.hopper.sides.fp8_wgrad import fp8_wgrad
+from torchtitan_megamoe.ops.hopper.sides.table import available
 from torchtitan_megamoe.ops.hopper.sides.wgrad import Into
 from torchtitan_megamoe.ops.hopper.sides.gemm1_swiglu import gemm1_swiglu
 from torchtitan_megamoe.ops.hopper.kernels.swiglu_bwd_rows import swiglu_bwd_rows
@@ -93,19 +98,26 @@ def backward_fp8(grad_out, x, topk_ids, topk_weights, w1, w2, w3, recipe, weight
         del daTq, daTs, hTq, hTs
         grads = None
     else:
-        dh = fp8_gemm_rows(gq, gs, w2t.q, w2t.s, plan, out_dtype=x.dtype, gather=True,
-                           stage="fp8_dgrad2")
         # dw2's dy rows without a dequantized dy: dequantized in the gather
         dy_rows = None if dy is not None else gather_rows(gq, plan, scales=gs)
-        del gq, gs, w2t
-        out = None
-        if keep is not None:  # keep.da is a: swiglu_bwd_rows reads each block first
-            out = (keep.da, torch.empty_like(dh),
-                   torch.empty((1, plan.max_rows), dtype=torch.float32, device=dh.device))
-        da, hw, part, daq, das = swiglu_bwd_rows(dh, a_saved, tw, plan, quant=True, out=out)
+        if _fused_dgrad2(gq, w2t, a_saved, plan, x.dtype):
+            da, hw, part, daq, das = fp8_dgrad2_swiglu_rows_sm90(
+                gq, gs, w2t.q, w2t.s, a_saved, tw.reshape(-1).to(torch.float32), plan,
+                out=None if keep is None else (keep.da, *_hw_part(plan, w2t.q.shape[1], x)))
+            del gq, gs, w2t
+        else:
+            dh = fp8_gemm_rows(gq, gs, w2t.q, w2t.s, plan, out_dtype=x.dtype, gather=True,
+                               stage="fp8_dgrad2")
+            del gq, gs, w2t
+            out = None
+            if keep is not None:  # keep.da is a: swiglu_bwd_rows reads each block first
+                out = (keep.da, torch.empty_like(dh),
+                       torch.empty((1, plan.max_rows), dtype=torch.float32, device=dh.device))
+            da, hw, part, daq, das = swiglu_bwd_rows(dh, a_saved, tw, plan, quant=True, out=out)
+            del dh
         if release_saved:
             release(a_saved)
-        del dh, a_saved
+        del a_saved
         acts = {"hw": hw, "dy_rows": dy_rows}
         del hw, dy_rows
         key = tuner_key(plan.max_rows, D, H, E, FP8_BLOCK_M, settings.bwd_impl())
@@ -128,6 +140,22 @@ def backward_fp8(grad_out, x, topk_ids, topk_weights, w1, w2, w3, recipe, weight
         del dx_rows, part
         dw1, dw3 = grads.dw13()
     return dx, dtw, dw1, dw2, dw3
+
+
+def _fused_dgrad2(gq, w2t, a_saved, plan, dtype) -> bool:
+    """Whether fp8_dgrad2 and swiglu_bwd run as one sm90 launch (MEGAMOE_FP8_FUSED_DGRAD2=1,
+    the CUDA kernels usable here, shapes and dtypes they take); with ``keep``, da then goes
+    over a as well (keep.da is a: each element is read before its thread writes it)."""
+    return (settings.fp8_fused_dgrad2() and available(gq).sm90
+            and dtype == torch.bfloat16 and a_saved.dtype == torch.bfloat16
+            and fp8_shape_supported(w2t.q.shape[1], w2t.q.shape[2], plan.block_m))
+
+
+def _hw_part(plan, H, like):
+    """The fused launch's hw [R_max, H] and part [H/128, R_max] for a kept region's call."""
+    return (torch.empty((plan.max_rows, H), dtype=like.dtype, device=like.device),
+            torch.empty((H // FP8_BLOCK_M, plan.max_rows), dtype=torch.float32,
+                        device=like.device))
 
 
 def _fp8_weight_grads(daTq, daTs, hTq, hTs, dy, x, tw, params, plan, into=None):

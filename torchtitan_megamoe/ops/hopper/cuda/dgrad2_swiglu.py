@@ -17,6 +17,10 @@ gathering dy by the plan gives, for the dw2 weight gradient to read.
 ``fp8_dgrad2_swiglu_sm90``: the same from e4m3 dy and w2^T, with da per row, da^T and h^T per 128
 rows quantized to e4m3 with their scales, and the d(topk_weights) partials per 128 columns
 (sides/fp8_gemm.fp8_dgrad2_swiglu's contract).
+
+``fp8_dgrad2_swiglu_rows_sm90``: the same GEMM with the outputs of
+kernels/swiglu_bwd_rows.swiglu_bwd_rows(..., quant=True) after an FP8 dgrad2 (da and hw bf16, da
+per row in e4m3), and part per 128 columns: one launch for the two stages, dh never stored.
 """
 
 from __future__ import annotations
@@ -26,9 +30,9 @@ from typing import TYPE_CHECKING
 import torch
 
 from torchtitan_megamoe.ops.hopper.cuda.params import Dgrad2SwigluParams, Fp8Dgrad2SwigluParams
-from torchtitan_megamoe.ops.hopper.cuda.sm90 import (FP8_BLOCK, check_bf16_rows, check_fp8_operands,
-                                                     check_fp8_token_rows, check_plan, launch,
-                                                     launch_context)
+from torchtitan_megamoe.ops.hopper.cuda.sm90 import (FP8, FP8_BLOCK, check_bf16_rows,
+                                                     check_fp8_operands, check_fp8_token_rows,
+                                                     check_plan, launch, launch_context)
 
 if TYPE_CHECKING:
     from torchtitan_megamoe.ops.hopper.plan import Plan
@@ -133,3 +137,51 @@ def fp8_dgrad2_swiglu_sm90(gq, gs, w2tq, w2ts, a_saved, tw, plan: Plan, daq, das
         plan_bm=plan.block_m, group_m=group_m, rows=R, num_sms=num_sms, stream=stream,
     )
     launch(FAMILY, "megamoe_fp8_dgrad2_swiglu", params, who)
+
+
+def fp8_dgrad2_swiglu_rows_sm90(gq, gs, w2tq, w2ts, a_saved, tw, plan: Plan,
+                                out: tuple | None = None, group_m: int = 8) -> tuple:
+    """(da, hw, part, daq, das): da [R_max, 2H] and hw [R_max, H] bf16, part [H/128, R_max]
+    fp32, daq [R_max, 2H] e4m3 with das [R_max, 2H/128], written on the used rows, from the token
+    rows of gq [T, D] (dy, scales gs [T, D/128]) against w2tq [E, H, D] (w2^T), with a_saved
+    [R_max, 2H] bf16 and tw [T * top_k] fp32. ``out``: (da, hw, part) to write; da may be
+    a_saved itself (each element is read before it is written, by one thread)."""
+    who = "fp8_dgrad2_swiglu_rows_sm90"
+    E, H, D = w2tq.shape
+    R = plan.max_rows
+    B = FP8_BLOCK
+    dev = gq.device
+    if out is None:
+        out = (torch.empty(R, 2 * H, dtype=torch.bfloat16, device=dev),
+               torch.empty(R, H, dtype=torch.bfloat16, device=dev),
+               torch.empty(H // B, R, dtype=torch.float32, device=dev))
+    da, hw, part = out
+    daq = torch.empty(R, 2 * H, dtype=FP8, device=dev)
+    das = torch.empty(R, 2 * H // B, dtype=torch.float32, device=dev)
+    check_fp8_operands(who, plan, H, D, {"w2tq": w2tq}, {"gs": gs, "w2ts": w2ts, "part": part})
+    check_fp8_token_rows(who, "gq", gq, "gs", gs, D)
+    shapes = {"a_saved": (a_saved, (R, 2 * H)), "da": (da, (R, 2 * H)), "hw": (hw, (R, H))}
+    for name, (t, shape) in shapes.items():
+        if tuple(t.shape) != shape or t.dtype != torch.bfloat16 or not t.is_contiguous():
+            raise ValueError(f"{who}: {name} must be contiguous bfloat16 {list(shape)}, got "
+                             f"{t.dtype} {list(t.shape)}")
+    if tuple(part.shape) != (H // B, R) or not part.is_contiguous():
+        raise ValueError(f"{who}: part must be contiguous [{H // B}, {R}], got "
+                         f"{list(part.shape)}")
+    if (tw.dtype != torch.float32 or not tw.is_contiguous()
+            or tw.numel() != gq.shape[0] * plan.top_k):
+        raise ValueError(f"{who}: tw must be contiguous float32 [T * top_k]")
+    check_plan(plan, dev, who, ("row_slot", "tile_expert", "num_rows_used"))
+    num_sms, stream, _ = launch_context(dev, ticket=False)
+    params = Fp8Dgrad2SwigluParams(
+        dy=gq.data_ptr(), stride_dy=gq.stride(0), dy_scale=gs.data_ptr(), stride_dys=gs.stride(0),
+        w2t=w2tq.data_ptr(), w2t_scale=w2ts.data_ptr(), stride_bse=w2ts.stride(0),
+        stride_bsn=w2ts.stride(1), a_saved=a_saved.data_ptr(), tw=tw.data_ptr(),
+        daq=daq.data_ptr(), das=das.data_ptr(), da=da.data_ptr(), hw=hw.data_ptr(),
+        part=part.data_ptr(), row_slot=plan.row_slot.data_ptr(),
+        tile_expert=plan.tile_expert.data_ptr(), num_rows_used=plan.num_rows_used.data_ptr(),
+        E=E, H=H, D=D, top_k=plan.top_k, plan_bm=plan.block_m, group_m=group_m, rows=R,
+        num_sms=num_sms, stream=stream,
+    )
+    launch(FAMILY, "megamoe_fp8_dgrad2_swiglu_rows", params, who)
+    return da, hw, part, daq, das

@@ -70,6 +70,7 @@ class Fp8Dgrad2SwigluParams(ctypes.Structure):
         ("w2t", _P), ("w2t_scale", _P), ("stride_bse", _LL), ("stride_bsn", _LL),
         ("a_saved", _P), ("tw", _P),
         ("daq", _P), ("das", _P), ("daTq", _P), ("daTs", _P), ("hTq", _P), ("hTs", _P),
+        ("da", _P), ("hw", _P),
         ("part", _P), ("row_slot", _P), ("tile_expert", _P), ("num_rows_used", _P),
         ("E", _I), ("H", _I), ("D", _I), ("top_k", _I), ("plan_bm", _I), ("group_m", _I),
         ("rows", _LL), ("num_sms", _I), ("stream", _P),
@@ -102,7 +103,8 @@ ENTRY_POINTS = {
     "gemm_rows": {"megamoe_gemm_rows": GemmRowsParams,
                   "megamoe_fp8_gemm_rows": Fp8GemmRowsParams},
     "dgrad2_swiglu": {"megamoe_dgrad2_swiglu": Dgrad2SwigluParams,
-                      "megamoe_fp8_dgrad2_swiglu": Fp8Dgrad2SwigluParams},
+                      "megamoe_fp8_dgrad2_swiglu": Fp8Dgrad2SwigluParams,
+                      "megamoe_fp8_dgrad2_swiglu_rows": Fp8Dgrad2SwigluParams},
     "wgrad": {"megamoe_wgrad": WgradParams, "megamoe_fp8_wgrad": Fp8WgradParams},
 }
 """csrc/<family>.cu -> its entry points and the struct each takes a pointer to."""
