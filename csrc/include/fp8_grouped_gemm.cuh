@@ -339,23 +339,32 @@ __device__ __forceinline__ void dgrad2_swiglu_rows_epilogue(const float (&acc)[6
   auto a_row = [&](int h) {
     return reinterpret_cast<const uint32_t*>(p.a_saved + (row_g + 8 * h) * (2LL * N) + col);
   };
-  auto values = [&](int j, int h, float (&hv)[2], float (&d1)[2], float (&d3)[2]) {
-    const uint32_t* ar = a_row(h);
-    const float2 a1 = bf16x2_to_float2(ar[4 * j]);
-    const float2 a3 = bf16x2_to_float2(ar[N / 2 + 4 * j]);
-    swiglu_backward(acc[4 * j + 2 * h], a1.x, a3.x, w[h], live[h], hv[0], d1[0], d3[0]);
-    swiglu_backward(acc[4 * j + 2 * h + 1], a1.y, a3.y, w[h], live[h], hv[1], d1[1], d3[1]);
-  };
-
-  // fn(j, h, hv, d1, d3) for each of the thread's 16 column pairs j of its rows h, in order
+  // fn(j, h, hv, d1, d3) for each of the thread's 16 column pairs j of its rows h, in order. The
+  // a words of 4 j are loaded before any fn of them runs: with da possibly a, the compiler keeps
+  // each load after the stores before it, so loads issued one by one would wait one by one.
   auto each = [&](auto&& fn) {
 #pragma unroll
-    for (int j = 0; j < 16; ++j) {
+    for (int j0 = 0; j0 < 16; j0 += 4) {
+      uint32_t u1[4][2], u3[4][2];
 #pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        float hv[2], d1[2], d3[2];
-        values(j, h, hv, d1, d3);
-        fn(j, h, hv, d1, d3);
+      for (int jj = 0; jj < 4; ++jj) {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          u1[jj][h] = a_row(h)[4 * (j0 + jj)];
+          u3[jj][h] = a_row(h)[N / 2 + 4 * (j0 + jj)];
+        }
+      }
+#pragma unroll
+      for (int jj = 0; jj < 4; ++jj) {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const int j = j0 + jj;
+          const float2 a1 = bf16x2_to_float2(u1[jj][h]), a3 = bf16x2_to_float2(u3[jj][h]);
+          float hv[2], d1[2], d3[2];
+          swiglu_backward(acc[4 * j + 2 * h], a1.x, a3.x, w[h], live[h], hv[0], d1[0], d3[0]);
+          swiglu_backward(acc[4 * j + 2 * h + 1], a1.y, a3.y, w[h], live[h], hv[1], d1[1], d3[1]);
+          fn(j, h, hv, d1, d3);
+        }
       }
     }
   };
