@@ -308,6 +308,15 @@ def test_host_issue_ms_is_the_median_host_time_of_a_call():
     assert 2.0 <= ms < 20.0
 
 
+def test_host_issue_ep_wraps_steps_that_exist():
+    """tools/host_issue_ep.py times the EP forward's steps by wrapping them by name: a renamed
+    step must fail here, not in a GPU session."""
+    from tools.host_issue_ep import steps
+
+    for owner, name, label in steps():
+        assert callable(getattr(owner, name, None)), (owner, name, label)
+
+
 def test_cli_options():
     from torchtitan_megamoe.bench.cli import parse_args
 

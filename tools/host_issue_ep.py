@@ -44,11 +44,35 @@ def _wrap(owner, name: str, label: str, log: list) -> None:
     setattr(owner, name, timed)
 
 
+def steps() -> list[tuple]:
+    """(owner, callable's name, label) of every step the EP forward issues its work through."""
+    from torchtitan_megamoe.ops.hopper import ep_dispatch, ep_forward
+    from torchtitan_megamoe.ops.hopper.ep_transport import AllToAllExchange, SymmetricExchange
+
+    route = ep_dispatch.TokenRoute
+    found = [
+        (ep_forward, "TokenRoute", "route kernel (TokenRoute)"),
+        (route, "send_meta", "send_meta"),
+        (route, "send_own", "send_own (own rows)"),
+        (route, "send_peers", "send_peers (row copies)"),
+        (route, "received", "received ids/weights"),
+        (ep_forward, "build_plans", "region plans (one pair)"),
+        (ep_forward, "gemm1_swiglu", "GEMM 1 (xR)"),
+        (ep_forward, "gemm2", "GEMM 2 (xR)"),
+        (ep_forward, "forward_fp8_rows", "FP8 region (xR)"),
+        (ep_forward, "combine", "combines (xR)"),
+        (route, "return_rows", "return_rows"),
+        (route, "sum_returned", "sum_returned"),
+    ]
+    for cls in (SymmetricExchange, AllToAllExchange):
+        found += [(cls, "send_region", "send_region (views)"),
+                  (cls, "exchange", "exchange (barriers)")]
+    return found + [(SymmetricExchange, "run_async", "run_async (side stream)")]
+
+
 def main(key: str = "30b", iters: int = 30) -> None:
     from torchtitan_megamoe import mega_moe
     from torchtitan_megamoe.bench.shapes import SHAPES
-    from torchtitan_megamoe.ops.hopper.ep_transport import AllToAllExchange, SymmetricExchange
-    from torchtitan_megamoe.ops.hopper import ep_dispatch, ep_forward
 
     cuda = torch.cuda.is_available()
     if cuda:
@@ -102,22 +126,8 @@ def main(key: str = "30b", iters: int = 30) -> None:
             b2b = start.elapsed_time(end) / iters * 1e3
 
         log: list = []
-        for owner, name, label in [
-            (ep_forward, "TokenRoute", "route kernel (TokenRoute)"),
-            (ep_dispatch.TokenRoute, "send_meta", "send_meta"),
-            (ep_dispatch.TokenRoute, "send_peers", "send_peers (row copies)"),
-            (ep_dispatch.TokenRoute, "received", "received ids/weights"),
-            (ep_forward, "build_plan", "region plans (xR)"),
-            (ep_forward, "gemm1_swiglu", "GEMM 1 (xR)"),
-            (ep_forward, "gemm2", "GEMM 2 (xR)"),
-            (ep_forward, "combine", "combines (xR)"),
-            (ep_dispatch.TokenRoute, "return_rows", "return_rows"),
-        ]:
+        for owner, name, label in steps():
             _wrap(owner, name, label, log)
-        for cls in (SymmetricExchange, AllToAllExchange):
-            _wrap(cls, "send_region", "send_region (views)", log)
-            _wrap(cls, "exchange", "exchange (barriers)", log)
-        _wrap(SymmetricExchange, "run_async", "run_async (side stream)", log)
         totals, per_step = [], collections.defaultdict(list)
         for _ in range(iters):
             log.clear()
