@@ -13,7 +13,8 @@
 #     datasets==5.2.0 dill==0.4.1 multiprocess==0.70.19
 # Also optional: `make cuda-cache` (~30 s, nvcc, no GPU needed) compiles the sm90 kernels into
 # .cuda_cache, which this script then loads instead of running nvcc.
-# Env knobs: BENCH_ARGS (extra args of python -m torchtitan_megamoe.bench), PYTEST_ARGS (default "-m gpu tests"),
+# Env knobs: BENCH_ARGS (extra args of python -m torchtitan_megamoe.bench), BENCH_VARIANTS (the bench
+# again per NAME:VAR=VALUE entry, e.g. "fused:MEGAMOE_FP8_FUSED_DGRAD2=1"), PYTEST_ARGS (default "-m gpu tests"),
 # SKIP_TESTS=1, SKIP_BENCH=1, WHEELS=0 (use the current env, not .whl), BENCH_NPROC=2 (EP=2
 # bench under torchrun, 2 GPUs),
 # BENCH_NPROCS="1 2" (both benches in one run), BENCH_TIMEOUT_S (per bench, default 360),
@@ -63,12 +64,16 @@ if [ "${SKIP_BENCH:-0}" != 1 ]; then
     else
       launch=(python3 -m torchtitan_megamoe.bench)
     fi
-    # shellcheck disable=SC2086
-    timeout "${BENCH_TIMEOUT_S:-360}" "${launch[@]}" --json "$OUT/bench_ep$n.json" ${BENCH_ARGS:-} \
-      2>&1 | tee "$OUT/bench_ep$n.log" | grep -v '^{'
-    brc=${PIPESTATUS[0]}
-    echo "bench ep=$n exit: $brc"
-    [ "$brc" != 0 ] && rc=$brc
+    # once as set, then once more per BENCH_VARIANTS entry (NAME:VAR=VALUE, as LOOPBACK_VARIANTS)
+    for variant in "" ${BENCH_VARIANTS:-}; do
+      name=${variant:+_${variant%%:*}}
+      # shellcheck disable=SC2086
+      env ${variant#*:} timeout "${BENCH_TIMEOUT_S:-360}" "${launch[@]}" --json "$OUT/bench_ep$n$name.json" \
+        ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench_ep$n$name.log" | grep -v '^{'
+      brc=${PIPESTATUS[0]}
+      echo "bench ep=$n$name exit: $brc"
+      [ "$brc" != 0 ] && rc=$brc
+    done
   done
 fi
 if [ -n "${LOOPBACK_EP:-}" ]; then
