@@ -162,3 +162,31 @@ def test_dgrad1_groups_bound_the_transposed_copy():
         (0, 32), (32, 64), (64, 96), (96, 128)]
     assert fp8_backward.dgrad1_groups(128, 768, 2048, 147456, weight_cache=True) == [(0, 128)]
 
+
+
+def test_fused_dgrad2_runs_only_where_asked_and_able(monkeypatch):
+    """MEGAMOE_FP8_FUSED_DGRAD2=1 takes the one-launch kernel A only where the sm90 kernels run,
+    on bf16 with FP8-block shapes; otherwise (and by default) the two launches."""
+    from types import SimpleNamespace
+
+    from torchtitan_megamoe.ops.hopper import fp8_backward
+    from torchtitan_megamoe.ops.hopper.sides.table import Available
+
+    gq = torch.empty(4, 256)
+    w2t = SimpleNamespace(q=torch.empty(2, 384, 256))
+    plan = SimpleNamespace(block_m=128)
+    a = torch.empty(8, 768, dtype=torch.bfloat16)
+    bf16 = torch.bfloat16
+
+    def fused(sm90=True, env="1", w=w2t, p=plan, saved=a, dtype=bf16):
+        monkeypatch.setenv("MEGAMOE_FP8_FUSED_DGRAD2", env)
+        monkeypatch.setattr(fp8_backward, "available", lambda t: Available(sm90=sm90))
+        return fp8_backward._fused_dgrad2(gq, w, saved, p, dtype)
+
+    assert fused()
+    assert not fused(env="0")  # the default
+    assert not fused(sm90=False)  # no Hopper GPU, nvcc, or MEGAMOE_CUDA=0
+    assert not fused(w=SimpleNamespace(q=torch.empty(2, 320, 256)))  # H not a 128 multiple
+    assert not fused(p=SimpleNamespace(block_m=64))
+    assert not fused(dtype=torch.float32)
+    assert not fused(saved=a.float())
