@@ -103,7 +103,7 @@ def backward_fp8(grad_out, x, topk_ids, topk_weights, w1, w2, w3, recipe, weight
         if _fused_dgrad2(gq, w2t, a_saved, plan, x.dtype):
             da, hw, part, daq, das = fp8_dgrad2_swiglu_rows_sm90(
                 gq, gs, w2t.q, w2t.s, a_saved, tw.reshape(-1).to(torch.float32), plan,
-                out=None if keep is None else (keep.da, *_hw_part(plan, w2t.q.shape[1], x)))
+                out=None if keep is None else (keep.da, None, None))
             del gq, gs, w2t
         else:
             dh = fp8_gemm_rows(gq, gs, w2t.q, w2t.s, plan, out_dtype=x.dtype, gather=True,
@@ -149,13 +149,6 @@ def _fused_dgrad2(gq, w2t, a_saved, plan, dtype) -> bool:
     return (settings.fp8_fused_dgrad2() and available(gq).sm90
             and dtype == torch.bfloat16 and a_saved.dtype == torch.bfloat16
             and fp8_shape_supported(w2t.q.shape[1], w2t.q.shape[2], plan.block_m))
-
-
-def _hw_part(plan, H, like):
-    """The fused launch's hw [R_max, H] and part [H/128, R_max] for a kept region's call."""
-    return (torch.empty((plan.max_rows, H), dtype=like.dtype, device=like.device),
-            torch.empty((H // FP8_BLOCK_M, plan.max_rows), dtype=torch.float32,
-                        device=like.device))
 
 
 def _fp8_weight_grads(daTq, daTs, hTq, hTs, dy, x, tw, params, plan, into=None):

@@ -37,6 +37,8 @@ from torchtitan_megamoe.ops.hopper.cuda.sm90 import (FP8, FP8_BLOCK, check_bf16_
 if TYPE_CHECKING:
     from torchtitan_megamoe.ops.hopper.plan import Plan
 
+F32, BF16 = torch.float32, torch.bfloat16
+
 FAMILY = "dgrad2_swiglu"
 BM, BN, BK = 128, 256, 64
 """The bf16 tile: 128 rows x 256 H columns, K (= D) steps of 64."""
@@ -101,42 +103,15 @@ def fp8_dgrad2_swiglu_sm90(gq, gs, w2tq, w2ts, a_saved, tw, plan: Plan, daq, das
     [T, D/128]) against w2tq [E, H, D] (w2^T), with a_saved [R_max, 2H] bf16 and tw
     [T * top_k] fp32."""
     who = "fp8_dgrad2_swiglu_sm90"
-    E, H, D = w2tq.shape
-    R = plan.max_rows
-    B = FP8_BLOCK
-    check_fp8_operands(who, plan, H, D, {"w2tq": w2tq, "daq": daq, "daTq": daTq, "hTq": hTq},
-                       {"gs": gs, "w2ts": w2ts, "das": das, "daTs": daTs, "hTs": hTs,
-                        "part": part})
-    check_fp8_token_rows(who, "gq", gq, "gs", gs, D)
-    shapes = {"daq": (daq, (R, 2 * H)), "das": (das, (R, 2 * H // B)),
-              "daTq": (daTq, (2 * H, R)), "daTs": (daTs, (2 * H, R // B)),
-              "hTq": (hTq, (H, R)), "hTs": (hTs, (H, R // B)), "part": (part, (H // B, R))}
-    for name, (t, shape) in shapes.items():
-        if tuple(t.shape) != shape or not t.is_contiguous():
-            raise ValueError(f"{who}: {name} must be contiguous {list(shape)}, got "
-                             f"{list(t.shape)}")
-    if (a_saved.shape != (R, 2 * H) or a_saved.dtype != torch.bfloat16
-            or not a_saved.is_contiguous()):
-        raise ValueError(f"{who}: a_saved must be contiguous bfloat16 [{R}, {2 * H}]")
-    if (tw.dtype != torch.float32 or not tw.is_contiguous()
-            or tw.numel() != gq.shape[0] * plan.top_k):
-        raise ValueError(f"{who}: tw must be contiguous float32 [T * top_k]")
+    H, R, B = w2tq.shape[1], plan.max_rows, FP8_BLOCK
     if R % 16:
         raise ValueError(f"{who}: the plan's max_rows ({R}) must be a multiple of 16 (the "
                          "transposed outputs' rows are written by TMA)")
-    check_plan(plan, gq.device, who, ("row_slot", "tile_expert", "num_rows_used"))
-    num_sms, stream, _ = launch_context(gq.device, ticket=False)
-    params = Fp8Dgrad2SwigluParams(
-        dy=gq.data_ptr(), stride_dy=gq.stride(0), dy_scale=gs.data_ptr(), stride_dys=gs.stride(0),
-        w2t=w2tq.data_ptr(), w2t_scale=w2ts.data_ptr(), stride_bse=w2ts.stride(0),
-        stride_bsn=w2ts.stride(1), a_saved=a_saved.data_ptr(), tw=tw.data_ptr(),
-        daq=daq.data_ptr(), das=das.data_ptr(), daTq=daTq.data_ptr(), daTs=daTs.data_ptr(),
-        hTq=hTq.data_ptr(), hTs=hTs.data_ptr(), part=part.data_ptr(),
-        row_slot=plan.row_slot.data_ptr(), tile_expert=plan.tile_expert.data_ptr(),
-        num_rows_used=plan.num_rows_used.data_ptr(), E=E, H=H, D=D, top_k=plan.top_k,
-        plan_bm=plan.block_m, group_m=group_m, rows=R, num_sms=num_sms, stream=stream,
-    )
-    launch(FAMILY, "megamoe_fp8_dgrad2_swiglu", params, who)
+    _fp8_launch(who, "megamoe_fp8_dgrad2_swiglu", gq, gs, w2tq, w2ts, a_saved, tw, plan, group_m,
+                {"daq": (daq, (R, 2 * H), FP8), "das": (das, (R, 2 * H // B), F32),
+                 "daTq": (daTq, (2 * H, R), FP8), "daTs": (daTs, (2 * H, R // B), F32),
+                 "hTq": (hTq, (H, R), FP8), "hTs": (hTs, (H, R // B), F32),
+                 "part": (part, (H // B, R), F32)})
 
 
 def fp8_dgrad2_swiglu_rows_sm90(gq, gs, w2tq, w2ts, a_saved, tw, plan: Plan,
@@ -144,44 +119,50 @@ def fp8_dgrad2_swiglu_rows_sm90(gq, gs, w2tq, w2ts, a_saved, tw, plan: Plan,
     """(da, hw, part, daq, das): da [R_max, 2H] and hw [R_max, H] bf16, part [H/128, R_max]
     fp32, daq [R_max, 2H] e4m3 with das [R_max, 2H/128], written on the used rows, from the token
     rows of gq [T, D] (dy, scales gs [T, D/128]) against w2tq [E, H, D] (w2^T), with a_saved
-    [R_max, 2H] bf16 and tw [T * top_k] fp32. ``out``: (da, hw, part) to write; da may be
-    a_saved itself (each element is read before it is written, by one thread)."""
-    who = "fp8_dgrad2_swiglu_rows_sm90"
+    [R_max, 2H] bf16 and tw [T * top_k] fp32. ``out``: (da, hw, part) to write, None where a
+    new one will do; da may be a_saved itself (each element is read before it is written, by
+    one thread)."""
+    H, R, B = w2tq.shape[1], plan.max_rows, FP8_BLOCK
+    new = lambda *shape, dtype: torch.empty(shape, dtype=dtype, device=gq.device)  # noqa: E731
+    da, hw, part = out or (None, None, None)
+    da = new(R, 2 * H, dtype=BF16) if da is None else da
+    hw = new(R, H, dtype=BF16) if hw is None else hw
+    part = new(H // B, R, dtype=F32) if part is None else part
+    daq, das = new(R, 2 * H, dtype=FP8), new(R, 2 * H // B, dtype=F32)
+    _fp8_launch("fp8_dgrad2_swiglu_rows_sm90", "megamoe_fp8_dgrad2_swiglu_rows", gq, gs, w2tq,
+                w2ts, a_saved, tw, plan, group_m,
+                {"da": (da, (R, 2 * H), BF16), "hw": (hw, (R, H), BF16),
+                 "part": (part, (H // B, R), F32), "daq": (daq, (R, 2 * H), FP8),
+                 "das": (das, (R, 2 * H // B), F32)})
+    return da, hw, part, daq, das
+
+
+def _fp8_launch(who, entry, gq, gs, w2tq, w2ts, a_saved, tw, plan: Plan, group_m: int,
+                outs: dict) -> None:
+    """Both FP8 entry points: the checks of their shared operands and of ``outs`` ({params
+    field: (tensor, its shape, its dtype)}, each contiguous), then the launch."""
     E, H, D = w2tq.shape
     R = plan.max_rows
-    B = FP8_BLOCK
-    dev = gq.device
-    if out is None:
-        out = (torch.empty(R, 2 * H, dtype=torch.bfloat16, device=dev),
-               torch.empty(R, H, dtype=torch.bfloat16, device=dev),
-               torch.empty(H // B, R, dtype=torch.float32, device=dev))
-    da, hw, part = out
-    daq = torch.empty(R, 2 * H, dtype=FP8, device=dev)
-    das = torch.empty(R, 2 * H // B, dtype=torch.float32, device=dev)
-    check_fp8_operands(who, plan, H, D, {"w2tq": w2tq}, {"gs": gs, "w2ts": w2ts, "part": part})
+    of = lambda dt: {n: t for n, (t, _, d) in outs.items() if d == dt}  # noqa: E731
+    check_fp8_operands(who, plan, H, D, {"w2tq": w2tq, **of(FP8)},
+                       {"gs": gs, "w2ts": w2ts, **of(F32)})
     check_fp8_token_rows(who, "gq", gq, "gs", gs, D)
-    shapes = {"a_saved": (a_saved, (R, 2 * H)), "da": (da, (R, 2 * H)), "hw": (hw, (R, H))}
-    for name, (t, shape) in shapes.items():
-        if tuple(t.shape) != shape or t.dtype != torch.bfloat16 or not t.is_contiguous():
-            raise ValueError(f"{who}: {name} must be contiguous bfloat16 {list(shape)}, got "
+    for name, (t, shape, dtype) in {"a_saved": (a_saved, (R, 2 * H), BF16), **outs}.items():
+        if tuple(t.shape) != shape or t.dtype != dtype or not t.is_contiguous():
+            raise ValueError(f"{who}: {name} must be contiguous {dtype} {list(shape)}, got "
                              f"{t.dtype} {list(t.shape)}")
-    if tuple(part.shape) != (H // B, R) or not part.is_contiguous():
-        raise ValueError(f"{who}: part must be contiguous [{H // B}, {R}], got "
-                         f"{list(part.shape)}")
     if (tw.dtype != torch.float32 or not tw.is_contiguous()
             or tw.numel() != gq.shape[0] * plan.top_k):
         raise ValueError(f"{who}: tw must be contiguous float32 [T * top_k]")
-    check_plan(plan, dev, who, ("row_slot", "tile_expert", "num_rows_used"))
-    num_sms, stream, _ = launch_context(dev, ticket=False)
+    check_plan(plan, gq.device, who, ("row_slot", "tile_expert", "num_rows_used"))
+    num_sms, stream, _ = launch_context(gq.device, ticket=False)
     params = Fp8Dgrad2SwigluParams(
         dy=gq.data_ptr(), stride_dy=gq.stride(0), dy_scale=gs.data_ptr(), stride_dys=gs.stride(0),
         w2t=w2tq.data_ptr(), w2t_scale=w2ts.data_ptr(), stride_bse=w2ts.stride(0),
         stride_bsn=w2ts.stride(1), a_saved=a_saved.data_ptr(), tw=tw.data_ptr(),
-        daq=daq.data_ptr(), das=das.data_ptr(), da=da.data_ptr(), hw=hw.data_ptr(),
-        part=part.data_ptr(), row_slot=plan.row_slot.data_ptr(),
-        tile_expert=plan.tile_expert.data_ptr(), num_rows_used=plan.num_rows_used.data_ptr(),
-        E=E, H=H, D=D, top_k=plan.top_k, plan_bm=plan.block_m, group_m=group_m, rows=R,
-        num_sms=num_sms, stream=stream,
+        row_slot=plan.row_slot.data_ptr(), tile_expert=plan.tile_expert.data_ptr(),
+        num_rows_used=plan.num_rows_used.data_ptr(), E=E, H=H, D=D, top_k=plan.top_k,
+        plan_bm=plan.block_m, group_m=group_m, rows=R, num_sms=num_sms, stream=stream,
+        **{name: t.data_ptr() for name, (t, _, _) in outs.items()},
     )
-    launch(FAMILY, "megamoe_fp8_dgrad2_swiglu_rows", params, who)
-    return da, hw, part, daq, das
+    launch(FAMILY, entry, params, who)
